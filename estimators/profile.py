@@ -1,0 +1,119 @@
+"""ModelProfile: what the static probe learned about a model, as plain serialisable data.
+
+Produced by ``optplan.probes.static`` (in a child process) and consumed by the estimators. All byte
+counts are bytes; FLOP counts are floating-point operations (multiply and add counted as 2).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+ActivationPrecision = Literal["fp32", "bf16"]
+CheckpointMode = Literal["none", "full"]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class RepeatedBlock(_Frozen):
+    """The block class a model repeats (a transformer layer, a ResNet bottleneck...).
+
+    Used for FSDP wrapping and activation checkpointing. ``path`` is the dotted attribute path of the
+    container holding the blocks (e.g. ``transformer.h``) when they sit in one ``nn.ModuleList``.
+    """
+
+    class_name: str
+    count: int = Field(ge=1)
+    params_per_block: int = Field(ge=0)
+    path: str | None = None
+
+
+class ActivationFit(_Frozen):
+    """Activation memory of one forward+backward, fitted as ``fixed_bytes + per_sample_bytes * b``.
+
+    Measured as the peak of live tensor bytes during forward, loss and backward above the resident
+    model states (parameters and already-allocated gradients), i.e. activations plus temporaries,
+    on the fake CPU device (FakeTensorMode), at two micro-batch sizes.
+    """
+
+    precision: ActivationPrecision
+    checkpointing: CheckpointMode
+    fixed_bytes: int
+    per_sample_bytes: int = Field(ge=0)
+
+    def bytes_at(self, micro_batch: int) -> int:
+        """Activation bytes for ``micro_batch`` samples (bytes)."""
+        return max(0, self.fixed_bytes + self.per_sample_bytes * micro_batch)
+
+
+class TransformerShape(_Frozen):
+    """Transformer dimensions when the profile can read them from the model (else None)."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int | None = None
+    vocab: int | None = None
+    max_seq_len: int | None = None
+
+
+class ModelDefaults(_Frozen):
+    """The model file's ``OPTPLAN`` dict, parsed (never executed)."""
+
+    seq_len: int | None = None
+    global_batch: int | None = None
+    tokens: float | None = None
+    optimizer: str | None = None
+    precision: str | None = None
+    extra: dict[str, str | int | float | bool | None] = Field(default_factory=dict)
+
+
+class ModelProfile(_Frozen):
+    """Static profile of one model at one sequence length (per-sample figures)."""
+
+    name: str
+    path: str
+    model_class: str
+    params: int = Field(ge=0, description="unique parameters (tied weights once)")
+    trainable_params: int = Field(ge=0)
+    params_by_module: dict[str, int]
+    buffer_bytes: int = Field(default=0, ge=0, description="non-parameter buffers (bytes)")
+    param_dtype: str = "float32"
+    repeated_block: RepeatedBlock | None = None
+    input_kind: Literal["tokens", "other"] = "other"
+    seq_len: int | None = None
+    tokens_per_sample: int | None = None
+    fwd_flops_per_sample: float = Field(ge=0)
+    bwd_flops_per_sample: float = Field(ge=0)
+    activations: tuple[ActivationFit, ...]
+    transformer: TransformerShape | None = None
+    profiled_blocks: int | None = Field(
+        default=None, description="when set, the profile ran this many blocks and scaled by layers"
+    )
+    defaults: ModelDefaults = Field(default_factory=ModelDefaults)
+    notes: tuple[str, ...] = ()
+    torch_version: str = ""
+    profile_s: float = 0.0
+
+    @property
+    def train_flops_per_sample(self) -> float:
+        """Forward + backward FLOPs per sample (FLOPs)."""
+        return self.fwd_flops_per_sample + self.bwd_flops_per_sample
+
+    def activation(self, precision: ActivationPrecision, checkpointing: CheckpointMode) -> ActivationFit:
+        """The fit for one (precision, checkpointing) mode; falls back to no checkpointing."""
+        for fit in self.activations:
+            if fit.precision == precision and fit.checkpointing == checkpointing:
+                return fit
+        for fit in self.activations:
+            if fit.precision == precision and fit.checkpointing == "none":
+                return fit
+        raise KeyError(f"profile has no activation fit for {precision}/{checkpointing}")
+
+    @property
+    def supports_checkpointing(self) -> bool:
+        """True when the profile measured a checkpointed mode (a repeated block exists)."""
+        return any(fit.checkpointing == "full" for fit in self.activations)
