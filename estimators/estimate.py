@@ -1,0 +1,128 @@
+"""Estimate: memory, time, throughput and efficiency of one Strategy on one Cluster.
+
+Sources: memory.py, compute.py, comm.py for the parts. Model FLOPs utilisation (MFU) follows PaLM
+(Chowdhery et al. 2022, arXiv 2204.02311, Appendix B): achieved model FLOP/s (forward + backward,
+no recomputation) ÷ (GPUs × peak FLOP/s). Hardware FLOPs utilisation (HFU) also counts the
+recomputed forward (Korthikanti et al. 2022 §6). Step time adds the parts with no overlap of
+communication and compute (a stated simplification: exposed communication = all communication).
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from optplan.estimators.comm import (
+    data_parallel_link,
+    ring_all_gather_s,
+    ring_all_reduce_s,
+    ring_reduce_scatter_s,
+)
+from optplan.estimators.compute import PCIE_BYTES_PER_S, compute_time
+from optplan.estimators.errors import OptplanError
+from optplan.estimators.hardware import Cluster
+from optplan.estimators.memory import MemoryBreakdown, memory_breakdown
+from optplan.estimators.precision import get_recipe
+from optplan.estimators.profile import ModelProfile
+from optplan.estimators.strategy import Strategy
+from optplan.estimators.units import gib
+
+
+class TimeBreakdown(BaseModel):
+    """One optimizer step on one GPU, seconds."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    compute_s: float = Field(ge=0, description="forward + backward of all micro-batches")
+    recompute_s: float = Field(ge=0, description="forward re-run under activation checkpointing")
+    optimizer_s: float = Field(ge=0, description="optimizer step (memory-bound, or on the host)")
+    comm_s: float = Field(ge=0, description="data-parallel collectives and offload transfers")
+    exposed_comm_s: float = Field(ge=0, description="communication not hidden behind compute")
+    step_s: float = Field(gt=0)
+    efficiency: float = Field(gt=0, description="fraction of peak FLOP/s assumed for matmuls")
+
+
+class Estimate(BaseModel):
+    """Everything optplan predicts for one strategy: the ``estimate`` object of every --json."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    strategy: Strategy
+    gpu: str
+    gpus: int
+    memory: MemoryBreakdown
+    time: TimeBreakdown
+    global_batch: int
+    samples_per_s: float
+    tokens_per_s: float | None
+    model_tflops_per_gpu: float
+    mfu: float
+    hfu: float
+    fits: bool
+    reason: str
+
+
+def comm_time_s(profile: ModelProfile, strategy: Strategy, cluster: Cluster) -> float:
+    """Data-parallel communication per optimizer step (seconds), by ZeRO stage.
+
+    ZeRO paper (arXiv 1910.02054) §7: stages 0-2 move 2Ψ per step (all-reduce, or reduce-scatter +
+    all-gather); DeepSpeed's stage 2 reduce-scatters gradients at every micro-step; stage 3 adds an
+    all-gather of parameters in forward and backward of every micro-step (3Ψ in all).
+    """
+    recipe = get_recipe(strategy.precision)
+    n = strategy.dp
+    grads = profile.trainable_params * recipe.grad_bytes
+    weights = profile.params * recipe.weight_bytes
+    bw, alpha = data_parallel_link(cluster, n)
+    accum = strategy.grad_accum
+    if strategy.zero <= 1:
+        total = ring_all_reduce_s(grads, n, bw, alpha)
+    elif strategy.zero == 2:
+        total = accum * ring_reduce_scatter_s(grads, n, bw, alpha) + ring_all_gather_s(weights, n, bw, alpha)
+    else:
+        total = accum * (2 * ring_all_gather_s(weights, n, bw, alpha) + ring_reduce_scatter_s(grads, n, bw, alpha))
+    if strategy.offload_params != "none":
+        total += accum * 2 * (weights / n) / PCIE_BYTES_PER_S
+    return total
+
+
+def _reason(memory: MemoryBreakdown) -> str:
+    need, cap = gib(memory.total_bytes), gib(memory.capacity_bytes)
+    if memory.fits:
+        return f"fits: {need:.1f} GiB of {cap:.1f} GiB per GPU ({gib(memory.headroom_bytes):.1f} GiB free)"
+    parts = {
+        "weights": memory.params_bytes, "gradients": memory.grads_bytes,
+        "optimizer states": memory.optimizer_bytes, "activations": memory.activations_bytes,
+        "buffers": memory.buffers_bytes,
+    }
+    largest = max(parts, key=parts.__getitem__)
+    return (f"does not fit: needs {need:.1f} GiB > {cap:.1f} GiB per GPU; "
+            f"largest part: {largest} {gib(parts[largest]):.1f} GiB")
+
+
+def estimate(profile: ModelProfile, cluster: Cluster, strategy: Strategy) -> Estimate:
+    """Predict memory per GPU, step time, throughput, MFU/HFU and feasibility of ``strategy``."""
+    if strategy.dp > cluster.gpus:
+        raise OptplanError(f"data-parallel degree {strategy.dp} exceeds the {cluster.gpus} GPUs given: "
+                           "lower dp or raise --gpus")
+    recipe = get_recipe(strategy.precision)
+    peak = cluster.gpu.peak_flops_for(recipe.compute_dtype)
+    if peak <= 0:
+        raise OptplanError(f"{cluster.gpu.name} has no {recipe.compute_dtype} math for precision "
+                           f"'{strategy.precision}': choose fp32 or fp16 on this GPU")
+    memory = memory_breakdown(profile, strategy, cluster.gpu.memory_bytes)
+    ct = compute_time(profile, strategy, cluster.gpu)
+    comm_s = comm_time_s(profile, strategy, cluster)
+    step_s = ct.compute_s + ct.recompute_s + ct.optimizer_s + comm_s
+    time = TimeBreakdown(compute_s=ct.compute_s, recompute_s=ct.recompute_s, optimizer_s=ct.optimizer_s,
+                         comm_s=comm_s, exposed_comm_s=comm_s, step_s=step_s, efficiency=ct.efficiency)
+    samples_per_s = strategy.global_batch / step_s
+    tokens_per_s = samples_per_s * profile.tokens_per_sample if profile.tokens_per_sample else None
+    model_flops_per_s = profile.train_flops_per_sample * samples_per_s / strategy.dp
+    hw_flops_per_s = model_flops_per_s + (
+        profile.fwd_flops_per_sample * samples_per_s / strategy.dp if ct.recompute_s > 0 else 0.0)
+    return Estimate(
+        strategy=strategy, gpu=cluster.gpu.name, gpus=strategy.dp, memory=memory, time=time,
+        global_batch=strategy.global_batch, samples_per_s=samples_per_s, tokens_per_s=tokens_per_s,
+        model_tflops_per_gpu=model_flops_per_s / 1e12, mfu=model_flops_per_s / peak,
+        hfu=hw_flops_per_s / peak, fits=memory.fits, reason=_reason(memory),
+    )
