@@ -1,0 +1,83 @@
+"""The planner's public API for faces: load a profile, resolve the cluster, estimate, export.
+
+No printing here; faces render what these return.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from optplan.estimators.errors import OptplanError
+from optplan.estimators.estimate import Estimate, estimate
+from optplan.estimators.hardware import Cluster
+from optplan.estimators.profile import ModelProfile
+from optplan.estimators.strategy import Strategy
+from optplan.planner.recommend import Recommendation
+from optplan.probes.hardware import HardwareReport, cluster_from, detect_gpus
+from optplan.probes.loader import profile_model_file
+
+EXPORT_NAMES = ("plan.json", "ds_config.json", "launch.sh")
+
+
+def load_profile(path: Path | str, *, seq_len: int | None = None, model_name: str | None = None) -> ModelProfile:
+    """Profile a model file in a child process (the file is user code: it never runs in this process)."""
+    if seq_len is not None and seq_len < 1:
+        raise OptplanError(f"--seq-len must be >= 1 (got {seq_len})")
+    return profile_model_file(path, seq_len=seq_len, model_name=model_name)
+
+
+def detect_hardware() -> HardwareReport:
+    """What NVML sees (a clean 'no GPU detected' report when nothing is there)."""
+    return detect_gpus()
+
+
+def resolve_cluster(*, gpu: str | None, gpus: int | None, gpus_per_node: int | None) -> tuple[Cluster, list[str]]:
+    """The cluster to plan for and notes for the user (explicit --gpu wins over detection)."""
+    report = detect_gpus() if gpu is None else None
+    return cluster_from(report, gpu=gpu, gpus=gpus, gpus_per_node=gpus_per_node)
+
+
+def estimate_strategy(profile: ModelProfile, cluster: Cluster, strategy: Strategy) -> Estimate:
+    """Estimate one strategy (the ``optplan estimate`` command)."""
+    return estimate(profile, cluster, strategy)
+
+
+def check_out_dir(out_dir: Path, *, force: bool) -> None:
+    """Fail early, before any work, when exports would overwrite files without --force."""
+    existing = [n for n in EXPORT_NAMES if (out_dir / n).exists()]
+    if existing and not force:
+        raise OptplanError(f"{out_dir} already has {', '.join(existing)}: pass --force to overwrite "
+                           "or choose another --out")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise OptplanError(f"--out {out_dir} is a file, not a directory: choose a directory")
+    probe = out_dir if out_dir.exists() else next((p for p in out_dir.parents if p.exists()), Path("."))
+    if not os.access(probe, os.W_OK):
+        raise OptplanError(f"cannot write to {probe}: choose a writable --out directory")
+
+
+def render_exports(rec: Recommendation, profile: ModelProfile, cluster: Cluster) -> dict[str, str]:
+    """The export files of a fitting recommendation, each validated by its target's own loader."""
+    from optplan.planner.export.deepspeed import render_ds_config
+    from optplan.planner.export.launch import render_launch_sh
+    from optplan.planner.validate import validate_ds_config
+
+    if rec.plan is None:
+        raise OptplanError("no plan fits, so there is nothing to export: follow the suggestions first")
+    ds = render_ds_config(rec.plan, profile)
+    validate_ds_config(ds, world_size=rec.plan.dp)
+    return {
+        "plan.json": json.dumps(rec.model_dump(mode="json"), indent=2) + "\n",
+        "ds_config.json": json.dumps(ds, indent=2) + "\n",
+        "launch.sh": render_launch_sh(rec.plan, gpus_per_node=min(cluster.gpus_per_node, rec.plan.dp),
+                                      nodes=cluster.nodes),
+    }
+
+
+def export_plan(rec: Recommendation, profile: ModelProfile, cluster: Cluster, out_dir: Path, *,
+                force: bool) -> list[Path]:
+    """Render, validate and atomically write the exports; nothing is written if validation fails."""
+    from optplan.planner.export.files import write_files
+
+    return write_files(out_dir, render_exports(rec, profile, cluster), force=force)

@@ -1,0 +1,84 @@
+"""When nothing fits: what would — the fewest GPUs under ZeRO-3, CPU offload, or a shorter sequence."""
+
+from __future__ import annotations
+
+from optplan.estimators.estimate import Estimate, estimate
+from optplan.estimators.hardware import Cluster
+from optplan.estimators.profile import ModelProfile
+from optplan.estimators.strategy import Strategy
+from optplan.estimators.units import gib
+from optplan.planner.space import SearchSpace
+
+MAX_GPUS_CONSIDERED = 1 << 16
+
+
+def _lean_strategy(space: SearchSpace, profile: ModelProfile, dp: int, *, zero: int = 3,
+                   **extra: object) -> Strategy:
+    """The smallest-memory strategy of the space at ``dp`` GPUs: 16-bit weights if searched, mbs 1,
+    checkpointing when the model has a repeated block, ZeRO ``zero``."""
+    precision = min(space.precisions, key=lambda p: (p.startswith("amp") or p == "fp32", p))
+    return Strategy(precision=precision, optimizer=space.optimizer, zero=zero, mbs=1,  # type: ignore[arg-type]
+                    grad_accum=1, dp=dp, checkpointing="full" if profile.supports_checkpointing else "none",
+                    **extra)  # type: ignore[arg-type]
+
+
+def fewest_gpus_zero3(profile: ModelProfile, cluster: Cluster, space: SearchSpace) -> Estimate | None:
+    """Smallest GPU count (> the given one) at which the lean ZeRO-3 strategy fits, by bisection.
+
+    Per-GPU memory under ZeRO-3 falls monotonically with the GPU count (states ÷ N_d, the rest fixed),
+    so bisection over [gpus + 1, 65536] finds the minimum. None when even 65536 GPUs do not fit.
+    """
+    def at(n: int) -> Estimate:
+        c = cluster.model_copy(update={"gpus": n})
+        return estimate(profile, c, _lean_strategy(space, profile, n))
+
+    lo, hi = max(2, cluster.gpus + 1), MAX_GPUS_CONSIDERED
+    if not at(hi).fits:
+        return None
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if at(mid).fits:
+            hi = mid
+        else:
+            lo = mid + 1
+    return at(lo)
+
+
+def offload_options(profile: ModelProfile, cluster: Cluster, space: SearchSpace) -> list[Estimate]:
+    """ZeRO-3 with CPU offload of the optimizer, then also of the parameters, at the given GPUs."""
+    return [estimate(profile, cluster, _lean_strategy(space, profile, cluster.gpus, **extra))
+            for extra in ({"offload_optimizer": "cpu"}, {"offload_optimizer": "cpu", "offload_params": "cpu"})]
+
+
+def what_would_fit(profile: ModelProfile, cluster: Cluster, space: SearchSpace) -> list[str]:
+    """Lines telling the user what would fit when no searched plan does, with the numbers."""
+    lines: list[str] = []
+    fewest = fewest_gpus_zero3(profile, cluster, space)
+    if fewest is not None:
+        n = fewest.gpus
+        nodes = -(-n // cluster.gpus_per_node)
+        lines.append(
+            f"{n} x {cluster.gpu.name} ({nodes} node{'s' if nodes > 1 else ''} of {cluster.gpus_per_node}) fit with "
+            f"{fewest.strategy.precision} ZeRO-3, mbs 1{', full checkpointing' if fewest.strategy.checkpointing == 'full' else ''}: "
+            f"{gib(fewest.memory.total_bytes):.1f} of {gib(fewest.memory.capacity_bytes):.1f} GiB per GPU "
+            f"(--gpus {n})")
+    else:
+        lines.append(f"no GPU count up to {MAX_GPUS_CONSIDERED} fits this model with ZeRO-3 on {cluster.gpu.name}")
+    for est in offload_options(profile, cluster, space):
+        s = est.strategy
+        what = "optimizer states" if s.offload_params == "none" else "optimizer states and parameters"
+        host_node = est.memory.host_bytes * min(cluster.gpus, cluster.gpus_per_node)
+        verdict = "fit" if est.fits else "still do not fit"
+        lines.append(
+            f"{cluster.gpus} x {cluster.gpu.name} {verdict} with ZeRO-3 + CPU offload of {what}: "
+            f"{gib(est.memory.total_bytes):.1f} GiB per GPU, {gib(host_node):.0f} GiB host memory per node, "
+            f"~{est.time.step_s:.1f} s per step of {s.global_batch} samples")
+        if est.fits:
+            break
+    lean = estimate(profile, cluster, _lean_strategy(space, profile, cluster.gpus,
+                                                     zero=3 if cluster.gpus > 1 else 0))
+    if lean.memory.activations_bytes > lean.memory.capacity_bytes / 2:
+        seq = f" at sequence length {profile.seq_len}" if profile.seq_len else ""
+        lines.append(f"one sample's activations{seq} take {gib(lean.memory.activations_bytes):.1f} GiB: "
+                     "a shorter --seq-len or smaller inputs would shrink them")
+    return lines

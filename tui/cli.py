@@ -1,0 +1,211 @@
+"""The ``optplan`` command line (typer). Faces only: every decision is made by optplan.planner.
+
+Every user-fixable problem (OptplanError) prints one line on stderr and exits 2, with no traceback
+unless ``--debug`` is given.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, TypeVar
+
+import typer
+from pydantic import ValidationError
+from rich.console import Console
+
+from optplan.estimators.errors import OptplanError
+
+T = TypeVar("T")
+
+app = typer.Typer(
+    name="optplan", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+    help="Plan how to train a PyTorch model fast without running out of memory.",
+)
+
+ModelFile = Annotated[Path, typer.Argument(help="the model file (Python; it is run in a child process)",
+                                           show_default=False)]
+GpuOpt = Annotated[str | None, typer.Option("--gpu", help="GPU to plan for (default: detected, else H100-SXM)")]
+GpusOpt = Annotated[int | None, typer.Option("--gpus", help="number of GPUs (default: detected, else 8)")]
+GpnOpt = Annotated[int | None, typer.Option("--gpus-per-node", help="GPUs per node (default: min(gpus, 8))")]
+SeqOpt = Annotated[int | None, typer.Option("--seq-len", help="sequence length (default: OPTPLAN or model max)")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="print a stable JSON document instead of tables")]
+NameOpt = Annotated[str | None, typer.Option("--model-name", help="which model when the file defines several")]
+
+
+class _State:
+    debug: bool = False
+
+
+def _fail(message: str) -> typer.Exit:
+    Console(stderr=True, highlight=False, soft_wrap=True).print(f"error: {message}", style="red", markup=False)
+    return typer.Exit(code=2)
+
+
+def _guard(ctx: typer.Context, body: Callable[[], T]) -> T:
+    """Run a command body; turn user-fixable errors into one line + exit 2 (traceback with --debug)."""
+    debug = bool(ctx.obj and ctx.obj.get("debug"))
+    try:
+        return body()
+    except OptplanError as err:
+        if debug:
+            raise
+        raise _fail(str(err)) from None
+    except ValidationError as err:
+        if debug:
+            raise
+        first = err.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ())) or "input"
+        raise _fail(f"invalid {where}: {first.get('msg', err)}") from None
+    except KeyboardInterrupt:
+        raise _fail("interrupted") from None
+
+
+def _stderr() -> Console:
+    return Console(stderr=True, highlight=False)
+
+
+def _stdout() -> Console:
+    return Console(highlight=False, soft_wrap=False, width=max(Console().width, 140))
+
+
+@app.callback()
+def _main(ctx: typer.Context,
+          debug: Annotated[bool, typer.Option("--debug", help="show tracebacks")] = False) -> None:
+    ctx.obj = {"debug": debug}
+
+
+@app.command()
+def profile(ctx: typer.Context, model: ModelFile, seq_len: SeqOpt = None, model_name: NameOpt = None,
+            as_json: JsonOpt = False) -> None:
+    """Profile a model file on the meta/fake device: parameters, FLOPs, activation bytes."""
+    from optplan.planner.api import load_profile
+    from optplan.tui.render import profile_table
+
+    def body() -> None:
+        with _stderr().status("profiling the model in a child process..."):
+            prof = load_profile(model, seq_len=seq_len, model_name=model_name)
+        if as_json:
+            typer.echo(prof.model_dump_json(indent=2))
+        else:
+            _stdout().print(profile_table(prof))
+
+    _guard(ctx, body)
+
+
+@app.command()
+def hardware(ctx: typer.Context, as_json: JsonOpt = False) -> None:
+    """Show the GPUs detected through NVML and the catalogue entries they map to."""
+    from optplan.planner.api import detect_hardware
+
+    def body() -> None:
+        report = detect_hardware()
+        if as_json:
+            typer.echo(report.model_dump_json(indent=2))
+            return
+        out = _stdout()
+        if not report.available:
+            out.print(f"{report.reason}. Commands plan for --gpu (default H100-SXM) instead.")
+            return
+        out.print(f"driver {report.driver_version}: {len(report.devices)} GPU(s)")
+        for d in report.devices:
+            target = d.catalogue_name or "not in the catalogue (pass --gpu to plan)"
+            out.print(f"  [{d.index}] {d.name}, {d.memory_total_bytes / 2**30:.1f} GiB -> {target}")
+
+    _guard(ctx, body)
+
+
+@app.command()
+def estimate(
+    ctx: typer.Context, model: ModelFile,
+    zero: Annotated[int, typer.Option("--zero", help="ZeRO stage 0-3")] = 0,
+    mbs: Annotated[int, typer.Option("--mbs", help="micro-batch per GPU")] = 1,
+    grad_accum: Annotated[int, typer.Option("--grad-accum", help="gradient-accumulation steps")] = 1,
+    precision: Annotated[str, typer.Option("--precision", help="fp32, amp-bf16, amp-fp16, bf16, fp16, bf16-pure")] = "bf16",
+    optimizer: Annotated[str | None, typer.Option("--optimizer", help="adamw, adamw-8bit, sgd")] = None,
+    checkpointing: Annotated[str, typer.Option("--checkpointing", help="none or full")] = "none",
+    offload_optimizer: Annotated[str, typer.Option("--offload-optimizer", help="none, cpu, nvme")] = "none",
+    offload_params: Annotated[str, typer.Option("--offload-params", help="none, cpu, nvme")] = "none",
+    gpu: GpuOpt = None, gpus: GpusOpt = None, gpus_per_node: GpnOpt = None, seq_len: SeqOpt = None,
+    model_name: NameOpt = None, as_json: JsonOpt = False,
+) -> None:
+    """Memory and time breakdown of one configuration, and whether (and why) it fits."""
+    from optplan.estimators.strategy import Strategy
+    from optplan.planner.api import estimate_strategy, load_profile, resolve_cluster
+    from optplan.tui.render import estimate_table
+
+    def body() -> None:
+        cluster, notes = resolve_cluster(gpu=gpu, gpus=gpus, gpus_per_node=gpus_per_node)
+        with _stderr().status("profiling the model in a child process..."):
+            prof = load_profile(model, seq_len=seq_len, model_name=model_name)
+        strategy = Strategy(precision=precision, optimizer=optimizer or prof.defaults.optimizer or "adamw",  # type: ignore[arg-type]
+                            zero=zero, mbs=mbs, grad_accum=grad_accum, checkpointing=checkpointing,  # type: ignore[arg-type]
+                            dp=cluster.gpus, offload_optimizer=offload_optimizer,  # type: ignore[arg-type]
+                            offload_params=offload_params)  # type: ignore[arg-type]
+        est = estimate_strategy(prof, cluster, strategy)
+        if as_json:
+            typer.echo(est.model_dump_json(indent=2))
+            return
+        out = _stdout()
+        for note in notes:
+            out.print(f"note: {note}", style="dim")
+        out.print(estimate_table(est))
+
+    _guard(ctx, body)
+
+
+@app.command()
+def recommend(
+    ctx: typer.Context, model: ModelFile, gpu: GpuOpt = None, gpus: GpusOpt = None, gpus_per_node: GpnOpt = None,
+    global_batch: Annotated[int | None, typer.Option("--global-batch", help="samples per optimizer step (held fixed)")] = None,
+    seq_len: SeqOpt = None,
+    precision: Annotated[list[str] | None, typer.Option("--precision", help="limit the precisions searched (repeatable)")] = None,
+    out: Annotated[Path | None, typer.Option("--out", help="write plan.json, ds_config.json and launch.sh here")] = None,
+    force: Annotated[bool, typer.Option("--force", help="overwrite existing files in --out")] = False,
+    model_name: NameOpt = None, as_json: JsonOpt = False,
+) -> None:
+    """Search precision, ZeRO stage, micro-batch, accumulation and checkpointing; print the best plan."""
+    from optplan.planner.api import export_plan, load_profile, resolve_cluster
+    from optplan.planner.recommend import recommend as plan
+    from optplan.tui.render import print_recommendation
+
+    def body() -> None:
+        cluster, notes = resolve_cluster(gpu=gpu, gpus=gpus, gpus_per_node=gpus_per_node)
+        if out is not None:
+            from optplan.planner.api import check_out_dir
+            check_out_dir(out, force=force)
+        with _stderr().status("profiling the model in a child process..."):
+            prof = load_profile(model, seq_len=seq_len, model_name=model_name)
+        with _stderr().status("searching..."):
+            rec = plan(prof, cluster, global_batch=global_batch, precisions=precision, notes=notes)
+        written: list[Path] = []
+        if out is not None and rec.fits:
+            written = export_plan(rec, prof, cluster, out, force=force)
+        if as_json:
+            typer.echo(json.dumps(rec.model_dump(mode="json"), indent=2))
+        else:
+            console = _stdout()
+            print_recommendation(console, rec, prof)
+            for path in written:
+                console.print(f"wrote {path}")
+        if out is not None and not rec.fits:
+            _stderr().print("nothing written: no plan fits", style="yellow")
+        if not rec.fits:
+            raise typer.Exit(code=1)
+
+    _guard(ctx, body)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    try:
+        app()
+    except KeyboardInterrupt:  # pragma: no cover - a signal between commands
+        sys.stderr.write("error: interrupted\n")
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""Rich renderings of planner results for the command line (no planner logic here)."""
+
+from __future__ import annotations
+
+from rich.console import Console, Group
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from optplan.estimators.estimate import Estimate
+from optplan.estimators.profile import ModelProfile
+from optplan.estimators.units import gib
+from optplan.planner.recommend import Recommendation
+
+
+def _g(n: float) -> str:
+    return f"{gib(n):.1f}"
+
+
+def _si(n: float) -> str:
+    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return f"{n:.0f}"
+
+
+def profile_summary(p: ModelProfile) -> Text:
+    """One-paragraph model summary."""
+    block = (f"{p.repeated_block.count} x {p.repeated_block.class_name}"
+             if p.repeated_block else "no repeated block")
+    seq = f", seq {p.seq_len}" if p.seq_len else ""
+    return Text(f"{p.name} ({p.model_class}): {p.params:,} parameters ({p.trainable_params:,} trainable), "
+                f"{block}, {_si(p.train_flops_per_sample)}FLOP/sample fwd+bwd{seq}")
+
+
+def profile_table(p: ModelProfile) -> Group:
+    """The whole profile, readable."""
+    head = Table(show_header=False, box=None)
+    head.add_column(style="bold")
+    head.add_column()
+    head.add_row("model", f"{p.name} ({p.model_class}) from {p.path}")
+    head.add_row("parameters", f"{p.params:,} unique, {p.trainable_params:,} trainable ({p.param_dtype})")
+    if p.repeated_block:
+        rb = p.repeated_block
+        head.add_row("repeated block", f"{rb.count} x {rb.class_name} ({rb.params_per_block:,} params each)"
+                     + (f" at {rb.path}" if rb.path else ""))
+    if p.transformer:
+        t = p.transformer
+        head.add_row("transformer", f"hidden {t.hidden}, layers {t.layers}, heads {t.heads}"
+                     + (f", kv heads {t.kv_heads}" if t.kv_heads else "") + (f", vocab {t.vocab}" if t.vocab else ""))
+    head.add_row("input", f"{p.input_kind}" + (f", {p.tokens_per_sample} tokens/sample" if p.tokens_per_sample else ""))
+    head.add_row("FLOPs/sample", f"forward {_si(p.fwd_flops_per_sample)}, backward {_si(p.bwd_flops_per_sample)}")
+    head.add_row("profiled in", f"{p.profile_s:.1f} s (torch {p.torch_version})")
+    mods = Table(title="parameters by top-level module", title_justify="left")
+    mods.add_column("module")
+    mods.add_column("parameters", justify="right")
+    for name, n in p.params_by_module.items():
+        mods.add_row(name, f"{n:,}")
+    acts = Table(title="activation bytes (fixed + per sample)", title_justify="left")
+    for col in ("precision", "checkpointing", "fixed MiB", "per sample MiB"):
+        acts.add_column(col, justify="right")
+    for fit in p.activations:
+        acts.add_row(fit.precision, fit.checkpointing, f"{fit.fixed_bytes / 2**20:.1f}",
+                     f"{fit.per_sample_bytes / 2**20:.1f}")
+    notes = [Text(f"note: {n}", style="dim") for n in p.notes]
+    return Group(head, mods, acts, *notes)
+
+
+def estimate_table(e: Estimate) -> Group:
+    """Memory and time breakdown of one estimate."""
+    m, t = e.memory, e.time
+    mem = Table(title=f"memory per GPU ({e.gpu})", title_justify="left")
+    mem.add_column("category")
+    mem.add_column("GiB", justify="right")
+    for name, val in (("weights", m.params_bytes), ("gradients", m.grads_bytes),
+                      ("optimizer states", m.optimizer_bytes), ("activations", m.activations_bytes),
+                      ("buffers", m.buffers_bytes), ("overhead", m.overhead_bytes)):
+        mem.add_row(name, _g(val))
+    mem.add_row("[bold]total[/]", f"[bold]{_g(m.total_bytes)}[/] of {_g(m.capacity_bytes)}")
+    if m.host_bytes:
+        mem.add_row("host (offload)", _g(m.host_bytes))
+    tim = Table(title="step time", title_justify="left")
+    tim.add_column("part")
+    tim.add_column("ms", justify="right")
+    for name, val in (("compute", t.compute_s), ("recompute", t.recompute_s), ("optimizer", t.optimizer_s),
+                      ("exposed communication", t.exposed_comm_s)):
+        tim.add_row(name, f"{val * 1e3:.1f}")
+    tim.add_row("[bold]step[/]", f"[bold]{t.step_s * 1e3:.1f}[/]")
+    rate = f"{e.tokens_per_s:,.0f} tokens/s" if e.tokens_per_s else f"{e.samples_per_s:,.1f} samples/s"
+    verdict = Text(("FITS  " if e.fits else "DOES NOT FIT  ") + e.reason, style="green" if e.fits else "red bold")
+    summary = Text(f"{e.strategy.label()} on {e.gpus} GPU(s): global batch {e.global_batch}, {rate}, "
+                   f"MFU {e.mfu * 100:.1f}%, HFU {e.hfu * 100:.1f}%, {e.model_tflops_per_gpu:.1f} TFLOP/s per GPU")
+    return Group(summary, verdict, mem, tim)
+
+
+def plans_table(rec: Recommendation) -> Table:
+    """The pick and its runners-up."""
+    table = Table(title="best plans", title_justify="left")
+    for col, just in (("#", "right"), ("plan", "left"), ("weights", "right"), ("grads", "right"),
+                      ("optim", "right"), ("acts", "right"), ("other", "right"), ("total/GPU GiB", "right"),
+                      ("step ms", "right"), ("tokens/s" if rec.seq_len else "samples/s", "right"),
+                      ("MFU", "right")):
+        table.add_column(col, justify=just)  # type: ignore[arg-type]
+    rows = ([rec.estimate] if rec.estimate else []) + [a.estimate for a in rec.alternatives]
+    for i, e in enumerate(rows, start=1):
+        m = e.memory
+        rate = e.tokens_per_s if e.tokens_per_s else e.samples_per_s
+        table.add_row(str(i), e.strategy.label(), _g(m.params_bytes), _g(m.grads_bytes), _g(m.optimizer_bytes),
+                      _g(m.activations_bytes), _g(m.buffers_bytes + m.overhead_bytes),
+                      f"{_g(m.total_bytes)} / {_g(m.capacity_bytes)}", f"{e.time.step_s * 1e3:.1f}",
+                      f"{rate:,.0f}", f"{e.mfu * 100:.1f}%", style="bold green" if i == 1 else None)
+    return table
+
+
+def print_recommendation(console: Console, rec: Recommendation, profile: ModelProfile) -> None:
+    """The full human report of a recommendation."""
+    console.print(profile_summary(profile))
+    c = rec.cluster
+    console.print(f"cluster: {c.gpus} x {c.gpu} ({_g(c.memory_bytes)} GiB each, {c.gpus_per_node} per node"
+                  f"{', detected' if c.detected else ''}); searched {rec.search.evaluated} plans "
+                  f"({rec.search.method}), {rec.search.feasible} fit")
+    for note in rec.notes:
+        console.print(f"note: {note}", style="dim")
+    if rec.fits:
+        console.print(plans_table(rec))
+        console.print(Panel("\n".join(f"- {line}" for line in rec.rationale), title="why this plan",
+                            title_align="left"))
+    else:
+        console.print(Panel("\n".join([rec.rationale[0], "", "what would fit:"]
+                                      + [f"- {s}" for s in rec.suggestions]),
+                            title="NO PLAN FITS", title_align="left", border_style="red"))
