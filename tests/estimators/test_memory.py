@@ -1,0 +1,116 @@
+"""Memory estimators against hand-checked numbers from the ZeRO paper and the recipe tables."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import make_profile
+
+from optplan.estimators.memory import (
+    CUDA_CONTEXT_BYTES,
+    FRAGMENTATION_FRACTION,
+    activation_bytes,
+    buffer_bytes,
+    memory_breakdown,
+    model_states,
+)
+from optplan.estimators.strategy import Strategy
+
+GB = 1e9
+
+
+@pytest.mark.parametrize(("zero", "expected_gb"), [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)])
+def test_zero_paper_figure1_numbers(zero: int, expected_gb: float) -> None:
+    """ZeRO paper Figure 1: Ψ = 7.5B, K = 12, N_d = 64 -> 120, 31.4, 16.6, 1.9 GB per GPU."""
+    prof = make_profile(params=7_500_000_000)
+    states = model_states(prof, Strategy(precision="bf16", zero=zero, dp=64))
+    total = states.params_bytes + states.grads_bytes + states.optimizer_bytes
+    assert total / GB == pytest.approx(expected_gb, abs=0.05)
+
+
+@pytest.mark.parametrize(("precision", "optimizer", "bytes_per_param"), [
+    ("fp32", "adamw", 16), ("amp-bf16", "adamw", 16), ("amp-fp16", "adamw", 16), ("bf16", "adamw", 16),
+    ("fp16", "adamw", 16), ("bf16-pure", "adamw", 8), ("bf16", "sgd", 12), ("fp32", "sgd", 12),
+    ("amp-bf16", "adamw-8bit", 10.004), ("bf16", "adamw-8bit", 10.004),
+])
+def test_bytes_per_parameter_per_recipe(precision: str, optimizer: str, bytes_per_param: float) -> None:
+    prof = make_profile(params=1_000_000)
+    s = model_states(prof, Strategy(precision=precision, optimizer=optimizer))  # type: ignore[arg-type]
+    assert (s.params_bytes + s.grads_bytes + s.optimizer_bytes) / 1e6 == pytest.approx(bytes_per_param, abs=1e-3)
+
+
+def test_recipe_split_between_weights_grads_optimizer() -> None:
+    prof = make_profile(params=1_000_000)
+    amp = model_states(prof, Strategy(precision="amp-bf16"))
+    assert (amp.params_bytes, amp.grads_bytes, amp.optimizer_bytes) == (4_000_000, 4_000_000, 8_000_000)
+    mixed = model_states(prof, Strategy(precision="bf16"))
+    assert (mixed.params_bytes, mixed.grads_bytes, mixed.optimizer_bytes) == (2_000_000, 2_000_000, 12_000_000)
+
+
+def test_frozen_parameters_have_no_gradients_or_optimizer_state() -> None:
+    prof = make_profile(params=1_000_000, trainable=100_000)
+    s = model_states(prof, Strategy(precision="bf16"))
+    assert s.params_bytes == 2_000_000
+    assert s.grads_bytes == 200_000
+    assert s.optimizer_bytes == 1_200_000
+
+
+def test_offload_moves_states_to_host() -> None:
+    prof = make_profile(params=1_000_000)
+    s = model_states(prof, Strategy(precision="bf16", zero=3, dp=4, offload_optimizer="cpu", offload_params="cpu"))
+    assert s.optimizer_bytes == 0 and s.params_bytes == 0
+    assert s.grads_bytes == 500_000
+    assert s.host_bytes == 3_000_000 + 500_000
+
+
+def test_offload_rules_are_validated() -> None:
+    with pytest.raises(ValueError, match="ZeRO stage 3"):
+        Strategy(zero=2, offload_params="cpu")
+    with pytest.raises(ValueError, match="ZeRO stage 1"):
+        Strategy(zero=0, offload_optimizer="cpu")
+
+
+def test_activations_follow_the_fit_and_precision() -> None:
+    prof = make_profile(fixed_bytes=1000)
+    per = 34 * 768 * 1024 * 12
+    assert activation_bytes(prof, Strategy(precision="bf16", mbs=4)) == 1000 + 4 * per
+    assert activation_bytes(prof, Strategy(precision="fp32", mbs=4)) == 1000 + 8 * per
+    ckpt = activation_bytes(prof, Strategy(precision="bf16", mbs=4, checkpointing="full"))
+    assert ckpt < activation_bytes(prof, Strategy(precision="bf16", mbs=4)) / 5
+
+
+def test_buffers_by_stage() -> None:
+    prof = make_profile(params=100_000_000, hidden=2048)
+    assert buffer_bytes(prof, Strategy(zero=0, dp=1)) == 0
+    bucket = 2048 * 2048
+    assert buffer_bytes(prof, Strategy(precision="bf16", zero=0, dp=8)) == bucket * 2
+    assert buffer_bytes(prof, Strategy(precision="bf16", zero=2, dp=8)) == bucket * 2 * 2
+    z3 = buffer_bytes(prof, Strategy(precision="bf16", zero=3, dp=8))
+    block = prof.repeated_block.params_per_block  # type: ignore[union-attr]
+    assert z3 == bucket * 2 + (block + int(0.9 * bucket)) * 2
+
+
+def test_breakdown_total_and_overhead() -> None:
+    prof = make_profile()
+    m = memory_breakdown(prof, Strategy(precision="bf16", mbs=2, zero=1, dp=8), capacity_bytes=80 * 2**30)
+    allocated = m.params_bytes + m.grads_bytes + m.optimizer_bytes + m.activations_bytes + m.buffers_bytes
+    assert m.overhead_bytes == CUDA_CONTEXT_BYTES + round(FRAGMENTATION_FRACTION * allocated)
+    assert m.total_bytes == allocated + m.overhead_bytes
+    assert m.headroom_bytes == 80 * 2**30 - m.total_bytes
+    assert m.fits
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_memory_monotone_in_micro_batch(zero: int) -> None:
+    prof = make_profile()
+    totals = [memory_breakdown(prof, Strategy(mbs=b, zero=zero, dp=8), 80 * 2**30).total_bytes
+              for b in (1, 2, 4, 8, 16)]
+    assert totals == sorted(totals) and len(set(totals)) == len(totals)
+
+
+def test_sharding_never_increases_model_states() -> None:
+    prof = make_profile(params=3_000_000_000)
+    per_stage = []
+    for zero in range(4):
+        s = model_states(prof, Strategy(zero=zero, dp=8))
+        per_stage.append(s.params_bytes + s.grads_bytes + s.optimizer_bytes)
+    assert per_stage == sorted(per_stage, reverse=True)
