@@ -1,0 +1,1 @@
+"""optplan subpackage."""
