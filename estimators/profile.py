@@ -43,6 +43,13 @@ class ActivationFit(_Frozen):
     checkpointing: CheckpointMode
     fixed_bytes: int
     per_sample_bytes: int = Field(ge=0)
+    param_copy_bytes: int = Field(
+        default=0, ge=0,
+        description="how much of bytes_at(1) is autocast's low-precision copies of the parameters (bytes; "
+                    "they sit in fixed_bytes). Only AMP (fp32 weights under autocast) holds them: with "
+                    "16-bit weights the weights themselves are used, so an estimator may subtract this "
+                    "for such recipes (0 for fp32)",
+    )
 
     def bytes_at(self, micro_batch: int) -> int:
         """Activation bytes for ``micro_batch`` samples (bytes)."""
