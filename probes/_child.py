@@ -1,0 +1,95 @@
+"""Profiler child process: ``python -m optplan.probes._child FILE [--seq-len N] [--model-name NAME]``.
+
+Imports the user's model file, resolves the contract, profiles the model on the meta/fake device and
+prints ONE JSON document to stdout: the ModelProfile (exit code 0) or
+``{"error": {"problem": ..., "fix": ...}}`` (exit code 3). Anything the user's code prints, even
+from C extensions, goes to stderr: file descriptor 1 is pointed at stderr while user code runs and
+the JSON is written to the saved original stdout.
+"""
+
+from __future__ import annotations
+
+import time
+
+_STARTED = time.perf_counter()
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+import traceback  # noqa: E402
+from typing import Any  # noqa: E402
+
+EXIT_OK = 0
+EXIT_MODEL_ERROR = 3
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m optplan.probes._child",
+                                     description="Profile an optplan model file; prints one JSON document.")
+    parser.add_argument("path")
+    parser.add_argument("--seq-len", type=int, default=None)
+    parser.add_argument("--model-name", default=None)
+    return parser.parse_args(argv)
+
+
+def _check_syntax(path: str) -> None:
+    """Compile the file (no execution) so that a syntax error is reported before torch loads."""
+    from optplan.probes.loader import ModelFileError, check_model_path
+
+    p = check_model_path(path)
+    try:
+        source = p.read_bytes()
+    except OSError as exc:
+        raise ModelFileError(path, f"cannot be read ({exc.strerror or exc})", "check the file's permissions") from None
+    try:
+        compile(source, str(p), "exec", dont_inherit=True)
+    except SyntaxError as exc:
+        where = f"line {exc.lineno}" if exc.lineno else "unknown line"
+        raise ModelFileError(path, f"syntax error at {where}: {exc.msg}",
+                             f"fix the syntax at {where} (`python -m py_compile {path}` shows it)") from None
+    except ValueError as exc:  # e.g. null bytes
+        raise ModelFileError(path, f"is not Python source ({exc})", "pass a .py source file") from None
+
+
+def _run(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
+    from optplan.probes.loader import ModelFileError
+
+    try:
+        _check_syntax(args.path)  # before importing torch: a syntax error is reported in a blink
+        from optplan.probes.contract import load_contract
+        from optplan.probes.static import profile_contract
+
+        contract = load_contract(args.path, model_name=args.model_name)
+        profile = profile_contract(contract, seq_len=args.seq_len, started=_STARTED)
+        return profile.model_dump(mode="json"), EXIT_OK
+    except ModelFileError as exc:
+        return {"error": {"problem": exc.problem, "fix": exc.fix}}, EXIT_MODEL_ERROR
+    except Exception as exc:  # noqa: BLE001 - report anything as one JSON error, traceback to stderr
+        traceback.print_exc()
+        return {"error": {"problem": f"profiling failed with {type(exc).__name__}: {exc}",
+                          "fix": "run the file with python to check it works; if it does, this is an optplan "
+                                 "bug: please report it with the traceback above"}}, EXIT_MODEL_ERROR
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    sys.stdout.flush()
+    real_stdout = os.dup(1)
+    os.dup2(2, 1)  # user prints (Python and C level) go to stderr
+    sys.stdout = sys.stderr
+    try:
+        doc, code = _run(args)
+    finally:
+        sys.stderr.flush()
+        os.dup2(real_stdout, 1)
+        os.close(real_stdout)
+        sys.stdout = sys.__stdout__
+    text = json.dumps(doc)
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

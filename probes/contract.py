@@ -1,0 +1,423 @@
+"""The model-file contract: find the model, its inputs, its loss and its defaults in a user's file.
+
+Runs in the profiler child process (it imports user code). A model file is ordinary Python; optplan
+looks for, in order:
+
+1. ``build_model() -> nn.Module``, with optional ``example_batch(batch_size, seq_len) -> inputs``,
+   ``loss_fn(output, batch) -> Tensor`` and ``OPTPLAN = {...}`` defaults;
+2. a module-level ``nn.Module`` instance, or an ``nn.Module`` subclass defined in that file whose
+   constructor takes no arguments. Instances win over classes; a class that is only a part (a
+   submodule type) of another candidate is not a candidate. Several candidates are an error asking
+   for ``--model-name NAME`` (``model_name`` may also name a builder function).
+
+Inputs: a Tensor batch calls ``model(x)``, a tuple/list ``model(*x)``, a dict ``model(**x)``.
+Without ``example_batch``, a model whose first parameterised module is an ``nn.Embedding`` gets a
+batch of token ids ``[B, S]`` (dtype long, values below ``num_embeddings``); other models are an error
+naming ``example_batch`` as the fix. Without ``loss_fn`` the loss is taken from the output (a scalar
+tensor; ``output["loss"]``; the first scalar tensor of a tuple/list; else the first tensor's
+``.float().mean()``), and a note says which rule was used.
+
+``OPTPLAN`` is read as data after the import (nothing in it is executed or evaluated): ``seq_len``,
+``global_batch`` (positive ints), ``tokens`` (a number, or a string such as ``"2e12"``),
+``optimizer`` and ``precision`` (strings); other keys with scalar values go to ``extra`` (non-scalar
+ones are skipped with a note). A non-dict ``OPTPLAN`` is an error.
+
+Every problem is raised as :class:`~optplan.probes.loader.ModelFileError` (one line: file, problem,
+fix).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import inspect
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from optplan.estimators.profile import ModelDefaults
+from optplan.probes.loader import ModelFileError, check_model_path, one_line
+
+BUILDER = "build_model"
+BATCH_FN = "example_batch"
+LOSS_FN = "loss_fn"
+DEFAULTS = "OPTPLAN"
+DEFAULT_TOKEN_SEQ_LEN = 1024
+
+_MODEL_FIX = ("define `def build_model(): return MyModel()` in the file (or a module-level nn.Module "
+              "instance, or an nn.Module class whose constructor takes no arguments)")
+_BATCH_FIX = ("make example_batch(batch_size, seq_len) return what forward takes (a tensor calls "
+              "model(x), a tuple/list model(*x), a dict model(**x))")
+
+
+def exc_text(exc: BaseException) -> str:
+    """``"TypeName: message"`` on one line."""
+    msg = one_line(exc, 240)
+    return f"{type(exc).__name__}: {msg}" if msg else type(exc).__name__
+
+
+# ---------------------------------------------------------------------------------------------------
+# importing the file
+# ---------------------------------------------------------------------------------------------------
+def import_model_file(path: str | Path, display: str | None = None) -> ModuleType:
+    """Import the file at ``path`` as a fresh module (its folder goes first on ``sys.path``)."""
+    shown = display or str(path)
+    p = check_model_path(path)
+    mod_name = f"optplan_user_model_{abs(hash(str(p))):x}"
+    spec = importlib.util.spec_from_file_location(mod_name, p)
+    if spec is None or spec.loader is None:
+        raise ModelFileError(shown, "cannot be imported as a Python module",
+                             "pass the .py file that defines build_model() or your nn.Module")
+    module = importlib.util.module_from_spec(spec)
+    folder = str(p.parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    sys.modules[mod_name] = module  # dataclasses and pickling look the module up while it runs
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as exc:
+        sys.modules.pop(mod_name, None)
+        where = f"line {exc.lineno}" if exc.lineno else "unknown line"
+        other = exc.filename and Path(exc.filename).resolve() != p
+        in_file = f" in {exc.filename}" if other else ""
+        raise ModelFileError(shown, f"syntax error at {where}{in_file}: {exc.msg}",
+                             f"fix the syntax at {where}{in_file} (`python -m py_compile {exc.filename or shown}` "
+                             "shows it)") from None
+    except ModuleNotFoundError as exc:
+        sys.modules.pop(mod_name, None)
+        missing = (exc.name or str(exc)).split(".")[0]
+        raise ModelFileError(shown, f"imports the missing package {missing!r} ({exc_text(exc)})",
+                             f"pip install {missing} (into {sys.executable}) or remove the import") from None
+    except SystemExit as exc:
+        sys.modules.pop(mod_name, None)
+        raise ModelFileError(shown, f"the file exits when imported (SystemExit: {exc.code})",
+                             "put script code under `if __name__ == \"__main__\":`") from None
+    except Exception as exc:
+        sys.modules.pop(mod_name, None)
+        raise ModelFileError(shown, f"importing the file raised {exc_text(exc)}",
+                             f"make `python {shown}` run cleanly; put script code under "
+                             "`if __name__ == \"__main__\":`") from None
+    return module
+
+
+# ---------------------------------------------------------------------------------------------------
+# OPTPLAN defaults
+# ---------------------------------------------------------------------------------------------------
+_SCALARS = (str, int, float, bool, type(None))
+
+
+def _positive_int(shown: str, key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ModelFileError(shown, f"OPTPLAN[{key!r}] must be a positive integer, got {value!r}",
+                             f"write OPTPLAN[{key!r}] as a whole number such as 2048")
+    return value
+
+
+def read_defaults(module: ModuleType, display: str) -> tuple[ModelDefaults, list[str]]:
+    """The file's ``OPTPLAN`` dict as ModelDefaults (plus notes about skipped keys)."""
+    raw = getattr(module, DEFAULTS, None)
+    if raw is None:
+        return ModelDefaults(), []
+    if not isinstance(raw, Mapping):
+        raise ModelFileError(display, f"OPTPLAN must be a dict, got {type(raw).__name__}",
+                             'write OPTPLAN = {"seq_len": 2048, "global_batch": 256, ...} or remove it')
+    values: dict[str, Any] = {}
+    extra: dict[str, Any] = {}
+    notes: list[str] = []
+    for key, value in raw.items():
+        if not isinstance(key, str):
+            notes.append(f"OPTPLAN key {key!r} is not a string and was ignored")
+            continue
+        if key in ("seq_len", "global_batch"):
+            values[key] = None if value is None else _positive_int(display, key, value)
+        elif key == "tokens":
+            if value is None:
+                values[key] = None
+                continue
+            try:
+                if isinstance(value, bool):
+                    raise ValueError
+                number = float(value)
+            except (TypeError, ValueError):
+                raise ModelFileError(display, f"OPTPLAN['tokens'] must be a number, got {value!r}",
+                                     "write the token budget as a number such as 2e12") from None
+            if not number > 0:
+                raise ModelFileError(display, f"OPTPLAN['tokens'] must be positive, got {value!r}",
+                                     "write the token budget as a number such as 2e12")
+            values[key] = number
+        elif key in ("optimizer", "precision"):
+            if value is not None and not isinstance(value, str):
+                raise ModelFileError(display, f"OPTPLAN[{key!r}] must be a string, got {value!r}",
+                                     f'write OPTPLAN[{key!r}] as a name such as "adamw" / "bf16"')
+            values[key] = value
+        elif isinstance(value, _SCALARS):
+            extra[key] = value
+        else:
+            notes.append(f"OPTPLAN[{key!r}] is a {type(value).__name__}, not a scalar, and was ignored")
+    return ModelDefaults(**values, extra=extra), notes
+
+
+# ---------------------------------------------------------------------------------------------------
+# finding the model
+# ---------------------------------------------------------------------------------------------------
+@dataclass
+class ModelContract:
+    """What the file provides. ``builder`` returns a fresh model; call it via :func:`build_meta`."""
+
+    path: Path
+    display: str
+    module: ModuleType
+    source: str  # e.g. "build_model()", "instance model", "class Net"
+    builder: Callable[[], Any]
+    example_batch: Callable[[int, int], Any] | None
+    loss_fn: Callable[[Any, Any], Any] | None
+    defaults: ModelDefaults
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        """The model's name: ``OPTPLAN["name"]`` when a string, else the file's stem."""
+        name = self.defaults.extra.get("name")
+        return name if isinstance(name, str) and name else self.path.stem
+
+    def build_meta(self) -> nn.Module:
+        """Build the model on the meta device (no real weights); errors become ModelFileError."""
+        return build_meta(self.builder, self.source, self.display)
+
+
+def _no_arg_constructible(obj: Callable[..., Any]) -> bool:
+    try:
+        sig = inspect.signature(obj)
+    except (TypeError, ValueError):
+        return False
+    return all(
+        p.default is not inspect.Parameter.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        for p in sig.parameters.values()
+    )
+
+
+def apply_keeping_ties(model: nn.Module, fn: Callable[[nn.Module], Any]) -> nn.Module:
+    """Run ``fn(model)`` (``to_empty``, ``to("meta")``...) and re-tie parameters and buffers that were
+    shared before: moving between device types creates one new Parameter per owning module."""
+    tables: dict[str, dict[int, list[tuple[nn.Module, str]]]] = {"_parameters": {}, "_buffers": {}}
+    for mod in model.modules():
+        for store, table in tables.items():
+            for name, t in getattr(mod, store).items():
+                if t is not None:
+                    table.setdefault(id(t), []).append((mod, name))
+    fn(model)
+    for store, table in tables.items():
+        for refs in table.values():
+            if len(refs) > 1:
+                first = getattr(refs[0][0], store)[refs[0][1]]
+                for mod, name in refs[1:]:
+                    getattr(mod, store)[name] = first
+    return model
+
+
+def _instance_builder(instance: nn.Module) -> Callable[[], nn.Module]:
+    state: dict[str, nn.Module] = {}
+
+    def build() -> nn.Module:
+        if "meta" not in state:  # move the file's instance to meta once (frees its real weights)
+            state["meta"] = apply_keeping_ties(instance, lambda m: m.to("meta"))
+        return copy.deepcopy(state["meta"])
+
+    return build
+
+
+def _callable_for(display: str, name: str, obj: Any) -> tuple[str, Callable[[], Any]]:
+    if isinstance(obj, nn.Module):
+        return f"instance {name}", _instance_builder(obj)
+    if isinstance(obj, type) and issubclass(obj, nn.Module):
+        if not _no_arg_constructible(obj):
+            raise ModelFileError(display, f"class {name} needs constructor arguments",
+                                 f"give {name}.__init__ defaults, or add build_model() that constructs it")
+        return f"class {name}", obj
+    if callable(obj):
+        return f"{name}()", obj
+    raise ModelFileError(display, f"{name} is a {type(obj).__name__}, not a model",
+                         "--model-name must name an nn.Module instance, class, or a function returning one")
+
+
+def _candidates(module: ModuleType) -> tuple[dict[str, nn.Module], dict[str, type]]:
+    instances: dict[str, nn.Module] = {}
+    seen: set[int] = set()
+    classes: dict[str, type] = {}
+    for name, obj in vars(module).items():
+        if name.startswith("__"):
+            continue
+        if isinstance(obj, nn.Module):
+            if id(obj) not in seen:
+                seen.add(id(obj))
+                instances[name] = obj
+        elif (isinstance(obj, type) and issubclass(obj, nn.Module) and obj.__module__ == module.__name__
+              and not inspect.isabstract(obj) and _no_arg_constructible(obj)):
+            classes[name] = obj
+    # an instance that is a submodule of another instance is a part, not a model
+    parts = {id(m) for inst in instances.values() for m in list(inst.modules())[1:]}
+    instances = {n: m for n, m in instances.items() if id(m) not in parts}
+    return instances, classes
+
+
+def _drop_part_classes(classes: dict[str, type], display: str) -> dict[str, type]:
+    """Drop classes whose instances appear inside another candidate class's model (built on meta)."""
+    if len(classes) < 2:
+        return classes
+    used_inside: set[type] = set()
+    for cls in classes.values():
+        try:
+            with torch.device("meta"):
+                model = cls()
+        except Exception:  # noqa: BLE001 - a class that cannot be built is judged later, if chosen
+            continue
+        used_inside.update(type(m) for m in list(model.modules())[1:])
+        del model
+    kept = {n: c for n, c in classes.items() if c not in used_inside}
+    return kept or classes
+
+
+def resolve_contract(module: ModuleType, path: str | Path, *, model_name: str | None = None,
+                     display: str | None = None) -> ModelContract:
+    """Find the model builder, example batch, loss and defaults in an imported model file."""
+    shown = display or str(path)
+    defaults, notes = read_defaults(module, shown)
+    batch_fn = getattr(module, BATCH_FN, None)
+    loss = getattr(module, LOSS_FN, None)
+    for fn_name, fn in ((BATCH_FN, batch_fn), (LOSS_FN, loss)):
+        if fn is not None and not callable(fn):
+            raise ModelFileError(shown, f"{fn_name} is a {type(fn).__name__}, not a function",
+                                 f"define {fn_name} as a function or remove it")
+
+    if model_name is not None:
+        if not hasattr(module, model_name):
+            instances, classes = _candidates(module)
+            found = sorted({BUILDER} & set(vars(module)) | set(instances) | set(classes))
+            hint = f"use one of: {', '.join(found)}" if found else _MODEL_FIX
+            raise ModelFileError(shown, f"--model-name {model_name}: the file has no such name", hint)
+        source, builder = _callable_for(shown, model_name, getattr(module, model_name))
+    elif hasattr(module, BUILDER):
+        fn = getattr(module, BUILDER)
+        if not callable(fn):
+            raise ModelFileError(shown, f"build_model is a {type(fn).__name__}, not a function",
+                                 "define `def build_model(): return MyModel()`")
+        source, builder = f"{BUILDER}()", fn
+    else:
+        instances, classes = _candidates(module)
+        if instances:
+            pool: dict[str, Any] = instances
+            kind = "nn.Module instances"
+        else:
+            pool = _drop_part_classes(classes, shown)
+            kind = "nn.Module classes with no-argument constructors"
+        if not pool:
+            raise ModelFileError(shown, "no model found (no build_model(), no module-level nn.Module "
+                                 "instance, no nn.Module class with a no-argument constructor)", _MODEL_FIX)
+        if len(pool) > 1:
+            names = sorted(pool)
+            raise ModelFileError(shown, f"several models found ({kind}: {', '.join(names)})",
+                                 f"choose one with --model-name {names[0]} (or define build_model())")
+        name, obj = next(iter(pool.items()))
+        source, builder = _callable_for(shown, name, obj)
+        notes.append(f"model from {source} (no build_model() in the file)")
+    return ModelContract(path=Path(path).resolve(), display=shown, module=module, source=source,
+                         builder=builder, example_batch=batch_fn, loss_fn=loss, defaults=defaults,
+                         notes=notes)
+
+
+def load_contract(path: str | Path, *, model_name: str | None = None) -> ModelContract:
+    """Import the file and resolve its contract (in the current process: call it in a child)."""
+    module = import_model_file(path, display=str(path))
+    return resolve_contract(module, path, model_name=model_name, display=str(path))
+
+
+def build_meta(builder: Callable[[], Any], source: str, display: str) -> nn.Module:
+    """``builder()`` under ``torch.device("meta")``; ModelFileError when it raises or returns no Module."""
+    try:
+        with torch.device("meta"):
+            model = builder()
+    except ModelFileError:
+        raise
+    except Exception as exc:
+        raise ModelFileError(display, f"{source} raised {exc_text(exc)}",
+                             f"make {source} run with no arguments; optplan calls it under "
+                             "`with torch.device('meta')`, so it must not need real weights or values "
+                             "(no .item(), no torch.load)") from None
+    if not isinstance(model, nn.Module):
+        raise ModelFileError(display, f"{source} returned {type(model).__name__}, not a torch.nn.Module",
+                             f"return the model (an nn.Module instance) from {source}")
+    return model
+
+
+# ---------------------------------------------------------------------------------------------------
+# inputs, forward and loss
+# ---------------------------------------------------------------------------------------------------
+def first_tensor(obj: Any) -> torch.Tensor | None:
+    """The first tensor in a tensor / tuple / list / dict (depth first), or None."""
+    if isinstance(obj, torch.Tensor):
+        return obj
+    if isinstance(obj, Mapping):
+        obj = list(obj.values())
+    if isinstance(obj, (list, tuple)):
+        for item in obj:
+            t = first_tensor(item)
+            if t is not None:
+                return t
+    return None
+
+
+def call_model(model: nn.Module, batch: Any) -> Any:
+    """``model(x)`` for a tensor, ``model(*x)`` for a tuple/list, ``model(**x)`` for a dict."""
+    if isinstance(batch, Mapping):
+        return model(**batch)
+    if isinstance(batch, (list, tuple)):
+        return model(*batch)
+    return model(batch)
+
+
+def check_batch_type(batch: Any, display: str, where: str) -> None:
+    """ModelFileError unless ``batch`` is a tensor, tuple/list or dict holding a tensor."""
+    if not isinstance(batch, (torch.Tensor, Mapping, list, tuple)):
+        raise ModelFileError(display, f"{where} returned {type(batch).__name__}, not a tensor, tuple, list or dict",
+                             _BATCH_FIX)
+    if first_tensor(batch) is None:
+        raise ModelFileError(display, f"{where} returned no tensor", _BATCH_FIX)
+
+
+def first_param_module(model: nn.Module) -> nn.Module | None:
+    """The first module (in ``modules()`` order) that owns parameters directly."""
+    for m in model.modules():
+        if any(True for _ in m.parameters(recurse=False)):
+            return m
+    return None
+
+
+def default_loss(output: Any) -> tuple[torch.Tensor, str]:
+    """The loss optplan uses without ``loss_fn``, and the rule that chose it (for a note)."""
+    if isinstance(output, torch.Tensor):
+        if output.dim() == 0:
+            return output, "the model's output (a scalar tensor)"
+        return output.float().mean(), "output.float().mean() of the output tensor"
+    if isinstance(output, Mapping):
+        if isinstance(output.get("loss"), torch.Tensor):
+            return output["loss"], 'output["loss"]'
+        items = list(output.values())
+        label = "value"
+    elif isinstance(output, (list, tuple)):
+        items = list(output)
+        label = "element"
+    else:
+        raise TypeError(f"the output is a {type(output).__name__}, not a tensor, tuple, list or dict")
+    for i, item in enumerate(items):
+        if isinstance(item, torch.Tensor) and item.dim() == 0:
+            return item, f"the first scalar tensor of the output ({label} {i})"
+    for i, item in enumerate(items):
+        if isinstance(item, torch.Tensor):
+            return item.float().mean(), f".float().mean() of the output's first tensor ({label} {i})"
+    raise TypeError("the output holds no tensor")

@@ -1,0 +1,141 @@
+"""Parent side of model-file loading: profile a user's model file in a child process.
+
+A model file runs user code, so it is imported only in a child (``python -m
+optplan.probes._child``); this module never imports torch. The child resolves the model-file
+contract, profiles the model on the meta/fake device and prints one JSON document, which is
+validated here into a :class:`~optplan.estimators.profile.ModelProfile`.
+
+Every problem a user can fix (no such file, a syntax error, a missing package, no model found, an
+example batch the model rejects, a child that crashes or hangs...) is raised as
+:class:`ModelFileError`, whose message is one line: ``"<file>: <problem> — <fix>"``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from optplan.estimators.errors import OptplanError
+from optplan.estimators.profile import ModelProfile
+
+CHILD_MODULE = "optplan.probes._child"
+EXIT_OK = 0
+EXIT_MODEL_ERROR = 3
+_MAX_TEXT = 400
+
+
+def one_line(text: object, limit: int = _MAX_TEXT) -> str:
+    """``text`` with all whitespace runs collapsed to one space, cut to ``limit`` characters."""
+    flat = " ".join(str(text).split())
+    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
+
+
+class ModelFileError(OptplanError):
+    """A problem with a model file that the user can fix; ``str()`` is one line naming file and fix."""
+
+    def __init__(self, path: str | os.PathLike[str], problem: str, fix: str) -> None:
+        self.path = str(path)
+        self.problem = one_line(problem)
+        self.fix = one_line(fix)
+        super().__init__(f"{self.path}: {self.problem} — {self.fix}")
+
+
+def check_model_path(path: str | os.PathLike[str]) -> Path:
+    """The path as a resolved ``Path`` when it names an existing ``.py`` file, else ModelFileError."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ModelFileError(path, "file not found",
+                             f"check the path (relative paths start at {os.getcwd()})")
+    if p.is_dir():
+        raise ModelFileError(path, "is a directory, not a model file",
+                             "pass the .py file that defines build_model() or your nn.Module")
+    if p.suffix != ".py":
+        raise ModelFileError(path, f"not a Python file (expected a .py file, got {p.suffix or 'no suffix'!r})",
+                             "pass the .py file that defines build_model() or your nn.Module")
+    return p.resolve()
+
+
+def child_command(path: str | os.PathLike[str], *, seq_len: int | None = None,
+                  model_name: str | None = None) -> list[str]:
+    """The command line that profiles ``path`` in a child process (``sys.executable -m ...``)."""
+    cmd = [sys.executable, "-m", CHILD_MODULE, str(path)]
+    if seq_len is not None:
+        cmd += ["--seq-len", str(int(seq_len))]
+    if model_name is not None:
+        cmd += ["--model-name", model_name]
+    return cmd
+
+
+def _last_line(text: str) -> str:
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return lines[-1] if lines else ""
+
+
+def _parse_json(stdout: str) -> Any:
+    text = stdout.strip()
+    if not text:
+        raise ValueError("no output")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return json.loads(_last_line(text))
+
+
+def parse_child_output(path: str | os.PathLike[str], returncode: int, stdout: str, stderr: str) -> ModelProfile:
+    """Turn the child's exit code and output into a ModelProfile or a ModelFileError."""
+    last_err = one_line(_last_line(stderr), 300)
+    said = f" (last stderr line: {last_err})" if last_err else ""
+    try:
+        doc = _parse_json(stdout)
+    except ValueError:
+        doc = None
+    if isinstance(doc, dict) and isinstance(doc.get("error"), dict):
+        err = doc["error"]
+        raise ModelFileError(path, str(err.get("problem", "the profiler failed")),
+                             str(err.get("fix", "run the file with python to see the error")))
+    if returncode != EXIT_OK or not isinstance(doc, dict):
+        how = (f"killed by signal {-returncode}" if returncode < 0 else f"exit code {returncode}")
+        what = "crashed" if returncode != EXIT_OK else "printed no JSON profile"
+        raise ModelFileError(path, f"the profiler child process {what} ({how}){said}",
+                             f"run `{sys.executable} -m {CHILD_MODULE} {path}` to see the full error")
+    try:
+        return ModelProfile.model_validate(doc)
+    except ValidationError as exc:
+        raise ModelFileError(path, f"the profiler returned an invalid profile: {one_line(exc, 200)}",
+                             "this is an optplan bug; please report it with the model file") from exc
+
+
+def profile_model_file(path: str | os.PathLike[str], *, seq_len: int | None = None,
+                       model_name: str | None = None, timeout_s: float = 600.0) -> ModelProfile:
+    """Profile the model file at ``path`` in a child process and return its ModelProfile.
+
+    ``seq_len`` overrides the file's ``OPTPLAN["seq_len"]`` and the model's own maximum length;
+    ``model_name`` picks one model when the file defines several. The child runs with
+    ``sys.executable`` and the current environment (so ``OPTPLAN_*`` variables reach the file).
+    Raises :class:`ModelFileError` (one line: file, problem, fix) for anything that goes wrong,
+    including a crash or a timeout of the child.
+    """
+    check_model_path(path)
+    if seq_len is not None and int(seq_len) < 1:
+        raise ModelFileError(path, f"sequence length must be >= 1 (got {seq_len})", "pass --seq-len 1 or more")
+    cmd = child_command(path, seq_len=seq_len, model_name=model_name)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
+                              stdin=subprocess.DEVNULL, errors="replace")
+    except subprocess.TimeoutExpired as exc:
+        err = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else (exc.stderr or "")
+        last = one_line(_last_line(err), 300)
+        said = f" (last stderr line: {last})" if last else ""
+        raise ModelFileError(path, f"profiling did not finish within {timeout_s:g} s{said}",
+                             "check that build_model() and forward finish quickly on the meta device, "
+                             "or raise the timeout") from None
+    except OSError as exc:
+        raise ModelFileError(path, f"could not start the profiler child process ({exc})",
+                             f"check that {sys.executable} runs") from exc
+    return parse_child_output(path, proc.returncode, proc.stdout, proc.stderr)

@@ -1,0 +1,156 @@
+"""Live tensor-storage accounting: a ``TorchDispatchMode`` that tracks bytes alive and their peak.
+
+Every tensor an operator returns while the mode is active is looked up by its storage; a storage not
+seen before is counted (``nbytes``) and gets a ``weakref.finalize`` callback that subtracts it again
+when the storage is freed. Views and in-place results share their base's storage and are counted once;
+a storage that changes size (``out=`` resizing) is re-counted. Tensors that existed before the mode was
+entered (parameters, gradients, buffers, an input batch) are not seen by the mode: register them with
+:meth:`MemTracker.track` so that in-place updates of them are not mistaken for new allocations and so
+that they count towards ``live_bytes``.
+
+It works the same on real CPU tensors and on ``FakeTensorMode`` tensors (enter the fake mode first,
+then this mode), which is what makes the fake-tensor activation profile checkable against a real step.
+Only public torch APIs are used (``TorchDispatchMode``, ``untyped_storage``), so it works on torch 2.4+.
+
+Each storage has a category: registered tensors get the one passed to :meth:`MemTracker.track`
+(default ``"state"``), a dtype cast (``aten._to_copy``) of a storage registered as ``"param"`` is a
+``"param_copy"`` (autocast's low-precision weight copies), anything else an ``"activation"``.
+``peak_by_category`` is the breakdown at the moment of the peak, and ``peak_without_copies`` the peak
+of live bytes not counting ``"param_copy"`` storages (what a model holding 16-bit weights would need).
+
+Byte counts are storage sizes without allocator rounding (the CUDA caching allocator rounds up to
+512 B blocks and keeps freed blocks; that overhead belongs to the estimators' fragmentation margin).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+_TO_COPY = torch.ops.aten._to_copy.default
+
+
+class MemTracker(TorchDispatchMode):
+    """Track live tensor storage bytes and their peak while active.
+
+    Usage::
+
+        tracker = MemTracker()
+        tracker.track(model.parameters(), (p.grad for p in model.parameters()))
+        with tracker:
+            ...  # forward, loss, backward
+        extra_peak = tracker.peak_bytes - tracker.baseline_bytes
+
+    ``live_bytes`` keeps being updated after the mode exits (finalizers fire when storages die), so a
+    tracker can be re-entered; call :meth:`reset_peak` to start a new peak from the current live bytes.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._sizes: dict[int, int] = {}
+        self._category: dict[int, str] = {}
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self.baseline_bytes = 0
+        self.allocations = 0
+        self.live_by_category: dict[str, int] = {}
+        self.peak_by_category: dict[str, int] = {}
+        self.peak_without_copies = 0
+
+    # -- registration -------------------------------------------------------------------------------
+    def track(self, *tensors: torch.Tensor | Iterable[Any] | None, category: str = "state") -> int:
+        """Register existing tensors (or iterables / nested containers of them); returns bytes added.
+
+        ``None`` entries (e.g. missing gradients) are ignored. Register parameters with
+        ``category="param"`` so that casts of them count as ``"param_copy"``. After registering, the
+        baseline is set to the live bytes (see :meth:`set_baseline`).
+        """
+        before = self.live_bytes
+        for obj in tensors:
+            if obj is None:
+                continue
+            if isinstance(obj, torch.Tensor):
+                self._add(obj, category)
+                continue
+            if not isinstance(obj, (list, tuple, dict)):
+                obj = list(obj)  # generators such as model.parameters()
+            for leaf in tree_leaves(obj):
+                if isinstance(leaf, torch.Tensor):
+                    self._add(leaf, category)
+        self.set_baseline()
+        return self.live_bytes - before
+
+    def set_baseline(self) -> None:
+        """Take the current live bytes as the baseline and restart the peak from it."""
+        self.baseline_bytes = self.live_bytes
+        self.reset_peak()
+
+    def reset_peak(self) -> None:
+        """Restart the peak from the current live bytes (the baseline is unchanged)."""
+        self.peak_bytes = self.live_bytes
+        self.peak_by_category = dict(self.live_by_category)
+        self.peak_without_copies = self.live_bytes - self.live_by_category.get("param_copy", 0)
+
+    @property
+    def peak_above_baseline(self) -> int:
+        """Peak live bytes minus the baseline (bytes)."""
+        return self.peak_bytes - self.baseline_bytes
+
+    # -- accounting ---------------------------------------------------------------------------------
+    @staticmethod
+    def _storage_key(t: Any) -> int | None:
+        try:
+            return t.untyped_storage()._cdata
+        except (AttributeError, RuntimeError, NotImplementedError, TypeError):
+            return None
+
+    def _add(self, t: torch.Tensor, category: str = "activation") -> None:
+        try:
+            st = t.untyped_storage()
+            nbytes = int(st.nbytes())
+        except (RuntimeError, NotImplementedError, TypeError):
+            return  # sparse, nested or otherwise storage-less tensors
+        key = st._cdata
+        old = self._sizes.get(key)
+        if old is None:
+            self._sizes[key] = nbytes
+            self._category[key] = category
+            self.live_bytes += nbytes
+            self.live_by_category[category] = self.live_by_category.get(category, 0) + nbytes
+            self.allocations += 1
+            weakref.finalize(st, self._free, key)
+        elif old != nbytes:
+            self._sizes[key] = nbytes
+            cat = self._category[key]
+            self.live_bytes += nbytes - old
+            self.live_by_category[cat] += nbytes - old
+        else:
+            return
+        if self.live_bytes > self.peak_bytes:
+            self.peak_bytes = self.live_bytes
+            self.peak_by_category = dict(self.live_by_category)
+        if category != "param_copy":
+            without = self.live_bytes - self.live_by_category.get("param_copy", 0)
+            if without > self.peak_without_copies:
+                self.peak_without_copies = without
+
+    def _free(self, key: int) -> None:
+        nbytes = self._sizes.pop(key, None)
+        if nbytes is not None:
+            self.live_bytes -= nbytes
+            self.live_by_category[self._category.pop(key)] -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
+        out = func(*args, **(kwargs or {}))
+        category = "activation"
+        if func is _TO_COPY and args and self._category.get(self._storage_key(args[0]) or -1) == "param":
+            category = "param_copy"
+        for leaf in tree_leaves(out):
+            if isinstance(leaf, torch.Tensor):
+                self._add(leaf, category)
+        return out

@@ -1,0 +1,674 @@
+"""Static profile of a model: parameters, structure, FLOPs and activation memory, without real weights.
+
+Runs in the profiler child process. The model is built on the meta device; parameters and structure
+are read from that full model. FLOPs and activations come from real forward + loss + backward steps
+on fake CPU tensors (``FakeTensorMode``: shapes and dtypes only, no memory): the meta model is
+materialised inside the fake mode with ``to_empty(device="cpu")`` and its tied weights re-tied.
+
+Definitions the estimators rely on:
+
+* FLOPs per sample: ``FlopCounterMode`` counts of forward + loss (``fwd``) and backward (``bwd``) at
+  micro-batch 1 (2 when a model cannot run one sample), fp32, no checkpointing. Attention is counted
+  with the math SDPA kernel (the fused CPU kernel is invisible to the counter).
+* Activation bytes: the peak of live tensor bytes (``MemTracker``) during forward + loss + backward,
+  minus the live bytes before the step, with the model's parameters and gradients already allocated
+  (one warm-up step, then ``zero_grad(set_to_none=False)``). It includes the input batch, saved
+  activations, temporaries and the gradients' transient copies before accumulation; under bf16
+  autocast it also includes autocast's bf16 copies of the weights (they scale with the parameters,
+  so they land in ``fixed_bytes``). The default SDPA kernel is used (no s x s attention matrix is
+  stored). Fitted as ``fixed_bytes + per_sample_bytes * b`` from two micro-batch sizes, for fp32 and
+  bf16 autocast, with no checkpointing and with every repeated block checkpointed
+  (``torch.utils.checkpoint``, non-reentrant). ``param_copy_bytes`` is how much of the peak at
+  micro-batch 1 is autocast's bf16 copies of the weights (the same fit without them, i.e. for a
+  model holding bf16 weights, is ``bytes_at(1) - param_copy_bytes`` at micro-batch 1).
+* Depth reduction: when the repeated blocks are the only children of one ``nn.ModuleList`` /
+  ``nn.Sequential`` of length L >= 3 and all have the same parameter count, FLOPs and activations are
+  measured with the container cut to 1 and 2 blocks and extrapolated linearly:
+  ``value(L) = value(1) + (value(2) - value(1)) * (L - 1)``. The activation peak is extrapolated
+  per phase (forward + loss, and backward, split where autocast exits) and the larger one taken:
+  within one phase every candidate peak point grows by the same bytes per block, so its argmax does
+  not move with depth, while the two phases grow at different rates (e.g. autocast's cached weight
+  copies exist only in forward). If the cut model fails to run, the full depth is profiled instead
+  (with a note).
+
+Sequence length used for ``example_batch(batch_size, seq_len)`` (or the inferred token batch):
+the ``seq_len`` argument, else ``OPTPLAN["seq_len"]``, else the model's maximum position length when
+readable (``block_size``, ``max_position_embeddings``, ``max_seq_len``... on ``model.config`` or the
+model), else 1024. The profile's ``seq_len`` is the batch's token count for token models, and the
+explicitly known value (argument, OPTPLAN or model maximum) or None for other models.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+from torch.utils.flop_counter import FlopCounterMode
+
+from optplan.estimators.profile import (
+    ActivationFit,
+    ActivationPrecision,
+    CheckpointMode,
+    ModelProfile,
+    RepeatedBlock,
+    TransformerShape,
+)
+from optplan.probes.contract import (
+    _BATCH_FIX,
+    DEFAULT_TOKEN_SEQ_LEN,
+    ModelContract,
+    apply_keeping_ties,
+    call_model,
+    check_batch_type,
+    default_loss,
+    exc_text,
+    first_param_module,
+    first_tensor,
+)
+from optplan.probes.loader import ModelFileError
+from optplan.probes.memtrack import MemTracker
+
+try:  # torch >= 2.3
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def _math_sdpa() -> contextlib.AbstractContextManager[Any]:
+        return sdpa_kernel(SDPBackend.MATH)
+except ImportError:  # pragma: no cover - older torch
+    def _math_sdpa() -> contextlib.AbstractContextManager[Any]:
+        return torch.backends.cuda.sdp_kernel(enable_flash=False, enable_mem_efficient=False, enable_math=True)
+
+try:
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+        FakeTensorMode,
+        UnsupportedOperatorException,
+    )
+
+    _FAKE_LIMITS: tuple[type[BaseException], ...] = (
+        DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException)
+except ImportError:  # pragma: no cover
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    _FAKE_LIMITS = ()
+
+PRECISIONS: tuple[ActivationPrecision, ...] = ("fp32", "bf16")
+MIN_BLOCKS_FOR_REDUCTION = 3
+
+_CONFIG_ATTRS = ("config", "cfg", "args", "params", "model_args", "hparams", "hp")
+HIDDEN_NAMES = ("n_embd", "hidden_size", "dim", "d_model", "embed_dim", "n_embed", "hidden_dim")
+LAYER_NAMES = ("n_layer", "num_hidden_layers", "n_layers", "num_layers")
+HEAD_NAMES = ("n_head", "num_attention_heads", "n_heads", "num_heads")
+KV_HEAD_NAMES = ("n_kv_heads", "num_key_value_heads", "n_kv_head", "num_kv_heads")
+VOCAB_NAMES = ("vocab_size", "n_vocab", "padded_vocab_size")
+MAX_LEN_NAMES = ("block_size", "max_position_embeddings", "max_seq_len", "n_positions", "n_ctx",
+                 "max_seq_length", "context_length", "max_len")
+
+
+# ---------------------------------------------------------------------------------------------------
+# structure (full model, meta device)
+# ---------------------------------------------------------------------------------------------------
+def count_params(model: nn.Module) -> tuple[int, int, dict[str, int], str]:
+    """(unique params, trainable params, params per top-level child, dominant param dtype)."""
+    total = trainable = 0
+    by_module: dict[str, int] = OrderedDict((name, 0) for name, _ in model.named_children())
+    by_dtype: dict[torch.dtype, int] = {}
+    for name, p in model.named_parameters():  # unique: a tied weight once, under its first owner
+        n = p.numel()
+        total += n
+        if p.requires_grad:
+            trainable += n
+        top = name.split(".", 1)[0]
+        by_module[top] = by_module.get(top, 0) + n
+        by_dtype[p.dtype] = by_dtype.get(p.dtype, 0) + n
+    dtype = max(by_dtype, key=by_dtype.__getitem__) if by_dtype else torch.float32
+    return total, trainable, dict(by_module), str(dtype).removeprefix("torch.")
+
+
+def buffer_bytes(model: nn.Module) -> int:
+    """Bytes of the model's (unique) buffers."""
+    return sum(b.numel() * b.element_size() for b in model.buffers())
+
+
+@dataclass
+class BlockInfo:
+    """The repeated block and, when depth reduction applies, the container that holds all of them."""
+
+    cls: type
+    blocks: list[nn.Module]
+    params_per_block: int
+    path: str | None
+    reducible: bool
+
+    def summary(self) -> RepeatedBlock:
+        return RepeatedBlock(class_name=self.cls.__name__, count=len(self.blocks),
+                             params_per_block=self.params_per_block, path=self.path)
+
+
+def _own_params(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def find_repeated_block(model: nn.Module) -> BlockInfo | None:
+    """The module class with the most instances among direct children of ModuleLists/Sequentials.
+
+    Only classes with parameters count; at least 2 instances. Ties go to the class with more
+    parameters. ``params_per_block`` is the mean over the instances (they are equal in transformers).
+    """
+    found: dict[type, dict[int, tuple[str, nn.Module]]] = {}
+    for path, mod in model.named_modules():
+        if isinstance(mod, (nn.ModuleList, nn.Sequential)):
+            for _, child in mod.named_children():
+                found.setdefault(type(child), {}).setdefault(id(child), (path, child))
+    best: tuple[int, int, type] | None = None
+    for cls, insts in found.items():
+        if len(insts) < 2:
+            continue
+        total = sum(_own_params(m) for _, m in insts.values())
+        if total == 0:
+            continue
+        key = (len(insts), total)
+        if best is None or key > best[:2]:
+            best = (key[0], key[1], cls)
+    if best is None:
+        return None
+    count, total, cls = best
+    entries = list(found[cls].values())
+    blocks = [m for _, m in entries]
+    paths = {p for p, _ in entries}
+    path = paths.pop() if len(paths) == 1 else None
+    reducible = False
+    if path is not None:
+        container = model.get_submodule(path) if path else model
+        children = list(container.children())
+        sizes = {_own_params(b) for b in blocks}
+        reducible = (len(children) == len(blocks) >= MIN_BLOCKS_FOR_REDUCTION and len(sizes) == 1
+                     and all(type(c) is cls for c in children))
+    return BlockInfo(cls=cls, blocks=blocks, params_per_block=round(total / count), path=path,
+                     reducible=reducible)
+
+
+def _config_sources(model: nn.Module) -> list[Any]:
+    sources: list[Any] = []
+    for attr in _CONFIG_ATTRS:
+        obj = getattr(model, attr, None)
+        if obj is not None and not isinstance(obj, (torch.Tensor, nn.Module)) and not callable(obj):
+            sources.append(obj)
+    sources.append(model)
+    return sources
+
+
+def _read_int(sources: list[Any], names: tuple[str, ...]) -> int | None:
+    for src in sources:
+        for name in names:
+            value = src.get(name) if isinstance(src, Mapping) else getattr(src, name, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
+
+
+def max_positions(model: nn.Module) -> int | None:
+    """The model's maximum sequence length when a config attribute names it, else None."""
+    return _read_int(_config_sources(model), MAX_LEN_NAMES)
+
+
+def read_transformer_shape(model: nn.Module, block: BlockInfo | None) -> TransformerShape | None:
+    """TransformerShape from common config attribute names (on ``model.config`` etc. or the model)."""
+    sources = _config_sources(model)
+    hidden = _read_int(sources, HIDDEN_NAMES)
+    heads = _read_int(sources, HEAD_NAMES)
+    layers = _read_int(sources, LAYER_NAMES) or (len(block.blocks) if block else None)
+    if hidden is None or heads is None or layers is None:
+        return None
+    return TransformerShape(hidden=hidden, layers=layers, heads=heads,
+                            kv_heads=_read_int(sources, KV_HEAD_NAMES), vocab=_read_int(sources, VOCAB_NAMES),
+                            max_seq_len=_read_int(sources, MAX_LEN_NAMES))
+
+
+def truncated_copy(model: nn.Module, path: str, keep: int) -> nn.Module:
+    """A deep copy of ``model`` whose container at ``path`` keeps only its first ``keep`` children."""
+    container = model.get_submodule(path)
+    short = copy.copy(container)
+    short._modules = OrderedDict(list(container._modules.items())[:keep])  # type: ignore[assignment]
+    parent_path, _, attr = path.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    parent._modules[attr] = short
+    try:
+        return copy.deepcopy(model)
+    finally:
+        parent._modules[attr] = container
+
+
+def materialize_fake(model: nn.Module) -> nn.Module:
+    """Inside an active FakeTensorMode: move a meta model to fake CPU tensors, keeping tied weights."""
+    return apply_keeping_ties(model, lambda m: m.to_empty(device="cpu"))
+
+
+# ---------------------------------------------------------------------------------------------------
+# running steps (real or fake tensors)
+# ---------------------------------------------------------------------------------------------------
+@dataclass
+class BatchSpec:
+    """How to make a batch of ``b`` samples, and how to describe it in messages."""
+
+    make: Callable[[int], Any]
+    describe: Callable[[int], str]
+    inferred: bool
+    fix: str
+
+
+def batch_spec(contract: ModelContract, model: nn.Module, seq_len: int) -> tuple[BatchSpec, str | None]:
+    """The batch maker for ``contract`` (``example_batch`` or an inferred token batch) and a note."""
+    fn = contract.example_batch
+    if fn is not None:
+        return BatchSpec(make=lambda b: fn(b, seq_len), describe=lambda b: f"example_batch({b}, {seq_len})",
+                         inferred=False, fix=_BATCH_FIX), None
+    first = first_param_module(model)
+    if isinstance(first, nn.Embedding):
+        vocab = first.num_embeddings
+
+        def make(b: int) -> torch.Tensor:
+            return torch.randint(0, vocab, (b, seq_len), dtype=torch.long)
+
+        note = (f"inferred token-id batch [B, S] from the embedding (S = {seq_len}, ids below "
+                f"num_embeddings = {vocab}); add example_batch(batch_size, seq_len) to choose the inputs")
+        return BatchSpec(make=make, describe=lambda b: f"the inferred token batch [{b}, {seq_len}]",
+                         inferred=True,
+                         fix="add example_batch(batch_size, seq_len) returning what forward takes"), note
+    kind = type(first).__name__ if first is not None else "no parameterised module"
+    raise ModelFileError(contract.display,
+                         f"no example_batch and the inputs cannot be inferred (the first layer is {kind}, "
+                         "not an nn.Embedding)",
+                         "add example_batch(batch_size, seq_len) returning the inputs forward takes")
+
+
+@contextlib.contextmanager
+def checkpointed(blocks: list[nn.Module], enabled: bool = True) -> Iterator[None]:
+    """Wrap each block's forward in ``torch.utils.checkpoint`` (non-reentrant) while active."""
+    if not enabled:
+        yield
+        return
+    for blk in blocks:
+        blk.forward = partial(_checkpoint_call, blk.forward)  # instance attribute shadows the method
+    try:
+        yield
+    finally:
+        for blk in blocks:
+            blk.__dict__.pop("forward", None)
+
+
+def _checkpoint_call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+
+
+def _autocast(precision: ActivationPrecision) -> contextlib.AbstractContextManager[Any]:
+    if precision == "bf16":
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+class PhasePeaks(NamedTuple):
+    """Phase peaks of one step (bytes above the resident model states)."""
+
+    forward: float
+    backward: float
+    forward_without_copies: float
+    backward_without_copies: float
+
+    @property
+    def peak(self) -> int:
+        """The step's peak: the larger phase peak."""
+        return round(max(self.forward, self.backward))
+
+    @property
+    def peak_without_copies(self) -> int:
+        """The step's peak not counting autocast's parameter copies."""
+        return round(max(self.forward_without_copies, self.backward_without_copies))
+
+    def scaled(self, other: PhasePeaks, layers: int) -> PhasePeaks:
+        """Extrapolate (self at 1 block, other at 2 blocks) to ``layers`` blocks, field by field."""
+        return PhasePeaks(*(extrapolate(a, b, layers) for a, b in zip(self, other, strict=True)))
+
+
+@dataclass
+class BatchInfo:
+    input_kind: str
+    tokens_per_sample: int | None
+
+
+@dataclass
+class StepRunner:
+    """Runs forward + loss + backward steps of one model, on real tensors or (inside an active
+    FakeTensorMode) fake ones, turning user-code failures into ModelFileError."""
+
+    model: nn.Module
+    spec: BatchSpec
+    loss_fn: Callable[[Any, Any], Any] | None
+    display: str
+    blocks: list[nn.Module] = field(default_factory=list)
+    loss_note: str | None = None
+    batch_info: BatchInfo | None = None
+
+    # -- pieces of a step -------------------------------------------------------------------------
+    def make_batch(self, b: int) -> Any:
+        try:
+            batch = self.spec.make(b)
+        except Exception as exc:
+            raise ModelFileError(self.display, f"{self.spec.describe(b)} raised {exc_text(exc)}",
+                                 self.spec.fix) from None
+        check_batch_type(batch, self.display, self.spec.describe(b))
+        if self.batch_info is None:
+            t = first_tensor(batch)
+            assert t is not None
+            integer = not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
+            if integer and t.dim() == 2 and t.shape[0] == b:
+                self.batch_info = BatchInfo("tokens", int(t.shape[1]))
+            else:
+                self.batch_info = BatchInfo("other", None)
+        return batch
+
+    def forward(self, batch: Any, b: int) -> Any:
+        try:
+            return call_model(self.model, batch)
+        except ModelFileError:
+            raise
+        except _FAKE_LIMITS as exc:
+            raise ModelFileError(
+                self.display, f"forward needs real tensor values, which the meta/fake-tensor profile cannot "
+                f"provide ({exc_text(exc)})",
+                "avoid .item(), .tolist(), data-dependent shapes and Python branches on tensor values in "
+                "forward") from None
+        except Exception as exc:
+            raise ModelFileError(self.display, f"the model rejected {self.spec.describe(b)}: forward raised "
+                                 f"{exc_text(exc)}", self.spec.fix) from None
+
+    def loss(self, output: Any, batch: Any) -> torch.Tensor:
+        if self.loss_fn is not None:
+            try:
+                loss = self.loss_fn(output, batch)
+            except Exception as exc:
+                raise ModelFileError(self.display, f"loss_fn(output, batch) raised {exc_text(exc)}",
+                                     "make loss_fn(output, batch) return a scalar tensor for the model's "
+                                     "output and the example batch") from None
+            where = "loss_fn(output, batch)"
+        else:
+            try:
+                loss, rule = default_loss(output)
+            except TypeError as exc:
+                raise ModelFileError(self.display, f"no loss: {exc}",
+                                     "define loss_fn(output, batch) returning a scalar tensor") from None
+            self.loss_note = f"no loss_fn: the loss is {rule}"
+            where = "the default loss"
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise ModelFileError(self.display, f"{where} returned {shape}, not a scalar tensor",
+                                 "make loss_fn(output, batch) return a scalar tensor (e.g. .mean())")
+        if not loss.requires_grad:
+            raise ModelFileError(self.display, f"{where} does not depend on any trainable parameter",
+                                 "make sure parameters have requires_grad=True and the loss uses the output")
+        return loss
+
+    def backward(self, loss: torch.Tensor) -> None:
+        try:
+            loss.backward()
+        except Exception as exc:
+            raise ModelFileError(self.display, f"backward raised {exc_text(exc)}",
+                                 "make forward + loss differentiable (no in-place changes of saved tensors, "
+                                 "no detached outputs)") from None
+
+    def step(self, b: int, precision: ActivationPrecision = "fp32") -> None:
+        """One forward + loss + backward at micro-batch ``b``; the batch is created inside."""
+        batch = self.make_batch(b)
+        with _autocast(precision):
+            out = self.forward(batch, b)
+            loss = self.loss(out, batch)
+        del out
+        self.backward(loss)
+
+    # -- measurements -----------------------------------------------------------------------------
+    def warm_up(self, b: int) -> None:
+        """One step (allocates the gradients), then zero them in place."""
+        self.model.train()
+        self.step(b)
+        self.model.zero_grad(set_to_none=False)
+
+    def flops(self, b: int) -> tuple[int, int]:
+        """(forward + loss, backward) FLOPs at micro-batch ``b``, attention counted (math SDPA)."""
+        batch = self.make_batch(b)
+        with _math_sdpa():
+            with FlopCounterMode(display=False) as fwd_counter:
+                out = self.forward(batch, b)
+                loss = self.loss(out, batch)
+            del out
+            with FlopCounterMode(display=False) as bwd_counter:
+                self.backward(loss)
+        self.model.zero_grad(set_to_none=False)
+        return int(fwd_counter.get_total_flops()), int(bwd_counter.get_total_flops())
+
+    def activation_peaks(self, b: int, precision: ActivationPrecision = "fp32",
+                         checkpointing: CheckpointMode = "none") -> PhasePeaks:
+        """Peak live tensor bytes above the resident parameters, gradients and buffers in the
+        forward + loss phase and in the backward phase of one step, also without counting the
+        parameter copies (autocast's casts of the weights)."""
+        params = list(self.model.parameters())
+        tracker = MemTracker()
+        tracker.track(params, category="param")
+        tracker.track([p.grad for p in params], category="grad")
+        tracker.track(list(self.model.buffers()), category="buffer")
+        with checkpointed(self.blocks, checkpointing == "full"), tracker:
+            batch = self.make_batch(b)
+            with _autocast(precision):
+                out = self.forward(batch, b)
+                loss = self.loss(out, batch)
+            del out, batch
+            forward_peak = tracker.peak_above_baseline
+            forward_bare = tracker.peak_without_copies - tracker.baseline_bytes
+            tracker.reset_peak()
+            self.backward(loss)
+            del loss
+            backward_peak = tracker.peak_above_baseline
+            backward_bare = tracker.peak_without_copies - tracker.baseline_bytes
+        self.model.zero_grad(set_to_none=False)
+        return PhasePeaks(forward_peak, backward_peak, forward_bare, backward_bare)
+
+    def activation_bytes(self, b: int, precision: ActivationPrecision = "fp32",
+                         checkpointing: CheckpointMode = "none") -> int:
+        """Peak live tensor bytes of one step above the resident parameters, gradients and buffers."""
+        return self.activation_peaks(b, precision, checkpointing).peak
+
+
+@dataclass
+class Measurement:
+    """Raw numbers of one model instance (one depth)."""
+
+    fwd_flops: int
+    bwd_flops: int
+    peaks: dict[tuple[ActivationPrecision, CheckpointMode, int], PhasePeaks]
+    batch_info: BatchInfo
+    loss_note: str | None
+
+
+def modes_for(has_blocks: bool) -> list[tuple[ActivationPrecision, CheckpointMode]]:
+    ckpts: tuple[CheckpointMode, ...] = ("none", "full") if has_blocks else ("none",)
+    return [(p, c) for p in PRECISIONS for c in ckpts]
+
+
+def measure(runner: StepRunner, batch_sizes: tuple[int, int], *, flops: bool = True) -> Measurement:
+    """Warm up, count FLOPs at ``batch_sizes[0]`` and measure activation peaks for every mode."""
+    runner.warm_up(batch_sizes[0])
+    fwd, bwd = runner.flops(batch_sizes[0]) if flops else (0, 0)
+    peaks = {}
+    for precision, ckpt in modes_for(bool(runner.blocks)):
+        for b in batch_sizes:
+            peaks[(precision, ckpt, b)] = runner.activation_peaks(b, precision, ckpt)
+    assert runner.batch_info is not None
+    return Measurement(fwd, bwd, peaks, runner.batch_info, runner.loss_note)
+
+
+def blocks_of(model: nn.Module, cls: type | None) -> list[nn.Module]:
+    """The instances of the repeated block class that sit directly in ModuleLists/Sequentials."""
+    if cls is None:
+        return []
+    out: dict[int, nn.Module] = {}
+    for mod in model.modules():
+        if isinstance(mod, (nn.ModuleList, nn.Sequential)):
+            for child in mod.children():
+                if type(child) is cls:
+                    out.setdefault(id(child), child)
+    return list(out.values())
+
+
+def measure_fake(meta_model: nn.Module, spec: BatchSpec, contract: ModelContract, block_cls: type | None,
+                 batch_sizes: tuple[int, int]) -> Measurement:
+    """Materialise a meta model on fake CPU tensors and :func:`measure` it."""
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = materialize_fake(meta_model)
+        runner = StepRunner(model=model, spec=spec, loss_fn=contract.loss_fn, display=contract.display,
+                            blocks=blocks_of(model, block_cls))
+        return measure(runner, batch_sizes)
+
+
+def extrapolate(one: float, two: float, layers: int) -> float:
+    """Value at ``layers`` blocks from values at 1 and 2 blocks (linear in depth)."""
+    return one + (two - one) * (layers - 1)
+
+
+def _line(y0: float, y1: float, b0: int, b1: int) -> tuple[float, float]:
+    per_sample = max(0.0, (y1 - y0) / (b1 - b0))
+    return y0 - per_sample * b0, per_sample
+
+
+def fit_activations(peaks: Mapping[tuple[ActivationPrecision, CheckpointMode, int], PhasePeaks],
+                    batch_sizes: tuple[int, int]) -> tuple[ActivationFit, ...]:
+    """``fixed + per_sample * b`` through the step peaks (the larger phase peak) at the two batch
+    sizes, per (precision, checkpointing)."""
+    b0, b1 = batch_sizes
+    fits = []
+    modes = sorted({(p, c) for p, c, _ in peaks}, key=lambda m: (PRECISIONS.index(m[0]), m[1] != "none"))
+    for precision, ckpt in modes:
+        p0, p1 = peaks[(precision, ckpt, b0)], peaks[(precision, ckpt, b1)]
+        fixed, per_sample = _line(p0.peak, p1.peak, b0, b1)
+        bare_fixed, bare_per_sample = _line(p0.peak_without_copies, p1.peak_without_copies, b0, b1)
+        copies = (fixed + per_sample * b0) - (bare_fixed + bare_per_sample * b0)
+        fits.append(ActivationFit(precision=precision, checkpointing=ckpt, fixed_bytes=round(fixed),
+                                  per_sample_bytes=round(per_sample), param_copy_bytes=max(0, round(copies))))
+    return tuple(fits)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the profile
+# ---------------------------------------------------------------------------------------------------
+def resolve_seq_len(contract: ModelContract, model: nn.Module, seq_len: int | None) -> tuple[int | None, str]:
+    """(explicit sequence length or None, where it came from)."""
+    if seq_len is not None:
+        return int(seq_len), "the seq_len argument"
+    if contract.defaults.seq_len is not None:
+        return contract.defaults.seq_len, 'OPTPLAN["seq_len"]'
+    limit = max_positions(model)
+    if limit is not None:
+        return limit, "the model's maximum position length"
+    return None, "default"
+
+
+def _measure_with_fallback(contract: ModelContract, make_model: Callable[[], nn.Module], spec: BatchSpec,
+                           block_cls: type | None, notes: list[str]) -> tuple[Measurement, tuple[int, int]]:
+    """Measure at batch sizes (1, 2); a model that cannot run one sample is measured at (2, 4)."""
+    try:
+        return measure_fake(make_model(), spec, contract, block_cls, (1, 2)), (1, 2)
+    except ModelFileError as first:
+        if "forward raised" not in first.problem:
+            raise
+        try:
+            result = measure_fake(make_model(), spec, contract, block_cls, (2, 4))
+        except ModelFileError:
+            raise first from None
+        notes.append(f"the model cannot run a single sample ({first.problem}); profiled at batch 2 and 4")
+        return result, (2, 4)
+
+
+def profile_contract(contract: ModelContract, *, seq_len: int | None = None,
+                     started: float | None = None) -> ModelProfile:
+    """Profile the model of ``contract`` (see the module docstring); ``started`` is a perf_counter()."""
+    t0 = time.perf_counter() if started is None else started
+    notes = list(contract.notes)
+    meta = contract.build_meta()
+    params, trainable, by_module, dtype = count_params(meta)
+    block = find_repeated_block(meta)
+    shape = read_transformer_shape(meta, block)
+    explicit_seq, seq_source = resolve_seq_len(contract, meta, seq_len)
+    used_seq = explicit_seq if explicit_seq is not None else DEFAULT_TOKEN_SEQ_LEN
+    spec, batch_note = batch_spec(contract, meta, used_seq)
+    block_cls = block.cls if block else None
+
+    measurement: Measurement | None = None
+    profiled_blocks: int | None = None
+    if block is not None and block.reducible and block.path is not None:
+        layers = len(block.blocks)
+        try:
+            m1, sizes = _measure_with_fallback(contract, lambda: truncated_copy(meta, block.path, 1), spec,
+                                               block_cls, notes)
+            m2 = measure_fake(truncated_copy(meta, block.path, 2), spec, contract, block_cls, sizes)
+        except ModelFileError as exc:
+            notes.append(f"could not profile with the block list cut to 1-2 blocks ({exc.problem}); "
+                         f"profiled all {layers} blocks")
+        else:
+            peaks = {k: m1.peaks[k].scaled(m2.peaks[k], layers) for k in m1.peaks}
+            measurement = Measurement(
+                fwd_flops=round(extrapolate(m1.fwd_flops, m2.fwd_flops, layers)),
+                bwd_flops=round(extrapolate(m1.bwd_flops, m2.bwd_flops, layers)),
+                peaks=peaks, batch_info=m1.batch_info, loss_note=m1.loss_note)  # type: ignore[arg-type]
+            profiled_blocks = 2
+            notes.append(f"profiled 2 of {layers} blocks and scaled by layers")
+    if measurement is None:
+        measurement, sizes = _measure_with_fallback(contract, lambda: copy.deepcopy(meta), spec, block_cls,
+                                                    notes)
+
+    info = measurement.batch_info
+    if batch_note:
+        notes.append(batch_note)
+    if measurement.loss_note:
+        notes.append(measurement.loss_note)
+    if info.input_kind == "tokens":
+        profile_seq = info.tokens_per_sample
+        if explicit_seq is None:
+            notes.append(f"sequence length {used_seq} (default for token models; set OPTPLAN['seq_len'] or "
+                         "--seq-len)")
+        else:
+            notes.append(f"sequence length {explicit_seq} from {seq_source}")
+    else:
+        profile_seq = explicit_seq
+        if contract.example_batch is not None and explicit_seq is None:
+            notes.append(f"example_batch was called with seq_len={used_seq} (no sequence length known)")
+    b0 = sizes[0]
+    return ModelProfile(
+        name=contract.name,
+        path=str(contract.path),
+        model_class=type(meta).__name__,
+        params=params,
+        trainable_params=trainable,
+        params_by_module=by_module,
+        buffer_bytes=buffer_bytes(meta),
+        param_dtype=dtype,
+        repeated_block=block.summary() if block else None,
+        input_kind=info.input_kind,  # type: ignore[arg-type]
+        seq_len=profile_seq,
+        tokens_per_sample=info.tokens_per_sample,
+        fwd_flops_per_sample=measurement.fwd_flops / b0,
+        bwd_flops_per_sample=measurement.bwd_flops / b0,
+        activations=fit_activations(measurement.peaks, sizes),
+        transformer=shape,
+        profiled_blocks=profiled_blocks,
+        defaults=contract.defaults,
+        notes=tuple(notes),
+        torch_version=torch.__version__,
+        profile_s=round(time.perf_counter() - t0, 3),
+    )

@@ -1,0 +1,234 @@
+"""profile_model_file: every user-fixable problem is one ModelFileError line naming file, problem, fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from optplan.estimators.errors import OptplanError
+from optplan.probes.loader import ModelFileError, parse_child_output, profile_model_file
+
+
+def expect_error(path, *fragments: str, **kwargs) -> ModelFileError:
+    with pytest.raises(ModelFileError) as info:
+        profile_model_file(path, **kwargs)
+    err = info.value
+    msg = str(err)
+    assert isinstance(err, OptplanError)
+    assert "\n" not in msg and "\r" not in msg, msg
+    assert msg.startswith(f"{path}: "), msg
+    assert " — " in msg and err.fix and err.problem, msg
+    for frag in fragments:
+        assert frag in msg, f"{frag!r} not in {msg!r}"
+    return err
+
+
+def test_file_missing(tmp_path):
+    expect_error(tmp_path / "nope.py", "file not found", "check the path")
+
+
+def test_not_a_python_file(tmp_path):
+    path = tmp_path / "model.txt"
+    path.write_text("build_model = 1\n")
+    expect_error(path, "not a Python file", ".py")
+    expect_error(tmp_path, "is a directory")
+
+
+def test_syntax_error_names_the_line(write_model):
+    path = write_model("""
+        import torch
+
+        def build_model(:
+            pass
+        """)
+    expect_error(path, "syntax error at line 4", "fix the syntax")
+
+
+def test_missing_package_says_pip_install(write_model):
+    path = write_model("""
+        import torch
+        import optplan_no_such_package_xyz.sub
+        """)
+    expect_error(path, "missing package 'optplan_no_such_package_xyz'", "pip install optplan_no_such_package_xyz")
+
+
+def test_import_raises(write_model):
+    path = write_model("""
+        raise RuntimeError("config file missing")
+        """)
+    expect_error(path, "importing the file raised RuntimeError: config file missing", "__main__")
+
+
+def test_no_builder_found(write_model):
+    path = write_model("""
+        import torch.nn as nn
+
+        class NeedsArgs(nn.Module):
+            def __init__(self, width):
+                super().__init__()
+                self.fc = nn.Linear(width, width)
+
+        def helper():
+            return 1
+        """)
+    expect_error(path, "no model found", "build_model()")
+
+
+def test_builder_raises_names_exception(write_model):
+    path = write_model("""
+        def build_model():
+            raise ValueError("no checkpoint at /data/ckpt.pt")
+        """)
+    expect_error(path, "build_model() raised ValueError: no checkpoint at /data/ckpt.pt", "meta")
+
+
+def test_builder_returns_non_module(write_model):
+    path = write_model("""
+        def build_model():
+            return {"layers": 12}
+        """)
+    expect_error(path, "build_model() returned dict, not a torch.nn.Module", "return the model")
+
+
+def test_example_batch_rejected_by_forward(write_model):
+    path = write_model("""
+        import torch, torch.nn as nn
+
+        def build_model():
+            return nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 8))
+
+        def example_batch(batch_size, seq_len):
+            return torch.randn(batch_size, 10)
+        """)
+    expect_error(path, "the model rejected example_batch(1, 1024): forward raised RuntimeError",
+                 "make example_batch(batch_size, seq_len) return what forward takes")
+
+
+def test_example_batch_raises(write_model):
+    path = write_model("""
+        import torch.nn as nn
+
+        def build_model():
+            return nn.Linear(4, 4)
+
+        def example_batch(batch_size, seq_len):
+            raise KeyError("dataset")
+        """)
+    expect_error(path, "example_batch(1, 1024) raised KeyError", "example_batch(batch_size, seq_len)")
+
+
+def test_no_example_batch_for_non_token_model(write_model):
+    path = write_model("""
+        import torch.nn as nn
+
+        def build_model():
+            return nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+        """)
+    expect_error(path, "no example_batch", "add example_batch(batch_size, seq_len)")
+
+
+def test_optplan_not_a_dict(write_model):
+    path = write_model("""
+        import torch.nn as nn
+        OPTPLAN = [("seq_len", 128)]
+
+        def build_model():
+            return nn.Linear(4, 4)
+        """)
+    expect_error(path, "OPTPLAN must be a dict, got list", "OPTPLAN = {")
+
+
+def test_optplan_bad_value(write_model):
+    path = write_model("""
+        import torch.nn as nn
+        OPTPLAN = {"seq_len": "2k"}
+
+        def build_model():
+            return nn.Linear(4, 4)
+        """)
+    expect_error(path, "OPTPLAN['seq_len'] must be a positive integer", "2048")
+
+
+def test_several_candidates_ask_for_model_name(write_model):
+    path = write_model("""
+        import torch, torch.nn as nn
+
+        class Small(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(8, 2)
+            def forward(self, x):
+                return self.fc(x)
+
+        class Big(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(8, 4)
+            def forward(self, x):
+                return self.fc(x)
+
+        def example_batch(batch_size, seq_len):
+            return torch.randn(batch_size, 8)
+        """)
+    expect_error(path, "several models found", "Big, Small", "--model-name Big")
+
+
+def test_loss_fn_raises(write_model):
+    path = write_model("""
+        import torch, torch.nn as nn
+
+        def build_model():
+            return nn.Linear(4, 4)
+
+        def example_batch(batch_size, seq_len):
+            return torch.randn(batch_size, 4)
+
+        def loss_fn(output, batch):
+            return output["loss"]
+        """)
+    expect_error(path, "loss_fn(output, batch) raised", "scalar tensor")
+
+
+def test_child_crash_reports_last_stderr_line(write_model):
+    path = write_model("""
+        import os, sys
+
+        def build_model():
+            print("allocating the world", file=sys.stderr, flush=True)
+            os._exit(7)
+        """)
+    expect_error(path, "crashed (exit code 7)", "allocating the world", "to see the full error")
+
+
+def test_child_timeout(write_model):
+    path = write_model("""
+        import sys, time
+        print("waiting for the cluster", file=sys.stderr, flush=True)
+        time.sleep(120)
+        """)
+    expect_error(path, "did not finish within 3 s", "raise the timeout", timeout_s=3)
+
+
+def test_garbage_output_is_a_model_file_error():
+    with pytest.raises(ModelFileError, match="printed no JSON profile"):
+        parse_child_output("m.py", 0, "hello\n", "")
+    with pytest.raises(ModelFileError, match="killed by signal 9.*oom"):
+        parse_child_output("m.py", -9, "", "oom\n")
+    with pytest.raises(ModelFileError, match="invalid profile"):
+        parse_child_output("m.py", 0, '{"name": "x"}', "")
+
+
+def test_user_prints_do_not_break_the_json(write_model):
+    path = write_model("""
+        import os, torch, torch.nn as nn
+        print("hello from import")
+        os.write(1, b"raw fd write\\n")
+
+        def build_model():
+            print("building")
+            return nn.Linear(4, 2)
+
+        def example_batch(batch_size, seq_len):
+            return torch.randn(batch_size, 4)
+        """)
+    profile = profile_model_file(path)
+    assert profile.params == 10

@@ -1,0 +1,165 @@
+"""The static profile: fake-tensor activations vs real CPU steps, depth extrapolation, FLOPs, speed."""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+
+import pytest
+import torch
+
+from optplan.probes.contract import load_contract
+from optplan.probes.loader import profile_model_file
+from optplan.probes.static import (
+    StepRunner,
+    batch_spec,
+    blocks_of,
+    find_repeated_block,
+    fit_activations,
+    measure,
+    measure_fake,
+    profile_contract,
+)
+
+BATCHES = (1, 2)
+
+
+def real_fits(contract, seq_len: int):
+    """Activation fits and FLOPs of a REAL CPU model at full depth, same definition and tracker."""
+    torch.manual_seed(0)
+    model = contract.builder()  # real weights (small models only)
+    block = find_repeated_block(model)
+    spec, _ = batch_spec(contract, model, seq_len)
+    runner = StepRunner(model=model, spec=spec, loss_fn=contract.loss_fn, display=contract.display,
+                        blocks=blocks_of(model, block.cls if block else None))
+    m = measure(runner, BATCHES)
+    return {(f.precision, f.checkpointing): f for f in fit_activations(m.peaks, BATCHES)}, m
+
+
+def fake_full_depth_fits(contract, seq_len: int):
+    meta = contract.build_meta()
+    block = find_repeated_block(meta)
+    spec, _ = batch_spec(contract, meta, seq_len)
+    m = measure_fake(meta, spec, contract, block.cls if block else None, BATCHES)
+    return {(f.precision, f.checkpointing): f for f in fit_activations(m.peaks, BATCHES)}, m
+
+
+def assert_fits_close(got, want, rel=0.01):
+    assert set(got) == set(want)
+    for mode, fit in want.items():
+        for b in (1, 2, 8):
+            assert got[mode].bytes_at(b) == pytest.approx(fit.bytes_at(b), rel=rel), (mode, b)
+        assert got[mode].param_copy_bytes == pytest.approx(fit.param_copy_bytes, rel=rel, abs=64), mode
+
+
+def test_fake_profile_matches_a_real_cpu_step_small_gpt(small_gpt_file):
+    contract = load_contract(small_gpt_file)
+    profile = profile_contract(contract)  # 4 layers: profiled with 1 and 2 blocks, extrapolated
+    assert profile.profiled_blocks == 2 and "profiled 2 of 4 blocks and scaled by layers" in profile.notes
+    real, real_m = real_fits(contract, 64)
+    fake, fake_m = fake_full_depth_fits(contract, 64)
+    extrapolated = {(f.precision, f.checkpointing): f for f in profile.activations}
+    assert set(real) == {("fp32", "none"), ("fp32", "full"), ("bf16", "none"), ("bf16", "full")}
+    assert_fits_close(fake, real)  # fake tensors == real tensors (full depth)
+    assert_fits_close(extrapolated, real)  # depth-reduced profile == real full depth
+    assert real[("bf16", "none")].param_copy_bytes > 0 and real[("fp32", "none")].param_copy_bytes == 0
+    assert real[("fp32", "full")].per_sample_bytes < real[("fp32", "none")].per_sample_bytes
+    assert (fake_m.fwd_flops, fake_m.bwd_flops) == (real_m.fwd_flops, real_m.bwd_flops)
+    assert profile.fwd_flops_per_sample == pytest.approx(real_m.fwd_flops, rel=1e-9)
+    assert profile.bwd_flops_per_sample == pytest.approx(real_m.bwd_flops, rel=1e-9)
+
+
+def test_fake_profile_matches_a_real_cpu_step_mlp(examples_dir):
+    contract = load_contract(examples_dir / "mlp.py")
+    profile = profile_contract(contract)
+    real, real_m = real_fits(contract, 1024)
+    assert_fits_close({(f.precision, f.checkpointing): f for f in profile.activations}, real)
+    assert profile.fwd_flops_per_sample == pytest.approx(real_m.fwd_flops, rel=1e-9)
+    assert profile.repeated_block is not None and profile.repeated_block.path == "blocks"
+
+
+def test_extrapolation_is_exact_for_a_deeper_llama(write_model, examples_dir):
+    """8 layers and a large vocabulary: the peak moves between forward and backward with depth."""
+    path = write_model(f"""
+        import importlib.util, sys
+        spec = importlib.util.spec_from_file_location("optplan_example_llama", {str(examples_dir / "llama.py")!r})
+        llama = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = llama
+        spec.loader.exec_module(llama)
+        OPTPLAN = {{"seq_len": 128}}
+
+        def build_model():
+            return llama.build_model("8B", dim=256, n_layers=8, n_heads=4, n_kv_heads=2, ffn_dim=512,
+                                     vocab_size=32000)
+        loss_fn = llama.loss_fn
+        """)
+    contract = load_contract(path)
+    profile = profile_contract(contract)
+    assert profile.profiled_blocks == 2 and profile.transformer.kv_heads == 2
+    assert any("inferred token-id batch" in n for n in profile.notes)
+    full, m = fake_full_depth_fits(contract, 128)
+    assert_fits_close({(f.precision, f.checkpointing): f for f in profile.activations}, full, rel=1e-6)
+    assert profile.fwd_flops_per_sample == m.fwd_flops
+
+
+@pytest.fixture(scope="module")
+def gpt2_small_run():
+    start = time.perf_counter()
+    profile = profile_model_file(os.path.join(os.path.dirname(__file__), "../../examples/gpt2.py"))
+    return profile, time.perf_counter() - start
+
+
+def test_gpt2_small_profile_and_speed(gpt2_small_run):
+    profile, wall = gpt2_small_run
+    print(f"\ngpt2 small: profile_s={profile.profile_s:.2f} wall={wall:.2f}s")
+    assert wall < 15
+    assert profile.params == profile.trainable_params == 124_439_808
+    assert profile.params_by_module == {"transformer": 124_439_808, "lm_head": 0}
+    assert profile.repeated_block.class_name == "Block" and profile.repeated_block.count == 12
+    assert profile.repeated_block.params_per_block == 7_087_872
+    assert profile.repeated_block.path == "transformer.h"
+    assert profile.transformer.hidden == 768 and profile.transformer.vocab == 50257
+    assert profile.input_kind == "tokens" and profile.seq_len == profile.tokens_per_sample == 1024
+    assert profile.profiled_blocks == 2 and profile.torch_version == torch.__version__
+    assert profile.defaults.precision == "amp-bf16"
+    assert profile.supports_checkpointing and len(profile.activations) == 4
+
+
+def test_gpt2_small_flops_match_the_formula(gpt2_small_run):
+    profile, _ = gpt2_small_run
+    n, layers, d, t = 124_439_808, 12, 768, 1024
+    attention = 3 * layers * 2 * (2 * t * t * d)  # QK^T and AV, forward + 2x backward, per sample
+    formula = 6 * n * t + attention
+    measured = profile.train_flops_per_sample
+    assert measured == pytest.approx(formula, rel=0.02)
+    assert measured * 8 == pytest.approx(7.000e12, rel=0.001)  # stack-notes: B=8, T=1024, math SDPA
+    assert profile.bwd_flops_per_sample == pytest.approx(2 * profile.fwd_flops_per_sample, rel=1e-6)
+
+
+def test_resnet50_profile(examples_dir):
+    profile = profile_contract(load_contract(examples_dir / "resnet.py"))
+    assert profile.params == 25_557_032 and profile.buffer_bytes > 0
+    assert profile.repeated_block.class_name == "Bottleneck" and profile.repeated_block.count == 16
+    assert profile.repeated_block.path is None and profile.profiled_blocks is None  # 4 stages: full depth
+    assert profile.input_kind == "other" and profile.seq_len is None
+    assert profile.fwd_flops_per_sample == pytest.approx(2 * 4.09e9, rel=0.02)  # 4.09 GMACs
+    assert profile.activation("fp32", "none").per_sample_bytes > profile.activation("fp32", "full").per_sample_bytes
+
+
+@pytest.mark.slow
+def test_llama_70b_profiles_fast_and_small(examples_dir, monkeypatch):
+    monkeypatch.setenv("OPTPLAN_LLAMA_SIZE", "70B")
+    start = time.perf_counter()
+    profile = profile_model_file(examples_dir / "llama.py")
+    wall = time.perf_counter() - start
+    peak_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # largest child so far
+    print(f"\nllama 70B: profile_s={profile.profile_s:.2f} wall={wall:.2f}s child peak RSS <= {peak_rss / 2**30:.2f} GiB")
+    assert wall < 60 and peak_rss < 4 * 2**30
+    assert profile.params == 70_553_706_496 and profile.name == "llama-70B"
+    assert profile.profiled_blocks == 2 and "profiled 2 of 80 blocks and scaled by layers" in profile.notes
+    assert profile.transformer.layers == 80 and profile.transformer.kv_heads == 8
+    six_n_t = 6 * profile.params * 4096
+    assert profile.train_flops_per_sample == pytest.approx(six_n_t, rel=0.15)  # + attention at 4k
+    bf16 = profile.activation("bf16", "full")
+    assert bf16.param_copy_bytes == pytest.approx(2 * (profile.params - 128256 * 8192), rel=0.01)
