@@ -60,6 +60,7 @@ def _run(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
         from optplan.probes.contract import load_contract
         from optplan.probes.static import profile_contract
 
+        sys.argv = [args.path]  # as if the user ran `python FILE`
         contract = load_contract(args.path, model_name=args.model_name)
         profile = profile_contract(contract, seq_len=args.seq_len, started=_STARTED)
         return profile.model_dump(mode="json"), EXIT_OK

@@ -52,7 +52,7 @@ DEFAULT_TOKEN_SEQ_LEN = 1024
 
 _MODEL_FIX = ("define `def build_model(): return MyModel()` in the file (or a module-level nn.Module "
               "instance, or an nn.Module class whose constructor takes no arguments)")
-_BATCH_FIX = ("make example_batch(batch_size, seq_len) return what forward takes (a tensor calls "
+BATCH_FIX = ("make example_batch(batch_size, seq_len) return what forward takes (a tensor calls "
               "model(x), a tuple/list model(*x), a dict model(**x))")
 
 
@@ -385,9 +385,9 @@ def check_batch_type(batch: Any, display: str, where: str) -> None:
     """ModelFileError unless ``batch`` is a tensor, tuple/list or dict holding a tensor."""
     if not isinstance(batch, (torch.Tensor, Mapping, list, tuple)):
         raise ModelFileError(display, f"{where} returned {type(batch).__name__}, not a tensor, tuple, list or dict",
-                             _BATCH_FIX)
+                             BATCH_FIX)
     if first_tensor(batch) is None:
-        raise ModelFileError(display, f"{where} returned no tensor", _BATCH_FIX)
+        raise ModelFileError(display, f"{where} returned no tensor", BATCH_FIX)
 
 
 def first_param_module(model: nn.Module) -> nn.Module | None:

@@ -28,8 +28,10 @@ Definitions the estimators rely on:
   per phase (forward + loss, and backward, split where autocast exits) and the larger one taken:
   within one phase every candidate peak point grows by the same bytes per block, so its argmax does
   not move with depth, while the two phases grow at different rates (e.g. autocast's cached weight
-  copies exist only in forward). If the cut model fails to run, the full depth is profiled instead
-  (with a note).
+  copies exist only in forward). When the first block's input does not require grad (blocks first,
+  no embedding or stem before them) the first block skips its input gradient and depth 1 is off the
+  line, so 2 and 3 blocks are measured instead. If the cut model fails to run, the full depth is
+  profiled instead (with a note).
 
 Sequence length used for ``example_batch(batch_size, seq_len)`` (or the inferred token batch):
 the ``seq_len`` argument, else ``OPTPLAN["seq_len"]``, else the model's maximum position length when
@@ -63,7 +65,7 @@ from optplan.estimators.profile import (
     TransformerShape,
 )
 from optplan.probes.contract import (
-    _BATCH_FIX,
+    BATCH_FIX,
     DEFAULT_TOKEN_SEQ_LEN,
     ModelContract,
     apply_keeping_ties,
@@ -234,18 +236,41 @@ def read_transformer_shape(model: nn.Module, block: BlockInfo | None) -> Transfo
                             max_seq_len=_read_int(sources, MAX_LEN_NAMES))
 
 
-def truncated_copy(model: nn.Module, path: str, keep: int) -> nn.Module:
-    """A deep copy of ``model`` whose container at ``path`` keeps only its first ``keep`` children."""
-    container = model.get_submodule(path)
-    short = copy.copy(container)
+def _cut(container: nn.Module, keep: int) -> nn.Module:
+    short = copy.copy(container)  # same class and attributes, own child table
     short._modules = OrderedDict(list(container._modules.items())[:keep])  # type: ignore[assignment]
+    return short
+
+
+def truncated_copy(model: nn.Module, path: str, keep: int) -> nn.Module:
+    """A deep copy of ``model`` whose container at ``path`` keeps only its first ``keep`` children
+    (``path`` "" is the model itself)."""
+    container = model.get_submodule(path)
+    if not path:
+        return copy.deepcopy(_cut(container, keep))
     parent_path, _, attr = path.rpartition(".")
     parent = model.get_submodule(parent_path) if parent_path else model
-    parent._modules[attr] = short
+    parent._modules[attr] = _cut(container, keep)
     try:
         return copy.deepcopy(model)
     finally:
         parent._modules[attr] = container
+
+
+def _fresh(contract: ModelContract, meta: nn.Module, path: str | None = None, keep: int = 0) -> nn.Module:
+    """A meta model to measure: a (cut) deep copy of ``meta``, or a new build when it cannot be copied."""
+    try:
+        return truncated_copy(meta, path, keep) if path is not None else copy.deepcopy(meta)
+    except Exception:  # noqa: BLE001 - e.g. attributes that cannot be deep-copied: build again
+        model = contract.build_meta()
+        if path is None:
+            return model
+        if not path:
+            return _cut(model, keep)
+        parent_path, _, attr = path.rpartition(".")
+        parent = model.get_submodule(parent_path) if parent_path else model
+        parent._modules[attr] = _cut(model.get_submodule(path), keep)
+        return model
 
 
 def materialize_fake(model: nn.Module) -> nn.Module:
@@ -271,7 +296,7 @@ def batch_spec(contract: ModelContract, model: nn.Module, seq_len: int) -> tuple
     fn = contract.example_batch
     if fn is not None:
         return BatchSpec(make=lambda b: fn(b, seq_len), describe=lambda b: f"example_batch({b}, {seq_len})",
-                         inferred=False, fix=_BATCH_FIX), None
+                         inferred=False, fix=BATCH_FIX), None
     first = first_param_module(model)
     if isinstance(first, nn.Embedding):
         vocab = first.num_embeddings
@@ -297,13 +322,17 @@ def checkpointed(blocks: list[nn.Module], enabled: bool = True) -> Iterator[None
     if not enabled:
         yield
         return
+    saved = [(blk, blk.__dict__.get("forward")) for blk in blocks]
     for blk in blocks:
         blk.forward = partial(_checkpoint_call, blk.forward)  # instance attribute shadows the method
     try:
         yield
     finally:
-        for blk in blocks:
-            blk.__dict__.pop("forward", None)
+        for blk, previous in saved:
+            if previous is None:
+                blk.__dict__.pop("forward", None)
+            else:
+                blk.forward = previous
 
 
 def _checkpoint_call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -334,9 +363,9 @@ class PhasePeaks(NamedTuple):
         """The step's peak not counting autocast's parameter copies."""
         return round(max(self.forward_without_copies, self.backward_without_copies))
 
-    def scaled(self, other: PhasePeaks, layers: int) -> PhasePeaks:
-        """Extrapolate (self at 1 block, other at 2 blocks) to ``layers`` blocks, field by field."""
-        return PhasePeaks(*(extrapolate(a, b, layers) for a, b in zip(self, other, strict=True)))
+    def scaled(self, other: PhasePeaks, layers: int, base: int = 1) -> PhasePeaks:
+        """Extrapolate (self at ``base`` blocks, other at ``base + 1``) to ``layers`` blocks, field by field."""
+        return PhasePeaks(*(extrapolate(a, b, layers, base) for a, b in zip(self, other, strict=True)))
 
 
 @dataclass
@@ -435,11 +464,25 @@ class StepRunner:
         self.backward(loss)
 
     # -- measurements -----------------------------------------------------------------------------
-    def warm_up(self, b: int) -> None:
-        """One step (allocates the gradients), then zero them in place."""
+    def warm_up(self, b: int) -> bool | None:
+        """One step (allocates the gradients), then zero them in place. Returns whether the first
+        repeated block's tensor inputs require grad (None without blocks)."""
         self.model.train()
-        self.step(b)
+        seen: list[bool] = []
+
+        def pre_hook(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if not seen:
+                tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+                seen.append(any(t.requires_grad for t in tensors))
+
+        handle = self.blocks[0].register_forward_pre_hook(pre_hook, with_kwargs=True) if self.blocks else None
+        try:
+            self.step(b)
+        finally:
+            if handle is not None:
+                handle.remove()
         self.model.zero_grad(set_to_none=False)
+        return seen[0] if seen else None
 
     def flops(self, b: int) -> tuple[int, int]:
         """(forward + loss, backward) FLOPs at micro-batch ``b``, attention counted (math SDPA)."""
@@ -495,6 +538,7 @@ class Measurement:
     peaks: dict[tuple[ActivationPrecision, CheckpointMode, int], PhasePeaks]
     batch_info: BatchInfo
     loss_note: str | None
+    first_block_input_grad: bool | None = None
 
 
 def modes_for(has_blocks: bool) -> list[tuple[ActivationPrecision, CheckpointMode]]:
@@ -504,14 +548,14 @@ def modes_for(has_blocks: bool) -> list[tuple[ActivationPrecision, CheckpointMod
 
 def measure(runner: StepRunner, batch_sizes: tuple[int, int], *, flops: bool = True) -> Measurement:
     """Warm up, count FLOPs at ``batch_sizes[0]`` and measure activation peaks for every mode."""
-    runner.warm_up(batch_sizes[0])
+    input_grad = runner.warm_up(batch_sizes[0])
     fwd, bwd = runner.flops(batch_sizes[0]) if flops else (0, 0)
     peaks = {}
     for precision, ckpt in modes_for(bool(runner.blocks)):
         for b in batch_sizes:
             peaks[(precision, ckpt, b)] = runner.activation_peaks(b, precision, ckpt)
     assert runner.batch_info is not None
-    return Measurement(fwd, bwd, peaks, runner.batch_info, runner.loss_note)
+    return Measurement(fwd, bwd, peaks, runner.batch_info, runner.loss_note, input_grad)
 
 
 def blocks_of(model: nn.Module, cls: type | None) -> list[nn.Module]:
@@ -537,9 +581,9 @@ def measure_fake(meta_model: nn.Module, spec: BatchSpec, contract: ModelContract
         return measure(runner, batch_sizes)
 
 
-def extrapolate(one: float, two: float, layers: int) -> float:
-    """Value at ``layers`` blocks from values at 1 and 2 blocks (linear in depth)."""
-    return one + (two - one) * (layers - 1)
+def extrapolate(one: float, two: float, layers: int, base: int = 1) -> float:
+    """Value at ``layers`` blocks from values at ``base`` and ``base + 1`` blocks (linear in depth)."""
+    return one + (two - one) * (layers - base)
 
 
 def _line(y0: float, y1: float, b0: int, b1: int) -> tuple[float, float]:
@@ -595,6 +639,35 @@ def _measure_with_fallback(contract: ModelContract, make_model: Callable[[], nn.
         return result, (2, 4)
 
 
+def _measure_reduced(contract: ModelContract, meta: nn.Module, block: BlockInfo, spec: BatchSpec,
+                     notes: list[str]) -> tuple[Measurement, tuple[int, int], int | None]:
+    """Measure with the block container cut to 1 and 2 blocks and extrapolate to its length.
+
+    When the first block's input does not require grad (the blocks come first, no embedding or stem
+    before them), the first block skips its input gradient, so depth 1 is not on the line: then 2 and 3
+    blocks are measured instead. Returns (measurement, batch sizes, blocks profiled or None for full).
+    """
+    layers = len(block.blocks)
+    path = block.path
+    assert path is not None
+    cls = block.cls
+    m1, sizes = _measure_with_fallback(contract, lambda: _fresh(contract, meta, path, 1), spec, cls, notes)
+    m2 = measure_fake(_fresh(contract, meta, path, 2), spec, contract, cls, sizes)
+    lo, hi, base = m1, m2, 1
+    if m1.first_block_input_grad is False:
+        m3 = measure_fake(_fresh(contract, meta, path, 3), spec, contract, cls, sizes)
+        if layers == 3:
+            return m3, sizes, None
+        lo, hi, base = m2, m3, 2
+    peaks = {k: lo.peaks[k].scaled(hi.peaks[k], layers, base) for k in lo.peaks}
+    measurement = Measurement(
+        fwd_flops=round(extrapolate(lo.fwd_flops, hi.fwd_flops, layers, base)),
+        bwd_flops=round(extrapolate(lo.bwd_flops, hi.bwd_flops, layers, base)),
+        peaks=peaks, batch_info=m1.batch_info, loss_note=m1.loss_note)
+    notes.append(f"profiled {base + 1} of {layers} blocks and scaled by layers")
+    return measurement, sizes, base + 1
+
+
 def profile_contract(contract: ModelContract, *, seq_len: int | None = None,
                      started: float | None = None) -> ModelProfile:
     """Profile the model of ``contract`` (see the module docstring); ``started`` is a perf_counter()."""
@@ -614,22 +687,12 @@ def profile_contract(contract: ModelContract, *, seq_len: int | None = None,
     if block is not None and block.reducible and block.path is not None:
         layers = len(block.blocks)
         try:
-            m1, sizes = _measure_with_fallback(contract, lambda: truncated_copy(meta, block.path, 1), spec,
-                                               block_cls, notes)
-            m2 = measure_fake(truncated_copy(meta, block.path, 2), spec, contract, block_cls, sizes)
+            measurement, sizes, profiled_blocks = _measure_reduced(contract, meta, block, spec, notes)
         except ModelFileError as exc:
-            notes.append(f"could not profile with the block list cut to 1-2 blocks ({exc.problem}); "
+            notes.append(f"could not profile with the block list cut to 1-3 blocks ({exc.problem}); "
                          f"profiled all {layers} blocks")
-        else:
-            peaks = {k: m1.peaks[k].scaled(m2.peaks[k], layers) for k in m1.peaks}
-            measurement = Measurement(
-                fwd_flops=round(extrapolate(m1.fwd_flops, m2.fwd_flops, layers)),
-                bwd_flops=round(extrapolate(m1.bwd_flops, m2.bwd_flops, layers)),
-                peaks=peaks, batch_info=m1.batch_info, loss_note=m1.loss_note)  # type: ignore[arg-type]
-            profiled_blocks = 2
-            notes.append(f"profiled 2 of {layers} blocks and scaled by layers")
     if measurement is None:
-        measurement, sizes = _measure_with_fallback(contract, lambda: copy.deepcopy(meta), spec, block_cls,
+        measurement, sizes = _measure_with_fallback(contract, lambda: _fresh(contract, meta), spec, block_cls,
                                                     notes)
 
     info = measurement.batch_info

@@ -163,3 +163,60 @@ def test_llama_70b_profiles_fast_and_small(examples_dir, monkeypatch):
     assert profile.train_flops_per_sample == pytest.approx(six_n_t, rel=0.15)  # + attention at 4k
     bf16 = profile.activation("bf16", "full")
     assert bf16.param_copy_bytes == pytest.approx(2 * (profile.params - 128256 * 8192), rel=0.01)
+
+
+def test_root_sequential_and_uncopyable_blocks_are_cut_by_rebuilding(write_model):
+    path = write_model("""
+        import threading
+        import torch, torch.nn as nn
+
+        class Block(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lock = threading.Lock()  # cannot be deep-copied: the profile rebuilds instead
+                self.fc = nn.Linear(32, 32)
+            def forward(self, x):
+                return x + torch.nn.functional.gelu(self.fc(x))
+
+        def build_model():
+            return nn.Sequential(*[Block() for _ in range(5)])
+
+        def example_batch(batch_size, seq_len):
+            return torch.randn(batch_size, 32)
+        """)
+    contract = load_contract(path)
+    profile = profile_contract(contract)
+    assert profile.repeated_block.path == "" and profile.repeated_block.count == 5
+    assert profile.profiled_blocks == 3  # the first block gets no input gradient: 2 and 3 measured
+    assert "profiled 3 of 5 blocks and scaled by layers" in profile.notes
+    full, m = fake_full_depth_fits(contract, 1024)
+    assert_fits_close({(f.precision, f.checkpointing): f for f in profile.activations}, full, rel=1e-6)
+    assert profile.fwd_flops_per_sample == m.fwd_flops == 5 * 2 * 32 * 32
+
+
+def test_models_that_cannot_be_cut_are_profiled_at_full_depth(write_model):
+    path = write_model("""
+        import torch, torch.nn as nn
+
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.n_layers = 4
+                self.inp = nn.Linear(8, 16)
+                self.layers = nn.ModuleList([nn.Linear(16, 16) for _ in range(self.n_layers)])
+            def forward(self, x):
+                h = self.inp(x)
+                for i in range(self.n_layers):  # indexes by the configured depth: a cut list fails
+                    h = torch.relu(self.layers[i](h))
+                return h.sum()
+
+        def build_model():
+            return Net()
+
+        def example_batch(batch_size, seq_len):
+            return torch.randn(batch_size, 8)
+        """)
+    profile = profile_contract(load_contract(path))
+    assert profile.profiled_blocks is None
+    assert any("could not profile with the block list cut" in n and "IndexError" in n for n in profile.notes)
+    assert profile.fwd_flops_per_sample == 2 * (8 * 16 + 4 * 16 * 16)
