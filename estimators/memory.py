@@ -103,10 +103,17 @@ def model_states(profile: ModelProfile, strategy: Strategy) -> ModelStates:
 
 
 def activation_bytes(profile: ModelProfile, strategy: Strategy) -> int:
-    """Activations + temporaries of one micro-batch's forward/backward (bytes), from the profile fit."""
+    """Activations + temporaries of one micro-batch's forward/backward (bytes), from the profile fit.
+
+    The 16-bit fits are measured under autocast on fp32 weights, which keeps a 16-bit copy of every
+    weight alive through the step (``param_copy_bytes``). Recipes whose weights are already 16-bit
+    (bf16, fp16, bf16-pure) use the weights themselves, so those copies are subtracted for them.
+    """
     recipe = get_recipe(strategy.precision)
     mode = strategy.checkpointing if profile.supports_checkpointing else "none"
-    return profile.activation(recipe.activation_precision, mode).bytes_at(strategy.mbs)
+    fit = profile.activation(recipe.activation_precision, mode)
+    copies = fit.param_copy_bytes if recipe.weight_bytes == 2 else 0
+    return max(0, fit.bytes_at(strategy.mbs) - copies)
 
 
 def buffer_bytes(profile: ModelProfile, strategy: Strategy) -> int:

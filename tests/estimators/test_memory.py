@@ -114,3 +114,14 @@ def test_sharding_never_increases_model_states() -> None:
         s = model_states(prof, Strategy(zero=zero, dp=8))
         per_stage.append(s.params_bytes + s.grads_bytes + s.optimizer_bytes)
     assert per_stage == sorted(per_stage, reverse=True)
+
+
+def test_autocast_weight_copies_only_count_for_amp() -> None:
+    base = make_profile()
+    fits = tuple(f.model_copy(update={"fixed_bytes": f.fixed_bytes + 5000, "param_copy_bytes": 5000})
+                 if f.precision == "bf16" else f for f in base.activations)
+    prof = base.model_copy(update={"activations": fits})
+    amp = activation_bytes(prof, Strategy(precision="amp-bf16", mbs=2))
+    assert amp == activation_bytes(base, Strategy(precision="amp-bf16", mbs=2)) + 5000
+    for precision in ("bf16", "fp16", "bf16-pure"):
+        assert activation_bytes(prof, Strategy(precision=precision, mbs=2)) == amp - 5000  # type: ignore[arg-type]
