@@ -17,17 +17,25 @@ def _lean_strategy(space: SearchSpace, profile: ModelProfile, dp: int, *, zero: 
     """The smallest-memory strategy of the space at ``dp`` GPUs: 16-bit weights if searched, mbs 1,
     checkpointing when the model has a repeated block, ZeRO ``zero``."""
     precision = min(space.precisions, key=lambda p: (p.startswith("amp") or p == "fp32", p))
+    gb = space.global_batch
+    accum = gb // dp if gb and gb % dp == 0 else 1
     return Strategy(precision=precision, optimizer=space.optimizer, zero=zero, mbs=1,  # type: ignore[arg-type]
-                    grad_accum=1, dp=dp, checkpointing="full" if profile.supports_checkpointing else "none",
+                    grad_accum=accum, dp=dp, checkpointing="full" if profile.supports_checkpointing else "none",
                     **extra)  # type: ignore[arg-type]
 
 
-def fewest_gpus_zero3(profile: ModelProfile, cluster: Cluster, space: SearchSpace) -> Estimate | None:
+def fewest_gpus_zero3(profile: ModelProfile, cluster: Cluster, space: SearchSpace, *,
+                      keep_global_batch: bool = True) -> Estimate | None:
     """Smallest GPU count (> the given one) at which the lean ZeRO-3 strategy fits, by bisection.
 
     Per-GPU memory under ZeRO-3 falls monotonically with the GPU count (states ÷ N_d, the rest fixed),
-    so bisection over [gpus + 1, 65536] finds the minimum. None when even 65536 GPUs do not fit.
+    so bisection over [gpus + 1, 65536] finds the minimum. With a fixed global batch the count then
+    rises to the next divisor of it (when one exists), so the plan keeps the batch. None when even 65536
+    GPUs do not fit.
     """
+    if not keep_global_batch:
+        space = space.model_copy(update={"global_batch": None})
+
     def at(n: int) -> Estimate:
         c = cluster.model_copy(update={"gpus": n})
         return estimate(profile, c, _lean_strategy(space, profile, n))
@@ -41,6 +49,9 @@ def fewest_gpus_zero3(profile: ModelProfile, cluster: Cluster, space: SearchSpac
             hi = mid
         else:
             lo = mid + 1
+    gb = space.global_batch if keep_global_batch else None
+    if gb and gb % lo:
+        lo = next((n for n in range(lo, gb + 1) if gb % n == 0), lo)
     return at(lo)
 
 
@@ -62,6 +73,10 @@ def what_would_fit(profile: ModelProfile, cluster: Cluster, space: SearchSpace) 
             f"{fewest.strategy.precision} ZeRO-3, mbs 1{', full checkpointing' if fewest.strategy.checkpointing == 'full' else ''}: "
             f"{gib(fewest.memory.total_bytes):.1f} of {gib(fewest.memory.capacity_bytes):.1f} GiB per GPU "
             f"(--gpus {n})")
+        loose = fewest_gpus_zero3(profile, cluster, space, keep_global_batch=False)
+        if loose is not None and loose.gpus < n:
+            lines[-1] += (f"; {loose.gpus} GPUs would do if the global batch may change from "
+                          f"{space.global_batch}")
     else:
         lines.append(f"no GPU count up to {MAX_GPUS_CONSIDERED} fits this model with ZeRO-3 on {cluster.gpu.name}")
     for est in offload_options(profile, cluster, space):

@@ -116,3 +116,14 @@ def test_nothing_fits_says_what_would() -> None:
     assert not below.fits
     assert any(f"--gpus {n}" in s for s in rec.suggestions)
     assert any("offload" in s for s in rec.suggestions)
+
+
+def test_fewest_gpus_keeps_a_fixed_global_batch() -> None:
+    prof = make_profile(params=70_000_000_000, hidden=8192, layers=80, seq=4096)
+    c = _cluster()
+    free = fewest_gpus_zero3(prof, c, build_space(prof, c))
+    fixed = fewest_gpus_zero3(prof, c, build_space(prof, c, global_batch=1024))
+    assert free is not None and fixed is not None
+    assert 1024 % fixed.gpus == 0 and fixed.gpus >= free.gpus and fixed.fits
+    assert fixed.strategy.global_batch == 1024
+    assert not any(1024 % n == 0 for n in range(free.gpus, fixed.gpus))
