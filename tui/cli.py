@@ -44,6 +44,17 @@ def _fail(message: str) -> typer.Exit:
     return typer.Exit(code=2)
 
 
+def _validation_message(err: ValidationError) -> str:
+    """One line for a pydantic error on flag values: the flag, the problem, the given value."""
+    first = err.errors()[0]
+    loc = [str(p) for p in first.get("loc", ())]
+    msg = str(first.get("msg", err)).removeprefix("Value error, ")
+    if not loc:
+        return f"invalid combination of options: {msg}"
+    given = first.get("input")
+    return f"invalid --{loc[-1].replace('_', '-')} {given!r}: {msg} (see --help)"
+
+
 def _guard(ctx: typer.Context, body: Callable[[], T]) -> T:
     """Run a command body; turn user-fixable errors into one line + exit 2 (traceback with --debug)."""
     debug = bool(ctx.obj and ctx.obj.get("debug"))
@@ -56,9 +67,7 @@ def _guard(ctx: typer.Context, body: Callable[[], T]) -> T:
     except ValidationError as err:
         if debug:
             raise
-        first = err.errors()[0]
-        where = ".".join(str(p) for p in first.get("loc", ())) or "input"
-        raise _fail(f"invalid {where}: {first.get('msg', err)}") from None
+        raise _fail(_validation_message(err)) from None
     except KeyboardInterrupt:
         raise _fail("interrupted") from None
 
@@ -198,13 +207,28 @@ def recommend(
     _guard(ctx, body)
 
 
-def main() -> None:
-    """Console-script entry point."""
+def _usage_error_type() -> type[Exception]:
+    """click's UsageError as this typer uses it (typer >= 0.20 vendors click as typer._click)."""
+    return next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry point: usage errors become one line on stderr and exit code 2."""
+    usage_error = _usage_error_type()
     try:
-        app()
-    except KeyboardInterrupt:  # pragma: no cover - a signal between commands
+        code = app(args=argv, standalone_mode=False)
+    except usage_error as err:
+        if type(err).__name__ == "NoArgsIsHelpError":
+            app(args=["--help"], standalone_mode=False)
+            sys.exit(0)
+        ctx = getattr(err, "ctx", None)
+        hint = f" (see {ctx.command_path} --help)" if ctx is not None else ""
+        sys.stderr.write(f"error: {err.format_message()}{hint}\n")  # type: ignore[attr-defined]
+        sys.exit(2)
+    except (typer.Abort, KeyboardInterrupt):
         sys.stderr.write("error: interrupted\n")
         sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

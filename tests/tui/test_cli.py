@@ -1,0 +1,124 @@
+"""The CLI end to end on every example (typer's test runner), with --json parsed and checked."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from optplan.tui.cli import app, main
+
+ROOT = Path(__file__).resolve().parents[2]
+EX = ROOT / "examples"
+runner = CliRunner()
+H100 = ["--gpu", "H100-SXM", "--gpus", "8"]
+
+
+def _json(args: list[str], env: dict[str, str] | None = None, code: int = 0) -> dict:
+    result = runner.invoke(app, args, env=env)
+    assert result.exit_code == code, (result.stdout, result.stderr)
+    return json.loads(result.stdout)
+
+
+@pytest.mark.parametrize(("example", "env", "tokens"), [
+    ("gpt2.py", {}, True), ("mlp.py", {}, False), ("resnet.py", {}, False),
+    ("llama.py", {"OPTPLAN_LLAMA_SIZE": "1B"}, True),
+])
+def test_recommend_json_on_each_example(example: str, env: dict[str, str], tokens: bool) -> None:
+    doc = _json(["recommend", str(EX / example), *H100, "--json"], env=env)
+    assert doc["fits"] is True
+    plan, est = doc["plan"], doc["estimate"]
+    assert {"precision", "zero", "mbs", "grad_accum", "checkpointing", "dp"} <= plan.keys()
+    assert plan["dp"] == 8 and est["gpus"] == 8 and est["gpu"] == "H100-SXM"
+    assert est["strategy"] == plan
+    mem = est["memory"]
+    parts = ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "buffers_bytes",
+             "overhead_bytes")
+    assert mem["total_bytes"] == sum(mem[k] for k in parts)
+    assert 0 < mem["total_bytes"] <= mem["capacity_bytes"] == 80 * 2**30
+    assert est["global_batch"] == plan["mbs"] * plan["grad_accum"] * 8
+    assert (est["tokens_per_s"] is not None) == tokens
+    assert 0 < est["mfu"] < 1 and est["time"]["step_s"] > 0
+    assert len(doc["rationale"]) >= 5 and doc["pareto"]
+    for alt in doc["alternatives"]:
+        assert alt["estimate"]["samples_per_s"] <= est["samples_per_s"] + 1e-9
+
+
+def test_recommend_70b_on_8_gpus_says_nothing_fits_and_what_would() -> None:
+    result = runner.invoke(app, ["recommend", str(EX / "llama.py"), *H100], env={"OPTPLAN_LLAMA_SIZE": "70B"})
+    assert result.exit_code == 1
+    out = result.stdout
+    assert "NO PLAN FITS" in out and "no searched plan fits 8 x H100-SXM" in out
+    assert "ZeRO-3" in out and "--gpus" in out and "offload" in out
+    assert "best plans" not in out
+
+
+def test_recommend_out_writes_validated_exports_and_refuses_to_overwrite(tmp_path: Path) -> None:
+    out = tmp_path / "plan"
+    doc = _json(["recommend", str(EX / "mlp.py"), *H100, "--global-batch", "64", "--out", str(out), "--json"])
+    files = sorted(p.name for p in out.iterdir())
+    assert files == ["ds_config.json", "launch.sh", "plan.json"]
+    assert json.loads((out / "plan.json").read_text()) == doc
+    ds = json.loads((out / "ds_config.json").read_text())
+    assert ds["train_batch_size"] == 64 == doc["estimate"]["global_batch"]
+    assert ds["train_micro_batch_size_per_gpu"] == doc["plan"]["mbs"]
+    assert ds["zero_optimization"]["stage"] == doc["plan"]["zero"]
+    assert "--nproc_per_node 8" in (out / "launch.sh").read_text()
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    again = runner.invoke(app, ["recommend", str(EX / "mlp.py"), *H100, "--out", str(out)])
+    assert again.exit_code == 2
+    assert "--force" in again.stderr and len(again.stderr.strip().splitlines()) == 1
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    forced = runner.invoke(app, ["recommend", str(EX / "mlp.py"), *H100, "--global-batch", "128", "--out",
+                                 str(out), "--force"])
+    assert forced.exit_code == 0, forced.stderr
+    assert json.loads((out / "ds_config.json").read_text())["train_batch_size"] == 128
+
+
+def test_estimate_json_fits_and_reason() -> None:
+    args = ["estimate", str(EX / "gpt2.py"), *H100, "--zero", "2", "--mbs", "4", "--json"]
+    est = _json(args)
+    assert est["fits"] is True and est["reason"].startswith("fits:")
+    assert est["strategy"]["zero"] == 2 and est["strategy"]["mbs"] == 4
+    big = _json(["estimate", str(EX / "gpt2.py"), *H100, "--zero", "0", "--mbs", "512", "--precision", "fp32",
+                 "--json"])
+    assert big["fits"] is False and "does not fit" in big["reason"]
+
+
+def test_profile_json_and_hardware() -> None:
+    prof = _json(["profile", str(EX / "mlp.py"), "--json"])
+    assert prof["params"] > 0 and prof["repeated_block"]["count"] >= 2 and prof["activations"]
+    hw = _json(["hardware", "--json"])
+    assert set(hw) >= {"available", "reason", "devices"}
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["recommend", "no_such_model.py"], "not found"),
+    (["recommend", "EXAMPLE", "--gpu", "X999"], "unknown GPU"),
+    (["recommend", "EXAMPLE", "--gpus", "8", "--global-batch", "100"], "not divisible"),
+    (["recommend", "EXAMPLE", "--gpus", "abc"], "--gpus"),
+    (["recommend", "EXAMPLE", "--gpus", "0"], "--gpus"),
+    (["estimate", "EXAMPLE", "--zero", "5"], "--zero"),
+    (["estimate", "EXAMPLE", "--precision", "fp64"], "--precision"),
+    (["estimate", "EXAMPLE", "--zero", "0", "--offload-params", "cpu"], "ZeRO stage 3"),
+    (["recommend", "EXAMPLE", "--seq-len", "0"], "--seq-len"),
+    (["bogus"], "No such command"),
+])
+def test_bad_input_is_one_line_exit_2_no_traceback(argv: list[str], needle: str,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    argv = [str(EX / "mlp.py") if a == "EXAMPLE" else a for a in argv]
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.strip().splitlines() if line]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("error: ") and needle in lines[0]
+    assert "Traceback" not in err
+
+
+def test_debug_shows_the_traceback() -> None:
+    result = runner.invoke(app, ["--debug", "recommend", "no_such_model.py"])
+    assert result.exit_code != 0 and result.exception is not None
