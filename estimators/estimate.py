@@ -2,7 +2,8 @@
 
 Sources: memory.py, compute.py, comm.py for the parts. Model FLOPs utilisation (MFU) follows PaLM
 (Chowdhery et al. 2022, arXiv 2204.02311, Appendix B): achieved model FLOP/s (forward + backward,
-no recomputation) ÷ (GPUs × peak FLOP/s). Hardware FLOPs utilisation (HFU) also counts the
+no recomputation) ÷ (GPUs × peak FLOP/s), with the GPU's dense 16-bit tensor-core peak as the one
+reference for every precision so MFU compares plans (an fp32 plan is not flattered by fp32's low peak). Hardware FLOPs utilisation (HFU) also counts the
 recomputed forward (Korthikanti et al. 2022 §6). Step time adds the parts with no overlap of
 communication and compute (a stated simplification: exposed communication = all communication).
 """
@@ -19,8 +20,8 @@ from optplan.estimators.comm import (
 )
 from optplan.estimators.compute import PCIE_BYTES_PER_S, compute_time
 from optplan.estimators.errors import OptplanError
-from optplan.estimators.hardware import Cluster
-from optplan.estimators.memory import MemoryBreakdown, memory_breakdown
+from optplan.estimators.hardware import Cluster, GPUSpec
+from optplan.estimators.memory import MemoryBreakdown, memory_breakdown, usable_capacity_bytes
 from optplan.estimators.precision import get_recipe
 from optplan.estimators.profile import ModelProfile
 from optplan.estimators.strategy import Strategy
@@ -34,6 +35,7 @@ class TimeBreakdown(BaseModel):
 
     compute_s: float = Field(ge=0, description="forward + backward of all micro-batches")
     recompute_s: float = Field(ge=0, description="forward re-run under activation checkpointing")
+    memory_bound_s: float = Field(ge=0, description="bandwidth-bound elementwise work (roofline)")
     optimizer_s: float = Field(ge=0, description="optimizer step (memory-bound, or on the host)")
     comm_s: float = Field(ge=0, description="data-parallel collectives and offload transfers")
     exposed_comm_s: float = Field(ge=0, description="communication not hidden behind compute")
@@ -99,6 +101,11 @@ def _reason(memory: MemoryBreakdown) -> str:
             f"largest part: {largest} {gib(parts[largest]):.1f} GiB")
 
 
+def mfu_peak_flops(gpu: GPUSpec) -> float:
+    """The MFU reference: the GPU's dense 16-bit tensor-core peak (bf16 or fp16), FLOP/s."""
+    return max(gpu.peak_flops_for("bf16"), gpu.peak_flops_for("fp16"), gpu.peak_flops_for("fp32"))
+
+
 def estimate(profile: ModelProfile, cluster: Cluster, strategy: Strategy) -> Estimate:
     """Predict memory per GPU, step time, throughput, MFU/HFU and feasibility of ``strategy``."""
     if strategy.dp > cluster.gpus:
@@ -109,17 +116,19 @@ def estimate(profile: ModelProfile, cluster: Cluster, strategy: Strategy) -> Est
     if peak <= 0:
         raise OptplanError(f"{cluster.gpu.name} has no {recipe.compute_dtype} math for precision "
                            f"'{strategy.precision}': choose fp32 or fp16 on this GPU")
-    memory = memory_breakdown(profile, strategy, cluster.gpu.memory_bytes)
-    ct = compute_time(profile, strategy, cluster.gpu)
+    memory = memory_breakdown(profile, strategy, usable_capacity_bytes(cluster.gpu.memory_bytes))
+    ct = compute_time(profile, strategy, cluster.gpu, ranks_per_node=min(strategy.dp, cluster.gpus_per_node))
     comm_s = comm_time_s(profile, strategy, cluster)
-    step_s = ct.compute_s + ct.recompute_s + ct.optimizer_s + comm_s
-    time = TimeBreakdown(compute_s=ct.compute_s, recompute_s=ct.recompute_s, optimizer_s=ct.optimizer_s,
-                         comm_s=comm_s, exposed_comm_s=comm_s, step_s=step_s, efficiency=ct.efficiency)
+    step_s = ct.compute_s + ct.recompute_s + ct.memory_bound_s + ct.optimizer_s + comm_s
+    time = TimeBreakdown(compute_s=ct.compute_s, recompute_s=ct.recompute_s, memory_bound_s=ct.memory_bound_s,
+                         optimizer_s=ct.optimizer_s, comm_s=comm_s, exposed_comm_s=comm_s, step_s=step_s,
+                         efficiency=ct.efficiency)
     samples_per_s = strategy.global_batch / step_s
     tokens_per_s = samples_per_s * profile.tokens_per_sample if profile.tokens_per_sample else None
     model_flops_per_s = profile.train_flops_per_sample * samples_per_s / strategy.dp
     hw_flops_per_s = model_flops_per_s + (
         profile.fwd_flops_per_sample * samples_per_s / strategy.dp if ct.recompute_s > 0 else 0.0)
+    peak = mfu_peak_flops(cluster.gpu)
     return Estimate(
         strategy=strategy, gpu=cluster.gpu.name, gpus=strategy.dp, memory=memory, time=time,
         global_batch=strategy.global_batch, samples_per_s=samples_per_s, tokens_per_s=tokens_per_s,

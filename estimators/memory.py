@@ -29,6 +29,18 @@ from optplan.estimators.units import GIB_BYTES
 
 CUDA_CONTEXT_BYTES = 1 * GIB_BYTES
 FRAGMENTATION_FRACTION = 0.05
+USABLE_MEMORY_FRACTION = 0.98
+"""Share of the datasheet capacity a plan may fill (stated default): drivers report ~1 % less than
+nominal (an H100 80 GB shows 79.2 GiB, a V100 32 GB 31.7 GiB in torch.cuda.get_device_properties),
+and the rest is a safety margin until probes measure the real peak."""
+OFFLOAD_GRAD_BYTES = 4
+"""ZeRO-Offload keeps the fp32 gradient partition in host memory beside the optimizer states
+(Ren et al. 2021, arXiv 2101.06840 §4.1), bytes/param."""
+
+
+def usable_capacity_bytes(memory_bytes: int) -> int:
+    """The memory a plan may fill on a GPU of ``memory_bytes`` datasheet capacity (bytes)."""
+    return int(memory_bytes * USABLE_MEMORY_FRACTION)
 
 
 class ModelStates(BaseModel):
@@ -93,7 +105,7 @@ def model_states(profile: ModelProfile, strategy: Strategy) -> ModelStates:
         weights = weights / n_d
     host = 0.0
     if strategy.offload_optimizer != "none":
-        host += optim
+        host += optim + psi_train * OFFLOAD_GRAD_BYTES / n_d
         optim = 0.0
     if strategy.offload_params != "none":
         host += weights

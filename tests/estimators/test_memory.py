@@ -12,6 +12,7 @@ from optplan.estimators.memory import (
     buffer_bytes,
     memory_breakdown,
     model_states,
+    usable_capacity_bytes,
 )
 from optplan.estimators.strategy import Strategy
 
@@ -59,7 +60,7 @@ def test_offload_moves_states_to_host() -> None:
     s = model_states(prof, Strategy(precision="bf16", zero=3, dp=4, offload_optimizer="cpu", offload_params="cpu"))
     assert s.optimizer_bytes == 0 and s.params_bytes == 0
     assert s.grads_bytes == 500_000
-    assert s.host_bytes == 3_000_000 + 500_000
+    assert s.host_bytes == 3_000_000 + 1_000_000 + 500_000  # optimizer + fp32 grads + weights
 
 
 def test_offload_rules_are_validated() -> None:
@@ -96,6 +97,7 @@ def test_breakdown_total_and_overhead() -> None:
     assert m.overhead_bytes == CUDA_CONTEXT_BYTES + round(FRAGMENTATION_FRACTION * allocated)
     assert m.total_bytes == allocated + m.overhead_bytes
     assert m.headroom_bytes == 80 * 2**30 - m.total_bytes
+    assert usable_capacity_bytes(80 * 2**30) == int(0.98 * 80 * 2**30)
     assert m.fits
 
 

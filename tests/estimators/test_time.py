@@ -69,7 +69,8 @@ def test_estimate_throughput_and_mfu_definitions() -> None:
     s = Strategy(precision="bf16", zero=1, mbs=8, grad_accum=2, dp=8)
     e = estimate(prof, c, s)
     t = e.time
-    assert t.step_s == pytest.approx(t.compute_s + t.recompute_s + t.optimizer_s + t.exposed_comm_s)
+    assert t.step_s == pytest.approx(t.compute_s + t.recompute_s + t.memory_bound_s + t.optimizer_s
+                                    + t.exposed_comm_s)
     assert e.global_batch == 128
     assert e.samples_per_s == pytest.approx(128 / t.step_s)
     assert e.tokens_per_s == pytest.approx(e.samples_per_s * 1024)
@@ -94,3 +95,32 @@ def test_not_fitting_reason_names_largest_part() -> None:
     e = estimate(prof, Cluster(gpu=make_gpu(), gpus=1, gpus_per_node=1), Strategy(precision="bf16"))
     assert not e.fits
     assert "does not fit" in e.reason and "optimizer states" in e.reason
+
+
+def test_memory_bound_term_is_activation_traffic_over_bandwidth() -> None:
+    prof = make_profile()
+    gpu = make_gpu()
+    s = Strategy(precision="bf16", mbs=4, grad_accum=3)
+    traffic = prof.activation("bf16", "none").bytes_at(4)
+    assert compute_time(prof, s, gpu).memory_bound_s == pytest.approx(3 * 3 * traffic / 2e12)
+    ck = compute_time(prof, s.model_copy(update={"checkpointing": "full"}), gpu)
+    assert ck.memory_bound_s == pytest.approx(3 * 4 * traffic / 2e12)
+
+
+def test_offloaded_optimizer_shares_the_host_between_ranks() -> None:
+    prof = make_profile(params=1_000_000_000)
+    s = Strategy(precision="bf16", zero=2, dp=8, offload_optimizer="cpu", grad_accum=4)
+    one = compute_time(prof, s, make_gpu(), ranks_per_node=1).optimizer_s
+    eight = compute_time(prof, s, make_gpu(), ranks_per_node=8).optimizer_s
+    shard = 1e9 / 8
+    pcie = shard * (4 * 2 + 2) / 25e9
+    assert eight - pcie == pytest.approx(8 * (one - pcie))
+
+
+def test_mfu_uses_one_16bit_reference_for_every_precision() -> None:
+    prof = make_profile()
+    c = Cluster(gpu=make_gpu(), gpus=8, gpus_per_node=8)
+    fp32 = estimate(prof, c, Strategy(precision="fp32", mbs=4, dp=8))
+    bf16 = estimate(prof, c, Strategy(precision="bf16", mbs=4, dp=8))
+    assert fp32.mfu == pytest.approx(prof.train_flops_per_sample * fp32.samples_per_s / 8 / 1000e12)
+    assert (fp32.mfu < bf16.mfu) == (fp32.samples_per_s < bf16.samples_per_s)
