@@ -4,7 +4,8 @@ Data: ../shared/data/vtrain_single_node.csv (vTrain, arXiv 2312.12391, MIT licen
 GPT models (hidden 1024/2048, 12-24 layers, seq 1024) on 2-8 A100 GPUs, fp16 with activation
 checkpointing. optplan's estimators cover data parallelism today, so only the rows with TP = PP = 1
 are compared. Profiles are built from the GPT shape (no torch): parameters 12·L·h² + 13·L·h + V·h + s·h,
-forward FLOPs per sample (2·N + 4·L·h·s)·s (PaLM Appendix B: 6N + 12·L·h·s per token for training).
+forward FLOPs per sample (2·N + 4·L·h·s)·s (PaLM Appendix B: 6N + 12·L·h·s per token for training),
+activations from Korthikanti et al. Table 2 (Megatron without flash attention keeps the a·s² term).
 
 Run: python benchmarks/fidelity_vtrain.py   (prints the error table; no assertions)
 """
@@ -27,7 +28,12 @@ VOCAB = 50257
 def gpt_profile(hidden: int, layers: int, heads: int, seq: int) -> ModelProfile:
     params = 12 * layers * hidden**2 + 13 * layers * hidden + VOCAB * hidden + seq * hidden
     fwd = (2 * params + 4 * layers * hidden * seq) * seq
-    acts = tuple(ActivationFit(precision=p, checkpointing=c, fixed_bytes=0, per_sample_bytes=1)
+    # Korthikanti et al. 2022 Table 2, no parallelism, 16-bit: s·h·(34 + 5·a·s/h) bytes per layer per sample
+    per_layer = seq * hidden * (34 + 5 * heads * seq / hidden)
+    full = int(layers * per_layer)
+    ckpt = int(layers * 2 * seq * hidden + per_layer)
+    acts = tuple(ActivationFit(precision=p, checkpointing=c, fixed_bytes=0,
+                               per_sample_bytes=(full if c == "none" else ckpt) * (2 if p == "fp32" else 1))
                  for p in ("fp32", "bf16") for c in ("none", "full"))
     return ModelProfile(
         name=f"gpt-h{hidden}-l{layers}", path="vtrain", model_class="GPT", params=params, trainable_params=params,
