@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 from optplan.estimators.errors import OptplanError
 from optplan.estimators.estimate import Estimate, estimate
 from optplan.estimators.hardware import Cluster
+from optplan.estimators.precision import RECIPES
 from optplan.estimators.profile import ModelProfile
 from optplan.estimators.strategy import Strategy
 from optplan.planner.recommend import Recommendation
@@ -36,7 +38,34 @@ def detect_hardware() -> HardwareReport:
 def resolve_cluster(*, gpu: str | None, gpus: int | None, gpus_per_node: int | None) -> tuple[Cluster, list[str]]:
     """The cluster to plan for and notes for the user (explicit --gpu wins over detection)."""
     report = detect_gpus() if gpu is None else None
-    return cluster_from(report, gpu=gpu, gpus=gpus, gpus_per_node=gpus_per_node)
+    cluster, notes = cluster_from(report, gpu=gpu, gpus=gpus, gpus_per_node=gpus_per_node)
+    if cluster.gpus > cluster.gpus_per_node and cluster.gpus % cluster.gpus_per_node:
+        raise OptplanError(f"--gpus {cluster.gpus} is not a whole number of nodes of {cluster.gpus_per_node} GPUs: "
+                           f"use a multiple of {cluster.gpus_per_node} or set --gpus-per-node")
+    return cluster, notes
+
+
+def check_precision(cluster: Cluster, precisions: Sequence[str]) -> None:
+    """Fail early for unknown precisions or ones this GPU has no math for."""
+    for name in precisions:
+        if name not in RECIPES:
+            raise OptplanError(f"unknown precision {name!r}: use one of {', '.join(RECIPES)}")
+        dtype = RECIPES[name].compute_dtype
+        if cluster.gpu.peak_flops_for(dtype) <= 0:
+            raise OptplanError(f"{cluster.gpu.name} has no {dtype} math for precision {name!r}: "
+                               "choose fp32 or fp16 on this GPU")
+
+
+def check_search_options(cluster: Cluster, *, global_batch: int | None, precisions: Sequence[str] | None) -> None:
+    """Validate recommend's options against the cluster before the model is profiled."""
+    if global_batch is not None:
+        if global_batch < 1:
+            raise OptplanError(f"--global-batch must be >= 1 (got {global_batch})")
+        if global_batch % cluster.gpus:
+            raise OptplanError(f"global batch {global_batch} is not divisible by {cluster.gpus} GPUs: "
+                               f"use a multiple of {cluster.gpus} for --global-batch or change --gpus")
+    if precisions:
+        check_precision(cluster, precisions)
 
 
 def estimate_strategy(profile: ModelProfile, cluster: Cluster, strategy: Strategy) -> Estimate:

@@ -69,6 +69,9 @@ def _zero_line(pick: Estimate, priced: Mapping[Strategy, Estimate]) -> str:
                 f"do not fit beside {_gib(lower.memory.activations_bytes)} of activations "
                 f"({_gib(lower.memory.total_bytes)} > {_gib(m.capacity_bytes)})")
     freed = lower.memory.total_bytes - m.total_bytes
+    if abs(pick.samples_per_s - lower.samples_per_s) <= 0.005 * pick.samples_per_s:
+        return (f"ZeRO-{s.zero}: as fast as ZeRO-{s.zero - 1} ({pick.samples_per_s:.1f} samples/s, same traffic at "
+                f"this accumulation) and sharding the {sharded[0]} frees {_gib(freed)}/GPU; ties go to headroom")
     return (f"ZeRO-{s.zero}: sharding the {sharded[0]} over {s.dp} GPUs frees {_gib(freed)}/GPU at "
             f"{pick.samples_per_s:.1f} vs {lower.samples_per_s:.1f} samples/s under ZeRO-{s.zero - 1}")
 

@@ -20,6 +20,8 @@ from optplan.planner.space import build_space
 from optplan.planner.suggest import what_would_fit
 
 DEFAULT_ALTERNATIVES = 4
+MODEL_SCOPE_NOTE = ("time model: data parallelism only (no tensor/pipeline parallelism yet), communication not "
+                    "overlapped with compute, datasheet peaks x stated efficiencies (not yet calibrated by probes)")
 
 
 class PlanEstimate(BaseModel):
@@ -88,7 +90,7 @@ def recommend(profile: ModelProfile, cluster: Cluster, *, global_batch: int | No
     result = search(profile, cluster, space, method=method, seed=seed, on_progress=on_progress)
     feasible = result.feasible
     priced = {e.strategy: e for e in result.ranked}
-    all_notes = list(notes) + list(profile.notes)
+    all_notes = list(notes) + list(profile.notes) + [MODEL_SCOPE_NOTE]
     if gb is not None and profile.defaults.global_batch == gb and global_batch is None:
         all_notes.append(f"global batch {gb} from the model file's OPTPLAN")
     summary = SearchSummary(method=result.method, space_size=result.space_size, evaluated=result.evaluated,

@@ -77,7 +77,7 @@ def _stderr() -> Console:
 
 
 def _stdout() -> Console:
-    return Console(highlight=False, soft_wrap=False, width=max(Console().width, 140))
+    return Console(highlight=False)
 
 
 @app.callback()
@@ -142,17 +142,21 @@ def estimate(
 ) -> None:
     """Memory and time breakdown of one configuration, and whether (and why) it fits."""
     from optplan.estimators.strategy import Strategy
-    from optplan.planner.api import estimate_strategy, load_profile, resolve_cluster
+    from optplan.planner.api import check_precision, estimate_strategy, load_profile, resolve_cluster
     from optplan.tui.render import estimate_table
 
     def body() -> None:
         cluster, notes = resolve_cluster(gpu=gpu, gpus=gpus, gpus_per_node=gpus_per_node)
-        with _stderr().status("profiling the model in a child process..."):
-            prof = load_profile(model, seq_len=seq_len, model_name=model_name)
-        strategy = Strategy(precision=precision, optimizer=optimizer or prof.defaults.optimizer or "adamw",  # type: ignore[arg-type]
+        # validated before the (slow) profile so a bad flag fails at once
+        strategy = Strategy(precision=precision, optimizer=optimizer or "adamw",  # type: ignore[arg-type]
                             zero=zero, mbs=mbs, grad_accum=grad_accum, checkpointing=checkpointing,  # type: ignore[arg-type]
                             dp=cluster.gpus, offload_optimizer=offload_optimizer,  # type: ignore[arg-type]
                             offload_params=offload_params)  # type: ignore[arg-type]
+        check_precision(cluster, [precision])
+        with _stderr().status("profiling the model in a child process..."):
+            prof = load_profile(model, seq_len=seq_len, model_name=model_name)
+        if optimizer is None and prof.defaults.optimizer:
+            strategy = Strategy.model_validate({**strategy.model_dump(), "optimizer": prof.defaults.optimizer})
         est = estimate_strategy(prof, cluster, strategy)
         if as_json:
             typer.echo(est.model_dump_json(indent=2))
@@ -176,12 +180,13 @@ def recommend(
     model_name: NameOpt = None, as_json: JsonOpt = False,
 ) -> None:
     """Search precision, ZeRO stage, micro-batch, accumulation and checkpointing; print the best plan."""
-    from optplan.planner.api import export_plan, load_profile, resolve_cluster
+    from optplan.planner.api import check_search_options, export_plan, load_profile, resolve_cluster
     from optplan.planner.recommend import recommend as plan
     from optplan.tui.render import print_recommendation
 
     def body() -> None:
         cluster, notes = resolve_cluster(gpu=gpu, gpus=gpus, gpus_per_node=gpus_per_node)
+        check_search_options(cluster, global_batch=global_batch, precisions=precision)
         if out is not None:
             from optplan.planner.api import check_out_dir
             check_out_dir(out, force=force)

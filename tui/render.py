@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from rich import box
 from rich.console import Console, Group
 from rich.panel import Panel
 from rich.table import Table
@@ -22,6 +23,10 @@ def _si(n: float) -> str:
         if abs(n) >= scale:
             return f"{n / scale:.2f}{unit}"
     return f"{n:.0f}"
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds * 1e3:.0f} ms" if seconds < 1 else f"{seconds:.2f} s" if seconds < 100 else f"{seconds:.0f} s"
 
 
 def profile_summary(p: ModelProfile) -> Text:
@@ -51,7 +56,7 @@ def profile_table(p: ModelProfile) -> Group:
     head.add_row("input", f"{p.input_kind}" + (f", {p.tokens_per_sample} tokens/sample" if p.tokens_per_sample else ""))
     head.add_row("FLOPs/sample", f"forward {_si(p.fwd_flops_per_sample)}, backward {_si(p.bwd_flops_per_sample)}")
     head.add_row("profiled in", f"{p.profile_s:.1f} s (torch {p.torch_version})")
-    mods = Table(title="parameters by top-level module", title_justify="left")
+    mods = Table(title="parameters by module", title_justify="left")
     mods.add_column("module")
     mods.add_column("parameters", justify="right")
     for name, n in p.params_by_module.items():
@@ -82,33 +87,45 @@ def estimate_table(e: Estimate) -> Group:
     tim = Table(title="step time", title_justify="left")
     tim.add_column("part")
     tim.add_column("ms", justify="right")
-    for name, val in (("compute", t.compute_s), ("recompute", t.recompute_s), ("optimizer", t.optimizer_s),
+    for name, val in (("compute (matmul)", t.compute_s), ("recompute", t.recompute_s),
+                      ("memory-bound ops", t.memory_bound_s), ("optimizer", t.optimizer_s),
                       ("exposed communication", t.exposed_comm_s)):
         tim.add_row(name, f"{val * 1e3:.1f}")
     tim.add_row("[bold]step[/]", f"[bold]{t.step_s * 1e3:.1f}[/]")
     rate = f"{e.tokens_per_s:,.0f} tokens/s" if e.tokens_per_s else f"{e.samples_per_s:,.1f} samples/s"
-    verdict = Text(("FITS  " if e.fits else "DOES NOT FIT  ") + e.reason, style="green" if e.fits else "red bold")
+    verdict = Text(e.reason.replace("fits:", "FITS:", 1).replace("does not fit:", "DOES NOT FIT:", 1),
+                   style="green" if e.fits else "red bold")
     summary = Text(f"{e.strategy.label()} on {e.gpus} GPU(s): global batch {e.global_batch}, {rate}, "
                    f"MFU {e.mfu * 100:.1f}%, HFU {e.hfu * 100:.1f}%, {e.model_tflops_per_gpu:.1f} TFLOP/s per GPU")
     return Group(summary, verdict, mem, tim)
 
 
+def _rate(n: float) -> str:
+    return f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n / 1e3:.1f}K" if n >= 1e4 else f"{n:,.1f}"
+
+
 def plans_table(rec: Recommendation) -> Table:
-    """The pick and its runners-up."""
-    table = Table(title="best plans", title_justify="left")
-    for col, just in (("#", "right"), ("plan", "left"), ("weights", "right"), ("grads", "right"),
-                      ("optim", "right"), ("acts", "right"), ("other", "right"), ("total/GPU GiB", "right"),
-                      ("step ms", "right"), ("tokens/s" if rec.seq_len else "samples/s", "right"),
-                      ("MFU", "right")):
-        table.add_column(col, justify=just)  # type: ignore[arg-type]
+    """The pick and its runners-up: memory per GPU by category against usable capacity, speed, MFU.
+
+    States = weights + gradients + optimizer states; other = buffers + overhead (``optplan estimate``
+    and --json give every category). Fits an 80-column terminal.
+    """
+    usable = _g(rec.estimate.memory.capacity_bytes) if rec.estimate else "?"
+    table = Table(title=f"best plans (GiB per GPU, {usable} usable)", title_justify="left", box=box.SIMPLE_HEAD,
+                  pad_edge=False)
+    table.add_column("#", justify="right", no_wrap=True)
+    table.add_column("plan", overflow="fold")
+    for col in ("states", "acts", "other", "total", "step", "tokens/s" if rec.seq_len else "samples/s",
+                "MFU"):
+        table.add_column(col, justify="right", no_wrap=True)
     rows = ([rec.estimate] if rec.estimate else []) + [a.estimate for a in rec.alternatives]
     for i, e in enumerate(rows, start=1):
         m = e.memory
         rate = e.tokens_per_s if e.tokens_per_s else e.samples_per_s
-        table.add_row(str(i), e.strategy.label(), _g(m.params_bytes), _g(m.grads_bytes), _g(m.optimizer_bytes),
+        table.add_row(str(i), e.strategy.label(), _g(m.params_bytes + m.grads_bytes + m.optimizer_bytes),
                       _g(m.activations_bytes), _g(m.buffers_bytes + m.overhead_bytes),
-                      f"{_g(m.total_bytes)} / {_g(m.capacity_bytes)}", f"{e.time.step_s * 1e3:.1f}",
-                      f"{rate:,.0f}", f"{e.mfu * 100:.1f}%", style="bold green" if i == 1 else None)
+                      _g(m.total_bytes), _duration(e.time.step_s), _rate(rate),
+                      f"{e.mfu * 100:.0f}%", style="bold green" if i == 1 else None)
     return table
 
 
