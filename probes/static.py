@@ -678,6 +678,12 @@ def profile_contract(contract: ModelContract, *, seq_len: int | None = None,
     block = find_repeated_block(meta)
     shape = read_transformer_shape(meta, block)
     explicit_seq, seq_source = resolve_seq_len(contract, meta, seq_len)
+    limit = max_positions(meta)
+    if explicit_seq is not None and limit is not None and explicit_seq > limit:
+        raise ModelFileError(contract.display,
+                             f"sequence length {explicit_seq} (from {seq_source}) is longer than the model's "
+                             f"maximum of {limit} positions",
+                             f"use --seq-len {limit} or less, or build the model with a longer context")
     used_seq = explicit_seq if explicit_seq is not None else DEFAULT_TOKEN_SEQ_LEN
     spec, batch_note = batch_spec(contract, meta, used_seq)
     block_cls = block.cls if block else None

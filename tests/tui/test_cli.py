@@ -141,3 +141,12 @@ def test_flags_are_checked_before_the_model_is_profiled(argv: list[str], tmp_pat
     err = capsys.readouterr().err
     assert "syntax" not in err.lower() and "broken.py" not in err
     assert err.startswith("error: ") and len(err.strip().splitlines()) == 1
+
+
+def test_sequence_longer_than_the_model_supports(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["recommend", str(EX / "gpt2.py"), "--seq-len", "2048"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "longer than the model's maximum of 1024" in err and "--seq-len 1024" in err
