@@ -67,6 +67,7 @@ class Recommendation(BaseModel):
     rationale: tuple[str, ...]
     pareto: tuple[PlanEstimate, ...]
     suggestions: tuple[str, ...]
+    suggested: tuple[PlanEstimate, ...] = ()
     notes: tuple[str, ...]
     global_batch: int | None
     seq_len: int | None
@@ -110,8 +111,9 @@ def recommend(profile: ModelProfile, cluster: Cluster, *, global_batch: int | No
     why = (f"no searched plan fits {cluster.gpus} x {cluster.gpu.name}: the leanest needs "
            f"{closest.memory.total_bytes / 2**30:.1f} GiB per GPU ({closest.strategy.label()}) of "
            f"{cluster.gpu.memory_bytes / 2**30:.1f} GiB")
+    lines, behind = what_would_fit(profile, cluster, space)
     return Recommendation(
         model=profile.name, model_path=profile.path, cluster=cluster_summary, fits=False, plan=None,
-        estimate=None, alternatives=(), rationale=(why,), pareto=(),
-        suggestions=tuple(what_would_fit(profile, cluster, space)), notes=tuple(all_notes),
+        estimate=None, alternatives=(), rationale=(why,), pareto=(), suggestions=tuple(lines),
+        suggested=tuple(_pair(e) for e in behind), notes=tuple(all_notes),
         global_batch=gb, seq_len=profile.seq_len, search=summary)

@@ -29,9 +29,9 @@ def fewest_gpus_zero3(profile: ModelProfile, cluster: Cluster, space: SearchSpac
     """Smallest GPU count (> the given one) at which the lean ZeRO-3 strategy fits, by bisection.
 
     Per-GPU memory under ZeRO-3 falls monotonically with the GPU count (states ÷ N_d, the rest fixed),
-    so bisection over [gpus + 1, 65536] finds the minimum. With a fixed global batch the count then
-    rises to the next divisor of it (when one exists), so the plan keeps the batch. None when even 65536
-    GPUs do not fit.
+    so bisection over [gpus + 1, 65536] finds the minimum. The count then rises to the next one that can
+    be launched: whole nodes once it exceeds one node, and with a fixed global batch a divisor of it.
+    None when even 65536 GPUs do not fit.
     """
     if not keep_global_batch:
         space = space.model_copy(update={"global_batch": None})
@@ -50,9 +50,12 @@ def fewest_gpus_zero3(profile: ModelProfile, cluster: Cluster, space: SearchSpac
         else:
             lo = mid + 1
     gb = space.global_batch if keep_global_batch else None
-    if gb and gb % lo:
-        lo = next((n for n in range(lo, gb + 1) if gb % n == 0), lo)
-    return at(lo)
+    gpn = cluster.gpus_per_node
+
+    def launchable(n: int) -> bool:
+        return (n <= gpn or n % gpn == 0) and (not gb or gb % n == 0)
+
+    return at(next((n for n in range(lo, MAX_GPUS_CONSIDERED + 1) if launchable(n)), lo))
 
 
 def offload_options(profile: ModelProfile, cluster: Cluster, space: SearchSpace) -> list[Estimate]:
@@ -61,11 +64,15 @@ def offload_options(profile: ModelProfile, cluster: Cluster, space: SearchSpace)
             for extra in ({"offload_optimizer": "cpu"}, {"offload_optimizer": "cpu", "offload_params": "cpu"})]
 
 
-def what_would_fit(profile: ModelProfile, cluster: Cluster, space: SearchSpace) -> list[str]:
-    """Lines telling the user what would fit when no searched plan does, with the numbers."""
+def what_would_fit(profile: ModelProfile, cluster: Cluster,
+                   space: SearchSpace) -> tuple[list[str], list[Estimate]]:
+    """What would fit when no searched plan does: lines with the numbers, and the estimates behind them
+    (the fewest GPUs under ZeRO-3, then CPU offload at the given GPUs)."""
     lines: list[str] = []
+    behind: list[Estimate] = []
     fewest = fewest_gpus_zero3(profile, cluster, space)
     if fewest is not None:
+        behind.append(fewest)
         n = fewest.gpus
         nodes = -(-n // cluster.gpus_per_node)
         lines.append(
@@ -84,6 +91,7 @@ def what_would_fit(profile: ModelProfile, cluster: Cluster, space: SearchSpace) 
         what = "optimizer states" if s.offload_params == "none" else "optimizer states and parameters"
         host_node = est.memory.host_bytes * min(cluster.gpus, cluster.gpus_per_node)
         verdict = "fit" if est.fits else "still do not fit"
+        behind.append(est)
         lines.append(
             f"{cluster.gpus} x {cluster.gpu.name} {verdict} with ZeRO-3 + CPU offload of {what}: "
             f"{gib(est.memory.total_bytes):.1f} GiB per GPU, {gib(host_node):.0f} GiB host memory per node, "
@@ -96,4 +104,4 @@ def what_would_fit(profile: ModelProfile, cluster: Cluster, space: SearchSpace) 
         seq = f" at sequence length {profile.seq_len}" if profile.seq_len else ""
         lines.append(f"one sample's activations{seq} take {gib(lean.memory.activations_bytes):.1f} GiB: "
                      "a shorter --seq-len or smaller inputs would shrink them")
-    return lines
+    return lines, behind

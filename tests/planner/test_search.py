@@ -111,11 +111,17 @@ def test_nothing_fits_says_what_would() -> None:
     fewest = fewest_gpus_zero3(prof, c, build_space(prof, c))
     assert fewest is not None and fewest.fits
     n = fewest.gpus
-    below = estimate(prof, c.model_copy(update={"gpus": n - 1}),
-                     fewest.strategy.model_copy(update={"dp": n - 1}))
+    assert n % 8 == 0  # whole nodes of 8
+    below = estimate(prof, c.model_copy(update={"gpus": n - 8}),
+                     fewest.strategy.model_copy(update={"dp": n - 8}))
     assert not below.fits
     assert any(f"--gpus {n}" in s for s in rec.suggestions)
     assert any("offload" in s for s in rec.suggestions)
+    doc = rec.model_dump(mode="json")
+    first = doc["suggested"][0]
+    assert first["estimate"]["fits"] and first["estimate"]["gpus"] % 8 == 0
+    assert first["plan"]["zero"] == 3 and f"--gpus {first['estimate']['gpus']}" in rec.suggestions[0]
+    assert any(p["plan"]["offload_optimizer"] == "cpu" for p in doc["suggested"][1:])
 
 
 def test_fewest_gpus_keeps_a_fixed_global_batch() -> None:
@@ -126,4 +132,4 @@ def test_fewest_gpus_keeps_a_fixed_global_batch() -> None:
     assert free is not None and fixed is not None
     assert 1024 % fixed.gpus == 0 and fixed.gpus >= free.gpus and fixed.fits
     assert fixed.strategy.global_batch == 1024
-    assert not any(1024 % n == 0 for n in range(free.gpus, fixed.gpus))
+    assert not any(1024 % n == 0 and n % 8 == 0 for n in range(free.gpus, fixed.gpus))
