@@ -1,0 +1,41 @@
+"""Time to train a token budget, GPU-hours, money and energy.
+
+Definitions (units in the names): train_time_s = tokens / tokens_per_s; gpu_hours = gpus ·
+train_time_s / 3600; cost_usd = gpu_hours · price per GPU-hour; energy_kwh = gpus · GPU power (W) ·
+train_time_s / 3.6e6, GPU board power only (default: the datasheet TDP, an upper bound for the GPUs;
+host, network and cooling are not counted).
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from optplan.estimators.errors import OptplanError
+
+
+class CostEstimate(BaseModel):
+    """Cost of training ``tokens`` tokens at a given throughput."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    tokens: float = Field(gt=0)
+    train_time_s: float = Field(ge=0)
+    gpu_hours: float = Field(ge=0)
+    cost_usd: float | None = Field(default=None, ge=0)
+    energy_kwh: float = Field(ge=0)
+
+
+def training_cost(*, tokens: float, tokens_per_s: float, gpus: int, gpu_power_w: float,
+                  price_per_gpu_hour: float | None = None) -> CostEstimate:
+    """Time, GPU-hours, money (when a price is given) and energy to train ``tokens`` tokens."""
+    if tokens <= 0 or tokens_per_s <= 0:
+        raise OptplanError(f"--tokens and the throughput must be positive (got {tokens:g}, {tokens_per_s:g})")
+    if price_per_gpu_hour is not None and price_per_gpu_hour < 0:
+        raise OptplanError(f"--price must be >= 0 (got {price_per_gpu_hour:g})")
+    seconds = tokens / tokens_per_s
+    gpu_hours = gpus * seconds / 3600
+    return CostEstimate(
+        tokens=tokens, train_time_s=seconds, gpu_hours=gpu_hours,
+        cost_usd=None if price_per_gpu_hour is None else gpu_hours * price_per_gpu_hour,
+        energy_kwh=gpus * gpu_power_w * seconds / 3.6e6,
+    )

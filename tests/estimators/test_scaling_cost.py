@@ -1,0 +1,62 @@
+"""Chinchilla scaling and training cost against hand-worked cases."""
+
+from __future__ import annotations
+
+import pytest
+
+from optplan.estimators.cost import training_cost
+from optplan.estimators.errors import OptplanError
+from optplan.estimators.scaling import LOSS_FITS, chinchilla
+
+
+def test_approach1_is_twenty_tokens_per_parameter() -> None:
+    p = chinchilla(params=70e9)
+    assert (p.tokens, p.flops, p.method) == (1.4e12, 6 * 70e9 * 1.4e12, "approach1")
+    assert chinchilla(tokens=1.4e12).params == pytest.approx(70e9)
+    assert chinchilla(flops=6 * 70e9 * 1.4e12).params == pytest.approx(70e9)
+
+
+def test_hoffmann_loss_formula_by_hand() -> None:
+    n, d = 70e9, 1.4e12
+    expected = 1.69 + 406.4 / n**0.34 + 410.7 / d**0.28
+    assert LOSS_FITS["hoffmann"].loss(n, d) == pytest.approx(expected)
+    assert chinchilla(params=n).loss == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("fit", ["hoffmann", "epoch"])
+def test_approach3_frontier_is_consistent(fit: str) -> None:
+    law = LOSS_FITS[fit]
+    c = 5.76e23
+    p = chinchilla(flops=c, fit=fit)  # type: ignore[arg-type]
+    assert p.flops == c and p.params * p.tokens * 6 == pytest.approx(c)
+    # the frontier minimises loss at fixed compute
+    for scale in (0.8, 1.25):
+        n = p.params * scale
+        assert law.loss(n, c / (6 * n)) > p.loss
+    assert chinchilla(params=p.params, fit=fit).flops == pytest.approx(c, rel=1e-9)  # type: ignore[arg-type]
+    assert chinchilla(tokens=p.tokens, fit=fit).params == pytest.approx(p.params, rel=1e-6)  # type: ignore[arg-type]
+
+
+def test_epoch_refit_recovers_chinchilla_70b() -> None:
+    """Besiroglu et al. 2024: the refit's optimum at Chinchilla's budget is close to 70B / 1.4T."""
+    p = chinchilla(flops=5.76e23, fit="epoch")
+    assert p.params == pytest.approx(70e9, rel=0.05)
+    assert p.tokens == pytest.approx(1.4e12, rel=0.06)
+
+
+def test_chinchilla_rejects_ambiguous_or_bad_input() -> None:
+    with pytest.raises(OptplanError, match="exactly one"):
+        chinchilla(params=1e9, tokens=1e10)
+    with pytest.raises(OptplanError, match="positive"):
+        chinchilla(params=-1)
+
+
+def test_training_cost_by_hand() -> None:
+    c = training_cost(tokens=1e12, tokens_per_s=1e6, gpus=8, gpu_power_w=700, price_per_gpu_hour=2.0)
+    assert c.train_time_s == pytest.approx(1e6)
+    assert c.gpu_hours == pytest.approx(8e6 / 3600)
+    assert c.cost_usd == pytest.approx(2 * 8e6 / 3600)
+    assert c.energy_kwh == pytest.approx(8 * 700 * 1e6 / 3.6e6)
+    assert training_cost(tokens=1e9, tokens_per_s=1e5, gpus=1, gpu_power_w=300).cost_usd is None
+    with pytest.raises(OptplanError):
+        training_cost(tokens=0, tokens_per_s=1, gpus=1, gpu_power_w=1)
