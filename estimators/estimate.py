@@ -19,6 +19,7 @@ from optplan.estimators.comm import (
     ring_reduce_scatter_s,
 )
 from optplan.estimators.compute import PCIE_BYTES_PER_S, compute_time
+from optplan.estimators.cost import CostEstimate
 from optplan.estimators.errors import OptplanError
 from optplan.estimators.hardware import Cluster, GPUSpec
 from optplan.estimators.memory import MemoryBreakdown, memory_breakdown, usable_capacity_bytes
@@ -61,6 +62,7 @@ class Estimate(BaseModel):
     hfu: float
     fits: bool
     reason: str
+    cost: CostEstimate | None = Field(default=None, description="when a token budget is given")
 
 
 def comm_time_s(profile: ModelProfile, strategy: Strategy, cluster: Cluster) -> float:

@@ -81,8 +81,10 @@ class MemoryBreakdown(BaseModel):
         """Capacity minus total (bytes; negative when it does not fit)."""
         return self.capacity_bytes - self.total_bytes
 
+    @computed_field  # type: ignore[prop-decorator]
     @property
     def fits(self) -> bool:
+        """True when the total fits the usable capacity."""
         return self.total_bytes <= self.capacity_bytes
 
 

@@ -10,6 +10,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from optplan.estimators.cost import training_cost
 from optplan.estimators.errors import OptplanError
 from optplan.estimators.estimate import Estimate, estimate
 from optplan.estimators.hardware import Cluster
@@ -68,9 +69,19 @@ def check_search_options(cluster: Cluster, *, global_batch: int | None, precisio
         check_precision(cluster, precisions)
 
 
-def estimate_strategy(profile: ModelProfile, cluster: Cluster, strategy: Strategy) -> Estimate:
-    """Estimate one strategy (the ``optplan estimate`` command)."""
-    return estimate(profile, cluster, strategy)
+def estimate_strategy(profile: ModelProfile, cluster: Cluster, strategy: Strategy, *,
+                      tokens: float | None = None, price_per_gpu_hour: float | None = None) -> Estimate:
+    """Estimate one strategy (the ``optplan estimate`` command), with the cost of ``tokens`` if given."""
+    est = estimate(profile, cluster, strategy)
+    if tokens is None:
+        if price_per_gpu_hour is not None:
+            raise OptplanError("--price needs --tokens (the token budget to price)")
+        return est
+    if est.tokens_per_s is None:
+        raise OptplanError(f"--tokens needs a token model; {profile.name} takes {profile.input_kind} inputs")
+    cost = training_cost(tokens=tokens, tokens_per_s=est.tokens_per_s, gpus=strategy.dp,
+                         gpu_power_w=cluster.gpu.tdp_watts, price_per_gpu_hour=price_per_gpu_hour)
+    return est.model_copy(update={"cost": cost})
 
 
 def check_out_dir(out_dir: Path, *, force: bool) -> None:

@@ -131,13 +131,15 @@ def estimate(
     ctx: typer.Context, model: ModelFile,
     zero: Annotated[int, typer.Option("--zero", help="ZeRO stage 0-3")] = 0,
     mbs: Annotated[int, typer.Option("--mbs", help="micro-batch per GPU")] = 1,
-    grad_accum: Annotated[int, typer.Option("--grad-accum", help="gradient-accumulation steps")] = 1,
+    grad_accum: Annotated[int, typer.Option("--grad-accum", "--gas", help="gradient-accumulation steps")] = 1,
     precision: Annotated[str, typer.Option("--precision", help="fp32, amp-bf16, amp-fp16, bf16, fp16, bf16-pure")] = "bf16",
     optimizer: Annotated[str | None, typer.Option("--optimizer", help="adamw, adamw-8bit, sgd")] = None,
     checkpointing: Annotated[str, typer.Option("--checkpointing", help="none or full")] = "none",
     offload_optimizer: Annotated[str, typer.Option("--offload-optimizer", help="none, cpu, nvme")] = "none",
     offload_params: Annotated[str, typer.Option("--offload-params", help="none, cpu, nvme")] = "none",
     gpu: GpuOpt = None, gpus: GpusOpt = None, gpus_per_node: GpnOpt = None, seq_len: SeqOpt = None,
+    tokens: Annotated[float | None, typer.Option("--tokens", help="token budget: adds time, GPU-hours, energy")] = None,
+    price: Annotated[float | None, typer.Option("--price", help="price per GPU-hour (USD), with --tokens")] = None,
     model_name: NameOpt = None, as_json: JsonOpt = False,
 ) -> None:
     """Memory and time breakdown of one configuration, and whether (and why) it fits."""
@@ -153,11 +155,15 @@ def estimate(
                             dp=cluster.gpus, offload_optimizer=offload_optimizer,  # type: ignore[arg-type]
                             offload_params=offload_params)  # type: ignore[arg-type]
         check_precision(cluster, [precision])
+        if price is not None and tokens is None:
+            raise OptplanError("--price needs --tokens (the token budget to price)")
+        if tokens is not None and tokens <= 0:
+            raise OptplanError(f"--tokens must be positive (got {tokens:g})")
         with _stderr().status("profiling the model in a child process..."):
             prof = load_profile(model, seq_len=seq_len, model_name=model_name)
         if optimizer is None and prof.defaults.optimizer:
             strategy = Strategy.model_validate({**strategy.model_dump(), "optimizer": prof.defaults.optimizer})
-        est = estimate_strategy(prof, cluster, strategy)
+        est = estimate_strategy(prof, cluster, strategy, tokens=tokens, price_per_gpu_hour=price)
         if as_json:
             typer.echo(est.model_dump_json(indent=2))
             return
@@ -165,6 +171,33 @@ def estimate(
         for note in notes:
             out.print(f"note: {note}", style="dim")
         out.print(estimate_table(est))
+
+    _guard(ctx, body)
+
+
+@app.command()
+def chinchilla(
+    ctx: typer.Context,
+    params: Annotated[float | None, typer.Option("--params", help="model parameters, e.g. 7e9")] = None,
+    compute: Annotated[float | None, typer.Option("--compute", help="training compute budget, FLOPs")] = None,
+    tokens: Annotated[float | None, typer.Option("--tokens", help="training tokens")] = None,
+    fit: Annotated[str | None, typer.Option("--fit", help="hoffmann or epoch (Approach 3); default: 20 tokens/param")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Compute-optimal parameters, tokens, FLOPs and predicted loss (Chinchilla)."""
+    from optplan.estimators.scaling import LOSS_FITS
+    from optplan.estimators.scaling import chinchilla as optimum
+
+    def body() -> None:
+        if fit is not None and fit not in LOSS_FITS:
+            raise OptplanError(f"unknown --fit {fit!r}: use one of {', '.join(LOSS_FITS)}")
+        point = optimum(params=params, flops=compute, tokens=tokens, fit=fit)  # type: ignore[arg-type]
+        if as_json:
+            typer.echo(point.model_dump_json(indent=2))
+            return
+        how = "20 tokens per parameter (Approach 1)" if fit is None else f"the {fit} fit of L(N, D) (Approach 3)"
+        _stdout().print(f"compute-optimal by {how}: {point.params:.3g} parameters, {point.tokens:.3g} tokens, "
+                        f"{point.flops:.3g} FLOPs, predicted loss {point.loss:.3f} nats/token")
 
     _guard(ctx, body)
 

@@ -97,7 +97,15 @@ def estimate_table(e: Estimate) -> Group:
                    style="green" if e.fits else "red bold")
     summary = Text(f"{e.strategy.label()} on {e.gpus} GPU(s): global batch {e.global_batch}, {rate}, "
                    f"MFU {e.mfu * 100:.1f}%, HFU {e.hfu * 100:.1f}%, {e.model_tflops_per_gpu:.1f} TFLOP/s per GPU")
-    return Group(summary, verdict, mem, tim)
+    parts: list = [summary, verdict, mem, tim]
+    if e.cost is not None:
+        c = e.cost
+        money = f", ${c.cost_usd:,.0f}" if c.cost_usd is not None else ""
+        span = (f"{c.train_time_s / 86400:,.1f} days" if c.train_time_s >= 86400
+                else f"{c.train_time_s / 3600:,.1f} hours")
+        parts.append(Text(f"{c.tokens:.3g} tokens: {span}, {c.gpu_hours:,.0f} GPU-hours"
+                          f"{money}, {c.energy_kwh:,.0f} kWh (GPU power)"))
+    return Group(*parts)
 
 
 def _rate(n: float) -> str:

@@ -150,3 +150,25 @@ def test_sequence_longer_than_the_model_supports(capsys: pytest.CaptureFixture[s
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
     assert "longer than the model's maximum of 1024" in err and "--seq-len 1024" in err
+
+
+def test_chinchilla_command() -> None:
+    doc = _json(["chinchilla", "--params", "70e9", "--json"])
+    assert {"params", "tokens", "flops", "loss"} <= doc.keys()
+    assert doc["tokens"] == pytest.approx(1.4e12) and doc["flops"] == pytest.approx(6 * 70e9 * 1.4e12)
+    epoch = _json(["chinchilla", "--compute", "5.76e23", "--fit", "epoch", "--json"])
+    assert epoch["params"] == pytest.approx(70e9, rel=0.05)
+    bad = runner.invoke(app, ["chinchilla", "--params", "1e9", "--tokens", "1e10"])
+    assert bad.exit_code == 2 and "exactly one" in bad.stderr
+
+
+def test_estimate_cost_and_gas_alias() -> None:
+    est = _json(["estimate", str(EX / "gpt2.py"), *H100, "--zero", "1", "--mbs", "8", "--gas", "4",
+                 "--tokens", "1e10", "--price", "2.5", "--json"])
+    assert est["strategy"]["grad_accum"] == 4
+    assert est["memory"]["fits"] is True
+    cost = est["cost"]
+    assert cost["train_time_s"] == pytest.approx(1e10 / est["tokens_per_s"])
+    assert cost["gpu_hours"] == pytest.approx(8 * cost["train_time_s"] / 3600)
+    assert cost["cost_usd"] == pytest.approx(2.5 * cost["gpu_hours"])
+    assert cost["energy_kwh"] == pytest.approx(8 * 700 * cost["train_time_s"] / 3.6e6)
