@@ -10,6 +10,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from optplan.estimators.arch import parse_arch, profile_from_arch
 from optplan.estimators.cost import training_cost
 from optplan.estimators.errors import OptplanError
 from optplan.estimators.estimate import Estimate, estimate
@@ -29,6 +30,16 @@ def load_profile(path: Path | str, *, seq_len: int | None = None, model_name: st
     if seq_len is not None and seq_len < 1:
         raise OptplanError(f"--seq-len must be >= 1 (got {seq_len})")
     return profile_model_file(path, seq_len=seq_len, model_name=model_name)
+
+
+def resolve_model(path: Path | str | None, *, arch: str | None = None, seq_len: int | None = None,
+                  model_name: str | None = None) -> ModelProfile:
+    """The profile of a model file (profiled in a child process) or of an ``--arch`` shape (by formula)."""
+    if (path is None) == (arch is None):
+        raise OptplanError("give either a model FILE or --arch layers=L,hidden=H,heads=A (not both)")
+    if arch is not None:
+        return profile_from_arch(parse_arch(arch, seq_len=seq_len))
+    return load_profile(path, seq_len=seq_len, model_name=model_name)  # type: ignore[arg-type]
 
 
 def detect_hardware() -> HardwareReport:

@@ -27,6 +27,10 @@ app = typer.Typer(
 
 ModelFile = Annotated[Path, typer.Argument(help="the model file (Python; it is run in a child process)",
                                            show_default=False)]
+OptModelFile = Annotated[Path | None, typer.Argument(help="the model file (or give --arch instead)",
+                                                     show_default=False)]
+ArchOpt = Annotated[str | None, typer.Option(
+    "--arch", help="a decoder by shape instead of a file: layers=L,hidden=H,heads=A[,kv_heads=K][,ffn=F][,vocab=V][,seq=S]")]
 GpuOpt = Annotated[str | None, typer.Option("--gpu", help="GPU to plan for (default: detected, else H100-SXM)")]
 GpusOpt = Annotated[int | None, typer.Option("--gpus", help="number of GPUs (default: detected, else 8)")]
 GpnOpt = Annotated[int | None, typer.Option("--gpus-per-node", help="GPUs per node (default: min(gpus, 8))")]
@@ -128,7 +132,7 @@ def hardware(ctx: typer.Context, as_json: JsonOpt = False) -> None:
 
 @app.command()
 def estimate(
-    ctx: typer.Context, model: ModelFile,
+    ctx: typer.Context, model: OptModelFile = None, arch: ArchOpt = None,
     zero: Annotated[int, typer.Option("--zero", help="ZeRO stage 0-3")] = 0,
     mbs: Annotated[int, typer.Option("--mbs", help="micro-batch per GPU")] = 1,
     grad_accum: Annotated[int, typer.Option("--grad-accum", "--gas", help="gradient-accumulation steps")] = 1,
@@ -144,7 +148,7 @@ def estimate(
 ) -> None:
     """Memory and time breakdown of one configuration, and whether (and why) it fits."""
     from optplan.estimators.strategy import Strategy
-    from optplan.planner.api import check_precision, estimate_strategy, load_profile, resolve_cluster
+    from optplan.planner.api import check_precision, estimate_strategy, resolve_cluster, resolve_model
     from optplan.tui.render import estimate_table
 
     def body() -> None:
@@ -160,7 +164,7 @@ def estimate(
         if tokens is not None and tokens <= 0:
             raise OptplanError(f"--tokens must be positive (got {tokens:g})")
         with _stderr().status("profiling the model in a child process..."):
-            prof = load_profile(model, seq_len=seq_len, model_name=model_name)
+            prof = resolve_model(model, arch=arch, seq_len=seq_len, model_name=model_name)
         if optimizer is None and prof.defaults.optimizer:
             strategy = Strategy.model_validate({**strategy.model_dump(), "optimizer": prof.defaults.optimizer})
         est = estimate_strategy(prof, cluster, strategy, tokens=tokens, price_per_gpu_hour=price)
@@ -204,7 +208,7 @@ def chinchilla(
 
 @app.command()
 def recommend(
-    ctx: typer.Context, model: ModelFile, gpu: GpuOpt = None, gpus: GpusOpt = None, gpus_per_node: GpnOpt = None,
+    ctx: typer.Context, model: OptModelFile = None, arch: ArchOpt = None, gpu: GpuOpt = None, gpus: GpusOpt = None, gpus_per_node: GpnOpt = None,
     global_batch: Annotated[int | None, typer.Option("--global-batch", help="samples per optimizer step (held fixed)")] = None,
     seq_len: SeqOpt = None,
     precision: Annotated[list[str] | None, typer.Option("--precision", help="limit the precisions searched (repeatable)")] = None,
@@ -213,7 +217,7 @@ def recommend(
     model_name: NameOpt = None, as_json: JsonOpt = False,
 ) -> None:
     """Search precision, ZeRO stage, micro-batch, accumulation and checkpointing; print the best plan."""
-    from optplan.planner.api import check_search_options, export_plan, load_profile, resolve_cluster
+    from optplan.planner.api import check_search_options, export_plan, resolve_cluster, resolve_model
     from optplan.planner.recommend import recommend as plan
     from optplan.tui.render import print_recommendation
 
@@ -224,7 +228,7 @@ def recommend(
             from optplan.planner.api import check_out_dir
             check_out_dir(out, force=force)
         with _stderr().status("profiling the model in a child process..."):
-            prof = load_profile(model, seq_len=seq_len, model_name=model_name)
+            prof = resolve_model(model, arch=arch, seq_len=seq_len, model_name=model_name)
         with _stderr().status("searching..."):
             rec = plan(prof, cluster, global_batch=global_batch, precisions=precision, notes=notes)
         written: list[Path] = []

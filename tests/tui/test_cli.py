@@ -172,3 +172,15 @@ def test_estimate_cost_and_gas_alias() -> None:
     assert cost["gpu_hours"] == pytest.approx(8 * cost["train_time_s"] / 3600)
     assert cost["cost_usd"] == pytest.approx(2.5 * cost["gpu_hours"])
     assert cost["energy_kwh"] == pytest.approx(8 * 700 * cost["train_time_s"] / 3.6e6)
+
+
+def test_estimate_and_recommend_take_an_arch_instead_of_a_file() -> None:
+    arch = "layers=12,hidden=768,heads=12,vocab=50257,seq=1024"
+    est = _json(["estimate", "--arch", arch, *H100, "--zero", "2", "--mbs", "4", "--json"])
+    assert est["strategy"]["zero"] == 2 and est["tokens_per_s"] > 0 and est["memory"]["fits"]
+    doc = _json(["recommend", "--arch", arch, *H100, "--global-batch", "512", "--json"])
+    assert doc["fits"] and doc["model_path"] == "--arch" and doc["estimate"]["global_batch"] == 512
+    both = runner.invoke(app, ["estimate", str(EX / "mlp.py"), "--arch", arch])
+    assert both.exit_code == 2 and "not both" in both.stderr
+    neither = runner.invoke(app, ["recommend"])
+    assert neither.exit_code == 2 and "--arch" in neither.stderr

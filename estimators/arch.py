@@ -1,0 +1,117 @@
+"""A ModelProfile from a decoder's shape alone (``--arch layers=L,hidden=H,heads=A,...``), no model file.
+
+Conventions (a GPT-style decoder, Megatron's counting): per layer attention with q/o of h×h and k/v
+of h×(h·K/A) for K key-value heads, an MLP of two h×F matrices (F = 4h by default), two layer norms and
+biases; tied input/output embeddings of V×h and learned positions of s×h. With F = 4h and K = A that is
+Narayanan et al. 2021 (arXiv 2104.04473) §3's 12·L·h² + 13·L·h + V·h + s·h parameters.
+- FLOPs (PaLM, Chowdhery et al. 2022, Appendix B): training 6·N + 12·L·h·s per token with N the
+  matmul parameters (positions excluded), i.e. forward 2·N + 4·L·h·s per token, backward twice that.
+- Activations (Korthikanti et al. 2022, arXiv 2205.05198, Table 2), bytes per layer per sample with
+  16-bit activations: s·h·(34 + 5·a·s/h), the 5·a·s/h term dropped with flash attention (default);
+  full recomputation keeps 2·s·h per layer plus one layer's full activations. fp32 doubles them.
+  Logits: s·V values held as 16-bit logits, fp32 softmax and fp32 gradient (10 bytes each; 16 in fp32).
+Units: parameters, FLOPs, bytes.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from optplan.estimators.errors import OptplanError
+from optplan.estimators.profile import ActivationFit, ModelProfile, RepeatedBlock, TransformerShape
+
+DEFAULT_VOCAB = 51200
+LOGIT_BYTES = {"bf16": 10, "fp32": 16}
+
+
+class ArchSpec(BaseModel):
+    """A decoder shape; ``ffn`` defaults to 4·hidden, ``kv_heads`` to heads."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    layers: int = Field(ge=1)
+    hidden: int = Field(ge=1)
+    heads: int = Field(ge=1)
+    kv_heads: int | None = Field(default=None, ge=1)
+    ffn: int | None = Field(default=None, ge=1)
+    vocab: int = Field(default=DEFAULT_VOCAB, ge=1)
+    seq: int | None = Field(default=None, ge=1)
+    flash: bool = True
+
+    @model_validator(mode="after")
+    def _check(self) -> ArchSpec:
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden {self.hidden} is not divisible by heads {self.heads}")
+        if self.kv_heads is not None and self.heads % self.kv_heads:
+            raise ValueError(f"heads {self.heads} is not divisible by kv_heads {self.kv_heads}")
+        return self
+
+
+def parse_arch(text: str, *, seq_len: int | None = None) -> ArchSpec:
+    """Parse ``layers=L,hidden=H,heads=A[,kv_heads=K][,ffn=F][,vocab=V][,seq=S]`` (sizes may use 1e3)."""
+    fields: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = part.partition("=")
+        if not sep:
+            raise OptplanError(f"--arch item {part!r} is not key=value: write e.g. layers=32,hidden=4096,heads=32")
+        try:
+            number = float(value)
+        except ValueError:
+            raise OptplanError(f"--arch {key}={value!r} is not a number: give an integer") from None
+        if number != int(number):
+            raise OptplanError(f"--arch {key}={value} is not an integer: give a whole number")
+        fields[key.strip()] = int(number)
+    known = set(ArchSpec.model_fields) - {"flash"}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise OptplanError(f"--arch has unknown key {unknown[0]!r}: use {', '.join(sorted(known))}")
+    missing = [k for k in ("layers", "hidden", "heads") if k not in fields]
+    if missing:
+        raise OptplanError(f"--arch needs {', '.join(missing)}: e.g. layers=32,hidden=4096,heads=32")
+    if "seq" not in fields and seq_len is not None:
+        fields["seq"] = seq_len
+    try:
+        return ArchSpec(**fields)
+    except ValueError as err:
+        first = err.errors()[0] if hasattr(err, "errors") else {"msg": str(err)}  # type: ignore[attr-defined]
+        raise OptplanError(f"invalid --arch: {str(first['msg']).removeprefix('Value error, ')}") from None
+
+
+def arch_params(spec: ArchSpec) -> tuple[int, int]:
+    """(total parameters, parameters per layer) under the module docstring's conventions."""
+    h, ffn = spec.hidden, spec.ffn or 4 * spec.hidden
+    kv = h * (spec.kv_heads or spec.heads) // spec.heads
+    attention = 2 * h * h + 2 * h * kv + 2 * h + 2 * kv  # q, o, k, v weights and biases
+    mlp = 2 * h * ffn + ffn + h
+    per_layer = attention + mlp + 4 * h  # two layer norms
+    seq = spec.seq or 0
+    return spec.layers * per_layer + spec.vocab * h + seq * h + 2 * h, per_layer
+
+
+def profile_from_arch(spec: ArchSpec, *, name: str | None = None) -> ModelProfile:
+    """The static profile of a decoder given by shape (per-sample figures at ``spec.seq``)."""
+    if spec.seq is None:
+        raise OptplanError("--arch needs a sequence length: add seq=S or pass --seq-len")
+    s, h, a, v, L = spec.seq, spec.hidden, spec.heads, spec.vocab, spec.layers
+    params, per_layer = arch_params(spec)
+    matmul_params = params - s * h
+    fwd = (2 * matmul_params + 4 * L * h * s) * s
+    attn_term = 0 if spec.flash else 5 * a * s / h
+    layer_bytes = s * h * (34 + attn_term)
+    fits = []
+    for precision, scale in (("bf16", 1), ("fp32", 2)):
+        logits = s * v * LOGIT_BYTES[precision]
+        full = scale * L * layer_bytes + logits
+        ckpt = scale * (L * 2 * s * h + layer_bytes) + logits
+        fits += [ActivationFit(precision=precision, checkpointing="none", fixed_bytes=0, per_sample_bytes=round(full)),
+                 ActivationFit(precision=precision, checkpointing="full", fixed_bytes=0, per_sample_bytes=round(ckpt))]
+    return ModelProfile(
+        name=name or f"decoder-L{L}-h{h}", path="--arch", model_class="Decoder", params=params,
+        trainable_params=params, params_by_module={"embedding": v * h + s * h, "layers": L * per_layer},
+        repeated_block=RepeatedBlock(class_name="DecoderLayer", count=L, params_per_block=per_layer),
+        input_kind="tokens", seq_len=s, tokens_per_sample=s, fwd_flops_per_sample=fwd, bwd_flops_per_sample=2 * fwd,
+        activations=tuple(fits),
+        transformer=TransformerShape(hidden=h, layers=L, heads=a, kv_heads=spec.kv_heads, vocab=v, max_seq_len=s),
+        notes=(f"profile from --arch by formula (Korthikanti et al. 2022 activations"
+               f"{', flash attention' if spec.flash else ''}; PaLM FLOPs), not measured",),
+    )
