@@ -1,0 +1,36 @@
+"""Speed of the analytic estimators and the search (issue 3 target: a 175B --arch estimate on 1,536
+GPUs under 50 ms).
+
+Run: python benchmarks/bench_estimator_speed.py   (prints figures; no assertions)
+"""
+
+from __future__ import annotations
+
+import time
+
+from optplan.estimators.arch import parse_arch, profile_from_arch
+from optplan.estimators.estimate import estimate
+from optplan.estimators.hardware import Cluster, find_gpu
+from optplan.estimators.strategy import Strategy
+from optplan.planner.recommend import recommend
+
+
+def main() -> None:
+    prof = profile_from_arch(parse_arch("layers=96,hidden=12288,heads=96,seq=2048"))
+    cluster = Cluster(gpu=find_gpu("H100-SXM"), gpus=1536, gpus_per_node=8)
+    strategy = Strategy(zero=3, mbs=1, dp=1536, checkpointing="full")
+    t0 = time.perf_counter()
+    for _ in range(1000):
+        estimate(prof, cluster, strategy)
+    per = (time.perf_counter() - t0) / 1000
+    print(f"175B (GPT-3 shape) on 1,536 x H100, one estimate: {per * 1e3:.3f} ms (target < 50 ms)")
+    gpt2 = profile_from_arch(parse_arch("layers=12,hidden=768,heads=12,vocab=50257,seq=1024"))
+    node = Cluster(gpu=find_gpu("H100-SXM"), gpus=8, gpus_per_node=8)
+    t0 = time.perf_counter()
+    rec = recommend(gpt2, node, global_batch=512)
+    print(f"GPT-2 small on 8 x H100, full recommend (search {rec.search.evaluated} plans + rationale): "
+          f"{(time.perf_counter() - t0) * 1e3:.0f} ms")
+
+
+if __name__ == "__main__":
+    main()
