@@ -56,6 +56,14 @@ BATCH_FIX = ("make example_batch(batch_size, seq_len) return what forward takes 
               "model(x), a tuple/list model(*x), a dict model(**x))")
 
 
+
+PIP_NAMES: dict[str, str] = {
+    "cv2": "opencv-python", "sklearn": "scikit-learn", "PIL": "pillow", "yaml": "pyyaml",
+    "skimage": "scikit-image", "bs4": "beautifulsoup4", "Crypto": "pycryptodome", "attr": "attrs",
+    "google": "the matching google-* package", "dateutil": "python-dateutil", "serial": "pyserial",
+}
+"""Import names whose PyPI distribution has another name (so the hint never suggests a look-alike)."""
+
 def exc_text(exc: BaseException) -> str:
     """``"TypeName: message"`` on one line."""
     msg = one_line(exc, 240)
@@ -92,8 +100,11 @@ def import_model_file(path: str | Path, display: str | None = None) -> ModuleTyp
     except ModuleNotFoundError as exc:
         sys.modules.pop(mod_name, None)
         missing = (exc.name or str(exc)).split(".")[0]
+        dist = PIP_NAMES.get(missing)
+        install = (f"install the package that provides '{missing}' ({dist} on PyPI)" if dist
+                   else f"install the package that provides '{missing}' (often `pip install {missing}`)")
         raise ModelFileError(shown, f"imports the missing package {missing!r} ({exc_text(exc)})",
-                             f"pip install {missing} (into {sys.executable}) or remove the import") from None
+                             f"{install} into {sys.executable}, or remove the import") from None
     except SystemExit as exc:
         sys.modules.pop(mod_name, None)
         raise ModelFileError(shown, f"the file exits when imported (SystemExit: {exc.code})",

@@ -232,3 +232,11 @@ def test_user_prints_do_not_break_the_json(write_model):
         """)
     profile = profile_model_file(path)
     assert profile.params == 10
+
+
+def test_missing_package_names_the_pypi_distribution_when_it_differs(write_model):
+    path = write_model("""
+        import torch
+        import sklearn.linear_model
+        """)
+    expect_error(path, "missing package 'sklearn'", "scikit-learn on PyPI")
