@@ -65,6 +65,11 @@ def _run(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
         profile = profile_contract(contract, seq_len=args.seq_len, started=_STARTED)
         return profile.model_dump(mode="json"), EXIT_OK
     except ModelFileError as exc:
+        root: BaseException = exc
+        while (nxt := root.__cause__ or root.__context__) is not None:
+            root = nxt
+        if root is not exc:  # the user's code's own traceback, for `optplan --debug`
+            traceback.print_exception(type(root), root, root.__traceback__)
         return {"error": {"problem": exc.problem, "fix": exc.fix}}, EXIT_MODEL_ERROR
     except Exception as exc:  # noqa: BLE001 - report anything as one JSON error, traceback to stderr
         traceback.print_exc()

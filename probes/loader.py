@@ -39,8 +39,9 @@ def one_line(text: object, limit: int = _MAX_TEXT) -> str:
 class ModelFileError(OptplanError):
     """A problem with a model file that the user can fix; ``str()`` is one line naming file and fix."""
 
-    def __init__(self, path: str | os.PathLike[str], problem: str, fix: str) -> None:
+    def __init__(self, path: str | os.PathLike[str], problem: str, fix: str, *, detail: str = "") -> None:
         self.path = str(path)
+        self.detail = detail  # the child's stderr (user output, tracebacks), shown by `optplan --debug`
         self.problem = one_line(problem)
         self.fix = one_line(fix)
         super().__init__(f"{self.path}: {self.problem} — {self.fix}")
@@ -98,12 +99,12 @@ def parse_child_output(path: str | os.PathLike[str], returncode: int, stdout: st
     if isinstance(doc, dict) and isinstance(doc.get("error"), dict):
         err = doc["error"]
         raise ModelFileError(path, str(err.get("problem", "the profiler failed")),
-                             str(err.get("fix", "run the file with python to see the error")))
+                             str(err.get("fix", "run the file with python to see the error")), detail=stderr)
     if returncode != EXIT_OK or not isinstance(doc, dict):
         how = (f"killed by signal {-returncode}" if returncode < 0 else f"exit code {returncode}")
         what = "crashed" if returncode != EXIT_OK else "printed no JSON profile"
         raise ModelFileError(path, f"the profiler child process {what} ({how}){said}",
-                             f"run `{sys.executable} -m {CHILD_MODULE} {path}` to see the full error")
+                             f"run `{sys.executable} -m {CHILD_MODULE} {path}` to see the full error", detail=stderr)
     try:
         return ModelProfile.model_validate(doc)
     except ValidationError as exc:

@@ -66,6 +66,9 @@ def _guard(ctx: typer.Context, body: Callable[[], T]) -> T:
         return body()
     except OptplanError as err:
         if debug:
+            detail = getattr(err, "detail", "")
+            if detail:
+                sys.stderr.write(f"--- output of the model file's child process ---\n{detail.rstrip()}\n---\n")
             raise
         raise _fail(str(err)) from None
     except ValidationError as err:

@@ -184,3 +184,20 @@ def test_estimate_and_recommend_take_an_arch_instead_of_a_file() -> None:
     assert both.exit_code == 2 and "not both" in both.stderr
     neither = runner.invoke(app, ["recommend"])
     assert neither.exit_code == 2 and "--arch" in neither.stderr
+
+
+def test_debug_shows_the_user_code_traceback_from_the_child(tmp_path: Path) -> None:
+    bad = tmp_path / "shapebug.py"
+    bad.write_text("import torch, torch.nn as nn\n"
+                   "class M(nn.Module):\n"
+                   "    def __init__(self):\n"
+                   "        super().__init__(); self.fc = nn.Linear(8, 2)\n"
+                   "    def forward(self, x):\n"
+                   "        return self.fc(x.view(-1, 7))\n"
+                   "def build_model(): return M()\n"
+                   "def example_batch(b, s): return torch.randn(b, 8)\n")
+    plain = runner.invoke(app, ["profile", str(bad)])
+    assert plain.exit_code == 2 and len(plain.stderr.strip().splitlines()) == 1
+    debug = runner.invoke(app, ["--debug", "profile", str(bad)])
+    assert debug.exit_code != 0
+    assert f'File "{bad}", line 6, in forward' in debug.stderr
