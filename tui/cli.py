@@ -25,8 +25,6 @@ app = typer.Typer(
     help="Plan how to train a PyTorch model fast without running out of memory.",
 )
 
-ModelFile = Annotated[Path, typer.Argument(help="the model file (Python; it is run in a child process)",
-                                           show_default=False)]
 OptModelFile = Annotated[Path | None, typer.Argument(help="the model file (or give --arch instead)",
                                                      show_default=False)]
 ArchOpt = Annotated[str | None, typer.Option(
@@ -94,15 +92,15 @@ def _main(ctx: typer.Context,
 
 
 @app.command()
-def profile(ctx: typer.Context, model: ModelFile, seq_len: SeqOpt = None, model_name: NameOpt = None,
-            as_json: JsonOpt = False) -> None:
-    """Profile a model file on the meta/fake device: parameters, FLOPs, activation bytes."""
-    from optplan.planner.api import load_profile
+def profile(ctx: typer.Context, model: OptModelFile = None, arch: ArchOpt = None, seq_len: SeqOpt = None,
+            model_name: NameOpt = None, as_json: JsonOpt = False) -> None:
+    """Profile a model file on the meta/fake device (or an --arch shape): parameters, FLOPs, activations."""
+    from optplan.planner.api import resolve_model
     from optplan.tui.render import profile_table
 
     def body() -> None:
         with _stderr().status("profiling the model in a child process..."):
-            prof = load_profile(model, seq_len=seq_len, model_name=model_name)
+            prof = resolve_model(model, arch=arch, seq_len=seq_len, model_name=model_name)
         if as_json:
             typer.echo(prof.model_dump_json(indent=2))
         else:

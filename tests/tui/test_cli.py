@@ -182,6 +182,8 @@ def test_estimate_and_recommend_take_an_arch_instead_of_a_file() -> None:
     assert doc["fits"] and doc["model_path"] == "--arch" and doc["estimate"]["global_batch"] == 512
     both = runner.invoke(app, ["estimate", str(EX / "mlp.py"), "--arch", arch])
     assert both.exit_code == 2 and "not both" in both.stderr
+    prof = _json(["profile", "--arch", arch, "--json"])
+    assert prof["params"] == 124_439_808 and prof["path"] == "--arch"
     neither = runner.invoke(app, ["recommend"])
     assert neither.exit_code == 2 and "--arch" in neither.stderr
 
