@@ -40,8 +40,15 @@ class TimeBreakdown(BaseModel):
     optimizer_s: float = Field(ge=0, description="optimizer step (memory-bound, or on the host)")
     comm_s: float = Field(ge=0, description="data-parallel collectives and offload transfers")
     exposed_comm_s: float = Field(ge=0, description="communication not hidden behind compute")
+    bubble_s: float = Field(default=0.0, ge=0, description="pipeline bubble (0 without pipeline parallelism)")
     step_s: float = Field(gt=0)
     efficiency: float = Field(gt=0, description="fraction of peak FLOP/s assumed for matmuls")
+    samples_per_s: float = Field(gt=0)
+    tokens_per_s: float | None = None
+    model_tflops_per_gpu: float = Field(ge=0)
+    hardware_tflops_per_gpu: float = Field(ge=0, description="counting recomputation")
+    mfu: float = Field(ge=0)
+    hfu: float = Field(ge=0)
 
 
 class Estimate(BaseModel):
@@ -122,15 +129,18 @@ def estimate(profile: ModelProfile, cluster: Cluster, strategy: Strategy) -> Est
     ct = compute_time(profile, strategy, cluster.gpu, ranks_per_node=min(strategy.dp, cluster.gpus_per_node))
     comm_s = comm_time_s(profile, strategy, cluster)
     step_s = ct.compute_s + ct.recompute_s + ct.memory_bound_s + ct.optimizer_s + comm_s
-    time = TimeBreakdown(compute_s=ct.compute_s, recompute_s=ct.recompute_s, memory_bound_s=ct.memory_bound_s,
-                         optimizer_s=ct.optimizer_s, comm_s=comm_s, exposed_comm_s=comm_s, step_s=step_s,
-                         efficiency=ct.efficiency)
     samples_per_s = strategy.global_batch / step_s
     tokens_per_s = samples_per_s * profile.tokens_per_sample if profile.tokens_per_sample else None
     model_flops_per_s = profile.train_flops_per_sample * samples_per_s / strategy.dp
     hw_flops_per_s = model_flops_per_s + (
         profile.fwd_flops_per_sample * samples_per_s / strategy.dp if ct.recompute_s > 0 else 0.0)
     peak = mfu_peak_flops(cluster.gpu)
+    time = TimeBreakdown(compute_s=ct.compute_s, recompute_s=ct.recompute_s, memory_bound_s=ct.memory_bound_s,
+                         optimizer_s=ct.optimizer_s, comm_s=comm_s, exposed_comm_s=comm_s, step_s=step_s,
+                         efficiency=ct.efficiency, samples_per_s=samples_per_s, tokens_per_s=tokens_per_s,
+                         model_tflops_per_gpu=model_flops_per_s / 1e12,
+                         hardware_tflops_per_gpu=hw_flops_per_s / 1e12, mfu=model_flops_per_s / peak,
+                         hfu=hw_flops_per_s / peak)
     return Estimate(
         strategy=strategy, gpu=cluster.gpu.name, gpus=strategy.dp, memory=memory, time=time,
         global_batch=strategy.global_batch, samples_per_s=samples_per_s, tokens_per_s=tokens_per_s,

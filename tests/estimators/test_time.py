@@ -78,6 +78,13 @@ def test_estimate_throughput_and_mfu_definitions() -> None:
     assert e.hfu == pytest.approx(e.mfu)
     ck = estimate(prof, c, s.model_copy(update={"checkpointing": "full"}))
     assert ck.hfu == pytest.approx(ck.mfu * 4 / 3)
+    # the same figures under time.* (the keys issue 3 pins), equal to the top-level ones
+    for est in (e, ck):
+        t = est.time
+        assert (t.samples_per_s, t.tokens_per_s, t.mfu, t.hfu, t.model_tflops_per_gpu) == (
+            est.samples_per_s, est.tokens_per_s, est.mfu, est.hfu, est.model_tflops_per_gpu)
+        assert t.hardware_tflops_per_gpu == pytest.approx(t.model_tflops_per_gpu * t.hfu / t.mfu)
+        assert t.bubble_s == 0.0
     assert 0 < e.mfu < MAX_EFFICIENCY["bf16"]
 
 

@@ -203,3 +203,11 @@ def test_debug_shows_the_user_code_traceback_from_the_child(tmp_path: Path) -> N
     debug = runner.invoke(app, ["--debug", "profile", str(bad)])
     assert debug.exit_code != 0
     assert f'File "{bad}", line 6, in forward' in debug.stderr
+
+
+def test_estimate_json_has_the_pinned_time_and_memory_keys() -> None:
+    est = _json(["estimate", "--arch", "layers=4,hidden=256,heads=4,seq=512", *H100, "--mbs", "2", "--json"])
+    assert {"params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "buffers_bytes",
+            "overhead_bytes", "total_bytes", "capacity_bytes", "fits"} <= est["memory"].keys()
+    assert {"step_s", "compute_s", "comm_s", "exposed_comm_s", "bubble_s", "tokens_per_s", "samples_per_s",
+            "model_tflops_per_gpu", "hardware_tflops_per_gpu", "mfu", "hfu"} <= est["time"].keys()
