@@ -23,7 +23,7 @@ from optplan.estimators.cost import CostEstimate
 from optplan.estimators.errors import OptplanError
 from optplan.estimators.hardware import Cluster, GPUSpec
 from optplan.estimators.memory import MemoryBreakdown, memory_breakdown, usable_capacity_bytes
-from optplan.estimators.precision import get_recipe
+from optplan.estimators.precision import get_recipe, require_precision
 from optplan.estimators.profile import ModelProfile
 from optplan.estimators.strategy import Strategy
 from optplan.estimators.units import gib
@@ -120,11 +120,7 @@ def estimate(profile: ModelProfile, cluster: Cluster, strategy: Strategy) -> Est
     if strategy.dp > cluster.gpus:
         raise OptplanError(f"data-parallel degree {strategy.dp} exceeds the {cluster.gpus} GPUs given: "
                            "lower dp or raise --gpus")
-    recipe = get_recipe(strategy.precision)
-    peak = cluster.gpu.peak_flops_for(recipe.compute_dtype)
-    if peak <= 0:
-        raise OptplanError(f"{cluster.gpu.name} has no {recipe.compute_dtype} math for precision "
-                           f"'{strategy.precision}': choose fp32 or fp16 on this GPU")
+    require_precision(cluster.gpu, strategy.precision)
     memory = memory_breakdown(profile, strategy, usable_capacity_bytes(cluster.gpu.memory_bytes))
     ct = compute_time(profile, strategy, cluster.gpu, ranks_per_node=min(strategy.dp, cluster.gpus_per_node))
     comm_s = comm_time_s(profile, strategy, cluster)

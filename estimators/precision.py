@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from optplan.estimators.hardware import Dtype
+from optplan.estimators.errors import OptplanError
+from optplan.estimators.hardware import Dtype, GPUSpec
 from optplan.estimators.profile import ActivationPrecision
 
 
@@ -59,3 +60,14 @@ RECIPES: dict[str, Recipe] = {
 def get_recipe(name: str) -> Recipe:
     """Recipe by name (KeyError for unknown names; Strategy validation prevents those)."""
     return RECIPES[name]
+
+
+def require_precision(gpu: GPUSpec, name: str) -> Recipe:
+    """The recipe ``name`` if ``gpu`` has math for it; else a one-line OptplanError with the fix."""
+    if name not in RECIPES:
+        raise OptplanError(f"unknown precision {name!r}: use one of {', '.join(RECIPES)}")
+    recipe = RECIPES[name]
+    if gpu.peak_flops_for(recipe.compute_dtype) <= 0:
+        raise OptplanError(f"{gpu.name} has no {recipe.compute_dtype} math for precision {name!r}: "
+                           "choose fp32 or fp16 on this GPU")
+    return recipe

@@ -15,10 +15,10 @@ from optplan.estimators.cost import training_cost
 from optplan.estimators.errors import OptplanError
 from optplan.estimators.estimate import Estimate, estimate
 from optplan.estimators.hardware import Cluster
-from optplan.estimators.precision import RECIPES
 from optplan.estimators.profile import ModelProfile
 from optplan.estimators.strategy import Strategy
 from optplan.planner.recommend import Recommendation
+from optplan.planner.space import check_global_batch, check_precisions
 from optplan.probes.hardware import HardwareReport, cluster_from, detect_gpus
 from optplan.probes.loader import profile_model_file
 
@@ -57,27 +57,10 @@ def resolve_cluster(*, gpu: str | None, gpus: int | None, gpus_per_node: int | N
     return cluster, notes
 
 
-def check_precision(cluster: Cluster, precisions: Sequence[str]) -> None:
-    """Fail early for unknown precisions or ones this GPU has no math for."""
-    for name in precisions:
-        if name not in RECIPES:
-            raise OptplanError(f"unknown precision {name!r}: use one of {', '.join(RECIPES)}")
-        dtype = RECIPES[name].compute_dtype
-        if cluster.gpu.peak_flops_for(dtype) <= 0:
-            raise OptplanError(f"{cluster.gpu.name} has no {dtype} math for precision {name!r}: "
-                               "choose fp32 or fp16 on this GPU")
-
-
 def check_search_options(cluster: Cluster, *, global_batch: int | None, precisions: Sequence[str] | None) -> None:
     """Validate recommend's options against the cluster before the model is profiled."""
-    if global_batch is not None:
-        if global_batch < 1:
-            raise OptplanError(f"--global-batch must be >= 1 (got {global_batch})")
-        if global_batch % cluster.gpus:
-            raise OptplanError(f"global batch {global_batch} is not divisible by {cluster.gpus} GPUs: "
-                               f"use a multiple of {cluster.gpus} for --global-batch or change --gpus")
-    if precisions:
-        check_precision(cluster, precisions)
+    check_global_batch(global_batch, cluster.gpus)
+    check_precisions(cluster, precisions or ())
 
 
 def estimate_strategy(profile: ModelProfile, cluster: Cluster, strategy: Strategy, *,

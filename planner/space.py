@@ -8,7 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from optplan.estimators.errors import OptplanError
 from optplan.estimators.hardware import Cluster
-from optplan.estimators.precision import RECIPES
+from optplan.estimators.precision import require_precision
 from optplan.estimators.profile import CheckpointMode, ModelProfile
 from optplan.estimators.strategy import Strategy
 
@@ -44,6 +44,23 @@ def _powers_of_two_upto(limit: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+def check_global_batch(global_batch: int | None, gpus: int) -> None:
+    """A fixed global batch must be positive and divisible by the data-parallel GPUs."""
+    if global_batch is None:
+        return
+    if global_batch < 1:
+        raise OptplanError(f"--global-batch must be >= 1 (got {global_batch})")
+    if global_batch % gpus:
+        raise OptplanError(f"global batch {global_batch} is not divisible by {gpus} GPUs: "
+                           f"use a multiple of {gpus} for --global-batch or change --gpus")
+
+
+def check_precisions(cluster: Cluster, precisions: Sequence[str]) -> None:
+    """Every named precision must exist and have math on the cluster's GPU."""
+    for name in precisions:
+        require_precision(cluster.gpu, name)
+
+
 def build_space(profile: ModelProfile, cluster: Cluster, *, global_batch: int | None = None,
                 precisions: Sequence[str] | None = None, optimizer: str | None = None) -> SearchSpace:
     """The space for ``profile`` on ``cluster``: dp = all GPUs, powers-of-two micro-batches.
@@ -52,27 +69,17 @@ def build_space(profile: ModelProfile, cluster: Cluster, *, global_batch: int | 
     integer); a global batch not divisible by the GPU count is an error naming both numbers.
     """
     dp = cluster.gpus
+    check_global_batch(global_batch, dp)
     if global_batch is not None:
-        if global_batch < 1:
-            raise OptplanError(f"--global-batch must be >= 1 (got {global_batch})")
-        if global_batch % dp:
-            raise OptplanError(f"global batch {global_batch} is not divisible by {dp} GPUs: "
-                               f"use a multiple of {dp} for --global-batch or change --gpus")
         per_gpu = global_batch // dp
         micro = tuple(b for b in range(1, min(per_gpu, MAX_MICRO_BATCH) + 1) if per_gpu % b == 0)
     else:
         micro = _powers_of_two_upto(MAX_MICRO_BATCH)
     if precisions is None:
-        chosen = SEARCHED_PRECISIONS_BF16 if cluster.gpu.supports_bf16 else SEARCHED_PRECISIONS_NO_BF16
+        usable = SEARCHED_PRECISIONS_BF16 if cluster.gpu.supports_bf16 else SEARCHED_PRECISIONS_NO_BF16
     else:
-        unknown = [p for p in precisions if p not in RECIPES]
-        if unknown:
-            raise OptplanError(f"unknown precision {unknown[0]!r}: use one of {', '.join(RECIPES)}")
-        chosen = tuple(precisions)
-    usable = tuple(p for p in chosen if cluster.gpu.peak_flops_for(RECIPES[p].compute_dtype) > 0)
-    if not usable:
-        raise OptplanError(f"{cluster.gpu.name} supports none of the precisions {', '.join(chosen)}: "
-                           "allow fp32 or fp16")
+        check_precisions(cluster, precisions)
+        usable = tuple(dict.fromkeys(precisions))
     ckpt: tuple[CheckpointMode, ...] = ("none", "full") if profile.supports_checkpointing else ("none",)
     return SearchSpace(
         dp=dp, precisions=usable, optimizer=optimizer or profile.defaults.optimizer or "adamw",

@@ -149,7 +149,7 @@ def estimate(
 ) -> None:
     """Memory and time breakdown of one configuration, and whether (and why) it fits."""
     from optplan.estimators.strategy import Strategy
-    from optplan.planner.api import check_precision, estimate_strategy, resolve_cluster, resolve_model
+    from optplan.planner.api import check_search_options, estimate_strategy, resolve_cluster, resolve_model
     from optplan.tui.render import estimate_table
 
     def body() -> None:
@@ -159,7 +159,7 @@ def estimate(
                             zero=zero, mbs=mbs, grad_accum=grad_accum, checkpointing=checkpointing,  # type: ignore[arg-type]
                             dp=cluster.gpus, offload_optimizer=offload_optimizer,  # type: ignore[arg-type]
                             offload_params=offload_params)  # type: ignore[arg-type]
-        check_precision(cluster, [precision])
+        check_search_options(cluster, global_batch=None, precisions=[precision])
         if price is not None and tokens is None:
             raise OptplanError("--price needs --tokens (the token budget to price)")
         if tokens is not None and tokens <= 0:
