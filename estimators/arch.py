@@ -110,7 +110,7 @@ def profile_from_arch(spec: ArchSpec, *, name: str | None = None) -> ModelProfil
         trainable_params=params, params_by_module={"embedding": v * h + s * h, "layers": L * per_layer},
         repeated_block=RepeatedBlock(class_name="DecoderLayer", count=L, params_per_block=per_layer),
         input_kind="tokens", seq_len=s, tokens_per_sample=s, fwd_flops_per_sample=fwd, bwd_flops_per_sample=2 * fwd,
-        activations=tuple(fits),
+        activations=tuple(fits), activation_source="formula",
         transformer=TransformerShape(hidden=h, layers=L, heads=a, kv_heads=spec.kv_heads, vocab=v, max_seq_len=s),
         notes=(f"profile from --arch by formula (Korthikanti et al. 2022 activations"
                f"{', flash attention' if spec.flash else ''}; PaLM FLOPs), not measured",),

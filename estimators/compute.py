@@ -82,7 +82,7 @@ def compute_time(profile: ModelProfile, strategy: Strategy, gpu: GPUSpec, *,
     traffic = profile.activation(recipe.activation_precision, "none").bytes_at(strategy.mbs)
     memory_bound_s = strategy.grad_accum * passes * traffic / gpu.memory_bandwidth_bytes_per_s
     # Optimizer step: read+write master and moments, read grads, write weights, on this rank's shard.
-    k = recipe.master_bytes + optimizer_state_bytes_per_param(strategy.optimizer, recipe)
+    k = recipe.master_bytes + optimizer_state_bytes_per_param(strategy.optimizer, recipe, profile)
     shard = profile.trainable_params / (strategy.dp if strategy.zero >= 1 else 1)
     touched = shard * (2 * k + recipe.grad_bytes + recipe.weight_bytes)
     if strategy.offload_optimizer != "none":

@@ -7,6 +7,7 @@ direction). Each entry cites its datasheet in ``source``.
 
 from __future__ import annotations
 
+import difflib
 from functools import cache
 from importlib import resources
 from typing import Literal
@@ -59,11 +60,22 @@ class Cluster(BaseModel):
         default=50e9, gt=0, description="per GPU, one way (default: 400 Gb/s InfiniBand NDR per GPU)"
     )
     detected: bool = Field(default=False, description="True when read from NVML, False when --gpu")
+    price_per_gpu_hour: float | None = Field(
+        default=None, ge=0, description="USD per GPU-hour, or None when unknown"
+    )
+    gpu_power_w: float | None = Field(
+        default=None, gt=0, description="watts drawn per GPU; None means the datasheet TDP"
+    )
 
     @property
     def nodes(self) -> int:
         """Number of nodes (ceil)."""
         return -(-self.gpus // self.gpus_per_node)
+
+    @property
+    def power_w_per_gpu(self) -> float:
+        """Watts per GPU for energy figures: ``gpu_power_w`` when given, else the GPU's datasheet TDP."""
+        return self.gpu_power_w if self.gpu_power_w is not None else self.gpu.tdp_watts
 
 
 def _catalogue_text() -> str:
@@ -81,18 +93,52 @@ def _norm(name: str) -> str:
     return "".join(ch for ch in name.lower() if ch.isalnum())
 
 
-def find_gpu(name: str) -> GPUSpec:
+def find_gpu(name: str, *, fix: str = "use --gpu with one of") -> GPUSpec:
     """Look a GPU up by catalogue name or alias, ignoring case and punctuation.
 
-    Raises OptplanError naming the known GPUs when nothing matches.
+    Raises OptplanError when nothing matches, on one line: the close catalogue names first (when
+    any), then ``fix`` followed by every known name, e.g.
+    ``unknown GPU 'H10': did you mean H100-SXM, H100-PCIe? (use --gpu with one of A100-40GB, ...)``.
     """
     catalogue = gpu_catalogue()
     wanted = _norm(name)
     for spec in catalogue.values():
         if wanted == _norm(spec.name) or wanted in {_norm(a) for a in spec.aliases}:
             return spec
-    known = ", ".join(catalogue)
-    raise OptplanError(f"unknown GPU '{name}': use --gpu with one of {known}")
+    raise OptplanError(unknown_gpu_message(name, fix=fix))
+
+
+def unknown_gpu_message(name: str, *, fix: str = "use --gpu with one of") -> str:
+    """The one-line error for a GPU name the catalogue lacks, naming the close names first."""
+    known = ", ".join(gpu_catalogue())
+    close = close_gpu_names(name)
+    if not close:
+        return f"unknown GPU '{name}': {fix} {known}"
+    return f"unknown GPU '{name}': did you mean {', '.join(close)}? ({fix} {known})"
+
+
+def close_gpu_names(name: str, limit: int = 3) -> list[str]:
+    """Catalogue names close to ``name``, best first (at most ``limit``).
+
+    Names and aliases are compared normalised like the lookup (case and punctuation ignored): an
+    entry is close when one of its keys is similar (difflib ratio >= 0.6) or, for inputs of three or
+    more characters, contains the input or is contained in it (``H10`` -> H100-SXM, H100-PCIe).
+    """
+    wanted = _norm(name)
+    if not wanted:
+        return []
+    scored = [(score, spec.name) for spec in gpu_catalogue().values()
+              if (score := _closeness(wanted, spec)) is not None]
+    scored.sort(key=lambda item: -item[0])  # stable: ties keep catalogue order
+    return [entry for _, entry in scored[:limit]]
+
+
+def _closeness(wanted: str, spec: GPUSpec) -> float | None:
+    """Best difflib ratio of ``wanted`` against the entry's normalised keys, or None when not close."""
+    keys = {_norm(spec.name), *(_norm(a) for a in spec.aliases)} - {""}
+    best = max(difflib.SequenceMatcher(None, wanted, key).ratio() for key in keys)
+    contained = len(wanted) >= 3 and any(wanted in key or (len(key) >= 3 and key in wanted) for key in keys)
+    return best if best >= 0.6 or contained else None
 
 
 def match_device_name(device_name: str, memory_bytes: int | None = None) -> GPUSpec | None:

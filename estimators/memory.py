@@ -95,7 +95,7 @@ def model_states(profile: ModelProfile, strategy: Strategy) -> ModelStates:
     """
     recipe = get_recipe(strategy.precision)
     psi, psi_train, n_d = profile.params, profile.trainable_params, strategy.dp
-    k = recipe.master_bytes + optimizer_state_bytes_per_param(strategy.optimizer, recipe)
+    k = recipe.master_bytes + optimizer_state_bytes_per_param(strategy.optimizer, recipe, profile)
     weights = psi * recipe.weight_bytes
     grads = psi_train * recipe.grad_bytes
     optim = psi_train * k
@@ -152,7 +152,8 @@ def buffer_bytes(profile: ModelProfile, strategy: Strategy) -> int:
     return reduce + live * recipe.weight_bytes
 
 
-def memory_breakdown(profile: ModelProfile, strategy: Strategy, capacity_bytes: int) -> MemoryBreakdown:
+def memory_breakdown(profile: ModelProfile, strategy: Strategy, capacity_bytes: int, *,
+                     gpus_per_node: int = 8) -> MemoryBreakdown:
     """Full per-GPU memory breakdown of ``strategy`` on a GPU with ``capacity_bytes`` (bytes)."""
     states = model_states(profile, strategy)
     acts = activation_bytes(profile, strategy)

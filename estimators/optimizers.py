@@ -11,29 +11,31 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from optplan.estimators.precision import Recipe
+from optplan.estimators.profile import ModelProfile
 
 BLOCKWISE_8BIT_OVERHEAD_BYTES_PER_PARAM = 2 * 4 / 2048  # one fp32 absmax per 2048 values, 2 moments
 
 
-def _adamw(recipe: Recipe) -> float:
+def _adamw(recipe: Recipe, profile: ModelProfile | None) -> float:
     return 2 * recipe.state_bytes
 
 
-def _adamw_8bit(recipe: Recipe) -> float:
+def _adamw_8bit(recipe: Recipe, profile: ModelProfile | None) -> float:
     return 2 * 1 + BLOCKWISE_8BIT_OVERHEAD_BYTES_PER_PARAM
 
 
-def _sgd(recipe: Recipe) -> float:
+def _sgd(recipe: Recipe, profile: ModelProfile | None) -> float:
     return recipe.state_bytes
 
 
-OPTIMIZER_STATE_BYTES: dict[str, Callable[[Recipe], float]] = {
+OPTIMIZER_STATE_BYTES: dict[str, Callable[[Recipe, ModelProfile | None], float]] = {
     "adamw": _adamw,
-    "adamw-8bit": _adamw_8bit,
+    "adamw8bit": _adamw_8bit,
     "sgd": _sgd,
 }
 
 
-def optimizer_state_bytes_per_param(optimizer: str, recipe: Recipe) -> float:
-    """Moments' bytes per trainable parameter for ``optimizer`` under ``recipe`` (bytes/param)."""
-    return OPTIMIZER_STATE_BYTES[optimizer](recipe)
+def optimizer_state_bytes_per_param(optimizer: str, recipe: Recipe, profile: ModelProfile | None = None) -> float:
+    """Moments' bytes per trainable parameter for ``optimizer`` under ``recipe`` (bytes/param), averaged
+    over the trainable parameters of ``profile`` (optimizers with factored state depend on the shapes)."""
+    return OPTIMIZER_STATE_BYTES[optimizer](recipe, profile)

@@ -101,6 +101,9 @@ class ModelProfile(_Frozen):
         default=None, description="when set, the profile ran this many blocks and scaled by layers"
     )
     defaults: ModelDefaults = Field(default_factory=ModelDefaults)
+    activation_source: Literal["measured", "formula"] = Field(
+        default="measured", description="measured: fits from a fake-tensor step; formula: Korthikanti et al. 2022 "
+                                        "Table 2 from the shape (--arch), so the strategy's flash/selective apply")
     notes: tuple[str, ...] = ()
     torch_version: str = ""
     profile_s: float = 0.0

@@ -1,59 +1,147 @@
-"""Strategy: one point of the search space (how to train), with the flag names the CLI uses."""
+"""Strategy: one point of the search space (how to train), with the flag names the CLI uses.
+
+Parallel degrees follow Megatron-LM's conventions (Narayanan et al. 2021, arXiv 2104.04473 §2-3;
+Korthikanti et al. 2022, arXiv 2205.05198 §4): ``tp`` tensor parallel (optionally with sequence
+parallelism ``sp``), ``pp`` pipeline stages with ``vpp`` virtual (interleaved) stages per rank, ``cp``
+context parallel (the sequence split over ranks), ``dp`` data parallel; the world size is
+dp·tp·pp·cp GPUs. The micro-batches per pipeline flush are the gradient-accumulation steps.
+"""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from optplan.estimators.profile import CheckpointMode
-
-PrecisionName = Literal["fp32", "amp-bf16", "amp-fp16", "bf16", "fp16", "bf16-pure"]
-OptimizerName = Literal["adamw", "adamw-8bit", "sgd"]
+PrecisionName = Literal["fp32", "amp-bf16", "amp-fp16", "bf16", "fp16", "bf16-pure", "fp8"]
+OptimizerName = Literal["adamw", "adamw8bit", "adafactor", "sgd"]
 OffloadTarget = Literal["none", "cpu", "nvme"]
-EngineName = Literal["deepspeed"]
+EngineName = Literal["torch", "deepspeed", "megatron"]
+FsdpName = Literal["none", "full", "grad_op", "hybrid"]
+CheckpointName = Literal["none", "selective", "full"]
+
+OPTIMIZER_ALIASES: dict[str, str] = {"adamw-8bit": "adamw8bit", "adam8bit": "adamw8bit", "adamw_8bit": "adamw8bit"}
+FSDP_STAGE: dict[str, int] = {"none": 0, "grad_op": 2, "full": 3, "hybrid": 3}
+"""The ZeRO stage an FSDP sharding strategy equals (PyTorch FSDP docs: SHARD_GRAD_OP shards gradients
+and optimizer states like ZeRO-2, FULL_SHARD also parameters like ZeRO-3; HYBRID_SHARD is FULL_SHARD
+inside a node and replication across nodes)."""
 
 
 class Strategy(BaseModel):
-    """How to train: precision, optimizer, batch split, checkpointing, ZeRO sharding, offload.
+    """How to train: precision, optimizer, batch split, checkpointing, sharding, offload, parallel degrees.
 
-    Field names are the ``optplan estimate`` flag names (``--zero``, ``--mbs``, ``--grad-accum``...)
-    and the keys of ``plan`` in every ``--json`` document; they are a stable interface.
+    Field names are the ``optplan estimate`` flag names (``--zero``, ``--mbs``, ``--tp``...) and the keys
+    of ``plan`` in every ``--json`` document; they are a stable interface.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     precision: PrecisionName = "bf16"
     optimizer: OptimizerName = "adamw"
-    zero: int = Field(default=0, ge=0, le=3, description="ZeRO stage 0-3 (0 = plain data parallel)")
+    zero: int = Field(default=0, ge=0, le=3, description="DeepSpeed ZeRO stage 0-3 (0 = plain data parallel)")
+    fsdp: FsdpName = Field(default="none", description="torch FSDP sharding: full, grad_op or hybrid (HSDP)")
     mbs: int = Field(default=1, ge=1, description="micro-batch per GPU (samples)")
-    grad_accum: int = Field(default=1, ge=1, description="gradient-accumulation steps")
-    checkpointing: CheckpointMode = "none"
+    grad_accum: int = Field(default=1, ge=1, description="gradient-accumulation steps (= pipeline micro-batches)")
+    checkpointing: CheckpointName = "none"
     dp: int = Field(default=1, ge=1, description="data-parallel degree (GPUs)")
+    tp: int = Field(default=1, ge=1, description="tensor-parallel degree")
+    pp: int = Field(default=1, ge=1, description="pipeline-parallel stages")
+    vpp: int = Field(default=1, ge=1, description="virtual pipeline stages per rank (interleaved 1F1B when > 1)")
+    cp: int = Field(default=1, ge=1, description="context-parallel degree (sequence split over ranks)")
+    sp: bool = Field(default=False, description="sequence parallelism inside the tensor-parallel group")
+    flash: bool = Field(default=True, description="memory-efficient (flash) attention: no s x s scores stored")
     offload_optimizer: OffloadTarget = "none"
     offload_params: OffloadTarget = "none"
     engine: EngineName = "deepspeed"
 
+    @model_validator(mode="before")
+    @classmethod
+    def _normalise(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            data = dict(data)
+            opt = data.get("optimizer")
+            if isinstance(opt, str) and opt in OPTIMIZER_ALIASES:
+                data["optimizer"] = OPTIMIZER_ALIASES[opt]
+            if data.get("sp") is None:
+                data["sp"] = int(data.get("tp") or 1) > 1  # Megatron's recommended default with TP
+        return data
+
     @model_validator(mode="after")
     def _check(self) -> Strategy:
-        if self.offload_params != "none" and self.zero != 3:
-            raise ValueError("parameter offload needs ZeRO stage 3 (--zero 3)")
-        if self.offload_optimizer != "none" and self.zero == 0:
-            raise ValueError("optimizer offload needs ZeRO stage 1, 2 or 3 (--zero 1..3)")
+        if self.fsdp != "none" and self.zero > 0:
+            raise ValueError("choose --zero (DeepSpeed ZeRO) or --fsdp (torch FSDP), not both")
+        if self.fsdp != "none" and self.engine != "torch":
+            raise ValueError("FSDP runs on the torch engine: use --engine torch with --fsdp")
+        if self.engine == "torch" and self.zero > 0:
+            raise ValueError("the torch engine shards with FSDP: use --fsdp full|grad_op|hybrid instead of --zero")
+        if self.engine == "megatron" and self.zero > 1:
+            raise ValueError("Megatron's distributed optimizer shards optimizer states only: use --zero 0 or 1")
+        if self.engine == "megatron" and (self.offload_optimizer != "none" or self.offload_params != "none"):
+            raise ValueError("offload is modelled for the deepspeed and torch engines: drop --offload or change --engine")
+        if self.engine == "torch":
+            if self.offload_optimizer != "none":
+                raise ValueError("torch FSDP offloads parameters, gradients and the optimizer step together: "
+                                 "use --offload params")
+            if self.offload_params != "none" and self.fsdp == "none":
+                raise ValueError("parameter offload on the torch engine needs FSDP (--fsdp full|grad_op|hybrid)")
+            if self.offload_params == "nvme":
+                raise ValueError("torch FSDP offloads to CPU only: use cpu, not nvme")
+        else:
+            if self.offload_params != "none" and self.zero != 3:
+                raise ValueError("parameter offload needs ZeRO stage 3 (--zero 3)")
+            if self.offload_optimizer != "none" and self.zero == 0:
+                raise ValueError("optimizer offload needs ZeRO stage 1, 2 or 3 (--zero 1..3)")
+        if self.sp and self.tp == 1:
+            raise ValueError("sequence parallelism needs tensor parallelism: set --tp > 1 or --no-sp")
+        if self.vpp > 1 and self.pp == 1:
+            raise ValueError("virtual pipeline stages need pipeline parallelism: set --pp > 1 or --vpp 1")
+        if self.vpp > 1 and self.grad_accum % self.pp:
+            raise ValueError(f"the interleaved schedule needs micro-batches ({self.grad_accum}) divisible by "
+                             f"--pp {self.pp}: change --gas/--global-batch or use --vpp 1")
+        if self.pp > 1 and self.engine == "deepspeed" and self.zero >= 2:
+            raise ValueError("DeepSpeed's pipeline engine supports ZeRO-1 at most: use --zero 0|1 with --pp > 1")
         return self
+
+    @property
+    def world_size(self) -> int:
+        """GPUs the strategy occupies: dp·tp·pp·cp."""
+        return self.dp * self.tp * self.pp * self.cp
 
     @property
     def global_batch(self) -> int:
         """Samples per optimizer step: mbs x grad_accum x dp."""
         return self.mbs * self.grad_accum * self.dp
 
+    @property
+    def shard_stage(self) -> int:
+        """The ZeRO stage of the data-parallel sharding, whether DeepSpeed's or FSDP's (0-3)."""
+        return max(self.zero, FSDP_STAGE[self.fsdp])
+
+    @property
+    def model_parallel(self) -> bool:
+        """True when tensor, pipeline or context parallelism is used."""
+        return self.tp > 1 or self.pp > 1 or self.cp > 1
+
     def label(self) -> str:
-        """Short human label, e.g. 'bf16 ZeRO-2 mbs8x4 ckpt'."""
-        parts = [self.precision, f"ZeRO-{self.zero}", f"mbs{self.mbs}x{self.grad_accum}"]
-        if self.checkpointing != "none":
+        """Short human label, e.g. 'bf16 ZeRO-2 mbs8x4 ckpt' or 'bf16 tp4 pp2 ZeRO-1 mbs1x16'."""
+        parts = [self.precision]
+        for name in ("tp", "pp", "cp"):
+            if getattr(self, name) > 1:
+                parts.append(f"{name}{getattr(self, name)}")
+        if self.vpp > 1:
+            parts.append(f"vpp{self.vpp}")
+        if self.tp > 1 and not self.sp:
+            parts.append("no-sp")
+        parts.append(f"FSDP-{self.fsdp}" if self.fsdp != "none" else f"ZeRO-{self.zero}")
+        parts.append(f"mbs{self.mbs}x{self.grad_accum}")
+        if self.checkpointing == "full":
             parts.append("ckpt")
+        elif self.checkpointing == "selective":
+            parts.append("sel-ckpt")
         if self.offload_optimizer != "none":
             parts.append(f"opt->{self.offload_optimizer}")
         if self.offload_params != "none":
             parts.append(f"params->{self.offload_params}")
+        if self.engine != "deepspeed":
+            parts.append(f"[{self.engine}]")
         return " ".join(parts)

@@ -67,7 +67,7 @@ def _check_exportable(strategy: Strategy) -> None:
                 f"bf16-pure with optimizer offload needs DeepSpeed's CPU Adam, not {strategy.optimizer}: "
                 "use --optimizer adamw, or drop the optimizer offload"
             )
-    if strategy.optimizer == "adamw-8bit" and strategy.offload_optimizer != "none":
+    if strategy.optimizer == "adamw8bit" and strategy.offload_optimizer != "none":
         raise OptplanError(
             "adamw-8bit (bitsandbytes) cannot run under DeepSpeed optimizer offload, which needs "
             "DeepSpeed's CPU Adam: use --optimizer adamw with the offload, or drop the offload"
@@ -114,7 +114,7 @@ def _optimizer_sections(strategy: Strategy) -> dict[str, Any]:
             # torch.optim.SGD is not in ZeRO's tested list; without this flag initialize() asserts.
             out["zero_allow_untested_optimizer"] = True
         return out
-    if strategy.optimizer == "adamw-8bit":
+    if strategy.optimizer == "adamw8bit":
         # Client-side bitsandbytes optimizer: no optimizer section (see CLIENT_OPTIMIZER_NOTE).
         return {"zero_allow_untested_optimizer": True} if strategy.zero > 0 else {}
     raise OptplanError(f"optimizer {strategy.optimizer!r} has no DeepSpeed export")  # pragma: no cover
@@ -195,7 +195,7 @@ def ds_config_text(strategy: Strategy, profile: ModelProfile, *, gradient_clippi
 def deepspeed_notes(strategy: Strategy) -> tuple[str, ...]:
     """What the training script must do for this export beyond ``--deepspeed ds_config.json``."""
     notes: list[str] = []
-    if strategy.optimizer == "adamw-8bit":
+    if strategy.optimizer == "adamw8bit":
         notes.append(CLIENT_OPTIMIZER_NOTE)
     if strategy.checkpointing == "full":
         notes.append(

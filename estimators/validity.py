@@ -1,0 +1,55 @@
+"""Checks that a strategy can run a model on a cluster; each failure is one OptplanError line with the fix."""
+
+from __future__ import annotations
+
+from optplan.estimators.errors import OptplanError
+from optplan.estimators.hardware import Cluster
+from optplan.estimators.precision import require_precision
+from optplan.estimators.profile import ModelProfile
+from optplan.estimators.strategy import Strategy
+
+
+def check_strategy(profile: ModelProfile, cluster: Cluster, strategy: Strategy) -> None:
+    """Raise OptplanError when ``strategy`` cannot run ``profile`` on ``cluster``.
+
+    Rules (Megatron-LM's argument checks, ``megatron/training/arguments.py``): tp divides the attention
+    heads and the key-value heads and stays inside a node; pp (× vpp) is at most the number of layers;
+    context parallelism splits the sequence into 2·cp chunks (load-balanced causal attention); the
+    world size dp·tp·pp·cp fits the cluster.
+    """
+    s = strategy
+    if s.world_size > cluster.gpus:
+        raise OptplanError(f"the strategy needs dp·tp·pp·cp = {s.dp}·{s.tp}·{s.pp}·{s.cp} = {s.world_size} GPUs "
+                           f"which exceeds the {cluster.gpus} GPUs given: lower the degrees or raise --gpus")
+    require_precision(cluster.gpu, s.precision)
+    shape = profile.transformer
+    if s.tp > 1:
+        if s.tp > cluster.gpus_per_node:
+            raise OptplanError(f"--tp {s.tp} is larger than a node of {cluster.gpus_per_node} GPUs: tensor "
+                               "parallelism needs the intra-node link, use --tp <= --gpus-per-node")
+        if shape is None:
+            raise OptplanError(f"--tp {s.tp} needs a transformer (attention heads to split), and {profile.name} "
+                               "has no transformer shape: use --tp 1")
+        if shape.heads % s.tp:
+            raise OptplanError(f"--tp {s.tp} does not divide the {shape.heads} attention heads: use a divisor "
+                               f"of {shape.heads}")
+        if shape.kv_heads and shape.kv_heads % s.tp:
+            raise OptplanError(f"--tp {s.tp} does not divide the {shape.kv_heads} key-value heads: use a "
+                               f"divisor of {shape.kv_heads}")
+    if s.pp > 1:
+        if profile.repeated_block is None:
+            raise OptplanError(f"--pp {s.pp} needs repeated blocks to split into stages, and {profile.name} "
+                               "has none: use --pp 1")
+        layers = profile.repeated_block.count
+        if s.pp > layers:
+            raise OptplanError(f"--pp {s.pp} is larger than the {layers} layers: use --pp <= {layers}")
+        if s.pp * s.vpp > layers:
+            raise OptplanError(f"--pp {s.pp} x --vpp {s.vpp} stages exceed the {layers} layers: lower --vpp")
+    if s.cp > 1:
+        seq = profile.tokens_per_sample
+        if not seq:
+            raise OptplanError(f"--cp {s.cp} splits the sequence, and {profile.name} takes no token sequence: "
+                               "use --cp 1")
+        if seq % (2 * s.cp):
+            raise OptplanError(f"--cp {s.cp} needs the sequence length {seq} divisible by 2·cp = {2 * s.cp}: "
+                               "change --seq-len or --cp")
