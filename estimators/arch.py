@@ -88,6 +88,21 @@ def arch_params(spec: ArchSpec) -> tuple[int, int]:
     return spec.layers * per_layer + spec.vocab * h + seq * h + 2 * h, per_layer
 
 
+def arch_factored_state_elements(spec: ArchSpec) -> int:
+    """Adafactor second-moment elements (Shazeer & Stern 2018, arXiv 1804.04235) of the ``arch_params``
+    model: rows + cols for each weight matrix, numel for biases and norms.
+
+    Per layer: q and o (h×h) 2·2h, k and v (kv×h) 2·(h + kv), their biases 2h + 2kv, the MLP's two
+    h×F matrices 2·(h + F) and biases F + h, two layer norms 4h: 15h + 4kv + 3F. Plus the tied
+    embedding V×h (V + h), the positions s×h (s + h) and the final norm (2h).
+    """
+    h, ffn = spec.hidden, spec.ffn or 4 * spec.hidden
+    kv = h * (spec.kv_heads or spec.heads) // spec.heads
+    per_layer = 4 * h + 2 * (h + kv) + 2 * h + 2 * kv + 2 * (h + ffn) + ffn + h + 4 * h
+    positions = spec.seq + h if spec.seq else 0
+    return spec.layers * per_layer + spec.vocab + h + positions + 2 * h
+
+
 def profile_from_arch(spec: ArchSpec, *, name: str | None = None) -> ModelProfile:
     """The static profile of a decoder given by shape (per-sample figures at ``spec.seq``)."""
     if spec.seq is None:
@@ -108,6 +123,7 @@ def profile_from_arch(spec: ArchSpec, *, name: str | None = None) -> ModelProfil
     return ModelProfile(
         name=name or f"decoder-L{L}-h{h}", path="--arch", model_class="Decoder", params=params,
         trainable_params=params, params_by_module={"embedding": v * h + s * h, "layers": L * per_layer},
+        factored_state_elements=arch_factored_state_elements(spec),
         repeated_block=RepeatedBlock(class_name="DecoderLayer", count=L, params_per_block=per_layer),
         input_kind="tokens", seq_len=s, tokens_per_sample=s, fwd_flops_per_sample=fwd, bwd_flops_per_sample=2 * fwd,
         activations=tuple(fits), activation_source="formula",

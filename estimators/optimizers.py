@@ -1,9 +1,34 @@
 """Optimizer state sizes, bytes per trainable parameter (excluding the recipe's fp32 master copy).
 
-Sources: Adam/AdamW keep two moments (Kingma & Ba 2015), 4 bytes each in fp32 -> 8 bytes/param
-(ZeRO §3.1 counts them with the fp32 master copy as K = 12). 8-bit Adam (Dettmers et al. 2022,
-arXiv 2110.02861 §2) stores both moments in 8 bits: 2 bytes/param plus one fp32 absmax per 2048-value
-block (+0.004 bytes/param). SGD with momentum keeps one moment buffer.
+Every registry function takes ``(recipe, profile)`` and returns the optimizer's own state in bytes per
+trainable parameter, averaged over the model's trainable parameters. One moment element takes
+``recipe.state_bytes`` bytes (4 in fp32, 2 under ``bf16-pure``). The recipe's fp32 master copy
+(``recipe.master_bytes``) is added by the memory estimator, not here.
+
+Sources
+- AdamW (Loshchilov & Hutter 2019, arXiv 1711.05101; Adam: Kingma & Ba 2015, arXiv 1412.6980) keeps two
+  moments per parameter: 2 × 4 = 8 bytes in fp32 (ZeRO, arXiv 1910.02054 §3.1, counts them with the fp32
+  master copy as K = 12), 2 × 2 = 4 bytes under bf16-pure.
+- 8-bit AdamW (``adamw8bit``; Dettmers et al. 2022, "8-bit Optimizers via Block-wise Quantization",
+  arXiv 2110.02861 §2, bitsandbytes ``AdamW8bit``): both moments stored as 8-bit codes, 2 bytes/param,
+  plus one fp32 absmax per 2048-value block per moment, 2 × 4 / 2048 = 0.0039 bytes/param. The recipe
+  does not change it (the state is quantised whatever the weights' dtype). bitsandbytes keeps tensors
+  under 4096 elements in 32-bit state (``min_8bit_size``); that is ignored here (norms and biases are a
+  negligible share of a large model).
+- Adafactor (Shazeer & Stern 2018, "Adafactor: Adaptive Learning Rates with Sublinear Memory Cost",
+  arXiv 1804.04235 §3; ``torch.optim.Adafactor``; Hugging Face ``transformers.optimization.Adafactor``):
+  the second moment of a parameter with >= 2 dims is factored into a row vector and a column vector
+  over its last two dims, leading dims kept (torch: ``row_var`` of shape ``shape[:-1] + (1,)``,
+  ``col_var`` of ``shape[:-2] + (1, shape[-1])``), i.e. ``prod(shape[:-2]) × (rows + cols)`` elements;
+  a 0-D or 1-D parameter keeps a full second moment (``numel`` elements). No first moment: torch's
+  Adafactor has none and Hugging Face's defaults to ``beta1=None`` (with ``beta1`` set it would add a
+  full first moment, ``state_bytes`` per parameter, not modelled). The per-parameter ``step`` scalars are
+  ignored. Bytes/param = ``state_bytes × profile.factored_state_elements / profile.trainable_params``.
+  Fallback when the profile does not carry ``factored_state_elements`` (older cached profiles, or no
+  profile): one full second moment, ``state_bytes`` per parameter, the unfactored upper bound
+  (``ADAFACTOR_FALLBACK_NOTE``).
+- SGD with momentum (``torch.optim.SGD``, ``momentum > 0``): one momentum buffer per parameter,
+  ``state_bytes`` (4 bytes in fp32).
 """
 
 from __future__ import annotations
@@ -13,7 +38,14 @@ from collections.abc import Callable
 from optplan.estimators.precision import Recipe
 from optplan.estimators.profile import ModelProfile
 
-BLOCKWISE_8BIT_OVERHEAD_BYTES_PER_PARAM = 2 * 4 / 2048  # one fp32 absmax per 2048 values, 2 moments
+BLOCKWISE_8BIT_BLOCK = 2048
+"""Values per quantisation block in bitsandbytes' blockwise 8-bit optimizers (arXiv 2110.02861 §2)."""
+BLOCKWISE_8BIT_OVERHEAD_BYTES_PER_PARAM = 2 * 4 / BLOCKWISE_8BIT_BLOCK
+"""One fp32 absmax per 2048 values, for each of the two moments (bytes/param)."""
+ADAFACTOR_FALLBACK_NOTE = (
+    "Adafactor state counted as one full second moment per parameter (the unfactored upper bound): this "
+    "profile has no parameter shapes (factored_state_elements); profile the model again for the factored size"
+)
 
 
 def _adamw(recipe: Recipe, profile: ModelProfile | None) -> float:
@@ -24,6 +56,15 @@ def _adamw_8bit(recipe: Recipe, profile: ModelProfile | None) -> float:
     return 2 * 1 + BLOCKWISE_8BIT_OVERHEAD_BYTES_PER_PARAM
 
 
+def _adafactor(recipe: Recipe, profile: ModelProfile | None) -> float:
+    if not adafactor_uses_shapes(profile):
+        return float(recipe.state_bytes)
+    assert profile is not None and profile.factored_state_elements is not None
+    if profile.trainable_params == 0:
+        return 0.0
+    return recipe.state_bytes * profile.factored_state_elements / profile.trainable_params
+
+
 def _sgd(recipe: Recipe, profile: ModelProfile | None) -> float:
     return recipe.state_bytes
 
@@ -31,11 +72,24 @@ def _sgd(recipe: Recipe, profile: ModelProfile | None) -> float:
 OPTIMIZER_STATE_BYTES: dict[str, Callable[[Recipe, ModelProfile | None], float]] = {
     "adamw": _adamw,
     "adamw8bit": _adamw_8bit,
+    "adafactor": _adafactor,
     "sgd": _sgd,
 }
+
+
+def adafactor_uses_shapes(profile: ModelProfile | None) -> bool:
+    """True when ``profile`` carries the factored element count Adafactor's size needs."""
+    return profile is not None and profile.factored_state_elements is not None
 
 
 def optimizer_state_bytes_per_param(optimizer: str, recipe: Recipe, profile: ModelProfile | None = None) -> float:
     """Moments' bytes per trainable parameter for ``optimizer`` under ``recipe`` (bytes/param), averaged
     over the trainable parameters of ``profile`` (optimizers with factored state depend on the shapes)."""
     return OPTIMIZER_STATE_BYTES[optimizer](recipe, profile)
+
+
+def optimizer_state_note(optimizer: str, profile: ModelProfile | None) -> str | None:
+    """A line for the plan's notes when the optimizer's size rests on a fallback rule, else None."""
+    if optimizer == "adafactor" and not adafactor_uses_shapes(profile):
+        return ADAFACTOR_FALLBACK_NOTE
+    return None

@@ -87,6 +87,12 @@ class ModelProfile(_Frozen):
     params: int = Field(ge=0, description="unique parameters (tied weights once)")
     trainable_params: int = Field(ge=0)
     params_by_module: dict[str, int]
+    factored_state_elements: int | None = Field(
+        default=None, ge=0,
+        description="trainable parameters' Adafactor second-moment elements (Shazeer & Stern 2018; "
+                    "torch.optim.Adafactor): rows+cols (times leading dims) for >=2-D tensors, numel for 0-D/1-D; "
+                    "tied weights once. None when unknown (profiles made before this field)",
+    )
     buffer_bytes: int = Field(default=0, ge=0, description="non-parameter buffers (bytes)")
     param_dtype: str = "float32"
     repeated_block: RepeatedBlock | None = None

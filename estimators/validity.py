@@ -18,9 +18,6 @@ def check_strategy(profile: ModelProfile, cluster: Cluster, strategy: Strategy) 
     world size dp·tp·pp·cp fits the cluster.
     """
     s = strategy
-    if s.world_size > cluster.gpus:
-        raise OptplanError(f"the strategy needs dp·tp·pp·cp = {s.dp}·{s.tp}·{s.pp}·{s.cp} = {s.world_size} GPUs "
-                           f"which exceeds the {cluster.gpus} GPUs given: lower the degrees or raise --gpus")
     require_precision(cluster.gpu, s.precision)
     shape = profile.transformer
     if s.tp > 1:
@@ -53,3 +50,6 @@ def check_strategy(profile: ModelProfile, cluster: Cluster, strategy: Strategy) 
         if seq % (2 * s.cp):
             raise OptplanError(f"--cp {s.cp} needs the sequence length {seq} divisible by 2·cp = {2 * s.cp}: "
                                "change --seq-len or --cp")
+    if s.world_size > cluster.gpus:
+        raise OptplanError(f"the strategy needs dp·tp·pp·cp = {s.dp}·{s.tp}·{s.pp}·{s.cp} = {s.world_size} GPUs "
+                           f"which exceeds the {cluster.gpus} GPUs given: lower the degrees or raise --gpus")

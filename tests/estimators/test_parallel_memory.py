@@ -1,0 +1,210 @@
+"""Memory under tensor, sequence, pipeline and context parallelism, FSDP/HSDP and offload: hand-worked
+cases of Korthikanti et al. 2022 Table 2, the ZeRO formulas per rank, and Megatron's stage placement."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import make_gpu
+
+from optplan.estimators.arch import ArchSpec, profile_from_arch
+from optplan.estimators.errors import OptplanError
+from optplan.estimators.estimate import estimate
+from optplan.estimators.hardware import Cluster
+from optplan.estimators.memory import (
+    activation_bytes,
+    buffer_items,
+    in_flight_micro_batches,
+    memory_breakdown,
+    model_states,
+    param_split,
+    stage_params,
+)
+from optplan.estimators.parallel import group_nodes, placement
+from optplan.estimators.strategy import Strategy
+
+L, H, A, S, V = 24, 2048, 16, 2048, 51200
+
+
+@pytest.fixture(scope="module")
+def gpt():  # noqa: ANN201 - a ModelProfile
+    return profile_from_arch(ArchSpec(layers=L, hidden=H, heads=A, vocab=V, seq=S))
+
+
+def logits(scale: int = 10) -> int:
+    return S * V * scale
+
+
+def test_table2_no_parallelism_with_and_without_flash(gpt) -> None:  # noqa: ANN001
+    flash = activation_bytes(gpt, Strategy(mbs=2))
+    assert flash == 2 * (L * S * H * 34 + logits())
+    eager = activation_bytes(gpt, Strategy(mbs=2, flash=False))
+    assert eager == 2 * (L * S * H * (34 + 5 * A * S / H) + logits())
+    # selective recomputation drops exactly the 5·a·s/h term (Table 2, row 4 with t = 1)
+    assert activation_bytes(gpt, Strategy(mbs=2, flash=False, checkpointing="selective")) == flash
+
+
+@pytest.mark.parametrize("t", [2, 4, 8])
+def test_table2_tensor_parallel_rows(gpt, t: int) -> None:  # noqa: ANN001
+    tp = activation_bytes(gpt, Strategy(tp=t, sp=False))
+    assert tp == pytest.approx(L * S * H * (10 + 24 / t) + logits() / t, abs=2)
+    tp_eager = activation_bytes(gpt, Strategy(tp=t, sp=False, flash=False))
+    assert tp_eager == pytest.approx(L * S * H * (10 + 24 / t + 5 * A * S / (H * t)) + logits() / t, abs=2)
+    tp_sp = activation_bytes(gpt, Strategy(tp=t, sp=True))
+    assert tp_sp == pytest.approx(L * S * H * 34 / t + logits() / t, abs=2)
+    tp_sp_sel = activation_bytes(gpt, Strategy(tp=t, sp=True, flash=False, checkpointing="selective"))
+    assert tp_sp_sel == pytest.approx(L * S * H * 34 / t + logits() / t, abs=2)
+
+
+def test_full_recompute_keeps_layer_inputs_and_one_layer(gpt) -> None:  # noqa: ANN001
+    t = 4
+    full = activation_bytes(gpt, Strategy(tp=t, sp=True, checkpointing="full"))
+    assert full == pytest.approx(L * 2 * S * H / t + S * H * 34 / t + logits() / t, abs=2)
+
+
+def test_pipeline_first_stage_holds_p_micro_batches(gpt) -> None:  # noqa: ANN001
+    p, m = 4, 8
+    s = Strategy(pp=p, grad_accum=m)
+    assert in_flight_micro_batches(s, 0) == p
+    assert in_flight_micro_batches(s, p - 1) == 1
+    # Korthikanti §4.2.3: the first stage holds L/p layers x p micro-batches = L layers' worth
+    assert activation_bytes(gpt, s, stage=0) == L * S * H * 34
+    assert activation_bytes(gpt, s, stage=p - 1) == L // p * S * H * 34 + logits()
+    # fewer micro-batches than stages: only m in flight
+    assert in_flight_micro_batches(Strategy(pp=p, grad_accum=2), 0) == 2
+
+
+def test_interleaved_schedule_factor(gpt) -> None:  # noqa: ANN001
+    p, v, m = 4, 3, 8
+    s = Strategy(pp=p, vpp=v, grad_accum=m)
+    assert in_flight_micro_batches(s, 0) == pytest.approx(p * (1 + (p - 1) / (p * v)))
+    assert activation_bytes(gpt, s, stage=0) == pytest.approx(L * S * H * 34 * (1 + (p - 1) / (p * v)), abs=2)
+
+
+def test_context_parallel_splits_the_sequence(gpt) -> None:  # noqa: ANN001
+    assert activation_bytes(gpt, Strategy(cp=4)) == pytest.approx((L * S * H * 34 + logits()) / 4, abs=2)
+    items = buffer_items(gpt, Strategy(cp=4, mbs=1))
+    assert items["cp_kv_ring_buffers"] == 2 * 2 * S // 4 * H * 1
+
+
+def test_param_split_and_stage_placement(gpt) -> None:  # noqa: ANN001
+    split = param_split(gpt)
+    per_layer = gpt.repeated_block.params_per_block  # type: ignore[union-attr]
+    assert split.tied and split.embed == V * H and split.head == 0
+    assert split.other == gpt.params - L * per_layer - V * H
+    assert stage_params(gpt, Strategy(tp=4)) == pytest.approx((L * per_layer + V * H) / 4 + split.other)
+    first = stage_params(gpt, Strategy(pp=4), 0)
+    last = stage_params(gpt, Strategy(pp=4), 3)
+    assert first == L // 4 * per_layer + V * H + split.other
+    assert last == L // 4 * per_layer + V * H  # Megatron copies the tied embedding to the last stage
+
+
+def test_zero_formulas_per_rank_with_tp_and_pp(gpt) -> None:  # noqa: ANN001
+    s = Strategy(precision="bf16", tp=2, pp=2, dp=4, zero=1, grad_accum=4)
+    psi = stage_params(gpt, s, 0)
+    states = model_states(gpt, s, stage=0)
+    assert states.params_bytes == round(2 * psi)
+    assert states.grads_bytes == round(2 * psi)
+    assert states.optimizer_bytes == round(12 * psi / 4)
+
+
+def test_megatron_keeps_fp32_main_grads(gpt) -> None:  # noqa: ANN001
+    ds = model_states(gpt, Strategy(precision="bf16", dp=8))
+    mg = model_states(gpt, Strategy(precision="bf16", dp=8, engine="megatron"))
+    assert mg.grads_bytes == 2 * ds.grads_bytes
+
+
+def test_fsdp_equals_zero_and_hsdp_shards_inside_a_node(gpt) -> None:  # noqa: ANN001
+    z3 = model_states(gpt, Strategy(zero=3, dp=16), gpus_per_node=8)
+    full = model_states(gpt, Strategy(fsdp="full", engine="torch", dp=16), gpus_per_node=8)
+    assert (full.params_bytes, full.grads_bytes, full.optimizer_bytes) == (
+        z3.params_bytes, z3.grads_bytes, z3.optimizer_bytes)
+    hybrid = model_states(gpt, Strategy(fsdp="hybrid", engine="torch", dp=16), gpus_per_node=8)
+    assert hybrid.params_bytes == pytest.approx(2 * full.params_bytes, abs=1)
+    grad_op = model_states(gpt, Strategy(fsdp="grad_op", engine="torch", dp=16), gpus_per_node=8)
+    z2 = model_states(gpt, Strategy(zero=2, dp=16), gpus_per_node=8)
+    assert grad_op == z2
+    assert placement(Strategy(fsdp="hybrid", engine="torch", dp=16), 8).shard.ranks == 8
+
+
+def test_fsdp_buffers_hold_two_units(gpt) -> None:  # noqa: ANN001
+    unit = gpt.repeated_block.params_per_block  # type: ignore[union-attr]
+    items = buffer_items(gpt, Strategy(fsdp="full", engine="torch", dp=8, precision="bf16"))
+    assert items["fsdp_unsharded_units"] == 2 * unit * 2
+    assert items["fsdp_reduce_scatter_unit"] == unit * 2
+    ddp = buffer_items(gpt, Strategy(engine="torch", dp=8, precision="bf16"))
+    assert ddp["ddp_gradient_buckets"] == gpt.params * 2
+
+
+def test_torch_fsdp_offload_moves_every_state_to_the_host(gpt) -> None:  # noqa: ANN001
+    s = Strategy(fsdp="full", engine="torch", dp=8, offload_params="cpu")
+    states = model_states(gpt, s)
+    on = model_states(gpt, s.model_copy(update={"offload_params": "none"}))
+    assert states.params_bytes == states.grads_bytes == states.optimizer_bytes == 0
+    assert states.host_bytes == pytest.approx(on.params_bytes + on.grads_bytes + on.optimizer_bytes, abs=2)
+
+
+def test_nvme_offload_is_reported_apart_from_host(gpt) -> None:  # noqa: ANN001
+    s = Strategy(zero=3, dp=8, offload_optimizer="nvme", offload_params="nvme")
+    states = model_states(gpt, s)
+    assert states.host_bytes == 0 and states.nvme_bytes > 0
+    m = memory_breakdown(gpt, s, 80 * 2**30)
+    assert m.nvme_bytes == states.nvme_bytes
+
+
+def test_worst_rank_is_reported(gpt) -> None:  # noqa: ANN001
+    m = memory_breakdown(gpt, Strategy(pp=4, grad_accum=8, dp=2), 80 * 2**30)
+    first = memory_breakdown(gpt, Strategy(pp=4, grad_accum=8, dp=2), 80 * 2**30)
+    assert m.rank.startswith("pipeline stage") and m.total_bytes == first.total_bytes
+    assert "cuda_context" in m.detail_bytes and "pipeline_p2p" in m.detail_bytes
+
+
+def test_more_model_parallelism_never_increases_states(gpt) -> None:  # noqa: ANN001
+    totals = []
+    for t in (1, 2, 4, 8):
+        s = model_states(gpt, Strategy(tp=t, dp=1))
+        totals.append(s.params_bytes + s.grads_bytes + s.optimizer_bytes)
+    assert totals == sorted(totals, reverse=True)
+
+
+def test_group_nodes_follow_megatron_order() -> None:
+    assert group_nodes(8, 1, 8) == 1
+    assert group_nodes(4, 4, 8) == 2
+    assert group_nodes(4, 8, 8) == 4
+    p = placement(Strategy(tp=8, dp=4, pp=2, grad_accum=2), 8)
+    assert p.tp.intra_node and p.dp.nodes == 4 and p.pp.nodes == 2
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"tp": 3}, "does not divide the 16 attention heads"),
+    ({"tp": 16}, "larger than a node"),
+    ({"pp": 32}, "larger than the 24 layers"),
+    ({"pp": 8, "vpp": 4, "grad_accum": 8}, "exceed the 24 layers"),
+    ({"cp": 3}, "divisible by 2·cp"),
+    ({"dp": 8, "tp": 2}, "exceeds the 8 GPUs"),
+])
+def test_invalid_degrees_are_one_line_errors(gpt, kwargs: dict, match: str) -> None:  # noqa: ANN001
+    cluster = Cluster(gpu=make_gpu(), gpus=8, gpus_per_node=8)
+    with pytest.raises(OptplanError, match=match):
+        estimate(gpt, cluster, Strategy(**kwargs))
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"zero": 2, "fsdp": "full", "engine": "torch"}, "not both"),
+    ({"fsdp": "full"}, "torch engine"),
+    ({"engine": "torch", "zero": 1}, "--fsdp"),
+    ({"engine": "megatron", "zero": 3}, "--zero 0 or 1"),
+    ({"sp": True}, "needs tensor parallelism"),
+    ({"vpp": 2}, "need pipeline parallelism"),
+    ({"pp": 4, "vpp": 2, "grad_accum": 6}, "divisible by --pp 4"),
+    ({"pp": 2, "zero": 2}, "ZeRO-1 at most"),
+    ({"engine": "torch", "fsdp": "full", "offload_optimizer": "cpu"}, "--offload params"),
+])
+def test_inconsistent_strategies_are_refused(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        Strategy(**kwargs)
+
+
+def test_sp_defaults_on_with_tp_and_optimizer_alias() -> None:
+    assert Strategy(tp=2).sp and not Strategy().sp
+    assert Strategy(optimizer="adamw-8bit").optimizer == "adamw8bit"  # type: ignore[arg-type]
+    assert Strategy(tp=2, pp=2, cp=2, dp=3, grad_accum=2).world_size == 24
