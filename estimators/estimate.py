@@ -17,7 +17,8 @@ from optplan.estimators.timing import TimeBreakdown, comm_time_s, mfu_peak_flops
 from optplan.estimators.units import gib
 from optplan.estimators.validity import check_strategy
 
-__all__ = ["Estimate", "TimeBreakdown", "comm_time_s", "estimate", "mfu_peak_flops"]
+__all__ = ["Estimate", "StatesEstimate", "TimeBreakdown", "comm_time_s", "estimate", "estimate_states",
+           "mfu_peak_flops"]
 
 
 class Estimate(BaseModel):
@@ -39,6 +40,32 @@ class Estimate(BaseModel):
     fits: bool
     reason: str
     cost: CostEstimate | None = Field(default=None, description="when a token budget is given")
+
+
+class StatesEstimate(BaseModel):
+    """``optplan estimate --params N``: per-GPU memory of model states, buffers and overhead; no time."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    strategy: Strategy
+    gpu: str
+    gpus: int
+    memory: MemoryBreakdown
+    time: None = None
+    global_batch: int
+    fits: bool
+    reason: str
+    notes: tuple[str, ...] = ()
+
+
+def estimate_states(profile: ModelProfile, cluster: Cluster, strategy: Strategy) -> StatesEstimate:
+    """Model states (ZeRO §5 per recipe and sharding), buffers and overhead of ``strategy``; no activations."""
+    check_strategy(profile, cluster, strategy)
+    memory = memory_breakdown(profile, strategy, usable_capacity_bytes(cluster.gpu.memory_bytes),
+                              gpus_per_node=cluster.gpus_per_node)
+    return StatesEstimate(strategy=strategy, gpu=cluster.gpu.name, gpus=strategy.world_size, memory=memory,
+                          global_batch=strategy.global_batch, fits=memory.fits, reason=_reason(memory),
+                          notes=profile.notes)
 
 
 def _reason(memory: MemoryBreakdown) -> str:

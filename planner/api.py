@@ -13,10 +13,12 @@ from pathlib import Path
 from optplan.estimators.arch import parse_arch, profile_from_arch
 from optplan.estimators.cost import training_cost
 from optplan.estimators.errors import OptplanError
-from optplan.estimators.estimate import Estimate, estimate
+from optplan.estimators.estimate import Estimate, StatesEstimate, estimate, estimate_states
 from optplan.estimators.hardware import Cluster
+from optplan.estimators.params_only import is_params_only, profile_from_params
 from optplan.estimators.profile import ModelProfile
 from optplan.estimators.strategy import Strategy
+from optplan.planner.cluster_file import load_cluster_file
 from optplan.planner.recommend import Recommendation
 from optplan.planner.space import check_global_batch, check_precisions
 from optplan.probes.hardware import HardwareReport, cluster_from, detect_gpus
@@ -33,10 +35,16 @@ def load_profile(path: Path | str, *, seq_len: int | None = None, model_name: st
 
 
 def resolve_model(path: Path | str | None, *, arch: str | None = None, seq_len: int | None = None,
-                  model_name: str | None = None) -> ModelProfile:
-    """The profile of a model file (profiled in a child process) or of an ``--arch`` shape (by formula)."""
-    if (path is None) == (arch is None):
-        raise OptplanError("give either a model FILE or --arch layers=L,hidden=H,heads=A (not both)")
+                  model_name: str | None = None, params: float | None = None) -> ModelProfile:
+    """The profile of a model file (profiled in a child process), of an ``--arch`` shape (by formula), or of
+    a bare parameter count (``--params``: model states only)."""
+    given = [name for name, v in (("a model FILE", path), ("--arch", arch), ("--params", params)) if v is not None]
+    if len(given) != 1:
+        what = f"not both: got {' and '.join(given)}" if given else "got none"
+        raise OptplanError(f"give exactly one of a model FILE, --arch layers=L,hidden=H,heads=A or --params N "
+                           f"({what})")
+    if params is not None:
+        return profile_from_params(params)
     if arch is not None:
         return profile_from_arch(parse_arch(arch, seq_len=seq_len))
     return load_profile(path, seq_len=seq_len, model_name=model_name)  # type: ignore[arg-type]
@@ -47,8 +55,17 @@ def detect_hardware() -> HardwareReport:
     return detect_gpus()
 
 
-def resolve_cluster(*, gpu: str | None, gpus: int | None, gpus_per_node: int | None) -> tuple[Cluster, list[str]]:
-    """The cluster to plan for and notes for the user (explicit --gpu wins over detection)."""
+def resolve_cluster(*, gpu: str | None, gpus: int | None, gpus_per_node: int | None,
+                    cluster_file: Path | str | None = None) -> tuple[Cluster, list[str]]:
+    """The cluster to plan for and notes for the user (``--cluster FILE.yaml``, else explicit --gpu, else
+    what NVML detects)."""
+    if cluster_file is not None:
+        clash = [f for f, v in (("--gpu", gpu), ("--gpus", gpus), ("--gpus-per-node", gpus_per_node)) if v is not None]
+        if clash:
+            raise OptplanError(f"--cluster describes the GPUs already: drop {', '.join(clash)} or drop --cluster")
+        cluster = load_cluster_file(cluster_file)
+        return cluster, [f"cluster from {cluster_file}: {cluster.gpus} x {cluster.gpu.name} "
+                         f"({cluster.nodes} node(s) of {cluster.gpus_per_node})"]
     report = detect_gpus() if gpu is None else None
     cluster, notes = cluster_from(report, gpu=gpu, gpus=gpus, gpus_per_node=gpus_per_node)
     if cluster.gpus > cluster.gpus_per_node and cluster.gpus % cluster.gpus_per_node:
@@ -64,8 +81,19 @@ def check_search_options(cluster: Cluster, *, global_batch: int | None, precisio
 
 
 def estimate_strategy(profile: ModelProfile, cluster: Cluster, strategy: Strategy, *,
-                      tokens: float | None = None, price_per_gpu_hour: float | None = None) -> Estimate:
-    """Estimate one strategy (the ``optplan estimate`` command), with the cost of ``tokens`` if given."""
+                      tokens: float | None = None,
+                      price_per_gpu_hour: float | None = None) -> Estimate | StatesEstimate:
+    """Estimate one strategy (the ``optplan estimate`` command), with the cost of ``tokens`` if given.
+
+    The price defaults to the cluster file's ``price_per_gpu_hour``; energy uses its ``gpu_power_w``
+    (else the datasheet TDP). A ``--params`` profile gets model states, buffers and overhead only.
+    """
+    price = price_per_gpu_hour if price_per_gpu_hour is not None else cluster.price_per_gpu_hour
+    if is_params_only(profile):
+        if tokens is not None:
+            raise OptplanError("--tokens needs a step time, and --params gives model states only: give a model "
+                               "FILE or --arch")
+        return estimate_states(profile, cluster, strategy)
     est = estimate(profile, cluster, strategy)
     if tokens is None:
         if price_per_gpu_hour is not None:
@@ -73,8 +101,8 @@ def estimate_strategy(profile: ModelProfile, cluster: Cluster, strategy: Strateg
         return est
     if est.tokens_per_s is None:
         raise OptplanError(f"--tokens needs a token model; {profile.name} takes {profile.input_kind} inputs")
-    cost = training_cost(tokens=tokens, tokens_per_s=est.tokens_per_s, gpus=strategy.dp,
-                         gpu_power_w=cluster.gpu.tdp_watts, price_per_gpu_hour=price_per_gpu_hour)
+    cost = training_cost(tokens=tokens, tokens_per_s=est.tokens_per_s, gpus=strategy.world_size,
+                         gpu_power_w=cluster.power_w_per_gpu, price_per_gpu_hour=price)
     return est.model_copy(update={"cost": cost})
 
 

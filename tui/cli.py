@@ -35,6 +35,15 @@ GpnOpt = Annotated[int | None, typer.Option("--gpus-per-node", help="GPUs per no
 SeqOpt = Annotated[int | None, typer.Option("--seq-len", help="sequence length (default: OPTPLAN or model max)")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print a stable JSON document instead of tables")]
 NameOpt = Annotated[str | None, typer.Option("--model-name", help="which model when the file defines several")]
+ClusterOpt = Annotated[Path | None, typer.Option("--cluster", help="cluster YAML: gpu, gpus_per_node, nodes[, bandwidths, price, power]")]
+PRECISIONS = ("fp32", "amp-bf16", "amp-fp16", "bf16", "fp16", "bf16-pure", "fp8")
+OPTIMIZERS = ("adamw", "adamw8bit", "adamw-8bit", "adafactor", "sgd")
+
+
+def _check_choice(flag: str, value: str, choices: tuple[str, ...]) -> None:
+    """One line naming the flag, the bad value and the choices."""
+    if value not in choices:
+        raise OptplanError(f"unknown {flag} {value!r}: use one of {', '.join(choices)}")
 
 
 class _State:
@@ -134,41 +143,68 @@ def hardware(ctx: typer.Context, as_json: JsonOpt = False) -> None:
 @app.command()
 def estimate(
     ctx: typer.Context, model: OptModelFile = None, arch: ArchOpt = None,
-    zero: Annotated[int, typer.Option("--zero", help="ZeRO stage 0-3")] = 0,
+    params: Annotated[float | None, typer.Option("--params", help="a parameter count instead of a model: model states only, e.g. 7e9")] = None,
+    dp: Annotated[int | None, typer.Option("--dp", help="data-parallel degree (default: gpus / (tp*pp*cp))")] = None,
+    tp: Annotated[int | None, typer.Option("--tp", help="tensor-parallel degree (default 1)")] = None,
+    pp: Annotated[int | None, typer.Option("--pp", help="pipeline stages (default 1)")] = None,
+    vpp: Annotated[int | None, typer.Option("--vpp", help="virtual stages per pipeline rank (interleaved 1F1B)")] = None,
+    cp: Annotated[int | None, typer.Option("--cp", help="context-parallel degree (default 1)")] = None,
+    sp: Annotated[bool | None, typer.Option("--sp/--no-sp", help="sequence parallelism (default: on when tp > 1)", show_default=False)] = None,
+    zero: Annotated[int | None, typer.Option("--zero", help="DeepSpeed ZeRO stage 0-3")] = None,
+    fsdp: Annotated[str | None, typer.Option("--fsdp", help="torch FSDP: full, grad_op or hybrid (HSDP)")] = None,
+    offload: Annotated[str | None, typer.Option("--offload", help="none, optimizer or params (CPU)")] = None,
     mbs: Annotated[int, typer.Option("--mbs", help="micro-batch per GPU")] = 1,
-    grad_accum: Annotated[int, typer.Option("--grad-accum", "--gas", help="gradient-accumulation steps")] = 1,
-    precision: Annotated[str, typer.Option("--precision", help="fp32, amp-bf16, amp-fp16, bf16, fp16, bf16-pure")] = "bf16",
-    optimizer: Annotated[str | None, typer.Option("--optimizer", help="adamw, adamw-8bit, sgd")] = None,
-    checkpointing: Annotated[str, typer.Option("--checkpointing", help="none or full")] = "none",
-    offload_optimizer: Annotated[str, typer.Option("--offload-optimizer", help="none, cpu, nvme")] = "none",
-    offload_params: Annotated[str, typer.Option("--offload-params", help="none, cpu, nvme")] = "none",
-    gpu: GpuOpt = None, gpus: GpusOpt = None, gpus_per_node: GpnOpt = None, seq_len: SeqOpt = None,
+    grad_accum: Annotated[int | None, typer.Option("--gas", "--grad-accum", help="gradient-accumulation steps")] = None,
+    global_batch: Annotated[int | None, typer.Option("--global-batch", help="samples per step (derives --gas)")] = None,
+    precision: Annotated[str, typer.Option("--precision", help="fp32, amp-bf16, amp-fp16, bf16, fp16, bf16-pure, fp8")] = "bf16",
+    optimizer: Annotated[str | None, typer.Option("--optimizer", help="adamw, adamw8bit, adafactor, sgd")] = None,
+    checkpointing: Annotated[str, typer.Option("--checkpointing", help="none, selective or full")] = "none",
+    flash: Annotated[bool, typer.Option("--flash/--no-flash", help="memory-efficient attention (no s x s scores)")] = True,
+    engine: Annotated[str | None, typer.Option("--engine", help="torch, deepspeed or megatron (default: torch with --fsdp, megatron with tp/pp/cp, else deepspeed)")] = None,
+    offload_optimizer: Annotated[str | None, typer.Option("--offload-optimizer", help="none, cpu, nvme (DeepSpeed)")] = None,
+    offload_params: Annotated[str | None, typer.Option("--offload-params", help="none, cpu, nvme (DeepSpeed ZeRO-3)")] = None,
+    gpu: GpuOpt = None, gpus: GpusOpt = None, gpus_per_node: GpnOpt = None, cluster: ClusterOpt = None,
+    seq_len: SeqOpt = None,
     tokens: Annotated[float | None, typer.Option("--tokens", help="token budget: adds time, GPU-hours, energy")] = None,
     price: Annotated[float | None, typer.Option("--price", help="price per GPU-hour (USD), with --tokens")] = None,
     model_name: NameOpt = None, as_json: JsonOpt = False,
 ) -> None:
-    """Memory and time breakdown of one configuration, and whether (and why) it fits."""
-    from optplan.estimators.strategy import Strategy
+    """Memory (worst rank) and time breakdown of one configuration, and whether (and why) it fits."""
     from optplan.planner.api import check_search_options, estimate_strategy, resolve_cluster, resolve_model
+    from optplan.planner.derive import StrategyFlags, derive_strategy
     from optplan.tui.render import estimate_table
 
     def body() -> None:
-        cluster, notes = resolve_cluster(gpu=gpu, gpus=gpus, gpus_per_node=gpus_per_node)
+        _check_choice("--precision", precision, PRECISIONS)
+        _check_choice("--checkpointing", checkpointing, ("none", "selective", "full"))
+        for flag, value, choices in (("--optimizer", optimizer, OPTIMIZERS), ("--fsdp", fsdp, ("full", "grad_op", "hybrid")),
+                                     ("--offload", offload, ("none", "optimizer", "params")),
+                                     ("--engine", engine, ("torch", "deepspeed", "megatron")),
+                                     ("--offload-optimizer", offload_optimizer, ("none", "cpu", "nvme")),
+                                     ("--offload-params", offload_params, ("none", "cpu", "nvme"))):
+            if value is not None:
+                _check_choice(flag, value, choices)
+        if zero is not None and not 0 <= zero <= 3:
+            raise OptplanError(f"--zero must be 0, 1, 2 or 3 (got {zero})")
+        if params is not None and (arch is not None or model is not None):
+            raise OptplanError("give exactly one of a model FILE, --arch or --params")
+        target, notes = resolve_cluster(gpu=gpu, gpus=gpus, gpus_per_node=gpus_per_node, cluster_file=cluster)
+        flags = StrategyFlags(dp=dp, tp=tp, pp=pp, vpp=vpp, cp=cp, sp=sp, zero=zero, fsdp=fsdp, offload=offload,
+                              offload_optimizer=offload_optimizer, offload_params=offload_params,
+                              precision=precision, optimizer=optimizer, mbs=mbs, gas=grad_accum,
+                              global_batch=global_batch, checkpointing=checkpointing, flash=flash, engine=engine)
         # validated before the (slow) profile so a bad flag fails at once
-        strategy = Strategy(precision=precision, optimizer=optimizer or "adamw",  # type: ignore[arg-type]
-                            zero=zero, mbs=mbs, grad_accum=grad_accum, checkpointing=checkpointing,  # type: ignore[arg-type]
-                            dp=cluster.gpus, offload_optimizer=offload_optimizer,  # type: ignore[arg-type]
-                            offload_params=offload_params)  # type: ignore[arg-type]
-        check_search_options(cluster, global_batch=None, precisions=[precision])
+        strategy = derive_strategy(flags, target)
+        check_search_options(target, global_batch=None, precisions=[precision])
         if price is not None and tokens is None:
             raise OptplanError("--price needs --tokens (the token budget to price)")
-        if tokens is not None and tokens <= 0:
+        if tokens is not None and not tokens > 0:
             raise OptplanError(f"--tokens must be positive (got {tokens:g})")
         with _stderr().status("profiling the model in a child process..."):
-            prof = resolve_model(model, arch=arch, seq_len=seq_len, model_name=model_name)
+            prof = resolve_model(model, arch=arch, seq_len=seq_len, model_name=model_name, params=params)
         if optimizer is None and prof.defaults.optimizer:
-            strategy = Strategy.model_validate({**strategy.model_dump(), "optimizer": prof.defaults.optimizer})
-        est = estimate_strategy(prof, cluster, strategy, tokens=tokens, price_per_gpu_hour=price)
+            strategy = derive_strategy(flags.model_copy(update={"optimizer": prof.defaults.optimizer}), target)
+        est = estimate_strategy(prof, target, strategy, tokens=tokens, price_per_gpu_hour=price)
         if as_json:
             typer.echo(est.model_dump_json(indent=2))
             return

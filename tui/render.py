@@ -8,7 +8,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from optplan.estimators.estimate import Estimate
+from optplan.estimators.estimate import Estimate, StatesEstimate
 from optplan.estimators.profile import ModelProfile
 from optplan.estimators.units import gib
 from optplan.planner.recommend import Recommendation
@@ -71,10 +71,10 @@ def profile_table(p: ModelProfile) -> Group:
     return Group(head, mods, acts, *notes)
 
 
-def estimate_table(e: Estimate) -> Group:
-    """Memory and time breakdown of one estimate."""
-    m, t = e.memory, e.time
-    mem = Table(title=f"memory per GPU ({e.gpu})", title_justify="left")
+def _memory_table(e: Estimate | StatesEstimate) -> Table:
+    m = e.memory
+    mem = Table(title=f"memory per GPU ({e.gpu})", title_justify="left",
+                caption=None if m.rank == "every rank" else f"worst rank: {m.rank}", caption_justify="left")
     mem.add_column("category")
     mem.add_column("GiB", justify="right")
     for name, val in (("weights", m.params_bytes), ("gradients", m.grads_bytes),
@@ -83,21 +83,39 @@ def estimate_table(e: Estimate) -> Group:
         mem.add_row(name, _g(val))
     mem.add_row("[bold]total[/]", f"[bold]{_g(m.total_bytes)}[/] of {_g(m.capacity_bytes)}")
     if m.host_bytes:
-        mem.add_row("host (offload)", _g(m.host_bytes))
+        mem.add_row("host (offload)", f"{_g(m.host_bytes)} ({_g(m.host_bytes_per_node)} per node)")
+    if m.nvme_bytes:
+        mem.add_row("NVMe (offload)", _g(m.nvme_bytes))
+    return mem
+
+
+def _detail_line(e: Estimate | StatesEstimate) -> Text:
+    items = ", ".join(f"{name.replace('_', ' ')} {val / 2**20:,.0f} MiB" for name, val in e.memory.detail_bytes.items())
+    return Text(f"buffers and overhead: {items}", style="dim")
+
+
+def estimate_table(e: Estimate | StatesEstimate) -> Group:
+    """Memory and time breakdown of one estimate (memory only for a ``--params`` estimate)."""
+    verdict = Text(e.reason.replace("fits:", "FITS:", 1).replace("does not fit:", "DOES NOT FIT:", 1),
+                   style="green" if e.fits else "red bold")
+    if isinstance(e, StatesEstimate):
+        head = Text(f"{e.strategy.label()} on {e.gpus} GPU(s): model states, buffers and overhead only")
+        return Group(head, verdict, _memory_table(e), _detail_line(e),
+                     *(Text(f"note: {n}", style="dim") for n in e.notes))
+    t = e.time
     tim = Table(title="step time", title_justify="left")
     tim.add_column("part")
     tim.add_column("ms", justify="right")
     for name, val in (("compute (matmul)", t.compute_s), ("recompute", t.recompute_s),
                       ("memory-bound ops", t.memory_bound_s), ("optimizer", t.optimizer_s),
-                      ("exposed communication", t.exposed_comm_s)):
+                      ("pipeline bubble", t.bubble_s),
+                      (f"exposed communication (of {t.comm_s * 1e3:.1f})", t.exposed_comm_s)):
         tim.add_row(name, f"{val * 1e3:.1f}")
     tim.add_row("[bold]step[/]", f"[bold]{t.step_s * 1e3:.1f}[/]")
     rate = f"{e.tokens_per_s:,.0f} tokens/s" if e.tokens_per_s else f"{e.samples_per_s:,.1f} samples/s"
-    verdict = Text(e.reason.replace("fits:", "FITS:", 1).replace("does not fit:", "DOES NOT FIT:", 1),
-                   style="green" if e.fits else "red bold")
     summary = Text(f"{e.strategy.label()} on {e.gpus} GPU(s): global batch {e.global_batch}, {rate}, "
                    f"MFU {e.mfu * 100:.1f}%, HFU {e.hfu * 100:.1f}%, {e.model_tflops_per_gpu:.1f} TFLOP/s per GPU")
-    parts: list = [summary, verdict, mem, tim]
+    parts: list = [summary, verdict, _memory_table(e), _detail_line(e), tim]
     if e.cost is not None:
         c = e.cost
         money = f", ${c.cost_usd:,.0f}" if c.cost_usd is not None else ""

@@ -1,0 +1,113 @@
+"""Turn ``optplan estimate``'s strategy flags into one consistent Strategy for a cluster.
+
+Unspecified degrees are derived: tp, pp, cp and vpp default to 1 and dp = gpus / (tp·pp·cp); the
+gradient-accumulation steps follow from ``--global-batch`` when given (global = mbs · gas · dp). An
+inconsistent set is one OptplanError line naming the numbers and the fix.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+from optplan.estimators.errors import OptplanError
+from optplan.estimators.hardware import Cluster
+from optplan.estimators.strategy import Strategy
+
+
+class StrategyFlags(BaseModel):
+    """The strategy flags as given (None = not given)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    dp: int | None = None
+    tp: int | None = None
+    pp: int | None = None
+    vpp: int | None = None
+    cp: int | None = None
+    sp: bool | None = None
+    zero: int | None = None
+    fsdp: str | None = None
+    offload: str | None = None
+    offload_optimizer: str | None = None
+    offload_params: str | None = None
+    precision: str = "bf16"
+    optimizer: str | None = None
+    mbs: int = 1
+    gas: int | None = None
+    global_batch: int | None = None
+    checkpointing: str = "none"
+    flash: bool = True
+    engine: str | None = None
+
+
+def _positive(name: str, value: int | None) -> None:
+    if value is not None and value < 1:
+        raise OptplanError(f"--{name} must be >= 1 (got {value})")
+
+
+def _offload_targets(flags: StrategyFlags, engine: str) -> tuple[str, str]:
+    """(offload_optimizer, offload_params) from --offload or the older per-state flags."""
+    legacy = (flags.offload_optimizer or "none", flags.offload_params or "none")
+    if flags.offload is None or flags.offload == "none":
+        if flags.offload == "none" and legacy != ("none", "none"):
+            raise OptplanError("--offload none contradicts --offload-optimizer/--offload-params: drop one")
+        return legacy
+    if legacy != ("none", "none"):
+        raise OptplanError("give --offload or --offload-optimizer/--offload-params, not both")
+    if flags.offload == "optimizer":
+        return "cpu", "none"
+    if flags.offload == "params":
+        return ("none", "cpu") if engine == "torch" else ("cpu", "cpu")
+    raise OptplanError(f"unknown --offload {flags.offload!r}: use none, optimizer or params")
+
+
+def _engine(flags: StrategyFlags, model_parallel: bool) -> str:
+    if flags.engine is not None:
+        return flags.engine
+    if flags.fsdp not in (None, "none"):
+        return "torch"
+    offloads = flags.offload not in (None, "none") or flags.offload_optimizer not in (None, "none") \
+        or flags.offload_params not in (None, "none")
+    if model_parallel and (flags.zero or 0) <= 1 and not offloads:
+        return "megatron"
+    return "deepspeed"
+
+
+def derive_strategy(flags: StrategyFlags, cluster: Cluster) -> Strategy:
+    """The Strategy for ``flags`` on ``cluster`` (degrees and accumulation derived), or OptplanError."""
+    for name in ("dp", "tp", "pp", "vpp", "cp", "mbs", "gas", "global_batch"):
+        _positive(name.replace("_", "-"), getattr(flags, name))
+    tp, pp, cp = flags.tp or 1, flags.pp or 1, flags.cp or 1
+    model = tp * pp * cp
+    gpus = cluster.gpus
+    if flags.dp is None:
+        if gpus % model:
+            raise OptplanError(f"--gpus {gpus} is not divisible by tp·pp·cp = {tp}·{pp}·{cp} = {model}: "
+                               f"change the degrees or use a multiple of {model} GPUs")
+        dp = gpus // model
+    else:
+        dp = flags.dp
+        if dp * model != gpus:
+            raise OptplanError(f"dp·tp·pp·cp = {dp}·{tp}·{pp}·{cp} = {dp * model} does not match --gpus {gpus}: "
+                               "drop --dp to derive it, or change the degrees")
+    gas = flags.gas
+    if flags.global_batch is not None:
+        per_step = flags.mbs * dp
+        if flags.global_batch % per_step:
+            raise OptplanError(f"--global-batch {flags.global_batch} is not divisible by mbs x dp = "
+                               f"{flags.mbs} x {dp} = {per_step}: use a multiple of {per_step}")
+        derived = flags.global_batch // per_step
+        if gas is not None and gas != derived:
+            raise OptplanError(f"--gas {gas} contradicts --global-batch {flags.global_batch} = mbs {flags.mbs} x "
+                               f"dp {dp} x gas {derived}: drop one of them")
+        gas = derived
+    engine = _engine(flags, model > 1)
+    offload_optimizer, offload_params = _offload_targets(flags, engine)
+    data: dict[str, object] = {
+        "precision": flags.precision, "optimizer": flags.optimizer or "adamw", "zero": flags.zero or 0,
+        "fsdp": flags.fsdp or "none", "mbs": flags.mbs, "grad_accum": gas or 1,
+        "checkpointing": flags.checkpointing, "dp": dp, "tp": tp, "pp": pp, "vpp": flags.vpp or 1, "cp": cp,
+        "sp": flags.sp, "flash": flags.flash, "offload_optimizer": offload_optimizer,
+        "offload_params": offload_params, "engine": engine,
+    }
+    return Strategy.model_validate(data)
