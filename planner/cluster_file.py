@@ -27,6 +27,7 @@ import difflib
 import math
 from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 
 import yaml
 
@@ -41,10 +42,10 @@ OPTIONAL_KEYS: tuple[str, ...] = (
 )
 KNOWN_KEYS: tuple[str, ...] = REQUIRED_KEYS + OPTIONAL_KEYS
 
-EXAMPLES: Mapping[str, str] = {
+EXAMPLES: Mapping[str, str] = MappingProxyType({
     "gpu": "H100-SXM", "gpus_per_node": "8", "nodes": "2", "intra_node_bandwidth_GBps": "450",
     "inter_node_bandwidth_GBps": "400", "price_per_gpu_hour": "2.5", "gpu_power_w": "700",
-}
+})
 
 # Keys people write for a total GPU count, which the file expresses as nodes x gpus_per_node.
 _TOTAL_COUNT_KEYS = frozenset({"gpus", "num_gpus", "n_gpus", "gpu_count", "total_gpus", "world_size"})
@@ -216,7 +217,8 @@ def _bad(name: str, key: str, requirement: str, value: object) -> OptplanError:
     """The one-line error for a key whose value breaks ``requirement``."""
     hint = ""
     if isinstance(value, str) and _parses_as_float(value):
-        hint = " (YAML reads numbers like 1e9 without a dot as text: write 1.0e+9 or the plain digits)"
+        hint = (" (YAML reads numbers like 1e9 without a dot as text: write 1.0e+9 or the plain digits)"
+                if "e" in value.lower() else " (quoted, so YAML reads it as text: drop the quotes)")
     return OptplanError(f"{name}: {key} must be {requirement}, got {_show(value)}{hint}: "
                         f"write e.g. '{key}: {EXAMPLES[key]}'")
 

@@ -8,7 +8,16 @@ import pytest
 import yaml
 
 from optplan.estimators.errors import OptplanError
-from optplan.estimators.hardware import _catalogue_text, _norm, find_gpu, gpu_catalogue, match_device_name
+from optplan.estimators.hardware import (
+    Cluster,
+    _catalogue_text,
+    _norm,
+    close_gpu_names,
+    find_gpu,
+    gpu_catalogue,
+    match_device_name,
+    unknown_gpu_message,
+)
 
 EXPECTED = {"A100-40GB", "A100-80GB", "H100-SXM", "H100-PCIe", "H200", "B200", "L40S", "L4", "A10G",
             "RTX-4090", "V100"}
@@ -140,3 +149,60 @@ def test_unknown_gpu_error_lists_the_known_gpus() -> None:
     assert "TPU v5p" in message and "--gpu" in message and "\n" not in message
     for name in EXPECTED:
         assert name in message
+
+
+@pytest.mark.parametrize(("typed", "close"), [
+    ("H10", ["H100-SXM", "H100-PCIe"]),
+    ("V10", ["V100"]),
+    ("rtx 3090", ["RTX-4090"]),
+    ("l40", ["L40S", "L4"]),
+    ("NVIDIA H100 80GB HBM3e", ["H100-SXM"]),
+])
+def test_unknown_gpu_error_names_the_close_gpus_first(typed: str, close: list[str]) -> None:
+    assert close_gpu_names(typed) == close
+    with pytest.raises(OptplanError) as info:
+        find_gpu(typed)
+    message = str(info.value)
+    assert message.startswith(f"unknown GPU '{typed}': did you mean {', '.join(close)}? (use --gpu with one of ")
+    assert "\n" not in message and all(name in message for name in EXPECTED)
+
+
+def test_unknown_gpu_error_for_h10_reads_exactly() -> None:
+    known = ", ".join(gpu_catalogue())
+    with pytest.raises(OptplanError, match="unknown GPU") as info:
+        find_gpu("H10")
+    assert str(info.value) == f"unknown GPU 'H10': did you mean H100-SXM, H100-PCIe? (use --gpu with one of {known})"
+
+
+@pytest.mark.parametrize("typed", ["TPU v5p", "MI300X", "x", "", "!!"])
+def test_unknown_gpu_with_nothing_close_keeps_the_plain_message(typed: str) -> None:
+    assert close_gpu_names(typed) == []
+    with pytest.raises(OptplanError) as info:
+        find_gpu(typed)
+    assert str(info.value) == f"unknown GPU '{typed}': use --gpu with one of {', '.join(gpu_catalogue())}"
+
+
+def test_close_gpu_names_are_catalogue_names_limited_and_unique() -> None:
+    for typed in ("A10", "H1", "B100", "GH200", "a100 80", "H100 SXM6"):
+        close = close_gpu_names(typed)
+        assert len(close) == len(set(close)) <= 3
+        assert set(close) <= EXPECTED
+    assert close_gpu_names("A10", limit=1) == ["A100-80GB"]
+
+
+def test_unknown_gpu_fix_wording_can_be_replaced() -> None:
+    with pytest.raises(OptplanError) as info:
+        find_gpu("H10", fix="set gpu to one of")
+    message = str(info.value)
+    assert "set gpu to one of A100-40GB" in message and "--gpu" not in message
+    assert unknown_gpu_message("H10", fix="set gpu to one of") == message
+
+
+def test_cluster_price_and_power_default_to_none_and_tdp() -> None:
+    h100 = find_gpu("H100-SXM")
+    cluster = Cluster(gpu=h100, gpus=16, gpus_per_node=8)
+    assert cluster.price_per_gpu_hour is None and cluster.gpu_power_w is None
+    assert cluster.power_w_per_gpu == h100.tdp_watts == 700
+    assert cluster.inter_node_bandwidth_bytes_per_s == 50e9 and cluster.detected is False and cluster.nodes == 2
+    custom = Cluster(gpu=h100, gpus=16, gpus_per_node=8, price_per_gpu_hour=2.5, gpu_power_w=550)
+    assert custom.price_per_gpu_hour == 2.5 and custom.power_w_per_gpu == 550

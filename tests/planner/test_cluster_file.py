@@ -167,7 +167,7 @@ def test_not_utf8(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("text", "line"), [
     ("gpu: H100\ngpus_per_node: 8\nnodes: 2: 3\n", 3),
     ("gpu: H100\n  gpus_per_node: 8\nnodes: 2\n", 2),
-    ("gpu: [H100\ngpus_per_node: 8\n", 3),
+    ("gpu: [H100\ngpus_per_node: 8\n", 2),
     ("gpu: H100\ngpus_per_node: 8\nnodes: 1\n---\nnodes: 2\n", 4),
     ("gpu: H100\n\tnodes: 2\n", 2),
 ])
@@ -242,7 +242,7 @@ def test_all_missing_required_keys_are_named(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("line", "expected"), [
     ("nodes: two", "nodes must be a number, got 'two'"),
-    ("nodes: '2'", "nodes must be a number, got '2'"),
+    ("nodes: '2'", "nodes must be a number, got '2' (quoted, so YAML reads it as text: drop the quotes)"),
     ("nodes: true", "nodes must be a number, got the boolean true"),
     ("nodes: yes", "nodes must be a number, got the boolean true"),
     ("nodes:", "nodes must be a number, got no value"),

@@ -211,3 +211,59 @@ def test_estimate_json_has_the_pinned_time_and_memory_keys() -> None:
             "overhead_bytes", "total_bytes", "capacity_bytes", "fits"} <= est["memory"].keys()
     assert {"step_s", "compute_s", "comm_s", "exposed_comm_s", "bubble_s", "tokens_per_s", "samples_per_s",
             "model_tflops_per_gpu", "hardware_tflops_per_gpu", "mfu", "hfu"} <= est["time"].keys()
+
+
+def test_estimate_takes_every_strategy_flag() -> None:
+    arch = "layers=24,hidden=2048,heads=16,vocab=51200,seq=2048"
+    est = _json(["estimate", "--arch", arch, "--gpu", "H100", "--gpus", "64", "--tp", "4", "--pp", "2", "--vpp", "3",
+                 "--cp", "2", "--no-sp", "--zero", "1", "--global-batch", "64", "--mbs", "1",
+                 "--checkpointing", "selective", "--no-flash", "--engine", "megatron", "--optimizer", "adamw8bit",
+                 "--precision", "fp8", "--json"])
+    s = est["strategy"]
+    assert (s["dp"], s["tp"], s["pp"], s["vpp"], s["cp"], s["sp"]) == (4, 4, 2, 3, 2, False)
+    assert (s["grad_accum"], s["engine"], s["optimizer"], s["precision"]) == (16, "megatron", "adamw8bit", "fp8")
+    assert est["gpus"] == 64 and est["memory"]["rank"].startswith("pipeline stage")
+    fsdp = _json(["estimate", "--arch", arch, *H100, "--fsdp", "hybrid", "--offload", "params", "--json"])
+    assert fsdp["strategy"]["engine"] == "torch" and fsdp["memory"]["host_bytes"] > 0
+
+
+def test_estimate_params_gives_model_states_only() -> None:
+    est = _json(["estimate", "--params", "7e9", *H100, "--zero", "3", "--precision", "bf16", "--json"])
+    assert est["time"] is None and est["memory"]["activations_bytes"] == 0
+    assert est["memory"]["optimizer_bytes"] == 12 * 7e9 / 8 and est["memory"]["params_bytes"] == 2 * 7e9 / 8
+
+
+def test_estimate_reads_a_cluster_file(tmp_path: Path) -> None:
+    f = tmp_path / "cluster.yaml"
+    f.write_text("gpu: A100-80GB\ngpus_per_node: 8\nnodes: 2\nprice_per_gpu_hour: 2.0\ngpu_power_w: 350\n")
+    est = _json(["estimate", "--arch", "layers=4,hidden=256,heads=4,seq=512", "--cluster", str(f), "--tp", "2",
+                 "--tokens", "1e9", "--json"])
+    assert est["gpu"] == "A100-80GB" and est["gpus"] == 16 and est["strategy"]["dp"] == 8
+    assert est["cost"]["cost_usd"] == pytest.approx(2.0 * est["cost"]["gpu_hours"])
+    assert est["cost"]["energy_kwh"] == pytest.approx(16 * 350 * est["cost"]["train_time_s"] / 3.6e6)
+    clash = runner.invoke(app, ["estimate", "--params", "1e9", "--cluster", str(f), "--gpus", "8"])
+    assert clash.exit_code == 2 and "--gpus" in clash.stderr
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["--tp", "3"], "not divisible by tp·pp·cp"),
+    (["--tp", "16", "--gpus", "16"], "larger than a node"),
+    (["--tp", "8", "--arch", "layers=2,hidden=768,heads=12,seq=512"], "does not divide the 12 attention heads"),
+    (["--pp", "8", "--arch", "layers=4,hidden=256,heads=4,seq=512"], "larger than the 4 layers"),
+    (["--precision", "fp8", "--gpu", "A100-80GB"], "fp8"),
+    (["--gpu", "H10"], "did you mean"),
+    (["--mbs", "0"], "--mbs must be >= 1"),
+    (["--zero", "5"], "--zero must be 0, 1, 2 or 3"),
+    (["--fsdp", "sharded"], "unknown --fsdp"),
+    (["--dp", "3"], "does not match --gpus 8"),
+    (["--params", "-5"], "--params must be a whole number"),
+])
+def test_estimate_bad_strategy_input_is_one_line_exit_2(args: list[str], needle: str) -> None:
+    base = ["estimate", "--gpus", "8"]
+    if "--arch" not in args:
+        base += ["--params", "1e9"] if "--params" not in args else []
+    if "--gpu" not in args:
+        base += ["--gpu", "H100"]
+    result = runner.invoke(app, base + args)
+    assert result.exit_code == 2, (result.stdout, result.stderr)
+    assert needle in result.stderr and len(result.stderr.strip().splitlines()) == 1
