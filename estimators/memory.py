@@ -373,11 +373,36 @@ def buffer_bytes(profile: ModelProfile, strategy: Strategy, *, stage: int = 0) -
     return sum(buffer_items(profile, strategy, stage=stage).values())
 
 
+DEEPSPEED_STEP_FLATTEN_BYTES = 8
+"""DeepSpeed ZeRO-0 with 16-bit weights (FP16_Optimizer, also used for bf16 as DDP_BFLOAT16) converts every
+gradient to fp32 and flattens the copies at ``step()`` (deepspeed/runtime/fp16/fused_optimizer.py,
+``FP16_Optimizer.step``: ``_flatten_dense_tensors([p.grad.to(fp32) ...])``): 4 bytes/param of copies plus
+4 of the flat buffer live at once, after the activations are freed. Bytes per trainable parameter."""
+
+
+def step_peak_extra_bytes(profile: ModelProfile, strategy: Strategy, activations_bytes: int, stage: int = 0) -> int:
+    """What the optimizer step's transient buffers add above the backward-pass peak (bytes, >= 0).
+
+    Only DeepSpeed's ZeRO-0 16-bit optimizer has one large enough to matter: 8 bytes per trainable
+    parameter while the activations (freed by then) are not held.
+    """
+    recipe = get_recipe(strategy.precision)
+    if not (strategy.engine == "deepspeed" and strategy.zero == 0 and recipe.weight_bytes == 2
+            and recipe.master_bytes > 0):
+        return 0
+    psi_train = stage_params(profile, strategy, stage) * (
+        profile.trainable_params / profile.params if profile.params else 0.0)
+    return max(0, round(DEEPSPEED_STEP_FLATTEN_BYTES * psi_train) - activations_bytes)
+
+
 def _stage_breakdown(profile: ModelProfile, strategy: Strategy, capacity_bytes: int, gpus_per_node: int,
                      stage: int) -> MemoryBreakdown:
     states = model_states(profile, strategy, stage=stage, gpus_per_node=gpus_per_node)
     acts = activation_bytes(profile, strategy, stage=stage)
     items = buffer_items(profile, strategy, stage=stage)
+    step_extra = step_peak_extra_bytes(profile, strategy, acts, stage)
+    if step_extra:
+        items["deepspeed_step_fp32_grad_flatten"] = step_extra
     bufs = sum(items.values())
     allocated = states.params_bytes + states.grads_bytes + states.optimizer_bytes + acts + bufs
     fragmentation = round(FRAGMENTATION_FRACTION * allocated)

@@ -208,3 +208,13 @@ def test_sp_defaults_on_with_tp_and_optimizer_alias() -> None:
     assert Strategy(tp=2).sp and not Strategy().sp
     assert Strategy(optimizer="adamw-8bit").optimizer == "adamw8bit"  # type: ignore[arg-type]
     assert Strategy(tp=2, pp=2, cp=2, dp=3, grad_accum=2).world_size == 24
+
+
+def test_deepspeed_zero0_16bit_step_flattens_fp32_gradients(gpt) -> None:  # noqa: ANN001
+    small_acts = Strategy(precision="bf16", dp=8, mbs=1, checkpointing="full")
+    m = memory_breakdown(gpt, small_acts, 80 * 2**30)
+    extra = m.detail_bytes["deepspeed_step_fp32_grad_flatten"]
+    assert extra == 8 * gpt.params - m.activations_bytes
+    for other in (small_acts.model_copy(update={"zero": 1}), small_acts.model_copy(update={"precision": "amp-bf16"}),
+                  small_acts.model_copy(update={"engine": "megatron"})):
+        assert "deepspeed_step_fp32_grad_flatten" not in memory_breakdown(gpt, other, 80 * 2**30).detail_bytes
