@@ -49,7 +49,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field, computed_field
 
 from optplan.estimators.buckets import deepspeed_buckets
-from optplan.estimators.optimizers import optimizer_state_bytes_per_param
+from optplan.estimators.optimizers import optimizer_sees_flat_params, optimizer_state_bytes_per_param
 from optplan.estimators.parallel import layers_per_stage, placement
 from optplan.estimators.precision import Recipe, get_recipe
 from optplan.estimators.profile import ModelProfile
@@ -185,7 +185,7 @@ def _grad_bytes(recipe: Recipe, strategy: Strategy) -> float:
 
 
 def _fp8_cache_bytes(recipe: Recipe) -> float:
-    return float(getattr(recipe, "fp8_weight_cache_bytes", 0))
+    return float(recipe.fp8_weight_cache_bytes)
 
 
 def model_states(profile: ModelProfile, strategy: Strategy, *, stage: int = 0,
@@ -199,7 +199,8 @@ def model_states(profile: ModelProfile, strategy: Strategy, *, stage: int = 0,
     psi = stage_params(profile, strategy, stage)
     psi_train = psi * (profile.trainable_params / profile.params if profile.params else 0.0)
     n_d = placement(strategy, gpus_per_node).shard.ranks
-    k = recipe.master_bytes + optimizer_state_bytes_per_param(strategy.optimizer, recipe, profile)
+    k = recipe.master_bytes + optimizer_state_bytes_per_param(
+        strategy.optimizer, recipe, profile, flat_params=optimizer_sees_flat_params(strategy))
     shard = strategy.shard_stage
     weights = psi * recipe.weight_bytes
     grads = psi_train * _grad_bytes(recipe, strategy)

@@ -27,6 +27,16 @@ Sources
   Fallback when the profile does not carry ``factored_state_elements`` (older cached profiles, or no
   profile): one full second moment, ``state_bytes`` per parameter, the unfactored upper bound
   (``ADAFACTOR_FALLBACK_NOTE``).
+  Factoring needs the optimizer to see the parameters' shapes. DeepSpeed ZeRO stages 1-3 hand the
+  optimizer flat 1-D fp32 partitions instead (deepspeed 0.19.8 ``runtime/zero/stage_1_and_2.py``:
+  ``param_group['params'] = [self.single_partition_of_fp32_groups[i]]``; ``zero/stage3.py`` likewise;
+  ``bf16_optimizer.py`` for bf16 at ZeRO-1), and so does Megatron's distributed optimizer: there
+  Adafactor keeps a full second moment (``flat_params=True``, see ``optimizer_sees_flat_params``). At
+  ZeRO-0 DeepSpeed keeps the shapes (fp32 params: the client optimizer itself; bf16/fp16:
+  ``FP16_UnfusedOptimizer`` with per-parameter fp32 copies), as do torch DDP and FSDP2 (per-parameter
+  DTensor shards). Checked on CPU with deepspeed 0.19.8 and the exported ds_config: a 16-32-8 MLP
+  (808 parameters) gave torch Adafactor 128 state elements at ZeRO-0 (fp32 and bf16, as counted here)
+  and 808 at ZeRO-1, 2 and 3.
 - SGD with momentum (``torch.optim.SGD``, ``momentum > 0``): one momentum buffer per parameter,
   ``state_bytes`` (4 bytes in fp32).
 """
@@ -37,6 +47,7 @@ from collections.abc import Callable
 
 from optplan.estimators.precision import Recipe
 from optplan.estimators.profile import ModelProfile
+from optplan.estimators.strategy import Strategy
 
 BLOCKWISE_8BIT_BLOCK = 2048
 """Values per quantisation block in bitsandbytes' blockwise 8-bit optimizers (arXiv 2110.02861 §2)."""
@@ -82,14 +93,37 @@ def adafactor_uses_shapes(profile: ModelProfile | None) -> bool:
     return profile is not None and profile.factored_state_elements is not None
 
 
-def optimizer_state_bytes_per_param(optimizer: str, recipe: Recipe, profile: ModelProfile | None = None) -> float:
+def optimizer_sees_flat_params(strategy: Strategy) -> bool:
+    """True when the engine hands the optimizer flat 1-D partitions instead of the parameters' shapes:
+    DeepSpeed ZeRO stage >= 1 and Megatron's distributed optimizer (``--zero 1``); see the module docstring."""
+    return strategy.engine in ("deepspeed", "megatron") and strategy.zero >= 1
+
+
+def optimizer_state_bytes_per_param(optimizer: str, recipe: Recipe, profile: ModelProfile | None = None, *,
+                                    flat_params: bool = False) -> float:
     """Moments' bytes per trainable parameter for ``optimizer`` under ``recipe`` (bytes/param), averaged
-    over the trainable parameters of ``profile`` (optimizers with factored state depend on the shapes)."""
+    over the trainable parameters of ``profile`` (optimizers with factored state depend on the shapes).
+
+    ``flat_params``: the optimizer sees flat 1-D partitions (``optimizer_sees_flat_params(strategy)``),
+    so Adafactor cannot factor and keeps a full second moment (``recipe.state_bytes``).
+    """
+    if flat_params and optimizer == "adafactor":
+        return float(recipe.state_bytes)
     return OPTIMIZER_STATE_BYTES[optimizer](recipe, profile)
 
 
-def optimizer_state_note(optimizer: str, profile: ModelProfile | None) -> str | None:
+ADAFACTOR_FLAT_NOTE = (
+    "Adafactor under DeepSpeed ZeRO (or Megatron's distributed optimizer) sees flat 1-D partitions, so its "
+    "second moment is not factored: counted as one full moment per parameter; ZeRO-0 keeps the factored size"
+)
+
+
+def optimizer_state_note(optimizer: str, profile: ModelProfile | None, *, flat_params: bool = False) -> str | None:
     """A line for the plan's notes when the optimizer's size rests on a fallback rule, else None."""
-    if optimizer == "adafactor" and not adafactor_uses_shapes(profile):
+    if optimizer != "adafactor":
+        return None
+    if flat_params:
+        return ADAFACTOR_FLAT_NOTE
+    if not adafactor_uses_shapes(profile):
         return ADAFACTOR_FALLBACK_NOTE
     return None

@@ -136,6 +136,28 @@ def count_params(model: nn.Module) -> tuple[int, int, dict[str, int], str]:
     return total, trainable, dict(by_module), str(dtype).removeprefix("torch.")
 
 
+def factored_state_elements(model: nn.Module) -> int:
+    """Adafactor second-moment elements of the trainable parameters (Shazeer & Stern 2018, arXiv 1804.04235).
+
+    As ``torch.optim.Adafactor`` allocates them: a parameter with >= 2 dims gets a row factor over its
+    last dim and a column factor over its second-to-last, leading dims kept, i.e.
+    ``prod(shape[:-2]) * (shape[-2] + shape[-1])`` elements; a 0-D or 1-D parameter gets a full second
+    moment (``numel``). Unique parameters (a tied weight once), ``requires_grad`` only. Meta tensors do.
+    """
+    total = 0
+    for p in model.parameters():  # unique: a tied weight once
+        if not p.requires_grad:
+            continue
+        if p.dim() >= 2:
+            lead = 1
+            for d in p.shape[:-2]:
+                lead *= int(d)
+            total += lead * (int(p.shape[-2]) + int(p.shape[-1]))
+        else:
+            total += p.numel()
+    return total
+
+
 def buffer_bytes(model: nn.Module) -> int:
     """Bytes of the model's (unique) buffers."""
     return sum(b.numel() * b.element_size() for b in model.buffers())
@@ -725,6 +747,7 @@ def profile_contract(contract: ModelContract, *, seq_len: int | None = None,
         params=params,
         trainable_params=trainable,
         params_by_module=by_module,
+        factored_state_elements=factored_state_elements(meta),
         buffer_bytes=buffer_bytes(meta),
         param_dtype=dtype,
         repeated_block=block.summary() if block else None,

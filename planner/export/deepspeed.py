@@ -11,11 +11,21 @@ Key names and behaviours follow deepspeed 0.19.8 (``deepspeed/runtime/config.py`
 - ``bf16-pure`` is ``bf16`` with ``bf16_master_weights_and_grads`` and ``bf16_optimizer_states``;
   DeepSpeed accepts those with ZeRO 1-3 only, and with optimizer offload only with its own CPU Adam.
 - An optimizer named in the config is built by DeepSpeed; ``SGD`` resolves to ``torch.optim.SGD``,
-  which ZeRO treats as untested (``zero_allow_untested_optimizer`` must be true). 8-bit AdamW is no
-  DeepSpeed optimizer: the config leaves the optimizer out and the training script passes its
-  bitsandbytes optimizer to ``deepspeed.initialize(optimizer=...)`` (see ``deepspeed_notes``).
+  which ZeRO treats as untested (``zero_allow_untested_optimizer`` must be true). 8-bit AdamW and
+  Adafactor are no DeepSpeed optimizers: the config leaves the optimizer out (and sets
+  ``zero_allow_untested_optimizer`` under ZeRO) and the training script passes its own optimizer
+  (``bitsandbytes.optim.AdamW8bit``, ``torch.optim.Adafactor``) to ``deepspeed.initialize(optimizer=...)``
+  (see ``deepspeed_notes``). Under optimizer offload DeepSpeed refuses client optimizers that are not
+  its CPU Adam/Lion (``zero_force_ds_cpu_optimizer``, ``runtime/engine.py``), so those plans are refused.
 - NVMe optimizer offload works with ZeRO-3 only (ZeRO-1/2 silently treat it as CPU offload), and
   DeepSpeed does not notice a missing ``nvme_path``: the exporter always writes one.
+- ``activation_checkpointing`` configures DeepSpeed's full (per-block) checkpointing; selective
+  recompute (Korthikanti et al. 2022, arXiv 2205.05198 §5: only the attention core) is done in the
+  model, so a selective plan gets no section, only a note.
+
+Plans a ds_config.json cannot express are refused with one OptplanError line naming the fix: another
+engine (torch FSDP/DDP, Megatron-LM), tensor/pipeline/context parallelism (ds_config covers ZeRO data
+parallelism; those need Megatron-DeepSpeed arguments), and fp8 (DeepSpeed's config has no fp8 recipe).
 
 Bucket sizes come from ``optplan.estimators.buckets.deepspeed_buckets`` so the memory estimate and
 the exported file agree.
@@ -48,14 +58,50 @@ FP16_SECTION: dict[str, Any] = {
 _AUTOCAST_DTYPE = {"amp-bf16": "bfloat16", "amp-fp16": "float16"}
 
 CLIENT_OPTIMIZER_NOTE = (
-    "optimizer adamw-8bit is not a DeepSpeed optimizer: ds_config.json has no 'optimizer' section; build "
+    "optimizer adamw8bit is not a DeepSpeed optimizer: ds_config.json has no 'optimizer' section; build "
     "bitsandbytes.optim.AdamW8bit(model.parameters(), lr=3e-4, betas=(0.9, 0.95), eps=1e-8, "
     "weight_decay=0.1) in the training script and pass it as deepspeed.initialize(optimizer=...)"
 )
+ADAFACTOR_NOTE = (
+    "optimizer adafactor is not a DeepSpeed optimizer: ds_config.json has no 'optimizer' section; build "
+    "torch.optim.Adafactor(model.parameters(), lr=1e-2) (torch >= 2.5; factored second moment, no first "
+    "moment) in the training script and pass it as deepspeed.initialize(optimizer=...); under ZeRO 1-3 "
+    "DeepSpeed hands it flat 1-D partitions, so its second moment is not factored there"
+)
+SELECTIVE_CHECKPOINTING_NOTE = (
+    "selective activation checkpointing is done in the model: wrap each block's attention core "
+    "(softmax(QK^T)V) in torch.utils.checkpoint.checkpoint(..., use_reentrant=False); ds_config.json has "
+    "no activation_checkpointing section, which configures DeepSpeed's full checkpointing only"
+)
+CLIENT_OPTIMIZERS = ("adamw8bit", "adafactor")
+"""Optimizers the training script builds and hands to ``deepspeed.initialize(optimizer=...)``."""
 
 
 def _check_exportable(strategy: Strategy) -> None:
     """Raise OptplanError for strategies DeepSpeed cannot run as planned (message names the fix)."""
+    if strategy.engine == "torch":
+        raise OptplanError(
+            "this plan runs on the torch engine (DDP/FSDP), which ds_config.json cannot configure: export it "
+            "for torch FSDP/accelerate instead, or plan with --engine deepspeed"
+        )
+    if strategy.engine != "deepspeed":
+        raise OptplanError(
+            f"this plan runs on the {strategy.engine} engine, which ds_config.json cannot configure: launch it "
+            "with Megatron-LM's own arguments, or plan with --engine deepspeed"
+        )
+    if strategy.model_parallel:
+        degrees = ", ".join(f"{name}={getattr(strategy, name)}" for name in ("tp", "pp", "cp")
+                            if getattr(strategy, name) > 1)
+        raise OptplanError(
+            f"DeepSpeed's ds_config.json covers ZeRO data parallelism, and this plan uses {degrees}: "
+            "tensor/pipeline/context-parallel plans need Megatron-DeepSpeed arguments; plan with "
+            "--tp 1 --pp 1 --cp 1 for a ds_config.json"
+        )
+    if strategy.precision == "fp8":
+        raise OptplanError(
+            "DeepSpeed's config has no fp8 recipe: use Transformer Engine (te.fp8_autocast around TE layers) "
+            "in the training script, or plan with --precision bf16"
+        )
     if strategy.precision == "bf16-pure":
         if strategy.zero == 0:
             raise OptplanError(
@@ -71,6 +117,11 @@ def _check_exportable(strategy: Strategy) -> None:
         raise OptplanError(
             "adamw-8bit (bitsandbytes) cannot run under DeepSpeed optimizer offload, which needs "
             "DeepSpeed's CPU Adam: use --optimizer adamw with the offload, or drop the offload"
+        )
+    if strategy.optimizer == "adafactor" and strategy.offload_optimizer != "none":
+        raise OptplanError(
+            "adafactor is a client optimizer, and DeepSpeed's optimizer offload needs its own CPU Adam: "
+            "use --optimizer adamw with the offload, or drop the offload"
         )
     if strategy.offload_optimizer == "nvme" and strategy.zero != 3:
         raise OptplanError(
@@ -114,8 +165,9 @@ def _optimizer_sections(strategy: Strategy) -> dict[str, Any]:
             # torch.optim.SGD is not in ZeRO's tested list; without this flag initialize() asserts.
             out["zero_allow_untested_optimizer"] = True
         return out
-    if strategy.optimizer == "adamw8bit":
-        # Client-side bitsandbytes optimizer: no optimizer section (see CLIENT_OPTIMIZER_NOTE).
+    if strategy.optimizer in CLIENT_OPTIMIZERS:
+        # Client-side optimizer (bitsandbytes AdamW8bit, torch Adafactor): no optimizer section; ZeRO
+        # asserts on optimizers outside its tested list unless zero_allow_untested_optimizer is set.
         return {"zero_allow_untested_optimizer": True} if strategy.zero > 0 else {}
     raise OptplanError(f"optimizer {strategy.optimizer!r} has no DeepSpeed export")  # pragma: no cover
 
@@ -157,7 +209,8 @@ def render_ds_config(strategy: Strategy, profile: ModelProfile, *, gradient_clip
 
     ``nvme_path`` is written only when the strategy offloads to NVMe. Raises OptplanError for a
     strategy DeepSpeed cannot run as planned (bf16-pure at ZeRO-0, NVMe optimizer offload below
-    ZeRO-3, 8-bit AdamW or SGD-with-bf16-pure under optimizer offload).
+    ZeRO-3, 8-bit AdamW, Adafactor or SGD-with-bf16-pure under optimizer offload, an engine other
+    than deepspeed, tp/pp/cp > 1, fp8).
     """
     _check_exportable(strategy)
     if gradient_clipping < 0:
@@ -197,11 +250,15 @@ def deepspeed_notes(strategy: Strategy) -> tuple[str, ...]:
     notes: list[str] = []
     if strategy.optimizer == "adamw8bit":
         notes.append(CLIENT_OPTIMIZER_NOTE)
+    if strategy.optimizer == "adafactor":
+        notes.append(ADAFACTOR_NOTE)
     if strategy.checkpointing == "full":
         notes.append(
             "activation checkpointing: wrap each repeated block with deepspeed.checkpointing.checkpoint "
             "(or torch.utils.checkpoint); the ds_config section only configures DeepSpeed's version"
         )
+    if strategy.checkpointing == "selective":
+        notes.append(SELECTIVE_CHECKPOINTING_NOTE)
     if strategy.precision in _AUTOCAST_DTYPE:
         notes.append(
             f"{strategy.precision}: keep the model in fp32 and do not cast it; DeepSpeed runs forward under "

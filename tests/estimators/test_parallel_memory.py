@@ -218,3 +218,10 @@ def test_deepspeed_zero0_16bit_step_flattens_fp32_gradients(gpt) -> None:  # noq
     for other in (small_acts.model_copy(update={"zero": 1}), small_acts.model_copy(update={"precision": "amp-bf16"}),
                   small_acts.model_copy(update={"engine": "megatron"})):
         assert "deepspeed_step_fp32_grad_flatten" not in memory_breakdown(gpt, other, 80 * 2**30).detail_bytes
+
+
+def test_adafactor_loses_its_factoring_under_zero(gpt) -> None:  # noqa: ANN001
+    factored = model_states(gpt, Strategy(precision="fp32", optimizer="adafactor", dp=8))
+    flat = model_states(gpt, Strategy(precision="fp32", optimizer="adafactor", dp=8, zero=1))
+    assert factored.optimizer_bytes < 0.01 * gpt.params
+    assert flat.optimizer_bytes == pytest.approx(4 * gpt.params / 8, rel=1e-6)

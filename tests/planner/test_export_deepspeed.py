@@ -15,8 +15,10 @@ from optplan.estimators.errors import OptplanError
 from optplan.estimators.profile import ActivationFit, ModelProfile, RepeatedBlock, TransformerShape
 from optplan.estimators.strategy import Strategy
 from optplan.planner.export.deepspeed import (
+    ADAFACTOR_NOTE,
     CLIENT_OPTIMIZER_NOTE,
     DEFAULT_NVME_PATH,
+    SELECTIVE_CHECKPOINTING_NOTE,
     deepspeed_notes,
     ds_config_text,
     render_ds_config,
@@ -367,3 +369,71 @@ def test_exporters_do_not_import_deepspeed():
             "optplan.planner.export.launch, optplan.planner.export.files, optplan.planner.validate; "
             "sys.exit(1 if 'deepspeed' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+# --- plans a ds_config.json cannot express (issue 3) ---------------------------------------------------
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(engine="torch"), r"^this plan runs on the torch engine \(DDP/FSDP\), which ds_config.json cannot "
+                           r"configure: export it for torch FSDP/accelerate instead, or plan with --engine deepspeed$"),
+    (dict(engine="torch", fsdp="full"), "torch engine.*FSDP/accelerate"),
+    (dict(engine="megatron", zero=1), r"^this plan runs on the megatron engine.*Megatron-LM's own arguments.*"
+                                      r"--engine deepspeed$"),
+    (dict(tp=2, dp=4), r"^DeepSpeed's ds_config.json covers ZeRO data parallelism, and this plan uses tp=2: "
+                       r"tensor/pipeline/context-parallel plans need Megatron-DeepSpeed arguments; plan with "
+                       r"--tp 1 --pp 1 --cp 1 for a ds_config.json$"),
+    (dict(pp=2, dp=4, zero=1), "uses pp=2: .*Megatron-DeepSpeed arguments"),
+    (dict(cp=2, dp=4), "uses cp=2: .*Megatron-DeepSpeed arguments"),
+    (dict(tp=2, pp=2, dp=2), "uses tp=2, pp=2: "),
+    (dict(precision="fp8"), r"^DeepSpeed's config has no fp8 recipe: use Transformer Engine \(te.fp8_autocast "
+                            r"around TE layers\) in the training script, or plan with --precision bf16$"),
+    (dict(precision="fp8", zero=3), "no fp8 recipe"),
+    (dict(optimizer="adafactor", zero=2, offload_optimizer="cpu"), "adafactor.*CPU Adam.*--optimizer adamw"),
+])
+def test_inexpressible_plans_are_refused(kw, match):
+    s = strategy(**kw)
+    with pytest.raises(OptplanError, match=match) as info:
+        render_ds_config(s, PROFILE)
+    assert "\n" not in str(info.value)
+    with pytest.raises(OptplanError):
+        ds_config_text(s, PROFILE)
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+@pytest.mark.parametrize("precision", ["fp32", "amp-bf16", "bf16", "fp16"])
+def test_adafactor_is_client_side_and_validates(ds_config_module, zero, precision):
+    s = strategy(optimizer="adafactor", zero=zero, precision=precision)
+    config = render_ds_config(s, PROFILE)
+    assert "optimizer" not in config
+    assert config.get("zero_allow_untested_optimizer") is (True if zero > 0 else None)
+    validate_ds_config(config, world_size=8)
+    assert load_ds_config(config, world_size=8).zero_allow_untested_optimizer == (zero > 0)
+    notes = deepspeed_notes(s)
+    assert ADAFACTOR_NOTE in notes and CLIENT_OPTIMIZER_NOTE not in notes
+    assert "torch.optim.Adafactor(model.parameters()" in ADAFACTOR_NOTE
+    assert "deepspeed.initialize(optimizer=...)" in ADAFACTOR_NOTE
+
+
+def test_adafactor_with_bf16_pure_validates(ds_config_module):
+    validate_ds_config(render_ds_config(strategy(optimizer="adafactor", precision="bf16-pure", zero=2), PROFILE),
+                       world_size=8)
+
+
+def test_client_notes_name_the_registry_key():
+    assert CLIENT_OPTIMIZER_NOTE in deepspeed_notes(strategy(optimizer="adamw8bit", zero=1))
+    assert "adamw8bit" in CLIENT_OPTIMIZER_NOTE
+    assert not any("Adafactor" in n for n in deepspeed_notes(strategy(optimizer="adamw", zero=1)))
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_selective_checkpointing_gets_a_note_not_a_section(ds_config_module, zero):
+    s = strategy(checkpointing="selective", zero=zero)
+    config = render_ds_config(s, PROFILE)
+    assert "activation_checkpointing" not in config
+    validate_ds_config(config, world_size=8)
+    notes = deepspeed_notes(s)
+    assert SELECTIVE_CHECKPOINTING_NOTE in notes
+    assert "attention core" in SELECTIVE_CHECKPOINTING_NOTE and "torch.utils.checkpoint" in SELECTIVE_CHECKPOINTING_NOTE
+    assert not any("deepspeed.checkpointing" in n for n in notes)  # that note is for full checkpointing
+    assert SELECTIVE_CHECKPOINTING_NOTE not in deepspeed_notes(strategy(checkpointing="full"))

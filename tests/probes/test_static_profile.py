@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import resource
+import textwrap
 import time
 
 import pytest
@@ -15,6 +16,7 @@ from optplan.probes.static import (
     StepRunner,
     batch_spec,
     blocks_of,
+    factored_state_elements,
     find_repeated_block,
     fit_activations,
     measure,
@@ -220,3 +222,115 @@ def test_models_that_cannot_be_cut_are_profiled_at_full_depth(write_model):
     assert profile.profiled_blocks is None
     assert any("could not profile with the block list cut" in n and "IndexError" in n for n in profile.notes)
     assert profile.fwd_flops_per_sample == 2 * (8 * 16 + 4 * 16 * 16)
+
+
+# --- Adafactor's factored second-moment elements (Shazeer & Stern 2018; torch.optim.Adafactor) ------
+
+
+TINY_SOURCE = """
+import torch
+import torch.nn as nn
+
+
+class Tiny(nn.Module):
+    \"\"\"Known shapes: tied embedding/head, a 3-D conv weight, a frozen Linear, a 0-D scale.\"\"\"
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)  # 10x4: 10 + 4 = 14
+        self.conv = nn.Conv1d(4, 6, 3)  # weight 6x4x3: 6 x (4 + 3) = 42; bias 6
+        self.proj = nn.Linear(4, 5)  # weight 5x4: 9; bias 5
+        self.frozen = nn.Linear(4, 4)  # requires_grad False: no optimizer state
+        self.frozen.requires_grad_(False)
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.emb.weight  # tied: counted once
+        self.scale = nn.Parameter(torch.ones(()))  # 0-D: 1
+
+    def forward(self, x):
+        e = self.emb(x)
+        c = self.conv(e.transpose(1, 2)).mean()
+        h = self.frozen(e) * self.scale + c
+        return self.head(h) + self.proj(e).sum(-1, keepdim=True)
+"""
+_ns: dict = {}
+exec(TINY_SOURCE, _ns)  # noqa: S102 - the test's own source, also written as a model file below
+_Tiny = _ns["Tiny"]
+
+
+TINY_FACTORED = 14 + 42 + 6 + 9 + 5 + 1  # 77
+
+
+def test_factored_state_elements_by_hand():
+    model = _Tiny()
+    assert factored_state_elements(model) == TINY_FACTORED
+    with torch.device("meta"):
+        assert factored_state_elements(_Tiny()) == TINY_FACTORED  # shapes only: the meta model counts the same
+
+
+def test_factored_state_elements_match_torch_adafactor_state():
+    """The count equals the elements torch.optim.Adafactor really allocates (row_var, col_var, variance)."""
+    torch.manual_seed(0)
+    model = _Tiny()
+    opt = torch.optim.Adafactor([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model(torch.randint(0, 10, (2, 7))).float().pow(2).mean().backward()
+    opt.step()
+    allocated = sum(t.numel() for state in opt.state.values() for k, t in state.items() if k != "step")
+    assert allocated == factored_state_elements(model) == TINY_FACTORED
+
+
+def test_profile_carries_factored_state_elements(write_model):
+    path = write_model(TINY_SOURCE + textwrap.dedent("""
+        OPTPLAN = {"seq_len": 8}
+
+        def build_model():
+            return Tiny()
+
+        def example_batch(batch_size, seq_len):
+            return torch.randint(0, 10, (batch_size, seq_len))
+
+        def loss_fn(output, batch):
+            return output.float().pow(2).mean()
+        """))
+    profile = profile_contract(load_contract(path))
+    assert profile.factored_state_elements == TINY_FACTORED
+    assert profile.params == 40 + 72 + 6 + 25 + 20 + 1  # tied head once, the frozen Linear included
+    assert profile.trainable_params == profile.params - 20
+
+
+def test_arch_formula_matches_a_built_decoder():
+    """estimators.arch's parameter and Adafactor counts equal those of a torch decoder of that shape."""
+    from optplan.estimators.arch import ArchSpec, arch_factored_state_elements, arch_params
+
+    nn = torch.nn
+    h, heads, kv_heads, ffn, vocab, seq, layers = 16, 4, 2, 40, 50, 12, 3
+    kv = h * kv_heads // heads
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k, self.v, self.o = nn.Linear(h, h), nn.Linear(h, kv), nn.Linear(h, kv), nn.Linear(h, h)
+            self.up, self.down = nn.Linear(h, ffn), nn.Linear(ffn, h)
+            self.ln1, self.ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
+
+    class Decoder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte, self.wpe = nn.Embedding(vocab, h), nn.Embedding(seq, h)
+            self.layers = nn.ModuleList(Layer() for _ in range(layers))
+            self.ln_f = nn.LayerNorm(h)
+            self.head = nn.Linear(h, vocab, bias=False)
+            self.head.weight = self.wte.weight
+
+    with torch.device("meta"):
+        model = Decoder()
+    spec = ArchSpec(layers=layers, hidden=h, heads=heads, kv_heads=kv_heads, ffn=ffn, vocab=vocab, seq=seq)
+    assert sum(p.numel() for p in model.parameters()) == arch_params(spec)[0]
+    assert factored_state_elements(model) == arch_factored_state_elements(spec)
+
+
+def test_gpt2_small_factored_state_elements(gpt2_small_run):
+    """nanoGPT GPT-2 small: per layer c_attn 3h x h (4h + 3h bias), c_proj (2h + h), c_fc 4h x h (5h + 4h),
+    mlp c_proj h x 4h (5h + h), two LayerNorms (4h) = 29h; tied wte (V + h), wpe (1024 + h), ln_f (2h)."""
+    profile, _ = gpt2_small_run
+    h = 768
+    assert profile.factored_state_elements == 12 * 29 * h + (50257 + h) + (1024 + h) + 2 * h == 321_617
