@@ -18,7 +18,13 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from optplan.estimators.errors import OptplanError
-from optplan.estimators.profile import ActivationFit, ModelProfile, RepeatedBlock, TransformerShape
+from optplan.estimators.profile import (
+    SMALL_PARAM_LIMIT,
+    ActivationFit,
+    ModelProfile,
+    RepeatedBlock,
+    TransformerShape,
+)
 
 DEFAULT_VOCAB = 51200
 LOGIT_BYTES = {"bf16": 10, "fp32": 16}
@@ -103,6 +109,25 @@ def arch_factored_state_elements(spec: ArchSpec) -> int:
     return spec.layers * per_layer + spec.vocab + h + positions + 2 * h
 
 
+def arch_small_param_counts(spec: ArchSpec) -> dict[int, int]:
+    """Sizes of the ``arch_params`` model's tensors of at most SMALL_PARAM_LIMIT elements (numel -> count).
+
+    Per layer: q and o weights (h·h) and biases (h), k and v weights (kv·h) and biases (kv), the MLP's
+    weights (h·F twice) and biases (F, h), two layer norms' weights and biases (h, 4 tensors); the tied
+    embedding V·h, the positions s·h and the final norm (2 tensors of h).
+    """
+    h, ffn = spec.hidden, spec.ffn or 4 * spec.hidden
+    kv = h * (spec.kv_heads or spec.heads) // spec.heads
+    sizes: list[tuple[int, int]] = [(h * h, 2), (h, 2), (kv * h, 2), (kv, 2), (h * ffn, 2), (ffn, 1), (h, 1), (h, 4)]
+    counts: dict[int, int] = {}
+    for size, per_layer in sizes:
+        counts[size] = counts.get(size, 0) + per_layer * spec.layers
+    for size, n in ((spec.vocab * h, 1), (h, 2), ((spec.seq or 0) * h, 1)):
+        if size:
+            counts[size] = counts.get(size, 0) + n
+    return {k: v for k, v in sorted(counts.items()) if k <= SMALL_PARAM_LIMIT}
+
+
 def profile_from_arch(spec: ArchSpec, *, name: str | None = None) -> ModelProfile:
     """The static profile of a decoder given by shape (per-sample figures at ``spec.seq``)."""
     if spec.seq is None:
@@ -124,6 +149,7 @@ def profile_from_arch(spec: ArchSpec, *, name: str | None = None) -> ModelProfil
         name=name or f"decoder-L{L}-h{h}", path="--arch", model_class="Decoder", params=params,
         trainable_params=params, params_by_module={"embedding": v * h + s * h, "layers": L * per_layer},
         factored_state_elements=arch_factored_state_elements(spec),
+        small_param_counts=arch_small_param_counts(spec),
         repeated_block=RepeatedBlock(class_name="DecoderLayer", count=L, params_per_block=per_layer),
         input_kind="tokens", seq_len=s, tokens_per_sample=s, fwd_flops_per_sample=fwd, bwd_flops_per_sample=2 * fwd,
         activations=tuple(fits), activation_source="formula",

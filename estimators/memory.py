@@ -319,13 +319,23 @@ def _per_sample_stage_bytes(profile: ModelProfile, strategy: Strategy, mode: str
     return per_sample / cp
 
 
-def buffer_items(profile: ModelProfile, strategy: Strategy, *, stage: int = 0) -> dict[str, int]:
+def persistent_params(profile: ModelProfile, threshold_elements: int) -> int:
+    """Parameters in tensors of at most ``threshold_elements`` elements, which DeepSpeed ZeRO-3 never
+    partitions (``partition_parameters.py``: ``param.ds_numel <= param_persistence_threshold``), count.
+    Unknown sizes (profiles without ``small_param_counts``) count none."""
+    counts = profile.small_param_counts or {}
+    return sum(size * n for size, n in counts.items() if size <= threshold_elements)
+
+
+def buffer_items(profile: ModelProfile, strategy: Strategy, *, stage: int = 0,
+                 gpus_per_node: int = 8) -> dict[str, int]:
     """Named communication buffers and gathered working sets of one rank (bytes each).
 
     DeepSpeed (engine "deepspeed"): ZeRO-0/1/2 one reduce bucket (and an all-gather bucket from ZeRO-1)
     in gradient dtype when there is data parallelism; ZeRO-3 the reduce bucket plus the gathered
     parameters of one repeated block (÷ t) and the prefetch bucket in weight dtype, capped by
-    ``stage3_max_live_parameters``. torch: DDP's gradient buckets (a copy of every gradient), or FSDP's
+    ``stage3_max_live_parameters``, and the unpartitioned tensors under
+    ``stage3_param_persistence_threshold``. torch: DDP's gradient buckets (a copy of every gradient), or FSDP's
     unsharded unit + prefetched unit (FULL/HYBRID) and the unit's unsharded gradients. Megatron: its
     gradient buffer is the fp32 main_grad already counted in grads_bytes. Pipeline and context
     parallelism add their send/receive tensors.
@@ -347,6 +357,10 @@ def buffer_items(profile: ModelProfile, strategy: Strategy, *, stage: int = 0) -
             live = min(unit + buckets.stage3_prefetch_bucket_size, buckets.stage3_max_live_parameters,
                        profile.params)
             items["zero3_working_set"] = round(live * (recipe.weight_bytes + _fp8_cache_bytes(recipe)))
+            persistent = persistent_params(profile, buckets.stage3_param_persistence_threshold)
+            shard = placement(strategy, gpus_per_node).shard.ranks
+            # kept whole on every rank; the sharded states already count 1/shard of them
+            items["zero3_persistent_params"] = round(persistent * recipe.weight_bytes * (1 - 1 / shard))
     elif strategy.engine == "torch" and dpcp > 1:
         if strategy.fsdp == "none":
             items["ddp_gradient_buckets"] = round(psi_train * recipe.grad_bytes)
@@ -400,7 +414,7 @@ def _stage_breakdown(profile: ModelProfile, strategy: Strategy, capacity_bytes: 
                      stage: int) -> MemoryBreakdown:
     states = model_states(profile, strategy, stage=stage, gpus_per_node=gpus_per_node)
     acts = activation_bytes(profile, strategy, stage=stage)
-    items = buffer_items(profile, strategy, stage=stage)
+    items = buffer_items(profile, strategy, stage=stage, gpus_per_node=gpus_per_node)
     step_extra = step_peak_extra_bytes(profile, strategy, acts, stage)
     if step_extra:
         items["deepspeed_step_fp32_grad_flatten"] = step_extra

@@ -78,6 +78,11 @@ class ModelDefaults(_Frozen):
     extra: dict[str, str | int | float | bool | None] = Field(default_factory=dict)
 
 
+SMALL_PARAM_LIMIT = 1_000_000
+"""Largest tensor size (elements) recorded in ``ModelProfile.small_param_counts``: DeepSpeed's persistence
+thresholds are 1e5 by default and 10·h under Hugging Face's "auto" (h <= 1e5 in practice)."""
+
+
 class ModelProfile(_Frozen):
     """Static profile of one model at one sequence length (per-sample figures)."""
 
@@ -92,6 +97,12 @@ class ModelProfile(_Frozen):
         description="trainable parameters' Adafactor second-moment elements (Shazeer & Stern 2018; "
                     "torch.optim.Adafactor): rows+cols (times leading dims) for >=2-D tensors, numel for 0-D/1-D; "
                     "tied weights once. None when unknown (profiles made before this field)",
+    )
+    small_param_counts: dict[int, int] | None = Field(
+        default=None,
+        description="number of unique parameter tensors of each size up to SMALL_PARAM_LIMIT elements "
+                    "(numel -> count): what DeepSpeed ZeRO-3 keeps unpartitioned under "
+                    "stage3_param_persistence_threshold. None when unknown",
     )
     buffer_bytes: int = Field(default=0, ge=0, description="non-parameter buffers (bytes)")
     param_dtype: str = "float32"

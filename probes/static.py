@@ -61,6 +61,7 @@ from optplan.estimators.profile import (
     ActivationPrecision,
     CheckpointMode,
     ModelProfile,
+    SMALL_PARAM_LIMIT,
     RepeatedBlock,
     TransformerShape,
 )
@@ -156,6 +157,16 @@ def factored_state_elements(model: nn.Module) -> int:
         else:
             total += p.numel()
     return total
+
+
+def small_param_counts(model: nn.Module, limit: int = SMALL_PARAM_LIMIT) -> dict[int, int]:
+    """Unique parameter tensors of at most ``limit`` elements, as ``numel -> count`` (a tied weight once)."""
+    counts: dict[int, int] = {}
+    for p in model.parameters():
+        n = p.numel()
+        if n <= limit:
+            counts[n] = counts.get(n, 0) + 1
+    return dict(sorted(counts.items()))
 
 
 def buffer_bytes(model: nn.Module) -> int:
@@ -748,6 +759,7 @@ def profile_contract(contract: ModelContract, *, seq_len: int | None = None,
         trainable_params=trainable,
         params_by_module=by_module,
         factored_state_elements=factored_state_elements(meta),
+        small_param_counts=small_param_counts(meta),
         buffer_bytes=buffer_bytes(meta),
         param_dtype=dtype,
         repeated_block=block.summary() if block else None,

@@ -225,3 +225,12 @@ def test_adafactor_loses_its_factoring_under_zero(gpt) -> None:  # noqa: ANN001
     flat = model_states(gpt, Strategy(precision="fp32", optimizer="adafactor", dp=8, zero=1))
     assert factored.optimizer_bytes < 0.01 * gpt.params
     assert flat.optimizer_bytes == pytest.approx(4 * gpt.params / 8, rel=1e-6)
+
+
+def test_zero3_keeps_small_tensors_whole(gpt) -> None:  # noqa: ANN001
+    # HF "auto": stage3_param_persistence_threshold = 10·h, so biases and norms (h, 4h) stay unpartitioned
+    counts = gpt.small_param_counts
+    persistent = sum(size * n for size, n in counts.items() if size <= 10 * H)
+    assert persistent == L * (9 * H + 4 * H) + 2 * H  # per layer 9 h-sized tensors (kv = h), one 4h bias; final norm
+    items = buffer_items(gpt, Strategy(zero=3, dp=8, precision="bf16"))
+    assert items["zero3_persistent_params"] == round(persistent * 2 * (1 - 1 / 8))

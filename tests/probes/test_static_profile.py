@@ -299,7 +299,8 @@ def test_profile_carries_factored_state_elements(write_model):
 
 def test_arch_formula_matches_a_built_decoder():
     """estimators.arch's parameter and Adafactor counts equal those of a torch decoder of that shape."""
-    from optplan.estimators.arch import ArchSpec, arch_factored_state_elements, arch_params
+    from optplan.estimators.arch import ArchSpec, arch_factored_state_elements, arch_params, arch_small_param_counts
+    from optplan.probes.static import small_param_counts
 
     nn = torch.nn
     h, heads, kv_heads, ffn, vocab, seq, layers = 16, 4, 2, 40, 50, 12, 3
@@ -326,6 +327,8 @@ def test_arch_formula_matches_a_built_decoder():
     spec = ArchSpec(layers=layers, hidden=h, heads=heads, kv_heads=kv_heads, ffn=ffn, vocab=vocab, seq=seq)
     assert sum(p.numel() for p in model.parameters()) == arch_params(spec)[0]
     assert factored_state_elements(model) == arch_factored_state_elements(spec)
+    assert small_param_counts(model) == arch_small_param_counts(spec)
+    assert small_param_counts(model, limit=h) == {kv: 2 * layers, h: 7 * layers + 2}
 
 
 def test_gpt2_small_factored_state_elements(gpt2_small_run):
