@@ -4,6 +4,9 @@ Conventions (a GPT-style decoder, Megatron's counting): per layer attention with
 of h×(h·K/A) for K key-value heads, an MLP of two h×F matrices (F = 4h by default), two layer norms and
 biases; tied input/output embeddings of V×h and learned positions of s×h. With F = 4h and K = A that is
 Narayanan et al. 2021 (arXiv 2104.04473) §3's 12·L·h² + 13·L·h + V·h + s·h parameters.
+``gated=1`` is a Llama decoder (Touvron et al. 2023, arXiv 2302.13971 §2.2): SwiGLU MLP of three h×F
+matrices, RMSNorm (weights only), rotary positions (no position table), no biases; ``tied=0`` gives an
+untied output head (Llama 3 8B/70B).
 - FLOPs (PaLM, Chowdhery et al. 2022, Appendix B): training 6·N + 12·L·h·s per token with N the
   matmul parameters (positions excluded), i.e. forward 2·N + 4·L·h·s per token, backward twice that.
 - Activations (Korthikanti et al. 2022, arXiv 2205.05198, Table 2), bytes per layer per sample with
@@ -42,6 +45,8 @@ class ArchSpec(BaseModel):
     ffn: int | None = Field(default=None, ge=1)
     vocab: int = Field(default=DEFAULT_VOCAB, ge=1)
     seq: int | None = Field(default=None, ge=1)
+    gated: bool = False
+    tied: bool = True
     flash: bool = True
 
     @model_validator(mode="after")
@@ -54,7 +59,8 @@ class ArchSpec(BaseModel):
 
 
 def parse_arch(text: str, *, seq_len: int | None = None) -> ArchSpec:
-    """Parse ``layers=L,hidden=H,heads=A[,kv_heads=K][,ffn=F][,vocab=V][,seq=S]`` (sizes may use 1e3)."""
+    """Parse ``layers=L,hidden=H,heads=A[,kv_heads=K][,ffn=F][,vocab=V][,seq=S][,gated=0|1][,tied=0|1]``
+    (sizes may use 1e3)."""
     fields: dict[str, int] = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         key, sep, value = part.partition("=")
@@ -83,48 +89,58 @@ def parse_arch(text: str, *, seq_len: int | None = None) -> ArchSpec:
         raise OptplanError(f"invalid --arch: {str(first['msg']).removeprefix('Value error, ')}") from None
 
 
-def arch_params(spec: ArchSpec) -> tuple[int, int]:
-    """(total parameters, parameters per layer) under the module docstring's conventions."""
+def _layer_tensors(spec: ArchSpec) -> list[tuple[int, int]]:
+    """(numel, count) of one layer's parameter tensors."""
     h, ffn = spec.hidden, spec.ffn or 4 * spec.hidden
     kv = h * (spec.kv_heads or spec.heads) // spec.heads
-    attention = 2 * h * h + 2 * h * kv + 2 * h + 2 * kv  # q, o, k, v weights and biases
-    mlp = 2 * h * ffn + ffn + h
-    per_layer = attention + mlp + 4 * h  # two layer norms
-    seq = spec.seq or 0
-    return spec.layers * per_layer + spec.vocab * h + seq * h + 2 * h, per_layer
+    if spec.gated:  # q, o, k, v, gate, up, down, two RMSNorm weights; no biases
+        return [(h * h, 2), (kv * h, 2), (h * ffn, 3), (h, 2)]
+    # q, o, k, v weights and biases, two MLP matrices and biases, two LayerNorms' weight and bias
+    return [(h * h, 2), (h, 2), (kv * h, 2), (kv, 2), (h * ffn, 2), (ffn, 1), (h, 1), (h, 4)]
+
+
+def _outer_tensors(spec: ArchSpec) -> list[tuple[int, int]]:
+    """(numel, count) of the embedding, untied head, position table and final norm."""
+    h = spec.hidden
+    out = [(spec.vocab * h, 1 if spec.tied else 2), (h, 1 if spec.gated else 2)]
+    if spec.seq and not spec.gated:
+        out.append((spec.seq * h, 1))
+    return out
+
+
+def arch_params(spec: ArchSpec) -> tuple[int, int]:
+    """(total parameters, parameters per layer) under the module docstring's conventions."""
+    per_layer = sum(size * n for size, n in _layer_tensors(spec))
+    return spec.layers * per_layer + sum(size * n for size, n in _outer_tensors(spec)), per_layer
 
 
 def arch_factored_state_elements(spec: ArchSpec) -> int:
     """Adafactor second-moment elements (Shazeer & Stern 2018, arXiv 1804.04235) of the ``arch_params``
     model: rows + cols for each weight matrix, numel for biases and norms.
 
-    Per layer: q and o (h×h) 2·2h, k and v (kv×h) 2·(h + kv), their biases 2h + 2kv, the MLP's two
+    GPT per layer: q and o (h×h) 2·2h, k and v (kv×h) 2·(h + kv), their biases 2h + 2kv, the MLP's two
     h×F matrices 2·(h + F) and biases F + h, two layer norms 4h: 15h + 4kv + 3F. Plus the tied
-    embedding V×h (V + h), the positions s×h (s + h) and the final norm (2h).
+    embedding V×h (V + h), the positions s×h (s + h) and the final norm (2h). Gated: q, o 4h, k, v
+    2(h + kv), three MLP matrices 3(h + F), two norms 2h; the embedding (and an untied head) V + h, the
+    final norm h.
     """
     h, ffn = spec.hidden, spec.ffn or 4 * spec.hidden
     kv = h * (spec.kv_heads or spec.heads) // spec.heads
+    if spec.gated:
+        per_layer = 4 * h + 2 * (h + kv) + 3 * (h + ffn) + 2 * h
+        return spec.layers * per_layer + (spec.vocab + h) * (1 if spec.tied else 2) + h
     per_layer = 4 * h + 2 * (h + kv) + 2 * h + 2 * kv + 2 * (h + ffn) + ffn + h + 4 * h
     positions = spec.seq + h if spec.seq else 0
-    return spec.layers * per_layer + spec.vocab + h + positions + 2 * h
+    return spec.layers * per_layer + (spec.vocab + h) * (1 if spec.tied else 2) + positions + 2 * h
 
 
 def arch_small_param_counts(spec: ArchSpec) -> dict[int, int]:
-    """Sizes of the ``arch_params`` model's tensors of at most SMALL_PARAM_LIMIT elements (numel -> count).
-
-    Per layer: q and o weights (h·h) and biases (h), k and v weights (kv·h) and biases (kv), the MLP's
-    weights (h·F twice) and biases (F, h), two layer norms' weights and biases (h, 4 tensors); the tied
-    embedding V·h, the positions s·h and the final norm (2 tensors of h).
-    """
-    h, ffn = spec.hidden, spec.ffn or 4 * spec.hidden
-    kv = h * (spec.kv_heads or spec.heads) // spec.heads
-    sizes: list[tuple[int, int]] = [(h * h, 2), (h, 2), (kv * h, 2), (kv, 2), (h * ffn, 2), (ffn, 1), (h, 1), (h, 4)]
+    """Sizes of the ``arch_params`` model's tensors of at most SMALL_PARAM_LIMIT elements (numel -> count)."""
     counts: dict[int, int] = {}
-    for size, per_layer in sizes:
-        counts[size] = counts.get(size, 0) + per_layer * spec.layers
-    for size, n in ((spec.vocab * h, 1), (h, 2), ((spec.seq or 0) * h, 1)):
-        if size:
-            counts[size] = counts.get(size, 0) + n
+    for size, n in _layer_tensors(spec):
+        counts[size] = counts.get(size, 0) + n * spec.layers
+    for size, n in _outer_tensors(spec):
+        counts[size] = counts.get(size, 0) + n
     return {k: v for k, v in sorted(counts.items()) if k <= SMALL_PARAM_LIMIT}
 
 
@@ -134,10 +150,13 @@ def profile_from_arch(spec: ArchSpec, *, name: str | None = None) -> ModelProfil
         raise OptplanError("--arch needs a sequence length: add seq=S or pass --seq-len")
     s, h, a, v, L = spec.seq, spec.hidden, spec.heads, spec.vocab, spec.layers
     params, per_layer = arch_params(spec)
-    matmul_params = params - s * h
+    shape = TransformerShape(hidden=h, layers=L, heads=a, kv_heads=spec.kv_heads, vocab=v, max_seq_len=s,
+                             ffn=spec.ffn, gated=spec.gated)
+    # embedding lookups are not matmuls: drop the position table and, when untied, the input embedding
+    matmul_params = params - (0 if spec.gated else s * h) - (0 if spec.tied else v * h)
     fwd = (2 * matmul_params + 4 * L * h * s) * s
-    attn_term = 0 if spec.flash else 5 * a * s / h
-    layer_bytes = s * h * (34 + attn_term)
+    attn_term = 0 if spec.flash else 5 * a * s * s
+    layer_bytes = s * shape.layer_bytes_per_token() + attn_term
     fits = []
     for precision, scale in (("bf16", 1), ("fp32", 2)):
         logits = s * v * LOGIT_BYTES[precision]
@@ -147,13 +166,13 @@ def profile_from_arch(spec: ArchSpec, *, name: str | None = None) -> ModelProfil
                  ActivationFit(precision=precision, checkpointing="full", fixed_bytes=0, per_sample_bytes=round(ckpt))]
     return ModelProfile(
         name=name or f"decoder-L{L}-h{h}", path="--arch", model_class="Decoder", params=params,
-        trainable_params=params, params_by_module={"embedding": v * h + s * h, "layers": L * per_layer},
+        trainable_params=params, params_by_module={"embedding": params - L * per_layer, "layers": L * per_layer},
         factored_state_elements=arch_factored_state_elements(spec),
         small_param_counts=arch_small_param_counts(spec),
         repeated_block=RepeatedBlock(class_name="DecoderLayer", count=L, params_per_block=per_layer),
         input_kind="tokens", seq_len=s, tokens_per_sample=s, fwd_flops_per_sample=fwd, bwd_flops_per_sample=2 * fwd,
         activations=tuple(fits), activation_source="formula",
-        transformer=TransformerShape(hidden=h, layers=L, heads=a, kv_heads=spec.kv_heads, vocab=v, max_seq_len=s),
+        transformer=shape,
         notes=(f"profile from --arch by formula (Korthikanti et al. 2022 activations"
                f"{', flash attention' if spec.flash else ''}; PaLM FLOPs), not measured",),
     )

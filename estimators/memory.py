@@ -29,7 +29,8 @@ Sources
   flash attention never stores); full recomputation keeps 2·s·b·h per layer (its input) plus one layer's
   working set. A measured profile keeps its measured per-layer bytes and its measured non-layer part
   (embedding, logits, loss: split by t as Megatron's vocabulary-parallel cross entropy does); the split
-  between the two takes the Table 2 per-layer figure. Context parallelism divides the sequence by cp.
+  between the two takes the Table 2 per-layer figure (generalised to GQA and the MLP width, and to
+  gated Llama MLPs: TransformerShape.layer_bytes_per_token). Context parallelism divides the sequence by cp.
   Pipeline: under 1F1B the first stage holds min(p, m) micro-batches in flight, the last one
   (Narayanan et al. 2021 §2.2.1); interleaving with v virtual stages multiplies the first stage's
   activations by 1 + (p−1)/(p·v) (Korthikanti et al. §4.2.3).
@@ -67,11 +68,6 @@ OFFLOAD_GRAD_BYTES = 4
 (Ren et al. 2021, arXiv 2101.06840 §4.1), bytes/param."""
 MEGATRON_MAIN_GRAD_BYTES = 4
 """Megatron-LM accumulates 16-bit models' gradients in an fp32 ``main_grad`` buffer, bytes/param."""
-LAYER_COEFF = 34
-"""Korthikanti et al. 2022 Table 2: bytes per token per hidden unit of one layer, 16-bit, no parallelism."""
-REPLICATED_COEFF = 10
-"""Of LAYER_COEFF, the part tensor parallelism alone does not split (Korthikanti et al. §4.2.1: the two
-layer-norm inputs 4, attention and MLP inputs 2 + 2, two dropout masks 2)."""
 ATTENTION_SCORE_COEFF = 5
 """Korthikanti et al. Table 2: 5·a·s² bytes per sample per layer of attention scores, softmax and
 dropout, 16-bit (dropped by flash attention and by selective recomputation)."""
@@ -302,10 +298,10 @@ def _per_sample_stage_bytes(profile: ModelProfile, strategy: Strategy, mode: str
             return (on_stage * per_layer_input * held + measured / layers) / cp
         return on_stage * measured / layers * held / cp
     s, h, a = profile.tokens_per_sample, shape.hidden, shape.heads
-    formula_layer = LAYER_COEFF * s * h * scale
+    formula_layer = shape.layer_bytes_per_token() * s * scale
     ends = max(0.0, measured - layers * formula_layer)
     layer = (measured - ends) / layers
-    replicated = layer * REPLICATED_COEFF / LAYER_COEFF
+    replicated = layer * shape.replicated_bytes_per_token() / shape.layer_bytes_per_token()
     layer_tp = (replicated / t if strategy.sp else replicated) + (layer - replicated) / t
     if profile.activation_source == "formula" and not strategy.flash and mode == "none":
         layer_tp += ATTENTION_SCORE_COEFF * a * s * s * scale / t

@@ -57,7 +57,11 @@ class ActivationFit(_Frozen):
 
 
 class TransformerShape(_Frozen):
-    """Transformer dimensions when the profile can read them from the model (else None)."""
+    """Transformer dimensions when the profile can read them from the model (else None).
+
+    ``ffn`` None means 4·hidden; ``gated`` marks a Llama-style block (SwiGLU MLP of three matrices, no
+    biases, no dropout) rather than a GPT one (two-matrix GeLU MLP, dropout).
+    """
 
     hidden: int
     layers: int
@@ -65,6 +69,30 @@ class TransformerShape(_Frozen):
     kv_heads: int | None = None
     vocab: int | None = None
     max_seq_len: int | None = None
+    ffn: int | None = None
+    gated: bool = False
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of the key (or value) projection: hidden · kv_heads / heads."""
+        return self.hidden * (self.kv_heads or self.heads) // self.heads
+
+    def layer_bytes_per_token(self) -> int:
+        """Activation bytes one layer stores per token with 16-bit activations and no s×s scores.
+
+        Korthikanti et al. 2022 (arXiv 2205.05198) §4.1 counts a GPT layer as 34·h: attention 11·h (QKV
+        input 2h, Q and K 4h, V 2h, projection input 2h, dropout mask h), MLP 19·h (input 2h, two 4h-wide
+        outputs 8h each, dropout mask h) and two layer-norm inputs 4h. Generalised to key-value width kv
+        and MLP width F: GPT 14·h + 4·kv + 4·F; gated (Llama: SwiGLU's gate, up, activation and product
+        outputs 2F each, no dropout masks) 12·h + 4·kv + 8·F. Bytes per token.
+        """
+        h, kv, ffn = self.hidden, self.kv_dim, self.ffn or 4 * self.hidden
+        return 12 * h + 4 * kv + 8 * ffn if self.gated else 14 * h + 4 * kv + 4 * ffn
+
+    def replicated_bytes_per_token(self) -> int:
+        """Of :meth:`layer_bytes_per_token`, what tensor parallelism alone does not split (Korthikanti
+        §4.2.1): the layer-norm inputs 4h, attention and MLP inputs 2h + 2h, dropout masks 2h (GPT only)."""
+        return 8 * self.hidden if self.gated else 10 * self.hidden
 
 
 class ModelDefaults(_Frozen):

@@ -63,3 +63,26 @@ def test_seq_comes_from_seq_len_when_missing() -> None:
     assert parse_arch("layers=2,hidden=64,heads=4", seq_len=256).seq == 256
     with pytest.raises(OptplanError, match="sequence length"):
         profile_from_arch(parse_arch("layers=2,hidden=64,heads=4"))
+
+
+@pytest.mark.parametrize(("text", "params"), [
+    ("layers=16,hidden=2048,heads=32,kv_heads=8,ffn=8192,vocab=128256,gated=1", 1_235_814_400),
+    ("layers=32,hidden=4096,heads=32,kv_heads=8,ffn=14336,vocab=128256,gated=1,tied=0", 8_030_261_248),
+    ("layers=80,hidden=8192,heads=64,kv_heads=8,ffn=28672,vocab=128256,gated=1,tied=0", 70_553_706_496),
+])
+def test_gated_arch_counts_llama_parameters_exactly(text: str, params: int) -> None:
+    """The counts of examples/llama.py's Llama 3 1B/8B/70B (and of Meta's published shapes)."""
+    prof = profile_from_arch(parse_arch(text, seq_len=4096))
+    assert prof.params == params
+    shape = prof.transformer
+    assert shape is not None and shape.gated and shape.kv_dim == shape.hidden * 8 // shape.heads
+    h, f = shape.hidden, shape.ffn
+    per_token = 12 * h + 4 * shape.kv_dim + 8 * f
+    none = prof.activation("bf16", "none")
+    assert none.per_sample_bytes == 4096 * (shape.layers * per_token + 128256 * 10)
+
+
+def test_gpt_layer_bytes_reduce_to_korthikanti_34() -> None:
+    prof = profile_from_arch(parse_arch("layers=2,hidden=1024,heads=16,seq=128"))
+    assert prof.transformer.layer_bytes_per_token() == 34 * 1024  # type: ignore[union-attr]
+    assert prof.transformer.replicated_bytes_per_token() == 10 * 1024  # type: ignore[union-attr]
