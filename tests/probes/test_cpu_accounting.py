@@ -1,0 +1,224 @@
+"""Exact accounting on CPU (issue 3): predicted activation and step-peak bytes vs a real training step.
+
+The prediction is the fake-tensor profile (``profile_contract``, the code the profiler child runs) through
+``estimators.memory.memory_breakdown`` plus the optimizer-step scratch of ``estimators.temporaries``; the
+measurement is a real CPU step (forward, loss, backward, ``torch.optim.AdamW.step()``) on the second or a
+later iteration, tracked by ``MemTracker``. Both come from benchmarks/fidelity_cpu_memory.py, so this
+test checks the same code the benchmark table is printed from.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import textwrap
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+from optplan.estimators.temporaries import (
+    adam_step_counter_bytes,
+    adamw_step_temp_bytes,
+    default_adam_impl,
+    engine_adam_impl,
+    optimizer_temp_excess_bytes,
+    step_peak_bytes,
+)
+from optplan.probes.contract import load_contract
+from optplan.probes.static import profile_contract
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples"
+BENCH_PATH = ROOT / "benchmarks" / "fidelity_cpu_memory.py"
+MICRO_BATCHES = (1, 2)  # the micro-batches the profile measures (see the xfail tests)
+TOLERANCE = 0.02
+
+
+def load_bench() -> ModuleType:
+    name = "optplan_bench_fidelity_cpu_memory"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, BENCH_PATH)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def gpt_source(**cfg: int) -> str:
+    """A model file building a GPT from examples/gpt2.py with ``cfg`` (token ids below its vocabulary)."""
+    return f"""
+    import importlib.util, sys
+    import torch
+    spec = importlib.util.spec_from_file_location("optplan_example_gpt2", {str(EXAMPLES / "gpt2.py")!r})
+    gpt2 = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = gpt2
+    spec.loader.exec_module(gpt2)
+    CFG = {cfg!r}
+    OPTPLAN = {{"seq_len": CFG["block_size"]}}
+
+    def build_model():
+        return gpt2.build_model(**CFG)
+
+    def example_batch(batch_size, seq_len):
+        return torch.randint(0, CFG["vocab_size"], (batch_size, seq_len))
+
+    loss_fn = gpt2.loss_fn
+    """
+
+
+TINY_GPT = dict(n_layer=2, n_head=4, n_embd=128, vocab_size=512, block_size=64)
+LARGE_VOCAB_GPT = dict(n_layer=8, n_head=2, n_embd=64, vocab_size=2048, block_size=32)
+TINY_LLAMA = f"""
+    import importlib.util, sys
+    import torch
+    spec = importlib.util.spec_from_file_location("optplan_example_llama", {str(EXAMPLES / "llama.py")!r})
+    llama = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = llama
+    spec.loader.exec_module(llama)
+    OPTPLAN = {{"seq_len": 32}}
+
+    def build_model():
+        return llama.build_model("1B", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=160,
+                                 vocab_size=256)
+
+    def example_batch(batch_size, seq_len):
+        return torch.randint(0, 256, (batch_size, seq_len))
+
+    loss_fn = llama.loss_fn
+    """
+
+
+def compare(path: Path, *, impl: str = "single_tensor", precisions=("fp32", "bf16"),
+            micro_batches=MICRO_BATCHES, checkpointing=("none", "full")):
+    """(rows, profile, param numels): predicted vs measured for every precision x checkpointing x
+    micro-batch, all measured on one real model and optimizer after a warm-up iteration."""
+    bench = load_bench()
+    profile = profile_contract(load_contract(path))
+    numels, _ = bench.param_structure(path)
+    trainer = bench.RealTrainer(path, None, impl=impl)
+    rows = []
+    try:
+        trainer.warm_up(micro_batches[0])
+        ckpts = checkpointing if profile.supports_checkpointing else ("none",)
+        for precision in precisions:
+            for ckpt in ckpts:
+                for mbs in micro_batches:
+                    pred = bench.predict(profile, precision, ckpt, mbs, numels, impl)
+                    real = trainer.measure(precision, ckpt, mbs)
+                    rows.append((precision, ckpt, mbs, pred, real))
+    finally:
+        trainer.close()
+    return rows, profile, numels
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models run faster on one intra-op thread (several spin against each other on a busy machine);
+    the tracked bytes are operator outputs, which do not depend on the thread count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model_files(tmp_path_factory) -> dict[str, Path]:
+    directory = tmp_path_factory.mktemp("cpu_accounting")
+    files = {"mlp": EXAMPLES / "mlp.py"}
+    for name, source in (("gpt-2-layers", gpt_source(**TINY_GPT)), ("llama-2-layers", TINY_LLAMA),
+                         ("gpt-8-layers-large-vocab", gpt_source(**LARGE_VOCAB_GPT))):
+        path = directory / f"{name.replace('-', '_')}.py"
+        path.write_text(textwrap.dedent(source))
+        files[name] = path
+    return files
+
+
+@pytest.fixture(scope="module")
+def mlp_rows(model_files):
+    return compare(model_files["mlp"])
+
+
+@pytest.mark.parametrize("model", ["mlp", "gpt-2-layers", "llama-2-layers"])
+def test_predicted_peaks_match_a_real_cpu_training_step(model, model_files, mlp_rows):
+    rows, profile, _ = mlp_rows if model == "mlp" else compare(model_files[model])
+    assert len(rows) == 8 and profile.supports_checkpointing
+    for precision, ckpt, mbs, pred, real in rows:
+        where = (model, precision, ckpt, mbs, real.phase)
+        assert pred.act == pytest.approx(real.act, rel=TOLERANCE), where
+        assert pred.total == pytest.approx(real.total, rel=TOLERANCE), where
+    # the rows are different steps: more samples cost more, checkpointing saves
+    by = {(p, c, b): real for p, c, b, _, real in rows}
+    assert by[("fp32", "none", 2)].act > by[("fp32", "none", 1)].act
+    assert by[("fp32", "none", 2)].act > by[("fp32", "full", 2)].act
+
+
+def test_mlp_step_peak_is_the_adamw_step(mlp_rows):
+    """The example MLP's activations are small, so its fp32 peak is inside ``optimizer.step()``: params,
+    grads and moments plus the single-tensor loop's scratch, exactly ``adamw_step_temp_bytes``, which
+    ``memory.py``'s params + grads + optimizer + activations alone misses by more than 2 %."""
+    rows, _, numels = mlp_rows
+    temp = adamw_step_temp_bytes(numels, "single_tensor")
+    assert temp == (2 * 256 * 1024 + 1024) * 4  # fc1.weight twice (sqrt + quotient) + fc1.bias's denom
+    fp32 = [(pred, real) for precision, _, _, pred, real in rows if precision == "fp32"]
+    assert len(fp32) == 4
+    for pred, real in fp32:
+        assert real.phase == "opt"
+        assert pred.total == real.total  # to the byte
+        assert pred.total_memory_py < real.total * (1 - TOLERANCE)
+
+
+def test_foreach_adamw_scratch_is_one_sqrt_per_parameter(model_files):
+    """CUDA's default AdamW (foreach) allocates ``sqrt(exp_avg_sq)`` for every parameter at once."""
+    rows, _, numels = compare(model_files["mlp"], impl="foreach", precisions=("fp32",), micro_batches=(1,),
+                              checkpointing=("none",))
+    assert adamw_step_temp_bytes(numels, "foreach") == sum(numels) * 4
+    ((_, _, _, pred, real),) = rows
+    assert real.phase == "opt" and pred.total == real.total
+
+
+PROFILE_LINE_FIT = (
+    "the profile fits one line through the step peaks at micro-batch 1 and 2 (and, for deep models, "
+    "extrapolates the forward and the backward peak over depth). With a vocabulary the backward peak "
+    "at small micro-batch or depth is the embedding's backward (vocab x hidden, independent of both), "
+    "while at more samples or more blocks it is the start of backward, which grows faster: the line "
+    "comes out low")
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=PROFILE_LINE_FIT)
+def test_micro_batch_beyond_the_profiled_ones(model_files):
+    rows, profile, _ = compare(model_files["gpt-2-layers"], precisions=("fp32",), micro_batches=(4,),
+                               checkpointing=("none",))
+    assert profile.profiled_blocks is None  # full depth: only the micro-batch extrapolation is tested
+    for *_, pred, real in rows:
+        assert pred.act == pytest.approx(real.act, rel=TOLERANCE)
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=PROFILE_LINE_FIT)
+def test_depth_reduced_profile_of_a_large_vocabulary_gpt(model_files):
+    rows, profile, _ = compare(model_files["gpt-8-layers-large-vocab"], precisions=("fp32",),
+                               micro_batches=(1,), checkpointing=("none",))
+    assert profile.profiled_blocks == 2  # 2 of 8 blocks measured; micro-batch 1 is a profiled one
+    for *_, pred, real in rows:
+        assert pred.act == pytest.approx(real.act, rel=TOLERANCE)
+
+
+def test_temporaries_formulas():
+    # single-tensor loop: max_i (2 n_i + n_{i-1}) elements of 4 bytes
+    assert adamw_step_temp_bytes([10, 1, 20], "single_tensor") == (2 * 20 + 1) * 4
+    assert adamw_step_temp_bytes([10, 1, 3], "single_tensor") == (2 * 10) * 4
+    assert adamw_step_temp_bytes([10, 1, 20], "foreach", state_bytes=2) == 31 * 2
+    assert adamw_step_temp_bytes([10, 1, 20], "fused") == 0
+    assert adamw_step_temp_bytes([], "single_tensor") == 0
+    with pytest.raises(ValueError):
+        adamw_step_temp_bytes([1], "bogus")  # type: ignore[arg-type]
+    assert default_adam_impl("cpu") == "single_tensor" and default_adam_impl("cuda") == "foreach"
+    assert engine_adam_impl("deepspeed") == "fused" and engine_adam_impl("torch") == "foreach"
+    assert engine_adam_impl("deepspeed", "cpu") == "single_tensor"
+    assert adam_step_counter_bytes(7, "foreach", "cpu") == 28
+    assert adam_step_counter_bytes(7, "foreach", "cuda") == 0
+    assert adam_step_counter_bytes(7, "fused", "cuda") == 28
+    assert step_peak_bytes(100, 30, 50) == 150 and step_peak_bytes(100, 60, 50) == 160
+    assert optimizer_temp_excess_bytes(30, 50) == 20 and optimizer_temp_excess_bytes(60, 50) == 0
