@@ -1,21 +1,53 @@
-"""Collective communication times in the alpha-beta model (seconds).
+"""Collective and point-to-point communication times in the alpha-beta model (seconds).
 
-Source: Thakur, Rabenseifner & Gropp 2005, "Optimization of Collective Communication Operations in
-MPICH" (IJHPCA 19(1)), ring algorithms: all-reduce of S bytes over n ranks moves 2(n−1)/n·S per rank
-in 2(n−1) steps; reduce-scatter and all-gather move (n−1)/n·S in (n−1) steps. NCCL reports the same
-"bus bandwidth" normalisation (nccl-tests PERFORMANCE.md). Bandwidths are bytes/s per GPU, one way;
-alpha is the per-step latency in seconds.
+Sources
+- Thakur, Rabenseifner & Gropp 2005, "Optimization of Collective Communication Operations in MPICH"
+  (IJHPCA 19(1)), ring algorithms: all-reduce of S bytes over n ranks moves 2(n−1)/n·S per rank in
+  2(n−1) steps; reduce-scatter and all-gather move (n−1)/n·S in (n−1) steps; each step costs a latency
+  α (the alpha-beta model: time = steps·α + bytes/β). NCCL reports the same "bus bandwidth"
+  normalisation (nccl-tests PERFORMANCE.md). Point-to-point: S/β + α.
+- Link by placement (parallel.py): a group inside one node uses the intra-node link (NVLink/NVSwitch or
+  PCIe, the catalogue's per-GPU one-way figure); a group spanning nodes is limited by the slower of the
+  intra-node link and the cluster's per-GPU inter-node bandwidth (InfiniBand/Ethernet). Achieved bus
+  bandwidth = a fraction of the datasheet figure (``LINK_EFFICIENCY`` by default; fitted per GPU in
+  compute.py's efficiency table for the intra-node link).
+- Tensor parallelism (Shoeybi et al. 2019, arXiv 1909.08053 §3; Korthikanti et al. 2022, arXiv
+  2205.05198 §4.2.2): per layer two all-reduces of the s·b·h activation in forward and two in backward
+  (f and g operators of the attention and MLP blocks); with sequence parallelism each all-reduce becomes
+  a reduce-scatter + all-gather of the same total volume.
+- Context parallelism (ring attention, Liu et al. 2023, arXiv 2310.01889; Megatron-Core context
+  parallel): each rank passes its K/V chunk around the ring, cp−1 steps per layer in forward; backward
+  passes K/V again and their gradients (dK, dV): 2× the forward volume. Each step overlaps with the
+  attention on the chunk already received.
+- Pipeline parallelism (Narayanan et al. 2021, arXiv 2104.04473 §2.2): per micro-batch and stage
+  boundary the s·b·h activation is sent forward and its gradient backward (point-to-point).
+Bandwidths are bytes/s per GPU, one way; alpha is seconds; sizes are bytes.
 """
 
 from __future__ import annotations
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from optplan.estimators.hardware import Cluster
+from optplan.estimators.parallel import GroupPlacement
 
 LINK_EFFICIENCY = 0.75
 """Achieved bus bandwidth / datasheet link bandwidth (stated default: nccl-tests all-reduce busbw on
-H100 NVLink4 reaches ~340-370 of 450 GB/s); probes calibrate it later."""
+H100 NVLink4 reaches ~340-370 of 450 GB/s; A100 NVLink3 ~230 of 300 GB/s)."""
 INTRA_NODE_ALPHA_S = 5e-6
 INTER_NODE_ALPHA_S = 15e-6
+DDP_BUCKET_BYTES = 25 * 2**20
+"""torch DDP's gradient bucket (``bucket_cap_mb=25``, torch.nn.parallel.DistributedDataParallel docs)."""
+
+
+class Link(BaseModel):
+    """A link as the alpha-beta model sees it: achieved bytes/s per GPU one way, seconds per step."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    bandwidth_bytes_per_s: float = Field(gt=0)
+    alpha_s: float = Field(ge=0)
+    inter_node: bool = False
 
 
 def ring_all_reduce_s(size_bytes: float, ranks: int, bandwidth_bytes_per_s: float, alpha_s: float) -> float:
@@ -36,12 +68,62 @@ def ring_reduce_scatter_s(size_bytes: float, ranks: int, bandwidth_bytes_per_s: 
 ring_all_gather_s = ring_reduce_scatter_s
 
 
-def data_parallel_link(cluster: Cluster, ranks: int) -> tuple[float, float]:
-    """(achieved bandwidth bytes/s, alpha s) of the slowest link a ring over ``ranks`` GPUs crosses.
+def p2p_s(size_bytes: float, link: Link) -> float:
+    """Point-to-point transfer of S bytes: S / B + α (seconds)."""
+    if size_bytes <= 0:
+        return 0.0
+    return size_bytes / link.bandwidth_bytes_per_s + link.alpha_s
 
-    Ranks are placed node by node, so a group that fits in one node uses the intra-node link.
-    """
+
+def link_for(group: GroupPlacement, cluster: Cluster, *, intra_fraction: float = LINK_EFFICIENCY,
+             intra_alpha_s: float = INTRA_NODE_ALPHA_S) -> Link:
+    """The link a ring over ``group`` runs at: intra-node when the group sits in one node, else the
+    slower of the intra-node and inter-node links (bytes/s achieved, alpha seconds)."""
+    intra = cluster.gpu.intra_node_bandwidth_bytes_per_s
+    if group.nodes <= 1:
+        return Link.model_construct(bandwidth_bytes_per_s=intra * intra_fraction, alpha_s=intra_alpha_s,
+                                    inter_node=False)
+    bw = min(intra * intra_fraction, cluster.inter_node_bandwidth_bytes_per_s * LINK_EFFICIENCY)
+    return Link.model_construct(bandwidth_bytes_per_s=bw, alpha_s=INTER_NODE_ALPHA_S, inter_node=True)
+
+
+def data_parallel_link(cluster: Cluster, ranks: int) -> tuple[float, float]:
+    """(achieved bandwidth bytes/s, alpha s) of a ring over ``ranks`` consecutive GPUs (placed node by
+    node) at the default link efficiency: intra-node when it fits in one node."""
     if ranks <= cluster.gpus_per_node:
         return cluster.gpu.intra_node_bandwidth_bytes_per_s * LINK_EFFICIENCY, INTRA_NODE_ALPHA_S
     bw = min(cluster.gpu.intra_node_bandwidth_bytes_per_s, cluster.inter_node_bandwidth_bytes_per_s)
     return bw * LINK_EFFICIENCY, INTER_NODE_ALPHA_S
+
+
+TP_COLLECTIVES_PER_PASS = 2
+"""Tensor-parallel collectives per layer per pass (forward, backward, recomputed forward): Megatron's
+attention and MLP blocks each all-reduce once (Shoeybi et al. 2019 §3, Fig. 3)."""
+
+
+def tp_collective_s(tokens: float, hidden: int, elem_bytes: int, tp: int, link: Link, *, sp: bool) -> float:
+    """One tensor-parallel collective on the tokens × hidden activation (seconds): a ring all-reduce, or
+    with sequence parallelism a reduce-scatter + all-gather (same bandwidth term and step count)."""
+    size = tokens * hidden * elem_bytes
+    if sp:
+        return 2 * ring_reduce_scatter_s(size, tp, link.bandwidth_bytes_per_s, link.alpha_s)
+    return ring_all_reduce_s(size, tp, link.bandwidth_bytes_per_s, link.alpha_s)
+
+
+def cp_ring_exchange_s(tokens_local: float, kv_hidden_local: float, elem_bytes: int, cp: int,
+                       link: Link) -> tuple[float, float]:
+    """(forward, backward) seconds of one layer's context-parallel K/V ring: cp−1 point-to-point steps
+    of the local K and V chunks (2 · tokens_local · kv_hidden_local elements) forward; backward moves
+    K/V and dK/dV (twice the bytes) in as many steps."""
+    if cp <= 1:
+        return 0.0, 0.0
+    chunk = 2 * tokens_local * kv_hidden_local * elem_bytes
+    fwd = (cp - 1) * p2p_s(chunk, link)
+    bwd = (cp - 1) * p2p_s(2 * chunk, link)
+    return fwd, bwd
+
+
+def exposed_s(comm_s: float, window_s: float) -> float:
+    """Communication left on the critical path when it overlaps a compute window (seconds):
+    max(0, comm − window) (perfect overlap up to the window; a stated simplification)."""
+    return max(0.0, comm_s - window_s)

@@ -1,26 +1,71 @@
-"""Compute time of a training step from profiled FLOPs (seconds).
+"""Compute time on one GPU: a roofline per op class from the model's shape, host overhead, recomputation.
 
-Sources
+Sources and units (seconds, FLOPs, bytes, FLOP/s, bytes/s throughout)
 - Roofline (Williams, Waterman & Patterson 2009, CACM 52(4)): an op takes at least
-  max(FLOPs / peak FLOP/s, bytes / memory bandwidth). Training is dominated by matmuls, so compute
-  time = FLOPs / (peak × efficiency) with a stated efficiency; the optimizer step is memory-bound and
-  timed as bytes touched / HBM bandwidth.
-- Recomputation: full activation checkpointing re-runs each block's forward in backward, adding one
-  forward's FLOPs (Chen et al. 2016, arXiv 1604.06174; Korthikanti et al. 2022 §4).
-- Memory-bound operations (norms, activations functions, softmax, residual adds, optimizer-free
-  elementwise work) are timed by the roofline's bandwidth side and added to the matmul time (they run
-  as separate kernels): bytes moved ≈ ACTIVATION_TRAFFIC_PASSES × the un-checkpointed activation bytes
-  of a micro-batch (written in forward, read in backward, gradient written), one more pass under
-  recomputation; over HBM bandwidth (stated default, calibrated by probes later).
-- Efficiency saturation: small GEMMs under-fill the GPU. Stated default model
-  eff(m) = eff_max · m / (m + m_half) with m the rows per micro-batch (tokens for language models,
-  samples otherwise); probes calibrate eff_max later.
+  max(FLOPs / achievable FLOP/s, bytes moved / memory bandwidth).
+- Transformer layer GEMMs (Megatron GPT layer; Narayanan et al. 2021, arXiv 2104.04473, §3 and eq. 3;
+  Shoeybi et al. 2019, arXiv 1909.08053 §3): per micro-batch of T = b·s/cp tokens on one of t
+  tensor-parallel ranks the forward runs QKV (T × (h + 2·k·d)/t × h), the attention output projection
+  (T × h × h/t) and the MLP (T × F/t × h and T × h × F/t; a gated MLP's three matrices are priced as
+  two of the same total size), plus the attention core Q·Kᵀ and P·V over b·a/t heads of s/cp × s × d.
+  Backward runs two GEMMs of the same FLOPs per forward GEMM (data and weight gradients), so a layer's
+  forward + backward is 3× its forward FLOPs: 24·T·h² + 4·T·s·h per layer forward ×3 = eq. 3's 72 for
+  F = 4h (96 with full recomputation).
+- GEMM efficiency by size (NVIDIA Deep Learning Performance Guide, "Matrix Multiplication Background",
+  sections "Tile quantization", "Wave quantization" and "Tensor Core Requirements"): a GEMM runs as
+  tiles spread over the SMs in waves; with x = output elements / outputs per full wave, the last,
+  partly filled wave wastes on average half a wave, so the achieved fraction of the large-GEMM rate is
+  x / (x + ½) (small and narrow GEMMs — small micro-batches, narrow hidden sizes, large t — run far
+  below peak). Tensor-core kernels load 16-byte vectors: when a dimension × element size is not a
+  multiple of 16 bytes (e.g. an unpadded vocabulary of 50,257 split by t), slower narrow-load kernels
+  run; modelled as a factor (alignment bytes / 16)^γ with the alignment the largest power of two
+  dividing the dimension's bytes (capped at 16) and γ fitted. The attention core's batched GEMMs have
+  K = head dimension (64-128), low arithmetic intensity: the roofline's bandwidth side often binds.
+- Memory-bound elementwise ops, counted kernel by kernel for Megatron's GPT layer (fused bias-GeLU,
+  fused bias-dropout-add, fused scale-mask-softmax; Korthikanti et al. 2022, arXiv 2205.05198, §4 and
+  Table 2 list the same tensors): with T tokens, e bytes per activation element, r = 1 (each TP rank
+  runs the norms and dropouts on the full hidden state) or 1/t with sequence parallelism, and
+  S = b·(a/t)·(s/cp)·s attention-score elements, the forward moves
+  T·h·r·(2 norms × 2e + 2 dropout-adds × (3e + 1)) + T·(F/t)·2e (bias-GeLU) + S·(2e + 2e + 1)
+  (softmax, dropout and its 1-byte mask) bytes, and the backward
+  T·h·r·(2 × 3e + 2 × (5e + 1)) + T·(F/t)·3e + S·(5e + 1) (read input and gradient, write gradient;
+  residual-gradient adds); no score terms with flash attention. Time = ``elementwise_factor`` × bytes /
+  (HBM bandwidth × ``hbm_fraction``), the factor fitted (other small kernels: bias adds, casts).
+- Attention with flash (Dao 2023, FlashAttention-2, arXiv 2307.08691, §3 and Fig. 5-7): one fused
+  kernel, causal blocks skipped (half the s² FLOPs), at a stated fraction of peak; its backward does
+  2.5× the forward's FLOPs (it recomputes the scores).
+- Logits and loss (Megatron's vocabulary-parallel head, Shoeybi et al. 2019 §3): the T × V/t × h GEMM
+  forward + two backward GEMMs on the last pipeline stage, and a memory-bound cross entropy over the fp32
+  logits (``logits_bytes_per_element`` bytes moved per logit, forward + backward); the embedding's
+  backward writes a dense V/t × h gradient on the first stage.
+- Recomputation (Chen et al. 2016, arXiv 1604.06174; Korthikanti et al. 2022 §5): full activation
+  checkpointing re-runs each checkpointed block's forward (GEMMs, elementwise ops and, in timing.py,
+  its tensor-parallel all-reduces) during backward; selective recomputation re-runs only the attention
+  core (Q·Kᵀ, softmax, dropout, P·V).
+- Host overhead: an eager framework launches every kernel from Python; when the GPU work of a layer is
+  shorter than the host's time to issue it the step is host-bound (the "CPU-bound regime"; e.g.
+  PyTorch performance tuning guide, "CUDA graphs" and "avoid CPU-GPU synchronization"). Host time per
+  layer pass (forward = 1, backward = 2, recomputed forward = 1) and per micro-batch are fitted
+  constants; host and device time blend as the p-norm (hᵖ + gᵖ)^(1/p), which is max(h, g) when one
+  dominates and adds the imperfect overlap near the crossover. A tensor-parallel collective can start
+  only when all t ranks' hosts have issued it, so in the host-bound regime each one waits for the
+  slowest rank: the host side adds ``host_collective_step_s`` per ring step (2(t−1) per all-reduce),
+  which vanishes behind device time for large layers.
+- Gradient accumulation: autograd adds each micro-batch's gradient into ``.grad`` (read, read, write of
+  the gradient bytes per local parameter), a memory-bound pass per micro-batch.
+- Non-transformer profiles (no shape): FLOPs from the profile / (peak × eff), with
+  eff(m) = eff_max(dtype) · m / (m + m_half) for m rows per micro-batch, and memory-bound traffic of
+  ``ACTIVATION_TRAFFIC_PASSES`` × the measured activation bytes (stated defaults).
+- Optimizer step: memory-bound, bytes touched / HBM bandwidth (or the host's under CPU offload).
+
+The per-GPU constants are in ``EFFICIENCY`` (fitted; see ``A100_FIT``) and ``DEFAULT_EFFICIENCY``.
 """
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
+from optplan.estimators.comm import INTRA_NODE_ALPHA_S, LINK_EFFICIENCY
 from optplan.estimators.hardware import GPUSpec
 from optplan.estimators.optimizers import optimizer_state_bytes_per_param
 from optplan.estimators.precision import get_recipe
@@ -28,9 +73,9 @@ from optplan.estimators.profile import ModelProfile
 from optplan.estimators.strategy import Strategy
 
 MAX_EFFICIENCY: dict[str, float] = {"fp32": 0.80, "tf32": 0.55, "bf16": 0.55, "fp16": 0.55, "fp8": 0.45}
-"""Achievable fraction of dense datasheet peak for large GEMM-dominated training (stated defaults:
-Megatron-LM reports 44-52 % MFU for GPT on A100 bf16, Narayanan et al. 2021 Table 1; SIMT fp32 runs
-closer to its lower peak)."""
+"""FLOPs-only model (profiles without a transformer shape): achievable fraction of dense datasheet peak
+for large GEMM-dominated training (stated defaults: Megatron-LM reports 44-52 % MFU for GPT on A100,
+Narayanan et al. 2021 Table 1; SIMT fp32 runs closer to its lower peak)."""
 HALF_SATURATION_TOKENS = 512
 HALF_SATURATION_SAMPLES = 4
 ACTIVATION_TRAFFIC_PASSES = 3
@@ -40,9 +85,322 @@ a 2-socket server)."""
 PCIE_BYTES_PER_S = 25e9
 """Host<->GPU transfer, PCIe Gen4 x16 achieved (stated default)."""
 
+GEMM_DTYPE_FRACTION: dict[str, float] = {"fp32": 1.4, "tf32": 1.0, "bf16": 1.0, "fp16": 1.0, "fp8": 0.75}
+"""Large-GEMM fraction of peak relative to 16-bit tensor-core GEMMs (stated defaults, capped at 0.9 of
+peak): fp32 runs on CUDA cores (SIMT SGEMM reaches ~80-90 % of its lower peak); fp8 tensor-core GEMMs
+reach a lower fraction of their doubled peak (Transformer Engine fp8 speeds GEMMs up ~1.5×, not 2×)."""
+MAX_GEMM_FRACTION = 0.9
+SELECTIVE_HOST_PASSES = 0.25
+"""Host cost of selective recomputation in layer-forward passes: the attention core is about a
+quarter of a layer's kernels (stated default)."""
+UNMODELLED_FLOPS_FRACTION = 0.5
+"""Profile FLOPs the transformer shape does not account for (extra modules of a measured model) run at
+this fraction of the large-GEMM rate on the last pipeline stage (stated default)."""
+CAUSAL_FLASH_FRACTION = 0.5
+"""Fraction of the s² attention FLOPs a causal flash kernel runs (fully masked blocks are skipped)."""
+FLASH_BACKWARD_FACTOR = 2.5
+"""FlashAttention-2 backward FLOPs / forward FLOPs (Dao 2023 §3.1: five GEMMs vs two)."""
+
+
+class GpuEfficiency(BaseModel):
+    """Achieved fractions and host overheads of one GPU system (dimensionless unless a unit is named)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    gemm_peak_fraction: float = Field(gt=0, le=1, description="large aligned 16-bit GEMM: achieved / peak")
+    gemm_wave_outputs: float = Field(gt=0, description="GEMM output elements per full wave of tiles "
+                                                       "(SMs × tile area, effective); efficiency x/(x + ½)")
+    alignment_exponent: float = Field(ge=0, description="γ in (alignment bytes / 16)^γ")
+    hbm_fraction: float = Field(gt=0, le=1, description="achieved / datasheet HBM bandwidth")
+    elementwise_factor: float = Field(ge=0, description="elementwise bytes moved / the kernel-by-kernel count")
+    logits_bytes_per_element: float = Field(ge=0, description="cross-entropy bytes moved per logit, fwd+bwd")
+    flash_attention_fraction: float = Field(gt=0, le=1, description="flash attention forward: achieved / peak")
+    host_layer_pass_s: float = Field(ge=0, description="host time to issue one layer's forward (s)")
+    host_microbatch_s: float = Field(ge=0, description="host time per micro-batch per stage (s)")
+    host_step_s: float = Field(ge=0, description="host time per optimizer step (s)")
+    host_collective_step_s: float = Field(ge=0, description="host-side wait per ring step of a blocking "
+                                                            "tensor-parallel collective (s)")
+    overlap_exponent: float = Field(ge=1, description="p of the host/device p-norm blend")
+    intra_node_link_fraction: float = Field(gt=0, le=1, description="achieved bus bandwidth / datasheet link")
+    intra_node_alpha_s: float = Field(ge=0, description="latency per ring step on the intra-node link (s)")
+    source: str = ""
+
+
+A100_FIT = GpuEfficiency(
+    gemm_peak_fraction=0.86,
+    gemm_wave_outputs=1.422e5,
+    alignment_exponent=0.1965,
+    hbm_fraction=0.85,
+    elementwise_factor=1.245,
+    logits_bytes_per_element=90.3,
+    flash_attention_fraction=0.5,
+    host_layer_pass_s=0.7647e-3,
+    host_microbatch_s=1.695e-3,
+    host_step_s=0.4978e-3,
+    host_collective_step_s=11.7e-6,
+    overlap_exponent=2.82,
+    intra_node_link_fraction=0.6185,
+    intra_node_alpha_s=5e-6,
+    source="fitted by benchmarks/fidelity_vtrain.py on the fit half of the 1,440 vTrain A100 rows "
+           "(Megatron-DeepSpeed, fp16, full checkpointing, 1F1B; ../shared/data/vtrain_single_node.csv)",
+)
+"""A100 constants (dimensionless unless the name carries a unit), fitted on the vTrain data set
+(Bang et al., MICRO 2024, arXiv 2312.12391): 1,440 measured Megatron-DeepSpeed iterations of GPT models
+(hidden 1024/2048, 12-24 layers, sequence 1024, vocabulary 50,257) on 2, 4 and 8 A100s of one node with
+tp 1-8, pp 1-4 (1F1B), fp16 and full activation checkpointing. The fit half is every other row in file
+order within each GPU count (720 rows); ``python benchmarks/fidelity_vtrain.py`` refits by pattern
+search on the mean absolute percentage error and reports the held-out half: 5.5 % MAPE (2 GPUs 4.1 %,
+4 GPUs 5.3 %, 8 GPUs 6.1 %). Bounds (physical ceilings, reached): gemm_peak_fraction <= 0.86 (the best
+measured A100 16-bit matmul, 267.9 of 312 TFLOP/s: S. Bekman, "Machine Learning Engineering", Maximum
+Achievable Matmul FLOPS) and intra_node_alpha_s <= 5 µs per ring step (a small all-reduce over 8 GPUs
+takes ~20-30 µs). Read the fitted values as effective: gemm_wave_outputs came out below the 108 SMs ×
+128² tile outputs of a full wave (cuBLAS picks smaller tiles and split-K for small GEMMs, and the host
+floor covers small micro-batches); intra_node_link_fraction (186 of 300 GB/s) is the bus bandwidth of the
+2-32 MB all-reduces these layers make, below nccl-tests' large-message ~230 GB/s; host_* are the measured
+system's Python/launch costs (host_collective_step_s is what makes t = 8 on small layers slow in the
+data). hbm_fraction and flash_attention_fraction are stated defaults (the HBM fraction and
+``elementwise_factor`` are not separable in the data; it has no flash attention: FlashAttention-2 reaches
+50-70 % of A100 peak, Dao 2023 §4.1). Out of sample, GPT-3 175B on 1,536 A100s (t = 8, p = 16, batch
+1,536; Narayanan et al. 2021 Table 1: 153 TFLOP/s per GPU) comes out at ~140 TFLOP/s."""
+
+EFFICIENCY: dict[str, GpuEfficiency] = {"A100-80GB": A100_FIT, "A100-40GB": A100_FIT}
+"""Per-GPU constants by catalogue name."""
+
+DEFAULT_EFFICIENCY = A100_FIT.model_copy(update={
+    "intra_node_link_fraction": LINK_EFFICIENCY, "intra_node_alpha_s": INTRA_NODE_ALPHA_S,
+    "source": "no fit for this GPU: the A100 fit's GEMM, HBM and elementwise fractions and host overheads; "
+              "comm.py's default link efficiency and latency (stated defaults)"})
+"""GPUs without a fit take the A100 fit's dimensionless compute fractions against their own datasheet
+peaks and the same host overheads (the same software stack), and comm.py's generic link figures (the
+fitted NVLink3 latency includes A100-system effects); probes calibrate them later."""
+
+
+def efficiency_for(gpu: GPUSpec) -> GpuEfficiency:
+    """The constants for ``gpu``: its fit when there is one, else ``DEFAULT_EFFICIENCY``."""
+    return EFFICIENCY.get(gpu.name, DEFAULT_EFFICIENCY)
+
+
+def _align_bytes(dim: float, elem_bytes: int) -> int:
+    """Largest power of two (<= 16) dividing ``dim`` × ``elem_bytes`` (bytes); 16 for non-integers."""
+    n = int(dim)
+    if n != dim or n <= 0:
+        return 16
+    n *= elem_bytes
+    return min(16, n & -n)
+
+
+def gemm_time_s(m: float, n: float, k: float, *, batch: float = 1.0, peak_flops: float, bandwidth_bytes_per_s: float,
+                eff: GpuEfficiency, elem_bytes: int = 2, fraction: float | None = None) -> float:
+    """One (batched) GEMM C[m×n] = A[m×k]·B[k×n], ``batch`` times (seconds).
+
+    Roofline: max(2·m·n·k·batch / (peak · f · x/(x+½) · (a/16)^γ), bytes / (hbm · BW)) with x the output
+    elements per wave and a the worst dimension's alignment in bytes; bytes = elem·(mk + kn + mn)·batch.
+    """
+    if m <= 0 or n <= 0 or k <= 0 or batch <= 0:
+        return 0.0
+    flops = 2.0 * m * n * k * batch
+    x = m * n * batch / eff.gemm_wave_outputs
+    align = min(_align_bytes(m, elem_bytes), _align_bytes(n, elem_bytes), _align_bytes(k, elem_bytes))
+    f = eff.gemm_peak_fraction if fraction is None else fraction
+    rate = peak_flops * f * x / (x + 0.5) * (align / 16.0) ** eff.alignment_exponent
+    mem = elem_bytes * (m * k + k * n + m * n) * batch / (bandwidth_bytes_per_s * eff.hbm_fraction)
+    return max(flops / rate, mem)
+
+
+def gemm_train_time_s(m: float, n: float, k: float, **kw: object) -> tuple[float, float]:
+    """(forward, backward) seconds of a weight GEMM: backward = data gradient (m×k×n) + weight gradient
+    (k×n×m) (Narayanan et al. 2021 §3: backward is twice the forward's FLOPs)."""
+    fwd = gemm_time_s(m, n, k, **kw)  # type: ignore[arg-type]
+    bwd = gemm_time_s(m, k, n, **kw) + gemm_time_s(k, n, m, **kw)  # type: ignore[arg-type]
+    return fwd, bwd
+
+
+class TransformerDims(BaseModel):
+    """The dimensions the time model needs, read from a profile (counts)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    seq: int
+    vocab: int = Field(description="0 when the profile does not know it (no logits priced)")
+    mlp_params: float = Field(description="MLP weight parameters per layer (2·h·F, or 3·h·F when gated)")
+    per_layer_params: float
+
+
+def transformer_dims(profile: ModelProfile) -> TransformerDims | None:
+    """The shape of a transformer profile, or None (no shape or no sequence length).
+
+    The MLP width is what the repeated block's parameters leave after attention (2·h² + 2·h·k·d weights):
+    2·h·4h for a GPT block, 3·h·F for a gated (SwiGLU) one; 8·h² when the block is unknown.
+    """
+    shape = profile.transformer
+    seq = profile.tokens_per_sample or profile.seq_len or (shape.max_seq_len if shape else None)
+    if shape is None or not seq:
+        return None
+    h, a = shape.hidden, shape.heads
+    kv = shape.kv_heads or a
+    attn = 2.0 * h * h + 2.0 * h * (h * kv // a)
+    block = profile.repeated_block
+    per_layer = float(block.params_per_block) if block and block.params_per_block else attn + 8.0 * h * h + 13 * h
+    mlp = max(0.0, per_layer - attn - 13.0 * h)
+    if mlp < 0.5 * h * h:  # not a standard block: price the MLP as 8h²
+        mlp = 8.0 * h * h
+    return TransformerDims.model_construct(hidden=h, layers=shape.layers, heads=a, kv_heads=kv, seq=int(seq),
+                           vocab=shape.vocab or 0, mlp_params=mlp, per_layer_params=per_layer)
+
+
+class LayerTime(BaseModel):
+    """One transformer layer, one micro-batch, one GPU (seconds; FLOPs)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    fwd_gemm_s: float
+    bwd_gemm_s: float
+    fwd_elementwise_s: float
+    bwd_elementwise_s: float
+    attention_core_fwd_s: float = Field(description="attention core forward incl. its elementwise ops "
+                                                    "(what selective recomputation re-runs)")
+    fwd_flops: float = Field(description="forward FLOPs on this GPU")
+    attention_core_fwd_flops: float
+
+
+def _peaks(gpu: GPUSpec, strategy: Strategy) -> tuple[float, float, int]:
+    """(linear-layer GEMM peak FLOP/s, attention/logits peak FLOP/s, activation element bytes)."""
+    recipe = get_recipe(strategy.precision)
+    dtype = recipe.compute_dtype
+    linear = gpu.peak_flops_for(dtype)
+    other = linear
+    if dtype == "fp8":  # Transformer Engine: only Linear layers run fp8; attention and logits in bf16
+        other = gpu.peak_flops_for("bf16")
+    elem = 4 if recipe.activation_precision == "fp32" else 2
+    return linear, other, elem
+
+
+def _fraction(eff: GpuEfficiency, dtype: str) -> float:
+    return min(MAX_GEMM_FRACTION, eff.gemm_peak_fraction * GEMM_DTYPE_FRACTION.get(dtype, 1.0))
+
+
+def layer_time(dims: TransformerDims, strategy: Strategy, gpu: GPUSpec, eff: GpuEfficiency) -> LayerTime:
+    """GEMM and elementwise time of one layer for one micro-batch on one GPU (module docstring)."""
+    s, t, c, b = dims.seq, strategy.tp, strategy.cp, strategy.mbs
+    h, a = dims.hidden, dims.heads
+    d = h / a
+    kvd = dims.kv_heads * d
+    tokens = b * s / c
+    linear_peak, other_peak, elem = _peaks(gpu, strategy)
+    dtype = get_recipe(strategy.precision).compute_dtype
+    bw = gpu.memory_bandwidth_bytes_per_s
+    kw = {"peak_flops": linear_peak, "bandwidth_bytes_per_s": bw, "eff": eff, "elem_bytes": elem,
+          "fraction": _fraction(eff, dtype)}
+    ffn = dims.mlp_params / (2.0 * h)
+    fwd = bwd = 0.0
+    for m_, n_, k_ in ((tokens, (h + 2 * kvd) / t, h), (tokens, h, h / t), (tokens, ffn / t, h),
+                       (tokens, h, ffn / t)):
+        f_, b_ = gemm_train_time_s(m_, n_, k_, **kw)
+        fwd += f_
+        bwd += b_
+    fwd_flops = 2.0 * tokens * (h * (h + 2 * kvd) + h * h + dims.mlp_params) / t
+    heads = b * a / t
+    core_flops = 4.0 * heads * (s / c) * s * d
+    if strategy.flash:
+        core_fwd = CAUSAL_FLASH_FRACTION * core_flops / (other_peak * eff.flash_attention_fraction)
+        core_bwd = FLASH_BACKWARD_FACTOR * core_fwd
+    else:
+        akw = dict(kw, peak_flops=other_peak, fraction=_fraction(eff, "bf16" if dtype == "fp8" else dtype))
+        q = s / c
+        core_fwd = (gemm_time_s(q, s, d, batch=heads, **akw)  # type: ignore[arg-type]
+                    + gemm_time_s(q, d, s, batch=heads, **akw))  # type: ignore[arg-type]
+        core_bwd = (gemm_time_s(q, d, s, batch=heads, **akw) + gemm_time_s(s, d, q, batch=heads, **akw)  # type: ignore[arg-type]
+                    + gemm_time_s(q, s, d, batch=heads, **akw) + gemm_time_s(s, d, q, batch=heads, **akw))  # type: ignore[arg-type]
+    r = 1.0 / t if strategy.sp else 1.0
+    ew_fwd_bytes = tokens * h * r * (4 * elem + 2 * (3 * elem + 1)) + tokens * (ffn / t) * 2 * elem
+    ew_bwd_bytes = tokens * h * r * (6 * elem + 2 * (5 * elem + 1)) + tokens * (ffn / t) * 3 * elem
+    score_fwd = score_bwd = 0.0
+    if not strategy.flash:
+        scores = heads * (s / c) * s
+        score_fwd, score_bwd = scores * (4 * elem + 1), scores * (5 * elem + 1)
+    hbm = bw * eff.hbm_fraction / eff.elementwise_factor
+    ew_fwd = (ew_fwd_bytes + score_fwd) / hbm
+    ew_bwd = (ew_bwd_bytes + score_bwd) / hbm
+    core_ew = score_fwd / hbm
+    return LayerTime.model_construct(fwd_gemm_s=fwd + core_fwd, bwd_gemm_s=bwd + core_bwd, fwd_elementwise_s=ew_fwd,
+                     bwd_elementwise_s=ew_bwd, attention_core_fwd_s=core_fwd + core_ew,
+                     fwd_flops=fwd_flops + core_flops, attention_core_fwd_flops=core_flops)
+
+
+class HeadTime(BaseModel):
+    """Embedding (first stage) and logits + loss (last stage) of one micro-batch on one GPU (seconds)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    embedding_s: float
+    logits_gemm_s: float = Field(description="logits GEMM forward + backward")
+    logits_elementwise_s: float = Field(description="final norm and cross entropy (memory-bound)")
+    logits_fwd_flops: float
+
+
+def head_time(dims: TransformerDims, strategy: Strategy, gpu: GPUSpec, eff: GpuEfficiency) -> HeadTime:
+    """Vocabulary-parallel embedding and logits/cross entropy of one micro-batch (module docstring)."""
+    if not dims.vocab:
+        return HeadTime.model_construct(embedding_s=0.0, logits_gemm_s=0.0, logits_elementwise_s=0.0, logits_fwd_flops=0.0)
+    s, t, c, b, h = dims.seq, strategy.tp, strategy.cp, strategy.mbs, dims.hidden
+    tokens = b * s / c
+    _, peak, elem = _peaks(gpu, strategy)
+    dtype = get_recipe(strategy.precision).compute_dtype
+    bw = gpu.memory_bandwidth_bytes_per_s
+    hbm = bw * eff.hbm_fraction
+    v_local = dims.vocab / t
+    kw = {"peak_flops": peak, "bandwidth_bytes_per_s": bw, "eff": eff, "elem_bytes": elem,
+          "fraction": _fraction(eff, "bf16" if dtype == "fp8" else dtype)}
+    f_, b_ = gemm_train_time_s(tokens, v_local, h, **kw)
+    ce = eff.logits_bytes_per_element * tokens * v_local / hbm
+    norm = eff.elementwise_factor * 5.0 * tokens * h * elem / hbm  # final layer norm: fwd 2, bwd 3 passes
+    # embedding: gather forward, dense V/t × h gradient written in backward
+    embed = (2.0 * tokens * h * elem + v_local * h * elem) / hbm
+    return HeadTime.model_construct(embedding_s=embed, logits_gemm_s=f_ + b_, logits_elementwise_s=ce + norm,
+                    logits_fwd_flops=2.0 * tokens * v_local * h)
+
+
+def host_layer_passes(strategy: Strategy) -> float:
+    """Layer-forward passes the host issues per layer and micro-batch: forward 1 + backward 2, plus 1
+    under full recomputation or ``SELECTIVE_HOST_PASSES`` under selective recomputation."""
+    extra = {"full": 1.0, "selective": SELECTIVE_HOST_PASSES}.get(strategy.checkpointing, 0.0)
+    return 3.0 + extra
+
+
+def blend_s(host_s: float, device_s: float, exponent: float) -> float:
+    """Host-bound vs device-bound time: the p-norm (hᵖ + gᵖ)^(1/p) (seconds; max(h, g) as p → ∞)."""
+    if host_s <= 0:
+        return device_s
+    if device_s <= 0:
+        return host_s
+    hi = max(host_s, device_s)
+    return hi * ((host_s / hi) ** exponent + (device_s / hi) ** exponent) ** (1.0 / exponent)
+
+
+def optimizer_step_s(params_local: float, strategy: Strategy, gpu: GPUSpec, profile: ModelProfile, *,
+                     shard_ranks: int, ranks_per_node: int = 1) -> float:
+    """Optimizer step on this rank's shard (seconds): master weights and moments read and written,
+    gradients read, weights written, over the HBM bandwidth; under optimizer offload the host's Adam
+    (shared by ``ranks_per_node`` ranks) plus the PCIe transfers of gradients (every micro-step) and
+    updated weights (ZeRO-Offload, Ren et al. 2021 §4)."""
+    recipe = get_recipe(strategy.precision)
+    k = recipe.master_bytes + optimizer_state_bytes_per_param(strategy.optimizer, recipe, profile)
+    trainable = profile.trainable_params / profile.params if profile.params else 1.0
+    shard = params_local * trainable / max(1, shard_ranks)
+    touched = shard * (2 * k + recipe.grad_bytes + recipe.weight_bytes)
+    if strategy.offload_optimizer != "none":
+        host_s = touched * ranks_per_node / HOST_OPTIMIZER_BYTES_PER_S
+        pcie_s = shard * (strategy.grad_accum * recipe.grad_bytes + recipe.weight_bytes) / PCIE_BYTES_PER_S
+        return host_s + pcie_s
+    return touched / gpu.memory_bandwidth_bytes_per_s
+
 
 class ComputeTime(BaseModel):
-    """Per-step compute components on one GPU (seconds) and the efficiency used."""
+    """Per-step compute components on one GPU (seconds) and the efficiency used (FLOPs-only model)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -54,7 +412,7 @@ class ComputeTime(BaseModel):
 
 
 def matmul_efficiency(profile: ModelProfile, strategy: Strategy) -> float:
-    """eff_max(dtype) · m/(m + m_half) for the micro-batch's rows m (dimensionless)."""
+    """FLOPs-only model: eff_max(dtype) · m/(m + m_half) for the micro-batch's rows m (dimensionless)."""
     dtype = get_recipe(strategy.precision).compute_dtype
     if profile.input_kind == "tokens" and profile.tokens_per_sample:
         rows, half = strategy.mbs * profile.tokens_per_sample, HALF_SATURATION_TOKENS
@@ -65,7 +423,8 @@ def matmul_efficiency(profile: ModelProfile, strategy: Strategy) -> float:
 
 def compute_time(profile: ModelProfile, strategy: Strategy, gpu: GPUSpec, *,
                  ranks_per_node: int = 1) -> ComputeTime:
-    """Forward+backward, recompute, memory-bound and optimizer-step time of one step on one GPU (s).
+    """FLOPs-only model (profiles without a transformer shape): forward+backward, recompute, memory-bound
+    and optimizer-step time of one step on one GPU without model parallelism (seconds).
 
     ``ranks_per_node`` GPUs share one host's CPU Adam throughput under optimizer offload.
     """
@@ -81,16 +440,8 @@ def compute_time(profile: ModelProfile, strategy: Strategy, gpu: GPUSpec, *,
         passes += 1
     traffic = profile.activation(recipe.activation_precision, "none").bytes_at(strategy.mbs)
     memory_bound_s = strategy.grad_accum * passes * traffic / gpu.memory_bandwidth_bytes_per_s
-    # Optimizer step: read+write master and moments, read grads, write weights, on this rank's shard.
-    k = recipe.master_bytes + optimizer_state_bytes_per_param(strategy.optimizer, recipe, profile)
-    shard = profile.trainable_params / (strategy.dp if strategy.zero >= 1 else 1)
-    touched = shard * (2 * k + recipe.grad_bytes + recipe.weight_bytes)
-    if strategy.offload_optimizer != "none":
-        # host Adam shared by the node's ranks; gradients cross PCIe every micro-step, weights once
-        host_s = touched * ranks_per_node / HOST_OPTIMIZER_BYTES_PER_S
-        pcie_s = shard * (strategy.grad_accum * recipe.grad_bytes + recipe.weight_bytes) / PCIE_BYTES_PER_S
-        optimizer_s = host_s + pcie_s
-    else:
-        optimizer_s = touched / gpu.memory_bandwidth_bytes_per_s
+    shard_ranks = strategy.dp if strategy.zero >= 1 else 1
+    optimizer_s = optimizer_step_s(float(profile.params), strategy, gpu, profile, shard_ranks=shard_ranks,
+                                   ranks_per_node=ranks_per_node)
     return ComputeTime(compute_s=compute_s, recompute_s=recompute_s, memory_bound_s=memory_bound_s,
                        optimizer_s=optimizer_s, efficiency=eff)

@@ -1,12 +1,46 @@
-"""Step time of one strategy on one cluster: compute, recomputation, communication, bubble (seconds).
+"""Step time of one strategy on one cluster: compute, recomputation, communication, bubble, host (seconds).
 
-Sources: compute.py (roofline compute and the optimizer step), comm.py (alpha-beta collectives).
-Model FLOPs utilisation (MFU) follows PaLM (Chowdhery et al. 2022, arXiv 2204.02311, Appendix B):
-achieved model FLOP/s (forward + backward, no recomputation) ÷ (GPUs × peak FLOP/s), with the GPU's
-dense 16-bit tensor-core peak as the one reference for every precision so MFU compares plans (an fp32
-plan is not flattered by fp32's low peak). Hardware FLOPs utilisation (HFU) also counts the recomputed
-forward (Korthikanti et al. 2022 §6). Step time adds the parts with no overlap of communication and
-compute (a stated simplification: exposed communication = all communication).
+Composition (one optimizer step; the slowest pipeline stage and the slowest rank set the pace)
+- Per micro-batch and pipeline stage (compute.py, comm.py): the stage's layers (forward, backward,
+  recomputed forward; GEMMs by size, elementwise ops by bytes) with their tensor-parallel collectives
+  on the TP group's link (exposed: Megatron runs them on the compute stream) and the context-parallel
+  K/V ring (overlapped with the attention core, the excess exposed), blended with the host's time to
+  issue them (p-norm, compute.py); the embedding on the first stage and logits + loss on the last;
+  the pipeline's point-to-point sends (2 per micro-batch and model chunk: activation forward, gradient
+  backward; blocking in Megatron and DeepSpeed).
+- The pipeline (pipeline.py): m·t_max + (Σ t_s − t_max)/v for 1F1B (v = 1) and interleaved schedules;
+  the bubble is the second term (formulas.md: (p−1)/(v·m) of the ideal time for equal stages).
+- After the flush, per rank: data-parallel gradient synchronisation over the dp·cp group (ring on the
+  group's link by placement: intra-node when the group sits in one node, else inter-node), the tied
+  embedding's gradient all-reduce between first and last stage when p > 1 (Megatron; Narayanan et al.
+  2021 §2.2), the optimizer step (memory-bound) and a per-step host overhead.
+- Data-parallel volumes (ZeRO paper, arXiv 1910.02054 §7): stages 0-1 all-reduce the gradients once
+  per step; stage 2 reduce-scatters them at every micro-step and all-gathers the updated weights; stage 3
+  (and FSDP FULL_SHARD) all-gathers the parameters in forward and backward and reduce-scatters the
+  gradients at every micro-step; FSDP SHARD_GRAD_OP gathers once per micro-step (forward) and keeps them
+  through backward.
+- Overlap as each engine does it by default (stated defaults):
+  * megatron: no overlap of the data-parallel reduction (Megatron-LM's --overlap-grad-reduce and
+    --overlap-param-gather are opt-in; Megatron-DeepSpeed of vTrain's era reduced after the flush);
+  * deepspeed ZeRO 0-2: ``overlap_comm`` defaults to false: exposed; ZeRO-3: ``overlap_comm`` true and
+    parameter prefetch: hidden behind the micro-step's compute, the first layer's gather exposed;
+  * torch DDP: bucketed (25 MiB) all-reduce overlapped with the last micro-batch's backward (``no_sync``
+    before it), the last bucket exposed; FSDP: all-gathers prefetched and reduce-scatters overlapped
+    with each micro-step's compute, the first unit's gather exposed.
+  ``comm_s`` is all communication time; ``exposed_comm_s`` the part on the critical path.
+- Profile FLOPs beyond what the shape accounts for (a measured model's extra modules) are priced on the
+  last stage at ``UNMODELLED_FLOPS_FRACTION`` of the large-GEMM rate (compute.py).
+- Non-transformer profiles (no shape): compute.py's FLOPs-only model, split evenly over pipeline stages.
+
+Throughput and utilisation: model FLOPs utilisation (MFU) follows PaLM (Chowdhery et al. 2022, arXiv
+2204.02311, Appendix B): achieved model FLOP/s (forward + backward, no recomputation) ÷ (GPUs × peak
+FLOP/s), with the GPU's dense 16-bit tensor-core peak as the one reference for every precision so MFU
+compares plans (an fp32 plan is not flattered by fp32's low peak). Hardware FLOPs utilisation (HFU)
+also counts the recomputed forward FLOPs (Korthikanti et al. 2022 §6; Narayanan et al. 2021 eq. 3
+counts full recomputation as a fourth pass over the layers, the logits excluded).
+
+``step_s`` = compute_s + recompute_s + memory_bound_s + optimizer_s + exposed_comm_s + bubble_s +
+host_overhead_s exactly (each on the rank that sets the pace).
 """
 
 from __future__ import annotations
@@ -14,32 +48,64 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from optplan.estimators.comm import (
-    data_parallel_link,
+    DDP_BUCKET_BYTES,
+    TP_COLLECTIVES_PER_PASS,
+    Link,
+    cp_ring_exchange_s,
+    exposed_s,
+    link_for,
+    p2p_s,
     ring_all_gather_s,
     ring_all_reduce_s,
     ring_reduce_scatter_s,
+    tp_collective_s,
 )
-from optplan.estimators.compute import PCIE_BYTES_PER_S, compute_time
+from optplan.estimators.compute import (
+    FLASH_BACKWARD_FACTOR,
+    PCIE_BYTES_PER_S,
+    UNMODELLED_FLOPS_FRACTION,
+    GpuEfficiency,
+    TransformerDims,
+    blend_s,
+    compute_time,
+    efficiency_for,
+    head_time,
+    host_layer_passes,
+    layer_time,
+    optimizer_step_s,
+    transformer_dims,
+)
 from optplan.estimators.hardware import Cluster, GPUSpec
+from optplan.estimators.memory import param_split, stage_params
+from optplan.estimators.parallel import Placement, layers_per_stage, placement
+from optplan.estimators.pipeline import pipeline_time_s
 from optplan.estimators.precision import get_recipe
 from optplan.estimators.profile import ModelProfile
 from optplan.estimators.strategy import Strategy
 
 
 class TimeBreakdown(BaseModel):
-    """One optimizer step on one GPU, seconds."""
+    """One optimizer step on one GPU, seconds (the pipeline stage and rank that set the pace)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    compute_s: float = Field(ge=0, description="forward + backward of all micro-batches")
+    compute_s: float = Field(ge=0, description="GEMMs and attention, forward + backward, all micro-batches")
     recompute_s: float = Field(ge=0, description="forward re-run under activation checkpointing")
     memory_bound_s: float = Field(ge=0, description="bandwidth-bound elementwise work (roofline)")
     optimizer_s: float = Field(ge=0, description="optimizer step (memory-bound, or on the host)")
-    comm_s: float = Field(ge=0, description="data-parallel collectives and offload transfers")
+    comm_s: float = Field(ge=0, description="all communication: tp + cp + pp + dp (incl. offload transfers)")
     exposed_comm_s: float = Field(ge=0, description="communication not hidden behind compute")
-    bubble_s: float = Field(default=0.0, ge=0, description="pipeline bubble (0 without pipeline parallelism)")
+    bubble_s: float = Field(default=0.0, ge=0, description="pipeline fill and drain (0 without pipeline parallelism)")
+    host_overhead_s: float = Field(default=0.0, ge=0, description="GPU idle waiting for the host to launch work")
+    tp_comm_s: float = Field(default=0.0, ge=0, description="tensor-parallel collectives (exposed)")
+    cp_comm_s: float = Field(default=0.0, ge=0, description="context-parallel K/V ring (partly overlapped)")
+    pp_comm_s: float = Field(default=0.0, ge=0, description="pipeline point-to-point sends (exposed)")
+    dp_comm_s: float = Field(default=0.0, ge=0, description="data-parallel / ZeRO / FSDP collectives, tied "
+                                                            "embedding all-reduce and offload transfers")
+    exposed_dp_comm_s: float = Field(default=0.0, ge=0, description="the part of dp_comm_s not overlapped")
     step_s: float = Field(gt=0)
-    efficiency: float = Field(gt=0, description="fraction of peak FLOP/s assumed for matmuls")
+    efficiency: float = Field(gt=0, description="achieved model FLOP/s ÷ the compute dtype's peak (FLOPs-only "
+                                                "model: the matmul efficiency assumed)")
     samples_per_s: float = Field(gt=0)
     tokens_per_s: float | None = None
     model_tflops_per_gpu: float = Field(ge=0)
@@ -48,51 +114,295 @@ class TimeBreakdown(BaseModel):
     hfu: float = Field(ge=0)
 
 
-def comm_time_s(profile: ModelProfile, strategy: Strategy, cluster: Cluster) -> float:
-    """Data-parallel communication per optimizer step (seconds), by ZeRO stage.
-
-    ZeRO paper (arXiv 1910.02054) §7: stages 0-2 move 2Ψ per step (all-reduce, or reduce-scatter +
-    all-gather); DeepSpeed's stage 2 reduce-scatters gradients at every micro-step; stage 3 adds an
-    all-gather of parameters in forward and backward of every micro-step (3Ψ in all).
-    """
-    recipe = get_recipe(strategy.precision)
-    n = strategy.dp
-    grads = profile.trainable_params * recipe.grad_bytes
-    weights = profile.params * recipe.weight_bytes
-    bw, alpha = data_parallel_link(cluster, n)
-    accum = strategy.grad_accum
-    stage = strategy.shard_stage
-    if stage <= 1:
-        total = ring_all_reduce_s(grads, n, bw, alpha)
-    elif stage == 2:
-        total = accum * ring_reduce_scatter_s(grads, n, bw, alpha) + ring_all_gather_s(weights, n, bw, alpha)
-    else:
-        total = accum * (2 * ring_all_gather_s(weights, n, bw, alpha) + ring_reduce_scatter_s(grads, n, bw, alpha))
-    if strategy.offload_params != "none":
-        total += accum * 2 * (weights / n) / PCIE_BYTES_PER_S
-    return total
-
-
 def mfu_peak_flops(gpu: GPUSpec) -> float:
     """The MFU reference: the GPU's dense 16-bit tensor-core peak (bf16 or fp16), FLOP/s."""
     return max(gpu.peak_flops_for("bf16"), gpu.peak_flops_for("fp16"), gpu.peak_flops_for("fp32"))
 
 
-def step_time(profile: ModelProfile, strategy: Strategy, cluster: Cluster) -> TimeBreakdown:
-    """Time of one optimizer step of ``strategy`` on ``cluster`` with throughput, MFU and HFU."""
-    ct = compute_time(profile, strategy, cluster.gpu, ranks_per_node=min(strategy.dp, cluster.gpus_per_node))
-    comm_s = comm_time_s(profile, strategy, cluster)
-    step_s = ct.compute_s + ct.recompute_s + ct.memory_bound_s + ct.optimizer_s + comm_s
+def _links(pl: Placement, cluster: Cluster, eff: GpuEfficiency) -> dict[str, Link]:
+    kw = {"intra_fraction": eff.intra_node_link_fraction, "intra_alpha_s": eff.intra_node_alpha_s}
+    return {"tp": link_for(pl.tp, cluster, **kw), "cp": link_for(pl.cp, cluster, **kw),
+            "pp": link_for(pl.pp, cluster, **kw), "dp": link_for(pl.grad_reduce, cluster, **kw),
+            "shard": link_for(pl.shard, cluster, **kw)}
+
+
+def _comm_grad_bytes(strategy: Strategy) -> int:
+    """Bytes per gradient element in the data-parallel reduction: Megatron all-reduces fp32 main
+    gradients under bf16 (``accumulate_allreduce_grads_in_fp32`` is forced for bf16), else the recipe's."""
+    recipe = get_recipe(strategy.precision)
+    if strategy.engine == "megatron" and strategy.precision in ("bf16", "fp8") and recipe.master_bytes > 0:
+        return 4
+    return recipe.grad_bytes
+
+
+class DataParallelComm(BaseModel):
+    """Data-parallel communication of one step on one rank (seconds)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    total_s: float
+    exposed_s: float
+
+
+def data_parallel_comm(strategy: Strategy, params_local: float, trainable_fraction: float, dp_link: Link,
+                       shard_link: Link, pl: Placement, *, step_compute_s: float, mb_compute_s: float,
+                       last_bwd_s: float, units: int) -> DataParallelComm:
+    """Data-parallel / ZeRO / FSDP collectives of one step and the part left exposed (module docstring).
+
+    ``params_local`` are this rank's parameters after tensor and pipeline parallelism (count);
+    ``step_compute_s``/``mb_compute_s`` the compute windows of the step and of one micro-step,
+    ``last_bwd_s`` the last micro-batch's backward, ``units`` the FSDP/ZeRO-3 units (layers) per rank.
+    """
+    recipe = get_recipe(strategy.precision)
+    m = strategy.grad_accum
+    grads = params_local * trainable_fraction * _comm_grad_bytes(strategy)
+    weights = params_local * recipe.weight_bytes
+    stage = strategy.shard_stage
+    if stage <= 1:
+        n, link = pl.grad_reduce.ranks, dp_link
+    else:
+        n, link = pl.shard.ranks, shard_link
+    bw, a = link.bandwidth_bytes_per_s, link.alpha_s
+    per_mb = 0.0
+    if stage <= 1:
+        if strategy.engine == "megatron" and strategy.zero == 1:  # distributed optimizer: RS grads + AG params
+            once = ring_reduce_scatter_s(grads, n, bw, a) + ring_all_gather_s(weights, n, bw, a)
+        else:
+            once = ring_all_reduce_s(grads, n, bw, a)
+    elif stage == 2:
+        per_mb = ring_reduce_scatter_s(grads, n, bw, a)
+        once = ring_all_gather_s(weights, n, bw, a)
+        if strategy.fsdp == "grad_op":
+            per_mb += ring_all_gather_s(weights, n, bw, a)
+            once = 0.0
+    else:
+        per_mb = 2 * ring_all_gather_s(weights, n, bw, a) + ring_reduce_scatter_s(grads, n, bw, a)
+        once = 0.0
+    if strategy.fsdp == "hybrid" and pl.grad_reduce.nodes > 1:  # HSDP: replicas all-reduce across nodes
+        replicas = max(1, pl.grad_reduce.ranks // max(1, pl.shard.ranks))
+        once += ring_all_reduce_s(grads / max(1, pl.shard.ranks), replicas, dp_link.bandwidth_bytes_per_s,
+                                  dp_link.alpha_s)
+    total = once + m * per_mb
+    if strategy.engine == "torch":
+        if strategy.fsdp == "none":  # DDP: overlap with the last backward, the last bucket exposed
+            bucket = ring_all_reduce_s(min(grads, DDP_BUCKET_BYTES), n, bw, a)
+            exposed = max(exposed_s(once, last_bwd_s), bucket)
+        else:  # FSDP: prefetched gathers, overlapped reduce-scatters; the first unit's gather exposed
+            exposed = m * max(exposed_s(per_mb, mb_compute_s), per_mb / max(1, units)) + once
+    elif strategy.engine == "deepspeed" and stage == 3:  # overlap_comm true, prefetch
+        exposed = m * max(exposed_s(per_mb, mb_compute_s), per_mb / max(1, units)) + once
+    else:
+        exposed = total
+    if strategy.offload_params != "none":
+        pcie = m * 2 * (weights / max(1, pl.shard.ranks)) / PCIE_BYTES_PER_S
+        total += pcie
+        exposed += pcie
+    return DataParallelComm.model_construct(total_s=total, exposed_s=min(total, exposed))
+
+
+def comm_time_s(profile: ModelProfile, strategy: Strategy, cluster: Cluster) -> float:
+    """Data-parallel communication per optimizer step on the rank with most parameters (seconds), by
+    ZeRO stage (ZeRO paper §7): stages 0-1 all-reduce the gradients (2Ψ); DeepSpeed's stage 2
+    reduce-scatters gradients at every micro-step and all-gathers the weights once; stage 3 all-gathers
+    parameters in forward and backward and reduce-scatters gradients at every micro-step."""
+    eff = efficiency_for(cluster.gpu)
+    pl = placement(strategy, cluster.gpus_per_node)
+    links = _links(pl, cluster, eff)
+    params = max(stage_params(profile, strategy, 0), stage_params(profile, strategy, strategy.pp - 1))
+    trainable = profile.trainable_params / profile.params if profile.params else 1.0
+    dpc = data_parallel_comm(strategy, params, trainable, links["dp"], links["shard"], pl, step_compute_s=0.0,
+                             mb_compute_s=0.0, last_bwd_s=0.0, units=1)
+    return dpc.total_s
+
+
+def _finish(profile: ModelProfile, strategy: Strategy, cluster: Cluster, *, parts: dict[str, float],
+            efficiency_peak: float, hardware_flops_per_sample: float) -> TimeBreakdown:
+    """Throughput, MFU and HFU from the components (``parts`` sum to the step)."""
+    step_s = (parts["compute_s"] + parts["recompute_s"] + parts["memory_bound_s"] + parts["optimizer_s"]
+              + parts["exposed_comm_s"] + parts["bubble_s"] + parts["host_overhead_s"])
     samples_per_s = strategy.global_batch / step_s
     tokens_per_s = samples_per_s * profile.tokens_per_sample if profile.tokens_per_sample else None
     gpus = strategy.world_size
     model_flops_per_s = profile.train_flops_per_sample * samples_per_s / gpus
-    hw_flops_per_s = model_flops_per_s + (
-        profile.fwd_flops_per_sample * samples_per_s / gpus if ct.recompute_s > 0 else 0.0)
+    hw_flops_per_s = hardware_flops_per_sample * samples_per_s / gpus
     peak = mfu_peak_flops(cluster.gpu)
-    return TimeBreakdown(compute_s=ct.compute_s, recompute_s=ct.recompute_s, memory_bound_s=ct.memory_bound_s,
-                         optimizer_s=ct.optimizer_s, comm_s=comm_s, exposed_comm_s=comm_s, step_s=step_s,
-                         efficiency=ct.efficiency, samples_per_s=samples_per_s, tokens_per_s=tokens_per_s,
+    return TimeBreakdown(step_s=step_s, samples_per_s=samples_per_s, tokens_per_s=tokens_per_s,
                          model_tflops_per_gpu=model_flops_per_s / 1e12,
                          hardware_tflops_per_gpu=hw_flops_per_s / 1e12, mfu=model_flops_per_s / peak,
-                         hfu=hw_flops_per_s / peak)
+                         hfu=hw_flops_per_s / peak,
+                         efficiency=max(1e-9, model_flops_per_s / efficiency_peak),
+                         **parts)
+
+
+def _flops_only_step(profile: ModelProfile, strategy: Strategy, cluster: Cluster,
+                     eff: GpuEfficiency) -> TimeBreakdown:
+    """Profiles without a transformer shape: compute.py's FLOPs-only model, p equal stages."""
+    ct = compute_time(profile, strategy, cluster.gpu, ranks_per_node=min(strategy.dp, cluster.gpus_per_node))
+    pl = placement(strategy, cluster.gpus_per_node)
+    links = _links(pl, cluster, eff)
+    p, m = strategy.pp, strategy.grad_accum
+    work = (ct.compute_s + ct.recompute_s + ct.memory_bound_s) / p
+    pipe = pipeline_time_s([work / m] * p, m, strategy.vpp)
+    params = profile.params / p
+    trainable = profile.trainable_params / profile.params if profile.params else 1.0
+    dpc = data_parallel_comm(strategy, params, trainable, links["dp"], links["shard"], pl,
+                             step_compute_s=work, mb_compute_s=work / m, last_bwd_s=ct.compute_s / p / m * 2 / 3,
+                             units=profile.repeated_block.count if profile.repeated_block else 1)
+    optimizer_s = ct.optimizer_s / p
+    hw = profile.train_flops_per_sample + (profile.fwd_flops_per_sample if ct.recompute_s > 0 else 0.0)
+    parts = {"compute_s": ct.compute_s / p, "recompute_s": ct.recompute_s / p,
+             "memory_bound_s": ct.memory_bound_s / p, "optimizer_s": optimizer_s, "comm_s": dpc.total_s,
+             "exposed_comm_s": dpc.exposed_s, "bubble_s": pipe.bubble_s, "host_overhead_s": 0.0,
+             "dp_comm_s": dpc.total_s, "exposed_dp_comm_s": dpc.exposed_s}
+    tb = _finish(profile, strategy, cluster, parts=parts, efficiency_peak=1.0, hardware_flops_per_sample=hw)
+    return tb.model_copy(update={"efficiency": ct.efficiency})
+
+
+def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: Strategy, cluster: Cluster,
+                      eff: GpuEfficiency) -> TimeBreakdown:
+    """Transformer profiles: per-stage roofline by op class, collectives by placement, 1F1B pipeline."""
+    gpu = cluster.gpu
+    s_, t, c, p, v, m = strategy, strategy.tp, strategy.cp, strategy.pp, strategy.vpp, strategy.grad_accum
+    recipe = get_recipe(s_.precision)
+    elem = 4 if recipe.activation_precision == "fp32" else 2
+    hbm = gpu.memory_bandwidth_bytes_per_s * eff.hbm_fraction
+    pl = placement(s_, cluster.gpus_per_node)
+    links = _links(pl, cluster, eff)
+    lt = layer_time(dims, s_, gpu, eff)
+    ht = head_time(dims, s_, gpu, eff)
+    tokens = s_.mbs * dims.seq / c
+    h = dims.hidden
+    full = s_.checkpointing == "full"
+    selective = s_.checkpointing == "selective"
+
+    # one layer, one micro-batch
+    layer_compute = lt.fwd_gemm_s + lt.bwd_gemm_s
+    layer_mem = lt.fwd_elementwise_s + lt.bwd_elementwise_s
+    layer_recompute = (lt.fwd_gemm_s + lt.fwd_elementwise_s) if full else (
+        lt.attention_core_fwd_s if selective else 0.0)
+    tp_one = tp_collective_s(tokens, h, elem, t, links["tp"], sp=s_.sp) if t > 1 else 0.0
+    layer_tp = TP_COLLECTIVES_PER_PASS * (3 if full else 2) * tp_one
+    kv_local = dims.kv_heads * (h / dims.heads) / t
+    cp_fwd, cp_bwd = cp_ring_exchange_s(tokens, kv_local, elem, c, links["cp"])
+    core_fwd = lt.attention_core_fwd_s
+    core_bwd = core_fwd * (FLASH_BACKWARD_FACTOR if s_.flash else 2.0)
+    layer_cp = cp_fwd + cp_bwd + (cp_fwd if full else 0.0)
+    layer_cp_exposed = (exposed_s(cp_fwd, core_fwd) + exposed_s(cp_bwd, core_bwd)
+                        + (exposed_s(cp_fwd, core_fwd) if full else 0.0))
+    layer_device = layer_compute + layer_mem + layer_recompute + layer_tp + layer_cp_exposed
+    host_layer = eff.host_layer_pass_s * host_layer_passes(s_)
+    host_sync = 2 * (t - 1) * eff.host_collective_step_s  # per tensor-parallel collective
+    host_layer += TP_COLLECTIVES_PER_PASS * (3 if full else 2) * host_sync
+
+    # profile FLOPs the shape does not account for (extra modules): FLOPs-only rate on the last stage
+    shape_fwd_per_sample = dims.layers * lt.fwd_flops * t / s_.mbs * c + ht.logits_fwd_flops * t / s_.mbs * c
+    extra_fwd = profile.fwd_flops_per_sample - shape_fwd_per_sample
+    extra_s = 0.0
+    if extra_fwd > 0.01 * shape_fwd_per_sample:
+        peak = gpu.peak_flops_for(recipe.compute_dtype)
+        extra_s = 3 * extra_fwd * s_.mbs / (peak * eff.gemm_peak_fraction * UNMODELLED_FLOPS_FRACTION)
+
+    grad_bytes = _comm_grad_bytes(s_)
+    split = param_split(profile)
+    lps = layers_per_stage(dims.layers, p)
+    p2p = 0.0
+    if p > 1:
+        p2p = 2 * v * p2p_s(tokens * h * elem / (t if s_.sp else 1), links["pp"])
+    tp_small = 0.0
+    if t > 1:  # vocabulary-parallel embedding / logits: one activation collective + 3 tiny CE all-reduces
+        tp_small = tp_one
+    ce_allreduce = 3 * ring_all_reduce_s(tokens * 4, t, links["tp"].bandwidth_bytes_per_s, links["tp"].alpha_s)
+
+    stages = [0] if p == 1 else ([0, p - 1] if p == 2 else [0, 1, p - 1])
+    stage_info: list[dict[str, float]] = []
+    for st in stages:
+        first, last = st == 0, st == p - 1
+        params_local = stage_params(profile, s_, st)
+        layers = lps if p > 1 else dims.layers
+        head_compute = head_mem = head_tp = 0.0
+        if first:
+            head_mem += ht.embedding_s
+            head_tp += tp_small
+        if last:
+            head_compute += ht.logits_gemm_s + extra_s
+            head_mem += ht.logits_elementwise_s
+            head_tp += tp_small + ce_allreduce
+        accum_mem = 3 * grad_bytes * params_local / hbm
+        head_mem += accum_mem
+        head_dev = head_compute + head_mem + head_tp
+        layers_dev = layers * layer_device
+        layers_host = layers * host_layer
+        layers_time = blend_s(layers_host, layers_dev, eff.overlap_exponent)
+        head_host = eff.host_microbatch_s + host_sync * ((1 if first else 0) + (4 if last else 0))
+        head_time_s = blend_s(head_host, head_dev, eff.overlap_exponent)
+        stage_info.append({
+            "time": layers_time + head_time_s + p2p, "params": params_local,
+            "compute": layers * layer_compute + head_compute, "mem": layers * layer_mem + head_mem,
+            "recompute": layers * layer_recompute, "tp": layers * layer_tp + head_tp,
+            "cp": layers * layer_cp, "cp_exposed": layers * layer_cp_exposed, "pp": p2p,
+            "host": (layers_time - layers_dev) + (head_time_s - head_dev),
+            "bwd": layers * (lt.bwd_gemm_s + lt.bwd_elementwise_s), "layers": layers,
+        })
+    # interleaving splits each stage into v chunks: the stage time per micro-batch is unchanged
+    times = [info["time"] for info in stage_info]
+    if p > 2:  # middle stages are all equal: count them p − 2 times
+        times = [times[0]] + [times[1]] * (p - 2) + [times[2]]
+    pipe = pipeline_time_s(times, m, v)
+    slow = max(stage_info, key=lambda info: info["time"])
+
+    # after the flush, per rank: DP sync, tied-embedding all-reduce, optimizer, host step overhead
+    trainable = profile.trainable_params / profile.params if profile.params else 1.0
+    shard_ranks = pl.shard.ranks if s_.shard_stage >= 1 else 1
+    post_best: tuple[float, DataParallelComm, float, float] | None = None
+    for info in stage_info:
+        dpc = data_parallel_comm(s_, info["params"], trainable, links["dp"], links["shard"], pl,
+                                 step_compute_s=m * info["compute"], mb_compute_s=info["compute"],
+                                 last_bwd_s=info["bwd"], units=int(info["layers"]) or 1)
+        tied = 0.0
+        if p > 1 and split.tied and split.embed:
+            tied = ring_all_reduce_s(split.embed / t * grad_bytes * trainable, 2,
+                                     links["pp"].bandwidth_bytes_per_s, links["pp"].alpha_s)
+        opt = optimizer_step_s(info["params"], s_, gpu, profile, shard_ranks=shard_ranks,
+                               ranks_per_node=min(cluster.gpus_per_node, s_.world_size))
+        post = dpc.exposed_s + tied + opt
+        if post_best is None or post > post_best[0]:
+            post_best = (post, dpc, tied, opt)
+    assert post_best is not None
+    _, dpc, tied, opt = post_best
+
+    tp_s, cp_s, pp_s = m * slow["tp"], m * slow["cp"], m * slow["pp"]
+    cp_exposed = m * slow["cp_exposed"]
+    dp_total = dpc.total_s + tied
+    dp_exposed = dpc.exposed_s + tied
+    exposed = tp_s + cp_exposed + pp_s + dp_exposed
+    hw_per_sample = profile.train_flops_per_sample
+    recompute_flops = (lt.fwd_flops if full else lt.attention_core_fwd_flops if selective else 0.0)
+    hw_per_sample += dims.layers * recompute_flops * t * c / s_.mbs
+    parts = {
+        "compute_s": m * slow["compute"], "recompute_s": m * slow["recompute"],
+        "memory_bound_s": m * slow["mem"], "optimizer_s": opt,
+        "comm_s": tp_s + cp_s + pp_s + dp_total, "exposed_comm_s": exposed, "bubble_s": pipe.bubble_s,
+        "host_overhead_s": m * slow["host"] + eff.host_step_s,
+        "tp_comm_s": tp_s, "cp_comm_s": cp_s, "pp_comm_s": pp_s, "dp_comm_s": dp_total,
+        "exposed_dp_comm_s": dp_exposed,
+    }
+    return _finish(profile, s_, cluster, parts=parts,
+                   efficiency_peak=gpu.peak_flops_for(recipe.compute_dtype), hardware_flops_per_sample=hw_per_sample)
+
+
+def step_time(profile: ModelProfile, strategy: Strategy, cluster: Cluster, *,
+              efficiency: GpuEfficiency | None = None) -> TimeBreakdown:
+    """Time of one optimizer step of ``strategy`` on ``cluster`` with throughput, MFU and HFU.
+
+    ``efficiency`` overrides the GPU's constants (compute.py ``efficiency_for``); the vTrain benchmark
+    fits them through it.
+    """
+    eff = efficiency or efficiency_for(cluster.gpu)
+    dims = transformer_dims(profile)
+    if dims is None:
+        return _flops_only_step(profile, strategy, cluster, eff)
+    return _transformer_step(profile, dims, strategy, cluster, eff)
+
+
+__all__ = ["TimeBreakdown", "comm_time_s", "data_parallel_comm", "mfu_peak_flops",
+           "step_time"]
