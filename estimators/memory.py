@@ -52,6 +52,7 @@ from pydantic import BaseModel, ConfigDict, Field, computed_field
 from optplan.estimators.buckets import deepspeed_buckets
 from optplan.estimators.optimizers import optimizer_sees_flat_params, optimizer_state_bytes_per_param
 from optplan.estimators.parallel import layers_per_stage, placement
+from optplan.estimators.pipeline import in_flight_microbatches
 from optplan.estimators.precision import Recipe, get_recipe
 from optplan.estimators.profile import ModelProfile
 from optplan.estimators.strategy import Strategy
@@ -228,15 +229,10 @@ def in_flight_micro_batches(strategy: Strategy, stage: int = 0) -> float:
     """Micro-batches whose activations pipeline ``stage`` holds at its peak (count, may be fractional).
 
     1F1B: stage i holds min(p − i, m) (Narayanan et al. 2021 §2.2.1); interleaved with v virtual stages
-    the first stage holds p·(1 + (p−1)/(p·v)) stage-loads (Korthikanti et al. 2022 §4.2.3), capped by m.
+    the first stage holds p·(1 + (p−1)/(p·v)) stage-loads (Korthikanti et al. 2022 §4.2.3), which is
+    Megatron's warm-up count, computed per stage by :func:`optplan.estimators.pipeline.in_flight_microbatches`.
     """
-    p, m = strategy.pp, strategy.grad_accum
-    if p == 1:
-        return 1.0
-    held = float(min(p - stage, m))
-    if strategy.vpp > 1 and stage == 0:
-        held = min(held * (1 + (p - 1) / (p * strategy.vpp)), float(m))
-    return held
+    return in_flight_microbatches(strategy.pp, stage, strategy.grad_accum, strategy.vpp)
 
 
 def _uses_measured_fit(profile: ModelProfile, strategy: Strategy) -> bool:

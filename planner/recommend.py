@@ -20,8 +20,9 @@ from optplan.planner.space import build_space
 from optplan.planner.suggest import what_would_fit
 
 DEFAULT_ALTERNATIVES = 4
-MODEL_SCOPE_NOTE = ("time model: data parallelism only (no tensor/pipeline parallelism yet), communication not "
-                    "overlapped with compute, datasheet peaks x stated efficiencies (not yet calibrated by probes)")
+MODEL_SCOPE_NOTE = ("search: data-parallel plans (ZeRO 0-3, DeepSpeed); price tensor/pipeline/context-parallel and "
+                    "FSDP plans with optplan estimate; time model fitted on A100 Megatron runs (vTrain), other GPUs use "
+                    "the same efficiencies on their datasheet peaks until probes calibrate them")
 
 
 class PlanEstimate(BaseModel):

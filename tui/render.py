@@ -108,7 +108,7 @@ def estimate_table(e: Estimate | StatesEstimate) -> Group:
     tim.add_column("ms", justify="right")
     for name, val in (("compute (matmul)", t.compute_s), ("recompute", t.recompute_s),
                       ("memory-bound ops", t.memory_bound_s), ("optimizer", t.optimizer_s),
-                      ("pipeline bubble", t.bubble_s),
+                      ("pipeline bubble", t.bubble_s), ("host overhead (launches)", t.host_overhead_s),
                       (f"exposed communication (of {t.comm_s * 1e3:.1f})", t.exposed_comm_s)):
         tim.add_row(name, f"{val * 1e3:.1f}")
     tim.add_row("[bold]step[/]", f"[bold]{t.step_s * 1e3:.1f}[/]")
