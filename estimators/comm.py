@@ -26,6 +26,8 @@ Bandwidths are bytes/s per GPU, one way; alpha is seconds; sizes are bytes.
 
 from __future__ import annotations
 
+import math
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from optplan.estimators.hardware import Cluster
@@ -66,6 +68,26 @@ def ring_reduce_scatter_s(size_bytes: float, ranks: int, bandwidth_bytes_per_s: 
 
 
 ring_all_gather_s = ring_reduce_scatter_s
+
+
+def tree_all_reduce_s(size_bytes: float, ranks: int, bandwidth_bytes_per_s: float, alpha_s: float) -> float:
+    """Double-binary-tree all-reduce (NCCL 2.4+, Sanders, Speck & Träff 2009 "Two-tree algorithms for full
+    bandwidth broadcast, reduction and scan", Parallel Computing 35(12)): each rank sends and receives
+    about 2·S (reduce up, broadcast down, pipelined over the two trees) in 2·ceil(log2 n) latency steps:
+    2 · S / B + 2·ceil(log2 n)·α (seconds). Zero for one rank."""
+    if ranks <= 1 or size_bytes <= 0:
+        return 0.0
+    return 2 * size_bytes / bandwidth_bytes_per_s + 2 * math.ceil(math.log2(ranks)) * alpha_s
+
+
+def all_reduce_s(size_bytes: float, ranks: int, link: Link) -> float:
+    """All-reduce as NCCL runs it (seconds): ring inside a node; across nodes NCCL's tuner picks the faster
+    of ring and double binary tree (tree wins for small messages over many ranks, where the ring's
+    2(n−1)·α latency dominates)."""
+    ring = ring_all_reduce_s(size_bytes, ranks, link.bandwidth_bytes_per_s, link.alpha_s)
+    if not link.inter_node:
+        return ring
+    return min(ring, tree_all_reduce_s(size_bytes, ranks, link.bandwidth_bytes_per_s, link.alpha_s))
 
 
 def p2p_s(size_bytes: float, link: Link) -> float:

@@ -51,6 +51,7 @@ from optplan.estimators.comm import (
     DDP_BUCKET_BYTES,
     TP_COLLECTIVES_PER_PASS,
     Link,
+    all_reduce_s,
     cp_ring_exchange_s,
     exposed_s,
     link_for,
@@ -168,7 +169,7 @@ def data_parallel_comm(strategy: Strategy, params_local: float, trainable_fracti
         if strategy.engine == "megatron" and strategy.zero == 1:  # distributed optimizer: RS grads + AG params
             once = ring_reduce_scatter_s(grads, n, bw, a) + ring_all_gather_s(weights, n, bw, a)
         else:
-            once = ring_all_reduce_s(grads, n, bw, a)
+            once = all_reduce_s(grads, n, link)
     elif stage == 2:
         per_mb = ring_reduce_scatter_s(grads, n, bw, a)
         once = ring_all_gather_s(weights, n, bw, a)
@@ -180,12 +181,11 @@ def data_parallel_comm(strategy: Strategy, params_local: float, trainable_fracti
         once = 0.0
     if strategy.fsdp == "hybrid" and pl.grad_reduce.nodes > 1:  # HSDP: replicas all-reduce across nodes
         replicas = max(1, pl.grad_reduce.ranks // max(1, pl.shard.ranks))
-        once += ring_all_reduce_s(grads / max(1, pl.shard.ranks), replicas, dp_link.bandwidth_bytes_per_s,
-                                  dp_link.alpha_s)
+        once += all_reduce_s(grads / max(1, pl.shard.ranks), replicas, dp_link)
     total = once + m * per_mb
     if strategy.engine == "torch":
         if strategy.fsdp == "none":  # DDP: overlap with the last backward, the last bucket exposed
-            bucket = ring_all_reduce_s(min(grads, DDP_BUCKET_BYTES), n, bw, a)
+            bucket = all_reduce_s(min(grads, DDP_BUCKET_BYTES), n, link)
             exposed = max(exposed_s(once, last_bwd_s), bucket)
         else:  # FSDP: prefetched gathers, overlapped reduce-scatters; the first unit's gather exposed
             exposed = m * max(exposed_s(per_mb, mb_compute_s), per_mb / max(1, units)) + once

@@ -121,3 +121,18 @@ def test_overlap_defaults_by_engine() -> None:
     assert z3.exposed_dp_comm_s < z3.dp_comm_s
     for t in (megatron, ddp, ds0, z3, fsdp):
         assert t.exposed_comm_s <= t.comm_s + 1e-12
+
+
+def test_tree_all_reduce_wins_for_small_messages_across_many_nodes() -> None:
+    from optplan.estimators.comm import Link, all_reduce_s, ring_all_reduce_s, tree_all_reduce_s
+
+    inter = Link(bandwidth_bytes_per_s=40e9, alpha_s=15e-6, inter_node=True)
+    small, n = 1e6, 1024
+    ring = ring_all_reduce_s(small, n, 40e9, 15e-6)
+    tree = tree_all_reduce_s(small, n, 40e9, 15e-6)
+    assert tree == pytest.approx(2 * small / 40e9 + 2 * 10 * 15e-6)
+    assert tree < ring and all_reduce_s(small, n, inter) == tree
+    big = 10e9  # bandwidth-bound: the ring's (n-1)/n factor and tree's 2·S are within a hair; ring wins
+    assert all_reduce_s(big, 8, inter) == ring_all_reduce_s(big, 8, 40e9, 15e-6)
+    intra = inter.model_copy(update={"inter_node": False})
+    assert all_reduce_s(small, n, intra) == ring  # NCCL rings inside a node
