@@ -246,6 +246,7 @@ def chinchilla(
 @app.command()
 def recommend(
     ctx: typer.Context, model: OptModelFile = None, arch: ArchOpt = None, gpu: GpuOpt = None, gpus: GpusOpt = None, gpus_per_node: GpnOpt = None,
+    cluster: ClusterOpt = None,
     global_batch: Annotated[int | None, typer.Option("--global-batch", help="samples per optimizer step (held fixed)")] = None,
     seq_len: SeqOpt = None,
     precision: Annotated[list[str] | None, typer.Option("--precision", help="limit the precisions searched (repeatable)")] = None,
@@ -259,18 +260,18 @@ def recommend(
     from optplan.tui.render import print_recommendation
 
     def body() -> None:
-        cluster, notes = resolve_cluster(gpu=gpu, gpus=gpus, gpus_per_node=gpus_per_node)
-        check_search_options(cluster, global_batch=global_batch, precisions=precision)
+        target, notes = resolve_cluster(gpu=gpu, gpus=gpus, gpus_per_node=gpus_per_node, cluster_file=cluster)
+        check_search_options(target, global_batch=global_batch, precisions=precision)
         if out is not None:
             from optplan.planner.api import check_out_dir
             check_out_dir(out, force=force)
         with _stderr().status("profiling the model in a child process..."):
             prof = resolve_model(model, arch=arch, seq_len=seq_len, model_name=model_name)
         with _stderr().status("searching..."):
-            rec = plan(prof, cluster, global_batch=global_batch, precisions=precision, notes=notes)
+            rec = plan(prof, target, global_batch=global_batch, precisions=precision, notes=notes)
         written: list[Path] = []
         if out is not None and rec.fits:
-            written = export_plan(rec, prof, cluster, out, force=force)
+            written = export_plan(rec, prof, target, out, force=force)
         if as_json:
             typer.echo(json.dumps(rec.model_dump(mode="json"), indent=2))
         else:

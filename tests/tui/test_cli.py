@@ -267,3 +267,10 @@ def test_estimate_bad_strategy_input_is_one_line_exit_2(args: list[str], needle:
     result = runner.invoke(app, base + args)
     assert result.exit_code == 2, (result.stdout, result.stderr)
     assert needle in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_recommend_reads_a_cluster_file(tmp_path: Path) -> None:
+    f = tmp_path / "cluster.yaml"
+    f.write_text("gpu: A100-40GB\ngpus_per_node: 4\nnodes: 1\n")
+    doc = _json(["recommend", "--arch", "layers=4,hidden=256,heads=4,seq=512", "--cluster", str(f), "--json"])
+    assert doc["cluster"]["gpu"] == "A100-40GB" and doc["cluster"]["gpus"] == 4 and doc["plan"]["dp"] == 4
