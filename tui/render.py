@@ -9,6 +9,7 @@ from rich.table import Table
 from rich.text import Text
 
 from optplan.estimators.estimate import Estimate, StatesEstimate
+from optplan.estimators.precision import get_recipe
 from optplan.estimators.profile import ModelProfile
 from optplan.estimators.units import gib
 from optplan.planner.recommend import Recommendation
@@ -115,7 +116,8 @@ def estimate_table(e: Estimate | StatesEstimate) -> Group:
     rate = f"{e.tokens_per_s:,.0f} tokens/s" if e.tokens_per_s else f"{e.samples_per_s:,.1f} samples/s"
     summary = Text(f"{e.strategy.label()} on {e.gpus} GPU(s): global batch {e.global_batch}, {rate}, "
                    f"MFU {e.mfu * 100:.1f}%, HFU {e.hfu * 100:.1f}%, {e.model_tflops_per_gpu:.1f} TFLOP/s per GPU")
-    parts: list = [summary, verdict, _memory_table(e), _detail_line(e), tim]
+    recipe = Text(f"precision {e.strategy.precision}: {get_recipe(e.strategy.precision).description}", style="dim")
+    parts: list = [summary, verdict, recipe, _memory_table(e), _detail_line(e), tim]
     if e.cost is not None:
         c = e.cost
         money = f", ${c.cost_usd:,.0f}" if c.cost_usd is not None else ""
