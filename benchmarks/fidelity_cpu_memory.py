@@ -190,17 +190,10 @@ class Prediction:
     total: int
 
 
-def param_structure(path: Path) -> tuple[list[int], int]:
-    """(numels of the trainable parameters in ``model.parameters()`` order, their tensor count), read
-    from the model built on the meta device (structure only: no weights, no step)."""
-    meta = load_contract(path).build_meta()
-    numels = [p.numel() for p in meta.parameters() if p.requires_grad]
-    return numels, len(numels)
-
-
-def predict(profile: ModelProfile, precision: str, checkpointing: str, mbs: int, param_numels: list[int],
-            impl: AdamImpl) -> Prediction:
-    """Activation and step-peak bytes from the estimator (and the temporaries it does not model yet)."""
+def predict(profile: ModelProfile, precision: str, checkpointing: str, mbs: int, impl: AdamImpl) -> Prediction:
+    """Activation and step-peak bytes from the estimator (and the temporaries it does not model yet);
+    the optimizer step's scratch from the profile's trainable tensor sizes (``param_numels``)."""
+    param_numels = profile.param_numels
     strategy = Strategy(precision=PRECISIONS[precision], optimizer="adamw", mbs=mbs,  # type: ignore[arg-type]
                         checkpointing=checkpointing)  # type: ignore[arg-type]
     m = memory_breakdown(profile, strategy, capacity_bytes=CAPACITY)
@@ -303,7 +296,6 @@ def run_case(case: Case, micro_batches: tuple[int, ...], impl: AdamImpl, grads: 
     t0 = time.perf_counter()
     profile = profile_model_file(case.path, seq_len=case.seq_len)
     profile_s = time.perf_counter() - t0
-    numels, _ = param_structure(case.path)
     trainer = RealTrainer(case.path, case.seq_len, impl=impl, grads=grads)
     rows: list[Row] = []
     try:
@@ -312,7 +304,7 @@ def run_case(case: Case, micro_batches: tuple[int, ...], impl: AdamImpl, grads: 
         for precision in case.precisions:
             for ckpt in ckpts:
                 for mbs in micro_batches:
-                    pred = predict(profile, precision, ckpt, mbs, numels, impl)
+                    pred = predict(profile, precision, ckpt, mbs, impl)
                     real = trainer.measure(precision, ckpt, mbs)
                     row = Row(case.name, precision, ckpt, mbs, pred.act, real.act, pred.total_memory_py,
                               pred.total, real.total, real.phase, real.seconds)

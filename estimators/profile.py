@@ -32,11 +32,20 @@ class RepeatedBlock(_Frozen):
 
 
 class ActivationFit(_Frozen):
-    """Activation memory of one forward+backward, fitted as ``fixed_bytes + per_sample_bytes * b``.
+    """Activation memory of one forward+backward as a function of the micro-batch ``b`` (bytes).
 
     Measured as the peak of live tensor bytes during forward, loss and backward above the resident
     model states (parameters and already-allocated gradients), i.e. activations plus temporaries,
     on the fake CPU device (FakeTensorMode), at two micro-batch sizes.
+
+    Profiles record ``lines``: the live bytes after each allocation of the step are a line
+    ``intercept + bytes_per_sample * b`` (the same operator allocates a tensor linear in ``b`` at either
+    size), so the peak at any ``b`` is the largest of those lines — the upper envelope kept here, by
+    increasing slope. The peak moves along the step as ``b`` grows (e.g. from the embedding's backward,
+    whose vocabulary-sized buffers do not grow with ``b``, to the start of backward, which does), which
+    one straight line through two sizes misses. ``fixed_bytes + per_sample_bytes * b`` is the steepest
+    line (the peak at large ``b``); with no ``lines`` (hand-made or formula fits, older profiles) it is
+    the whole fit.
     """
 
     precision: ActivationPrecision
@@ -45,15 +54,48 @@ class ActivationFit(_Frozen):
     per_sample_bytes: int = Field(ge=0)
     param_copy_bytes: int = Field(
         default=0, ge=0,
-        description="how much of bytes_at(1) is autocast's low-precision copies of the parameters (bytes; "
-                    "they sit in fixed_bytes). Only AMP (fp32 weights under autocast) holds them: with "
-                    "16-bit weights the weights themselves are used, so an estimator may subtract this "
-                    "for such recipes (0 for fp32)",
+        description="how much of bytes_at(1) is autocast's low-precision copies of the parameters (bytes). "
+                    "Only AMP (fp32 weights under autocast) holds them: with 16-bit weights the weights "
+                    "themselves are used, so an estimator drops them for such recipes. The share depends on "
+                    "the micro-batch when the fit has lines: use bytes_at(b, param_copies=False) (0 for fp32)",
+    )
+    lines: tuple[tuple[int, int], ...] = Field(
+        default=(),
+        description="upper envelope of the step's live-bytes lines, (intercept bytes, bytes per sample) by "
+                    "increasing slope: bytes_at(b) is the largest of them; () means the single line "
+                    "fixed_bytes + per_sample_bytes * b",
+    )
+    lines_without_copies: tuple[tuple[int, int], ...] = Field(
+        default=(),
+        description="the same envelope not counting autocast's parameter copies (what a model with 16-bit "
+                    "weights holds); () means lines minus param_copy_bytes",
     )
 
-    def bytes_at(self, micro_batch: int) -> int:
-        """Activation bytes for ``micro_batch`` samples (bytes)."""
-        return max(0, self.fixed_bytes + self.per_sample_bytes * micro_batch)
+    def bytes_at(self, micro_batch: int, param_copies: bool = True) -> int:
+        """Activation bytes for ``micro_batch`` samples (bytes); with ``param_copies=False``, without
+        autocast's copies of the parameters (for recipes whose weights are already 16-bit)."""
+        if not param_copies and self.lines_without_copies:
+            return _envelope_at(self.lines_without_copies, micro_batch)
+        if self.lines:
+            total = _envelope_at(self.lines, micro_batch)
+        else:
+            total = max(0, self.fixed_bytes + self.per_sample_bytes * micro_batch)
+        return total if param_copies else max(0, total - self.param_copy_bytes)
+
+    def param_copies_at(self, micro_batch: int) -> int:
+        """How much of ``bytes_at(micro_batch)`` is autocast's copies of the parameters (bytes)."""
+        return self.bytes_at(micro_batch) - self.bytes_at(micro_batch, param_copies=False)
+
+    def fixed_at(self, micro_batch: int) -> int:
+        """``bytes_at(micro_batch)`` less ``per_sample_bytes * micro_batch``: the part of the peak that
+        does not scale with the samples at this micro-batch (bytes; ``fixed_bytes`` without lines). An
+        estimator that rescales the per-sample part (tensor/pipeline parallelism) keeps this part."""
+        return self.bytes_at(micro_batch) - self.per_sample_bytes * micro_batch
+
+
+def _envelope_at(lines: tuple[tuple[int, int], ...], micro_batch: int) -> int:
+    """The largest ``intercept + slope * micro_batch`` of ``lines``, at least 0 (bytes)."""
+    return max(0, max(a + c * micro_batch for a, c in lines))
 
 
 class TransformerShape(_Frozen):
@@ -131,6 +173,12 @@ class ModelProfile(_Frozen):
         description="number of unique parameter tensors of each size up to SMALL_PARAM_LIMIT elements "
                     "(numel -> count): what DeepSpeed ZeRO-3 keeps unpartitioned under "
                     "stage3_param_persistence_threshold. None when unknown",
+    )
+    param_numels: tuple[int, ...] = Field(
+        default=(),
+        description="elements of each trainable parameter tensor in model.parameters() order (tied weights "
+                    "once): the order torch.optim steps them, for the optimizer step's scratch "
+                    "(estimators.temporaries). () when unknown",
     )
     buffer_bytes: int = Field(default=0, ge=0, description="non-parameter buffers (bytes)")
     param_dtype: str = "float32"

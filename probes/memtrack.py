@@ -18,6 +18,13 @@ Each storage has a category: registered tensors get the one passed to :meth:`Mem
 ``peak_by_category`` is the breakdown at the moment of the peak, and ``peak_without_copies`` the peak
 of live bytes not counting ``"param_copy"`` storages (what a model holding 16-bit weights would need).
 
+With ``record=True`` the tracker also keeps a timeline: after every allocation that raises the live
+bytes it appends ``(live_bytes, live bytes not counting "param_copy" storages)`` to the list of the
+current :attr:`MemTracker.phase` (a label the caller sets, e.g. from module hooks). Every local maximum
+of live bytes directly follows such an allocation, so the largest entry of a phase is its peak; and two
+runs of the same program on inputs of different sizes give timelines that line up entry by entry
+(what ``optplan.probes.static`` fits over the micro-batch).
+
 Byte counts are storage sizes without allocator rounding (the CUDA caching allocator rounds up to
 512 B blocks and keeps freed blocks; that overhead belongs to the estimators' fragmentation margin).
 """
@@ -50,8 +57,11 @@ class MemTracker(TorchDispatchMode):
     tracker can be re-entered; call :meth:`reset_peak` to start a new peak from the current live bytes.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, record: bool = False) -> None:
         super().__init__()
+        self.record = record
+        self.phase = "step"
+        self.events: dict[str, list[tuple[int, int]]] = {}
         self._sizes: dict[int, int] = {}
         self._category: dict[int, str] = {}
         self.live_bytes = 0
@@ -70,18 +80,22 @@ class MemTracker(TorchDispatchMode):
         ``category="param"`` so that casts of them count as ``"param_copy"``. After registering, the
         baseline is set to the live bytes (see :meth:`set_baseline`).
         """
-        before = self.live_bytes
-        for obj in tensors:
-            if obj is None:
-                continue
-            if isinstance(obj, torch.Tensor):
-                self._add(obj, category)
-                continue
-            if not isinstance(obj, (list, tuple, dict)):
-                obj = list(obj)  # generators such as model.parameters()
-            for leaf in tree_leaves(obj):
-                if isinstance(leaf, torch.Tensor):
-                    self._add(leaf, category)
+        before, record = self.live_bytes, self.record
+        self.record = False  # registering is not an allocation of the step
+        try:
+            for obj in tensors:
+                if obj is None:
+                    continue
+                if isinstance(obj, torch.Tensor):
+                    self._add(obj, category)
+                    continue
+                if not isinstance(obj, (list, tuple, dict)):
+                    obj = list(obj)  # generators such as model.parameters()
+                for leaf in tree_leaves(obj):
+                    if isinstance(leaf, torch.Tensor):
+                        self._add(leaf, category)
+        finally:
+            self.record = record
         self.set_baseline()
         return self.live_bytes - before
 
@@ -101,6 +115,18 @@ class MemTracker(TorchDispatchMode):
         """Peak live bytes minus the baseline (bytes)."""
         return self.peak_bytes - self.baseline_bytes
 
+    @property
+    def live_without_copies(self) -> int:
+        """Live bytes not counting ``"param_copy"`` storages."""
+        return self.live_bytes - self.live_by_category.get("param_copy", 0)
+
+    def timeline(self) -> dict[str, list[tuple[int, int]]]:
+        """The recorded events above the baseline, per phase in the order the phases started: lists of
+        ``(live bytes, live bytes without param copies)`` after each allocation (bytes)."""
+        base = self.baseline_bytes
+        return {phase: [(live - base, bare - base) for live, bare in events]
+                for phase, events in self.events.items()}
+
     # -- accounting ---------------------------------------------------------------------------------
     @staticmethod
     def _storage_key(t: Any) -> int | None:
@@ -117,6 +143,7 @@ class MemTracker(TorchDispatchMode):
             return  # sparse, nested or otherwise storage-less tensors
         key = st._cdata
         old = self._sizes.get(key)
+        before = self.live_bytes
         if old is None:
             self._sizes[key] = nbytes
             self._category[key] = category
@@ -134,10 +161,11 @@ class MemTracker(TorchDispatchMode):
         if self.live_bytes > self.peak_bytes:
             self.peak_bytes = self.live_bytes
             self.peak_by_category = dict(self.live_by_category)
-        if category != "param_copy":
-            without = self.live_bytes - self.live_by_category.get("param_copy", 0)
-            if without > self.peak_without_copies:
-                self.peak_without_copies = without
+        without = self.live_without_copies
+        if without > self.peak_without_copies:
+            self.peak_without_copies = without
+        if self.record and self.live_bytes > before:
+            self.events.setdefault(self.phase, []).append((self.live_bytes, without))
 
     def _free(self, key: int) -> None:
         nbytes = self._sizes.pop(key, None)

@@ -14,24 +14,32 @@ Definitions the estimators rely on:
   minus the live bytes before the step, with the model's parameters and gradients already allocated
   (one warm-up step, then ``zero_grad(set_to_none=False)``). It includes the input batch, saved
   activations, temporaries and the gradients' transient copies before accumulation; under bf16
-  autocast it also includes autocast's bf16 copies of the weights (they scale with the parameters,
-  so they land in ``fixed_bytes``). The default SDPA kernel is used (no s x s attention matrix is
-  stored). Fitted as ``fixed_bytes + per_sample_bytes * b`` from two micro-batch sizes, for fp32 and
-  bf16 autocast, with no checkpointing and with every repeated block checkpointed
-  (``torch.utils.checkpoint``, non-reentrant). ``param_copy_bytes`` is how much of the peak at
-  micro-batch 1 is autocast's bf16 copies of the weights (the same fit without them, i.e. for a
-  model holding bf16 weights, is ``bytes_at(1) - param_copy_bytes`` at micro-batch 1).
+  autocast it also includes autocast's bf16 copies of the weights. The default SDPA kernel is used
+  (no s x s attention matrix is stored). Measured for fp32 and bf16 autocast, with no checkpointing
+  and with every repeated block checkpointed (``torch.utils.checkpoint``, non-reentrant).
+* Micro-batch: the tracker records the live bytes after every allocation of the step, at micro-batch
+  1 and 2 (2 and 4 for a model that cannot run one sample). Both runs execute the same operators, so
+  their timelines line up allocation by allocation, and each allocation's live bytes are a line
+  ``a + c * b`` through its two values (tensor sizes are linear in the batch). The peak at any ``b`` is
+  the largest of those lines: the profile keeps their upper envelope (``ActivationFit.lines``; the
+  steepest line is ``fixed_bytes + per_sample_bytes * b``). One line through the two peaks would not
+  do: with a vocabulary, the peak at small ``b`` is the embedding's backward (vocab x hidden buffers
+  that do not grow with ``b``) and at larger ``b`` the start of backward, which grows faster. The same
+  is kept without autocast's copies of the weights (``lines_without_copies``, what a model holding
+  bf16 weights needs); ``param_copy_bytes`` is the difference at micro-batch 1.
 * Depth reduction: when the repeated blocks are the only children of one ``nn.ModuleList`` /
   ``nn.Sequential`` of length L >= 3 and all have the same parameter count, FLOPs and activations are
   measured with the container cut to 1 and 2 blocks and extrapolated linearly:
-  ``value(L) = value(1) + (value(2) - value(1)) * (L - 1)``. The activation peak is extrapolated
-  per phase (forward + loss, and backward, split where autocast exits) and the larger one taken:
-  within one phase every candidate peak point grows by the same bytes per block, so its argmax does
-  not move with depth, while the two phases grow at different rates (e.g. autocast's cached weight
-  copies exist only in forward). When the first block's input does not require grad (blocks first,
-  no embedding or stem before them) the first block skips its input gradient and depth 1 is off the
-  line, so 2 and 3 blocks are measured instead. If the cut model fails to run, the full depth is
-  profiled instead (with a note).
+  ``value(L) = value(1) + (value(2) - value(1)) * (L - 1)``. The activation envelope is extrapolated
+  per phase of the step (:data:`PHASES`: before the first block, forward + loss, backward until the
+  first block's input gradient, the rest of backward): each line of the 2-block envelope of a phase
+  gets L - 2 times the phase's growth per block (its 2-block minus its 1-block peak, a line over
+  ``b``). Within one phase the points that can be the peak grow alike with depth, while the phases
+  grow at different rates (the embedding's backward not at all, the start of backward by a block's
+  saved activations). When the first block's input does not require grad (blocks first, no embedding
+  or stem before them) the first block skips its input gradient and depth 1 is off the line, so 2 and
+  3 blocks are measured instead. If the cut model fails to run, the full depth is profiled instead
+  (with a note).
 
 Sequence length used for ``example_batch(batch_size, seq_len)`` (or the inferred token batch):
 the ``seq_len`` argument, else ``OPTPLAN["seq_len"]``, else the model's maximum position length when
@@ -46,10 +54,10 @@ import contextlib
 import copy
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -57,11 +65,11 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
 from optplan.estimators.profile import (
+    SMALL_PARAM_LIMIT,
     ActivationFit,
     ActivationPrecision,
     CheckpointMode,
     ModelProfile,
-    SMALL_PARAM_LIMIT,
     RepeatedBlock,
     TransformerShape,
 )
@@ -157,6 +165,12 @@ def factored_state_elements(model: nn.Module) -> int:
         else:
             total += p.numel()
     return total
+
+
+def trainable_numels(model: nn.Module) -> tuple[int, ...]:
+    """Elements of each trainable parameter tensor in ``model.parameters()`` order (a tied weight once):
+    the order in which ``torch.optim`` steps them. Meta tensors do."""
+    return tuple(p.numel() for p in model.parameters() if p.requires_grad)
 
 
 def small_param_counts(model: nn.Module, limit: int = SMALL_PARAM_LIMIT) -> dict[int, int]:
@@ -378,27 +392,158 @@ def _autocast(precision: ActivationPrecision) -> contextlib.AbstractContextManag
     return contextlib.nullcontext()
 
 
-class PhasePeaks(NamedTuple):
-    """Phase peaks of one step (bytes above the resident model states)."""
+# ---------------------------------------------------------------------------------------------------
+# activation envelopes: live bytes as a function of the micro-batch
+# ---------------------------------------------------------------------------------------------------
+Line = tuple[float, float]
+"""``(intercept, slope)``: bytes ``intercept + slope * b`` at micro-batch ``b`` (bytes, bytes per sample)."""
 
-    forward: float
-    backward: float
-    forward_without_copies: float
-    backward_without_copies: float
+PHASES = ("stem", "forward", "backward", "stem_backward")
+"""The phases of a step's timeline, in order: ``stem`` before the first repeated block's forward
+(batch creation, embedding or stem), ``forward`` the blocks, head and loss, ``backward`` until the
+gradient of the first block's input exists, ``stem_backward`` the rest (the stem's or embedding's
+backward, e.g. vocabulary-sized buffers that do not grow with depth). A model without repeated
+blocks has only ``forward`` and ``backward``."""
 
-    @property
-    def peak(self) -> int:
-        """The step's peak: the larger phase peak."""
-        return round(max(self.forward, self.backward))
+PhaseLines = dict[str, tuple[Line, ...]]
+"""Per phase, an :func:`upper_envelope`."""
 
-    @property
-    def peak_without_copies(self) -> int:
-        """The step's peak not counting autocast's parameter copies."""
-        return round(max(self.forward_without_copies, self.backward_without_copies))
+Timeline = dict[str, list[tuple[int, int]]]
+"""Per phase, ``(live bytes, live bytes without parameter copies)`` above the resident states after
+every allocation (:meth:`MemTracker.timeline`)."""
 
-    def scaled(self, other: PhasePeaks, layers: int, base: int = 1) -> PhasePeaks:
-        """Extrapolate (self at ``base`` blocks, other at ``base + 1``) to ``layers`` blocks, field by field."""
-        return PhasePeaks(*(extrapolate(a, b, layers, base) for a, b in zip(self, other, strict=True)))
+
+def line_through(y0: float, y1: float, b0: int, b1: int) -> Line:
+    """The line through ``(b0, y0)`` and ``(b1, y1)``."""
+    slope = (y1 - y0) / (b1 - b0)
+    return y0 - slope * b0, slope
+
+
+def value_at(lines: tuple[Line, ...] | list[Line], b: float) -> float:
+    """The upper envelope of ``lines`` at ``b`` (0 for no lines)."""
+    return max((a + c * b for a, c in lines), default=0.0)
+
+
+def upper_envelope(lines: Iterable[Line], b_min: float = 1.0) -> tuple[Line, ...]:
+    """The lines that are the maximum somewhere on ``b >= b_min``, by increasing slope.
+
+    The classic convex-hull sweep: sort by slope (for equal slopes keep the highest intercept); a
+    steeper line removes the last kept one when it is already at least as high at ``b_min``, or when it
+    overtakes the one before the last kept line no later than the last kept line does.
+    """
+    best: dict[float, float] = {}
+    for a, c in lines:
+        if c not in best or a > best[c]:
+            best[c] = a
+    kept: list[Line] = []
+    for c, a in sorted(best.items()):
+        while kept:
+            a_last, c_last = kept[-1]
+            if a + c * b_min >= a_last + c_last * b_min:
+                kept.pop()
+                continue
+            if len(kept) >= 2:
+                a_prev, c_prev = kept[-2]
+                if (a_prev - a) / (c - c_prev) <= (a_prev - a_last) / (c_last - c_prev):
+                    kept.pop()
+                    continue
+            break
+        kept.append((a, c))
+    return tuple(kept)
+
+
+def _phase_lines(events0: list[tuple[int, int]], events1: list[tuple[int, int]], b0: int, b1: int,
+                 column: int) -> tuple[Line, ...]:
+    """The envelope of one phase from its timelines at micro-batches ``b0`` and ``b1``.
+
+    The same program runs at both sizes, so the ``i``-th allocation of the phase is the same operator
+    in both timelines and its live bytes are the line through its two values (tensor sizes are linear
+    in the batch size). When the timelines do not line up (the model branches on the batch size), the
+    phase falls back to one line through its two peaks.
+    """
+    if len(events0) == len(events1):
+        lines = [line_through(e0[column], e1[column], b0, b1) for e0, e1 in zip(events0, events1, strict=True)]
+    else:
+        lines = [line_through(max(e[column] for e in events0), max(e[column] for e in events1), b0, b1)]
+    return upper_envelope(lines)
+
+
+@dataclass(frozen=True)
+class StepEnvelope:
+    """Activation bytes of one step (one precision and checkpointing mode) as a function of the
+    micro-batch ``b``: per phase (:data:`PHASES`), the upper envelope of the lines ``a + c * b`` that the
+    live bytes above the resident parameters, gradients and buffers follow after each allocation;
+    ``total`` counts every tensor, ``bare`` leaves out autocast's parameter copies. The step's
+    activation peak at ``b`` is the largest value of any line at ``b`` (bytes). ``misaligned`` names
+    the phases whose timelines did not line up (fitted through their peaks only)."""
+
+    batch_sizes: tuple[int, int]
+    total: PhaseLines
+    bare: PhaseLines
+    misaligned: tuple[str, ...] = ()
+
+    @classmethod
+    def from_timelines(cls, t0: Timeline, t1: Timeline, batch_sizes: tuple[int, int]) -> StepEnvelope:
+        """Fit the timelines of one step at the two ``batch_sizes`` (see :func:`_phase_lines`)."""
+        b0, b1 = batch_sizes
+        phases = [p for p in PHASES if t0.get(p) and t1.get(p)]
+        return cls(batch_sizes,
+                   {p: _phase_lines(t0[p], t1[p], b0, b1, 0) for p in phases},
+                   {p: _phase_lines(t0[p], t1[p], b0, b1, 1) for p in phases},
+                   tuple(p for p in phases if len(t0[p]) != len(t1[p])))
+
+    def lines(self, bare: bool = False) -> tuple[Line, ...]:
+        """The upper envelope over all phases."""
+        phases = self.bare if bare else self.total
+        return upper_envelope(line for lines in phases.values() for line in lines)
+
+    def at(self, b: float, bare: bool = False) -> float:
+        """The activation peak at micro-batch ``b`` (bytes)."""
+        return value_at(self.lines(bare), b)
+
+    def deeper(self, shallower: StepEnvelope, extra_blocks: int) -> StepEnvelope:
+        """Extrapolate this envelope (``d + 1`` blocks) by ``extra_blocks`` more blocks, given the one
+        of ``shallower`` (``d`` blocks).
+
+        Per phase, one more block adds the difference of the two phase peaks, itself a line over the
+        micro-batch (through its values at the two profiled sizes); that is added ``extra_blocks`` times
+        to every line of the phase. Within a phase the points that can be the peak grow alike with depth
+        (all saved activations of the blocks so far), which is why the step is split where it is: the
+        embedding's backward, for one, does not grow at all while the start of backward does.
+        """
+        b0, b1 = self.batch_sizes
+
+        def grow(mine: PhaseLines, theirs: PhaseLines) -> PhaseLines:
+            out = {}
+            for phase, lines in mine.items():
+                other = theirs.get(phase, ())
+                a, c = line_through(value_at(lines, b0) - value_at(other, b0),
+                                    value_at(lines, b1) - value_at(other, b1), b0, b1) if other else (0.0, 0.0)
+                out[phase] = tuple((la + extra_blocks * a, lc + extra_blocks * c) for la, lc in lines)
+            return out
+
+        misaligned = tuple(p for p in PHASES if p in self.misaligned or p in shallower.misaligned)
+        return StepEnvelope(self.batch_sizes, grow(self.total, shallower.total), grow(self.bare, shallower.bare),
+                            misaligned)
+
+
+def activation_fit(precision: ActivationPrecision, checkpointing: CheckpointMode,
+                   envelope: StepEnvelope) -> ActivationFit:
+    """The :class:`ActivationFit` of one mode: the envelope's lines, rounded to whole bytes.
+
+    ``fixed_bytes`` and ``per_sample_bytes`` are its steepest line (the one that is the peak at large
+    micro-batches); ``lines_without_copies`` is the envelope without autocast's parameter copies and
+    ``param_copy_bytes`` the difference of the two at micro-batch 1 (the copies' share of the peak
+    depends on the micro-batch: under checkpointing, for one, the forward peak holds every cached
+    weight copy but the backward peak, which takes over at large micro-batches, only a block's).
+    """
+    total, bare = envelope.lines(), envelope.lines(bare=True)
+    rounded = tuple((round(a), round(c)) for a, c in total)
+    fixed, per_sample = rounded[-1] if rounded else (0, 0)
+    copies = value_at(total, 1) - value_at(bare, 1)
+    return ActivationFit(precision=precision, checkpointing=checkpointing, fixed_bytes=fixed,
+                         per_sample_bytes=max(0, per_sample), param_copy_bytes=max(0, round(copies)),
+                         lines=rounded, lines_without_copies=tuple((round(a), round(c)) for a, c in bare))
 
 
 @dataclass
@@ -530,36 +675,65 @@ class StepRunner:
         self.model.zero_grad(set_to_none=False)
         return int(fwd_counter.get_total_flops()), int(bwd_counter.get_total_flops())
 
-    def activation_peaks(self, b: int, precision: ActivationPrecision = "fp32",
-                         checkpointing: CheckpointMode = "none") -> PhasePeaks:
-        """Peak live tensor bytes above the resident parameters, gradients and buffers in the
-        forward + loss phase and in the backward phase of one step, also without counting the
-        parameter copies (autocast's casts of the weights)."""
+    def _tracker(self) -> MemTracker:
+        """A recording tracker with the resident parameters, gradients and buffers registered."""
         params = list(self.model.parameters())
-        tracker = MemTracker()
+        tracker = MemTracker(record=True)
         tracker.track(params, category="param")
         tracker.track([p.grad for p in params], category="grad")
         tracker.track(list(self.model.buffers()), category="buffer")
-        with checkpointed(self.blocks, checkpointing == "full"), tracker:
+        return tracker
+
+    def activation_timeline(self, b: int, precision: ActivationPrecision = "fp32",
+                            checkpointing: CheckpointMode = "none") -> Timeline:
+        """Live tensor bytes above the resident parameters, gradients and buffers after every allocation
+        of one forward + loss + backward at micro-batch ``b``, split into :data:`PHASES` (bytes)."""
+        tracker = self._tracker()
+        tracker.phase = "stem" if self.blocks else "forward"
+        with _phase_hooks(self.blocks, tracker), checkpointed(self.blocks, checkpointing == "full"), tracker:
             batch = self.make_batch(b)
             with _autocast(precision):
                 out = self.forward(batch, b)
                 loss = self.loss(out, batch)
             del out, batch
-            forward_peak = tracker.peak_above_baseline
-            forward_bare = tracker.peak_without_copies - tracker.baseline_bytes
-            tracker.reset_peak()
+            tracker.phase = "backward"
             self.backward(loss)
             del loss
-            backward_peak = tracker.peak_above_baseline
-            backward_bare = tracker.peak_without_copies - tracker.baseline_bytes
         self.model.zero_grad(set_to_none=False)
-        return PhasePeaks(forward_peak, backward_peak, forward_bare, backward_bare)
+        return tracker.timeline()
 
     def activation_bytes(self, b: int, precision: ActivationPrecision = "fp32",
                          checkpointing: CheckpointMode = "none") -> int:
         """Peak live tensor bytes of one step above the resident parameters, gradients and buffers."""
-        return self.activation_peaks(b, precision, checkpointing).peak
+        timeline = self.activation_timeline(b, precision, checkpointing)
+        return max((live for events in timeline.values() for live, _ in events), default=0)
+
+
+@contextlib.contextmanager
+def _phase_hooks(blocks: list[nn.Module], tracker: MemTracker) -> Iterator[None]:
+    """Switch ``tracker.phase`` to ``forward`` when the first repeated block starts its forward and to
+    ``stem_backward`` when the gradient of its (first grad-requiring tensor) input has been computed."""
+    if not blocks:
+        yield
+        return
+
+    def on_input_grad(grad: torch.Tensor) -> None:
+        tracker.phase = "stem_backward"
+
+    def pre_hook(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if tracker.phase != "stem":
+            return
+        tracker.phase = "forward"
+        for t in (*args, *kwargs.values()):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(on_input_grad)
+                break
+
+    handle = blocks[0].register_forward_pre_hook(pre_hook, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 @dataclass
@@ -568,7 +742,7 @@ class Measurement:
 
     fwd_flops: int
     bwd_flops: int
-    peaks: dict[tuple[ActivationPrecision, CheckpointMode, int], PhasePeaks]
+    envelopes: dict[tuple[ActivationPrecision, CheckpointMode], StepEnvelope]
     batch_info: BatchInfo
     loss_note: str | None
     first_block_input_grad: bool | None = None
@@ -580,15 +754,16 @@ def modes_for(has_blocks: bool) -> list[tuple[ActivationPrecision, CheckpointMod
 
 
 def measure(runner: StepRunner, batch_sizes: tuple[int, int], *, flops: bool = True) -> Measurement:
-    """Warm up, count FLOPs at ``batch_sizes[0]`` and measure activation peaks for every mode."""
+    """Warm up, count FLOPs at ``batch_sizes[0]`` and fit the activation envelope of every mode from
+    the step's timelines at the two ``batch_sizes``."""
     input_grad = runner.warm_up(batch_sizes[0])
     fwd, bwd = runner.flops(batch_sizes[0]) if flops else (0, 0)
-    peaks = {}
+    envelopes = {}
     for precision, ckpt in modes_for(bool(runner.blocks)):
-        for b in batch_sizes:
-            peaks[(precision, ckpt, b)] = runner.activation_peaks(b, precision, ckpt)
+        t0, t1 = (runner.activation_timeline(b, precision, ckpt) for b in batch_sizes)
+        envelopes[(precision, ckpt)] = StepEnvelope.from_timelines(t0, t1, batch_sizes)
     assert runner.batch_info is not None
-    return Measurement(fwd, bwd, peaks, runner.batch_info, runner.loss_note, input_grad)
+    return Measurement(fwd, bwd, envelopes, runner.batch_info, runner.loss_note, input_grad)
 
 
 def blocks_of(model: nn.Module, cls: type | None) -> list[nn.Module]:
@@ -619,26 +794,11 @@ def extrapolate(one: float, two: float, layers: int, base: int = 1) -> float:
     return one + (two - one) * (layers - base)
 
 
-def _line(y0: float, y1: float, b0: int, b1: int) -> tuple[float, float]:
-    per_sample = max(0.0, (y1 - y0) / (b1 - b0))
-    return y0 - per_sample * b0, per_sample
-
-
-def fit_activations(peaks: Mapping[tuple[ActivationPrecision, CheckpointMode, int], PhasePeaks],
-                    batch_sizes: tuple[int, int]) -> tuple[ActivationFit, ...]:
-    """``fixed + per_sample * b`` through the step peaks (the larger phase peak) at the two batch
-    sizes, per (precision, checkpointing)."""
-    b0, b1 = batch_sizes
-    fits = []
-    modes = sorted({(p, c) for p, c, _ in peaks}, key=lambda m: (PRECISIONS.index(m[0]), m[1] != "none"))
-    for precision, ckpt in modes:
-        p0, p1 = peaks[(precision, ckpt, b0)], peaks[(precision, ckpt, b1)]
-        fixed, per_sample = _line(p0.peak, p1.peak, b0, b1)
-        bare_fixed, bare_per_sample = _line(p0.peak_without_copies, p1.peak_without_copies, b0, b1)
-        copies = (fixed + per_sample * b0) - (bare_fixed + bare_per_sample * b0)
-        fits.append(ActivationFit(precision=precision, checkpointing=ckpt, fixed_bytes=round(fixed),
-                                  per_sample_bytes=round(per_sample), param_copy_bytes=max(0, round(copies))))
-    return tuple(fits)
+def fit_activations(envelopes: Mapping[tuple[ActivationPrecision, CheckpointMode], StepEnvelope]
+                    ) -> tuple[ActivationFit, ...]:
+    """One :class:`ActivationFit` per (precision, checkpointing), fp32 first, no checkpointing first."""
+    modes = sorted(envelopes, key=lambda m: (PRECISIONS.index(m[0]), m[1] != "none"))
+    return tuple(activation_fit(precision, ckpt, envelopes[(precision, ckpt)]) for precision, ckpt in modes)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -692,11 +852,12 @@ def _measure_reduced(contract: ModelContract, meta: nn.Module, block: BlockInfo,
         if layers == 3:
             return m3, sizes, None
         lo, hi, base = m2, m3, 2
-    peaks = {k: lo.peaks[k].scaled(hi.peaks[k], layers, base) for k in lo.peaks}
+    extra = layers - (base + 1)
+    envelopes = {k: hi.envelopes[k].deeper(lo.envelopes[k], extra) for k in hi.envelopes}
     measurement = Measurement(
         fwd_flops=round(extrapolate(lo.fwd_flops, hi.fwd_flops, layers, base)),
         bwd_flops=round(extrapolate(lo.bwd_flops, hi.bwd_flops, layers, base)),
-        peaks=peaks, batch_info=m1.batch_info, loss_note=m1.loss_note)
+        envelopes=envelopes, batch_info=m1.batch_info, loss_note=m1.loss_note)
     notes.append(f"profiled {base + 1} of {layers} blocks and scaled by layers")
     return measurement, sizes, base + 1
 
@@ -735,6 +896,10 @@ def profile_contract(contract: ModelContract, *, seq_len: int | None = None,
                                                     notes)
 
     info = measurement.batch_info
+    misaligned = sorted({p for env in measurement.envelopes.values() for p in env.misaligned}, key=PHASES.index)
+    if misaligned:
+        notes.append(f"the step ran different operators at micro-batch {sizes[0]} and {sizes[1]} (phases: "
+                     f"{', '.join(misaligned)}); there the activation bytes are one line through the two peaks")
     if batch_note:
         notes.append(batch_note)
     if measurement.loss_note:
@@ -768,7 +933,8 @@ def profile_contract(contract: ModelContract, *, seq_len: int | None = None,
         tokens_per_sample=info.tokens_per_sample,
         fwd_flops_per_sample=measurement.fwd_flops / b0,
         bwd_flops_per_sample=measurement.bwd_flops / b0,
-        activations=fit_activations(measurement.peaks, sizes),
+        activations=fit_activations(measurement.envelopes),
+        param_numels=trainable_numels(meta),
         transformer=shape,
         profiled_blocks=profiled_blocks,
         defaults=contract.defaults,

@@ -65,3 +65,29 @@ def test_reset_peak_and_baseline():
     assert tracker.peak_above_baseline == pytest.approx(10)
     del b
     assert tracker.live_bytes == 0
+
+
+def test_timeline_records_live_bytes_after_each_allocation_per_phase():
+    lin = torch.nn.Linear(256, 256, bias=False)
+    x = torch.randn(4, 256)
+    tracker = MemTracker(record=True)
+    tracker.track(lin.parameters(), category="param")
+    with tracker:
+        tracker.phase = "forward"
+        a = torch.empty(1000, dtype=torch.uint8)
+        b = torch.empty(500, dtype=torch.uint8)
+        del a
+        view = b[:10]  # no new storage: no event
+        tracker.phase = "amp"
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = lin(x)
+    timeline = tracker.timeline()
+    assert list(timeline) == ["forward", "amp"]
+    assert timeline["forward"] == [(1000, 1000), (1500, 1500)]
+    copy = 256 * 256 * 2  # autocast's bf16 weight copy: in the first column only
+    act = 4 * 256 * 2  # the bf16 copy of x, then the bf16 output
+    assert timeline["amp"] == [(500 + copy, 500), (500 + copy + act, 500 + act),
+                               (500 + copy + 2 * act, 500 + 2 * act)]
+    assert timeline["amp"][-1][0] == tracker.peak_above_baseline
+    assert not MemTracker().record and MemTracker().timeline() == {}
+    del view, y

@@ -36,7 +36,7 @@ def real_fits(contract, seq_len: int):
     runner = StepRunner(model=model, spec=spec, loss_fn=contract.loss_fn, display=contract.display,
                         blocks=blocks_of(model, block.cls if block else None))
     m = measure(runner, BATCHES)
-    return {(f.precision, f.checkpointing): f for f in fit_activations(m.peaks, BATCHES)}, m
+    return {(f.precision, f.checkpointing): f for f in fit_activations(m.envelopes)}, m
 
 
 def fake_full_depth_fits(contract, seq_len: int):
@@ -44,14 +44,16 @@ def fake_full_depth_fits(contract, seq_len: int):
     block = find_repeated_block(meta)
     spec, _ = batch_spec(contract, meta, seq_len)
     m = measure_fake(meta, spec, contract, block.cls if block else None, BATCHES)
-    return {(f.precision, f.checkpointing): f for f in fit_activations(m.peaks, BATCHES)}, m
+    return {(f.precision, f.checkpointing): f for f in fit_activations(m.envelopes)}, m
 
 
 def assert_fits_close(got, want, rel=0.01):
     assert set(got) == set(want)
     for mode, fit in want.items():
-        for b in (1, 2, 8):
+        for b in (1, 2, 3, 4, 8, 32):
             assert got[mode].bytes_at(b) == pytest.approx(fit.bytes_at(b), rel=rel), (mode, b)
+            assert got[mode].bytes_at(b, param_copies=False) == pytest.approx(
+                fit.bytes_at(b, param_copies=False), rel=rel), (mode, b)
         assert got[mode].param_copy_bytes == pytest.approx(fit.param_copy_bytes, rel=rel, abs=64), mode
 
 
@@ -299,7 +301,12 @@ def test_profile_carries_factored_state_elements(write_model):
 
 def test_arch_formula_matches_a_built_decoder():
     """estimators.arch's parameter and Adafactor counts equal those of a torch decoder of that shape."""
-    from optplan.estimators.arch import ArchSpec, arch_factored_state_elements, arch_params, arch_small_param_counts
+    from optplan.estimators.arch import (
+        ArchSpec,
+        arch_factored_state_elements,
+        arch_params,
+        arch_small_param_counts,
+    )
     from optplan.probes.static import small_param_counts
 
     nn = torch.nn
@@ -337,3 +344,117 @@ def test_gpt2_small_factored_state_elements(gpt2_small_run):
     profile, _ = gpt2_small_run
     h = 768
     assert profile.factored_state_elements == 12 * 29 * h + (50257 + h) + (1024 + h) + 2 * h == 321_617
+
+
+# --- the activation envelope: lines over the micro-batch, per phase, extrapolated over depth -----------
+
+
+def test_upper_envelope_keeps_the_lines_that_are_the_maximum_somewhere():
+    from optplan.probes.static import upper_envelope, value_at
+
+    lines = [(100, 0), (60, 20), (0, 40), (10, 10), (-500, 60), (90, 0), (40, 20)]
+    env = upper_envelope(lines)
+    # the maximum is (100, 0) up to b = 2, (60, 20) to 3, (0, 40) to 25, then (-500, 60); (10, 10) is
+    # under (100, 0) up to b = 9 and under (60, 20) after; (90, 0) and (40, 20) are below a line of the
+    # same slope
+    assert env == ((100, 0), (60, 20), (0, 40), (-500, 60))
+    for b in (1, 2, 2.5, 3, 10, 25, 100):
+        assert value_at(env, b) == max(a + c * b for a, c in lines)
+    # a line that is the maximum at one point only is dropped
+    assert upper_envelope([(100, 0), (50, 20), (0, 40)]) == ((100, 0), (0, 40))
+    # a line that wins only below b_min is dropped
+    assert upper_envelope([(10, 0), (5, 6)], b_min=1) == ((5, 6),)
+    assert upper_envelope([(10, 0), (5, 6)], b_min=0) == ((10, 0), (5, 6))
+    assert upper_envelope([]) == ()
+
+
+def test_step_envelope_from_timelines_and_depth():
+    from optplan.probes.static import StepEnvelope
+
+    # per phase, (live, live without copies) after each allocation at micro-batch 1 and 2
+    t1 = {"stem": [(10, 10)], "forward": [(100, 60), (130, 90)], "backward": [(150, 110), (120, 120)],
+          "stem_backward": [(300, 300)]}
+    t2 = {"stem": [(20, 20)], "forward": [(180, 140), (250, 210)], "backward": [(290, 250), (230, 230)],
+          "stem_backward": [(310, 310)]}
+    env = StepEnvelope.from_timelines(t1, t2, (1, 2))
+    assert env.total["backward"] == ((10, 140),) and env.total["stem_backward"] == ((290, 10),)
+    assert env.lines() == ((290, 10), (10, 140))  # the embedding's backward first, then the backward's start
+    assert [env.at(b) for b in (1, 2, 3, 4)] == [300, 310, 430, 570]
+    assert [env.at(b, bare=True) for b in (1, 2, 3)] == [300, 310, 390]
+    # one block fewer: forward and backward shrink by a line over b, the embedding's backward does not
+    shallower = StepEnvelope.from_timelines(
+        {"stem": [(10, 10)], "forward": [(70, 40), (80, 50)], "backward": [(90, 60), (70, 70)],
+         "stem_backward": [(300, 300)]},
+        {"stem": [(20, 20)], "forward": [(120, 90), (140, 110)], "backward": [(160, 130), (130, 130)],
+         "stem_backward": [(310, 310)]}, (1, 2))
+    deeper = env.deeper(shallower, 3)  # three more blocks
+    assert deeper.total["backward"] == ((10 + 3 * -10, 140 + 3 * 70),)
+    assert deeper.total["stem_backward"] == env.total["stem_backward"]
+    # timelines that do not line up (a batch-size dependent branch) fall back to a line through the peaks
+    odd = StepEnvelope.from_timelines({"forward": [(5, 5), (9, 9)]}, {"forward": [(12, 12)]}, (1, 2))
+    assert odd.total == {"forward": ((6, 3),)} and odd.misaligned == ("forward",)
+    assert env.misaligned == () and odd.deeper(odd, 2).misaligned == ("forward",)
+
+
+def test_a_model_branching_on_the_batch_size_gets_a_note(write_model):
+    path = write_model("""
+        import torch, torch.nn as nn
+
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(16, 16)
+            def forward(self, x):
+                h = self.fc(x)
+                if x.shape[0] > 1:  # one more temporary for batches of several samples
+                    h = h * 2
+                return h.relu().sum()
+
+        def build_model():
+            return Net()
+
+        def example_batch(batch_size, seq_len):
+            return torch.randn(batch_size, 16)
+        """)
+    profile = profile_contract(load_contract(path))
+    assert any("ran different operators at micro-batch 1 and 2" in n for n in profile.notes)
+    assert profile.activation("fp32", "none").bytes_at(2) > 0
+
+
+def test_activation_fit_lines_and_their_summary():
+    from optplan.estimators.profile import ActivationFit, ModelProfile
+    from optplan.probes.static import StepEnvelope, activation_fit
+
+    env = StepEnvelope((1, 2), {"forward": ((500, 10),), "backward": ((0, 100),)},
+                       {"forward": ((100, 10),), "backward": ((0, 90),)})
+    fit = activation_fit("bf16", "full", env)
+    assert fit.lines == ((500, 10), (0, 100)) and fit.lines_without_copies == ((100, 10), (0, 90))
+    assert (fit.fixed_bytes, fit.per_sample_bytes) == (0, 100)  # the steepest line: the peak at large b
+    assert fit.param_copy_bytes == 510 - 110  # at micro-batch 1
+    assert [fit.bytes_at(b) for b in (1, 5, 6, 10)] == [510, 550, 600, 1000]
+    assert [fit.bytes_at(b, param_copies=False) for b in (1, 2, 10)] == [110, 180, 900]
+    assert [fit.param_copies_at(b) for b in (1, 2, 10)] == [400, 340, 100]
+    assert [fit.fixed_at(b) for b in (1, 5, 10)] == [410, 50, 0]
+    # without lines (hand-made, formula or older profiles) the single line, as before
+    old = ActivationFit(precision="bf16", checkpointing="none", fixed_bytes=100, per_sample_bytes=7,
+                        param_copy_bytes=30)
+    assert old.bytes_at(2) == 114 and old.bytes_at(2, param_copies=False) == 84
+    assert old.param_copies_at(2) == 30 and old.fixed_at(2) == 100
+    assert ActivationFit(precision="fp32", checkpointing="none", fixed_bytes=-50, per_sample_bytes=10).bytes_at(2) == 0
+    # the lines survive the JSON round trip of the profile (the child process sends JSON)
+    assert ActivationFit.model_validate_json(fit.model_dump_json()) == fit
+    assert ModelProfile.model_fields["param_numels"].default == ()
+
+
+def test_profile_param_numels_in_optimizer_order(examples_dir):
+    contract = load_contract(examples_dir / "mlp.py")
+    profile = profile_contract(contract)
+    model = contract.builder()
+    assert profile.param_numels == tuple(p.numel() for p in model.parameters() if p.requires_grad)
+    assert sum(profile.param_numels) == profile.trainable_params
+
+
+def test_gpt2_small_param_numels_tie_once(gpt2_small_run):
+    profile, _ = gpt2_small_run
+    assert len(profile.param_numels) == 148 and sum(profile.param_numels) == 124_439_808
+    assert profile.param_numels[0] == 50257 * 768  # wte, tied with lm_head: once
