@@ -54,9 +54,6 @@ from optplan.estimators.profile import ModelProfile
 from optplan.estimators.strategy import Strategy
 from optplan.estimators.temporaries import (
     AdamImpl,
-    adam_step_counter_bytes,
-    adamw_step_temp_bytes,
-    step_peak_bytes,
 )
 from optplan.probes.contract import DEFAULT_TOKEN_SEQ_LEN, load_contract
 from optplan.probes.loader import profile_model_file
@@ -191,17 +188,15 @@ class Prediction:
 
 
 def predict(profile: ModelProfile, precision: str, checkpointing: str, mbs: int, impl: AdamImpl) -> Prediction:
-    """Activation and step-peak bytes from the estimator (and the temporaries it does not model yet);
-    the optimizer step's scratch from the profile's trainable tensor sizes (``param_numels``)."""
-    param_numels = profile.param_numels
+    """Activation and step-peak bytes from ``estimators.memory.memory_breakdown`` for a CPU step with the
+    AdamW implementation ``impl``: its GPU-only overhead (CUDA context, fragmentation margin) left out.
+    ``total_memory_py`` is the old composition without the optimizer-step items, for reference."""
     strategy = Strategy(precision=PRECISIONS[precision], optimizer="adamw", mbs=mbs,  # type: ignore[arg-type]
                         checkpointing=checkpointing)  # type: ignore[arg-type]
-    m = memory_breakdown(profile, strategy, capacity_bytes=CAPACITY)
+    m = memory_breakdown(profile, strategy, capacity_bytes=CAPACITY, adam_impl=impl, device="cpu")
     states = m.params_bytes + m.grads_bytes + m.optimizer_bytes
-    extra_states = profile.buffer_bytes + adam_step_counter_bytes(len(param_numels), impl, "cpu")
-    temp = adamw_step_temp_bytes(param_numels, impl, state_bytes=4)
     return Prediction(act=m.activations_bytes, total_memory_py=states + m.activations_bytes,
-                      total=step_peak_bytes(states + extra_states, m.activations_bytes, temp))
+                      total=m.total_bytes - m.overhead_bytes)
 
 
 # ---------------------------------------------------------------------------------------------------

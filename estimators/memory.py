@@ -56,6 +56,14 @@ from optplan.estimators.pipeline import in_flight_microbatches
 from optplan.estimators.precision import Recipe, get_recipe
 from optplan.estimators.profile import ModelProfile
 from optplan.estimators.strategy import Strategy
+from optplan.estimators.temporaries import (
+    AdamImpl,
+    DeviceKind,
+    adam_step_counter_bytes,
+    adamw_step_temp_bytes,
+    engine_adam_impl,
+    optimizer_temp_excess_bytes,
+)
 from optplan.estimators.units import GIB_BYTES
 
 CUDA_CONTEXT_BYTES = 1 * GIB_BYTES
@@ -266,9 +274,8 @@ def activation_bytes(profile: ModelProfile, strategy: Strategy, *, stage: int = 
     fit_mode = "full" if mode == "full" else "none"
     fit = profile.activation(recipe.activation_precision, fit_mode)
     if _uses_measured_fit(profile, strategy):
-        copies = fit.param_copy_bytes if recipe.weight_bytes == 2 else 0
-        return max(0, fit.bytes_at(strategy.mbs) - copies)
-    fixed = _param_copy_bytes(profile, strategy, fit.fixed_bytes, fit.param_copy_bytes, stage)
+        return fit.bytes_at(strategy.mbs, param_copies=recipe.weight_bytes != 2)
+    fixed = _param_copy_bytes(profile, strategy, fit.fixed_at(strategy.mbs), fit.param_copies_at(strategy.mbs), stage)
     per_sample = _per_sample_stage_bytes(profile, strategy, mode, stage)
     return max(0, round(fixed + per_sample * strategy.mbs))
 
@@ -387,29 +394,65 @@ gradient to fp32 and flattens the copies at ``step()`` (deepspeed/runtime/fp16/f
 4 of the flat buffer live at once, after the activations are freed. Bytes per trainable parameter."""
 
 
-def step_peak_extra_bytes(profile: ModelProfile, strategy: Strategy, activations_bytes: int, stage: int = 0) -> int:
-    """What the optimizer step's transient buffers add above the backward-pass peak (bytes, >= 0).
+def _deepspeed_flattens(strategy: Strategy) -> bool:
+    recipe = get_recipe(strategy.precision)
+    return (strategy.engine == "deepspeed" and strategy.zero == 0 and recipe.weight_bytes == 2
+            and recipe.master_bytes > 0)
 
-    Only DeepSpeed's ZeRO-0 16-bit optimizer has one large enough to matter: 8 bytes per trainable
-    parameter while the activations (freed by then) are not held.
+
+def optimizer_step_scratch_bytes(profile: ModelProfile, strategy: Strategy, *, stage: int = 0,
+                                 gpus_per_node: int = 8, adam_impl: AdamImpl | None = None,
+                                 device: DeviceKind = "cuda") -> int:
+    """Transient bytes the optimizer step allocates on the device, after backward (bytes).
+
+    DeepSpeed ZeRO-0 with 16-bit weights: the fp32 gradient flattening (DEEPSPEED_STEP_FLATTEN_BYTES per
+    parameter; its FusedAdam then updates in place). AdamW otherwise, over this rank's (sharded)
+    parameter tensors: nothing for fused kernels (DeepSpeed, Megatron), Σ n_i · moment bytes for torch's
+    foreach default on CUDA, max(2·n_i + n_{i−1}) · moment bytes for its CPU loop (temporaries.py).
+    Offloaded optimizers step on the host: nothing on the device.
     """
     recipe = get_recipe(strategy.precision)
-    if not (strategy.engine == "deepspeed" and strategy.zero == 0 and recipe.weight_bytes == 2
-            and recipe.master_bytes > 0):
+    share = stage_params(profile, strategy, stage) / profile.params if profile.params else 0.0
+    trainable = profile.trainable_params * share
+    if _deepspeed_flattens(strategy):
+        return round(DEEPSPEED_STEP_FLATTEN_BYTES * trainable)
+    if strategy.optimizer != "adamw" or strategy.offload_optimizer != "none" or strategy.offload_params != "none":
         return 0
-    psi_train = stage_params(profile, strategy, stage) * (
-        profile.trainable_params / profile.params if profile.params else 0.0)
-    return max(0, round(DEEPSPEED_STEP_FLATTEN_BYTES * psi_train) - activations_bytes)
+    impl = adam_impl or engine_adam_impl(strategy.engine, device)
+    if strategy.shard_stage >= 1:
+        share /= placement(strategy, gpus_per_node).shard.ranks
+    numels = [round(n * share) for n in profile.param_numels] or [round(trainable)]
+    return adamw_step_temp_bytes(numels, impl, state_bytes=recipe.state_bytes)
+
+
+def step_peak_extra_bytes(profile: ModelProfile, strategy: Strategy, activations_bytes: int, stage: int = 0,
+                          *, gpus_per_node: int = 8, adam_impl: AdamImpl | None = None,
+                          device: DeviceKind = "cuda") -> int:
+    """What the optimizer step's scratch adds above the backward-pass peak (bytes, >= 0): the step runs
+    when the activations are freed and every gradient is alive, so the peak is states + max(activations,
+    scratch) (temporaries.optimizer_temp_excess_bytes)."""
+    scratch = optimizer_step_scratch_bytes(profile, strategy, stage=stage, gpus_per_node=gpus_per_node,
+                                           adam_impl=adam_impl, device=device)
+    return optimizer_temp_excess_bytes(activations_bytes, scratch)
 
 
 def _stage_breakdown(profile: ModelProfile, strategy: Strategy, capacity_bytes: int, gpus_per_node: int,
-                     stage: int) -> MemoryBreakdown:
+                     stage: int, adam_impl: AdamImpl | None, device: DeviceKind) -> MemoryBreakdown:
     states = model_states(profile, strategy, stage=stage, gpus_per_node=gpus_per_node)
     acts = activation_bytes(profile, strategy, stage=stage)
     items = buffer_items(profile, strategy, stage=stage, gpus_per_node=gpus_per_node)
-    step_extra = step_peak_extra_bytes(profile, strategy, acts, stage)
+    step_extra = step_peak_extra_bytes(profile, strategy, acts, stage, gpus_per_node=gpus_per_node,
+                                       adam_impl=adam_impl, device=device)
     if step_extra:
-        items["deepspeed_step_fp32_grad_flatten"] = step_extra
+        name = "deepspeed_step_fp32_grad_flatten" if _deepspeed_flattens(strategy) else "optimizer_step_scratch"
+        items[name] = step_extra
+    if strategy.optimizer == "adamw" and strategy.offload_optimizer == "none":
+        impl = adam_impl or engine_adam_impl(strategy.engine, device)
+        counters = adam_step_counter_bytes(len(profile.param_numels), impl, device)
+        if counters:
+            items["adam_step_counters"] = counters
+    if profile.buffer_bytes:
+        items["model_buffers"] = profile.buffer_bytes
     bufs = sum(items.values())
     allocated = states.params_bytes + states.grads_bytes + states.optimizer_bytes + acts + bufs
     fragmentation = round(FRAGMENTATION_FRACTION * allocated)
@@ -433,8 +476,13 @@ def _stage_breakdown(profile: ModelProfile, strategy: Strategy, capacity_bytes: 
 
 
 def memory_breakdown(profile: ModelProfile, strategy: Strategy, capacity_bytes: int, *,
-                     gpus_per_node: int = 8) -> MemoryBreakdown:
-    """Per-GPU memory of ``strategy`` on its worst rank (the first or last pipeline stage), bytes."""
+                     gpus_per_node: int = 8, adam_impl: AdamImpl | None = None,
+                     device: DeviceKind = "cuda") -> MemoryBreakdown:
+    """Per-GPU memory of ``strategy`` on its worst rank (the first or last pipeline stage), bytes.
+
+    ``adam_impl`` overrides the engine's default AdamW implementation and ``device`` says where the step
+    runs ("cpu" for a real CPU step, e.g. the exact-accounting benchmark)."""
     stages = (0,) if strategy.pp == 1 else (0, strategy.pp - 1)
-    worst = [_stage_breakdown(profile, strategy, capacity_bytes, gpus_per_node, s) for s in stages]
+    worst = [_stage_breakdown(profile, strategy, capacity_bytes, gpus_per_node, s, adam_impl, device)
+             for s in stages]
     return max(worst, key=lambda m: m.total_bytes)
