@@ -144,6 +144,17 @@ def arch_small_param_counts(spec: ArchSpec) -> dict[int, int]:
     return {k: v for k, v in sorted(counts.items()) if k <= SMALL_PARAM_LIMIT}
 
 
+def arch_param_numels(spec: ArchSpec) -> tuple[int, ...]:
+    """The ``arch_params`` model's tensor sizes in module order (embedding, positions, layers, final norm,
+    untied head): what ``ModelProfile.param_numels`` records for a built model."""
+    h = spec.hidden
+    head = () if spec.tied else (spec.vocab * h,)
+    positions = (spec.seq * h,) if spec.seq and not spec.gated else ()
+    layer = tuple(size for size, n in _layer_tensors(spec) for _ in range(n))
+    norm = (h,) if spec.gated else (h, h)
+    return (spec.vocab * h, *positions, *(layer * spec.layers), *norm, *head)
+
+
 def profile_from_arch(spec: ArchSpec, *, name: str | None = None) -> ModelProfile:
     """The static profile of a decoder given by shape (per-sample figures at ``spec.seq``)."""
     if spec.seq is None:
@@ -169,6 +180,7 @@ def profile_from_arch(spec: ArchSpec, *, name: str | None = None) -> ModelProfil
         trainable_params=params, params_by_module={"embedding": params - L * per_layer, "layers": L * per_layer},
         factored_state_elements=arch_factored_state_elements(spec),
         small_param_counts=arch_small_param_counts(spec),
+        param_numels=arch_param_numels(spec),
         repeated_block=RepeatedBlock(class_name="DecoderLayer", count=L, params_per_block=per_layer),
         input_kind="tokens", seq_len=s, tokens_per_sample=s, fwd_flops_per_sample=fwd, bwd_flops_per_sample=2 * fwd,
         activations=tuple(fits), activation_source="formula",

@@ -421,7 +421,7 @@ def optimizer_step_scratch_bytes(profile: ModelProfile, strategy: Strategy, *, s
     impl = adam_impl or engine_adam_impl(strategy.engine, device)
     if strategy.shard_stage >= 1:
         share /= placement(strategy, gpus_per_node).shard.ranks
-    numels = [round(n * share) for n in profile.param_numels] or [round(trainable)]
+    numels = [round(n * share) for n in profile.param_numels] or [round(profile.trainable_params * share)]
     return adamw_step_temp_bytes(numels, impl, state_bytes=recipe.state_bytes)
 
 

@@ -86,3 +86,10 @@ def test_gpt_layer_bytes_reduce_to_korthikanti_34() -> None:
     prof = profile_from_arch(parse_arch("layers=2,hidden=1024,heads=16,seq=128"))
     assert prof.transformer.layer_bytes_per_token() == 34 * 1024  # type: ignore[union-attr]
     assert prof.transformer.replicated_bytes_per_token() == 10 * 1024  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("text", ["layers=3,hidden=64,heads=4,kv_heads=2,ffn=96,vocab=100,seq=16",
+                                  "layers=2,hidden=64,heads=4,kv_heads=2,ffn=96,vocab=100,seq=16,gated=1,tied=0"])
+def test_arch_param_numels_sum_to_the_parameters(text: str) -> None:
+    prof = profile_from_arch(parse_arch(text))
+    assert sum(prof.param_numels) == prof.params

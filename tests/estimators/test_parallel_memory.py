@@ -234,3 +234,18 @@ def test_zero3_keeps_small_tensors_whole(gpt) -> None:  # noqa: ANN001
     assert persistent == L * (9 * H + 4 * H) + 2 * H  # per layer 9 h-sized tensors (kv = h), one 4h bias; final norm
     items = buffer_items(gpt, Strategy(zero=3, dp=8, precision="bf16"))
     assert items["zero3_persistent_params"] == round(persistent * 2 * (1 - 1 / 8))
+
+
+def test_torch_foreach_adamw_step_scratch_is_a_copy_of_the_moments(gpt) -> None:  # noqa: ANN001
+    from optplan.estimators.memory import optimizer_step_scratch_bytes
+
+    ddp = Strategy(precision="amp-bf16", engine="torch", dp=8, checkpointing="full")
+    # torch's foreach AdamW (the CUDA default) sqrt()s every moment at once: Σ n_i · 4 bytes
+    assert optimizer_step_scratch_bytes(gpt, ddp) == 4 * gpt.params
+    fsdp = ddp.model_copy(update={"fsdp": "full"})
+    assert optimizer_step_scratch_bytes(gpt, fsdp) == pytest.approx(4 * gpt.params / 8, rel=1e-3)
+    assert optimizer_step_scratch_bytes(gpt, ddp.model_copy(update={"engine": "megatron"})) == 0  # fused
+    m = memory_breakdown(gpt, ddp, 80 * 2**30)
+    assert m.detail_bytes["optimizer_step_scratch"] == 4 * gpt.params - m.activations_bytes
+    cpu = optimizer_step_scratch_bytes(gpt, ddp, adam_impl="single_tensor", device="cpu")
+    assert cpu == 4 * 2 * V * H  # the CPU loop holds two copies of the largest tensor (the embedding) at once
