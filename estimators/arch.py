@@ -18,6 +18,8 @@ Units: parameters, FLOPs, bytes.
 
 from __future__ import annotations
 
+import math
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from optplan.estimators.errors import OptplanError
@@ -66,13 +68,16 @@ def parse_arch(text: str, *, seq_len: int | None = None) -> ArchSpec:
         key, sep, value = part.partition("=")
         if not sep:
             raise OptplanError(f"--arch item {part!r} is not key=value: write e.g. layers=32,hidden=4096,heads=32")
+        key = key.strip()
         try:
             number = float(value)
         except ValueError:
             raise OptplanError(f"--arch {key}={value!r} is not a number: give an integer") from None
-        if number != int(number):
+        if not math.isfinite(number) or number != int(number):
             raise OptplanError(f"--arch {key}={value} is not an integer: give a whole number")
-        fields[key.strip()] = int(number)
+        if key in fields:
+            raise OptplanError(f"--arch gives {key} twice ({fields[key]} and {int(number)}): keep one")
+        fields[key] = int(number)
     known = set(ArchSpec.model_fields) - {"flash"}
     unknown = sorted(set(fields) - known)
     if unknown:
@@ -80,13 +85,20 @@ def parse_arch(text: str, *, seq_len: int | None = None) -> ArchSpec:
     missing = [k for k in ("layers", "hidden", "heads") if k not in fields]
     if missing:
         raise OptplanError(f"--arch needs {', '.join(missing)}: e.g. layers=32,hidden=4096,heads=32")
-    if "seq" not in fields and seq_len is not None:
+    if seq_len is not None:
+        if seq_len < 1:
+            raise OptplanError(f"--seq-len must be >= 1 (got {seq_len})")
+        if "seq" in fields and fields["seq"] != seq_len:
+            raise OptplanError(f"--arch seq={fields['seq']} and --seq-len {seq_len} disagree: give the sequence "
+                               "length once")
         fields["seq"] = seq_len
     try:
         return ArchSpec(**fields)
     except ValueError as err:
         first = err.errors()[0] if hasattr(err, "errors") else {"msg": str(err)}  # type: ignore[attr-defined]
-        raise OptplanError(f"invalid --arch: {str(first['msg']).removeprefix('Value error, ')}") from None
+        loc = [str(p) for p in first.get("loc", ())]
+        where = f" {loc[-1]}={fields.get(loc[-1])}" if loc and loc[-1] in fields else ""
+        raise OptplanError(f"invalid --arch{where}: {str(first['msg']).removeprefix('Value error, ')}") from None
 
 
 def _layer_tensors(spec: ArchSpec) -> list[tuple[int, int]]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from optplan.estimators.compute import EFFICIENCY
 from optplan.estimators.cost import CostEstimate
 from optplan.estimators.hardware import Cluster
 from optplan.estimators.memory import MemoryBreakdown, memory_breakdown, usable_capacity_bytes
@@ -40,6 +41,7 @@ class Estimate(BaseModel):
     fits: bool
     reason: str
     cost: CostEstimate | None = Field(default=None, description="when a token budget is given")
+    notes: tuple[str, ...] = Field(default=(), description="caveats of this estimate's models")
 
 
 class StatesEstimate(BaseModel):
@@ -82,13 +84,26 @@ def _reason(memory: MemoryBreakdown) -> str:
             f"largest part: {largest} {gib(parts[largest]):.1f} GiB")
 
 
+def estimate_notes(profile: ModelProfile, strategy: Strategy, cluster: Cluster) -> tuple[str, ...]:
+    """Caveats that apply to this estimate: an uncalibrated GPU, flags a measured profile cannot honour."""
+    notes = []
+    if cluster.gpu.name not in EFFICIENCY:
+        notes.append(f"time: {cluster.gpu.name} has no fitted efficiencies; the A100 fit's GEMM, memory and host "
+                     "fractions are applied to its datasheet peaks, so throughput and MFU may be optimistic "
+                     "until probe runs calibrate them")
+    if not strategy.flash and profile.activation_source == "measured":
+        notes.append("--no-flash changes the time only: a model file's activations are measured with its own "
+                     "attention code")
+    return tuple(notes)
+
+
 def estimate(profile: ModelProfile, cluster: Cluster, strategy: Strategy) -> Estimate:
     """Predict memory per GPU (worst rank), step time, throughput, MFU/HFU and feasibility of ``strategy``."""
     check_strategy(profile, cluster, strategy)
     memory = memory_breakdown(profile, strategy, usable_capacity_bytes(cluster.gpu.memory_bytes),
                               gpus_per_node=cluster.gpus_per_node)
     time = step_time(profile, strategy, cluster)
-    return Estimate(
+    return Estimate(notes=estimate_notes(profile, strategy, cluster),
         strategy=strategy, gpu=cluster.gpu.name, gpus=strategy.world_size, memory=memory, time=time,
         global_batch=strategy.global_batch, samples_per_s=time.samples_per_s, tokens_per_s=time.tokens_per_s,
         model_tflops_per_gpu=time.model_tflops_per_gpu, mfu=time.mfu, hfu=time.hfu, fits=memory.fits,

@@ -42,6 +42,9 @@ def check_strategy(profile: ModelProfile, cluster: Cluster, strategy: Strategy) 
             raise OptplanError(f"--pp {s.pp} is larger than the {layers} layers: use --pp <= {layers}")
         if s.pp * s.vpp > layers:
             raise OptplanError(f"--pp {s.pp} x --vpp {s.vpp} stages exceed the {layers} layers: lower --vpp")
+        if s.vpp > 1 and layers % (s.pp * s.vpp):
+            raise OptplanError(f"the interleaved schedule needs the {layers} layers divisible by pp·vpp = "
+                               f"{s.pp * s.vpp}: change --vpp or --pp")
     if s.cp > 1:
         seq = profile.tokens_per_sample
         if not seq:

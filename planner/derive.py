@@ -73,22 +73,25 @@ def _engine(flags: StrategyFlags, model_parallel: bool) -> str:
     return "deepspeed"
 
 
-def derive_strategy(flags: StrategyFlags, cluster: Cluster) -> Strategy:
-    """The Strategy for ``flags`` on ``cluster`` (degrees and accumulation derived), or OptplanError."""
+def derive_strategy(flags: StrategyFlags, cluster: Cluster, *, gpus_given: bool = True) -> Strategy:
+    """The Strategy for ``flags`` on ``cluster`` (degrees and accumulation derived), or OptplanError.
+
+    ``gpus_given`` False says the GPU count is a default (no --gpus), which the messages then say."""
     for name in ("dp", "tp", "pp", "vpp", "cp", "mbs", "gas", "global_batch"):
         _positive(name.replace("_", "-"), getattr(flags, name))
     tp, pp, cp = flags.tp or 1, flags.pp or 1, flags.cp or 1
     model = tp * pp * cp
     gpus = cluster.gpus
+    which = "" if gpus_given else " (the detected or default count: pass --gpus)"
     if flags.dp is None:
         if gpus % model:
-            raise OptplanError(f"--gpus {gpus} is not divisible by tp·pp·cp = {tp}·{pp}·{cp} = {model}: "
+            raise OptplanError(f"--gpus {gpus}{which} is not divisible by tp·pp·cp = {tp}·{pp}·{cp} = {model}: "
                                f"change the degrees or use a multiple of {model} GPUs")
         dp = gpus // model
     else:
         dp = flags.dp
         if dp * model != gpus:
-            raise OptplanError(f"dp·tp·pp·cp = {dp}·{tp}·{pp}·{cp} = {dp * model} does not match --gpus {gpus}: "
+            raise OptplanError(f"dp·tp·pp·cp = {dp}·{tp}·{pp}·{cp} = {dp * model} does not match --gpus {gpus}{which}: "
                                "drop --dp to derive it, or change the degrees")
     gas = flags.gas
     if flags.global_batch is not None:

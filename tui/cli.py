@@ -7,6 +7,7 @@ unless ``--debug`` is given.
 from __future__ import annotations
 
 import json
+import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -38,6 +39,15 @@ NameOpt = Annotated[str | None, typer.Option("--model-name", help="which model w
 ClusterOpt = Annotated[Path | None, typer.Option("--cluster", help="cluster YAML: gpu, gpus_per_node, nodes[, bandwidths, price, power]")]
 PRECISIONS = ("fp32", "amp-bf16", "amp-fp16", "bf16", "fp16", "bf16-pure", "fp8")
 OPTIMIZERS = ("adamw", "adamw8bit", "adamw-8bit", "adafactor", "sgd")
+
+
+def _check_finite(flag: str, value: float | None, *, allow_zero: bool = False) -> None:
+    """One line when a numeric flag is NaN, infinite, negative or (unless allowed) zero."""
+    if value is None:
+        return
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        need = "a finite number >= 0" if allow_zero else "a finite number > 0"
+        raise OptplanError(f"--{flag} must be {need} (got {value:g})")
 
 
 def _check_choice(flag: str, value: str, choices: tuple[str, ...]) -> None:
@@ -156,7 +166,7 @@ def estimate(
     mbs: Annotated[int, typer.Option("--mbs", help="micro-batch per GPU")] = 1,
     grad_accum: Annotated[int | None, typer.Option("--gas", "--grad-accum", help="gradient-accumulation steps")] = None,
     global_batch: Annotated[int | None, typer.Option("--global-batch", help="samples per step (derives --gas)")] = None,
-    precision: Annotated[str, typer.Option("--precision", help="fp32, amp-bf16, amp-fp16, bf16, fp16, bf16-pure, fp8")] = "bf16",
+    precision: Annotated[str | None, typer.Option("--precision", help="fp32, amp-bf16, amp-fp16, bf16, fp16, bf16-pure, fp8 (default: bf16, or fp16 on GPUs without bf16)")] = None,
     optimizer: Annotated[str | None, typer.Option("--optimizer", help="adamw, adamw8bit, adafactor, sgd")] = None,
     checkpointing: Annotated[str, typer.Option("--checkpointing", help="none, selective or full")] = "none",
     flash: Annotated[bool, typer.Option("--flash/--no-flash", help="memory-efficient attention (no s x s scores)")] = True,
@@ -175,8 +185,14 @@ def estimate(
     from optplan.tui.render import estimate_table
 
     def body() -> None:
-        _check_choice("--precision", precision, PRECISIONS)
+        if precision is not None:
+            _check_choice("--precision", precision, PRECISIONS)
         _check_choice("--checkpointing", checkpointing, ("none", "selective", "full"))
+        _check_finite("params", params)
+        _check_finite("tokens", tokens)
+        _check_finite("price", price, allow_zero=True)
+        if seq_len is not None and seq_len < 1:
+            raise OptplanError(f"--seq-len must be >= 1 (got {seq_len})")
         for flag, value, choices in (("--optimizer", optimizer, OPTIMIZERS), ("--fsdp", fsdp, ("full", "grad_op", "hybrid")),
                                      ("--offload", offload, ("none", "optimizer", "params")),
                                      ("--engine", engine, ("torch", "deepspeed", "megatron")),
@@ -189,13 +205,16 @@ def estimate(
         if params is not None and (arch is not None or model is not None):
             raise OptplanError("give exactly one of a model FILE, --arch or --params")
         target, notes = resolve_cluster(gpu=gpu, gpus=gpus, gpus_per_node=gpus_per_node, cluster_file=cluster)
+        chosen = precision or ("bf16" if target.gpu.supports_bf16 else "fp16")
+        if precision is None and chosen != "bf16":
+            notes.append(f"{target.gpu.name} has no bf16 math: precision fp16 (pass --precision to choose)")
         flags = StrategyFlags(dp=dp, tp=tp, pp=pp, vpp=vpp, cp=cp, sp=sp, zero=zero, fsdp=fsdp, offload=offload,
                               offload_optimizer=offload_optimizer, offload_params=offload_params,
-                              precision=precision, optimizer=optimizer, mbs=mbs, gas=grad_accum,
+                              precision=chosen, optimizer=optimizer, mbs=mbs, gas=grad_accum,
                               global_batch=global_batch, checkpointing=checkpointing, flash=flash, engine=engine)
         # validated before the (slow) profile so a bad flag fails at once
-        strategy = derive_strategy(flags, target)
-        check_search_options(target, global_batch=None, precisions=[precision])
+        strategy = derive_strategy(flags, target, gpus_given=gpus is not None or cluster is not None)
+        check_search_options(target, global_batch=None, precisions=[chosen])
         if price is not None and tokens is None:
             raise OptplanError("--price needs --tokens (the token budget to price)")
         if tokens is not None and not tokens > 0:
@@ -232,6 +251,8 @@ def chinchilla(
     def body() -> None:
         if fit is not None and fit not in LOSS_FITS:
             raise OptplanError(f"unknown --fit {fit!r}: use one of {', '.join(LOSS_FITS)}")
+        for flag, value in (("params", params), ("compute", compute), ("tokens", tokens)):
+            _check_finite(flag, value)
         point = optimum(params=params, flops=compute, tokens=tokens, fit=fit)  # type: ignore[arg-type]
         if as_json:
             typer.echo(point.model_dump_json(indent=2))

@@ -117,7 +117,8 @@ def estimate_table(e: Estimate | StatesEstimate) -> Group:
     summary = Text(f"{e.strategy.label()} on {e.gpus} GPU(s): global batch {e.global_batch}, {rate}, "
                    f"MFU {e.mfu * 100:.1f}%, HFU {e.hfu * 100:.1f}%, {e.model_tflops_per_gpu:.1f} TFLOP/s per GPU")
     recipe = Text(f"precision {e.strategy.precision}: {get_recipe(e.strategy.precision).description}", style="dim")
-    parts: list = [summary, verdict, recipe, _memory_table(e), _detail_line(e), tim]
+    parts: list = [summary, verdict, recipe, _memory_table(e), _detail_line(e), tim,
+                   *(Text(f"note: {n}", style="dim") for n in e.notes)]
     if e.cost is not None:
         c = e.cost
         money = f", ${c.cost_usd:,.0f}" if c.cost_usd is not None else ""

@@ -256,10 +256,20 @@ def test_estimate_reads_a_cluster_file(tmp_path: Path) -> None:
     (["--zero", "5"], "--zero must be 0, 1, 2 or 3"),
     (["--fsdp", "sharded"], "unknown --fsdp"),
     (["--dp", "3"], "does not match --gpus 8"),
-    (["--params", "-5"], "--params must be a whole number"),
+    (["--params", "-5"], "--params must be a finite number > 0"),
+    (["--params", "inf"], "--params must be a finite number > 0"),
+    (["--tokens", "inf"], "--tokens must be a finite number > 0"),
+    (["--tokens", "1e12", "--price", "nan"], "--price must be a finite number >= 0"),
+    (["--arch", "layers=4,hidden=256,heads=4,seq=512", "--seq-len", "1024"], "disagree"),
+    (["--arch", "layers=4,hidden=256,heads=4,layers=8,seq=512"], "gives layers twice"),
+    (["--arch", "layers=0,hidden=256,heads=4,seq=512"], "invalid --arch layers=0"),
+    (["--arch", "layers=4,hidden=256,heads=4", "--seq-len", "0"], "--seq-len must be >= 1"),
+    (["--arch", "layers=12,hidden=256,heads=4,seq=512", "--pp", "4", "--vpp", "2", "--gas", "4"],
+     "divisible by pp·vpp = 8"),
+    (["--tp", "3", "--gpus", "8"], "is not divisible by tp"),
 ])
 def test_estimate_bad_strategy_input_is_one_line_exit_2(args: list[str], needle: str) -> None:
-    base = ["estimate", "--gpus", "8"]
+    base = ["estimate"] + ([] if "--gpus" in args else ["--gpus", "8"])
     if "--arch" not in args:
         base += ["--params", "1e9"] if "--params" not in args else []
     if "--gpu" not in args:
@@ -274,3 +284,25 @@ def test_recommend_reads_a_cluster_file(tmp_path: Path) -> None:
     f.write_text("gpu: A100-40GB\ngpus_per_node: 4\nnodes: 1\n")
     doc = _json(["recommend", "--arch", "layers=4,hidden=256,heads=4,seq=512", "--cluster", str(f), "--json"])
     assert doc["cluster"]["gpu"] == "A100-40GB" and doc["cluster"]["gpus"] == 4 and doc["plan"]["dp"] == 4
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["--params", "inf"], "--params must be a finite number > 0"),
+    (["--tokens", "nan"], "--tokens must be a finite number > 0"),
+    (["--compute", "0"], "--compute must be a finite number > 0"),
+])
+def test_chinchilla_bad_numbers_name_their_flag(args: list[str], needle: str) -> None:
+    result = runner.invoke(app, ["chinchilla", *args])
+    assert result.exit_code == 2 and needle in result.stderr
+
+
+def test_estimate_defaults_to_fp16_without_bf16_and_notes_uncalibrated_gpus() -> None:
+    v100 = _json(["estimate", "--arch", "layers=4,hidden=256,heads=4,seq=512", "--gpu", "V100", "--gpus", "8",
+                  "--json"])
+    assert v100["strategy"]["precision"] == "fp16"
+    assert any("no fitted efficiencies" in n for n in v100["notes"])
+    a100 = _json(["estimate", "--arch", "layers=4,hidden=256,heads=4,seq=512", "--gpu", "A100", "--gpus", "8",
+                  "--json"])
+    assert a100["notes"] == []
+    default = runner.invoke(app, ["estimate", "--params", "1e9", "--tp", "3"])
+    assert default.exit_code == 2 and "(the detected or default count: pass --gpus)" in default.stderr
