@@ -283,6 +283,16 @@ def _fraction(eff: GpuEfficiency, dtype: str) -> float:
     return min(MAX_GEMM_FRACTION, eff.gemm_peak_fraction * GEMM_DTYPE_FRACTION.get(dtype, 1.0))
 
 
+EAGER_ELEMENTWISE_FACTOR = 4.0
+"""Elementwise bytes of an eager PyTorch layer (engine "torch") ÷ the fused kernel-by-kernel count above.
+Stated default, by counting the kernels of an eager Llama layer (torchtitan's, or examples/llama.py) per
+token in bf16 (bytes read + written): two RMSNorms computed in fp32 (cast, pow, mean, multiply, cast
+back, weight: ~36·h each), rotary embeddings on q and k through fp32 complex products (~25·h with
+kv = h/4), two residual adds (12·h) and an unfused SwiGLU (silu, product: 10·F): ~109·h + 10·F, against
+the fused count 22·h + 4·F (Megatron's fused bias-GeLU, bias-dropout-add and norm kernels): ~4x at
+h = 4096, F = 3.5·h. Megatron and DeepSpeed (Megatron-DeepSpeed's fused kernels) keep the fitted count."""
+
+
 def layer_time(dims: TransformerDims, strategy: Strategy, gpu: GPUSpec, eff: GpuEfficiency) -> LayerTime:
     """GEMM and elementwise time of one layer for one micro-batch on one GPU (module docstring)."""
     s, t, c, b = dims.seq, strategy.tp, strategy.cp, strategy.mbs
@@ -318,6 +328,9 @@ def layer_time(dims: TransformerDims, strategy: Strategy, gpu: GPUSpec, eff: Gpu
     r = 1.0 / t if strategy.sp else 1.0
     ew_fwd_bytes = tokens * h * r * (4 * elem + 2 * (3 * elem + 1)) + tokens * (ffn / t) * 2 * elem
     ew_bwd_bytes = tokens * h * r * (6 * elem + 2 * (5 * elem + 1)) + tokens * (ffn / t) * 3 * elem
+    if strategy.engine == "torch":
+        ew_fwd_bytes *= EAGER_ELEMENTWISE_FACTOR
+        ew_bwd_bytes *= EAGER_ELEMENTWISE_FACTOR
     score_fwd = score_bwd = 0.0
     if not strategy.flash:
         scores = heads * (s / c) * s
