@@ -109,15 +109,6 @@ def link_for(group: GroupPlacement, cluster: Cluster, *, intra_fraction: float =
     return Link.model_construct(bandwidth_bytes_per_s=bw, alpha_s=INTER_NODE_ALPHA_S, inter_node=True)
 
 
-def data_parallel_link(cluster: Cluster, ranks: int) -> tuple[float, float]:
-    """(achieved bandwidth bytes/s, alpha s) of a ring over ``ranks`` consecutive GPUs (placed node by
-    node) at the default link efficiency: intra-node when it fits in one node."""
-    if ranks <= cluster.gpus_per_node:
-        return cluster.gpu.intra_node_bandwidth_bytes_per_s * LINK_EFFICIENCY, INTRA_NODE_ALPHA_S
-    bw = min(cluster.gpu.intra_node_bandwidth_bytes_per_s, cluster.inter_node_bandwidth_bytes_per_s)
-    return bw * LINK_EFFICIENCY, INTER_NODE_ALPHA_S
-
-
 TP_COLLECTIVES_PER_PASS = 2
 """Tensor-parallel collectives per layer per pass (forward, backward, recomputed forward): Megatron's
 attention and MLP blocks each all-reduce once (Shoeybi et al. 2019 §3, Fig. 3)."""

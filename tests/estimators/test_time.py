@@ -9,7 +9,7 @@ from conftest import make_gpu, make_profile
 from optplan.estimators.arch import ArchSpec, profile_from_arch
 from optplan.estimators.comm import (
     LINK_EFFICIENCY,
-    data_parallel_link,
+    link_for,
     ring_all_gather_s,
     ring_all_reduce_s,
     ring_reduce_scatter_s,
@@ -28,6 +28,7 @@ from optplan.estimators.compute import (
 from optplan.estimators.errors import OptplanError
 from optplan.estimators.estimate import comm_time_s, estimate
 from optplan.estimators.hardware import Cluster, find_gpu
+from optplan.estimators.parallel import GroupPlacement
 from optplan.estimators.strategy import Strategy
 
 
@@ -43,8 +44,10 @@ def test_ring_collectives_hand_checked() -> None:
 def test_link_choice_by_placement() -> None:
     gpu = make_gpu()
     c = Cluster(gpu=gpu, gpus=16, gpus_per_node=8, inter_node_bandwidth_bytes_per_s=50e9)
-    assert data_parallel_link(c, 8)[0] == pytest.approx(400e9 * LINK_EFFICIENCY)
-    assert data_parallel_link(c, 16)[0] == pytest.approx(50e9 * LINK_EFFICIENCY)
+    intra = link_for(GroupPlacement(ranks=8, nodes=1), c)
+    inter = link_for(GroupPlacement(ranks=16, nodes=2), c)
+    assert intra.bandwidth_bytes_per_s == pytest.approx(400e9 * LINK_EFFICIENCY) and not intra.inter_node
+    assert inter.bandwidth_bytes_per_s == pytest.approx(50e9 * LINK_EFFICIENCY) and inter.inter_node
 
 
 def test_compute_time_is_flops_over_peak_times_efficiency() -> None:
@@ -65,7 +68,9 @@ def test_compute_time_is_flops_over_peak_times_efficiency() -> None:
 def test_comm_volume_by_zero_stage() -> None:
     prof = make_profile(params=1_000_000_000)
     c = Cluster(gpu=make_gpu(), gpus=8, gpus_per_node=8)
-    bw, a = data_parallel_link(c, 8)
+    link = link_for(GroupPlacement(ranks=8, nodes=1), c, intra_fraction=DEFAULT_EFFICIENCY.intra_node_link_fraction,
+                    intra_alpha_s=DEFAULT_EFFICIENCY.intra_node_alpha_s)
+    bw, a = link.bandwidth_bytes_per_s, link.alpha_s
     grads = 2e9
     z0 = comm_time_s(prof, Strategy(precision="bf16", zero=0, dp=8, grad_accum=4), c)
     assert z0 == pytest.approx(ring_all_reduce_s(grads, 8, bw, a))
