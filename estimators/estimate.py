@@ -12,6 +12,7 @@ from optplan.estimators.compute import EFFICIENCY
 from optplan.estimators.cost import CostEstimate
 from optplan.estimators.hardware import Cluster
 from optplan.estimators.memory import MemoryBreakdown, memory_breakdown, usable_capacity_bytes
+from optplan.estimators.optimizers import optimizer_sees_flat_params, optimizer_state_note
 from optplan.estimators.profile import ModelProfile
 from optplan.estimators.strategy import Strategy
 from optplan.estimators.timing import TimeBreakdown, comm_time_s, mfu_peak_flops, step_time
@@ -85,8 +86,12 @@ def _reason(memory: MemoryBreakdown) -> str:
 
 
 def estimate_notes(profile: ModelProfile, strategy: Strategy, cluster: Cluster) -> tuple[str, ...]:
-    """Caveats that apply to this estimate: an uncalibrated GPU, flags a measured profile cannot honour."""
+    """Caveats that apply to this estimate: an uncalibrated GPU, flags a measured profile cannot honour,
+    an optimizer whose state size rests on a fallback or loses its factoring under ZeRO."""
     notes = []
+    optimizer = optimizer_state_note(strategy.optimizer, profile, flat_params=optimizer_sees_flat_params(strategy))
+    if optimizer:
+        notes.append(optimizer)
     if cluster.gpu.name not in EFFICIENCY:
         notes.append(f"time: {cluster.gpu.name} has no fitted efficiencies; the A100 fit's GEMM, memory and host "
                      "fractions are applied to its datasheet peaks, so throughput and MFU may be optimistic "

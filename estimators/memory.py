@@ -251,7 +251,7 @@ def _uses_measured_fit(profile: ModelProfile, strategy: Strategy) -> bool:
     return strategy.flash or strategy.checkpointing != "none"
 
 
-def _param_copy_bytes(profile: ModelProfile, strategy: Strategy, fixed: int, copies: int, stage: int) -> float:
+def _fixed_stage_bytes(profile: ModelProfile, strategy: Strategy, fixed: int, copies: int, stage: int) -> float:
     """The fit's fixed bytes on one rank: autocast weight copies scale with the rank's parameters and
     vanish for 16-bit weights; the rest stays."""
     recipe = get_recipe(strategy.precision)
@@ -275,7 +275,7 @@ def activation_bytes(profile: ModelProfile, strategy: Strategy, *, stage: int = 
     fit = profile.activation(recipe.activation_precision, fit_mode)
     if _uses_measured_fit(profile, strategy):
         return fit.bytes_at(strategy.mbs, param_copies=recipe.weight_bytes != 2)
-    fixed = _param_copy_bytes(profile, strategy, fit.fixed_at(strategy.mbs), fit.param_copies_at(strategy.mbs), stage)
+    fixed = _fixed_stage_bytes(profile, strategy, fit.fixed_at(strategy.mbs), fit.param_copies_at(strategy.mbs), stage)
     per_sample = _per_sample_stage_bytes(profile, strategy, mode, stage)
     return max(0, round(fixed + per_sample * strategy.mbs))
 

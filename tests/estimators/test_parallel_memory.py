@@ -249,3 +249,11 @@ def test_torch_foreach_adamw_step_scratch_is_a_copy_of_the_moments(gpt) -> None:
     assert m.detail_bytes["optimizer_step_scratch"] == 4 * gpt.params - m.activations_bytes
     cpu = optimizer_step_scratch_bytes(gpt, ddp, adam_impl="single_tensor", device="cpu")
     assert cpu == 4 * 2 * V * H  # the CPU loop holds two copies of the largest tensor (the embedding) at once
+
+
+def test_adafactor_under_zero_says_so_in_the_notes(gpt) -> None:  # noqa: ANN001
+    cluster = Cluster(gpu=make_gpu(), gpus=8, gpus_per_node=8)
+    flat = estimate(gpt, cluster, Strategy(optimizer="adafactor", zero=1, dp=8))
+    factored = estimate(gpt, cluster, Strategy(optimizer="adafactor", dp=8))
+    assert any("adafactor" in n.lower() for n in flat.notes)
+    assert not any("adafactor" in n.lower() for n in factored.notes)
