@@ -1,135 +1,266 @@
-"""Rationale: one line per decision of the chosen plan, each naming the number that drove it."""
+"""Rationale: one line per decision of the chosen plan, each naming the number that drove it.
+
+A decision is explained by its neighbours: the same plan with that one choice changed, priced on demand
+(``price``), or the best searched plan that differs in it. Lines say what the alternative would cost
+(samples/s, GiB per GPU against the capacity, time or money to train).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Sequence
 
 from optplan.estimators.estimate import Estimate
 from optplan.estimators.precision import get_recipe
 from optplan.estimators.strategy import Strategy
 from optplan.estimators.units import gib
-from optplan.planner.space import SearchSpace
+from optplan.planner.search import Goal
+from optplan.planner.space import Layout, SearchSpace
+
+Price = Callable[[Strategy], "Estimate | None"]
 
 
 def _gib(n: float) -> str:
     return f"{gib(n):.1f} GiB"
 
 
-def _neighbour(priced: Mapping[Strategy, Estimate], pick: Strategy, **change: object) -> Estimate | None:
-    """The priced candidate equal to ``pick`` except for ``change`` (grad_accum kept consistent)."""
-    want = pick.model_copy(update=change)
-    for strategy, est in priced.items():
-        if (strategy.precision, strategy.zero, strategy.mbs, strategy.checkpointing) == (
-                want.precision, want.zero, want.mbs, want.checkpointing):
-            return est
-    return None
+def _days(seconds: float) -> str:
+    return f"{seconds / 86400:.1f} days" if seconds >= 86400 else f"{seconds / 3600:.1f} h"
 
 
-def _precision_line(pick: Estimate, priced: Mapping[Strategy, Estimate], space: SearchSpace) -> str:
-    s = pick.strategy
-    recipe = get_recipe(s.precision)
-    head = f"precision {s.precision} ({recipe.description})"
-    others = [e for p in space.precisions if p != s.precision
-              if (e := _neighbour(priced, s, precision=p)) is not None]
-    if not others:
-        return f"{head}: the only precision searched"
-    faster_unfit = [e for e in others if not e.fits and e.samples_per_s > pick.samples_per_s]
-    fitting = [e for e in others if e.fits]
+def _neighbour(price: Price, pick: Strategy, **change: object) -> Estimate | None:
+    """The pick with ``change`` applied, priced; None when that combination is not legal."""
+    try:
+        other = Strategy(**{**pick.model_dump(), **change})
+    except ValueError:
+        return None
+    return price(other)
+
+
+def _vs(pick: Estimate, other: Estimate) -> str:
+    """How ``other`` compares: its throughput, or its memory when it does not fit."""
+    if not other.fits:
+        return f"needs {_gib(other.memory.total_bytes)} > {_gib(other.memory.capacity_bytes)} per GPU"
+    return f"{other.samples_per_s:.1f} vs {pick.samples_per_s:.1f} samples/s"
+
+
+def _best(ranked: Sequence[Estimate], keep: Callable[[Strategy], bool]) -> Estimate | None:
+    """The best-ranked estimate whose strategy passes ``keep`` (feasible preferred: ranked is sorted)."""
+    return next((e for e in ranked if keep(e.strategy)), None)
+
+
+def _headline(pick: Estimate, evaluated: int, goal: Goal) -> str:
+    figures = (f"{pick.samples_per_s:.1f} samples/s, {pick.model_tflops_per_gpu:.0f} TFLOP/s per GPU, "
+               f"{pick.mfu * 100:.0f}% MFU, {pick.reason}")
+    if goal.objective == "throughput" or goal.tokens is None:
+        return f"fastest feasible of {evaluated} candidates priced: {figures}"
+    t = goal.train_time_s(pick)
+    money = (f", ${goal.gpu_hours(pick) * goal.price_per_gpu_hour:,.0f}" if goal.price_per_gpu_hour is not None
+             else "")
+    cost = f"{goal.gpu_hours(pick):,.0f} GPU-hours{money}"
+    if goal.objective == "time" and goal.deadline_s is not None:
+        met = "meets" if goal.meets_deadline(pick) else "misses"
+        what = f"fewest GPUs ({pick.gpus}) that train {goal.tokens:.3g} tokens by the deadline"
+        return (f"{what} of {evaluated} candidates priced: {_days(t)} ({met} {_days(goal.deadline_s)}), {cost}; "
+                f"{figures}")
+    what = "fastest to train" if goal.objective == "time" else "cheapest to train"
+    return f"{what} {goal.tokens:.3g} tokens of {evaluated} candidates priced: {_days(t)}, {cost}; {figures}"
+
+
+def _gpus_line(pick: Estimate, ranked: Sequence[Estimate], space: SearchSpace, goal: Goal) -> str | None:
+    counts = space.gpu_counts
+    if len(counts) < 2:
+        return None
     parts = []
+    fewer = _best(ranked, lambda s: s.world_size < pick.gpus)
+    more = _best(ranked, lambda s: s.world_size > pick.gpus)
+    for label, other in (("fewer", fewer), ("more", more)):
+        if other is None:
+            continue
+        if not other.fits:
+            parts.append(f"{label} GPUs ({other.gpus}) do not fit ({_gib(other.memory.total_bytes)} per GPU)")
+        elif goal.tokens is not None:
+            parts.append(f"{other.gpus} GPUs: {_days(goal.train_time_s(other))}, {goal.gpu_hours(other):,.0f} "
+                         f"GPU-hours" + ("" if goal.meets_deadline(other) else " (misses the deadline)"))
+        else:
+            parts.append(f"{other.gpus} GPUs: {other.samples_per_s:.1f} samples/s")
+    span = f"{counts[0]}-{counts[-1]}"
+    return f"{pick.gpus} GPUs of the {span} searched" + (": " + "; ".join(parts) if parts else "")
+
+
+def _layout_line(pick: Estimate, ranked: Sequence[Estimate]) -> str:
+    s = pick.strategy
+    degrees = f"tp {s.tp}, pp {s.pp}" + (f" (vpp {s.vpp})" if s.vpp > 1 else "") + f", cp {s.cp}, dp {s.dp}"
+    if not s.model_parallel:
+        mp = _best(ranked, lambda o: o.model_parallel)
+        states = pick.memory.params_bytes + pick.memory.grads_bytes + pick.memory.optimizer_bytes
+        line = f"no model parallelism ({degrees}): model states of {_gib(states)}/GPU fit with data parallelism"
+        if mp is not None:
+            line += f"; the best tensor/pipeline plan ({mp.strategy.label()}) {_vs(pick, mp)}"
+        return line
+    parts = []
+    for name, what in (("tp", "tensor parallelism"), ("pp", "pipeline stages"), ("cp", "context parallelism")):
+        mine = getattr(s, name)
+        less = _best(ranked, lambda o, n=name, m=mine: getattr(o, n) < m and o.world_size == s.world_size)
+        more = _best(ranked, lambda o, n=name, m=mine: getattr(o, n) > m and o.world_size == s.world_size)
+        if less is not None:
+            parts.append(f"less {what} ({name} {getattr(less.strategy, name)}, {less.strategy.label()}) "
+                         f"{_vs(pick, less)}")
+        elif more is not None and mine == 1:
+            parts.append(f"{what} ({name} {getattr(more.strategy, name)}) {_vs(pick, more)}")
+    return f"layout {degrees} = {s.world_size} GPUs" + (": " + "; ".join(parts) if parts else "")
+
+
+def _sharding_line(pick: Estimate, price: Price) -> str:
+    s = pick.strategy
+    m = pick.memory
+    states = m.params_bytes + m.grads_bytes + m.optimizer_bytes
+    if s.engine == "torch":
+        if s.fsdp == "none":
+            alt = _neighbour(price, s, fsdp="full")
+            tail = f"; FSDP FULL_SHARD {_vs(pick, alt)}" if alt is not None and s.dp > 1 else ""
+            return f"torch DDP: model states of {_gib(states)}/GPU fit unsharded{tail}"
+        alt = _neighbour(price, s, fsdp="none", offload_params="none")
+        what = {"full": "FULL_SHARD (ZeRO-3-like)", "grad_op": "SHARD_GRAD_OP (ZeRO-2-like)",
+                "hybrid": "HYBRID_SHARD (shard in a node, replicate across)"}[s.fsdp]
+        tail = f"; unsharded DDP {_vs(pick, alt)}" if alt is not None else ""
+        return f"torch FSDP {what}: model states {_gib(states)}/GPU{tail}"
+    if s.engine == "megatron":
+        name = "distributed optimizer (ZeRO-1)" if s.zero == 1 else "no optimizer sharding"
+        alt = _neighbour(price, s, zero=1 - s.zero)
+        tail = f"; {'without' if s.zero else 'with'} it {_vs(pick, alt)}" if alt is not None and s.dp > 1 else ""
+        return f"Megatron-LM, {name} over dp {s.dp}: optimizer states {_gib(m.optimizer_bytes)}/GPU{tail}"
+    if s.zero == 0:
+        line = f"DeepSpeed ZeRO-0 (plain data parallel): model states of {_gib(states)}/GPU fit unsharded"
+        higher = _neighbour(price, s, zero=1)
+        if higher is not None and higher.fits and s.dp > 1:
+            line += f"; ZeRO-1 {_vs(pick, higher)}"
+        return line
+    lower = _neighbour(price, s, zero=s.zero - 1, offload_optimizer="none" if s.zero == 1 else s.offload_optimizer,
+                       offload_params="none")
+    sharded = {1: "optimizer states", 2: "gradients", 3: "weights"}[s.zero]
+    if lower is None:
+        return f"DeepSpeed ZeRO-{s.zero}: shards the {sharded} over {s.dp} GPUs"
+    if not lower.fits:
+        return (f"DeepSpeed ZeRO-{s.zero}: under ZeRO-{s.zero - 1} at mbs {s.mbs} the model states of "
+                f"{_gib(lower.memory.params_bytes + lower.memory.grads_bytes + lower.memory.optimizer_bytes)}/GPU "
+                f"do not fit beside {_gib(lower.memory.activations_bytes)} of activations "
+                f"({_gib(lower.memory.total_bytes)} > {_gib(m.capacity_bytes)})")
+    freed = lower.memory.total_bytes - m.total_bytes
+    if abs(pick.samples_per_s - lower.samples_per_s) <= 0.005 * pick.samples_per_s:
+        return (f"DeepSpeed ZeRO-{s.zero}: as fast as ZeRO-{s.zero - 1} ({pick.samples_per_s:.1f} samples/s) and "
+                f"sharding the {sharded} frees {_gib(freed)}/GPU; ties go to headroom")
+    return (f"DeepSpeed ZeRO-{s.zero}: sharding the {sharded} over {s.dp} GPUs frees {_gib(freed)}/GPU at "
+            f"{pick.samples_per_s:.1f} vs {lower.samples_per_s:.1f} samples/s under ZeRO-{s.zero - 1}")
+
+
+def _offload_line(pick: Estimate, price: Price) -> str | None:
+    s = pick.strategy
+    if s.offload_optimizer == "none" and s.offload_params == "none":
+        return None
+    plain = _neighbour(price, s, offload_optimizer="none", offload_params="none")
+    what = " and ".join(n for n, v in (("optimizer states", s.offload_optimizer), ("parameters", s.offload_params))
+                        if v != "none")
+    host = f"{_gib(pick.memory.host_bytes)} host memory per GPU"
+    if plain is not None and not plain.fits:
+        return (f"CPU offload of the {what}: without it this plan needs {_gib(plain.memory.total_bytes)} > "
+                f"{_gib(plain.memory.capacity_bytes)} per GPU; it costs {host} and PCIe traffic each step")
+    return f"CPU offload of the {what} ({host})"
+
+
+def _precision_line(pick: Estimate, price: Price, space: SearchSpace) -> str:
+    s = pick.strategy
+    head = f"precision {s.precision} ({get_recipe(s.precision).description})"
+    others = [e for p in space.precisions if p != s.precision if (e := _neighbour(price, s, precision=p)) is not None]
+    if not others:
+        return f"{head}: the only precision searched for this engine"
+    parts = []
+    fitting = [e for e in others if e.fits]
     if fitting:
         best = max(fitting, key=lambda e: e.samples_per_s)
-        ratio = pick.samples_per_s / best.samples_per_s
-        parts.append(f"{ratio:.2f}x the samples/s of {best.strategy.precision} at the same settings "
-                     f"({pick.samples_per_s:.1f} vs {best.samples_per_s:.1f})")
-    for e in faster_unfit:
-        parts.append(f"{e.strategy.precision} would be faster but needs {_gib(e.memory.total_bytes)}")
+        parts.append(f"{pick.samples_per_s / best.samples_per_s:.2f}x the samples/s of {best.strategy.precision} "
+                     f"at the same settings ({pick.samples_per_s:.1f} vs {best.samples_per_s:.1f})")
+    for e in others:
+        if not e.fits and e.samples_per_s > pick.samples_per_s:
+            parts.append(f"{e.strategy.precision} would be faster but needs {_gib(e.memory.total_bytes)}")
     if not parts:
         parts.append("the other precisions do not fit at these settings")
     return f"{head}: " + "; ".join(parts)
 
 
-def _zero_line(pick: Estimate, priced: Mapping[Strategy, Estimate]) -> str:
+def _mbs_line(pick: Estimate, price: Price, space: SearchSpace) -> str:
     s = pick.strategy
-    m = pick.memory
-    if s.zero == 0:
-        states = m.params_bytes + m.grads_bytes + m.optimizer_bytes
-        line = f"ZeRO-0 (plain data parallel): model states of {_gib(states)}/GPU fit unsharded"
-        higher = _neighbour(priced, s, zero=1)
-        if higher is not None and higher.fits and higher.samples_per_s <= pick.samples_per_s:
-            line += f"; sharding (ZeRO-1) would not be faster ({higher.samples_per_s:.1f} samples/s)"
-        return line
-    lower = _neighbour(priced, s, zero=s.zero - 1)
-    if lower is None:
-        return f"ZeRO-{s.zero}: shards model states over {s.dp} GPUs"
-    sharded = {1: ("optimizer states", lower.memory.optimizer_bytes),
-               2: ("gradients", lower.memory.grads_bytes),
-               3: ("weights", lower.memory.params_bytes)}[s.zero]
-    if not lower.fits:
-        return (f"ZeRO-{s.zero}: under ZeRO-{s.zero - 1} at mbs {s.mbs} the {sharded[0]} of {_gib(sharded[1])}/GPU "
-                f"do not fit beside {_gib(lower.memory.activations_bytes)} of activations "
-                f"({_gib(lower.memory.total_bytes)} > {_gib(m.capacity_bytes)})")
-    freed = lower.memory.total_bytes - m.total_bytes
-    if abs(pick.samples_per_s - lower.samples_per_s) <= 0.005 * pick.samples_per_s:
-        return (f"ZeRO-{s.zero}: as fast as ZeRO-{s.zero - 1} ({pick.samples_per_s:.1f} samples/s, same traffic at "
-                f"this accumulation) and sharding the {sharded[0]} frees {_gib(freed)}/GPU; ties go to headroom")
-    return (f"ZeRO-{s.zero}: sharding the {sharded[0]} over {s.dp} GPUs frees {_gib(freed)}/GPU at "
-            f"{pick.samples_per_s:.1f} vs {lower.samples_per_s:.1f} samples/s under ZeRO-{s.zero - 1}")
-
-
-def _mbs_line(pick: Estimate, priced: Mapping[Strategy, Estimate], space: SearchSpace) -> str:
-    s = pick.strategy
-    larger = [b for b in space.micro_batches if b > s.mbs]
+    larger = [b for b in space.micro_batches(_layout_of(s, space)) if b > s.mbs]
     if not larger:
         limit = "the global batch" if space.global_batch else "the searched range"
         return f"micro-batch {s.mbs}: the largest {limit} allows ({_gib(pick.memory.total_bytes)} per GPU)"
-    nxt = _neighbour(priced, s, mbs=larger[0])
+    nxt_b = larger[0]
+    accum = space.global_batch // (s.dp * nxt_b) if space.global_batch else s.grad_accum
+    nxt = _neighbour(price, s, mbs=nxt_b, grad_accum=max(1, accum))
     if nxt is not None and not nxt.fits:
-        return (f"micro-batch {s.mbs}: the largest that fits with these settings; {larger[0]} needs "
+        return (f"micro-batch {s.mbs}: the largest that fits with these settings; {nxt_b} needs "
                 f"{_gib(nxt.memory.total_bytes)} > {_gib(nxt.memory.capacity_bytes)}")
     if nxt is not None:
-        return (f"micro-batch {s.mbs}: {larger[0]} fits but is not faster "
-                f"({nxt.samples_per_s:.1f} vs {pick.samples_per_s:.1f} samples/s)")
-    return f"micro-batch {s.mbs}"
+        why = ("; fewer micro-batches would widen the pipeline bubble" if s.pp > 1 else "")
+        return (f"micro-batch {s.mbs}: {nxt_b} fits but is not faster "
+                f"({nxt.samples_per_s:.1f} vs {pick.samples_per_s:.1f} samples/s){why}")
+    return f"micro-batch {s.mbs} ({_gib(pick.memory.total_bytes)} of {_gib(pick.memory.capacity_bytes)} per GPU)"
 
 
-def _checkpointing_line(pick: Estimate, priced: Mapping[Strategy, Estimate]) -> str:
+def _layout_of(s: Strategy, space: SearchSpace) -> Layout:
+    return Layout(s.world_size, s.dp, s.tp, s.pp, s.vpp, s.cp)
+
+
+def _checkpointing_line(pick: Estimate, price: Price, space: SearchSpace) -> str:
     s = pick.strategy
+    acts = _gib(pick.memory.activations_bytes)
     if s.checkpointing == "none":
-        alt = _neighbour(priced, s, checkpointing="full")
-        line = f"no activation checkpointing: activations of {_gib(pick.memory.activations_bytes)} fit"
-        if alt is not None:
-            pct = 100 * alt.time.recompute_s / pick.time.step_s
-            line += f"; full checkpointing would add {pct:.0f}% recompute per step"
+        line = f"no activation checkpointing: activations of {acts} fit"
+        alt = _neighbour(price, s, checkpointing="full") if "full" in space.checkpointing else None
+        if alt is not None and pick.time.step_s > 0:
+            line += f"; full checkpointing would add {100 * alt.time.recompute_s / pick.time.step_s:.0f}% recompute"
         return line
-    plain = [e for e in priced.values() if e.strategy.checkpointing == "none" and e.fits]
-    if not plain:
-        same = _neighbour(priced, s, checkpointing="none")
-        need = f" (needs {_gib(same.memory.total_bytes)} at mbs {s.mbs})" if same is not None else ""
-        return f"full activation checkpointing: without it no searched plan fits{need}"
-    best = max(plain, key=lambda e: e.samples_per_s)
-    return (f"full activation checkpointing: cuts activations to {_gib(pick.memory.activations_bytes)} so mbs "
-            f"{s.mbs} fits; the best plan without it reaches {best.samples_per_s:.1f} vs "
-            f"{pick.samples_per_s:.1f} samples/s")
+    name = "full" if s.checkpointing == "full" else "selective (attention core)"
+    less = [m for m in ("none", "selective") if m in space.checkpointing and m != s.checkpointing
+            and (m == "none" or s.checkpointing == "full")]
+    parts = []
+    for mode in less:
+        alt = _neighbour(price, s, checkpointing=mode)
+        if alt is not None:
+            parts.append(f"{mode} {_vs(pick, alt)}")
+    tail = "; " + "; ".join(parts) if parts else ""
+    return (f"{name} activation checkpointing: activations {acts}/GPU, recompute "
+            f"{pick.time.recompute_s:.2f} s of the {pick.time.step_s:.2f} s step{tail}")
 
 
 def _batch_line(pick: Estimate, space: SearchSpace) -> str:
     s = pick.strategy
+    split = f"mbs {s.mbs} x {s.grad_accum} micro-batches x dp {s.dp}"
+    if s.pp > 1:
+        bubble = (s.pp - 1) / (s.vpp * s.grad_accum + s.pp - 1)
+        split += f"; pipeline bubble (p-1)/(v·m+p-1) = {bubble * 100:.0f}%"
     if space.global_batch:
-        return (f"gradient accumulation {s.grad_accum}: global batch {s.global_batch} = mbs {s.mbs} x "
-                f"{s.grad_accum} steps x {s.dp} GPUs")
-    return (f"global batch {s.global_batch} (mbs {s.mbs} x {s.dp} GPUs) was free: hold it with --global-batch; "
-            "if it differs from your tuned batch, scale the learning rate: linear rule for SGD (Goyal et al. "
-            "2017), square-root rule for Adam (Malladi et al. 2022)")
+        return f"global batch {s.global_batch} (fixed) = {split}"
+    return (f"global batch {s.global_batch} = {split} was free: hold it with --global-batch; if it differs from "
+            "your tuned batch, scale the learning rate: linear rule for SGD (Goyal et al. 2017), square-root rule "
+            "for Adam (Malladi et al. 2022)")
 
 
-def rationale(pick: Estimate, priced: Mapping[Strategy, Estimate], space: SearchSpace) -> list[str]:
+def _optimizer_line(pick: Estimate, price: Price, space: SearchSpace) -> str:
+    s = pick.strategy
+    if len(space.optimizers) == 1:
+        return (f"optimizer {s.optimizer}: optimizer states {_gib(pick.memory.optimizer_bytes)}/GPU (the one "
+                "searched; --optimizer adamw8bit/adafactor/sgd searches others, which change training dynamics)")
+    others = [e for o in space.optimizers if o != s.optimizer if (e := _neighbour(price, s, optimizer=o)) is not None]
+    tail = "; ".join(f"{e.strategy.optimizer} {_vs(pick, e)}" for e in others)
+    return f"optimizer {s.optimizer}: optimizer states {_gib(pick.memory.optimizer_bytes)}/GPU" + (
+        f"; {tail}" if tail else "")
+
+
+def rationale(pick: Estimate, ranked: Sequence[Estimate], price: Price, space: SearchSpace, goal: Goal,
+              evaluated: int) -> list[str]:
     """The chosen plan's decisions, one line each, with the numbers behind them."""
-    return [
-        f"fastest feasible of {len(priced)} candidates: {pick.samples_per_s:.1f} samples/s, "
-        f"{pick.mfu * 100:.0f}% MFU, {pick.reason}",
-        _precision_line(pick, priced, space),
-        _zero_line(pick, priced),
-        _mbs_line(pick, priced, space),
-        _checkpointing_line(pick, priced),
-        _batch_line(pick, space),
-    ]
+    lines = [_headline(pick, evaluated, goal), _gpus_line(pick, ranked, space, goal), _layout_line(pick, ranked),
+             _sharding_line(pick, price), _offload_line(pick, price), _precision_line(pick, price, space),
+             _optimizer_line(pick, price, space), _mbs_line(pick, price, space),
+             _checkpointing_line(pick, price, space), _batch_line(pick, space)]
+    return [line for line in lines if line]

@@ -1,4 +1,4 @@
-"""recommend(): profile + cluster -> the fastest plan that fits, its runners-up, rationale, Pareto front.
+"""recommend(): profile + cluster -> the best plan that fits, its runners-up, rationale, Pareto front.
 
 A Python API with no printing: progress goes out through the ``on_progress`` callback.
 """
@@ -6,23 +6,28 @@ A Python API with no printing: progress goes out through the ``on_progress`` cal
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
+from optplan.estimators.cost import training_cost
+from optplan.estimators.errors import OptplanError
 from optplan.estimators.estimate import Estimate
 from optplan.estimators.hardware import Cluster
 from optplan.estimators.profile import ModelProfile
 from optplan.estimators.strategy import Strategy
 from optplan.planner.events import ProgressEvent
+from optplan.planner.export.context import ExportPlan, export_plan_for
 from optplan.planner.rationale import rationale
-from optplan.planner.search import SearchMethod, pareto_front, search
+from optplan.planner.search import Goal, SearchMethod, Pricer, pareto_front, search
 from optplan.planner.space import build_space
 from optplan.planner.suggest import what_would_fit
 
 DEFAULT_ALTERNATIVES = 4
-MODEL_SCOPE_NOTE = ("search: data-parallel plans (ZeRO 0-3, DeepSpeed); price tensor/pipeline/context-parallel and "
-                    "FSDP plans with optplan estimate; time model fitted on A100 Megatron runs (vTrain), other GPUs use "
-                    "the same efficiencies on their datasheet peaks until probes calibrate them")
+MODEL_SCOPE_NOTE = ("time model fitted on A100 Megatron runs (vTrain); other GPUs use the same efficiencies on their "
+                    "datasheet peaks until probes calibrate them")
+MEGATRON_FILE_NOTE = ("a Megatron-LM plan runs Megatron's own GPT implementation with this model's shape (layers, "
+                      "hidden, heads, MLP): the model file's code is not used by it")
 
 
 class PlanEstimate(BaseModel):
@@ -41,6 +46,10 @@ class SearchSummary(BaseModel):
     space_size: int
     evaluated: int
     feasible: int
+    resumed: int = 0
+    objective: str = "throughput"
+    study_name: str = ""
+    storage: str | None = None
 
 
 class ClusterSummary(BaseModel):
@@ -73,48 +82,96 @@ class Recommendation(BaseModel):
     global_batch: int | None
     seq_len: int | None
     search: SearchSummary
+    objective: str = "throughput"
+    tokens: float | None = None
+    deadline_s: float | None = None
+    export: ExportPlan | None = None
 
 
-def _pair(e: Estimate) -> PlanEstimate:
-    return PlanEstimate(plan=e.strategy, estimate=e)
+def _with_cost(e: Estimate, goal: Goal, cluster: Cluster) -> Estimate:
+    if goal.tokens is None or not e.tokens_per_s:
+        return e
+    price = goal.price_per_gpu_hour if goal.price_per_gpu_hour is not None else cluster.price_per_gpu_hour
+    cost = training_cost(tokens=goal.tokens, tokens_per_s=e.tokens_per_s, gpus=e.gpus,
+                         gpu_power_w=cluster.power_w_per_gpu, price_per_gpu_hour=price)
+    return e.model_copy(update={"cost": cost})
+
+
+def _is_model_file(profile: ModelProfile) -> bool:
+    return profile.path not in ("--arch", "--params", "")
 
 
 def recommend(profile: ModelProfile, cluster: Cluster, *, global_batch: int | None = None,
-              precisions: Sequence[str] | None = None, method: SearchMethod = "auto", seed: int = 0,
+              precisions: Sequence[str] | None = None, optimizers: Sequence[str] | None = None,
+              engines: Sequence[str] | None = None, gpu_counts: Sequence[int] | None = None,
+              goal: Goal | None = None, offload: bool = True, method: SearchMethod = "auto", seed: int = 0,
+              n_trials: int | None = None, storage: str | Path | None = None,
               alternatives: int = DEFAULT_ALTERNATIVES, notes: Sequence[str] = (),
               on_progress: Callable[[ProgressEvent], None] | None = None) -> Recommendation:
-    """Search the data-parallel space of ``profile`` on ``cluster`` and explain the pick.
+    """Search the space of ``profile`` on ``cluster`` (or on each of ``gpu_counts``) and explain the pick.
 
-    ``global_batch`` (samples) defaults to the model file's OPTPLAN value; None leaves it free.
+    ``global_batch`` (samples) defaults to the model file's OPTPLAN value; None leaves it free. For a model
+    file the engines default to DeepSpeed and torch (they run the file); Megatron-LM (tensor, pipeline and
+    context parallelism) joins for ``--arch`` shapes or when named in ``engines``.
     """
+    goal = goal or Goal()
+    goal.check()
+    if goal.price_per_gpu_hour is None and cluster.price_per_gpu_hour is not None:
+        goal = goal.model_copy(update={"price_per_gpu_hour": cluster.price_per_gpu_hour})
     gb = global_batch if global_batch is not None else profile.defaults.global_batch
-    space = build_space(profile, cluster, global_batch=gb, precisions=precisions)
-    result = search(profile, cluster, space, method=method, seed=seed, on_progress=on_progress)
+    if engines is None and _is_model_file(profile):
+        engines = ("deepspeed", "torch")
+    space = build_space(profile, cluster, global_batch=gb, precisions=precisions, optimizers=optimizers,
+                        engines=engines, gpu_counts=gpu_counts, offload=offload)
+    if not space.layouts:
+        raise OptplanError(f"no parallel layout uses {cluster.gpus} GPUs for {profile.name}: change --gpus")
+    if gb is not None and not any(gb % lay.dp == 0 for lay in space.layouts):
+        dps = sorted({lay.dp for lay in space.layouts})
+        raise OptplanError(f"global batch {gb} is not divisible by any data-parallel degree the layouts allow "
+                           f"({', '.join(map(str, dps[:8]))}): use a multiple of {dps[0]} for --global-batch")
+    result = search(profile, cluster, space, goal=goal, method=method, seed=seed, n_trials=n_trials,
+                    storage=storage, on_progress=on_progress)
     feasible = result.feasible
-    priced = {e.strategy: e for e in result.ranked}
+    pricer = Pricer(profile, cluster)
+    pricer.priced.update({e.strategy: e for e in result.ranked})
     all_notes = list(notes) + list(profile.notes) + [MODEL_SCOPE_NOTE]
     if gb is not None and profile.defaults.global_batch == gb and global_batch is None:
         all_notes.append(f"global batch {gb} from the model file's OPTPLAN")
     summary = SearchSummary(method=result.method, space_size=result.space_size, evaluated=result.evaluated,
-                            feasible=len(feasible))
-    cluster_summary = ClusterSummary(gpu=cluster.gpu.name, gpus=cluster.gpus, gpus_per_node=cluster.gpus_per_node,
-                                     memory_bytes=cluster.gpu.memory_bytes, detected=cluster.detected)
+                            feasible=len(feasible), resumed=result.resumed, objective=goal.objective,
+                            study_name=result.study.study_name, storage=None if storage is None else str(storage))
+    cluster_summary = ClusterSummary(gpu=cluster.gpu.name, gpus=max(space.gpu_counts),
+                                     gpus_per_node=cluster.gpus_per_node, memory_bytes=cluster.gpu.memory_bytes,
+                                     detected=cluster.detected)
+    common = dict(model=profile.name, model_path=profile.path, cluster=cluster_summary, global_batch=gb,
+                  seq_len=profile.seq_len, search=summary, objective=goal.objective, tokens=goal.tokens,
+                  deadline_s=goal.deadline_s)
     if feasible:
-        pick = feasible[0]
+        pick = _with_cost(feasible[0], goal, cluster)
+        if pick.strategy.engine == "megatron" and _is_model_file(profile):
+            all_notes.append(MEGATRON_FILE_NOTE)
+        if goal.deadline_s is not None and not goal.meets_deadline(pick):
+            all_notes.append(f"no searched plan trains {goal.tokens:.3g} tokens within the deadline: this is the "
+                             "fastest; widen --gpus-range or relax --deadline")
+        lines = rationale(pick, result.ranked, pricer, space, goal, result.evaluated + result.resumed)
         return Recommendation(
-            model=profile.name, model_path=profile.path, cluster=cluster_summary, fits=True,
-            plan=pick.strategy, estimate=pick,
-            alternatives=tuple(_pair(e) for e in feasible[1:1 + alternatives]),
-            rationale=tuple(rationale(pick, priced, space)),
-            pareto=tuple(_pair(e) for e in pareto_front(feasible)), suggestions=(), notes=tuple(all_notes),
-            global_batch=gb, seq_len=profile.seq_len, search=summary)
-    closest = min(result.ranked, key=lambda e: e.memory.total_bytes)
-    why = (f"no searched plan fits {cluster.gpus} x {cluster.gpu.name}: the leanest needs "
+            **common, fits=True, plan=pick.strategy, estimate=pick,  # type: ignore[arg-type]
+            alternatives=tuple(PlanEstimate(plan=e.strategy, estimate=_with_cost(e, goal, cluster))
+                               for e in feasible[1:1 + alternatives]),
+            rationale=tuple(lines),
+            pareto=tuple(PlanEstimate(plan=e.strategy, estimate=_with_cost(e, goal, cluster))
+                         for e in pareto_front(feasible, goal)),
+            suggestions=(), notes=tuple(all_notes),
+            export=export_plan_for(pick.strategy, profile, pricer.cluster_for(pick.gpus)))
+    closest = min(result.ranked, key=lambda e: e.memory.total_bytes) if result.ranked else None
+    gpus = max(space.gpu_counts)
+    why = (f"no searched plan fits {gpus} x {cluster.gpu.name}: the leanest needs "
            f"{closest.memory.total_bytes / 2**30:.1f} GiB per GPU ({closest.strategy.label()}) of "
-           f"{cluster.gpu.memory_bytes / 2**30:.1f} GiB")
-    lines, behind = what_would_fit(profile, cluster, space)
+           f"{cluster.gpu.memory_bytes / 2**30:.1f} GiB") if closest is not None else (
+           f"no searched plan can run {profile.name} on {gpus} x {cluster.gpu.name}")
+    big = pricer.cluster_for(gpus)
+    lines, behind = what_would_fit(profile, big, space)
     return Recommendation(
-        model=profile.name, model_path=profile.path, cluster=cluster_summary, fits=False, plan=None,
-        estimate=None, alternatives=(), rationale=(why,), pareto=(), suggestions=tuple(lines),
-        suggested=tuple(_pair(e) for e in behind), notes=tuple(all_notes),
-        global_batch=gb, seq_len=profile.seq_len, search=summary)
+        **common, fits=False, plan=None, estimate=None, alternatives=(), rationale=(why,),  # type: ignore[arg-type]
+        pareto=(), suggestions=tuple(lines), suggested=tuple(PlanEstimate(plan=e.strategy, estimate=e) for e in behind),
+        notes=tuple(all_notes))

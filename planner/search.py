@@ -1,139 +1,384 @@
-"""Search the space with Optuna: enumerate small spaces, NSGA-II with memory constraints otherwise.
+"""Search the space with Optuna: pruned enumeration when it is small enough, NSGA-II or TPE otherwise.
 
-Every candidate is priced by the analytic estimators (microseconds each). Small spaces are enumerated
-(a plain loop is orders of magnitude cheaper than Optuna's GridSampler, see stack-notes) and the
-feasible Pareto front and top-k are recorded into an Optuna study as completed trials; larger spaces
-run ``NSGAIISampler`` over the categorical axes with ``trial.set_constraint`` carrying the memory
-excess (> 0 = infeasible). Both objectives are maximised: samples/s and memory headroom.
+Every candidate is priced by the analytic estimators (well under a millisecond each).
+
+- ``enumerate``: a plain loop over the space's groups (a plain loop is ~100x cheaper than Optuna's
+  GridSampler, stack-notes), pricing each group's micro-batches in ascending order and stopping at the
+  first that does not fit (per-GPU memory grows with the micro-batch). Each chunk of groups records its
+  Pareto front and best candidates into the Optuna study as completed trials, with the study's
+  ``groups_done`` mark, so a killed search resumes where it stopped and a finished one is not repeated.
+- ``nsga2`` / ``tpe``: Optuna's samplers over the same axes (layout, sharding, precision, optimizer,
+  checkpointing, micro-batch, accumulation); ``trial.set_constraint`` carries the memory excess in GiB
+  (> 0 = infeasible); illegal combinations are pruned. A study in shared storage can be optimised by
+  several processes at once (Optuna's own mechanism) and resumes to the requested trial count.
+
+Objectives (``Goal``): ``throughput`` maximises samples/s and memory headroom; ``time`` and ``cost``
+minimise the time to train the token budget and its cost (GPU-hours x price, or GPU-hours without a
+price). All orders are total and deterministic for the same inputs and seed.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import math
 from collections.abc import Callable
+from pathlib import Path
 from typing import Literal
 
 import optuna
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
+from optplan.estimators.errors import OptplanError
 from optplan.estimators.estimate import Estimate, estimate
 from optplan.estimators.hardware import Cluster
 from optplan.estimators.profile import ModelProfile
 from optplan.estimators.strategy import Strategy
 from optplan.planner.events import ProgressEvent
-from optplan.planner.space import SearchSpace, enumerate_space, strategy_for
+from optplan.planner.space import Group, SearchSpace, strategy_of
 
-SearchMethod = Literal["auto", "enumerate", "nsga2"]
-ENUMERATE_LIMIT = 20_000
+SearchMethod = Literal["auto", "enumerate", "nsga2", "tpe"]
+Objective = Literal["throughput", "time", "cost"]
+OBJECTIVES: tuple[str, ...] = ("throughput", "time", "cost")
+ENUMERATE_LIMIT = 200_000
+DEFAULT_TRIALS = 3000
 MEMORY_CONSTRAINT_KEY = "memory_excess_gib"
-RECORDED_TOP_K = 20
+RECORDED_TOP_K = 12
+CHUNK_GROUPS = 512
+STUDY_FORMAT = 2
+
+
+class Goal(BaseModel):
+    """What "best" means: the objective and, for time/cost, the token budget, price and deadline."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    objective: Objective = "throughput"
+    tokens: float | None = Field(default=None, gt=0, description="token budget (tokens)")
+    price_per_gpu_hour: float | None = Field(default=None, ge=0, description="USD per GPU-hour")
+    deadline_s: float | None = Field(default=None, gt=0, description="train within this time (s)")
+
+    def check(self) -> None:
+        if self.objective in ("time", "cost") and self.tokens is None:
+            raise OptplanError(f"--objective {self.objective} needs --tokens (the token budget to train)")
+        if self.deadline_s is not None and self.tokens is None:
+            raise OptplanError("--deadline needs --tokens (the token budget to train in that time)")
+
+    def train_time_s(self, e: Estimate) -> float:
+        """Time to train the token budget (s); inf without a token model."""
+        if self.tokens is None or not e.tokens_per_s:
+            return math.inf
+        return self.tokens / e.tokens_per_s
+
+    def gpu_hours(self, e: Estimate) -> float:
+        return e.gpus * self.train_time_s(e) / 3600
+
+    def meets_deadline(self, e: Estimate) -> bool:
+        return self.deadline_s is None or self.train_time_s(e) <= self.deadline_s
+
+    def rank_key(self, e: Estimate) -> tuple[float, ...]:
+        """Ascending sort key: feasible first, then the objective, then headroom, then the label."""
+        head = (0.0 if e.fits else 1.0,)
+        if self.objective == "throughput" or self.tokens is None:
+            body: tuple[float, ...] = (-e.samples_per_s,)
+        elif self.objective == "time":
+            if self.deadline_s is not None:  # the fewest GPUs that meet the deadline, then the fastest
+                met = self.meets_deadline(e)
+                body = (0.0 if met else 1.0, e.gpus if met else 0.0, self.train_time_s(e))
+            else:
+                body = (self.train_time_s(e),)
+        else:
+            met = self.meets_deadline(e)
+            body = (0.0 if met else 1.0, self.gpu_hours(e), self.train_time_s(e))
+        return (*head, *body, -float(e.memory.headroom_bytes), float(e.gpus))
+
+    def values(self, e: Estimate) -> list[float]:
+        """The study's objective values for ``e`` (see ``directions``)."""
+        if self.objective == "throughput" or self.tokens is None:
+            return [e.samples_per_s, e.memory.headroom_bytes / 2**30]
+        return [self.train_time_s(e) / 86400, self.gpu_hours(e)]
+
+    @property
+    def directions(self) -> list[str]:
+        if self.objective == "throughput" or self.tokens is None:
+            return ["maximize", "maximize"]
+        return ["minimize", "minimize"]
 
 
 class SearchResult(BaseModel):
-    """All evaluated candidates, ranked (feasible first, fastest first) and the study that holds them."""
+    """The priced candidates, ranked by the goal (feasible first), and the study that holds them."""
 
     model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True)
 
     ranked: tuple[Estimate, ...]
-    method: Literal["enumerate", "nsga2"]
+    method: Literal["enumerate", "nsga2", "tpe"]
     space_size: int
     evaluated: int
+    resumed: int = Field(default=0, description="candidates taken from an earlier run in the same study")
     study: optuna.Study
+    goal: Goal
 
     @property
     def feasible(self) -> tuple[Estimate, ...]:
         return tuple(e for e in self.ranked if e.fits)
 
 
-def rank_key(e: Estimate) -> tuple[bool, float, int]:
-    """Sort key: feasible first, then faster, then more headroom (descending when negated)."""
-    return (not e.fits, -e.samples_per_s, -e.memory.headroom_bytes)
+def pareto_front(estimates: tuple[Estimate, ...] | list[Estimate], goal: Goal | None = None) -> list[Estimate]:
+    """Feasible estimates that no other feasible one beats on both axes, best first.
 
-
-def pareto_front(estimates: tuple[Estimate, ...] | list[Estimate]) -> list[Estimate]:
-    """Feasible estimates not dominated in (samples/s, headroom bytes), fastest first."""
-    feasible = sorted((e for e in estimates if e.fits), key=rank_key)
+    Throughput: (samples/s up, memory headroom up). Time/cost: (time to train down, GPU-hours down).
+    """
+    goal = goal or Goal()
+    feasible = [e for e in estimates if e.fits]
+    if goal.objective == "throughput" or goal.tokens is None:
+        axes = [(-e.samples_per_s, -float(e.memory.headroom_bytes)) for e in feasible]
+    else:
+        axes = [(goal.train_time_s(e), goal.gpu_hours(e)) for e in feasible]
+    order = sorted(range(len(feasible)), key=lambda i: (axes[i], feasible[i].strategy.label()))
     front: list[Estimate] = []
-    best_headroom = None
-    for e in feasible:  # sorted by speed descending: keep those with strictly more headroom
-        if best_headroom is None or e.memory.headroom_bytes > best_headroom:
-            front.append(e)
-            best_headroom = e.memory.headroom_bytes
+    best_second = math.inf
+    for i in order:  # sorted by the first axis: keep those strictly better on the second
+        if axes[i][1] < best_second:
+            front.append(feasible[i])
+            best_second = axes[i][1]
     return front
+
+
+def rank(estimates: list[Estimate], goal: Goal) -> tuple[Estimate, ...]:
+    return tuple(sorted(estimates, key=lambda e: (goal.rank_key(e), e.strategy.label())))
+
+
+# --- the study --------------------------------------------------------------------------------------
+
+def _layout_key(group: Group) -> str:
+    lay = group.layout
+    return f"g{lay.gpus}-dp{lay.dp}-tp{lay.tp}-pp{lay.pp}-v{lay.vpp}-cp{lay.cp}"
 
 
 def _distributions(space: SearchSpace) -> dict[str, optuna.distributions.BaseDistribution]:
     cat = optuna.distributions.CategoricalDistribution
+    layouts = sorted({_layout_key(Group(lay, space.shardings[0], "", "", "none")) for lay in space.layouts})
+    mbs = sorted({b for lay in space.layouts for b in space.micro_batches(lay)}) or [1]
     return {
+        "layout": cat(layouts),
+        "sharding": cat([s.label() for s in space.shardings]),
         "precision": cat(list(space.precisions)),
-        "zero": cat(list(space.zero_stages)),
-        "mbs": cat(list(space.micro_batches)),
+        "optimizer": cat(list(space.optimizers)),
         "checkpointing": cat(list(space.checkpointing)),
+        "mbs": cat(mbs),
+        "accum": cat([0, 1, 2]),
     }
 
 
-def _params(s: Strategy) -> dict[str, object]:
-    return {"precision": s.precision, "zero": s.zero, "mbs": s.mbs, "checkpointing": s.checkpointing}
+def _params(group: Group, mbs: int, accum_index: int) -> dict[str, object]:
+    return {"layout": _layout_key(group), "sharding": group.sharding.label(), "precision": group.precision,
+            "optimizer": group.optimizer, "checkpointing": group.checkpointing, "mbs": mbs, "accum": accum_index}
 
 
-def _values(e: Estimate) -> list[float]:
-    return [e.samples_per_s, e.memory.headroom_bytes / 2**30]
+def resolve_storage(storage: str | Path | None) -> optuna.storages.BaseStorage | str | None:
+    """``--storage``: an RDB URL (``sqlite:///x.db``, ``postgresql://...``), a ``.db`` file (SQLite) or any
+    other path (an Optuna journal file, safe for several processes on one machine or a shared filesystem)."""
+    if storage is None:
+        return None
+    text = str(storage)
+    if "://" in text:
+        return text
+    path = Path(text)
+    if path.is_dir():
+        raise OptplanError(f"--storage {text} is a folder: give a file (study.log or study.db) or a database URL")
+    if not path.parent.exists():
+        raise OptplanError(f"--storage {text}: folder {path.parent} does not exist; create it or choose another path")
+    if path.suffix in (".db", ".sqlite", ".sqlite3"):
+        return f"sqlite:///{path.resolve()}"
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+    return JournalStorage(JournalFileBackend(str(path)))
 
 
-def _constraint(e: Estimate) -> float:
-    return -e.memory.headroom_bytes / 2**30
+def study_name_for(profile: ModelProfile, cluster: Cluster, space: SearchSpace, goal: Goal, method: str,
+                   seed: int) -> str:
+    """A name that is the same exactly when the inputs are: rerunning resumes the same study."""
+    doc = {"v": STUDY_FORMAT, "profile": profile.model_dump(mode="json", exclude={"profile_s", "notes"}),
+           "cluster": cluster.model_dump(mode="json"), "space": space.model_dump(mode="json"),
+           "goal": goal.model_dump(mode="json"), "method": method, "seed": seed}
+    digest = hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return f"optplan-{profile.name}-{digest}"
 
 
-def _new_study(seed: int, storage: str | None, study_name: str | None,
-               sampler: optuna.samplers.BaseSampler | None) -> optuna.Study:
+def _open_study(storage: str | Path | None, name: str, goal: Goal,
+                sampler: optuna.samplers.BaseSampler) -> optuna.Study:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    return optuna.create_study(
-        directions=["maximize", "maximize"], storage=storage, study_name=study_name,
-        sampler=sampler or optuna.samplers.NSGAIISampler(seed=seed), load_if_exists=True,
-    )
+    try:
+        return optuna.create_study(directions=goal.directions, storage=resolve_storage(storage),  # type: ignore[arg-type]
+                                   study_name=name, sampler=sampler, load_if_exists=True)
+    except (OSError, ValueError) as exc:  # unreadable file, wrong URL
+        raise OptplanError(f"cannot open the study storage {storage}: {exc}; choose another --storage") from exc
+    except Exception as exc:  # sqlalchemy errors: not importable here without sqlalchemy
+        raise OptplanError(f"cannot open the study storage {storage} ({type(exc).__name__}: {exc}); "
+                           "choose another --storage") from exc
 
 
-def search(profile: ModelProfile, cluster: Cluster, space: SearchSpace, *, method: SearchMethod = "auto",
-           n_trials: int | None = None, seed: int = 0, storage: str | None = None,
-           study_name: str | None = None,
+def _record(study: optuna.Study, dists: dict[str, optuna.distributions.BaseDistribution],
+            entries: list[tuple[Estimate, dict[str, object]]], goal: Goal) -> None:
+    study.add_trials([
+        optuna.trial.create_trial(
+            params=params, distributions=dists, values=goal.values(e),
+            constraints={MEMORY_CONSTRAINT_KEY: -e.memory.headroom_bytes / 2**30},
+            user_attrs={"label": e.strategy.label(), "strategy": e.strategy.model_dump(mode="json")})
+        for e, params in entries
+    ])
+
+
+def _recorded(study: optuna.Study) -> list[Strategy]:
+    out = []
+    for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
+        doc = t.user_attrs.get("strategy")
+        if isinstance(doc, dict):
+            try:
+                out.append(Strategy.model_validate(doc))
+            except ValueError:
+                continue
+    return out
+
+
+class Pricer:
+    """Estimates with a cache, one Cluster per GPU count."""
+
+    def __init__(self, profile: ModelProfile, cluster: Cluster) -> None:
+        self.profile = profile
+        self.cluster = cluster
+        self._clusters: dict[int, Cluster] = {}
+        self.priced: dict[Strategy, Estimate] = {}
+
+    def cluster_for(self, gpus: int) -> Cluster:
+        if gpus not in self._clusters:
+            self._clusters[gpus] = self.cluster if gpus == self.cluster.gpus else \
+                self.cluster.model_copy(update={"gpus": gpus})
+        return self._clusters[gpus]
+
+    def __call__(self, strategy: Strategy) -> Estimate | None:
+        if strategy in self.priced:
+            return self.priced[strategy]
+        try:
+            est = estimate(self.profile, self.cluster_for(strategy.world_size), strategy)
+        except OptplanError:
+            return None
+        self.priced[strategy] = est
+        return est
+
+
+def _keep(entries: list[tuple[Estimate, dict[str, object]]], goal: Goal) -> list[tuple[Estimate, dict[str, object]]]:
+    """The entries worth recording: the Pareto front, the best few, and the best infeasible few."""
+    by_strategy = {e.strategy: (e, p) for e, p in entries}
+    ests = [e for e, _ in entries]
+    ranked = rank(ests, goal)
+    keep = [*pareto_front(ests, goal), *ranked[:RECORDED_TOP_K],
+            *[e for e in ranked if not e.fits][:RECORDED_TOP_K]]
+    return list({e.strategy: by_strategy[e.strategy] for e in keep}.values())
+
+
+def _enumerate(pricer: Pricer, space: SearchSpace, study: optuna.Study, goal: Goal,
+               notify: Callable[[ProgressEvent], None]) -> tuple[int, int]:
+    dists = _distributions(space)
+    groups = list(space.groups())
+    done = int(study.user_attrs.get("groups_done", 0))
+    resumed = 0
+    if done:
+        for s in _recorded(study):
+            if pricer(s) is not None:
+                resumed += 1
+    evaluated = 0
+    chunk: list[tuple[Estimate, dict[str, object]]] = []
+    for gi in range(done, len(groups)):
+        group = groups[gi]
+        for mbs in space.micro_batches(group.layout):
+            any_fits = False
+            for k, gas in enumerate(space.accumulations(group.layout, mbs)):
+                s = strategy_of(group, mbs, gas)
+                if s is None:
+                    continue
+                known = s in pricer.priced
+                est = pricer(s)
+                if est is None:
+                    continue
+                if not known:
+                    evaluated += 1
+                chunk.append((est, _params(group, mbs, k)))
+                any_fits = any_fits or est.fits
+            if not any_fits:
+                break  # memory grows with the micro-batch: larger ones do not fit either
+        if (gi + 1) % CHUNK_GROUPS == 0 or gi + 1 == len(groups):
+            _record(study, dists, _keep(chunk, goal), goal)
+            study.set_user_attr("groups_done", gi + 1)
+            chunk = []
+            notify(ProgressEvent(stage="search", done=gi + 1, total=len(groups),
+                                 message=f"{evaluated} candidates priced"))
+    return evaluated, resumed
+
+
+def _optimize(pricer: Pricer, space: SearchSpace, study: optuna.Study, goal: Goal, n_trials: int,
+              notify: Callable[[ProgressEvent], None]) -> tuple[int, int]:
+    dists = _distributions(space)
+    groups_by_key: dict[tuple[str, str, str, str, str], Group] = {
+        (_layout_key(g), g.sharding.label(), g.precision, g.optimizer, g.checkpointing): g for g in space.groups()}
+    resumed = 0
+    for s in _recorded(study):
+        if pricer(s) is not None:
+            resumed += 1
+    finished = len(study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,
+                                                            optuna.trial.TrialState.PRUNED)))
+    remaining = max(0, n_trials - finished)
+    before = len(pricer.priced)
+
+    def objective(trial: optuna.Trial) -> list[float]:
+        p = {name: trial.suggest_categorical(name, list(dist.choices))  # type: ignore[attr-defined]
+             for name, dist in dists.items()}
+        group = groups_by_key.get((p["layout"], p["sharding"], p["precision"], p["optimizer"],  # type: ignore[arg-type]
+                                   p["checkpointing"]))
+        if group is None or p["mbs"] not in space.micro_batches(group.layout):
+            raise optuna.TrialPruned()
+        accums = space.accumulations(group.layout, p["mbs"])  # type: ignore[arg-type]
+        if p["accum"] >= len(accums):  # type: ignore[operator]
+            raise optuna.TrialPruned()
+        s = strategy_of(group, p["mbs"], accums[p["accum"]])  # type: ignore[arg-type, index]
+        est = pricer(s) if s is not None else None
+        if est is None:
+            raise optuna.TrialPruned()
+        trial.set_constraint(MEMORY_CONSTRAINT_KEY, -est.memory.headroom_bytes / 2**30)
+        trial.set_user_attr("label", est.strategy.label())
+        trial.set_user_attr("strategy", est.strategy.model_dump(mode="json"))
+        notify(ProgressEvent(stage="search", done=trial.number + 1, total=n_trials, message=est.strategy.label()))
+        return goal.values(est)
+
+    if remaining:
+        study.optimize(objective, n_trials=remaining)
+    return len(pricer.priced) - before, resumed
+
+
+def search(profile: ModelProfile, cluster: Cluster, space: SearchSpace, *, goal: Goal | None = None,
+           method: SearchMethod = "auto", n_trials: int | None = None, seed: int = 0,
+           storage: str | Path | None = None, study_name: str | None = None,
            on_progress: Callable[[ProgressEvent], None] | None = None) -> SearchResult:
-    """Price the space and rank it. Deterministic for the same inputs and seed."""
+    """Price the space and rank it by ``goal``. Deterministic for the same inputs and seed."""
+    goal = goal or Goal()
+    goal.check()
     notify = on_progress or (lambda _e: None)
-    chosen: Literal["enumerate", "nsga2"] = (
-        "enumerate" if method == "enumerate" or (method == "auto" and space.size <= ENUMERATE_LIMIT)
-        else "nsga2")
-    priced: dict[Strategy, Estimate] = {}
+    size = space.size
+    chosen: Literal["enumerate", "nsga2", "tpe"] = (
+        "enumerate" if method == "enumerate" or (method == "auto" and size <= ENUMERATE_LIMIT)
+        else ("tpe" if method == "tpe" else "nsga2"))
+    name = study_name or study_name_for(profile, cluster, space, goal, chosen, seed)
+    pricer = Pricer(profile, cluster)
     if chosen == "enumerate":
-        study = _new_study(seed, storage, study_name, None)
-        for i, strategy in enumerate(enumerate_space(space), start=1):
-            priced[strategy] = estimate(profile, cluster, strategy)
-            if i % 64 == 0 or i == space.size:
-                notify(ProgressEvent(stage="search", done=i, total=space.size, message=strategy.label()))
-        ranked = tuple(sorted(priced.values(), key=rank_key))
-        keep = {e.strategy: e for e in (*pareto_front(ranked), *ranked[:RECORDED_TOP_K])}
-        dists = _distributions(space)
-        study.add_trials([
-            optuna.trial.create_trial(params=_params(e.strategy), distributions=dists, values=_values(e),
-                                      constraints={MEMORY_CONSTRAINT_KEY: _constraint(e)},
-                                      user_attrs={"label": e.strategy.label()})
-            for e in keep.values()
-        ])
+        study = _open_study(storage, name, goal, optuna.samplers.NSGAIISampler(seed=seed))
+        evaluated, resumed = _enumerate(pricer, space, study, goal, notify)
     else:
-        trials = n_trials or min(space.size, 2000)
-        study = _new_study(seed, storage, study_name, optuna.samplers.NSGAIISampler(seed=seed))
+        sampler: optuna.samplers.BaseSampler = (
+            optuna.samplers.TPESampler(seed=seed, multivariate=True)
+            if chosen == "tpe" else optuna.samplers.NSGAIISampler(seed=seed))
+        study = _open_study(storage, name, goal, sampler)
+        evaluated, resumed = _optimize(pricer, space, study, goal, n_trials or min(size, DEFAULT_TRIALS), notify)
+    ranked = rank(list(pricer.priced.values()), goal)
+    return SearchResult(ranked=ranked, method=chosen, space_size=size, evaluated=evaluated, resumed=resumed,
+                        study=study, goal=goal)
 
-        def objective(trial: optuna.Trial) -> list[float]:
-            strategy = strategy_for(
-                space, precision=trial.suggest_categorical("precision", list(space.precisions)),
-                zero=trial.suggest_categorical("zero", list(space.zero_stages)),
-                mbs=trial.suggest_categorical("mbs", list(space.micro_batches)),
-                checkpointing=trial.suggest_categorical("checkpointing", list(space.checkpointing)))
-            est = priced.get(strategy) or estimate(profile, cluster, strategy)
-            priced[strategy] = est
-            trial.set_constraint(MEMORY_CONSTRAINT_KEY, _constraint(est))
-            trial.set_user_attr("label", strategy.label())
-            notify(ProgressEvent(stage="search", done=trial.number + 1, total=trials, message=strategy.label()))
-            return _values(est)
-
-        study.optimize(objective, n_trials=trials)
-        ranked = tuple(sorted(priced.values(), key=rank_key))
-    return SearchResult(ranked=ranked, method=chosen, space_size=space.size, evaluated=len(priced), study=study)

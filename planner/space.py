@@ -1,39 +1,192 @@
-"""The search space: every legal Strategy for a model on a cluster (single node, data parallel)."""
+"""The search space: every legal Strategy for a model on a cluster, grouped for pruned enumeration.
+
+Axes (design.md "Strategy: what is searched"): GPU count (one, or a ``--gpus-range``), the parallel layout
+(tp, pp, vpp, cp; dp = the rest), the engine and its data-parallel sharding and offload, the precision
+recipe, the optimizer, activation checkpointing, the micro-batch and gradient accumulation.
+
+Legality follows Megatron-LM's argument checks (``megatron/training/arguments.py``): tp divides the
+attention and key-value heads and stays inside a node; pp divides the layers and, interleaved, the layers
+divide by pp·vpp and the micro-batches by pp; cp splits the sequence into 2·cp chunks. Which engine runs
+which layout:
+
+- DeepSpeed (ZeRO 0-3, CPU offload of the optimizer, and of the parameters under ZeRO-3) and plain torch
+  (DDP, FSDP FULL_SHARD / SHARD_GRAD_OP / HYBRID_SHARD across nodes, FSDP CPU offload) run data-parallel
+  layouts: these are the plans a ``ds_config.json`` / ``accelerate.yaml`` launches as they are;
+- Megatron-LM (ZeRO-0, or its distributed optimizer = ZeRO-1) runs every layout of a transformer, and is
+  the engine for tensor, pipeline and context parallelism.
+
+A *group* is a point of every axis except the micro-batch: per-GPU memory grows with the micro-batch, so
+the search prices a group's micro-batches in ascending order and stops at the first that does not fit.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from math import gcd
+from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from optplan.estimators.errors import OptplanError
 from optplan.estimators.hardware import Cluster
 from optplan.estimators.precision import require_precision
-from optplan.estimators.profile import CheckpointMode, ModelProfile
-from optplan.estimators.strategy import Strategy
+from optplan.estimators.profile import ModelProfile
+from optplan.estimators.strategy import CheckpointName as CheckpointMode
+from optplan.estimators.strategy import EngineName, Strategy
 
 MAX_MICRO_BATCH = 1024
+MAX_VPP = 8
+MAX_CP = 16
+MIN_TOKENS_PER_CP_RANK = 1024
+"""Context parallelism below ~1k tokens per rank only adds ring traffic (Megatron-LM's CP guide targets
+sequences of 8k and more); such splits are not searched."""
+FREE_BATCH_PIPELINE_MULTIPLES = (1, 2, 4)
+"""With a free global batch a pipeline of p stages gets p, 2p or 4p micro-batches per step (bubble
+(p-1)/(m+p-1): Narayanan et al. 2021 eq. 1 keeps it under ~20% at 4p)."""
 SEARCHED_PRECISIONS_BF16 = ("bf16", "amp-bf16", "fp32")
 SEARCHED_PRECISIONS_NO_BF16 = ("fp16", "amp-fp16", "fp32")
+MEGATRON_PRECISIONS = ("bf16", "fp16", "fp32", "fp8", "bf16-pure")
+"""Megatron-LM keeps 16-bit parameters with fp32 main copies (or fp32 throughout); it has no autocast recipe."""
+ENGINES: tuple[EngineName, ...] = ("deepspeed", "torch", "megatron")
+
+
+class Layout(NamedTuple):
+    """Where the GPUs go: world = dp·tp·pp·cp."""
+
+    gpus: int
+    dp: int
+    tp: int
+    pp: int
+    vpp: int
+    cp: int
+
+    @property
+    def model_parallel(self) -> bool:
+        return self.tp > 1 or self.pp > 1 or self.cp > 1
+
+
+class Sharding(NamedTuple):
+    """The engine and its data-parallel sharding and offload."""
+
+    engine: EngineName
+    zero: int = 0
+    fsdp: str = "none"
+    offload_optimizer: str = "none"
+    offload_params: str = "none"
+
+    def label(self) -> str:
+        what = f"FSDP-{self.fsdp}" if self.fsdp != "none" else (
+            "DDP" if self.engine == "torch" else f"ZeRO-{self.zero}")
+        off = [n for n, v in (("optimizer", self.offload_optimizer), ("params", self.offload_params)) if v != "none"]
+        return f"{self.engine} {what}" + (f" + CPU offload of {' and '.join(off)}" if off else "")
+
+
+class Group(NamedTuple):
+    """Every axis but the micro-batch (and the accumulation, derived from it)."""
+
+    layout: Layout
+    sharding: Sharding
+    precision: str
+    optimizer: str
+    checkpointing: CheckpointMode
 
 
 class SearchSpace(BaseModel):
-    """The axes of the search; ``global_batch`` None means free (grad_accum = 1)."""
+    """The axes of the search. ``global_batch`` None means free (see ``accumulations``)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    dp: int = Field(ge=1)
+    gpus_per_node: int = Field(ge=1)
+    layouts: tuple[Layout, ...]
+    shardings: tuple[Sharding, ...]
     precisions: tuple[str, ...]
-    optimizer: str = "adamw"
-    zero_stages: tuple[int, ...]
-    micro_batches: tuple[int, ...]
+    optimizers: tuple[str, ...]
     checkpointing: tuple[CheckpointMode, ...]
     global_batch: int | None = None
+    max_micro_batch: int = MAX_MICRO_BATCH
+
+    @property
+    def gpu_counts(self) -> tuple[int, ...]:
+        return tuple(sorted({lay.gpus for lay in self.layouts}))
+
+    @property
+    def dp(self) -> int:
+        """The data-parallel degree of the plain data-parallel layout at the largest GPU count."""
+        return max(lay.dp for lay in self.layouts if not lay.model_parallel)
+
+    @property
+    def optimizer(self) -> str:
+        return self.optimizers[0]
+
+    def shardings_for(self, layout: Layout) -> tuple[Sharding, ...]:
+        """The engine/sharding choices that can run ``layout``."""
+        out = []
+        for sh in self.shardings:
+            if layout.model_parallel and sh.engine != "megatron":
+                continue
+            if sh.fsdp == "hybrid" and layout.dp <= self.gpus_per_node:
+                continue  # HSDP replicates across nodes: one node is plain FULL_SHARD
+            if layout.dp == 1 and (sh.zero > 0 or sh.fsdp != "none") and sh.offload_optimizer == "none" \
+                    and sh.offload_params == "none":
+                continue  # sharding over one rank is the unsharded plan with extra bookkeeping
+            out.append(sh)
+        return tuple(out)
+
+    def precisions_for(self, sharding: Sharding) -> tuple[str, ...]:
+        if sharding.engine == "megatron":
+            return tuple(p for p in self.precisions if p in MEGATRON_PRECISIONS)
+        return tuple(p for p in self.precisions if p != "fp8" or sharding.engine == "torch")
+
+    def groups(self) -> Iterator[Group]:
+        """Every group in a fixed order (deterministic)."""
+        for layout in self.layouts:
+            for sharding in self.shardings_for(layout):
+                for precision in self.precisions_for(sharding):
+                    for optimizer in self.optimizers:
+                        if sharding.offload_optimizer != "none" and optimizer != "adamw":
+                            continue  # DeepSpeed's CPU optimizer is Adam/AdamW only
+                        for ckpt in self.checkpointing:
+                            yield Group(layout, sharding, precision, optimizer, ckpt)
+
+    def micro_batches(self, layout: Layout) -> tuple[int, ...]:
+        """Micro-batches per GPU, ascending: divisors of the per-replica batch when it is fixed, else powers
+        of two."""
+        if self.global_batch is None:
+            return _powers_of_two_upto(self.max_micro_batch)
+        if self.global_batch % layout.dp:
+            return ()
+        per_replica = self.global_batch // layout.dp
+        return tuple(b for b in range(1, min(per_replica, self.max_micro_batch) + 1) if per_replica % b == 0)
+
+    def accumulations(self, layout: Layout, mbs: int) -> tuple[int, ...]:
+        """Gradient-accumulation steps for ``mbs``: fixed by the global batch, else 1 (pipelines: 1-4 x pp)."""
+        if self.global_batch is not None:
+            return (self.global_batch // (layout.dp * mbs),)
+        if layout.pp == 1:
+            return (1,)
+        return tuple(layout.pp * k for k in FREE_BATCH_PIPELINE_MULTIPLES)
 
     @property
     def size(self) -> int:
-        """Number of candidate strategies (grad_accum is implied by the global batch)."""
-        return len(self.precisions) * len(self.zero_stages) * len(self.micro_batches) * len(self.checkpointing)
+        """Number of candidate strategies (before memory pruning)."""
+        total = 0
+        for group in self.groups():
+            for mbs in self.micro_batches(group.layout):
+                total += len(self.accumulations(group.layout, mbs))
+        return total
+
+
+def strategy_of(group: Group, mbs: int, grad_accum: int) -> Strategy | None:
+    """The Strategy at one point, or None when the combination is not legal (Strategy's own rules)."""
+    lay, sh = group.layout, group.sharding
+    try:
+        return Strategy(precision=group.precision, optimizer=group.optimizer, zero=sh.zero,  # type: ignore[arg-type]
+                        fsdp=sh.fsdp, mbs=mbs, grad_accum=grad_accum,  # type: ignore[arg-type]
+                        checkpointing=group.checkpointing, dp=lay.dp, tp=lay.tp, pp=lay.pp, vpp=lay.vpp,
+                        cp=lay.cp, offload_optimizer=sh.offload_optimizer,  # type: ignore[arg-type]
+                        offload_params=sh.offload_params, engine=sh.engine)  # type: ignore[arg-type]
+    except ValueError:
+        return None
 
 
 def _powers_of_two_upto(limit: int) -> tuple[int, ...]:
@@ -44,15 +197,14 @@ def _powers_of_two_upto(limit: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
 def check_global_batch(global_batch: int | None, gpus: int) -> None:
-    """A fixed global batch must be positive and divisible by the data-parallel GPUs."""
-    if global_batch is None:
-        return
-    if global_batch < 1:
+    """A fixed global batch must be positive."""
+    if global_batch is not None and global_batch < 1:
         raise OptplanError(f"--global-batch must be >= 1 (got {global_batch})")
-    if global_batch % gpus:
-        raise OptplanError(f"global batch {global_batch} is not divisible by {gpus} GPUs: "
-                           f"use a multiple of {gpus} for --global-batch or change --gpus")
 
 
 def check_precisions(cluster: Cluster, precisions: Sequence[str]) -> None:
@@ -61,45 +213,114 @@ def check_precisions(cluster: Cluster, precisions: Sequence[str]) -> None:
         require_precision(cluster.gpu, name)
 
 
-def build_space(profile: ModelProfile, cluster: Cluster, *, global_batch: int | None = None,
-                precisions: Sequence[str] | None = None, optimizer: str | None = None) -> SearchSpace:
-    """The space for ``profile`` on ``cluster``: dp = all GPUs, powers-of-two micro-batches.
+def parse_gpus_range(text: str, gpus_per_node: int) -> tuple[int, ...]:
+    """``LO:HI`` -> the GPU counts to plan: 2^k and 3·2^k in [LO, HI] that launch (a power of two inside one
+    node, whole nodes beyond it)."""
+    parts = text.split(":")
+    try:
+        lo, hi = (int(p) for p in parts) if len(parts) == 2 else (None, None)
+    except ValueError:
+        lo = hi = None
+    if lo is None or hi is None or lo < 1 or hi < lo:
+        raise OptplanError(f"--gpus-range {text!r} is not LO:HI with 1 <= LO <= HI (e.g. 8:1024)")
+    counts = set()
+    v = 1
+    while v <= hi:
+        for n in (v, 3 * v):
+            if lo <= n <= hi and ((n <= gpus_per_node and gpus_per_node % n == 0) or n % gpus_per_node == 0):
+                counts.add(n)
+        v *= 2
+    if not counts:
+        raise OptplanError(f"--gpus-range {text} holds no launchable GPU count (a divisor of the "
+                           f"{gpus_per_node}-GPU node, or whole nodes): widen the range")
+    return tuple(sorted(counts))
 
-    With a global batch, micro-batches are the divisors b of global_batch/dp (so grad_accum is an
-    integer); a global batch not divisible by the GPU count is an error naming both numbers.
+
+def _layouts(profile: ModelProfile, gpus: int, gpus_per_node: int, model_parallel: bool) -> list[Layout]:
+    shape = profile.transformer
+    block = profile.repeated_block
+    tps, pps, cps = [1], [1], [1]
+    if model_parallel and shape is not None:
+        heads = gcd(shape.heads, shape.kv_heads or shape.heads)
+        tps = [t for t in _powers_of_two_upto(gpus_per_node) if heads % t == 0]
+        seq = profile.tokens_per_sample or 0
+        cps = [c for c in _powers_of_two_upto(MAX_CP) if c == 1 or (seq % (2 * c) == 0
+                                                                   and seq // c >= MIN_TOKENS_PER_CP_RANK)]
+    if model_parallel and block is not None and block.count > 1:
+        pps = _divisors(block.count)
+    out = []
+    for tp in tps:
+        for cp in cps:
+            for pp in pps:
+                if gpus % (tp * cp * pp):
+                    continue
+                dp = gpus // (tp * cp * pp)
+                vpps = [1]
+                if pp > 1 and block is not None:
+                    vpps += [v for v in range(2, MAX_VPP + 1) if block.count % (pp * v) == 0]
+                out.extend(Layout(gpus, dp, tp, pp, v, cp) for v in vpps)
+    return out
+
+
+def _shardings(engines: Sequence[EngineName], multi_node: bool, offload: bool) -> tuple[Sharding, ...]:
+    out: list[Sharding] = []
+    for engine in engines:
+        if engine == "deepspeed":
+            out += [Sharding("deepspeed", z) for z in (0, 1, 2, 3)]
+            if offload:
+                out += [Sharding("deepspeed", z, offload_optimizer="cpu") for z in (1, 2, 3)]
+                out.append(Sharding("deepspeed", 3, offload_optimizer="cpu", offload_params="cpu"))
+        elif engine == "torch":
+            out += [Sharding("torch"), Sharding("torch", fsdp="full"), Sharding("torch", fsdp="grad_op")]
+            if multi_node:
+                out.append(Sharding("torch", fsdp="hybrid"))
+            if offload:
+                out.append(Sharding("torch", fsdp="full", offload_params="cpu"))
+        elif engine == "megatron":
+            out += [Sharding("megatron", 0), Sharding("megatron", 1)]
+    return tuple(out)
+
+
+def build_space(profile: ModelProfile, cluster: Cluster, *, global_batch: int | None = None,
+                precisions: Sequence[str] | None = None, optimizers: Sequence[str] | str | None = None,
+                engines: Sequence[str] | None = None, gpu_counts: Sequence[int] | None = None,
+                offload: bool = True, checkpointing: Sequence[str] | None = None,
+                max_micro_batch: int = MAX_MICRO_BATCH) -> SearchSpace:
+    """The space for ``profile`` on ``cluster`` (at ``gpu_counts``, default the cluster's GPUs).
+
+    Megatron (tensor/pipeline/context parallelism) is searched for transformers (the profile has a shape);
+    the engines can be limited with ``engines``. Precisions default to bf16, AMP bf16 and fp32 (fp16 and
+    AMP fp16 on GPUs without bf16); fp8 and bf16-pure change numerics and are searched only when named.
     """
-    dp = cluster.gpus
-    check_global_batch(global_batch, dp)
-    if global_batch is not None:
-        per_gpu = global_batch // dp
-        micro = tuple(b for b in range(1, min(per_gpu, MAX_MICRO_BATCH) + 1) if per_gpu % b == 0)
-    else:
-        micro = _powers_of_two_upto(MAX_MICRO_BATCH)
+    check_global_batch(global_batch, cluster.gpus)
+    counts = tuple(gpu_counts) if gpu_counts else (cluster.gpus,)
     if precisions is None:
         usable = SEARCHED_PRECISIONS_BF16 if cluster.gpu.supports_bf16 else SEARCHED_PRECISIONS_NO_BF16
     else:
         check_precisions(cluster, precisions)
         usable = tuple(dict.fromkeys(precisions))
-    ckpt: tuple[CheckpointMode, ...] = ("none", "full") if profile.supports_checkpointing else ("none",)
+    if isinstance(optimizers, str):
+        optimizers = (optimizers,)
+    opts = tuple(dict.fromkeys(optimizers)) if optimizers else (profile.defaults.optimizer or "adamw",)
+    chosen_engines = tuple(dict.fromkeys(engines)) if engines else ENGINES
+    for e in chosen_engines:
+        if e not in ENGINES:
+            raise OptplanError(f"unknown --engine {e!r}: use one of {', '.join(ENGINES)}")
+    if profile.transformer is None:
+        chosen_engines = tuple(e for e in chosen_engines if e != "megatron") or chosen_engines
+    model_parallel = "megatron" in chosen_engines and profile.transformer is not None
+    layouts: list[Layout] = []
+    for n in counts:
+        layouts += _layouts(profile, n, cluster.gpus_per_node, model_parallel)
+    if checkpointing is not None:
+        ckpt = tuple(dict.fromkeys(checkpointing))
+    elif profile.supports_checkpointing or profile.transformer is not None:
+        ckpt = ("none", "selective", "full") if profile.transformer is not None else ("none", "full")
+    else:
+        ckpt = ("none",)
+    multi_node = max(counts) > cluster.gpus_per_node
     return SearchSpace(
-        dp=dp, precisions=usable, optimizer=optimizer or profile.defaults.optimizer or "adamw",
-        zero_stages=(0, 1, 2, 3) if dp > 1 else (0,), micro_batches=micro, checkpointing=ckpt,
-        global_batch=global_batch,
+        gpus_per_node=cluster.gpus_per_node, layouts=tuple(layouts),
+        shardings=_shardings(chosen_engines, multi_node, offload), precisions=usable, optimizers=opts,
+        checkpointing=ckpt, global_batch=global_batch, max_micro_batch=max_micro_batch,  # type: ignore[arg-type]
     )
-
-
-def strategy_for(space: SearchSpace, *, precision: str, zero: int, mbs: int,
-                 checkpointing: CheckpointMode, **extra: object) -> Strategy:
-    """The Strategy at one point of ``space`` (grad_accum derived from the global batch)."""
-    accum = space.global_batch // (mbs * space.dp) if space.global_batch else 1
-    return Strategy(precision=precision, optimizer=space.optimizer, zero=zero, mbs=mbs,  # type: ignore[arg-type]
-                    grad_accum=accum, checkpointing=checkpointing, dp=space.dp, **extra)  # type: ignore[arg-type]
-
-
-def enumerate_space(space: SearchSpace) -> Iterator[Strategy]:
-    """Every strategy of ``space`` in a fixed order (deterministic)."""
-    for precision in space.precisions:
-        for zero in space.zero_stages:
-            for ckpt in space.checkpointing:
-                for mbs in space.micro_batches:
-                    yield strategy_for(space, precision=precision, zero=zero, mbs=mbs, checkpointing=ckpt)
