@@ -5,7 +5,6 @@ No printing here; faces render what these return.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,12 +18,14 @@ from optplan.estimators.params_only import is_params_only, profile_from_params
 from optplan.estimators.profile import ModelProfile
 from optplan.estimators.strategy import Strategy
 from optplan.planner.cluster_file import load_cluster_file
+from optplan.planner.export.context import FILE_NAMES
+from optplan.planner.export.registry import ExportOptions
 from optplan.planner.recommend import Recommendation
 from optplan.planner.space import check_global_batch, check_precisions
 from optplan.probes.hardware import HardwareReport, cluster_from, detect_gpus
 from optplan.probes.loader import profile_model_file
 
-EXPORT_NAMES = ("plan.json", "ds_config.json", "launch.sh")
+EXPORT_NAMES = tuple(FILE_NAMES.values())
 
 
 def load_profile(path: Path | str, *, seq_len: int | None = None, model_name: str | None = None) -> ModelProfile:
@@ -106,40 +107,58 @@ def estimate_strategy(profile: ModelProfile, cluster: Cluster, strategy: Strateg
     return est.model_copy(update={"cost": cost})
 
 
-def check_out_dir(out_dir: Path, *, force: bool) -> None:
+def check_out_dir(out_dir: Path, *, force: bool, names: Sequence[str] = EXPORT_NAMES) -> None:
     """Fail early, before any work, when exports would overwrite files without --force."""
-    existing = [n for n in EXPORT_NAMES if (out_dir / n).exists()]
+    if out_dir.exists() and not out_dir.is_dir():
+        raise OptplanError(f"--out {out_dir} is a file, not a directory: choose a directory")
+    existing = [n for n in names if (out_dir / n).exists()]
     if existing and not force:
         raise OptplanError(f"{out_dir} already has {', '.join(existing)}: pass --force to overwrite "
                            "or choose another --out")
-    if out_dir.exists() and not out_dir.is_dir():
-        raise OptplanError(f"--out {out_dir} is a file, not a directory: choose a directory")
     probe = out_dir if out_dir.exists() else next((p for p in out_dir.parents if p.exists()), Path("."))
     if not os.access(probe, os.W_OK):
         raise OptplanError(f"cannot write to {probe}: choose a writable --out directory")
 
 
-def render_exports(rec: Recommendation, profile: ModelProfile, cluster: Cluster) -> dict[str, str]:
-    """The export files of a fitting recommendation, each validated by its target's own loader."""
-    from optplan.planner.export.deepspeed import render_ds_config
-    from optplan.planner.export.launch import render_launch_sh
-    from optplan.planner.validate import validate_ds_config
+def render_exports(rec: Recommendation, targets: Sequence[str] = ("all",),
+                   options: ExportOptions | None = None) -> tuple[dict[str, str], list[str]]:
+    """plan.json, PLAN.md and the launch files of a fitting recommendation, each validated by its target's
+    own loader; also the targets skipped because they cannot express the plan (with the reason)."""
+    from optplan.planner.export.registry import render_targets
+    from optplan.planner.export.report import plan_json_text, render_plan_md
 
-    if rec.plan is None:
+    if rec.plan is None or rec.export is None:
         raise OptplanError("no plan fits, so there is nothing to export: follow the suggestions first")
-    ds = render_ds_config(rec.plan, profile)
-    validate_ds_config(ds, world_size=rec.plan.dp)
-    return {
-        "plan.json": json.dumps(rec.model_dump(mode="json"), indent=2) + "\n",
-        "ds_config.json": json.dumps(ds, indent=2) + "\n",
-        "launch.sh": render_launch_sh(rec.plan, gpus_per_node=min(cluster.gpus_per_node, rec.plan.dp),
-                                      nodes=cluster.nodes),
-    }
+    files, skipped = render_targets(rec.export, targets, options=options)
+    return {FILE_NAMES["plan"]: plan_json_text(rec), FILE_NAMES["report"]: render_plan_md(rec), **files}, skipped
 
 
-def export_plan(rec: Recommendation, profile: ModelProfile, cluster: Cluster, out_dir: Path, *,
-                force: bool) -> list[Path]:
+def export_plan(rec: Recommendation, out_dir: Path, *, force: bool, targets: Sequence[str] = ("all",),
+                options: ExportOptions | None = None) -> tuple[list[Path], list[str]]:
     """Render, validate and atomically write the exports; nothing is written if validation fails."""
     from optplan.planner.export.files import write_files
 
-    return write_files(out_dir, render_exports(rec, profile, cluster), force=force)
+    files, skipped = render_exports(rec, targets, options)
+    return write_files(out_dir, files, force=force), skipped
+
+
+def export_plan_file(plan_file: Path, targets: Sequence[str], out_dir: Path, *, force: bool,
+                     options: ExportOptions | None = None) -> tuple[list[Path], list[str]]:
+    """``optplan export plan.json --to ...``: re-render launch files from a saved plan (no profiling)."""
+    from optplan.planner.export.files import write_files
+    from optplan.planner.export.registry import render_targets, targets_for
+    from optplan.planner.export.report import load_plan_json
+
+    targets_for(targets)  # a bad --to fails before the file is read
+    try:
+        text = Path(plan_file).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise OptplanError(f"plan file {plan_file} does not exist: give the plan.json that recommend --out "
+                           "wrote") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise OptplanError(f"cannot read plan file {plan_file} ({exc}): give a readable plan.json") from None
+    _rec, export = load_plan_json(text, str(plan_file))
+    files, skipped = render_targets(export, targets, options=options)
+    if not files:
+        raise OptplanError(f"no target can express this plan ({'; '.join(skipped)})")
+    return write_files(out_dir, files, force=force), skipped

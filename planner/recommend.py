@@ -19,7 +19,7 @@ from optplan.estimators.strategy import Strategy
 from optplan.planner.events import ProgressEvent
 from optplan.planner.export.context import ExportPlan, export_plan_for
 from optplan.planner.rationale import rationale
-from optplan.planner.search import Goal, SearchMethod, Pricer, pareto_front, search
+from optplan.planner.search import Goal, Pricer, SearchMethod, pareto_front, search
 from optplan.planner.space import build_space
 from optplan.planner.suggest import what_would_fit
 

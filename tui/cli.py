@@ -264,35 +264,116 @@ def chinchilla(
     _guard(ctx, body)
 
 
+def parse_duration_s(text: str, flag: str = "--deadline") -> float:
+    """'30d', '720h', '90m' or a plain number of days -> seconds."""
+    units = {"d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0}
+    t = text.strip().lower()
+    scale = units.get(t[-1:], None)
+    number = t[:-1] if scale is not None else t
+    try:
+        value = float(number) * (scale if scale is not None else 86400.0)
+    except ValueError:
+        raise OptplanError(f"{flag} {text!r} is not a duration: use e.g. 30d, 720h or 45 (days)") from None
+    if not math.isfinite(value) or value <= 0:
+        raise OptplanError(f"{flag} must be a positive duration (got {text!r})")
+    return value
+
+
 @app.command()
 def recommend(
-    ctx: typer.Context, model: OptModelFile = None, arch: ArchOpt = None, gpu: GpuOpt = None, gpus: GpusOpt = None, gpus_per_node: GpnOpt = None,
-    cluster: ClusterOpt = None,
+    ctx: typer.Context, model: OptModelFile = None, arch: ArchOpt = None,
+    params: Annotated[float | None, typer.Option("--params", help="a parameter count instead of a model: model states only, e.g. 7e9")] = None,
+    gpu: GpuOpt = None, gpus: GpusOpt = None, gpus_per_node: GpnOpt = None, cluster: ClusterOpt = None,
+    gpus_range: Annotated[str | None, typer.Option("--gpus-range", help="plan the GPU count too, LO:HI (e.g. 8:1024)")] = None,
     global_batch: Annotated[int | None, typer.Option("--global-batch", help="samples per optimizer step (held fixed)")] = None,
+    global_batch_tokens: Annotated[float | None, typer.Option("--global-batch-tokens", help="tokens per optimizer step (held fixed; a multiple of --seq-len)")] = None,
     seq_len: SeqOpt = None,
-    precision: Annotated[list[str] | None, typer.Option("--precision", help="limit the precisions searched (repeatable)")] = None,
-    out: Annotated[Path | None, typer.Option("--out", help="write plan.json, ds_config.json and launch.sh here")] = None,
+    precision: Annotated[list[str] | None, typer.Option("--precision", help="limit the precisions searched (repeatable; fp8, bf16-pure only when named)")] = None,
+    optimizer: Annotated[list[str] | None, typer.Option("--optimizer", help="optimizers to search (repeatable; default the model's, else adamw)")] = None,
+    engine: Annotated[list[str] | None, typer.Option("--engine", help="engines to search: deepspeed, torch, megatron (repeatable; megatron is searched for --arch by default)")] = None,
+    offload: Annotated[bool, typer.Option("--offload/--no-offload", help="search CPU offload plans")] = True,
+    objective: Annotated[str, typer.Option("--objective", help="throughput, time or cost (time and cost need --tokens)")] = "throughput",
+    tokens: Annotated[float | None, typer.Option("--tokens", help="token budget to train: time, GPU-hours, cost")] = None,
+    price: Annotated[float | None, typer.Option("--price", help="price per GPU-hour (USD)")] = None,
+    deadline: Annotated[str | None, typer.Option("--deadline", help="train within this time (30d, 720h): with --objective time, the fewest GPUs that meet it")] = None,
+    method: Annotated[str, typer.Option("--method", help="auto, enumerate, nsga2 or tpe")] = "auto",
+    trials: Annotated[int | None, typer.Option("--trials", help="trials for nsga2/tpe (default min(space, 3000))")] = None,
+    seed: Annotated[int, typer.Option("--seed", help="sampler seed (the search is deterministic for a seed)")] = 0,
+    storage: Annotated[str | None, typer.Option("--storage", help="Optuna storage: a journal file, a .db (SQLite) file or a database URL (default: optplan-study.log under --out)")] = None,
+    out: Annotated[Path | None, typer.Option("--out", help="write plan.json, PLAN.md and the launch files here")] = None,
+    launcher: Annotated[str, typer.Option("--launcher", help="launch.sh starts torchrun or the deepspeed launcher")] = "torchrun",
     force: Annotated[bool, typer.Option("--force", help="overwrite existing files in --out")] = False,
     model_name: NameOpt = None, as_json: JsonOpt = False,
 ) -> None:
-    """Search precision, ZeRO stage, micro-batch, accumulation and checkpointing; print the best plan."""
+    """Search parallel layout, engine, sharding, offload, precision, micro-batch and checkpointing; print the best plan."""
     from optplan.planner.api import check_search_options, export_plan, resolve_cluster, resolve_model
+    from optplan.planner.export.registry import ExportOptions
     from optplan.planner.recommend import recommend as plan
+    from optplan.planner.search import OBJECTIVES, Goal
+    from optplan.planner.space import parse_gpus_range
     from optplan.tui.render import print_recommendation
 
     def body() -> None:
+        _check_choice("--objective", objective, OBJECTIVES)
+        _check_choice("--method", method, ("auto", "enumerate", "nsga2", "tpe"))
+        _check_choice("--launcher", launcher, ("torchrun", "deepspeed"))
+        for value in precision or ():
+            _check_choice("--precision", value, PRECISIONS)
+        for value in optimizer or ():
+            _check_choice("--optimizer", value, OPTIMIZERS)
+        for value in engine or ():
+            _check_choice("--engine", value, ("deepspeed", "torch", "megatron"))
+        for flag, value in (("params", params), ("tokens", tokens), ("global-batch-tokens", global_batch_tokens)):
+            _check_finite(flag, value)
+        _check_finite("price", price, allow_zero=True)
+        if trials is not None and trials < 1:
+            raise OptplanError(f"--trials must be >= 1 (got {trials})")
+        if global_batch is not None and global_batch_tokens is not None:
+            raise OptplanError("give --global-batch (samples) or --global-batch-tokens, not both")
+        if global_batch is not None and global_batch < 1:
+            raise OptplanError(f"--global-batch must be >= 1 (got {global_batch})")
+        if params is not None:
+            raise OptplanError("--params prices model states only and recommend needs a step time: give a model "
+                               "FILE or --arch (use optplan estimate --params for memory)")
+        goal = Goal(objective=objective, tokens=tokens, price_per_gpu_hour=price,  # type: ignore[arg-type]
+                    deadline_s=parse_duration_s(deadline) if deadline is not None else None)
+        goal.check()
+        if gpus_range is not None and gpus is not None:
+            raise OptplanError("give --gpus or --gpus-range, not both")
         target, notes = resolve_cluster(gpu=gpu, gpus=gpus, gpus_per_node=gpus_per_node, cluster_file=cluster)
+        counts = None
+        if gpus_range is not None:
+            counts = parse_gpus_range(gpus_range, target.gpus_per_node)
+            target = target.model_copy(update={"gpus": max(counts)})
         check_search_options(target, global_batch=global_batch, precisions=precision)
+        options = ExportOptions(launcher=launcher)  # type: ignore[arg-type]
+        study = storage
         if out is not None:
             from optplan.planner.api import check_out_dir
             check_out_dir(out, force=force)
+            if study is None:
+                out.mkdir(parents=True, exist_ok=True)
+                study = str(out / "optplan-study.log")
         with _stderr().status("profiling the model in a child process..."):
             prof = resolve_model(model, arch=arch, seq_len=seq_len, model_name=model_name)
+        gb = global_batch
+        if global_batch_tokens is not None:
+            seq = prof.tokens_per_sample
+            if not seq:
+                raise OptplanError(f"--global-batch-tokens needs a token model; {prof.name} takes {prof.input_kind} "
+                                   "inputs: use --global-batch")
+            if global_batch_tokens % seq:
+                raise OptplanError(f"--global-batch-tokens {global_batch_tokens:g} is not a multiple of the sequence "
+                                   f"length {seq}: use a multiple of {seq}")
+            gb = int(global_batch_tokens // seq)
         with _stderr().status("searching..."):
-            rec = plan(prof, target, global_batch=global_batch, precisions=precision, notes=notes)
+            rec = plan(prof, target, global_batch=gb, precisions=precision, optimizers=optimizer, engines=engine,
+                       gpu_counts=counts, goal=goal, offload=offload, method=method,  # type: ignore[arg-type]
+                       seed=seed, n_trials=trials, storage=study, notes=notes)
         written: list[Path] = []
+        skipped: list[str] = []
         if out is not None and rec.fits:
-            written = export_plan(rec, prof, target, out, force=force)
+            written, skipped = export_plan(rec, out, force=force, options=options)
         if as_json:
             typer.echo(json.dumps(rec.model_dump(mode="json"), indent=2))
         else:
@@ -300,10 +381,42 @@ def recommend(
             print_recommendation(console, rec, prof)
             for path in written:
                 console.print(f"wrote {path}")
+            for why in skipped:
+                console.print(f"not written: {why}", style="dim")
         if out is not None and not rec.fits:
             _stderr().print("nothing written: no plan fits", style="yellow")
         if not rec.fits:
             raise typer.Exit(code=1)
+
+    _guard(ctx, body)
+
+
+@app.command("export")
+def export_cmd(
+    ctx: typer.Context,
+    plan_file: Annotated[Path, typer.Argument(help="plan.json written by optplan recommend --out", show_default=False)],
+    to: Annotated[list[str], typer.Option("--to", help="deepspeed, accelerate, torchrun, slurm, hf, lightning or all (repeatable)")],
+    out: Annotated[Path, typer.Option("--out", help="folder to write the files to")],
+    launcher: Annotated[str, typer.Option("--launcher", help="launch.sh starts torchrun or the deepspeed launcher")] = "torchrun",
+    fsdp_version: Annotated[int, typer.Option("--fsdp-version", help="accelerate FSDP config version (1 or 2)")] = 2,
+    train_script: Annotated[str, typer.Option("--train-script", help="the training script launch files start")] = "train.py",
+    force: Annotated[bool, typer.Option("--force", help="overwrite existing files")] = False,
+) -> None:
+    """Write launch configs for a saved plan, each checked by its trainer's own loader."""
+    from optplan.planner.api import export_plan_file
+    from optplan.planner.export.registry import ExportOptions
+
+    def body() -> None:
+        _check_choice("--launcher", launcher, ("torchrun", "deepspeed"))
+        if fsdp_version not in (1, 2):
+            raise OptplanError(f"--fsdp-version must be 1 or 2 (got {fsdp_version})")
+        options = ExportOptions(launcher=launcher, fsdp_version=fsdp_version, train_script=train_script)  # type: ignore[arg-type]
+        written, skipped = export_plan_file(plan_file, to, out, force=force, options=options)
+        console = _stdout()
+        for path in written:
+            console.print(f"wrote {path}")
+        for why in skipped:
+            console.print(f"not written: {why}", style="dim")
 
     _guard(ctx, body)
 

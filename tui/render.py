@@ -171,6 +171,14 @@ def print_recommendation(console: Console, rec: Recommendation, profile: ModelPr
         console.print(plans_table(rec))
         console.print(Panel("\n".join(f"- {line}" for line in rec.rationale), title="why this plan",
                             title_align="left"))
+        cost = rec.estimate.cost if rec.estimate else None
+        if cost is not None:
+            money = f", ${cost.cost_usd:,.0f}" if cost.cost_usd is not None else ""
+            console.print(f"to train {cost.tokens:.3g} tokens: {cost.train_time_s / 86400:,.1f} days on "
+                          f"{rec.estimate.gpus} GPUs, {cost.gpu_hours:,.0f} GPU-hours{money}")
+        if rec.pareto:
+            axes = "throughput vs headroom" if rec.objective == "throughput" else "time vs cost"
+            console.print(f"Pareto front ({axes}): {len(rec.pareto)} plans (in --json and PLAN.md)", style="dim")
     else:
         console.print(Panel("\n".join([rec.rationale[0], "", "what would fit:"]
                                       + [f"- {s}" for s in rec.suggestions]),

@@ -36,7 +36,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from optplan.estimators.buckets import deepspeed_buckets
+from optplan.estimators.buckets import DeepSpeedBuckets, deepspeed_buckets
 from optplan.estimators.errors import OptplanError
 from optplan.estimators.profile import ModelProfile
 from optplan.estimators.strategy import Strategy
@@ -179,8 +179,12 @@ def _offload(device: str, nvme_path: str) -> dict[str, Any]:
     return section
 
 
-def _zero_section(strategy: Strategy, profile: ModelProfile, nvme_path: str) -> dict[str, Any]:
-    buckets = deepspeed_buckets(profile)
+def _buckets(sizes: DeepSpeedBuckets | ModelProfile) -> DeepSpeedBuckets:
+    """The bucket sizes: given, or derived from the model's profile."""
+    return sizes if isinstance(sizes, DeepSpeedBuckets) else deepspeed_buckets(sizes)
+
+
+def _zero_section(strategy: Strategy, buckets: DeepSpeedBuckets, nvme_path: str) -> dict[str, Any]:
     zero: dict[str, Any] = {
         "stage": strategy.zero,
         "overlap_comm": True,
@@ -203,11 +207,12 @@ def _zero_section(strategy: Strategy, profile: ModelProfile, nvme_path: str) -> 
     return zero
 
 
-def render_ds_config(strategy: Strategy, profile: ModelProfile, *, gradient_clipping: float = 1.0,
+def render_ds_config(strategy: Strategy, profile: DeepSpeedBuckets | ModelProfile, *, gradient_clipping: float = 1.0,
                      nvme_path: str = DEFAULT_NVME_PATH) -> dict[str, Any]:
     """The ds_config dict for ``strategy`` (a fresh dict; JSON-serialisable).
 
-    ``nvme_path`` is written only when the strategy offloads to NVMe. Raises OptplanError for a
+    ``profile`` is the model's profile or the bucket sizes already derived from it (an ExportPlan's
+    ``buckets``). ``nvme_path`` is written only when the strategy offloads to NVMe. Raises OptplanError for a
     strategy DeepSpeed cannot run as planned (bf16-pure at ZeRO-0, NVMe optimizer offload below
     ZeRO-3, 8-bit AdamW, Adafactor or SGD-with-bf16-pure under optimizer offload, an engine other
     than deepspeed, tp/pp/cp > 1, fp8).
@@ -228,7 +233,7 @@ def render_ds_config(strategy: Strategy, profile: ModelProfile, *, gradient_clip
     }
     config.update(_precision_sections(strategy))
     config.update(_optimizer_sections(strategy))
-    config["zero_optimization"] = _zero_section(strategy, profile, nvme_path)
+    config["zero_optimization"] = _zero_section(strategy, _buckets(profile), nvme_path)
     if strategy.checkpointing == "full":
         config["activation_checkpointing"] = {
             "partition_activations": False,
@@ -238,7 +243,7 @@ def render_ds_config(strategy: Strategy, profile: ModelProfile, *, gradient_clip
     return config
 
 
-def ds_config_text(strategy: Strategy, profile: ModelProfile, *, gradient_clipping: float = 1.0,
+def ds_config_text(strategy: Strategy, profile: DeepSpeedBuckets | ModelProfile, *, gradient_clipping: float = 1.0,
                    nvme_path: str = DEFAULT_NVME_PATH) -> str:
     """``render_ds_config`` as indented JSON with a trailing newline (the ds_config.json text)."""
     config = render_ds_config(strategy, profile, gradient_clipping=gradient_clipping, nvme_path=nvme_path)

@@ -1,35 +1,78 @@
-"""Search space, Optuna search, rationale and what-would-fit on hand-built profiles."""
+"""Search space, Optuna search, objectives, resume, rationale and what-would-fit on hand-built profiles."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 from conftest import make_gpu, make_profile
 
+import optplan.planner.search as search_module
+from optplan.estimators.arch import parse_arch, profile_from_arch
 from optplan.estimators.errors import OptplanError
 from optplan.estimators.estimate import estimate
 from optplan.estimators.hardware import Cluster
+from optplan.estimators.validity import check_strategy
 from optplan.planner.recommend import recommend
-from optplan.planner.search import pareto_front, search
-from optplan.planner.space import build_space, enumerate_space
+from optplan.planner.search import Goal, pareto_front, search
+from optplan.planner.space import build_space, parse_gpus_range, strategy_of
 from optplan.planner.suggest import fewest_gpus_zero3
 
+GPT2_ARCH = "layers=12,hidden=768,heads=12,vocab=50257,seq=1024"
 
-def _cluster(gpus: int = 8, gib: float = 80.0) -> Cluster:
-    return Cluster(gpu=make_gpu(gib), gpus=gpus, gpus_per_node=8)
+
+def _cluster(gpus: int = 8, gib: float = 80.0, gpn: int = 8) -> Cluster:
+    return Cluster(gpu=make_gpu(gib), gpus=gpus, gpus_per_node=gpn)
+
+
+def _all_strategies(space):  # type: ignore[no-untyped-def]
+    for group in space.groups():
+        for mbs in space.micro_batches(group.layout):
+            for gas in space.accumulations(group.layout, mbs):
+                s = strategy_of(group, mbs, gas)
+                if s is not None:
+                    yield s
 
 
 def test_space_with_global_batch_holds_it_fixed() -> None:
-    space = build_space(make_profile(), _cluster(), global_batch=96)
-    assert space.micro_batches == (1, 2, 3, 4, 6, 12)
-    assert {s.global_batch for s in enumerate_space(space)} == {96}
-    assert space.size == len(list(enumerate_space(space)))
+    space = build_space(make_profile(), _cluster(), global_batch=96, engines=["deepspeed"])
+    (layout,) = space.layouts
+    assert space.micro_batches(layout) == (1, 2, 3, 4, 6, 12)
+    strategies = list(_all_strategies(space))
+    assert {s.global_batch for s in strategies} == {96}
+    assert space.size == len(strategies)
+
+
+def test_model_parallel_layouts_follow_megatron_rules() -> None:
+    prof = profile_from_arch(parse_arch(GPT2_ARCH))
+    c = _cluster(gpus=16)
+    space = build_space(prof, c, global_batch=64)
+    assert {lay.tp for lay in space.layouts} == {1, 2, 4}  # divides 12 heads, powers of two <= 8
+    assert any(lay.pp > 1 for lay in space.layouts) and any(lay.vpp > 1 for lay in space.layouts)
+    for lay in space.layouts:
+        assert lay.dp * lay.tp * lay.pp * lay.cp == 16
+        assert 12 % lay.pp == 0 and (lay.vpp == 1 or 12 % (lay.pp * lay.vpp) == 0)
+        assert lay.cp == 1  # 1024 tokens cannot split into >= 1024-token CP ranks
+    strategies = list(_all_strategies(space))
+    assert all(s.engine == "megatron" for s in strategies if s.model_parallel)
+    assert any(s.engine == "torch" and s.fsdp == "hybrid" for s in strategies)  # 2 nodes: HSDP
+    for s in strategies[::7]:
+        check_strategy(prof, c, s)  # every candidate is legal
+
+
+def test_model_file_defaults_to_engines_that_run_it() -> None:
+    rec = recommend(make_profile(), _cluster(), global_batch=64)
+    assert rec.plan is not None and rec.plan.engine in ("deepspeed", "torch")
+    assert not any(a.plan.model_parallel for a in rec.alternatives)
 
 
 def test_space_errors_are_one_line_with_fix() -> None:
-    with pytest.raises(OptplanError, match="not divisible by 8 GPUs.*multiple of 8"):
-        build_space(make_profile(), _cluster(), global_batch=100)
+    with pytest.raises(OptplanError, match="not divisible by any data-parallel degree.*multiple of 8"):
+        recommend(make_profile(), _cluster(), global_batch=100)
     with pytest.raises(OptplanError, match="unknown precision"):
         build_space(make_profile(), _cluster(), precisions=["fp64"])
+    with pytest.raises(OptplanError, match="unknown --engine"):
+        build_space(make_profile(), _cluster(), engines=["jax"])
 
 
 def test_space_without_bf16_searches_fp16() -> None:
@@ -37,26 +80,43 @@ def test_space_without_bf16_searches_fp16() -> None:
     assert build_space(make_profile(), c).precisions == ("fp16", "amp-fp16", "fp32")
 
 
-def test_enumeration_picks_fastest_feasible() -> None:
-    prof, c = make_profile(), _cluster()
-    space = build_space(prof, c, global_batch=512)
+def test_gpus_range_counts_launch() -> None:
+    assert parse_gpus_range("8:64", 8) == (8, 16, 24, 32, 48, 64)
+    assert parse_gpus_range("1:8", 8) == (1, 2, 4, 8)
+    for bad in ("8", "64:8", "a:b", "0:8"):
+        with pytest.raises(OptplanError, match="--gpus-range"):
+            parse_gpus_range(bad, 8)
+
+
+def test_pruned_enumeration_finds_the_brute_force_best() -> None:
+    prof = profile_from_arch(parse_arch(GPT2_ARCH))
+    c = _cluster(gpus=16, gib=24)
+    space = build_space(prof, c, global_batch=128)
     result = search(prof, c, space)
-    assert result.method == "enumerate" and result.evaluated == space.size
-    brute = [estimate(prof, c, s) for s in enumerate_space(space)]
-    best = max((e for e in brute if e.fits), key=lambda e: e.samples_per_s)
+    assert result.method == "enumerate" and 0 < result.evaluated < space.size  # pruning skipped some
+    brute = [e for s in _all_strategies(space)
+             if (e := _maybe(prof, c, s)) is not None and e.fits]
+    best = max(brute, key=lambda e: e.samples_per_s)
     assert result.feasible[0].samples_per_s == pytest.approx(best.samples_per_s)
-    # feasible first, sorted by speed
     flags = [e.fits for e in result.ranked]
     assert flags == sorted(flags, reverse=True)
     speeds = [e.samples_per_s for e in result.feasible]
     assert speeds == sorted(speeds, reverse=True)
-    assert len(result.study.trials) > 0
-    assert all(t.constraints for t in result.study.trials)
+    trials = result.study.trials
+    assert trials and all(t.constraints for t in trials)
+    assert result.study.trials[0].user_attrs["strategy"]["engine"] in ("deepspeed", "torch", "megatron")
+
+
+def _maybe(prof, c, s):  # type: ignore[no-untyped-def]
+    try:
+        return estimate(prof, c, s)
+    except OptplanError:
+        return None
 
 
 def test_nsga2_is_deterministic_and_near_the_enumerated_best() -> None:
     prof, c = make_profile(params=2_000_000_000), _cluster(gib=40)
-    space = build_space(prof, c, global_batch=256)
+    space = build_space(prof, c, global_batch=256, engines=["deepspeed"])
     enum = search(prof, c, space, method="enumerate")
     a = search(prof, c, space, method="nsga2", n_trials=150, seed=7)
     b = search(prof, c, space, method="nsga2", n_trials=150, seed=7)
@@ -64,6 +124,84 @@ def test_nsga2_is_deterministic_and_near_the_enumerated_best() -> None:
     assert [e.strategy for e in a.ranked] == [e.strategy for e in b.ranked]
     assert a.feasible[0].samples_per_s >= 0.95 * enum.feasible[0].samples_per_s
     assert not any(e.fits for e in a.ranked if e.memory.total_bytes > e.memory.capacity_bytes)
+    tpe = search(prof, c, space, method="tpe", n_trials=60, seed=1)
+    assert tpe.method == "tpe" and tpe.feasible
+
+
+def test_enumeration_resumes_from_storage(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    prof = profile_from_arch(parse_arch(GPT2_ARCH))
+    c = _cluster(gpus=16)
+    space = build_space(prof, c, global_batch=64)
+    full = search(prof, c, space)
+    monkeypatch.setattr(search_module, "CHUNK_GROUPS", 40)
+    store = str(tmp_path / "study.log")
+    seen = []
+
+    def stop_after_first_chunk(event) -> None:  # type: ignore[no-untyped-def]
+        seen.append(event)
+        if len(seen) == 1:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        search(prof, c, space, storage=store, on_progress=stop_after_first_chunk)
+    resumed = search(prof, c, space, storage=store)
+    assert resumed.resumed > 0 and resumed.evaluated < full.evaluated
+    assert resumed.feasible[0].strategy == full.feasible[0].strategy
+    again = search(prof, c, space, storage=store)  # finished: nothing repeated
+    assert again.evaluated == 0 and again.feasible[0].strategy == full.feasible[0].strategy
+
+
+def test_optuna_study_is_shared_and_resumed(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    prof, c = make_profile(params=2_000_000_000), _cluster(gib=40)
+    space = build_space(prof, c, global_batch=256, engines=["deepspeed"])
+    store = str(tmp_path / "shared.db")
+    first = search(prof, c, space, method="nsga2", n_trials=40, storage=store, study_name="s")
+    second = search(prof, c, space, method="nsga2", n_trials=60, storage=store, study_name="s")
+    assert len(second.study.trials) == 60  # resumed to 60, not 40 + 60
+    assert second.resumed > 0 and first.feasible
+
+
+def test_time_objective_with_deadline_takes_the_fewest_gpus() -> None:
+    prof = make_profile(params=1_000_000_000, hidden=2048, layers=24)
+    c = _cluster(gpus=64)
+    counts = parse_gpus_range("8:64", 8)
+    fastest = recommend(prof, c, global_batch=384, gpu_counts=counts, goal=Goal(objective="time", tokens=2e10))
+    assert fastest.plan is not None and fastest.estimate is not None
+    t_fast = fastest.estimate.cost.train_time_s
+    goal = Goal(objective="time", tokens=2e10, deadline_s=2.5 * t_fast)
+    rec = recommend(prof, c, global_batch=384, gpu_counts=counts, goal=goal)
+    assert rec.estimate is not None and rec.estimate.cost is not None
+    assert rec.estimate.cost.train_time_s <= goal.deadline_s
+    assert rec.estimate.gpus < fastest.estimate.gpus
+    # every plan on fewer GPUs misses the deadline
+    space = build_space(prof, c, global_batch=384, gpu_counts=counts, engines=["deepspeed", "torch"])
+    result = search(prof, c, space, goal=goal)
+    assert all(not goal.meets_deadline(e) for e in result.feasible if e.gpus < rec.estimate.gpus)
+    assert "deadline" in rec.rationale[0] and any("GPUs of the 8-64 searched" in line for line in rec.rationale)
+
+
+def test_cost_objective_minimises_gpu_hours() -> None:
+    prof = make_profile(params=1_000_000_000, hidden=2048, layers=24)
+    c = _cluster(gpus=64)
+    goal = Goal(objective="cost", tokens=2e10, price_per_gpu_hour=2.0)
+    space = build_space(prof, c, global_batch=384, gpu_counts=(8, 16, 32, 64), engines=["deepspeed"])
+    result = search(prof, c, space, goal=goal)
+    pick = result.feasible[0]
+    assert goal.gpu_hours(pick) == min(goal.gpu_hours(e) for e in result.feasible)
+    front = pareto_front(result.ranked, goal)
+    for e in front:
+        for o in result.feasible:
+            assert not (goal.train_time_s(o) < goal.train_time_s(e) and goal.gpu_hours(o) < goal.gpu_hours(e))
+    rec = recommend(prof, c, global_batch=384, gpu_counts=(8, 16, 32, 64), goal=goal, engines=["deepspeed"])
+    assert rec.estimate is not None and rec.estimate.cost is not None
+    assert rec.estimate.cost.cost_usd == pytest.approx(2.0 * rec.estimate.cost.gpu_hours)
+    assert "cheapest" in rec.rationale[0] and "$" in rec.rationale[0]
+
+
+def test_time_and_cost_need_tokens() -> None:
+    for objective in ("time", "cost"):
+        with pytest.raises(OptplanError, match="needs --tokens"):
+            recommend(make_profile(), _cluster(), goal=Goal(objective=objective))  # type: ignore[arg-type]
 
 
 def test_pareto_front_is_non_dominated() -> None:
@@ -83,32 +221,50 @@ def test_recommend_explains_each_decision_with_numbers() -> None:
     assert rec.fits and rec.plan is not None and rec.estimate is not None
     assert rec.plan.global_batch == 512
     text = "\n".join(rec.rationale)
-    for word in ("precision", "ZeRO-", "micro-batch", "checkpointing", "gradient accumulation"):
+    for word in ("precision", "micro-batch", "checkpointing", "global batch 512", "optimizer adamw", "layout" if
+                 rec.plan.model_parallel else "no model parallelism"):
         assert word in text
-    assert any(ch.isdigit() for ch in rec.rationale[1])
+    assert all(any(ch.isdigit() for ch in line) for line in rec.rationale)
     doc = rec.model_dump(mode="json")
-    assert {"plan", "estimate", "alternatives", "rationale", "pareto"} <= doc.keys()
+    assert {"plan", "estimate", "alternatives", "rationale", "pareto", "export"} <= doc.keys()
     assert doc["plan"]["zero"] == rec.plan.zero and "mbs" in doc["plan"]
     assert doc["estimate"]["memory"]["total_bytes"] == rec.estimate.memory.total_bytes
+    assert doc["export"]["strategy"] == doc["plan"] and doc["export"]["block_class"] == "Block"
 
 
-def test_memory_pressure_drives_zero_and_checkpointing() -> None:
-    # 1.5B params on 16 GiB GPUs: unsharded states (24 GB) cannot fit, so ZeRO must shard.
+def test_memory_pressure_drives_sharding() -> None:
+    # 1.5B params on 16 GiB GPUs: unsharded states (24 GB) cannot fit, so ZeRO/FSDP must shard.
     rec = recommend(make_profile(params=1_500_000_000, hidden=1600, layers=48), _cluster(gib=16),
-                    global_batch=64)
+                    global_batch=64, engines=["deepspeed"])
     assert rec.fits and rec.plan is not None
     assert rec.plan.zero >= 1
-    assert f"ZeRO-{rec.plan.zero}:" in rec.rationale[2]
-    assert "do not fit" in rec.rationale[2] or "frees" in rec.rationale[2]
+    line = next(r for r in rec.rationale if r.startswith(f"DeepSpeed ZeRO-{rec.plan.zero}:"))
+    assert "do not fit" in line or "frees" in line or "as fast" in line
+
+
+def test_big_model_on_many_gpus_goes_model_parallel_and_says_why() -> None:
+    prof = profile_from_arch(parse_arch("layers=48,hidden=6144,heads=48,vocab=51200,seq=2048"))
+    rec = recommend(prof, Cluster(gpu=make_gpu(80), gpus=64, gpus_per_node=8), global_batch=512)
+    assert rec.plan is not None and rec.plan.model_parallel and rec.plan.engine == "megatron"
+    layout = next(r for r in rec.rationale if r.startswith("layout "))
+    assert f"tp {rec.plan.tp}, pp {rec.plan.pp}" in layout and "samples/s" in layout
+    assert any(r.startswith("Megatron-LM") for r in rec.rationale)
+    assert math.isclose(rec.plan.global_batch, 512)
+
+
+def test_free_global_batch_states_the_lr_rule() -> None:
+    rec = recommend(make_profile(), _cluster())
+    assert any("square-root rule for Adam" in r for r in rec.rationale)
 
 
 def test_nothing_fits_says_what_would() -> None:
     prof = make_profile(params=70_000_000_000, hidden=8192, layers=80, seq=4096)
     c = _cluster()
-    rec = recommend(prof, c, global_batch=1024)
+    rec = recommend(prof, c, global_batch=1024, offload=False)
     assert not rec.fits and rec.plan is None
     assert "no searched plan fits 8 x TestGPU" in rec.rationale[0]
-    fewest = fewest_gpus_zero3(prof, c, build_space(prof, c))
+    space = build_space(prof, c, global_batch=1024)
+    fewest = fewest_gpus_zero3(prof, c, space)
     assert fewest is not None and fewest.fits
     n = fewest.gpus
     assert n % 8 == 0  # whole nodes of 8
@@ -122,6 +278,7 @@ def test_nothing_fits_says_what_would() -> None:
     assert first["estimate"]["fits"] and first["estimate"]["gpus"] % 8 == 0
     assert first["plan"]["zero"] == 3 and f"--gpus {first['estimate']['gpus']}" in rec.suggestions[0]
     assert any(p["plan"]["offload_optimizer"] == "cpu" for p in doc["suggested"][1:])
+    assert doc["export"] is None
 
 
 def test_fewest_gpus_keeps_a_fixed_global_batch() -> None:

@@ -1,0 +1,134 @@
+"""The export targets: ``name -> builder`` (each renders its files and checks them with the target's own loader).
+
+``optplan export plan.json --to deepspeed|accelerate|torchrun|slurm|hf|lightning|all`` and
+``optplan recommend --out DIR`` both go through ``render_targets``. A target that cannot express a plan
+(ds_config.json for a Megatron plan, say) raises an OptplanError naming the target that can; under
+``all`` it is skipped and the reason is returned, under an explicit ``--to`` it is the error.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from optplan.estimators.errors import OptplanError
+from optplan.planner.export.context import FILE_NAMES, ExportPlan
+
+Launcher = Literal["torchrun", "deepspeed"]
+Builder = Callable[[ExportPlan, "ExportOptions"], dict[str, str]]
+
+
+class ExportOptions(BaseModel):
+    """Per-export choices: the launcher of launch.sh, the FSDP config version, the training script."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    launcher: Launcher = "torchrun"
+    fsdp_version: Literal[1, 2] = 2
+    train_script: str = Field(default="train.py", min_length=1)
+
+
+def _ds_config(plan: ExportPlan) -> dict[str, Any]:
+    from optplan.planner.export.deepspeed import render_ds_config
+    return render_ds_config(plan.strategy, plan.buckets)
+
+
+def _deepspeed(plan: ExportPlan, opts: ExportOptions) -> dict[str, str]:
+    from optplan.planner.validate import validate_ds_config
+    config = _ds_config(plan)
+    validate_ds_config(config, world_size=plan.world_size)
+    return {FILE_NAMES["deepspeed"]: json.dumps(config, indent=2) + "\n"}
+
+
+def _accelerate(plan: ExportPlan, opts: ExportOptions) -> dict[str, str]:
+    from optplan.planner.export.accelerate import render_accelerate_yaml, validate_accelerate_yaml
+    text = render_accelerate_yaml(plan, fsdp_version=opts.fsdp_version)
+    validate_accelerate_yaml(text, plan)
+    return {FILE_NAMES["accelerate"]: text}
+
+
+def _torchrun(plan: ExportPlan, opts: ExportOptions) -> dict[str, str]:
+    from optplan.planner.export.launch import render_hostfile, render_launch_sh, validate_launch_sh
+    text = render_launch_sh(plan, launcher=opts.launcher, train_script=opts.train_script)
+    validate_launch_sh(text, plan)
+    files = {FILE_NAMES["torchrun"]: text}
+    if opts.launcher == "deepspeed" and plan.multi_node:
+        files[FILE_NAMES["hostfile"]] = render_hostfile(plan)
+    return files
+
+
+def _slurm(plan: ExportPlan, opts: ExportOptions) -> dict[str, str]:
+    from optplan.planner.export.slurm import render_slurm_sbatch, validate_slurm_sbatch
+    text = render_slurm_sbatch(plan, train_script=opts.train_script)
+    validate_slurm_sbatch(text, plan)
+    return {FILE_NAMES["slurm"]: text}
+
+
+def _hf(plan: ExportPlan, opts: ExportOptions) -> dict[str, str]:
+    from optplan.planner.export.hf import render_hf_training_args, validate_hf_training_args
+    text = render_hf_training_args(plan)
+    ds = _ds_config(plan) if plan.strategy.engine == "deepspeed" else None
+    validate_hf_training_args(text, plan, ds_config=ds)
+    return {FILE_NAMES["hf"]: text}
+
+
+def _lightning(plan: ExportPlan, opts: ExportOptions) -> dict[str, str]:
+    from optplan.planner.export.lightning import render_lightning_json, validate_lightning_json
+    text = render_lightning_json(plan)
+    validate_lightning_json(text, plan)
+    return {FILE_NAMES["lightning"]: text}
+
+
+TARGETS: dict[str, Builder] = {
+    "deepspeed": _deepspeed,
+    "accelerate": _accelerate,
+    "torchrun": _torchrun,
+    "slurm": _slurm,
+    "hf": _hf,
+    "lightning": _lightning,
+}
+"""Every export target by its ``--to`` name."""
+
+
+def targets_for(names: Sequence[str]) -> tuple[str, ...]:
+    """Expand ``all`` and check the names (one line naming the choices on a bad one)."""
+    out: list[str] = []
+    for name in names:
+        if name == "all":
+            out += list(TARGETS)
+        elif name in TARGETS:
+            out.append(name)
+        else:
+            raise OptplanError(f"unknown export target {name!r}: use one of {', '.join(TARGETS)} or all")
+    return tuple(dict.fromkeys(out))
+
+
+def render_targets(plan: ExportPlan, names: Sequence[str], *, options: ExportOptions | None = None,
+                   ) -> tuple[dict[str, str], list[str]]:
+    """Render and validate the ``names`` targets for ``plan``: (file name -> text, skipped-target reasons).
+
+    With ``all``, a target that cannot express the plan is skipped (its reason returned) and the slurm script
+    is written for multi-node plans only; an explicitly named target that cannot is an OptplanError.
+    Validation failures are always errors: nothing is returned to write.
+    """
+    from optplan.planner.validate import ExportValidationError
+
+    opts = options or ExportOptions()
+    lenient = "all" in names
+    files: dict[str, str] = {}
+    skipped: list[str] = []
+    for name in targets_for(names):
+        if lenient and name == "slurm" and not plan.multi_node and "slurm" not in names:
+            continue
+        try:
+            files.update(TARGETS[name](plan, opts))
+        except ExportValidationError:
+            raise
+        except OptplanError as err:
+            if not lenient or name in names:
+                raise
+            skipped.append(f"{name}: {err}")
+    return files, skipped

@@ -1,0 +1,98 @@
+"""``plan.json`` and the human ``PLAN.md``: the recommendation itself, as data and as a readable report."""
+
+from __future__ import annotations
+
+import json
+
+from optplan.estimators.errors import OptplanError
+from optplan.estimators.estimate import Estimate
+from optplan.planner.export.context import ExportPlan
+from optplan.planner.recommend import Recommendation
+
+PLAN_JSON_HINT = "write one with: optplan recommend MODEL --out DIR"
+
+
+def plan_json_text(rec: Recommendation) -> str:
+    """The recommendation as indented JSON (the same document as ``recommend --json``)."""
+    return json.dumps(rec.model_dump(mode="json"), indent=2) + "\n"
+
+
+def load_plan_json(text: str, source: str = "plan.json") -> tuple[Recommendation | None, ExportPlan]:
+    """The recommendation and export facts in a plan.json text (OptplanError naming the problem)."""
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise OptplanError(f"{source} is not JSON ({exc.msg} at line {exc.lineno}): {PLAN_JSON_HINT}") from None
+    if not isinstance(doc, dict) or "plan" not in doc:
+        raise OptplanError(f"{source} is not an optplan plan (no 'plan' key): {PLAN_JSON_HINT}")
+    if doc.get("export") is None:
+        why = "it records no fitting plan" if doc.get("fits") is False else "it has no 'export' section"
+        raise OptplanError(f"{source} cannot be exported: {why}; {PLAN_JSON_HINT}")
+    try:
+        export = ExportPlan.model_validate(doc["export"])
+    except ValueError as exc:
+        first = str(exc).splitlines()
+        raise OptplanError(f"{source} has an invalid 'export' section ({' '.join(first[:3])}): "
+                           f"{PLAN_JSON_HINT}") from None
+    try:
+        rec = Recommendation.model_validate(doc)
+    except ValueError:
+        rec = None  # an older or hand-edited document: the export section is enough to render launch files
+    return rec, export
+
+
+def _row(e: Estimate, tokens: float | None) -> str:
+    s = e.strategy
+    m = e.memory
+    layout = f"{s.tp}/{s.pp}{f'x{s.vpp}' if s.vpp > 1 else ''}/{s.cp}/{s.dp}"
+    sharding = f"FSDP {s.fsdp}" if s.fsdp != "none" else ("DDP" if s.engine == "torch" else f"ZeRO-{s.zero}")
+    offload = "+".join(n for n, v in (("opt", s.offload_optimizer), ("params", s.offload_params)) if v != "none")
+    train = ""
+    if tokens is not None and e.cost is not None:
+        train = f"{e.cost.train_time_s / 86400:.1f} d"
+    return (f"| {s.engine} | {layout} | {sharding}{' +' + offload if offload else ''} | {s.precision} | "
+            f"{s.mbs} x {s.grad_accum} | {s.checkpointing} | {m.total_bytes / 2**30:.1f} / "
+            f"{m.capacity_bytes / 2**30:.1f} | {e.time.step_s:.3g} | {e.samples_per_s:.4g} | "
+            f"{e.model_tflops_per_gpu:.0f} | {e.mfu * 100:.0f}% | {train} |")
+
+
+_HEADER = ("| engine | tp/pp/cp/dp | sharding | precision | mbs x accum | checkpointing | GiB/GPU | step s | "
+           "samples/s | TFLOP/s/GPU | MFU | train |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def render_plan_md(rec: Recommendation) -> str:
+    """PLAN.md: the pick, the predicted figures, the rationale, the runners-up and the Pareto front."""
+    c = rec.cluster
+    lines = [f"# Training plan for {rec.model}", "",
+             f"Model `{rec.model_path}`; cluster: {c.gpus} x {c.gpu} ({c.gpus_per_node} per node, "
+             f"{c.memory_bytes / 2**30:.0f} GiB each); objective: {rec.objective}"
+             + (f", {rec.tokens:.3g} tokens" if rec.tokens else "") + ".", ""]
+    if not rec.fits or rec.plan is None or rec.estimate is None:
+        lines += ["**No searched plan fits.**", "", *[f"- {r}" for r in rec.rationale], "", "## What would fit", "",
+                  *[f"- {s}" for s in rec.suggestions], ""]
+        return "\n".join(lines)
+    e = rec.estimate
+    s = rec.plan
+    lines += [f"## Plan: `{s.label()}` on {e.gpus} GPUs", "", _HEADER, _row(e, rec.tokens), "",
+              "## Predicted", "",
+              f"- memory per GPU (worst rank: {e.memory.rank}): {e.memory.total_bytes / 2**30:.1f} GiB of "
+              f"{e.memory.capacity_bytes / 2**30:.1f} GiB ({e.memory.headroom_bytes / 2**30:.1f} GiB free)",
+              f"- step: {e.time.step_s:.3f} s for {e.global_batch} samples; {e.samples_per_s:.4g} samples/s"
+              + (f", {e.tokens_per_s:,.0f} tokens/s" if e.tokens_per_s else ""),
+              f"- {e.model_tflops_per_gpu:.0f} model TFLOP/s per GPU, MFU {e.mfu * 100:.1f}%, HFU {e.hfu * 100:.1f}%"]
+    if e.cost is not None:
+        money = f", ${e.cost.cost_usd:,.0f}" if e.cost.cost_usd is not None else ""
+        lines.append(f"- {e.cost.tokens:.3g} tokens in {e.cost.train_time_s / 86400:.2f} days: "
+                     f"{e.cost.gpu_hours:,.0f} GPU-hours{money}, {e.cost.energy_kwh:,.0f} kWh")
+    lines += ["", "## Why", "", *[f"- {r}" for r in rec.rationale], ""]
+    if rec.alternatives:
+        lines += ["## Runners-up", "", _HEADER, *[_row(a.estimate, rec.tokens) for a in rec.alternatives], ""]
+    if rec.pareto:
+        axes = "throughput vs memory headroom" if rec.objective == "throughput" else "time vs cost to train"
+        lines += [f"## Pareto front ({axes})", "", _HEADER, *[_row(p.estimate, rec.tokens) for p in rec.pareto], ""]
+    if rec.notes:
+        lines += ["## Notes", "", *[f"- {n}" for n in rec.notes], ""]
+    lines += ["## Search", "", f"{rec.search.method}: {rec.search.evaluated} candidates priced of "
+              f"{rec.search.space_size} in the space ({rec.search.feasible} fit); study `{rec.search.study_name}`"
+              + (f" in {rec.search.storage}" if rec.search.storage else ""), ""]
+    return "\n".join(lines)
