@@ -346,6 +346,12 @@ def recommend(
             counts = parse_gpus_range(gpus_range, target.gpus_per_node)
             target = target.model_copy(update={"gpus": max(counts)})
         check_search_options(target, global_batch=global_batch, precisions=precision)
+        if global_batch is not None and model is not None and "megatron" not in (engine or ()):
+            # a model file trains data-parallel (DeepSpeed/torch): dp is the GPU count, known before profiling
+            if not any(global_batch % n == 0 for n in (counts or (target.gpus,))):
+                n = min(counts or (target.gpus,))
+                raise OptplanError(f"global batch {global_batch} is not divisible by {n} GPUs: use a multiple of "
+                                   f"{n} for --global-batch or change --gpus")
         options = ExportOptions(launcher=launcher)  # type: ignore[arg-type]
         study = storage
         if out is not None:

@@ -47,12 +47,21 @@ def test_recommend_json_on_each_example(example: str, env: dict[str, str], token
 
 
 def test_recommend_70b_on_8_gpus_says_nothing_fits_and_what_would() -> None:
-    result = runner.invoke(app, ["recommend", str(EX / "llama.py"), *H100], env={"OPTPLAN_LLAMA_SIZE": "70B"})
+    result = runner.invoke(app, ["recommend", str(EX / "llama.py"), *H100, "--no-offload"],
+                           env={"OPTPLAN_LLAMA_SIZE": "70B"})
     assert result.exit_code == 1
     out = result.stdout
     assert "NO PLAN FITS" in out and "no searched plan fits 8 x H100-SXM" in out
     assert "ZeRO-3" in out and "--gpus" in out and "offload" in out
     assert "best plans" not in out
+
+
+def test_recommend_70b_on_8_gpus_fits_only_with_offload_and_says_so() -> None:
+    doc = _json(["recommend", str(EX / "llama.py"), *H100, "--json"], env={"OPTPLAN_LLAMA_SIZE": "70B"})
+    plan = doc["plan"]
+    assert doc["fits"] and "cpu" in (plan["offload_optimizer"], plan["offload_params"])
+    line = next(r for r in doc["rationale"] if r.startswith("CPU offload"))
+    assert "without it this plan needs" in line and "GiB" in line
 
 
 def test_recommend_out_writes_validated_exports_and_refuses_to_overwrite(tmp_path: Path) -> None:
