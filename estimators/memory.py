@@ -47,7 +47,9 @@ Sources
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, computed_field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
 
 from optplan.estimators.buckets import deepspeed_buckets
 from optplan.estimators.optimizers import optimizer_sees_flat_params, optimizer_state_bytes_per_param
@@ -112,6 +114,19 @@ class MemoryBreakdown(BaseModel):
     detail_bytes: dict[str, int] = Field(default_factory=dict,
                                          description="each named buffer and overhead item (bytes)")
     rank: str = Field(default="every rank", description="which rank these figures are for (the worst)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_computed(cls, data: Any) -> Any:
+        """Accept its own JSON back (plan.json): the computed totals are recomputed, and must agree."""
+        if isinstance(data, dict) and "total_bytes" in data:
+            data = dict(data)
+            given = {k: data.pop(k) for k in ("total_bytes", "headroom_bytes", "fits") if k in data}
+            parts = ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "buffers_bytes",
+                     "overhead_bytes")
+            if all(isinstance(data.get(k), int) for k in parts) and given["total_bytes"] != sum(data[k] for k in parts):
+                raise ValueError(f"total_bytes {given['total_bytes']} is not the sum of the categories")
+        return data
 
     @computed_field  # type: ignore[prop-decorator]
     @property

@@ -45,7 +45,7 @@ def _deepspeed(plan: ExportPlan, opts: ExportOptions) -> dict[str, str]:
 
 def _accelerate(plan: ExportPlan, opts: ExportOptions) -> dict[str, str]:
     from optplan.planner.export.accelerate import render_accelerate_yaml, validate_accelerate_yaml
-    text = render_accelerate_yaml(plan, fsdp_version=opts.fsdp_version)
+    text = render_accelerate_yaml(plan, fsdp_version=opts.fsdp_version, train_script=opts.train_script)
     validate_accelerate_yaml(text, plan)
     return {FILE_NAMES["accelerate"]: text}
 

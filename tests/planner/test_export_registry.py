@@ -1,0 +1,107 @@
+"""plan.json / PLAN.md, the export registry (every target through its own validator) and optplan export."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import make_gpu, make_profile
+from typer.testing import CliRunner
+
+from optplan.estimators.arch import parse_arch, profile_from_arch
+from optplan.estimators.errors import OptplanError
+from optplan.estimators.hardware import Cluster
+from optplan.planner.api import export_plan, export_plan_file, render_exports
+from optplan.planner.export.context import FILE_NAMES
+from optplan.planner.export.registry import TARGETS, ExportOptions, render_targets, targets_for
+from optplan.planner.export.report import load_plan_json, plan_json_text, render_plan_md
+from optplan.planner.recommend import recommend
+from optplan.tui.cli import app
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def ds_rec():  # type: ignore[no-untyped-def]
+    return recommend(make_profile(), Cluster(gpu=make_gpu(), gpus=16, gpus_per_node=8), global_batch=256,
+                     engines=["deepspeed"])
+
+
+@pytest.fixture(scope="module")
+def megatron_rec():  # type: ignore[no-untyped-def]
+    prof = profile_from_arch(parse_arch("layers=48,hidden=6144,heads=48,vocab=51200,seq=2048"))
+    return recommend(prof, Cluster(gpu=make_gpu(80), gpus=64, gpus_per_node=8), global_batch=512)
+
+
+def test_plan_json_round_trips(ds_rec) -> None:  # type: ignore[no-untyped-def]
+    text = plan_json_text(ds_rec)
+    rec, export = load_plan_json(text)
+    assert rec == ds_rec and export == ds_rec.export
+    assert json.loads(text)["plan"] == ds_rec.plan.model_dump(mode="json")
+
+
+def test_plan_md_has_the_table_rationale_and_figures(ds_rec) -> None:  # type: ignore[no-untyped-def]
+    md = render_plan_md(ds_rec)
+    assert ds_rec.plan.label() in md
+    for line in ds_rec.rationale:
+        assert line in md
+    assert "| engine |" in md and "## Pareto front" in md and "MFU" in md
+
+
+def test_bad_plan_json_is_one_line(tmp_path: Path) -> None:
+    for text, needle in (("{", "not JSON"), ("[]", "not an optplan plan"),
+                         ('{"plan": null, "fits": false, "export": null}', "no fitting plan")):
+        with pytest.raises(OptplanError, match=needle):
+            load_plan_json(text)
+    with pytest.raises(OptplanError, match="does not exist"):
+        export_plan_file(tmp_path / "nope.json", ["all"], tmp_path / "o", force=False)
+    with pytest.raises(OptplanError, match="unknown export target"):
+        targets_for(["jax"])
+
+
+def test_all_targets_for_a_deepspeed_plan_are_validated(ds_rec) -> None:  # type: ignore[no-untyped-def]
+    files, skipped = render_exports(ds_rec)
+    for target in ("deepspeed", "accelerate", "torchrun", "slurm", "hf", "lightning", "plan", "report"):
+        assert FILE_NAMES[target] in files, (target, skipped)
+    ds = json.loads(files["ds_config.json"])
+    assert ds["train_batch_size"] == 256 and ds["zero_optimization"]["stage"] == ds_rec.plan.zero
+
+
+def test_megatron_plan_exports_launch_files_and_says_why_not_ds_config(megatron_rec) -> None:  # type: ignore[no-untyped-def]
+    assert megatron_rec.plan.engine == "megatron"
+    files, skipped = render_targets(megatron_rec.export, ["all"])
+    assert "launch.sh" in files and "slurm.sbatch" in files
+    assert "--tensor-model-parallel-size" in files["launch.sh"]
+    assert "ds_config.json" not in files and any(s.startswith("deepspeed:") for s in skipped)
+    with pytest.raises(OptplanError):
+        render_targets(megatron_rec.export, ["deepspeed"])
+
+
+def test_export_command_writes_refuses_and_forces(ds_rec, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    out = tmp_path / "plan"
+    written, _ = export_plan(ds_rec, out, force=False)
+    plan_file = out / "plan.json"
+    assert plan_file in written
+    dest = tmp_path / "again"
+    result = runner.invoke(app, ["export", str(plan_file), "--to", "deepspeed", "--to", "torchrun", "--out",
+                                 str(dest)])
+    assert result.exit_code == 0, result.stderr
+    assert sorted(p.name for p in dest.iterdir()) == ["ds_config.json", "launch.sh"]
+    assert (dest / "ds_config.json").read_text() == (out / "ds_config.json").read_text()
+    before = (dest / "launch.sh").read_bytes()
+    refused = runner.invoke(app, ["export", str(plan_file), "--to", "torchrun", "--out", str(dest),
+                                  "--launcher", "deepspeed"])
+    assert refused.exit_code == 2 and "--force" in refused.stderr
+    assert (dest / "launch.sh").read_bytes() == before
+    forced = runner.invoke(app, ["export", str(plan_file), "--to", "torchrun", "--out", str(dest),
+                                 "--launcher", "deepspeed", "--force"])
+    assert forced.exit_code == 0, forced.stderr
+    assert "deepspeed" in (dest / "launch.sh").read_text() and (dest / "hostfile").exists()
+    bad = runner.invoke(app, ["export", str(plan_file), "--to", "jax", "--out", str(dest)])
+    assert bad.exit_code == 2 and "unknown export target" in bad.stderr
+
+
+def test_every_target_is_registered() -> None:
+    assert set(TARGETS) == {"deepspeed", "accelerate", "torchrun", "slurm", "hf", "lightning"}
+    assert ExportOptions().launcher == "torchrun"
