@@ -8,12 +8,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from optplan.estimators.cost import training_cost
 from optplan.estimators.errors import OptplanError
-from optplan.estimators.estimate import Estimate
+from optplan.estimators.estimate import Estimate, StatesEstimate
 from optplan.estimators.hardware import Cluster
+from optplan.estimators.params_only import is_params_only
 from optplan.estimators.profile import ModelProfile
 from optplan.estimators.strategy import Strategy
 from optplan.planner.events import ProgressEvent
@@ -36,7 +37,7 @@ class PlanEstimate(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     plan: Strategy
-    estimate: Estimate
+    estimate: Estimate | StatesEstimate
 
 
 class SearchSummary(BaseModel):
@@ -72,7 +73,8 @@ class Recommendation(BaseModel):
     cluster: ClusterSummary
     fits: bool
     plan: Strategy | None
-    estimate: Estimate | None
+    estimate: Estimate | StatesEstimate | None = Field(
+        description="as optplan estimate --json prints it (model states only under --params)")
     alternatives: tuple[PlanEstimate, ...]
     rationale: tuple[str, ...]
     pareto: tuple[PlanEstimate, ...]
@@ -119,6 +121,9 @@ def recommend(profile: ModelProfile, cluster: Cluster, *, global_batch: int | No
     if goal.price_per_gpu_hour is None and cluster.price_per_gpu_hour is not None:
         goal = goal.model_copy(update={"price_per_gpu_hour": cluster.price_per_gpu_hour})
     gb = global_batch if global_batch is not None else profile.defaults.global_batch
+    if is_params_only(profile):
+        return _recommend_states(profile, cluster, global_batch=gb, precisions=precisions, engines=engines,
+                                 offload=offload, alternatives=alternatives, notes=notes, goal=goal)
     if engines is None and _is_model_file(profile):
         engines = ("deepspeed", "torch")
     space = build_space(profile, cluster, global_batch=gb, precisions=precisions, optimizers=optimizers,
@@ -175,3 +180,38 @@ def recommend(profile: ModelProfile, cluster: Cluster, *, global_batch: int | No
         **common, fits=False, plan=None, estimate=None, alternatives=(), rationale=(why,),  # type: ignore[arg-type]
         pareto=(), suggestions=tuple(lines), suggested=tuple(PlanEstimate(plan=e.strategy, estimate=e) for e in behind),
         notes=tuple(all_notes))
+
+
+def _recommend_states(profile: ModelProfile, cluster: Cluster, *, global_batch: int | None,
+                      precisions: Sequence[str] | None, engines: Sequence[str] | None, offload: bool,
+                      alternatives: int, notes: Sequence[str], goal: Goal) -> Recommendation:
+    """``--params``: the least sharding whose model states fit (no time model: see states_plan)."""
+    from optplan.planner.states_plan import STATES_NOTE, search_states, states_rationale
+
+    if goal.objective != "throughput" or goal.tokens is not None:
+        raise OptplanError("--params gives model states only, with no step time: --objective time/cost and "
+                           "--tokens need a model FILE or --arch")
+    space, ranked = search_states(profile, cluster, global_batch=global_batch, precisions=precisions,
+                                  engines=engines, offload=offload)
+    feasible = [e for e in ranked if e.fits]
+    summary = SearchSummary(method="enumerate", space_size=len(ranked), evaluated=len(ranked),
+                            feasible=len(feasible), objective="states")
+    cluster_summary = ClusterSummary(gpu=cluster.gpu.name, gpus=cluster.gpus, gpus_per_node=cluster.gpus_per_node,
+                                     memory_bytes=cluster.gpu.memory_bytes, detected=cluster.detected)
+    common = dict(model=profile.name, model_path=profile.path, cluster=cluster_summary, global_batch=global_batch,
+                  seq_len=None, search=summary, objective="states", notes=(*notes, STATES_NOTE))
+    if feasible:
+        pick = feasible[0]
+        return Recommendation(
+            **common, fits=True, plan=pick.strategy, estimate=pick,  # type: ignore[arg-type]
+            alternatives=tuple(PlanEstimate(plan=e.strategy, estimate=e) for e in feasible[1:1 + alternatives]),
+            rationale=tuple(states_rationale(pick, ranked)), pareto=(), suggestions=(),
+            export=export_plan_for(pick.strategy, profile, cluster))
+    leanest = min(ranked, key=lambda e: e.memory.total_bytes)
+    why = (f"no sharding fits the model states of {profile.params:,} parameters on {cluster.gpus} x "
+           f"{cluster.gpu.name}: the leanest ({leanest.strategy.label()}) needs "
+           f"{leanest.memory.total_bytes / 2**30:.1f} GiB per GPU of {leanest.memory.capacity_bytes / 2**30:.1f}")
+    lines, behind = what_would_fit(profile, cluster, space, states_only=True)
+    return Recommendation(**common, fits=False, plan=None, estimate=None, alternatives=(),  # type: ignore[arg-type]
+                          rationale=(why,), pareto=(), suggestions=tuple(lines),
+                          suggested=tuple(PlanEstimate(plan=e.strategy, estimate=e) for e in behind))

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from optplan.estimators.estimate import Estimate, estimate
+from collections.abc import Callable
+
+from optplan.estimators.estimate import Estimate, StatesEstimate, estimate, estimate_states
 from optplan.estimators.hardware import Cluster
 from optplan.estimators.profile import ModelProfile
 from optplan.estimators.strategy import Strategy
@@ -24,8 +26,12 @@ def _lean_strategy(space: SearchSpace, profile: ModelProfile, dp: int, *, zero: 
                     **extra)  # type: ignore[arg-type]
 
 
+def _pricer(states_only: bool) -> Callable[[ModelProfile, Cluster, Strategy], Estimate | StatesEstimate]:
+    return estimate_states if states_only else estimate
+
+
 def fewest_gpus_zero3(profile: ModelProfile, cluster: Cluster, space: SearchSpace, *,
-                      keep_global_batch: bool = True) -> Estimate | None:
+                      keep_global_batch: bool = True, states_only: bool = False) -> Estimate | StatesEstimate | None:
     """Smallest GPU count (> the given one) at which the lean ZeRO-3 strategy fits, by bisection.
 
     Per-GPU memory under ZeRO-3 falls monotonically with the GPU count (states ÷ N_d, the rest fixed),
@@ -36,9 +42,11 @@ def fewest_gpus_zero3(profile: ModelProfile, cluster: Cluster, space: SearchSpac
     if not keep_global_batch:
         space = space.model_copy(update={"global_batch": None})
 
-    def at(n: int) -> Estimate:
+    price = _pricer(states_only)
+
+    def at(n: int) -> Estimate | StatesEstimate:
         c = cluster.model_copy(update={"gpus": n})
-        return estimate(profile, c, _lean_strategy(space, profile, n))
+        return price(profile, c, _lean_strategy(space, profile, n))
 
     lo, hi = max(2, cluster.gpus + 1), MAX_GPUS_CONSIDERED
     if not at(hi).fits:
@@ -58,19 +66,21 @@ def fewest_gpus_zero3(profile: ModelProfile, cluster: Cluster, space: SearchSpac
     return at(next((n for n in range(lo, MAX_GPUS_CONSIDERED + 1) if launchable(n)), lo))
 
 
-def offload_options(profile: ModelProfile, cluster: Cluster, space: SearchSpace) -> list[Estimate]:
+def offload_options(profile: ModelProfile, cluster: Cluster, space: SearchSpace, *,
+                    states_only: bool = False) -> list[Estimate | StatesEstimate]:
     """ZeRO-3 with CPU offload of the optimizer, then also of the parameters, at the given GPUs."""
-    return [estimate(profile, cluster, _lean_strategy(space, profile, cluster.gpus, **extra))
+    price = _pricer(states_only)
+    return [price(profile, cluster, _lean_strategy(space, profile, cluster.gpus, **extra))
             for extra in ({"offload_optimizer": "cpu"}, {"offload_optimizer": "cpu", "offload_params": "cpu"})]
 
 
-def what_would_fit(profile: ModelProfile, cluster: Cluster,
-                   space: SearchSpace) -> tuple[list[str], list[Estimate]]:
+def what_would_fit(profile: ModelProfile, cluster: Cluster, space: SearchSpace, *,
+                   states_only: bool = False) -> tuple[list[str], list[Estimate | StatesEstimate]]:
     """What would fit when no searched plan does: lines with the numbers, and the estimates behind them
     (the fewest GPUs under ZeRO-3, then CPU offload at the given GPUs)."""
     lines: list[str] = []
-    behind: list[Estimate] = []
-    fewest = fewest_gpus_zero3(profile, cluster, space)
+    behind: list[Estimate | StatesEstimate] = []
+    fewest = fewest_gpus_zero3(profile, cluster, space, states_only=states_only)
     if fewest is not None:
         behind.append(fewest)
         n = fewest.gpus
@@ -80,13 +90,13 @@ def what_would_fit(profile: ModelProfile, cluster: Cluster,
             f"{fewest.strategy.precision} ZeRO-3, mbs 1{', full checkpointing' if fewest.strategy.checkpointing == 'full' else ''}: "
             f"{gib(fewest.memory.total_bytes):.1f} of {gib(fewest.memory.capacity_bytes):.1f} GiB per GPU "
             f"(--gpus {n})")
-        loose = fewest_gpus_zero3(profile, cluster, space, keep_global_batch=False)
+        loose = fewest_gpus_zero3(profile, cluster, space, keep_global_batch=False, states_only=states_only)
         if loose is not None and loose.gpus < n:
             lines[-1] += (f"; {loose.gpus} GPUs would do if the global batch may change from "
                           f"{space.global_batch}")
     else:
         lines.append(f"no GPU count up to {MAX_GPUS_CONSIDERED} fits this model with ZeRO-3 on {cluster.gpu.name}")
-    for est in offload_options(profile, cluster, space):
+    for est in offload_options(profile, cluster, space, states_only=states_only):
         s = est.strategy
         what = "optimizer states" if s.offload_params == "none" else "optimizer states and parameters"
         host_node = est.memory.host_bytes * min(cluster.gpus, cluster.gpus_per_node)
@@ -94,10 +104,12 @@ def what_would_fit(profile: ModelProfile, cluster: Cluster,
         behind.append(est)
         lines.append(
             f"{cluster.gpus} x {cluster.gpu.name} {verdict} with ZeRO-3 + CPU offload of {what}: "
-            f"{gib(est.memory.total_bytes):.1f} GiB per GPU, {gib(host_node):.0f} GiB host memory per node, "
-            f"~{est.time.step_s:.1f} s per step of {s.global_batch} samples")
+            f"{gib(est.memory.total_bytes):.1f} GiB per GPU, {gib(host_node):.0f} GiB host memory per node"
+            + (f", ~{est.time.step_s:.1f} s per step of {s.global_batch} samples" if est.time is not None else ""))
         if est.fits:
             break
+    if states_only:
+        return lines, behind
     lean = estimate(profile, cluster, _lean_strategy(space, profile, cluster.gpus,
                                                      zero=3 if cluster.gpus > 1 else 0))
     if lean.memory.activations_bytes > lean.memory.capacity_bytes / 2:

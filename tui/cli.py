@@ -332,9 +332,6 @@ def recommend(
             raise OptplanError("give --global-batch (samples) or --global-batch-tokens, not both")
         if global_batch is not None and global_batch < 1:
             raise OptplanError(f"--global-batch must be >= 1 (got {global_batch})")
-        if params is not None:
-            raise OptplanError("--params prices model states only and recommend needs a step time: give a model "
-                               "FILE or --arch (use optplan estimate --params for memory)")
         goal = Goal(objective=objective, tokens=tokens, price_per_gpu_hour=price,  # type: ignore[arg-type]
                     deadline_s=parse_duration_s(deadline) if deadline is not None else None)
         goal.check()
@@ -361,7 +358,7 @@ def recommend(
                 out.mkdir(parents=True, exist_ok=True)
                 study = str(out / "optplan-study.log")
         with _stderr().status("profiling the model in a child process..."):
-            prof = resolve_model(model, arch=arch, seq_len=seq_len, model_name=model_name)
+            prof = resolve_model(model, arch=arch, seq_len=seq_len, model_name=model_name, params=params)
         gb = global_batch
         if global_batch_tokens is not None:
             seq = prof.tokens_per_sample

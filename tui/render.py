@@ -150,11 +150,12 @@ def plans_table(rec: Recommendation) -> Table:
     rows = ([rec.estimate] if rec.estimate else []) + [a.estimate for a in rec.alternatives]
     for i, e in enumerate(rows, start=1):
         m = e.memory
-        rate = e.tokens_per_s if e.tokens_per_s else e.samples_per_s
+        timed = isinstance(e, Estimate)
+        rate = (e.tokens_per_s or e.samples_per_s) if timed else 0.0
         table.add_row(str(i), e.strategy.label(), _g(m.params_bytes + m.grads_bytes + m.optimizer_bytes),
                       _g(m.activations_bytes), _g(m.buffers_bytes + m.overhead_bytes),
-                      _g(m.total_bytes), _duration(e.time.step_s), _rate(rate),
-                      f"{e.mfu * 100:.0f}%", style="bold green" if i == 1 else None)
+                      _g(m.total_bytes), _duration(e.time.step_s) if timed else "-", _rate(rate) if timed else "-",
+                      f"{e.mfu * 100:.0f}%" if timed else "-", style="bold green" if i == 1 else None)
     return table
 
 
@@ -171,7 +172,7 @@ def print_recommendation(console: Console, rec: Recommendation, profile: ModelPr
         console.print(plans_table(rec))
         console.print(Panel("\n".join(f"- {line}" for line in rec.rationale), title="why this plan",
                             title_align="left"))
-        cost = rec.estimate.cost if rec.estimate else None
+        cost = rec.estimate.cost if isinstance(rec.estimate, Estimate) else None
         if cost is not None:
             money = f", ${cost.cost_usd:,.0f}" if cost.cost_usd is not None else ""
             console.print(f"to train {cost.tokens:.3g} tokens: {cost.train_time_s / 86400:,.1f} days on "

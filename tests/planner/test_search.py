@@ -290,3 +290,33 @@ def test_fewest_gpus_keeps_a_fixed_global_batch() -> None:
     assert 1024 % fixed.gpus == 0 and fixed.gpus >= free.gpus and fixed.fits
     assert fixed.strategy.global_batch == 1024
     assert not any(1024 % n == 0 and n % 8 == 0 for n in range(free.gpus, fixed.gpus))
+
+
+def test_params_only_recommends_the_least_sharding_that_fits() -> None:
+    from optplan.estimators.params_only import profile_from_params
+
+    prof = profile_from_params(7e9)
+    c = _cluster(gib=40)
+    rec = recommend(prof, c)
+    assert rec.fits and rec.plan is not None and rec.estimate is not None
+    assert rec.estimate.time is None and rec.objective == "states"
+    pick = rec.plan
+    # every cheaper sharding (lower stage, no offload) of the same precision does not fit
+    for stage in range(pick.shard_stage):
+        cheaper = _maybe_states(prof, c, pick.model_copy(update={"zero": stage}))
+        assert cheaper is not None and not cheaper.fits
+    assert any("needs" in line and "> " in line for line in rec.rationale[1:])
+    doc = rec.model_dump(mode="json")
+    assert doc["estimate"]["time"] is None and doc["export"]["strategy"] == doc["plan"]
+    with pytest.raises(OptplanError, match="--params gives model states only"):
+        recommend(prof, c, goal=Goal(objective="time", tokens=1e9))
+    none = recommend(profile_from_params(70e9), c, offload=False)
+    assert not none.fits and any("--gpus" in s for s in none.suggestions)
+
+
+def _maybe_states(prof, c, s):  # type: ignore[no-untyped-def]
+    from optplan.estimators.estimate import estimate_states
+    try:
+        return estimate_states(prof, c, s)
+    except OptplanError:
+        return None
