@@ -1,6 +1,9 @@
-"""Exports: one module per target, each a pure function Strategy (+ profile) -> text.
+"""Exports: one module per target, each a pure function ExportPlan -> text plus a validator.
 
-``deepspeed`` (ds_config.json), ``launch`` (launch.sh for torchrun), ``files`` (atomic writing).
-The checks by each target's own loader live in ``optplan.planner.validate``. Nothing heavy is
-imported here: deepspeed is imported only by the validator, when it runs.
+``context`` (ExportPlan, file names), ``deepspeed`` (ds_config.json; validated in ``optplan.planner.validate``),
+``accelerate`` (accelerate.yaml), ``launch`` (launch.sh for torchrun or the deepspeed launcher, hostfile),
+``slurm`` (slurm.sbatch), ``megatron`` (Megatron-LM pretrain_gpt.py arguments), ``hf``
+(hf_training_args.json), ``lightning`` (lightning.json), ``report`` (plan.json, PLAN.md), ``registry``
+(``--to`` name -> builder), ``files`` (atomic, all-or-nothing writing). Nothing heavy is imported here:
+deepspeed, accelerate, transformers and lightning are imported only by the validators, when they run.
 """

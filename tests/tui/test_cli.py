@@ -66,22 +66,24 @@ def test_recommend_70b_on_8_gpus_fits_only_with_offload_and_says_so() -> None:
 
 def test_recommend_out_writes_validated_exports_and_refuses_to_overwrite(tmp_path: Path) -> None:
     out = tmp_path / "plan"
-    doc = _json(["recommend", str(EX / "mlp.py"), *H100, "--global-batch", "64", "--out", str(out), "--json"])
+    doc = _json(["recommend", str(EX / "mlp.py"), *H100, "--global-batch", "64", "--engine", "deepspeed", "--out",
+                 str(out), "--json"])
     files = sorted(p.name for p in out.iterdir())
-    assert files == ["ds_config.json", "launch.sh", "plan.json"]
+    assert files == ["PLAN.md", "accelerate.yaml", "ds_config.json", "hf_training_args.json", "launch.sh",
+                     "lightning.json", "optplan-study.log", "plan.json"]
     assert json.loads((out / "plan.json").read_text()) == doc
     ds = json.loads((out / "ds_config.json").read_text())
     assert ds["train_batch_size"] == 64 == doc["estimate"]["global_batch"]
     assert ds["train_micro_batch_size_per_gpu"] == doc["plan"]["mbs"]
     assert ds["zero_optimization"]["stage"] == doc["plan"]["zero"]
-    assert "--nproc_per_node 8" in (out / "launch.sh").read_text()
+    assert "--nproc-per-node 8" in (out / "launch.sh").read_text()
     before = {p.name: p.read_bytes() for p in out.iterdir()}
-    again = runner.invoke(app, ["recommend", str(EX / "mlp.py"), *H100, "--out", str(out)])
+    again = runner.invoke(app, ["recommend", str(EX / "mlp.py"), *H100, "--engine", "deepspeed", "--out", str(out)])
     assert again.exit_code == 2
     assert "--force" in again.stderr and len(again.stderr.strip().splitlines()) == 1
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
-    forced = runner.invoke(app, ["recommend", str(EX / "mlp.py"), *H100, "--global-batch", "128", "--out",
-                                 str(out), "--force"])
+    forced = runner.invoke(app, ["recommend", str(EX / "mlp.py"), *H100, "--global-batch", "128", "--engine",
+                                 "deepspeed", "--out", str(out), "--force"])
     assert forced.exit_code == 0, forced.stderr
     assert json.loads((out / "ds_config.json").read_text())["train_batch_size"] == 128
 
