@@ -1,0 +1,604 @@
+"""Hugging Face ``TrainingArguments`` for a plan: a pure function ExportPlan -> JSON text, and its validator.
+
+The file (``hf_training_args.json``) holds ``TrainingArguments`` fields only, so a training script loads it
+with ``TrainingArguments(**json.load(f))`` or ``HfArgumentParser(TrainingArguments).parse_json_file(...)``.
+What the script must do beyond that is in ``hf_notes``. Field names, defaults and behaviours follow
+transformers 5.23 (``training_args.py``, ``trainer.py``, ``trainer_optimizer.py``,
+``integrations/deepspeed.py``) with accelerate 1.15 (``utils/dataclasses.py``, ``utils/fsdp_utils.py``):
+
+- Batch: ``per_device_train_batch_size`` = micro-batch, ``gradient_accumulation_steps`` = accumulation;
+  the data-parallel size is the number of processes the launcher starts (``TrainingArguments.world_size``).
+- Precision (``training_args.py`` §5 "Mixed Precision": ``fp16``/``bf16`` set accelerate's
+  ``mixed_precision``): ``amp-bf16`` and ``bf16`` -> ``bf16: true``; ``amp-fp16`` and ``fp16`` ->
+  ``fp16: true``; ``fp32`` -> both false. Without DeepSpeed the Trainer runs autocast over fp32 parameters
+  (DDP), or FSDP's MixedPrecisionPolicy(param_dtype=reduce_dtype=bf16|fp16) over fp32 sharded parameters
+  (accelerate ``FullyShardedDataParallelPlugin.set_mixed_precision``; ``fsdp2_prepare_model`` upcasts
+  16-bit parameters to fp32 masters). For an unsharded model that is the same 16 bytes/parameter of model
+  state with AdamW as the ``bf16``/``fp16`` recipes (2 + 2 + 12 against 4 + 4 + 8), so the plan's estimate
+  holds. Under DeepSpeed the flags must equal ds_config's ``bf16.enabled``/``fp16.enabled``
+  (``HfTrainerDeepSpeedConfig.trainer_config_process`` records a mismatch otherwise): ``bf16`` and
+  ``bf16-pure`` -> ``bf16: true`` (the pure-bf16 keys live in ds_config.json); ``fp16`` -> ``fp16: true``;
+  the AMP recipes -> both false, because their ds_config disables ``bf16``/``fp16`` and autocasts through
+  its ``torch_autocast`` section.
+- Optimizer (``OptimizerNames`` in ``training_args.py``; ``trainer_optimizer.py`` handlers): ``adamw`` ->
+  ``adamw_torch_fused`` (torch AdamW, ``fused=True``), ``adamw8bit`` -> ``adamw_bnb_8bit`` (bitsandbytes
+  AdamW, 8-bit states), ``adafactor`` -> ``adafactor`` (transformers' Adafactor with
+  ``scale_parameter=False, relative_step=False``: absolute learning rate, 1e-3 as its docstring recommends),
+  ``sgd`` -> ``sgd`` (torch SGD; ``optim_args: "momentum=0.9"``). Learning rate, betas, epsilon and weight
+  decay equal ``deepspeed.ADAMW_PARAMS`` / ``SGD_PARAMS``, the values ds_config.json names, because HF's
+  DeepSpeed integration compares them (``optimizer.params.lr|betas|eps|weight_decay``). With an optimizer
+  section in ds_config the Trainer ignores ``optim`` and DeepSpeed builds the optimizer
+  (``deepspeed_optim_sched``); the scheduler is HF's (cosine, 1 % warmup: ``warmup_steps`` < 1 is a ratio).
+- Clipping: ``max_grad_norm`` = ds_config's ``gradient_clipping`` (1.0 unless changed; compared by HF).
+- Activation checkpointing: transformers 5.x renamed ``gradient_checkpointing[_kwargs]`` to
+  ``activation_checkpointing[_kwargs]`` (the old names are deprecated aliases, removed in v6), so the file
+  uses the new names with ``{"use_reentrant": false}``. Under FSDP the Trainer refuses both FSDP's and its own
+  checkpointing (``trainer.py``), and FSDP's is preferred (no redundant all-gather), so FSDP plans set
+  ``fsdp_config.activation_checkpointing`` instead. Selective recompute has no TrainingArguments switch
+  (a note says to do it in the model).
+- Sharding: the deepspeed engine -> ``deepspeed: <ds_config name>`` (the file written by
+  ``optplan.planner.export.deepspeed``); torch FSDP -> ``fsdp: true`` and ``fsdp_config`` for FSDP2
+  (``version: 2``, the default in 5.x; ``reshard_after_forward`` true = FULL_SHARD, false = SHARD_GRAD_OP;
+  ``cpu_offload`` = FSDP2's CPUOffloadPolicy: parameters, gradients and the optimizer step on the CPU;
+  ``TRANSFORMER_BASED_WRAP`` of ``transformer_layer_cls_to_wrap = [block_class]``); plain DDP on several GPUs
+  -> ``ddp_find_unused_parameters: false`` (the Trainer's default is true for models outside
+  ``PreTrainedModel``, an extra pass over the graph every step).
+
+Refused plans (``NotExportable``, one line naming the fix): the megatron engine; tensor, pipeline or
+context parallelism; fp8 (TrainingArguments has no fp8 switch); ``bf16-pure`` on the torch engine (no
+TrainingArguments switch keeps bf16 parameters: ``bf16: true`` is autocast, and accelerate upcasts FSDP
+parameters to fp32 masters); hybrid FSDP (FSDP2's HSDP needs an accelerate ``ParallelismConfig`` object,
+which JSON cannot carry); FSDP without a repeated block class to wrap; and every deepspeed-engine plan that
+ds_config.json cannot express (the rules of ``optplan.planner.export.deepspeed``).
+
+The validator imports transformers lazily (about 2 s) and leaves no global state behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import difflib
+import enum
+import json
+import logging
+import math
+import os
+import types
+import typing
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+from optplan.estimators.errors import OptplanError
+from optplan.estimators.strategy import Strategy
+from optplan.planner.export.context import ExportPlan, NotExportable
+from optplan.planner.export.deepspeed import ADAMW_PARAMS, SGD_PARAMS
+
+TRANSFORMERS_VERSION_READ = "5.23.0"
+"""The transformers version whose sources the mappings above were read from."""
+
+MAX_GRAD_NORM = 1.0
+"""Default ``max_grad_norm``: ds_config's default ``gradient_clipping`` (``render_ds_config``)."""
+ADAFACTOR_LR = 1e-3
+"""transformers' Adafactor with ``scale_parameter=False, relative_step=False`` (``optimization.py`` docstring)."""
+WARMUP_RATIO = 0.01
+"""``warmup_steps`` below 1 is a fraction of the training steps (``TrainingArguments.get_warmup_steps``)."""
+LR_SCHEDULER = "cosine"
+
+OPTIM_NAMES: dict[str, str] = {
+    "adamw": "adamw_torch_fused",
+    "adamw8bit": "adamw_bnb_8bit",
+    "adafactor": "adafactor",
+    "sgd": "sgd",
+}
+"""optplan optimizer -> ``TrainingArguments.optim`` (``OptimizerNames`` values, transformers 5.23)."""
+
+FSDP_RESHARD: dict[str, bool] = {"full": True, "grad_op": False}
+"""FSDP2 ``reshard_after_forward``: true = FULL_SHARD (ZeRO-3), false = SHARD_GRAD_OP (ZeRO-2)."""
+
+_FSDP_CONFIG_DEFAULTS: dict[str, Any] = {
+    "version": 2, "reshard_after_forward": True, "cpu_offload": False, "activation_checkpointing": False,
+    "auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "transformer_layer_cls_to_wrap": None,
+}
+"""What ``TrainingArguments._process_fsdp_args`` assumes for a key the file leaves out."""
+
+_DDP_NOTE = (
+    "launch one process per GPU (torchrun/accelerate launch, see launch.sh); an unlaunched Trainer spreads one "
+    "process over all visible GPUs with nn.DataParallel"
+)
+
+
+# --- rendering ----------------------------------------------------------------------------------------
+
+
+def _check_exportable(plan: ExportPlan) -> None:
+    """Raise NotExportable for plans TrainingArguments cannot express (the message names the fix)."""
+    s = plan.strategy
+    if s.engine == "megatron":
+        raise NotExportable(
+            "this plan runs on the megatron engine, which Hugging Face TrainingArguments cannot configure: "
+            "launch it with Megatron-LM's own arguments, or plan with --engine deepspeed or --engine torch"
+        )
+    if s.model_parallel:
+        degrees = ", ".join(f"{n}={getattr(s, n)}" for n in ("tp", "pp", "cp") if getattr(s, n) > 1)
+        raise NotExportable(
+            f"Hugging Face TrainingArguments cover data parallelism (DDP, FSDP, DeepSpeed ZeRO) and this plan uses "
+            f"{degrees}: plan with --tp 1 --pp 1 --cp 1, or launch it with Megatron-LM"
+        )
+    if s.precision == "fp8":
+        raise NotExportable(
+            "TrainingArguments have no fp8 switch: run fp8 through accelerate (mixed_precision fp8 with "
+            "Transformer Engine) or the Lightning export (precision 'transformer-engine'), or plan with "
+            "--precision bf16"
+        )
+    if s.engine == "deepspeed":
+        from optplan.planner.export.deepspeed import render_ds_config
+
+        try:  # the ds_config.json this file points to must exist
+            render_ds_config(s, plan.buckets)
+        except OptplanError as exc:
+            raise NotExportable(str(exc)) from exc
+        return
+    # torch engine
+    if s.precision == "bf16-pure":
+        raise NotExportable(
+            "TrainingArguments have no pure-bf16 switch (bf16=true is autocast over fp32 parameters, and accelerate "
+            "upcasts FSDP parameters to fp32): use the Lightning export (precision 'bf16-true'), --engine deepspeed "
+            "(ds_config bf16_master_weights_and_grads), or --precision bf16"
+        )
+    if s.fsdp == "hybrid":
+        raise NotExportable(
+            "hybrid FSDP (HSDP) needs an accelerate ParallelismConfig(dp_replicate_size, dp_shard_size) object with "
+            "FSDP2, which a TrainingArguments JSON cannot carry: use the accelerate or Lightning export, or plan "
+            "with --fsdp full"
+        )
+    if s.fsdp != "none" and not plan.block_class:
+        raise NotExportable(
+            "FSDP wraps one repeated block at a time and the model profile names no repeated block class: profile "
+            "a model whose layers repeat, or plan with --engine deepspeed"
+        )
+
+
+def _precision_args(s: Strategy) -> dict[str, bool]:
+    if s.engine == "deepspeed":
+        # Must equal ds_config bf16.enabled / fp16.enabled (HfTrainerDeepSpeedConfig.trainer_config_process).
+        return {"bf16": s.precision in ("bf16", "bf16-pure"), "fp16": s.precision == "fp16"}
+    return {"bf16": s.precision in ("bf16", "amp-bf16"), "fp16": s.precision in ("fp16", "amp-fp16")}
+
+
+def _optimizer_args(s: Strategy) -> dict[str, Any]:
+    out: dict[str, Any] = {"optim": OPTIM_NAMES[s.optimizer]}
+    if s.optimizer in ("adamw", "adamw8bit"):
+        betas = ADAMW_PARAMS["betas"]
+        out.update(learning_rate=float(ADAMW_PARAMS["lr"]), weight_decay=float(ADAMW_PARAMS["weight_decay"]),
+                   adam_beta1=float(betas[0]), adam_beta2=float(betas[1]), adam_epsilon=float(ADAMW_PARAMS["eps"]))
+    elif s.optimizer == "sgd":
+        out.update(learning_rate=float(SGD_PARAMS["lr"]), weight_decay=float(SGD_PARAMS["weight_decay"]),
+                   optim_args=f"momentum={SGD_PARAMS['momentum']}")
+    else:  # adafactor
+        out.update(learning_rate=ADAFACTOR_LR, weight_decay=0.0)
+    return out
+
+
+def hf_training_args(plan: ExportPlan, *, ds_config_name: str = "ds_config.json", output_dir: str = "out",
+                     max_grad_norm: float = MAX_GRAD_NORM) -> dict[str, Any]:
+    """The TrainingArguments fields for ``plan`` (a fresh, JSON-serialisable dict).
+
+    ``max_grad_norm`` must equal the ``gradient_clipping`` ds_config.json was rendered with (HF compares
+    them). Raises NotExportable for plans TrainingArguments cannot express and OptplanError for an empty
+    name or a negative clipping norm.
+    """
+    for label, value in (("ds_config name", ds_config_name), ("output_dir", output_dir)):
+        if not isinstance(value, str) or not value.strip():
+            raise OptplanError(f"{label} must be a non-empty string (got {value!r})")
+    if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)) \
+            or not math.isfinite(max_grad_norm) or max_grad_norm < 0:
+        raise OptplanError(f"max_grad_norm must be a finite number >= 0 (got {max_grad_norm!r}); 0 disables clipping")
+    _check_exportable(plan)
+    s = plan.strategy
+    args: dict[str, Any] = {
+        "output_dir": output_dir,
+        "per_device_train_batch_size": s.mbs,
+        "gradient_accumulation_steps": s.grad_accum,
+    }
+    args.update(_optimizer_args(s))
+    args.update(lr_scheduler_type=LR_SCHEDULER, warmup_steps=WARMUP_RATIO, max_grad_norm=float(max_grad_norm))
+    args.update(_precision_args(s))
+    own_checkpointing = s.checkpointing == "full" and s.fsdp == "none"
+    args["activation_checkpointing"] = own_checkpointing
+    if own_checkpointing:
+        args["activation_checkpointing_kwargs"] = {"use_reentrant": False}
+    if s.engine == "deepspeed":
+        args["deepspeed"] = ds_config_name
+    elif s.fsdp != "none":
+        args["fsdp"] = True
+        args["fsdp_config"] = {
+            "version": 2,
+            "reshard_after_forward": FSDP_RESHARD[s.fsdp],
+            "cpu_offload": s.offload_params == "cpu",
+            "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            "transformer_layer_cls_to_wrap": [plan.block_class],
+            "activation_checkpointing": s.checkpointing == "full",
+        }
+    elif plan.world_size > 1:
+        args["ddp_find_unused_parameters"] = False
+    return args
+
+
+def render_hf_training_args(plan: ExportPlan, *, ds_config_name: str = "ds_config.json", output_dir: str = "out",
+                            max_grad_norm: float = MAX_GRAD_NORM) -> str:
+    """``hf_training_args`` as JSON text (indent 2, trailing newline): the ``hf_training_args.json`` file."""
+    args = hf_training_args(plan, ds_config_name=ds_config_name, output_dir=output_dir, max_grad_norm=max_grad_norm)
+    return json.dumps(args, indent=2) + "\n"
+
+
+def hf_notes(plan: ExportPlan) -> tuple[str, ...]:
+    """What the training script must do beyond ``TrainingArguments(**json.load(f))`` (plan must be exportable)."""
+    _check_exportable(plan)
+    s = plan.strategy
+    notes: list[str] = []
+    if plan.world_size > 1 or s.engine != "torch":
+        notes.append(f"{_DDP_NOTE}: {plan.nodes} node(s) x {plan.procs_per_node} process(es)")
+    else:
+        notes.append("single GPU: run with CUDA_VISIBLE_DEVICES set to one GPU; an unlaunched Trainer spreads "
+                     "one process over all visible GPUs with nn.DataParallel")
+    if s.engine == "deepspeed":
+        notes.append("the deepspeed key names ds_config.json (optplan's DeepSpeed export) relative to the directory "
+                     "the script runs in; both files must be exported from the same plan (HF checks batch size, "
+                     "accumulation, clipping, optimizer hyper-parameters and bf16/fp16 against it)")
+        if s.precision in ("amp-bf16", "amp-fp16"):
+            notes.append(f"{s.precision}: bf16 and fp16 stay false: ds_config.json disables DeepSpeed's bf16/fp16 "
+                         "modes and autocasts through its torch_autocast section; keep the model in fp32")
+        if s.optimizer in ("adamw8bit", "adafactor"):
+            notes.append(f"{s.optimizer}: ds_config.json has no optimizer section, so the Trainer builds "
+                         f"optim={OPTIM_NAMES[s.optimizer]} itself and hands it to DeepSpeed")
+    if s.optimizer == "adamw8bit":
+        notes.append("adamw_bnb_8bit needs bitsandbytes installed (pip install bitsandbytes)")
+    if s.checkpointing == "full" and s.fsdp == "none":
+        notes.append("activation checkpointing: the Trainer calls model.activation_checkpointing_enable() "
+                     "(PreTrainedModel); a model without it must checkpoint its blocks itself "
+                     "(torch.utils.checkpoint.checkpoint(..., use_reentrant=False))")
+    if s.checkpointing == "selective":
+        notes.append("selective activation checkpointing has no TrainingArguments switch: wrap each block's "
+                     "attention core (softmax(QK^T)V) in torch.utils.checkpoint.checkpoint(..., use_reentrant=False) "
+                     "in the model")
+    if s.fsdp != "none":
+        notes.append(f"FSDP2 wraps each {plan.block_class} (fsdp_config.transformer_layer_cls_to_wrap): the name "
+                     "must be the class name of the model's repeated block")
+    return tuple(notes)
+
+
+# --- JSON type checks (shared with the Lightning validator) ---------------------------------------------
+
+
+def json_value_fits(value: Any, annotation: Any) -> bool:
+    """Whether a JSON value (``json.loads`` output) is an instance of a type annotation.
+
+    Handles unions, ``Optional``, ``Literal``, ``list[...]``, ``tuple[...]``, ``dict[...]``, ``Any``, enums
+    (a member or its value) and plain classes. ``bool`` is not an ``int`` here, and an ``int`` fits ``float``
+    (JSON writes ``1.0`` as ``1.0`` but a person may write ``1``). Unresolved string annotations fit anything.
+    """
+    if annotation is Any or isinstance(annotation, (str, typing.ForwardRef)):
+        return True
+    if annotation is None or annotation is type(None):
+        return value is None
+    origin = typing.get_origin(annotation)
+    targs = typing.get_args(annotation)
+    if origin is typing.Union or origin is types.UnionType:
+        return any(json_value_fits(value, a) for a in targs)
+    if origin is typing.Literal:
+        return any(value == a and type(value) is type(a) for a in targs)
+    if origin in (list, tuple, set, frozenset) or annotation in (list, tuple, set, frozenset):
+        if not isinstance(value, list):
+            return False
+        if origin is tuple and targs and targs[-1] is not Ellipsis:
+            return len(value) == len(targs) and all(json_value_fits(v, a) for v, a in zip(value, targs, strict=True))
+        inner = targs[0] if targs else Any
+        return all(json_value_fits(v, inner) for v in value)
+    if origin is dict or annotation is dict:
+        if not isinstance(value, dict):
+            return False
+        if len(targs) == 2:
+            return all(json_value_fits(k, targs[0]) and json_value_fits(v, targs[1]) for k, v in value.items())
+        return True
+    if origin is type or annotation is type:
+        return False  # a class cannot come from JSON
+    if isinstance(annotation, type):
+        if issubclass(annotation, enum.Enum):
+            return isinstance(value, annotation) or any(value == m.value for m in annotation)
+        if annotation is bool:
+            return isinstance(value, bool)
+        if annotation is int:
+            return isinstance(value, int) and not isinstance(value, bool)
+        if annotation is float:
+            return isinstance(value, (int, float)) and not isinstance(value, bool)
+        return isinstance(value, annotation)
+    return True  # an annotation form this checker does not know: leave it to the real constructor
+
+
+def type_name(annotation: Any) -> str:
+    """A short readable name for an annotation (for error messages)."""
+    text = getattr(annotation, "__name__", None) if isinstance(annotation, type) else None
+    return text or str(annotation).replace("typing.", "")
+
+
+def close_match_hint(key: str, known: list[str]) -> str:
+    """``"'key' (did you mean 'other'?)"`` or ``"'key'"``."""
+    close = difflib.get_close_matches(key, known, n=1)
+    return f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key)
+
+
+def one_line(exc: BaseException) -> str:
+    """A one-line description of an exception from a third-party loader."""
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+# --- validation ------------------------------------------------------------------------------------------
+
+_FIELD_TYPE_EXTRAS: dict[str, tuple[Any, ...]] = {"fsdp": (bool,)}
+"""Values a field takes beyond its annotation: ``fsdp: str | None`` is documented as ``fsdp=True``
+(``training_args.py`` field help, and ``_process_fsdp_args`` sets it to True)."""
+
+_DEPRECATED_MARKERS = ("deprecated", "will be removed")
+
+
+class _CaptureHandler(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(level=logging.WARNING)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@contextlib.contextmanager
+def _contained(log_names: tuple[str, ...]) -> Iterator[_CaptureHandler]:
+    """Run third-party constructors without leaving global state behind.
+
+    Restores ``os.environ`` (transformers sets FSDP_CPU_RAM_EFFICIENT_LOADING), accelerate's shared
+    ``PartialState``/``AcceleratorState``, transformers' DeepSpeed-config weakref and torch's fp32 precision
+    mode; holds back the named loggers' output (their WARNING+ records are captured for the caller).
+    """
+    env = dict(os.environ)
+    shared: list[tuple[dict, dict]] = []
+    with contextlib.suppress(Exception):
+        from accelerate.state import AcceleratorState, GradientState, PartialState
+
+        shared = [(cls._shared_state, dict(cls._shared_state))
+                  for cls in (PartialState, AcceleratorState, GradientState)]
+    hf_ds = None
+    with contextlib.suppress(Exception):
+        import transformers.integrations.deepspeed as hf_ds
+    saved_ref = getattr(hf_ds, "_hf_deepspeed_config_weak_ref", None)
+    import torch
+
+    fp32_precision = getattr(torch.backends, "fp32_precision", None)
+    capture = _CaptureHandler()
+    loggers = [logging.getLogger(name) for name in log_names]
+    saved_logging = [(log, log.handlers[:], log.propagate, log.level) for log in loggers]
+    for log in loggers:
+        log.handlers = [capture]
+        log.propagate = False
+        if log.level == logging.NOTSET or log.level > logging.WARNING:
+            log.setLevel(logging.WARNING)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield capture
+        for w in caught:
+            capture.records.append(logging.LogRecord("warnings", logging.WARNING, w.filename, w.lineno,
+                                                     f"{w.category.__name__}: {w.message}", None, None))
+    finally:
+        for log, handlers, propagate, level in saved_logging:
+            log.handlers = handlers
+            log.propagate = propagate
+            log.setLevel(level)
+        if fp32_precision is not None and getattr(torch.backends, "fp32_precision", None) != fp32_precision:
+            torch.backends.fp32_precision = fp32_precision
+        if hf_ds is not None:
+            hf_ds._hf_deepspeed_config_weak_ref = saved_ref
+        for state, saved in shared:
+            state.clear()
+            state.update(saved)
+        for key in [k for k in os.environ if k not in env]:
+            del os.environ[key]
+        for key, value in env.items():
+            if os.environ.get(key) != value:
+                os.environ[key] = value
+
+
+def _parse(text: str) -> dict[str, Any]:
+    from optplan.planner.validate import ExportValidationError
+
+    if not isinstance(text, str):
+        raise ExportValidationError(f"hf_training_args.json must be text, got {type(text).__name__}")
+    try:
+        args = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ExportValidationError(f"hf_training_args.json is not JSON: {exc}") from exc
+    if not isinstance(args, dict):
+        raise ExportValidationError(f"hf_training_args.json must be a JSON object, got {type(args).__name__}")
+    return args
+
+
+def _check_fields(args: dict[str, Any], training_args_cls: type) -> None:
+    from optplan.planner.validate import ExportValidationError
+
+    fields = {f.name: f for f in dataclasses.fields(training_args_cls) if f.init}
+    unknown = [k for k in args if k not in fields]
+    if unknown:
+        hints = ", ".join(close_match_hint(k, sorted(fields)) for k in unknown)
+        raise ExportValidationError(f"hf_training_args.json has keys that are not TrainingArguments fields: {hints}")
+    hints = typing.get_type_hints(training_args_cls)
+    for key, value in args.items():
+        annotation = hints.get(key, Any)
+        if json_value_fits(value, annotation):
+            continue
+        if any(json_value_fits(value, extra) for extra in _FIELD_TYPE_EXTRAS.get(key, ())):
+            continue
+        raise ExportValidationError(f"hf_training_args.json: {key}={value!r} has the wrong type "
+                                    f"(TrainingArguments takes {type_name(annotation)})")
+
+
+_PLAN_KEYS = ("per_device_train_batch_size", "gradient_accumulation_steps", "bf16", "fp16", "optim",
+              "activation_checkpointing")
+"""Top-level keys whose value the plan decides."""
+
+
+def _check_plan(args: dict[str, Any], plan: ExportPlan, training_args_cls: type) -> None:
+    """The keys the plan decides must say what the plan says (absent keys take TrainingArguments' defaults)."""
+    from optplan.planner.validate import ExportValidationError
+
+    try:
+        expected = hf_training_args(plan)
+    except OptplanError as exc:
+        raise ExportValidationError(f"the plan has no TrainingArguments export: {exc}") from exc
+    s = plan.strategy
+    defaults = {f.name: f.default for f in dataclasses.fields(training_args_cls)}
+    for key in _PLAN_KEYS:
+        got = args.get(key, defaults[key])
+        if key == "activation_checkpointing" and got is None:
+            got = bool(args.get("gradient_checkpointing"))  # the deprecated alias, used when the new name is unset
+        if got != expected[key]:
+            raise ExportValidationError(f"hf_training_args.json: {key}={got!r} but the plan needs {expected[key]!r} "
+                                        f"({s.label()})")
+    if args.get("use_cpu"):
+        raise ExportValidationError("hf_training_args.json: use_cpu=true but the plan trains on GPUs")
+    uses_ds = args.get("deepspeed") not in (None, "", {})
+    if uses_ds != (s.engine == "deepspeed"):
+        need = "needs a deepspeed key naming ds_config.json" if s.engine == "deepspeed" else \
+            f"runs on the {s.engine} engine, so there must be no deepspeed key"
+        raise ExportValidationError(f"hf_training_args.json: the plan {need} ({s.label()})")
+    uses_fsdp = args.get("fsdp") not in (None, False, "", [])
+    if uses_fsdp != (s.fsdp != "none"):
+        need = "shards with FSDP: set fsdp=true and fsdp_config" if s.fsdp != "none" else \
+            "does not use FSDP: drop the fsdp key"
+        raise ExportValidationError(f"hf_training_args.json: the plan {need} ({s.label()})")
+    if uses_fsdp:
+        config = args.get("fsdp_config") or {}
+        if not isinstance(config, dict):
+            raise ExportValidationError("hf_training_args.json: fsdp_config must be an object (a file path cannot be "
+                                        "checked against the plan)")
+        config = {(k[5:] if k.startswith("fsdp_") else k): v for k, v in config.items()}
+        for key, want in expected["fsdp_config"].items():
+            got = config.get(key, _FSDP_CONFIG_DEFAULTS[key])
+            if key == "transformer_layer_cls_to_wrap" and isinstance(got, str):
+                got = [got]
+            if key in ("reshard_after_forward", "cpu_offload", "activation_checkpointing") and isinstance(got, str):
+                got = got.lower() in ("y", "yes", "t", "true", "on", "1")
+            if key == "version":
+                got = int(got) if isinstance(got, (int, str)) and str(got).isdigit() else got
+            if got != want:
+                raise ExportValidationError(f"hf_training_args.json: fsdp_config.{key}={got!r} but the plan needs "
+                                            f"{want!r} ({s.label()})")
+        if config.get("activation_checkpointing") and args.get("activation_checkpointing"):
+            raise ExportValidationError(
+                "hf_training_args.json sets both fsdp_config.activation_checkpointing and activation_checkpointing; "
+                "the Trainer refuses that (transformers trainer.py): keep FSDP's"
+            )
+
+
+def _find_auto(value: Any, path: str = "") -> str | None:
+    if isinstance(value, str) and value == "auto":
+        return path or "<root>"
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, sub in items:
+        found = _find_auto(sub, f"{path}.{key}" if path else str(key))
+        if found:
+            return found
+    return None
+
+
+class _AtWorldSize:
+    """TrainingArguments as seen by a process of a ``world_size``-process launch (the rest is delegated)."""
+
+    def __init__(self, args: Any, world_size: int) -> None:
+        self._args = args
+        self.world_size = world_size
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._args, name)
+
+
+def _check_ds_config(training_args: Any, ds_config: dict, plan: ExportPlan) -> None:
+    """HF's own DeepSpeed consistency checks, run as a ``plan.world_size``-process launch would run them."""
+    from optplan.planner.validate import ExportValidationError
+
+    if not isinstance(ds_config, dict):
+        raise ExportValidationError(f"ds_config must be a JSON object, got {type(ds_config).__name__}")
+    auto = _find_auto(ds_config)
+    if auto:
+        raise ExportValidationError(f"ds_config has \"auto\" at {auto}: optplan exports concrete numbers (HF would "
+                                    "fill it from the training args); write the number")
+    from accelerate.utils import DeepSpeedPlugin
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+
+    config = copy.deepcopy(ds_config)
+    # The plan has no schedule length: leave out a DeepSpeed scheduler section, whose step counts HF would
+    # compare with the run's (trainer_config_finalize).
+    config.pop("scheduler", None)
+    seen = _AtWorldSize(training_args, plan.world_size)
+    try:
+        hf_config = HfTrainerDeepSpeedConfig(config)
+        hf_config.trainer_config_process(seen)
+        hf_config.trainer_config_finalize(seen, model=None, num_training_steps=1000)
+        plugin = DeepSpeedPlugin(hf_ds_config=hf_config)
+        plugin.set_mixed_precision(training_args.mixed_precision)  # as AcceleratorState does (accelerate state.py)
+    except Exception as exc:
+        raise ExportValidationError(
+            f"Hugging Face's DeepSpeed integration rejects ds_config with these training args at world size "
+            f"{plan.world_size}: {one_line(exc)}"
+        ) from exc
+
+
+def validate_hf_training_args(text: str, plan: ExportPlan, *, ds_config: dict | None = None) -> None:
+    """Check ``hf_training_args.json`` text with transformers' own ``TrainingArguments``.
+
+    Raises ExportValidationError (one line) when a key is not a TrainingArguments field or its value has the
+    wrong type; when a key the plan decides (batch, accumulation, bf16/fp16, optim, checkpointing, deepspeed,
+    fsdp and its ``fsdp_config``) contradicts the plan; when ``TrainingArguments(**args)`` raises (built for
+    real with ``use_cpu=True``, which keeps the DeepSpeed/FSDP parts from touching a GPU), or warns that an
+    argument is deprecated; and, when ``ds_config`` is given (or the ``deepspeed`` key holds a dict), when HF's
+    DeepSpeed integration (``HfTrainerDeepSpeedConfig.trainer_config_process`` + ``trainer_config_finalize``
+    at the plan's world size, then accelerate's ``DeepSpeedPlugin`` and its ``set_mixed_precision``) finds a
+    mismatch: batch triple, accumulation, clipping, optimizer hyper-parameters, bf16/fp16. A ``deepspeed`` path
+    is not opened. No global state is left behind (environment, accelerate state, transformers' DeepSpeed
+    weakref, loggers).
+    """
+    from optplan.planner.validate import ExportValidationError
+
+    args = _parse(text)
+    try:
+        from transformers import TrainingArguments
+    except Exception as exc:  # pragma: no cover - depends on the environment
+        raise ExportValidationError(f"cannot import transformers to validate hf_training_args.json "
+                                    f"({one_line(exc)}): pip install transformers") from exc
+    _check_fields(args, TrainingArguments)
+    _check_plan(args, plan, TrainingArguments)
+
+    deepspeed = args.get("deepspeed")
+    if ds_config is None and isinstance(deepspeed, dict):
+        ds_config = deepspeed
+    if ds_config is not None and plan.strategy.engine != "deepspeed":
+        raise ExportValidationError(f"a ds_config was given but the plan runs on the {plan.strategy.engine} engine")
+    kwargs = {k: copy.deepcopy(v) for k, v in args.items() if k != "deepspeed"}
+    kwargs["use_cpu"] = True
+    if ds_config is not None:
+        kwargs["deepspeed"] = copy.deepcopy(ds_config)
+    with _contained(("transformers", "accelerate", "DeepSpeed")) as captured:
+        try:
+            training_args = TrainingArguments(**kwargs)
+            _ = training_args.device
+        except Exception as exc:
+            raise ExportValidationError(f"TrainingArguments rejects hf_training_args.json: {one_line(exc)}") from exc
+        if ds_config is not None:
+            _check_ds_config(training_args, ds_config, plan)
+    for record in captured.records:
+        message = record.getMessage()
+        if any(marker in message.lower() for marker in _DEPRECATED_MARKERS) and \
+                any(key in message for key in args):
+            raise ExportValidationError("TrainingArguments warns about hf_training_args.json: "
+                                        f"{' '.join(message.split())}")

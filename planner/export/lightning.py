@@ -1,0 +1,694 @@
+"""Lightning ``Trainer`` arguments for a plan: a pure function ExportPlan -> JSON text, and its validator.
+
+Schema of ``lightning.json`` (Lightning 2.6; sources: ``lightning/pytorch/trainer/trainer.py``,
+``trainer/connectors/accelerator_connector.py``, ``strategies/{ddp,fsdp,deepspeed}.py``,
+``fabric/strategies/{fsdp,deepspeed}.py``, ``fabric/connector.py`` ``_PRECISION_INPUT``)::
+
+    {
+      "accelerator": "gpu", "devices": 8, "num_nodes": 2,        # every key without a leading "_" is
+      "strategy": "fsdp", "precision": "bf16-mixed",              # a lightning.pytorch.Trainer argument,
+      "accumulate_grad_batches": 4,                               # usable as is
+      "gradient_clip_val": 1.0, "gradient_clip_algorithm": "norm",
+      "_strategy_kwargs": {...},   # present when the strategy needs more than its registry name
+      "_optplan": {...}            # facts for the training script: batch size, optimizer, notes
+    }
+
+``strategy`` is a ``StrategyRegistry`` name ("ddp", "fsdp", "fsdp_cpu_offload", "deepspeed",
+"deepspeed_stage_N[_offload[_nvme]]") or "auto" (one GPU). ``_strategy_kwargs`` are keyword arguments of that
+registry entry's class (``StrategyRegistry[name]["strategy"]``), applied over the entry's ``init_params``; the
+arguments that take module classes (``auto_wrap_policy``, ``activation_checkpointing_policy``, listed in
+``_optplan.module_class_args``) hold class *names*, resolved against the model's modules, and
+``device_mesh`` is a ``[replicas, shards]`` list (Lightning takes a tuple). Two lines apply the file::
+
+    spec = json.load(open("lightning.json"))
+    trainer = lightning.pytorch.Trainer(**lightning_trainer_kwargs(spec, model))
+
+(``lightning_trainer_kwargs`` does exactly the resolution above; without optplan installed, do it by hand.)
+``_optplan.batch_size`` is the per-GPU DataLoader batch size (Lightning takes it from the DataLoader) and
+``_optplan.optimizer`` what ``configure_optimizers`` returns, unless DeepSpeed builds the optimizer.
+
+Mappings:
+
+- Processes: ``devices`` = processes per node, ``num_nodes`` = nodes; their product is the plan's world size.
+- torch engine: one GPU -> "auto"; DDP -> "ddp"; FSDP -> "fsdp" (``fsdp_cpu_offload`` with parameter offload)
+  with ``FSDPStrategy(sharding_strategy=FULL_SHARD | SHARD_GRAD_OP | HYBRID_SHARD, auto_wrap_policy={block},
+  activation_checkpointing_policy={block} for full checkpointing, cpu_offload=..., device_mesh=(nodes,
+  GPUs per node) for HYBRID_SHARD)`` (Lightning's FSDPStrategy is torch FSDP1; ``CPUOffload(offload_params)``
+  keeps parameters, gradients and the optimizer step on the CPU).
+- deepspeed engine: ``DeepSpeedStrategy(config={...})`` with the ds_config of
+  ``optplan.planner.export.deepspeed`` (same ZeRO, bucket, offload, precision, optimizer and activation
+  checkpointing sections) minus what Lightning fills itself: ``gradient_accumulation_steps`` (Lightning refuses
+  it in the config and sets it from ``accumulate_grad_batches``), ``gradient_clipping`` (from
+  ``gradient_clip_val``) and ``train_batch_size`` (DeepSpeed derives it). The name is the registry preset that
+  matches the stage and offload (``deepspeed_stage_3_offload`` ...), else "deepspeed"; a given config replaces
+  the preset's arguments. With an optimizer section DeepSpeed builds the optimizer and Lightning does not call
+  ``configure_optimizers`` (``DeepSpeedStrategy._initialize_deepspeed_train``).
+- Precision (``_PRECISION_INPUT``): torch engine ``fp32`` -> "32-true", ``amp-bf16``/``bf16`` -> "bf16-mixed"
+  (autocast over fp32 parameters under DDP; FSDP MixedPrecision(param_dtype=bf16) over fp32 sharded
+  parameters: the same model-state bytes as the bf16 recipe), ``amp-fp16``/``fp16`` -> "16-mixed" (GradScaler),
+  ``bf16-pure`` -> "bf16-true" (bf16 parameters and optimizer states, no master copy), ``fp8`` ->
+  "transformer-engine" (Transformer Engine layers, bf16 weights; Lightning keeps no fp32 master copy, so model
+  states take less memory than the plan's fp8 estimate). deepspeed engine: ``bf16`` -> "bf16-mixed", ``fp16``
+  -> "16-mixed", ``bf16-pure`` -> "bf16-true", ``fp32`` and the AMP recipes -> "32-true" (DeepSpeed's own
+  ``torch_autocast`` section autocasts; Lightning must not add a bf16/fp16 mode). Lightning's
+  ``_format_precision_config`` leaves config sections that exist alone.
+
+Refused plans (``NotExportable``, one line naming the fix): the megatron engine; tp/pp/cp > 1 (Lightning's
+ModelParallelStrategy needs the model's own parallelisation code); fp8 with FSDP or DeepSpeed (their
+precision plugins take no "transformer-engine"); FSDP without a repeated block class; a world size that does
+not fill whole nodes; and every deepspeed-engine plan ds_config cannot express
+(``optplan.planner.export.deepspeed``).
+
+The renderer imports neither lightning nor torch; the validator and ``lightning_trainer_kwargs`` import
+lightning lazily (about 3.5 s) and leave no global state behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+import json
+import logging
+import math
+import os
+import warnings
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from optplan.estimators.errors import OptplanError
+from optplan.estimators.strategy import Strategy
+from optplan.planner.export.context import ExportPlan, NotExportable
+from optplan.planner.export.deepspeed import ADAMW_PARAMS, DEFAULT_NVME_PATH, SGD_PARAMS
+from optplan.planner.export.hf import close_match_hint, json_value_fits, one_line, type_name
+
+LIGHTNING_VERSION_READ = "2.6.6"
+"""The Lightning version whose sources the mappings above were read from."""
+
+GRADIENT_CLIP_VAL = 1.0
+"""Default ``gradient_clip_val``: ds_config's default ``gradient_clipping`` (``render_ds_config``)."""
+TORCH_ADAFACTOR_LR = 1e-2
+"""``torch.optim.Adafactor``'s default (its step is relative to the parameter RMS), as in
+``deepspeed.ADAFACTOR_NOTE``."""
+
+MODULE_CLASS_ARGS: tuple[str, ...] = ("auto_wrap_policy", "activation_checkpointing_policy")
+"""FSDPStrategy arguments that take a set of module classes; the JSON holds their names."""
+RESERVED_KEYS: tuple[str, ...] = ("_strategy_kwargs", "_optplan")
+"""The only keys with a leading underscore; every other key is a Trainer argument."""
+
+FSDP_SHARDING: dict[str, str] = {"full": "FULL_SHARD", "grad_op": "SHARD_GRAD_OP", "hybrid": "HYBRID_SHARD"}
+"""optplan FSDP mode -> torch ``ShardingStrategy`` name (``FSDPStrategy(sharding_strategy=...)``)."""
+
+_TORCH_PRECISION: dict[str, str] = {
+    "fp32": "32-true", "amp-bf16": "bf16-mixed", "bf16": "bf16-mixed", "amp-fp16": "16-mixed",
+    "fp16": "16-mixed", "bf16-pure": "bf16-true", "fp8": "transformer-engine",
+}
+_DEEPSPEED_PRECISION: dict[str, str] = {
+    "fp32": "32-true", "amp-bf16": "32-true", "amp-fp16": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed",
+    "bf16-pure": "bf16-true",
+}
+_DEEPSPEED_PRESETS: dict[tuple[int, str, str], str] = {
+    (1, "none", "none"): "deepspeed_stage_1",
+    (2, "none", "none"): "deepspeed_stage_2",
+    (2, "cpu", "none"): "deepspeed_stage_2_offload",
+    (3, "none", "none"): "deepspeed_stage_3",
+    (3, "cpu", "cpu"): "deepspeed_stage_3_offload",
+    (3, "nvme", "nvme"): "deepspeed_stage_3_offload_nvme",
+}
+"""(ZeRO stage, optimizer offload, parameter offload) -> the Lightning registry preset with exactly those."""
+_LIGHTNING_FILLED = ("gradient_accumulation_steps", "gradient_clipping", "train_batch_size")
+"""ds_config keys the Lightning config leaves out (Lightning or DeepSpeed derives them)."""
+
+
+# --- rendering ----------------------------------------------------------------------------------------
+
+
+def _check_exportable(plan: ExportPlan) -> None:
+    s = plan.strategy
+    if s.engine == "megatron":
+        raise NotExportable(
+            "this plan runs on the megatron engine, which a Lightning Trainer cannot configure: launch it with "
+            "Megatron-LM's own arguments, or plan with --engine torch or --engine deepspeed"
+        )
+    if s.model_parallel:
+        degrees = ", ".join(f"{n}={getattr(s, n)}" for n in ("tp", "pp", "cp") if getattr(s, n) > 1)
+        raise NotExportable(
+            f"this plan uses {degrees}, and Lightning's ModelParallelStrategy needs the model's own tensor/pipeline "
+            "parallel code: plan with --tp 1 --pp 1 --cp 1, or launch it with Megatron-LM"
+        )
+    world, per_node = plan.world_size, plan.procs_per_node
+    if world != per_node * plan.nodes:
+        raise NotExportable(
+            f"the plan uses {world} GPUs, not a whole number of {plan.gpus_per_node}-GPU nodes, and Lightning starts "
+            "the same number of processes on every node: re-plan with a GPU count that fills whole nodes"
+        )
+    if s.engine == "deepspeed":
+        from optplan.planner.export.deepspeed import render_ds_config
+
+        try:
+            render_ds_config(s, plan.buckets)
+        except OptplanError as exc:
+            raise NotExportable(str(exc)) from exc
+        return
+    if s.precision == "fp8" and s.fsdp != "none":
+        raise NotExportable(
+            "Lightning's FSDP precision plugin has no 'transformer-engine' (fp8) mode: use DDP (--fsdp none) for "
+            "fp8, or plan with --precision bf16"
+        )
+    if s.fsdp != "none" and not plan.block_class:
+        raise NotExportable(
+            "FSDP wraps one repeated block at a time and the model profile names no repeated block class: profile "
+            "a model whose layers repeat, or plan with --engine deepspeed"
+        )
+
+
+def _precision(s: Strategy) -> str:
+    return (_DEEPSPEED_PRECISION if s.engine == "deepspeed" else _TORCH_PRECISION)[s.precision]
+
+
+def _deepspeed_config(plan: ExportPlan, nvme_path: str) -> dict[str, Any]:
+    """ds_config.json of the DeepSpeed export, less the keys Lightning fills (``_LIGHTNING_FILLED``)."""
+    from optplan.planner.export.deepspeed import render_ds_config
+
+    config = render_ds_config(plan.strategy, plan.buckets, nvme_path=nvme_path)
+    for key in _LIGHTNING_FILLED:
+        config.pop(key, None)
+    return config
+
+
+def _strategy(plan: ExportPlan, nvme_path: str) -> tuple[str, dict[str, Any] | None, str]:
+    """(registry name or "auto", strategy kwargs or None, strategy class path)."""
+    s = plan.strategy
+    if s.engine == "deepspeed":
+        name = _DEEPSPEED_PRESETS.get((s.zero, s.offload_optimizer, s.offload_params), "deepspeed")
+        return name, {"config": _deepspeed_config(plan, nvme_path)}, "lightning.pytorch.strategies.DeepSpeedStrategy"
+    if s.fsdp != "none":
+        kwargs: dict[str, Any] = {
+            "sharding_strategy": FSDP_SHARDING[s.fsdp],
+            "auto_wrap_policy": [plan.block_class],
+            "cpu_offload": s.offload_params == "cpu",
+        }
+        if s.checkpointing == "full":
+            kwargs["activation_checkpointing_policy"] = [plan.block_class]
+        if s.fsdp == "hybrid":
+            kwargs["device_mesh"] = [plan.nodes, plan.procs_per_node]
+        name = "fsdp_cpu_offload" if s.offload_params == "cpu" else "fsdp"
+        return name, kwargs, "lightning.pytorch.strategies.FSDPStrategy"
+    if plan.world_size > 1:
+        return "ddp", None, "lightning.pytorch.strategies.DDPStrategy"
+    return "auto", None, "lightning.pytorch.strategies.SingleDeviceStrategy"
+
+
+def _optimizer(s: Strategy) -> dict[str, Any]:
+    betas = list(ADAMW_PARAMS["betas"])
+    adamw = {"lr": ADAMW_PARAMS["lr"], "betas": betas, "eps": ADAMW_PARAMS["eps"],
+             "weight_decay": ADAMW_PARAMS["weight_decay"]}
+    if s.engine == "deepspeed" and s.optimizer in ("adamw", "sgd"):
+        # What DeepSpeedEngine._configure_basic_optimizer builds from the config's optimizer section.
+        cls = "torch.optim.SGD" if s.optimizer == "sgd" else \
+            "deepspeed.ops.adam.DeepSpeedCPUAdam" if s.offload_optimizer != "none" else "deepspeed.ops.adam.FusedAdam"
+        return {"built_by": "deepspeed", "config_section": "_strategy_kwargs.config.optimizer", "class": cls}
+    if s.optimizer == "adamw":
+        return {"built_by": "configure_optimizers", "class": "torch.optim.AdamW", "kwargs": dict(adamw, fused=True)}
+    if s.optimizer == "adamw8bit":
+        return {"built_by": "configure_optimizers", "class": "bitsandbytes.optim.AdamW8bit", "kwargs": adamw}
+    if s.optimizer == "adafactor":
+        return {"built_by": "configure_optimizers", "class": "torch.optim.Adafactor",
+                "kwargs": {"lr": TORCH_ADAFACTOR_LR}}
+    return {"built_by": "configure_optimizers", "class": "torch.optim.SGD", "kwargs": dict(SGD_PARAMS)}
+
+
+def lightning_notes(plan: ExportPlan) -> tuple[str, ...]:
+    """What the training script must do beyond the Trainer arguments (also stored under ``_optplan.notes``)."""
+    _check_exportable(plan)
+    s = plan.strategy
+    notes = [f"DataLoader(batch_size={s.mbs}) per GPU: global batch {s.global_batch} = {s.mbs} x accumulate "
+             f"{s.grad_accum} x {plan.world_size} GPU(s)"]
+    if plan.multi_node:
+        notes.append(f"start the same script on each of the {plan.nodes} nodes (MASTER_ADDR, MASTER_PORT, NODE_RANK, "
+                     "or SLURM's srun); Lightning starts the per-node processes")
+    if s.fsdp != "none":
+        notes.append(f"FSDP wraps (and checkpoints) each {plan.block_class}: auto_wrap_policy and "
+                     "activation_checkpointing_policy name the model's repeated block class")
+    if s.engine == "deepspeed":
+        if s.optimizer in ("adamw", "sgd"):
+            notes.append("DeepSpeed builds the optimizer from the config's optimizer section; Lightning then does "
+                         "not call configure_optimizers (drop the section to use your own; under optimizer offload "
+                         "it must be deepspeed.ops.adam.DeepSpeedCPUAdam)")
+        if s.precision in ("amp-bf16", "amp-fp16"):
+            notes.append(f"{s.precision}: precision '32-true' is deliberate: the config's torch_autocast section "
+                         "makes DeepSpeed autocast the forward; keep the model in fp32")
+        if s.checkpointing == "full":
+            notes.append("activation checkpointing: wrap each block with deepspeed.checkpointing.checkpoint "
+                         "(Lightning configures it from the config's activation_checkpointing section)")
+    elif s.checkpointing == "full" and s.fsdp == "none":
+        notes.append("activation checkpointing: wrap each block's forward in "
+                     "torch.utils.checkpoint.checkpoint(..., use_reentrant=False) in the model")
+    if s.checkpointing == "selective":
+        notes.append("selective activation checkpointing is done in the model: wrap each block's attention core "
+                     "(softmax(QK^T)V) in torch.utils.checkpoint.checkpoint(..., use_reentrant=False)")
+    if s.precision == "fp8":
+        notes.append("fp8: precision 'transformer-engine' needs transformer_engine installed; Lightning swaps "
+                     "nn.Linear/LayerNorm for TE layers and keeps bf16 weights without an fp32 master copy")
+    if s.optimizer == "adamw8bit":
+        notes.append("adamw8bit: configure_optimizers returns bitsandbytes.optim.AdamW8bit "
+                     "(pip install bitsandbytes)")
+    return tuple(notes)
+
+
+def lightning_spec(plan: ExportPlan, *, gradient_clip_val: float = GRADIENT_CLIP_VAL,
+                   nvme_path: str = DEFAULT_NVME_PATH) -> dict[str, Any]:
+    """The lightning.json document for ``plan`` (a fresh, JSON-serialisable dict; schema in the module docstring).
+
+    Raises NotExportable for plans Lightning cannot run as planned, OptplanError for a negative clipping norm
+    or an empty NVMe path when the plan offloads to NVMe.
+    """
+    if isinstance(gradient_clip_val, bool) or not isinstance(gradient_clip_val, (int, float)) \
+            or not math.isfinite(gradient_clip_val) or gradient_clip_val < 0:
+        raise OptplanError(f"gradient_clip_val must be a finite number >= 0 (got {gradient_clip_val!r}); "
+                           "0 disables clipping")
+    _check_exportable(plan)
+    s = plan.strategy
+    if "nvme" in (s.offload_optimizer, s.offload_params) and not (isinstance(nvme_path, str) and nvme_path.strip()):
+        raise OptplanError("NVMe offload needs a directory on a local NVMe drive: pass --nvme-path PATH")
+    name, strategy_kwargs, strategy_class = _strategy(plan, nvme_path)
+    spec: dict[str, Any] = {
+        "accelerator": "gpu",
+        "devices": plan.procs_per_node,
+        "num_nodes": plan.nodes,
+        "strategy": name,
+        "precision": _precision(s),
+        "accumulate_grad_batches": s.grad_accum,
+        "gradient_clip_val": float(gradient_clip_val),
+        "gradient_clip_algorithm": "norm",
+    }
+    if strategy_kwargs is not None:
+        spec["_strategy_kwargs"] = strategy_kwargs
+    spec["_optplan"] = {
+        "plan": s.label(),
+        "world_size": plan.world_size,
+        "batch_size": s.mbs,
+        "global_batch": s.global_batch,
+        "strategy_class": strategy_class,
+        "module_class_args": [k for k in MODULE_CLASS_ARGS if strategy_kwargs and k in strategy_kwargs],
+        "optimizer": _optimizer(s),
+        "notes": list(lightning_notes(plan)),
+    }
+    return spec
+
+
+def render_lightning_json(plan: ExportPlan, *, gradient_clip_val: float = GRADIENT_CLIP_VAL,
+                          nvme_path: str = DEFAULT_NVME_PATH) -> str:
+    """``lightning_spec`` as JSON text (indent 2, trailing newline): the ``lightning.json`` file."""
+    return json.dumps(lightning_spec(plan, gradient_clip_val=gradient_clip_val, nvme_path=nvme_path), indent=2) + "\n"
+
+
+# --- applying the file -------------------------------------------------------------------------------------
+
+
+def _resolve_classes(names: Any, classes: Mapping[str, type], key: str) -> set[type]:
+    if isinstance(names, str):
+        names = [names]
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise OptplanError(f"_strategy_kwargs.{key} must be a list of module class names (got {names!r})")
+    missing = [n for n in names if n not in classes]
+    if missing:
+        raise OptplanError(f"_strategy_kwargs.{key} names {', '.join(map(repr, missing))}, which the model has no "
+                           "module of: use the class name of the model's repeated block")
+    return {classes[n] for n in names}
+
+
+def build_strategy(name: str, strategy_kwargs: Mapping[str, Any], classes: Mapping[str, type]) -> Any:
+    """The Lightning strategy object for registry ``name`` with ``strategy_kwargs`` from lightning.json.
+
+    Class names under ``MODULE_CLASS_ARGS`` are looked up in ``classes`` (name -> module class) and
+    ``device_mesh`` lists become tuples. Imports lightning.
+    """
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    if name not in StrategyRegistry:
+        raise OptplanError(f"strategy {name!r} is not in Lightning's StrategyRegistry")
+    entry = StrategyRegistry[name]
+    kwargs = dict(copy.deepcopy(dict(strategy_kwargs)))
+    for key in MODULE_CLASS_ARGS:
+        if key in kwargs and kwargs[key] is not None:
+            kwargs[key] = _resolve_classes(kwargs[key], classes, key)
+    if isinstance(kwargs.get("device_mesh"), list):
+        kwargs["device_mesh"] = tuple(kwargs["device_mesh"])
+    return entry["strategy"](**{**entry["init_params"], **kwargs})
+
+
+def lightning_trainer_kwargs(spec: Mapping[str, Any], model: Any = None) -> dict[str, Any]:
+    """``Trainer(**lightning_trainer_kwargs(spec, model))``: the Trainer arguments of a lightning.json document.
+
+    Keys with a leading underscore are dropped; with ``_strategy_kwargs`` the ``strategy`` name becomes the
+    strategy object (module class names resolved against ``model.modules()``). Imports lightning only then.
+    """
+    kwargs = {k: copy.deepcopy(v) for k, v in spec.items() if not k.startswith("_")}
+    strategy_kwargs = spec.get("_strategy_kwargs")
+    if strategy_kwargs:
+        classes: dict[str, type] = {}
+        if model is not None:
+            classes = {type(m).__name__: type(m) for m in model.modules()}
+        elif any(k in strategy_kwargs for k in MODULE_CLASS_ARGS):
+            raise OptplanError("lightning.json names module classes (FSDP wrapping): pass the model to resolve them")
+        kwargs["strategy"] = build_strategy(kwargs.get("strategy", "auto"), strategy_kwargs, classes)
+    return kwargs
+
+
+# --- validation ------------------------------------------------------------------------------------------
+
+_LOGGERS = ("lightning.pytorch", "lightning.fabric", "lightning", "pytorch_lightning", "DeepSpeed")
+
+
+@contextlib.contextmanager
+def _contained() -> Iterator[None]:
+    """Build Lightning objects without leaving global state behind.
+
+    Holds back Lightning/DeepSpeed INFO/WARNING output and Python warnings, and restores logger levels
+    (``DeepSpeedStrategy`` sets DeepSpeed's), the environment and the torch flags a Trainer may set
+    (``cudnn.benchmark``, deterministic algorithms: ``accelerator_connector._set_torch_flags``).
+    """
+    import torch
+
+    env = dict(os.environ)
+    loggers = [logging.getLogger(name) for name in _LOGGERS]
+    levels = [(log, log.level) for log in loggers]
+    benchmark = torch.backends.cudnn.benchmark
+    deterministic = (torch.are_deterministic_algorithms_enabled(),
+                     torch.is_deterministic_algorithms_warn_only_enabled())
+    for log in loggers:
+        log.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for log, level in levels:
+            log.setLevel(level)
+        torch.backends.cudnn.benchmark = benchmark
+        torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
+        for key in [k for k in os.environ if k not in env]:
+            del os.environ[key]
+        for key, value in env.items():
+            if os.environ.get(key) != value:
+                os.environ[key] = value
+
+
+def _error(message: str) -> Exception:
+    """An ExportValidationError (imported lazily: validate.py is light, but only validators need it)."""
+    from optplan.planner.validate import ExportValidationError
+
+    return ExportValidationError(message)
+
+
+def _parse(text: str) -> dict[str, Any]:
+    if not isinstance(text, str):
+        raise _error(f"lightning.json must be text, got {type(text).__name__}")
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise _error(f"lightning.json is not JSON: {exc}") from exc
+    if not isinstance(spec, dict):
+        raise _error(f"lightning.json must be a JSON object, got {type(spec).__name__}")
+    return spec
+
+
+def _check_trainer_keys(trainer_args: dict[str, Any], trainer_cls: type) -> None:
+    params = {name: p for name, p in inspect.signature(trainer_cls.__init__).parameters.items() if name != "self"}
+    unknown = [k for k in trainer_args if k not in params]
+    if unknown:
+        hints = ", ".join(close_match_hint(k, sorted(params)) for k in unknown)
+        raise _error(f"lightning.json has keys that are not lightning.pytorch.Trainer arguments: {hints}")
+    for key, value in trainer_args.items():
+        annotation = params[key].annotation
+        if annotation is inspect.Parameter.empty or json_value_fits(value, annotation):
+            continue
+        raise _error(f"lightning.json: {key}={value!r} has the wrong type (Trainer takes {type_name(annotation)})")
+
+
+def _strategy_params(cls: type) -> set[str]:
+    """Keyword arguments ``cls`` takes; the ``**kwargs`` of FSDPStrategy and DDPStrategy go to torch's
+    FullyShardedDataParallel / DistributedDataParallel (``strategies/fsdp.py``, ``strategies/ddp.py``), so
+    those wrappers' parameters count too."""
+    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
+
+    params = inspect.signature(cls.__init__).parameters
+    names = {n for n, p in params.items() if n != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        wrapper: Any = None
+        if issubclass(cls, FSDPStrategy):
+            from torch.distributed.fsdp import FullyShardedDataParallel as wrapper
+        elif issubclass(cls, DDPStrategy):
+            from torch.nn.parallel import DistributedDataParallel as wrapper
+        if wrapper is not None:
+            names |= {n for n in inspect.signature(wrapper.__init__).parameters if n not in ("self", "module")}
+    return names
+
+
+def _check_deepspeed_config(spec: dict[str, Any], config: Any, world_size: int) -> None:
+    """Lightning's DeepSpeed config rules, then DeepSpeed's own parser on the config Lightning would pass on."""
+    if not isinstance(config, dict):
+        raise _error("lightning.json: _strategy_kwargs.config must be a ds_config object (a path cannot be checked)")
+    if "gradient_accumulation_steps" in config:
+        raise _error("lightning.json: _strategy_kwargs.config sets gradient_accumulation_steps, which Lightning "
+                     "refuses (lightning strategies/deepspeed.py): use accumulate_grad_batches")
+    if spec.get("gradient_clip_algorithm") == "value":
+        raise _error("lightning.json: DeepSpeed clips gradients by norm only (Lightning raises for "
+                     "gradient_clip_algorithm='value')")
+    from lightning.fabric.strategies.deepspeed import _format_precision_config
+
+    from optplan.planner.validate import validate_ds_config
+
+    # What DeepSpeedStrategy._format_config does before deepspeed.initialize (Lightning 2.6).
+    full = copy.deepcopy(config)
+    accumulate = spec.get("accumulate_grad_batches", 1)
+    full["gradient_accumulation_steps"] = accumulate
+    full.setdefault("train_micro_batch_size_per_gpu", 1)
+    full.setdefault("gradient_clipping", spec.get("gradient_clip_val") or 0.0)
+    _format_precision_config(config=full, precision=spec.get("precision") or "32-true", loss_scale=0,
+                             loss_scale_window=1000, min_loss_scale=1, initial_scale_power=16, hysteresis=2)
+    # DeepSpeed derives train_batch_size; the validator wants the whole triple stated.
+    full.setdefault("train_batch_size", full["train_micro_batch_size_per_gpu"] * accumulate * world_size)
+    validate_ds_config(full, world_size=world_size)
+
+
+def _build(spec: dict[str, Any], trainer_args: dict[str, Any]) -> None:
+    """Build the strategy object and a CPU Trainer from the file's non-GPU arguments."""
+    import torch.nn as nn
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.strategies import FSDPStrategy, StrategyRegistry
+
+    name = trainer_args.get("strategy", "auto")
+    strategy_kwargs = spec.get("_strategy_kwargs")
+    strategy: Any = name
+    if strategy_kwargs is not None:
+        names: set[str] = set()
+        for key in MODULE_CLASS_ARGS:
+            value = strategy_kwargs.get(key)
+            names |= set([value] if isinstance(value, str) else value or [])
+        placeholders = {n: type(n, (nn.Module,), {}) for n in names if isinstance(n, str)}
+        try:
+            strategy = build_strategy(name, strategy_kwargs, placeholders)
+        except Exception as exc:
+            raise _error(f"Lightning rejects _strategy_kwargs for strategy {name!r}: {one_line(exc)}") from exc
+    precision = trainer_args.get("precision")
+    cls = StrategyRegistry[name]["strategy"] if name in StrategyRegistry else None
+    gpu_only = cls is not None and issubclass(cls, FSDPStrategy)
+    if gpu_only:
+        # Lightning refuses FSDP on a CPU accelerator: check its precision plugin on its own.
+        from lightning.pytorch.plugins.precision import FSDPPrecision
+
+        try:
+            FSDPPrecision(precision or "32-true")
+        except Exception as exc:
+            raise _error(f"Lightning's FSDP rejects precision {precision!r}: {one_line(exc)}") from exc
+        strategy = "auto"
+    if precision in ("transformer-engine", "transformer-engine-float16"):
+        import importlib.util
+
+        if importlib.util.find_spec("transformer_engine") is None:
+            precision = "32-true"  # Lightning builds this plugin only with transformer_engine installed
+    kwargs = {k: v for k, v in trainer_args.items() if k not in ("accelerator", "devices", "num_nodes", "strategy")}
+    kwargs.update(accelerator="cpu", devices=1, num_nodes=1, strategy=strategy, precision=precision)
+    for key, value in (("logger", False), ("enable_checkpointing", False), ("enable_progress_bar", False),
+                       ("enable_model_summary", False)):
+        kwargs.setdefault(key, value)
+    try:
+        Trainer(**kwargs)
+    except Exception as exc:
+        raise _error(f"lightning.pytorch.Trainer rejects lightning.json: {one_line(exc)}") from exc
+
+
+def _family(name: Any) -> str:
+    """The kind of a strategy name: single device, ddp (any start method), fsdp or deepspeed (any preset)."""
+    if name in ("auto", "single_device"):
+        return "single"
+    for family in ("ddp", "fsdp", "deepspeed"):
+        if isinstance(name, str) and name.startswith(family):
+            return family
+    return str(name)
+
+
+def _check_plan(spec: dict[str, Any], plan: ExportPlan) -> None:
+    """The values the plan decides must say what the plan says."""
+    try:
+        expected = lightning_spec(plan)
+    except OptplanError as exc:
+        raise _error(f"the plan has no Lightning export: {exc}") from exc
+    s = plan.strategy
+    label = s.label()
+    if spec.get("accelerator") not in ("gpu", "cuda"):
+        raise _error(f"lightning.json: accelerator={spec.get('accelerator')!r} but the plan trains on GPUs: "
+                     "use 'gpu'")
+    devices, nodes = spec.get("devices"), spec.get("num_nodes", 1)
+    if not isinstance(devices, int) or isinstance(devices, bool) or devices * nodes != plan.world_size:
+        raise _error(f"lightning.json: devices={devices!r} x num_nodes={nodes!r} must be the plan's "
+                     f"{plan.world_size} GPUs ({plan.nodes} node(s) x {plan.procs_per_node})")
+    defaults = {"precision": "32-true", "accumulate_grad_batches": 1, "strategy": "auto"}
+    for key in ("devices", "num_nodes", "precision", "accumulate_grad_batches"):
+        got = spec.get(key, defaults.get(key, 1))
+        if got != expected[key]:
+            raise _error(f"lightning.json: {key}={got!r} but the plan needs {expected[key]!r} ({label})")
+    name = spec.get("strategy", "auto")
+    want = expected["strategy"]
+    if _family(name) != _family(want):
+        raise _error(f"lightning.json: strategy={name!r} but the plan needs {want!r} ({label})")
+    optplan_section = spec.get("_optplan")
+    if isinstance(optplan_section, dict) and "batch_size" in optplan_section \
+            and optplan_section["batch_size"] != s.mbs:
+        raise _error(f"lightning.json: _optplan.batch_size={optplan_section['batch_size']!r} but the plan's "
+                     f"micro-batch is {s.mbs}")
+    got_kwargs = spec.get("_strategy_kwargs")
+    want_kwargs = expected.get("_strategy_kwargs")
+    if want_kwargs is None:
+        return  # the plan decides nothing beyond the name (DDP's own wrapper arguments are the user's)
+    if not isinstance(got_kwargs, dict):
+        raise _error(f"lightning.json: the plan needs _strategy_kwargs for {want!r} ({label})")
+    if s.engine == "deepspeed":
+        _check_plan_deepspeed(got_kwargs.get("config"), want_kwargs["config"], name, label)
+        return
+    fsdp_defaults = {"sharding_strategy": "FULL_SHARD", "cpu_offload": None, "auto_wrap_policy": None,
+                     "activation_checkpointing_policy": None, "device_mesh": None}
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    init_params = StrategyRegistry[name]["init_params"] if name in StrategyRegistry else {}
+    for key in fsdp_defaults:
+        got = got_kwargs.get(key, init_params.get(key, fsdp_defaults[key]))
+        want_value = want_kwargs.get(key)
+        if key == "cpu_offload":
+            got, want_value = bool(got), bool(want_value)
+        if key in MODULE_CLASS_ARGS and isinstance(got, str):
+            got = [got]
+        if key == "sharding_strategy" and isinstance(got, str):
+            got = got.upper()
+        if key in MODULE_CLASS_ARGS and got and want_value and set(got) == set(want_value):
+            continue
+        if got != want_value:
+            raise _error(f"lightning.json: _strategy_kwargs.{key}={got!r} but the plan needs {want_value!r} "
+                         f"({label})")
+
+
+def _check_plan_deepspeed(got: Any, want: dict[str, Any], name: str, label: str) -> None:
+    if not isinstance(got, dict):
+        raise _error(f"lightning.json: the plan needs _strategy_kwargs.config, a ds_config object ({label})")
+    zero = got.get("zero_optimization") or {}
+    want_zero = want["zero_optimization"]
+
+    def device(section: Any) -> str:
+        return section.get("device", "none") if isinstance(section, dict) else "none"
+
+    facts = {
+        "zero_optimization.stage": (zero.get("stage", 0), want_zero["stage"]),
+        "zero_optimization.offload_optimizer.device": (device(zero.get("offload_optimizer")),
+                                                       device(want_zero.get("offload_optimizer"))),
+        "zero_optimization.offload_param.device": (device(zero.get("offload_param")),
+                                                   device(want_zero.get("offload_param"))),
+        "train_micro_batch_size_per_gpu": (got.get("train_micro_batch_size_per_gpu"),
+                                           want["train_micro_batch_size_per_gpu"]),
+    }
+    for section in ("bf16", "fp16", "torch_autocast"):
+        facts[f"{section}.enabled"] = (bool((got.get(section) or {}).get("enabled")),
+                                       bool((want.get(section) or {}).get("enabled")))
+    for key in ("bf16_master_weights_and_grads", "bf16_optimizer_states"):
+        facts[f"bf16.{key}"] = (bool((got.get("bf16") or {}).get(key)), bool((want.get("bf16") or {}).get(key)))
+    for key, (value, want_value) in facts.items():
+        if value != want_value:
+            raise _error(f"lightning.json: _strategy_kwargs.config {key}={value!r} but the plan needs "
+                         f"{want_value!r} ({label})")
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    init = StrategyRegistry[name]["init_params"] if name in StrategyRegistry else {}
+    if "stage" in init:
+        preset = (init["stage"],
+                  init.get("offload_optimizer_device", "cpu") if init.get("offload_optimizer") else "none",
+                  init.get("offload_params_device", "cpu") if init.get("offload_parameters") else "none")
+        stated = (zero.get("stage", 0), device(zero.get("offload_optimizer")), device(zero.get("offload_param")))
+        if preset != stated:
+            raise _error(f"lightning.json: strategy {name!r} stands for ZeRO-{preset[0]} with optimizer/parameter "
+                         f"offload {preset[1]}/{preset[2]}, but its config says ZeRO-{stated[0]} "
+                         f"{stated[1]}/{stated[2]}: use 'deepspeed' or the matching preset")
+
+
+def validate_lightning_json(text: str, plan: ExportPlan) -> None:
+    """Check ``lightning.json`` text with Lightning's own classes.
+
+    Raises ExportValidationError (one line) when: a key without a leading underscore is not a parameter of
+    ``lightning.pytorch.Trainer.__init__`` (``inspect.signature``) or its value does not fit the parameter's
+    annotation (which also checks ``precision`` against Lightning's ``_PRECISION_INPUT``); an underscore key is
+    not ``_strategy_kwargs``/``_optplan``; ``strategy`` is neither "auto" nor a ``StrategyRegistry`` name;
+    ``_strategy_kwargs`` has keys that are not parameters of that strategy class (FSDPStrategy: or of torch
+    FSDP, where its ``**kwargs`` go), or the class rejects them when built (module class names stand in as
+    placeholder classes); a DeepSpeed config breaks Lightning's rules (no ``gradient_accumulation_steps``,
+    clipping by norm) or, completed the way ``DeepSpeedStrategy._format_config`` completes it, fails
+    ``optplan.planner.validate.validate_ds_config`` at the plan's world size; a CPU ``Trainer`` built from the
+    non-GPU arguments raises (FSDP, which Lightning refuses on CPU, gets its ``FSDPPrecision`` built alone; a
+    Transformer Engine precision is built only where transformer_engine is installed); or the file contradicts
+    the plan (devices x num_nodes = world size, num_nodes = nodes, accumulate_grad_batches = accumulation,
+    precision, strategy family, the plan-bound strategy kwargs, ``_optplan.batch_size`` = micro-batch).
+    """
+    spec = _parse(text)
+    try:
+        from lightning.pytorch import Trainer
+        from lightning.pytorch.strategies import StrategyRegistry
+    except Exception as exc:  # pragma: no cover - depends on the environment
+        raise _error(f"cannot import lightning to validate lightning.json ({one_line(exc)}): "
+                     "pip install lightning") from exc
+    underscored = [k for k in spec if k.startswith("_")]
+    bad = [k for k in underscored if k not in RESERVED_KEYS]
+    if bad:
+        raise _error(f"lightning.json has underscore keys optplan does not define: "
+                     f"{', '.join(close_match_hint(k, list(RESERVED_KEYS)) for k in bad)}")
+    trainer_args = {k: v for k, v in spec.items() if not k.startswith("_")}
+    _check_trainer_keys(trainer_args, Trainer)
+    name = trainer_args.get("strategy", "auto")
+    if name != "auto" and name not in StrategyRegistry:
+        raise _error(f"lightning.json: strategy {close_match_hint(str(name), sorted(StrategyRegistry))} is not in "
+                     "Lightning's StrategyRegistry")
+    if "_optplan" in spec and not isinstance(spec["_optplan"], dict):
+        raise _error("lightning.json: _optplan must be an object")
+    strategy_kwargs = spec.get("_strategy_kwargs")
+    if strategy_kwargs is not None:
+        if not isinstance(strategy_kwargs, dict):
+            raise _error("lightning.json: _strategy_kwargs must be an object")
+        if name == "auto":
+            raise _error("lightning.json: _strategy_kwargs need a strategy registry name, not 'auto'")
+        cls = StrategyRegistry[name]["strategy"]
+        allowed = _strategy_params(cls)
+        unknown = [k for k in strategy_kwargs if k not in allowed]
+        if unknown:
+            raise _error(f"lightning.json: _strategy_kwargs has keys that are not {cls.__name__} arguments: "
+                         f"{', '.join(close_match_hint(k, sorted(allowed)) for k in unknown)}")
+    _check_plan(spec, plan)
+    with _contained():
+        if strategy_kwargs is not None and "config" in strategy_kwargs:
+            from optplan.planner.validate import ExportValidationError
+
+            try:
+                _check_deepspeed_config(spec, strategy_kwargs["config"], plan.world_size)
+            except ExportValidationError:
+                raise
+            except Exception as exc:
+                raise _error("Lightning's DeepSpeed config handling rejects _strategy_kwargs.config: "
+                             f"{one_line(exc)}") from exc
+        _build(spec, trainer_args)
