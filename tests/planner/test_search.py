@@ -320,3 +320,31 @@ def _maybe_states(prof, c, s):  # type: ignore[no-untyped-def]
         return estimate_states(prof, c, s)
     except OptplanError:
         return None
+
+
+def _shared_worker(store: str) -> None:
+    prof, c = make_profile(params=2_000_000_000), _cluster(gib=40)
+    space = build_space(prof, c, global_batch=256, engines=["deepspeed"])
+    search(prof, c, space, method="nsga2", n_trials=30, storage=store, study_name="shared", seed=3)
+
+
+def test_two_processes_share_one_study(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import multiprocessing
+
+    import optuna
+
+    store = str(tmp_path / "shared.log")
+    ctx = multiprocessing.get_context("fork")
+    workers = [ctx.Process(target=_shared_worker, args=(store,)) for _ in range(2)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(120)
+        assert w.exitcode == 0
+    study = optuna.load_study(study_name="shared", storage=search_module.resolve_storage(store))
+    done = [t for t in study.trials if t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)]
+    assert 30 <= len(done) <= 60 and len(done) == len(study.trials)
+    prof, c = make_profile(params=2_000_000_000), _cluster(gib=40)
+    space = build_space(prof, c, global_batch=256, engines=["deepspeed"])
+    after = search(prof, c, space, method="nsga2", n_trials=30, storage=store, study_name="shared", seed=3)
+    assert after.evaluated == 0 and after.resumed > 0 and after.feasible  # nothing left to do, all reused
