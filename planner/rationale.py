@@ -189,7 +189,7 @@ def _precision_line(pick: Estimate, price: Price, space: SearchSpace) -> str:
 
 def _mbs_line(pick: Estimate, price: Price, space: SearchSpace) -> str:
     s = pick.strategy
-    larger = [b for b in space.micro_batches(_layout_of(s, space)) if b > s.mbs]
+    larger = [b for b in space.micro_batches(_layout_of(s)) if b > s.mbs]
     if not larger:
         limit = "the global batch" if space.global_batch else "the searched range"
         return f"micro-batch {s.mbs}: the largest {limit} allows ({_gib(pick.memory.total_bytes)} per GPU)"
@@ -206,7 +206,7 @@ def _mbs_line(pick: Estimate, price: Price, space: SearchSpace) -> str:
     return f"micro-batch {s.mbs} ({_gib(pick.memory.total_bytes)} of {_gib(pick.memory.capacity_bytes)} per GPU)"
 
 
-def _layout_of(s: Strategy, space: SearchSpace) -> Layout:
+def _layout_of(s: Strategy) -> Layout:
     return Layout(s.world_size, s.dp, s.tp, s.pp, s.vpp, s.cp)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import difflib
+import json
 import logging
 from collections.abc import Iterator, KeysView
 from typing import Any
@@ -23,6 +24,19 @@ _DS_LOGGER = "DeepSpeed"
 
 class ExportValidationError(OptplanError):
     """An exported file that the target's own loader (or our extra checks) rejects."""
+
+
+def parse_json_object(text: object, file_name: str) -> dict[str, Any]:
+    """An exported JSON file's object, or one ExportValidationError line naming the file and the problem."""
+    if not isinstance(text, str):
+        raise ExportValidationError(f"{file_name} must be text, got {type(text).__name__}")
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ExportValidationError(f"{file_name} is not JSON: {exc}") from exc
+    if not isinstance(doc, dict):
+        raise ExportValidationError(f"{file_name} must be a JSON object, got {type(doc).__name__}")
+    return doc
 
 
 class _QuietFilter(logging.Filter):

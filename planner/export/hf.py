@@ -411,17 +411,9 @@ def _contained(log_names: tuple[str, ...]) -> Iterator[_CaptureHandler]:
 
 
 def _parse(text: str) -> dict[str, Any]:
-    from optplan.planner.validate import ExportValidationError
+    from optplan.planner.validate import parse_json_object
 
-    if not isinstance(text, str):
-        raise ExportValidationError(f"hf_training_args.json must be text, got {type(text).__name__}")
-    try:
-        args = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ExportValidationError(f"hf_training_args.json is not JSON: {exc}") from exc
-    if not isinstance(args, dict):
-        raise ExportValidationError(f"hf_training_args.json must be a JSON object, got {type(args).__name__}")
-    return args
+    return parse_json_object(text, "hf_training_args.json")
 
 
 def _check_fields(args: dict[str, Any], training_args_cls: type) -> None:

@@ -403,15 +403,9 @@ def _error(message: str) -> Exception:
 
 
 def _parse(text: str) -> dict[str, Any]:
-    if not isinstance(text, str):
-        raise _error(f"lightning.json must be text, got {type(text).__name__}")
-    try:
-        spec = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise _error(f"lightning.json is not JSON: {exc}") from exc
-    if not isinstance(spec, dict):
-        raise _error(f"lightning.json must be a JSON object, got {type(spec).__name__}")
-    return spec
+    from optplan.planner.validate import parse_json_object
+
+    return parse_json_object(text, "lightning.json")
 
 
 def _check_trainer_keys(trainer_args: dict[str, Any], trainer_cls: type) -> None:

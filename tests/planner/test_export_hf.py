@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import inspect
 import json
 import os
 import subprocess
@@ -50,10 +49,7 @@ def make_plan(*, block_class: str | None = "Block", gpus_per_node: int = 8, **st
 
 
 def ds_config_for(plan: ExportPlan, **kw: Any) -> dict[str, Any]:
-    """The DeepSpeed export's ds_config for ``plan``, whichever form render_ds_config takes."""
-    first = next(iter(inspect.signature(render_ds_config).parameters))
-    if first == "plan":  # pragma: no cover - a later signature
-        return render_ds_config(plan, **kw)
+    """The DeepSpeed export's ds_config for ``plan``."""
     return render_ds_config(plan.strategy, plan.buckets, **kw)
 
 
