@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from optplan.estimators.calibration import Calibration, calibrate_estimate
 from optplan.estimators.compute import EFFICIENCY
 from optplan.estimators.cost import CostEstimate
 from optplan.estimators.hardware import Cluster
@@ -19,7 +20,7 @@ from optplan.estimators.timing import TimeBreakdown, comm_time_s, mfu_peak_flops
 from optplan.estimators.units import gib
 from optplan.estimators.validity import check_strategy
 
-__all__ = ["Estimate", "StatesEstimate", "TimeBreakdown", "comm_time_s", "estimate", "estimate_states",
+__all__ = ["Estimate", "StatesEstimate", "TimeBreakdown", "comm_time_s", "estimate", "estimate_reason", "estimate_states",
            "mfu_peak_flops"]
 
 
@@ -67,11 +68,12 @@ def estimate_states(profile: ModelProfile, cluster: Cluster, strategy: Strategy)
     memory = memory_breakdown(profile, strategy, usable_capacity_bytes(cluster.gpu.memory_bytes),
                               gpus_per_node=cluster.gpus_per_node)
     return StatesEstimate(strategy=strategy, gpu=cluster.gpu.name, gpus=strategy.world_size, memory=memory,
-                          global_batch=strategy.global_batch, fits=memory.fits, reason=_reason(memory),
+                          global_batch=strategy.global_batch, fits=memory.fits, reason=estimate_reason(memory),
                           notes=profile.notes)
 
 
-def _reason(memory: MemoryBreakdown) -> str:
+def estimate_reason(memory: MemoryBreakdown) -> str:
+    """One line: fits with how much free, or does not fit and the largest category."""
     need, cap = gib(memory.total_bytes), gib(memory.capacity_bytes)
     if memory.fits:
         return f"fits: {need:.1f} GiB of {cap:.1f} GiB per GPU ({gib(memory.headroom_bytes):.1f} GiB free)"
@@ -102,15 +104,19 @@ def estimate_notes(profile: ModelProfile, strategy: Strategy, cluster: Cluster) 
     return tuple(notes)
 
 
-def estimate(profile: ModelProfile, cluster: Cluster, strategy: Strategy) -> Estimate:
-    """Predict memory per GPU (worst rank), step time, throughput, MFU/HFU and feasibility of ``strategy``."""
+def estimate(profile: ModelProfile, cluster: Cluster, strategy: Strategy, *,
+             calibration: Calibration | None = None) -> Estimate:
+    """Predict memory per GPU (worst rank), step time, throughput, MFU/HFU and feasibility of ``strategy``.
+
+    ``calibration`` (from probe runs, see calibration.py) corrects memory and time when given."""
     check_strategy(profile, cluster, strategy)
     memory = memory_breakdown(profile, strategy, usable_capacity_bytes(cluster.gpu.memory_bytes),
                               gpus_per_node=cluster.gpus_per_node)
     time = step_time(profile, strategy, cluster)
-    return Estimate(notes=estimate_notes(profile, strategy, cluster),
+    result = Estimate(notes=estimate_notes(profile, strategy, cluster),
         strategy=strategy, gpu=cluster.gpu.name, gpus=strategy.world_size, memory=memory, time=time,
         global_batch=strategy.global_batch, samples_per_s=time.samples_per_s, tokens_per_s=time.tokens_per_s,
         model_tflops_per_gpu=time.model_tflops_per_gpu, mfu=time.mfu, hfu=time.hfu, fits=memory.fits,
-        reason=_reason(memory),
+        reason=estimate_reason(memory),
     )
+    return calibrate_estimate(result, calibration)

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-Stage = Literal["profile", "search", "export", "validate"]
+Stage = Literal["profile", "search", "probe", "export", "validate"]
 
 
 class ProgressEvent(BaseModel):

@@ -29,6 +29,7 @@ from typing import Literal
 import optuna
 from pydantic import BaseModel, ConfigDict, Field
 
+from optplan.estimators.calibration import Calibration
 from optplan.estimators.errors import OptplanError
 from optplan.estimators.estimate import Estimate, estimate
 from optplan.estimators.hardware import Cluster
@@ -196,11 +197,13 @@ def resolve_storage(storage: str | Path | None) -> optuna.storages.BaseStorage |
 
 
 def study_name_for(profile: ModelProfile, cluster: Cluster, space: SearchSpace, goal: Goal, method: str,
-                   seed: int) -> str:
+                   seed: int, calibration: Calibration | None = None) -> str:
     """A name that is the same exactly when the inputs are: rerunning resumes the same study."""
-    doc = {"v": STUDY_FORMAT, "profile": profile.model_dump(mode="json", exclude={"profile_s", "notes"}),
+    doc: dict[str, object] = {"v": STUDY_FORMAT, "profile": profile.model_dump(mode="json", exclude={"profile_s", "notes"}),
            "cluster": cluster.model_dump(mode="json"), "space": space.model_dump(mode="json"),
            "goal": goal.model_dump(mode="json"), "method": method, "seed": seed}
+    if calibration is not None:
+        doc["calibration"] = calibration.model_dump(mode="json")
     digest = hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:16]
     return f"optplan-{profile.name}-{digest}"
 
@@ -244,9 +247,10 @@ def _recorded(study: optuna.Study) -> list[Strategy]:
 class Pricer:
     """Estimates with a cache, one Cluster per GPU count."""
 
-    def __init__(self, profile: ModelProfile, cluster: Cluster) -> None:
+    def __init__(self, profile: ModelProfile, cluster: Cluster, calibration: Calibration | None = None) -> None:
         self.profile = profile
         self.cluster = cluster
+        self.calibration = calibration
         self._clusters: dict[int, Cluster] = {}
         self.priced: dict[Strategy, Estimate] = {}
 
@@ -260,7 +264,8 @@ class Pricer:
         if strategy in self.priced:
             return self.priced[strategy]
         try:
-            est = estimate(self.profile, self.cluster_for(strategy.world_size), strategy)
+            est = estimate(self.profile, self.cluster_for(strategy.world_size), strategy,
+                           calibration=self.calibration)
         except OptplanError:
             return None
         self.priced[strategy] = est
@@ -358,8 +363,11 @@ def _optimize(pricer: Pricer, space: SearchSpace, study: optuna.Study, goal: Goa
 def search(profile: ModelProfile, cluster: Cluster, space: SearchSpace, *, goal: Goal | None = None,
            method: SearchMethod = "auto", n_trials: int | None = None, seed: int = 0,
            storage: str | Path | None = None, study_name: str | None = None,
-           on_progress: Callable[[ProgressEvent], None] | None = None) -> SearchResult:
-    """Price the space and rank it by ``goal``. Deterministic for the same inputs and seed."""
+           on_progress: Callable[[ProgressEvent], None] | None = None,
+           calibration: Calibration | None = None) -> SearchResult:
+    """Price the space and rank it by ``goal``. Deterministic for the same inputs and seed.
+
+    ``calibration`` (from earlier probe runs) corrects every estimate; it is part of the study's name."""
     goal = goal or Goal()
     goal.check()
     notify = on_progress or (lambda _e: None)
@@ -367,8 +375,8 @@ def search(profile: ModelProfile, cluster: Cluster, space: SearchSpace, *, goal:
     chosen: Literal["enumerate", "nsga2", "tpe"] = (
         "enumerate" if method == "enumerate" or (method == "auto" and size <= ENUMERATE_LIMIT)
         else ("tpe" if method == "tpe" else "nsga2"))
-    name = study_name or study_name_for(profile, cluster, space, goal, chosen, seed)
-    pricer = Pricer(profile, cluster)
+    name = study_name or study_name_for(profile, cluster, space, goal, chosen, seed, calibration)
+    pricer = Pricer(profile, cluster, calibration)
     if chosen == "enumerate":
         study = _open_study(storage, name, goal, optuna.samplers.NSGAIISampler(seed=seed))
         evaluated, resumed = _enumerate(pricer, space, study, goal, notify)
