@@ -1,0 +1,355 @@
+"""Microbenchmark child: this machine's achieved matmul FLOP/s, copy bandwidth and all-reduce bus bandwidth.
+
+Run by :mod:`optplan.probes.microbench` in a fresh process; usable on its own in a bare GPU environment
+(it imports only the standard library and torch, never pydantic or the rest of optplan):
+
+    python -m optplan.probes.microbench_child --out RESULT.json [--device auto|cpu|cuda] [--quick]
+                                              [--dtypes fp32,tf32,bf16,fp16,fp8]
+    python -m torch.distributed.run --standalone --nproc-per-node N \\
+        -m optplan.probes.microbench_child --allreduce --out RESULT.json [--device ...] [--quick]
+
+(``python probes/microbench_child.py ...`` works the same.) The result is ONE JSON object written to
+``--out`` (a temporary file, then renamed, so a reader never sees half a file); failures print a last
+stderr line ``microbench_child: error: ...`` and exit with code 1.
+
+What is measured (units: FLOP/s, bytes/s, bytes, seconds)
+- Matmul: square n × n GEMMs per dtype (dtype names as in ``optplan.estimators.hardware.Dtype``), FLOPs
+  = 2·n³ per GEMM (n³ multiply-adds). n = 8192 on CUDA (4096 with ``--quick``): large and aligned, so
+  cuBLAS runs its full-wave kernels (the time model's "large aligned GEMM"); 1024 on CPU (512 quick).
+  fp32 runs with TF32 disabled (``torch.backends.cuda.matmul.allow_tf32 = False``: the CUDA-core SGEMM
+  the catalogue's fp32 peak describes), tf32 with it enabled (CUDA only), bf16/fp16 as half-precision
+  GEMMs, fp8 (e4m3 × e4m3 → bf16, per-tensor scales, full-precision accumulation) through
+  ``torch._scaled_mm`` only on GPUs of compute capability >= 8.9. A dtype the device cannot run is
+  left out of the result (listed under ``matmul_skipped`` with the reason), never an error.
+- Copy bandwidth: ``dst.copy_(src)`` of a large device buffer (1 GiB on CUDA, 256 MiB quick; 256 MiB
+  on CPU, 64 MiB quick; a server CPU's last-level cache can hold that much, so a CPU figure may be
+  partly cache bandwidth: CPU runs are for tests, GPUs' L2 is ≤ ~100 MB). Bytes moved = 2 × size per copy (bytes
+  read + bytes written), the STREAM "Copy" convention (J. D. McCalpin, STREAM benchmark reference,
+  "Counting Bytes and FLOPS", https://www.cs.virginia.edu/stream/ref.html; BabelStream counts Copy the
+  same way), which is what a datasheet's HBM bandwidth (reads + writes) is compared with.
+- All-reduce bus bandwidth (``--allreduce``, one process per device under torchrun; gloo on CPU, NCCL
+  on CUDA): float32 all-reduces of several sizes, algbw = size / time and busbw = algbw · 2(n−1)/n, the
+  definition of NVIDIA nccl-tests (doc/PERFORMANCE.md, "Bus bandwidth", AllReduce: a ring all-reduce
+  moves 2(n−1)/n · size per rank, so busbw is comparable with the link's one-way bandwidth whatever n).
+  The time of one all-reduce is the slowest rank's (a collective ends when its last rank does). The
+  largest size's busbw is the result; every size's is kept in ``allreduce_bus_bytes_per_s_by_size``.
+  Rank 0 writes the file.
+
+Timing: warm-up (cuBLAS/oneDNN kernel selection, allocator, clocks), then R repeats (5; 3 with
+``--quick``) of k back-to-back operations, k chosen so one repeat lasts ~0.2 s (~0.05 s quick), bracketed
+by ``torch.cuda.synchronize()`` and ``time.perf_counter()`` on CUDA. The BEST repeat is reported: a
+ceiling is what the hardware can do, and interference (other processes, OS scheduling, clock ramp-up)
+only ever makes a repeat slower; it is also how the references define their figures (STREAM reports the
+best of its repetitions; the A100 GEMM fraction the time model is fitted against is bounded by the
+maximum achieved matmul FLOP/s, Bekman, "Machine Learning Engineering", Maximum Achievable Matmul
+FLOPS). The median is kept beside it (``*_median``) to show the spread. A GPU that throttles under
+sustained load runs a long training job somewhat below these bursts.
+"""
+
+from __future__ import annotations
+
+import time
+
+_STARTED = time.perf_counter()
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import os  # noqa: E402
+import platform  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import traceback  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
+
+DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
+CPU_DTYPES = ("fp32", "bf16", "fp16")
+ERROR_PREFIX = "microbench_child: error:"
+MIB = 2**20
+GIB = 2**30
+
+# (normal, quick) sizes per device
+MATMUL_N = {"cuda": (8192, 4096), "cpu": (1024, 512)}
+COPY_BYTES = {"cuda": (GIB, 256 * MIB), "cpu": (256 * MIB, 64 * MIB)}
+ALLREDUCE_BYTES = {"cuda": ((16 * MIB, 128 * MIB, GIB), (8 * MIB, 64 * MIB, 256 * MIB)),
+                   "cpu": ((MIB, 16 * MIB, 64 * MIB), (256 * 1024, MIB, 4 * MIB))}
+REPEATS = (5, 3)
+REPEAT_TARGET_S = (0.2, 0.05)
+WARMUP = 2
+
+
+class Unsupported(Exception):
+    """The device cannot run this benchmark (the dtype is left out of the result)."""
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m optplan.probes.microbench_child",
+                                     description="Measure matmul FLOP/s, copy bandwidth and all-reduce bus "
+                                                 "bandwidth; writes one JSON object to --out.")
+    parser.add_argument("--out", required=True, help="result JSON path (written atomically)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--quick", action="store_true", help="smaller sizes and fewer repeats")
+    parser.add_argument("--dtypes", default=None,
+                        help=f"comma-separated subset of {','.join(DTYPES)} (default: all the device has)")
+    parser.add_argument("--allreduce", action="store_true",
+                        help="measure all-reduce bus bandwidth (run under torchrun, one process per device)")
+    args = parser.parse_args(argv)
+    if args.dtypes is not None:
+        wanted = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+        unknown = [d for d in wanted if d not in DTYPES]
+        if unknown or not wanted:
+            parser.error(f"--dtypes: unknown {','.join(unknown) or '(empty)'}; use a subset of {','.join(DTYPES)}")
+        args.dtypes = wanted
+    return args
+
+
+def _device(requested: str) -> str:
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda but torch.cuda.is_available() is False "
+                           f"(torch {torch.__version__}): run with --device cpu or on a GPU machine")
+    return requested
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def _device_name(device: str) -> str:
+    if device == "cuda":
+        return torch.cuda.get_device_name(torch.cuda.current_device())
+    return f"{_cpu_name()} ({torch.get_num_threads()} threads)"
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _time_op(op: Callable[[], object], device: str, quick: bool) -> list[float]:
+    """Seconds per call of ``op``, one figure per repeat (module docstring: warm-up, R repeats of k calls)."""
+    for _ in range(WARMUP):
+        op()
+    _sync(device)
+    t0 = time.perf_counter()
+    op()
+    _sync(device)
+    one = max(time.perf_counter() - t0, 1e-7)
+    k = max(1, math.ceil(REPEAT_TARGET_S[quick] / one))
+    times = []
+    for _ in range(REPEATS[quick]):
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(k):
+            op()
+        _sync(device)
+        times.append((time.perf_counter() - t0) / k)
+    return times
+
+
+def _set_tf32(enabled: bool) -> None:
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+
+
+def _matmul_op(dtype: str, n: int, device: str) -> Callable[[], object]:
+    """The GEMM for ``dtype`` (raises Unsupported when the device has no such math)."""
+    if dtype in ("tf32", "fp8") and device != "cuda":
+        raise Unsupported(f"{dtype} is a CUDA tensor-core format")
+    gen = torch.Generator(device=device).manual_seed(0)
+    if dtype == "fp8":
+        if not hasattr(torch, "_scaled_mm") or not hasattr(torch, "float8_e4m3fn"):
+            raise Unsupported(f"torch {torch.__version__} has no torch._scaled_mm")
+        cap = torch.cuda.get_device_capability()
+        if cap < (8, 9):
+            raise Unsupported(f"compute capability {cap[0]}.{cap[1]} < 8.9 has no fp8 tensor cores")
+        a = torch.randn(n, n, device=device, generator=gen).to(torch.float8_e4m3fn)
+        b = torch.randn(n, n, device=device, generator=gen).to(torch.float8_e4m3fn).t()  # column-major
+        one = torch.ones((), device=device, dtype=torch.float32)
+
+        def fp8() -> object:
+            return torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+
+        return fp8
+    tdtype = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    if device == "cuda" and dtype == "bf16" and not torch.cuda.is_bf16_supported():
+        raise Unsupported("this GPU has no bf16 math")
+    a = torch.randn(n, n, device=device, generator=gen).to(tdtype)
+    b = torch.randn(n, n, device=device, generator=gen).to(tdtype)
+    out = torch.empty(n, n, device=device, dtype=tdtype)
+
+    def mm() -> object:
+        return torch.mm(a, b, out=out)
+
+    return mm
+
+
+def measure_matmul(device: str, dtypes: list[str], quick: bool) -> dict[str, Any]:
+    """Achieved GEMM FLOP/s per dtype (best and median repeat) and the dtypes left out, with why."""
+    n = MATMUL_N[device][quick]
+    best: dict[str, float] = {}
+    median: dict[str, float] = {}
+    skipped: dict[str, str] = {}
+    for dtype in dtypes:
+        try:
+            if device == "cuda":
+                _set_tf32(dtype == "tf32")
+            op = _matmul_op(dtype, n, device)
+            op()  # an unsupported kernel fails here
+            times = _time_op(op, device, quick)
+        except Unsupported as exc:
+            skipped[dtype] = str(exc)
+            continue
+        except (RuntimeError, NotImplementedError, TypeError) as exc:  # no kernel for this dtype here
+            skipped[dtype] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
+            continue
+        finally:
+            if device == "cuda":
+                _set_tf32(False)
+                torch.cuda.empty_cache()
+        flops = 2.0 * n**3
+        best[dtype] = flops / min(times)
+        median[dtype] = flops / statistics.median(times)
+    return {"matmul_flops_per_s": best, "matmul_flops_per_s_median": median,
+            "matmul_size": {d: n for d in best}, "matmul_skipped": skipped}
+
+
+def measure_copy(device: str, quick: bool) -> dict[str, Any]:
+    """Device-to-device copy bandwidth, bytes/s counted as read + write (2 × size per copy)."""
+    size = COPY_BYTES[device][quick]
+    src = torch.empty(size, dtype=torch.uint8, device=device)
+    src.fill_(1)  # touch every page before timing
+    dst = torch.empty_like(src)
+    dst.fill_(0)
+    times = _time_op(lambda: dst.copy_(src), device, quick)
+    return {"copy_bytes_per_s": 2.0 * size / min(times),
+            "copy_bytes_per_s_median": 2.0 * size / statistics.median(times), "copy_size_bytes": size}
+
+
+def bus_bandwidth(size_bytes: float, time_s: float, ranks: int) -> float:
+    """nccl-tests' all-reduce bus bandwidth (doc/PERFORMANCE.md): size/time · 2(n−1)/n, bytes/s."""
+    return size_bytes / time_s * 2.0 * (ranks - 1) / ranks
+
+
+def measure_allreduce(device: str, quick: bool) -> dict[str, Any]:
+    """All-reduce bus bandwidth over the torchrun processes (one per device); returns rank 0's view."""
+    import torch.distributed as dist
+
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise RuntimeError("--allreduce needs torchrun: python -m torch.distributed.run --standalone "
+                           "--nproc-per-node N -m optplan.probes.microbench_child --allreduce --out FILE")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    backend = "nccl" if device == "cuda" else "gloo"
+    if device == "cuda":
+        if local_rank >= torch.cuda.device_count():
+            raise RuntimeError(f"local rank {local_rank} but only {torch.cuda.device_count()} CUDA devices: "
+                               "use --nproc-per-node <= the GPU count")
+        torch.cuda.set_device(local_rank)
+        dev = torch.device("cuda", local_rank)
+    else:
+        dev = torch.device("cpu")
+    if device == "cuda":  # bind the communicator to this rank's GPU (eager NCCL init, no device guessing)
+        dist.init_process_group(backend=backend, device_id=dev)
+    else:
+        dist.init_process_group(backend=backend)
+    try:
+        ranks = dist.get_world_size()
+        if ranks < 2:
+            raise RuntimeError("all-reduce bus bandwidth needs at least 2 processes (--nproc-per-node >= 2)")
+        by_size: dict[str, float] = {}
+        by_size_median: dict[str, float] = {}
+        sizes = ALLREDUCE_BYTES[device][quick]
+        for size in sizes:
+            buf = torch.ones(size // 4, dtype=torch.float32, device=dev)
+            for _ in range(WARMUP):
+                dist.all_reduce(buf)
+            # k from the slowest rank's single all-reduce, so that every rank runs the same number
+            t_one = _allreduce_time_s(dist, buf, 1, device, dev)
+            k = max(1, math.ceil(REPEAT_TARGET_S[quick] / max(t_one, 1e-7)))
+            times = [_allreduce_time_s(dist, buf, k, device, dev) for _ in range(REPEATS[quick])]
+            by_size[str(size)] = bus_bandwidth(size, min(times), ranks)
+            by_size_median[str(size)] = bus_bandwidth(size, statistics.median(times), ranks)
+            del buf
+        dist.barrier()
+        return {"allreduce_bus_bytes_per_s": by_size[str(sizes[-1])],
+                "allreduce_bus_bytes_per_s_by_size": by_size,
+                "allreduce_bus_bytes_per_s_median_by_size": by_size_median,
+                "allreduce_size_bytes": sizes[-1], "allreduce_ranks": ranks, "allreduce_backend": backend,
+                "rank": dist.get_rank()}
+    finally:
+        dist.destroy_process_group()
+
+
+def _allreduce_time_s(dist: Any, buf: torch.Tensor, k: int, device: str, dev: torch.device) -> float:
+    """Seconds per all-reduce over k back-to-back calls, the slowest rank's figure."""
+    dist.barrier()
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(k):
+        dist.all_reduce(buf)
+    _sync(device)
+    elapsed = torch.tensor([(time.perf_counter() - t0) / k], dtype=torch.float64, device=dev)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return float(elapsed.item())
+
+
+def write_json_atomic(path: str, doc: dict[str, Any]) -> None:
+    """Write ``doc`` to a temporary file beside ``path``, then rename it over ``path``."""
+    directory = os.path.dirname(os.path.abspath(path))
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(doc, fh, indent=1, sort_keys=True)
+        fh.write("\n")
+    os.replace(tmp, path)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The measurements as one JSON-able dict (None on ranks other than 0 under --allreduce)."""
+    device = _device(args.device)
+    doc: dict[str, Any] = {
+        "device": device, "device_name": _device_name(device), "torch_version": str(torch.__version__),
+        "cuda_device_count": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+        "cpu_threads": torch.get_num_threads(), "quick": bool(args.quick),
+        "timing": f"best of {REPEATS[args.quick]} repeats of ~{REPEAT_TARGET_S[args.quick]} s (medians beside)",
+        "matmul_flops_per_s": {}, "copy_bytes_per_s": None, "allreduce_bus_bytes_per_s": None,
+        "allreduce_ranks": 0,
+    }
+    if args.allreduce:
+        result = measure_allreduce(device, args.quick)
+        if result.pop("rank") != 0:
+            return None
+        doc.update(result)
+    else:
+        dtypes = args.dtypes or list(DTYPES if device == "cuda" else CPU_DTYPES)
+        doc.update(measure_matmul(device, dtypes, args.quick))
+        doc.update(measure_copy(device, args.quick))
+    doc["wall_s"] = time.perf_counter() - _STARTED
+    return doc
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    try:
+        doc = run(args)
+        if doc is not None:
+            write_json_atomic(args.out, doc)
+    except Exception as exc:  # noqa: BLE001 - one last line for the parent, traceback above it
+        traceback.print_exc()
+        message = " ".join(str(exc).split()) or "(no message)"
+        print(f"{ERROR_PREFIX} {type(exc).__name__}: {message}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""Measured ceilings (estimators/ceilings.py): the replaced datasheet figures make the time model reproduce
+the measured achieved figures, unmeasured figures stay, step time follows a slower measured GEMM, bad
+figures are rejected, and the module keeps torch out."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from pydantic import ValidationError
+
+from optplan.estimators.ceilings import (
+    MeasuredCeilings,
+    ceiling_report,
+    gemm_fraction,
+    gpu_with_measured_ceilings,
+)
+from optplan.estimators.comm import link_for, ring_all_reduce_s
+from optplan.estimators.compute import A100_FIT, DEFAULT_EFFICIENCY, efficiency_for, gemm_time_s
+from optplan.estimators.hardware import Cluster, GPUSpec, find_gpu
+from optplan.estimators.parallel import GroupPlacement
+from optplan.estimators.profile import ModelProfile
+from optplan.estimators.strategy import Strategy
+from optplan.estimators.timing import step_time
+
+MEASURED = MeasuredCeilings(matmul_flops_per_s={"bf16": 600e12, "fp32": 30e12, "fp8": 900e12},
+                            copy_bytes_per_s=1.5e12, allreduce_bus_bytes_per_s=250e9, source="test rig")
+
+
+@pytest.mark.parametrize("eff", [A100_FIT, DEFAULT_EFFICIENCY], ids=["a100-fit", "default"])
+def test_replaced_ceilings_times_the_fractions_give_back_the_measurements(eff, gpu: GPUSpec) -> None:
+    new = gpu_with_measured_ceilings(gpu, MEASURED, eff)
+    for dtype, achieved in MEASURED.matmul_flops_per_s.items():
+        assert new.peak_flops[dtype] * gemm_fraction(eff, dtype) == pytest.approx(achieved)
+    assert new.memory_bandwidth_bytes_per_s * eff.hbm_fraction == pytest.approx(1.5e12)
+    assert new.intra_node_bandwidth_bytes_per_s * eff.intra_node_link_fraction == pytest.approx(250e9)
+
+
+def test_time_model_reproduces_the_measured_gemm_copy_and_allreduce(gpu: GPUSpec) -> None:
+    """Through the model's own functions: a large square bf16 GEMM runs at the measured FLOP/s (up to the
+    x/(x+½) wave factor, ~1 at n = 8192), an intra-node all-reduce at the measured nccl-tests busbw."""
+    eff = efficiency_for(gpu)
+    new = gpu_with_measured_ceilings(gpu, MEASURED)
+    n = 8192
+    t = gemm_time_s(n, n, n, peak_flops=new.peak_flops_for("bf16"),
+                    bandwidth_bytes_per_s=new.memory_bandwidth_bytes_per_s, eff=eff, elem_bytes=2,
+                    fraction=gemm_fraction(eff, "bf16"))
+    assert 2 * n**3 / t == pytest.approx(600e12, rel=2e-3)
+    cluster = Cluster(gpu=new, gpus=8, gpus_per_node=8)
+    link = link_for(GroupPlacement(ranks=8, nodes=1), cluster, intra_fraction=eff.intra_node_link_fraction,
+                    intra_alpha_s=0.0)
+    size = 2**30
+    busbw = size / ring_all_reduce_s(size, 8, link.bandwidth_bytes_per_s, 0.0) * 2 * 7 / 8  # nccl-tests
+    assert busbw == pytest.approx(250e9)
+
+
+def test_unmeasured_figures_keep_the_datasheet_and_the_name() -> None:
+    gpu = find_gpu("H100-SXM")
+    new = gpu_with_measured_ceilings(gpu, MeasuredCeilings(matmul_flops_per_s={"bf16": 700e12}))
+    assert new.name == gpu.name and efficiency_for(new) is efficiency_for(gpu)
+    for dtype in ("fp32", "tf32", "fp16", "fp8"):
+        assert new.peak_flops[dtype] == gpu.peak_flops[dtype]
+    assert new.peak_flops["bf16"] == pytest.approx(700e12 / gemm_fraction(efficiency_for(gpu), "bf16"))
+    assert new.memory_bandwidth_bytes_per_s == gpu.memory_bandwidth_bytes_per_s
+    assert new.intra_node_bandwidth_bytes_per_s == gpu.intra_node_bandwidth_bytes_per_s
+    assert new.source.startswith(gpu.source) and "bf16 matmul" in new.source
+    assert "memory bandwidth" not in new.source
+    assert gpu_with_measured_ceilings(gpu, MeasuredCeilings()) is gpu
+
+
+def test_measured_dtype_missing_from_the_datasheet_is_added(gpu: GPUSpec) -> None:
+    gpu = gpu.model_copy(update={"peak_flops": {"fp32": 50e12, "fp16": 1000e12}})
+    new = gpu_with_measured_ceilings(gpu, MeasuredCeilings(matmul_flops_per_s={"bf16": 100e12}))
+    assert new.supports_bf16 and not gpu.supports_bf16
+
+
+def test_step_time_follows_the_measured_matmul_and_copy(gpu: GPUSpec, profile: ModelProfile) -> None:
+    """tests/conftest.py's GPT-2-small-like profile on its test GPU (bf16 1000 TFLOP/s datasheet: the model
+    assumes 860 achieved)."""
+    prof = profile
+    strat = Strategy(precision="bf16", mbs=8, engine="megatron")
+    datasheet = step_time(prof, strat, Cluster(gpu=gpu, gpus=1, gpus_per_node=1))
+
+    def timed(measured: MeasuredCeilings):
+        return step_time(prof, strat, Cluster(gpu=gpu_with_measured_ceilings(gpu, measured), gpus=1,
+                                              gpus_per_node=1))
+
+    slow = timed(MeasuredCeilings(matmul_flops_per_s={"bf16": 400e12}))
+    fast = timed(MeasuredCeilings(matmul_flops_per_s={"bf16": 900e12}))
+    assert slow.step_s > datasheet.step_s > fast.step_s
+    assert slow.compute_s > 1.8 * datasheet.compute_s  # 860/400: GEMM-bound layers slow down ~2x
+    assert slow.memory_bound_s == pytest.approx(datasheet.memory_bound_s)
+    same = timed(MeasuredCeilings(matmul_flops_per_s={"bf16": 1000e12 * gemm_fraction(efficiency_for(gpu), "bf16")}))
+    assert same.step_s == pytest.approx(datasheet.step_s)
+    slow_mem = timed(MeasuredCeilings(copy_bytes_per_s=0.5e12))  # vs 0.85 × 2 TB/s assumed
+    assert slow_mem.memory_bound_s > datasheet.memory_bound_s and slow_mem.step_s > datasheet.step_s
+
+
+def test_slower_measured_link_slows_tensor_parallel_steps(gpu: GPUSpec, profile: ModelProfile) -> None:
+    prof = profile
+    strat = Strategy(precision="bf16", mbs=8, tp=8, engine="megatron")
+    base = step_time(prof, strat, Cluster(gpu=gpu, gpus=8, gpus_per_node=8))
+    slow_link = gpu_with_measured_ceilings(gpu, MeasuredCeilings(allreduce_bus_bytes_per_s=50e9))
+    slow = step_time(prof, strat, Cluster(gpu=slow_link, gpus=8, gpus_per_node=8))
+    assert slow.tp_comm_s > base.tp_comm_s and slow.step_s > base.step_s
+
+
+@pytest.mark.parametrize("bad", [
+    {"matmul_flops_per_s": {"bf16": 0.0}},
+    {"matmul_flops_per_s": {"fp32": -1e12}},
+    {"matmul_flops_per_s": {"bf16": float("nan")}},
+    {"matmul_flops_per_s": {"int8": 1e12}},
+    {"copy_bytes_per_s": 0.0},
+    {"copy_bytes_per_s": float("inf")},
+    {"allreduce_bus_bytes_per_s": -5.0},
+    {"hbm_bytes_per_s": 1e12},
+])
+def test_validation_rejects_non_positive_or_unknown_figures(bad) -> None:
+    with pytest.raises(ValidationError):
+        MeasuredCeilings.model_validate(bad)
+
+
+def test_measured_ceilings_are_frozen() -> None:
+    with pytest.raises(ValidationError):
+        MEASURED.copy_bytes_per_s = 1.0  # type: ignore[misc]
+
+
+def test_ceiling_report_lines() -> None:
+    gpu = find_gpu("H100-SXM")
+    measured = MeasuredCeilings(matmul_flops_per_s={"fp16": 650e12, "bf16": 712e12},
+                                copy_bytes_per_s=2.9e12, allreduce_bus_bytes_per_s=370e9)
+    lines = ceiling_report(gpu, measured)
+    assert lines == [
+        "bf16 matmul: measured 712 TFLOP/s = 72% of datasheet 989.5 (model assumed 86%)",
+        "fp16 matmul: measured 650 TFLOP/s = 66% of datasheet 989.5 (model assumed 86%)",
+        "memory copy: measured 2,900 GB/s = 87% of datasheet 3,350 (model assumed 85%)",
+        "all-reduce bus bandwidth: measured 370 GB/s = 82% of datasheet NVLink4 450 (model assumed 75%)",
+    ]
+    a100 = find_gpu("A100-80GB")
+    (fp8,) = ceiling_report(a100, MeasuredCeilings(matmul_flops_per_s={"fp8": 400e12}))
+    assert fp8 == "fp8 matmul: measured 400 TFLOP/s (no datasheet figure for fp8)"
+    (tiny,) = ceiling_report(gpu, MeasuredCeilings(matmul_flops_per_s={"fp32": 0.4e12}))
+    assert tiny == "fp32 matmul: measured 0.4 TFLOP/s = 0.6% of datasheet 67 (model assumed 90%)"
+    assert ceiling_report(gpu, MeasuredCeilings()) == []
+
+
+def test_ceilings_module_keeps_torch_out() -> None:
+    code = ("import sys, optplan.estimators.ceilings; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'textual')))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert run.stdout.strip() == "[]"

@@ -1,0 +1,185 @@
+"""Microbenchmarks (probes/microbench.py + microbench_child.py) on this machine's CPU: positive, sane
+matmul FLOP/s, copy bandwidth and 2-process gloo all-reduce bus bandwidth; the child runs without
+pydantic or optuna; timeouts and crashes become one-line MicrobenchErrors. CUDA runs only with a GPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from optplan.estimators.ceilings import MeasuredCeilings
+from optplan.probes.microbench import (
+    MicrobenchError,
+    MicrobenchResult,
+    _failure_line,
+    child_command,
+    run_child,
+    run_microbench,
+)
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie that no reaper has collected yet counts as dead)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def cpu_result() -> MicrobenchResult:
+    return run_microbench(device="cpu", quick=True, allreduce_nproc=2, timeout_s=120)
+
+
+def test_cpu_matmul_copy_and_allreduce_are_positive_and_sane(cpu_result: MicrobenchResult) -> None:
+    r = cpu_result
+    assert r.device == "cpu" and r.torch_version and r.device_name
+    for dtype in ("fp32", "bf16"):
+        assert 1e8 < r.matmul_flops_per_s[dtype] < 1e13, dtype
+        assert r.matmul_size[dtype] > 0
+    assert "tf32" not in r.matmul_flops_per_s and "fp8" not in r.matmul_flops_per_s  # CUDA-only formats
+    assert 1e8 < r.copy_bytes_per_s < 1e13 and r.copy_size_bytes >= 2**20
+    assert r.allreduce_ranks == 2
+    assert r.allreduce_bus_bytes_per_s is not None and 1e5 < r.allreduce_bus_bytes_per_s < 1e12
+    assert max(r.allreduce_bus_bytes_per_s_by_size) == r.allreduce_size_bytes
+    assert r.allreduce_bus_bytes_per_s_by_size[r.allreduce_size_bytes] == r.allreduce_bus_bytes_per_s
+    assert 0 < r.wall_s < 60
+
+
+def test_result_turns_into_measured_ceilings(cpu_result: MicrobenchResult) -> None:
+    c = cpu_result.ceilings()
+    assert isinstance(c, MeasuredCeilings)
+    assert c.matmul_flops_per_s["fp32"] == cpu_result.matmul_flops_per_s["fp32"]
+    assert c.copy_bytes_per_s == cpu_result.copy_bytes_per_s
+    assert c.allreduce_bus_bytes_per_s == cpu_result.allreduce_bus_bytes_per_s
+    assert "cpu" in c.source and "2 ranks" in c.source
+    odd = cpu_result.model_copy(update={"matmul_flops_per_s": {"fp32": 1e9, "int8": 5e9}})
+    assert set(odd.ceilings().matmul_flops_per_s) == {"fp32"}
+
+
+def test_child_runs_without_pydantic_or_optuna(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    code = textwrap.dedent(f"""
+        import runpy, sys
+        for name in ("pydantic", "pydantic_core", "optuna", "yaml", "textual"):
+            sys.modules[name] = None  # importing them now raises ImportError
+        sys.argv = ["microbench_child", "--out", {str(out)!r}, "--device", "cpu", "--quick", "--dtypes", "fp32"]
+        try:
+            runpy.run_module("optplan.probes.microbench_child", run_name="__main__")
+        except SystemExit as exc:
+            assert not exc.code, exc.code
+        print(sorted(m for m in sys.modules if m.startswith("optplan")))
+        """)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert set(eval(run.stdout.strip())) <= {"optplan", "optplan.probes"}  # nothing else of optplan
+    doc = json.loads(out.read_text())
+    assert set(doc["matmul_flops_per_s"]) == {"fp32"} and doc["copy_bytes_per_s"] > 0
+    assert doc["device"] == "cpu" and doc["allreduce_bus_bytes_per_s"] is None
+    assert not list(tmp_path.glob(".*.tmp"))  # written via a temporary file and renamed
+
+
+def test_timeout_kills_the_child_and_raises_one_line() -> None:
+    t0 = time.monotonic()
+    with pytest.raises(MicrobenchError) as info:
+        run_microbench(device="cpu", quick=True, timeout_s=0.3)
+    assert time.monotonic() - t0 < 15
+    msg = str(info.value)
+    assert "\n" not in msg and "did not finish within the 0.3 s limit" in msg and "timeout" in msg
+
+
+def test_timeout_kills_grandchildren_in_their_own_sessions(tmp_path: Path) -> None:
+    """torchrun starts its workers with start_new_session=True: they must die with the parent."""
+    code = ("import subprocess, sys, time; "
+            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], start_new_session=True); "
+            "print('GRANDCHILD', p.pid, file=sys.stderr, flush=True); time.sleep(120)")
+    with pytest.raises(MicrobenchError) as info:
+        run_child([sys.executable, "-c", code], tmp_path / "none.json", what="test child", timeout_s=1.5)
+    pid = int(info.value.detail.split("GRANDCHILD")[1].split()[0])
+    for _ in range(100):
+        if not _alive(pid):
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        pytest.fail("the grandchild survived the timeout")
+
+
+def test_killed_child_raises_one_line(tmp_path: Path) -> None:
+    code = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
+    with pytest.raises(MicrobenchError) as info:
+        run_child([sys.executable, "-c", code], tmp_path / "none.json", what="test child", timeout_s=30)
+    msg = str(info.value)
+    assert "\n" not in msg and "killed by SIGKILL" in msg and "to see its full output" in msg
+
+
+def test_child_that_writes_nothing_raises(tmp_path: Path) -> None:
+    with pytest.raises(MicrobenchError, match="wrote no readable result"):
+        run_child([sys.executable, "-c", "pass"], tmp_path / "none.json", what="test child", timeout_s=30)
+
+
+@pytest.mark.skipif(_cuda_available(), reason="needs a machine without CUDA")
+def test_failing_child_reports_its_own_error_line() -> None:
+    with pytest.raises(MicrobenchError) as info:
+        run_microbench(device="cuda", quick=True, timeout_s=60)
+    msg = str(info.value)
+    assert "\n" not in msg and "exit code 1" in msg and "torch.cuda.is_available() is False" in msg
+    assert "Traceback" in info.value.detail
+
+
+def test_failure_line_skips_torchrun_decoration() -> None:
+    stderr = ("Traceback ...\nmicrobench_child: error: RuntimeError: boom\n"
+              "E0101 torchrun: failed\n====================\n")
+    assert _failure_line(stderr) == "RuntimeError: boom"
+    assert _failure_line("something broke\n*****\n\n") == "something broke"
+    assert _failure_line("") == ""
+
+
+def test_child_commands() -> None:
+    plain = child_command("r.json", device="cpu", quick=True)
+    assert plain == [sys.executable, "-m", "optplan.probes.microbench_child", "--out", "r.json", "--device",
+                     "cpu", "--quick"]
+    ar = child_command("r.json", device="cuda", quick=False, allreduce_nproc=4)
+    assert ar[:5] == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4"]
+    assert ar[5:9] == ["-m", "optplan.probes.microbench_child", "--allreduce", "--out"]
+
+
+def test_bad_arguments_raise_before_running() -> None:
+    with pytest.raises(MicrobenchError, match="allreduce_nproc must be >= 0"):
+        run_microbench(device="cpu", allreduce_nproc=-1)
+    with pytest.raises(MicrobenchError, match="unknown device"):
+        run_microbench(device="tpu")  # type: ignore[arg-type]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda_available(), reason="needs a CUDA GPU")
+def test_cuda_microbench() -> None:
+    import torch
+
+    r = run_microbench(device="cuda", quick=True, timeout_s=300)
+    assert r.device == "cuda" and r.device_name == torch.cuda.get_device_name(0)
+    for dtype in ("fp32", "tf32", "bf16", "fp16"):
+        assert 1e12 < r.matmul_flops_per_s[dtype] < 1e16, dtype
+    assert r.matmul_flops_per_s["tf32"] > r.matmul_flops_per_s["fp32"]  # TF32 really was off for fp32
+    if torch.cuda.get_device_capability() >= (8, 9):
+        assert r.matmul_flops_per_s["fp8"] > r.matmul_flops_per_s["bf16"]
+    assert 1e11 < r.copy_bytes_per_s < 2e13
+    if torch.cuda.device_count() > 1:
+        assert r.allreduce_ranks == torch.cuda.device_count() and r.allreduce_bus_bytes_per_s > 1e9
+    else:
+        assert r.allreduce_bus_bytes_per_s is None
