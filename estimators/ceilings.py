@@ -110,6 +110,9 @@ def gpu_with_measured_ceilings(gpu: GPUSpec, measured: MeasuredCeilings,
     if measured.allreduce_bus_bytes_per_s is not None:
         update["intra_node_bandwidth_bytes_per_s"] = measured.allreduce_bus_bytes_per_s / eff.intra_node_link_fraction
         parts.append("intra-node all-reduce bandwidth")
+    if gpu.mfu_reference_flops is None:
+        from optplan.estimators.timing import mfu_peak_flops
+        update["mfu_reference_flops"] = mfu_peak_flops(gpu)  # MFU stays quoted against the datasheet
     origin = measured.source or "microbenchmark"
     update["source"] = (f"{gpu.source}; measured ({origin}): {', '.join(parts)} "
                         "(ceiling = measured / the model's achieved fraction)")

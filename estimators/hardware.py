@@ -34,6 +34,9 @@ class GPUSpec(BaseModel):
     intra_node_link: str = "PCIe"
     tdp_watts: float = Field(gt=0)
     source: str
+    mfu_reference_flops: float | None = Field(
+        default=None, gt=0, description="the datasheet dense 16-bit peak MFU is quoted against (FLOP/s), kept "
+                                        "when measured ceilings replace peak_flops; None: read peak_flops")
 
     def peak_flops_for(self, dtype: Dtype) -> float:
         """Dense peak FLOP/s for ``dtype``; 0.0 when the GPU has no such math (e.g. fp8 on A100)."""

@@ -116,7 +116,10 @@ class TimeBreakdown(BaseModel):
 
 
 def mfu_peak_flops(gpu: GPUSpec) -> float:
-    """The MFU reference: the GPU's dense 16-bit tensor-core peak (bf16 or fp16), FLOP/s."""
+    """The MFU reference: the GPU's datasheet dense 16-bit tensor-core peak (bf16 or fp16), FLOP/s (PaLM,
+    Chowdhery et al. 2022, App. B); measured ceilings (ceilings.py) keep the datasheet figure here."""
+    if gpu.mfu_reference_flops is not None:
+        return gpu.mfu_reference_flops
     return max(gpu.peak_flops_for("bf16"), gpu.peak_flops_for("fp16"), gpu.peak_flops_for("fp32"))
 
 

@@ -150,3 +150,15 @@ def test_ceilings_module_keeps_torch_out() -> None:
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'textual')))")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert run.stdout.strip() == "[]"
+
+
+def test_mfu_stays_quoted_against_the_datasheet(gpu: GPUSpec, profile: ModelProfile) -> None:
+    """PaLM's MFU divides by the datasheet peak: measured ceilings change the step time, not the reference."""
+    from optplan.estimators.timing import mfu_peak_flops
+
+    measured = gpu_with_measured_ceilings(gpu, MEASURED)
+    assert mfu_peak_flops(measured) == mfu_peak_flops(gpu) == gpu.peak_flops_for("bf16")
+    cluster = Cluster(gpu=gpu, gpus=8, gpus_per_node=8)
+    s = Strategy(precision="bf16", dp=8, mbs=4)
+    t0, t1 = step_time(profile, s, cluster), step_time(profile, s, cluster.model_copy(update={"gpu": measured}))
+    assert t1.mfu / t0.mfu == pytest.approx(t0.step_s / t1.step_s)
