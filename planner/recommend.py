@@ -7,9 +7,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from optplan.estimators.calibration import Calibration
 from optplan.estimators.cost import training_cost
 from optplan.estimators.errors import OptplanError
 from optplan.estimators.estimate import Estimate, StatesEstimate
@@ -19,6 +21,15 @@ from optplan.estimators.profile import ModelProfile
 from optplan.estimators.strategy import Strategy
 from optplan.planner.events import ProgressEvent
 from optplan.planner.export.context import ExportPlan, export_plan_for
+from optplan.planner.probe_stage import (
+    LocalDevices,
+    ProbeOptions,
+    ProbeReport,
+    Runner,
+    probe_lines,
+    rerank,
+    run_probe_stage,
+)
 from optplan.planner.rationale import rationale
 from optplan.planner.search import Goal, Pricer, SearchMethod, pareto_front, search
 from optplan.planner.space import build_space
@@ -88,6 +99,9 @@ class Recommendation(BaseModel):
     tokens: float | None = None
     deadline_s: float | None = None
     export: ExportPlan | None = None
+    probes: ProbeReport | None = Field(default=None, description="recommend --probe: every probe run and its "
+                                                                 "predicted vs measured figures")
+    calibration: Calibration | None = Field(default=None, description="the calibration the estimates carry")
 
 
 def _with_cost(e: Estimate, goal: Goal, cluster: Cluster) -> Estimate:
@@ -109,12 +123,20 @@ def recommend(profile: ModelProfile, cluster: Cluster, *, global_batch: int | No
               goal: Goal | None = None, offload: bool = True, method: SearchMethod = "auto", seed: int = 0,
               n_trials: int | None = None, storage: str | Path | None = None,
               alternatives: int = DEFAULT_ALTERNATIVES, notes: Sequence[str] = (),
-              on_progress: Callable[[ProgressEvent], None] | None = None) -> Recommendation:
+              on_progress: Callable[[ProgressEvent], None] | None = None,
+              calibration: Calibration | None = None, probe: ProbeOptions | None = None,
+              probe_local: LocalDevices | None = None, probe_runner: Runner | None = None,
+              probe_bench: Callable[..., Any] | None = None) -> Recommendation:
     """Search the space of ``profile`` on ``cluster`` (or on each of ``gpu_counts``) and explain the pick.
 
     ``global_batch`` (samples) defaults to the model file's OPTPLAN value; None leaves it free. For a model
     file the engines default to DeepSpeed and torch (they run the file); Megatron-LM (tensor, pipeline and
     context parallelism) joins for ``--arch`` shapes or when named in ``engines``.
+
+    ``calibration`` (e.g. from the cache of an earlier probe run) corrects every estimate. ``probe`` runs the
+    probe stage (``planner.probe_stage``) on a model file: the top candidates run for real on
+    ``probe_local`` (default: the local GPUs, else the CPU) through ``probe_runner`` (default
+    ``optplan.probes.runtime.run_probe``); on the planned GPU they recalibrate and re-rank.
     """
     goal = goal or Goal()
     goal.check()
@@ -126,6 +148,11 @@ def recommend(profile: ModelProfile, cluster: Cluster, *, global_batch: int | No
                                  offload=offload, alternatives=alternatives, notes=notes, goal=goal)
     if engines is None and _is_model_file(profile):
         engines = ("deepspeed", "torch")
+    ceiling_notes: list[str] = []
+    if probe is not None and _is_model_file(profile) and probe.microbench:
+        from optplan.planner.probe_stage import local_devices, measured_cluster
+        probe_local = probe_local or local_devices(probe.nproc)
+        cluster, ceiling_notes = measured_cluster(cluster, probe_local, bench=probe_bench)
     space = build_space(profile, cluster, global_batch=gb, precisions=precisions, optimizers=optimizers,
                         engines=engines, gpu_counts=gpu_counts, offload=offload)
     if not space.layouts:
@@ -135,11 +162,23 @@ def recommend(profile: ModelProfile, cluster: Cluster, *, global_batch: int | No
         raise OptplanError(f"global batch {gb} is not divisible by any data-parallel degree the layouts allow "
                            f"({', '.join(map(str, dps[:8]))}): use a multiple of {dps[0]} for --global-batch")
     result = search(profile, cluster, space, goal=goal, method=method, seed=seed, n_trials=n_trials,
-                    storage=storage, on_progress=on_progress)
-    feasible = result.feasible
-    pricer = Pricer(profile, cluster)
-    pricer.priced.update({e.strategy: e for e in result.ranked})
-    all_notes = list(notes) + list(profile.notes) + [MODEL_SCOPE_NOTE]
+                    storage=storage, on_progress=on_progress, calibration=calibration)
+    ranked = result.ranked
+    report: ProbeReport | None = None
+    probe_text: list[str] = []
+    if probe is not None and _is_model_file(profile) and result.feasible:
+        kwargs = {"runner": probe_runner} if probe_runner is not None else {}
+        report = run_probe_stage(profile, cluster, ranked, options=probe, local=probe_local, storage=storage,
+                                 study_name=result.study.study_name, on_progress=on_progress, **kwargs)
+        dropped: tuple[str, ...] = ()
+        if report.time_comparable:
+            calibration = report.calibration or calibration
+            ranked, dropped = rerank(ranked, report, goal, Pricer(profile, cluster, calibration))
+        probe_text = probe_lines(report, dropped)
+    feasible = tuple(e for e in ranked if e.fits)
+    pricer = Pricer(profile, cluster, calibration)
+    pricer.priced.update({e.strategy: e for e in ranked})
+    all_notes = list(notes) + list(profile.notes) + [MODEL_SCOPE_NOTE] + [f"measured: {n}" for n in ceiling_notes]
     if gb is not None and profile.defaults.global_batch == gb and global_batch is None:
         all_notes.append(f"global batch {gb} from the model file's OPTPLAN")
     summary = SearchSummary(method=result.method, space_size=result.space_size, evaluated=result.evaluated,
@@ -150,7 +189,7 @@ def recommend(profile: ModelProfile, cluster: Cluster, *, global_batch: int | No
                                      detected=cluster.detected)
     common = dict(model=profile.name, model_path=profile.path, cluster=cluster_summary, global_batch=gb,
                   seq_len=profile.seq_len, search=summary, objective=goal.objective, tokens=goal.tokens,
-                  deadline_s=goal.deadline_s)
+                  deadline_s=goal.deadline_s, probes=report, calibration=calibration)
     if feasible:
         pick = _with_cost(feasible[0], goal, cluster)
         if pick.strategy.engine == "megatron" and _is_model_file(profile):
@@ -158,7 +197,7 @@ def recommend(profile: ModelProfile, cluster: Cluster, *, global_batch: int | No
         if goal.deadline_s is not None and not goal.meets_deadline(pick):
             all_notes.append(f"no searched plan trains {goal.tokens:.3g} tokens within the deadline: this is the "
                              "fastest; widen --gpus-range or relax --deadline")
-        lines = rationale(pick, result.ranked, pricer, space, goal, result.evaluated + result.resumed)
+        lines = rationale(pick, ranked, pricer, space, goal, result.evaluated + result.resumed) + probe_text
         return Recommendation(
             **common, fits=True, plan=pick.strategy, estimate=pick,  # type: ignore[arg-type]
             alternatives=tuple(PlanEstimate(plan=e.strategy, estimate=_with_cost(e, goal, cluster))
@@ -168,7 +207,7 @@ def recommend(profile: ModelProfile, cluster: Cluster, *, global_batch: int | No
                          for e in pareto_front(feasible, goal)),
             suggestions=(), notes=tuple(all_notes),
             export=export_plan_for(pick.strategy, profile, pricer.cluster_for(pick.gpus)))
-    closest = min(result.ranked, key=lambda e: e.memory.total_bytes) if result.ranked else None
+    closest = min(ranked, key=lambda e: e.memory.total_bytes) if ranked else None
     gpus = max(space.gpu_counts)
     why = (f"no searched plan fits {gpus} x {cluster.gpu.name}: the leanest needs "
            f"{closest.memory.total_bytes / 2**30:.1f} GiB per GPU ({closest.strategy.label()}) of "

@@ -22,8 +22,13 @@ tensor; ``output["loss"]``; the first scalar tensor of a tuple/list; else the fi
 ``optimizer`` and ``precision`` (strings); other keys with scalar values go to ``extra`` (non-scalar
 ones are skipped with a note). A non-dict ``OPTPLAN`` is an error.
 
-Every problem is raised as :class:`~optplan.probes.loader.ModelFileError` (one line: file, problem,
-fix).
+Every problem is raised as :class:`~optplan.probes.model_errors.ModelFileError` (one line: file, problem,
+fix; re-exported by ``optplan.probes.loader``).
+
+This module imports only torch and the pydantic-free ``optplan.probes.model_errors``: the runtime probe
+child (``optplan.probes.runtime_child``) uses it in environments without the planner's dependencies.
+``ModelDefaults`` (pydantic) is imported lazily by :func:`read_defaults`; with ``plain=True``, or when
+pydantic is not installed, the defaults are a :class:`PlainDefaults` with the same fields.
 """
 
 from __future__ import annotations
@@ -36,13 +41,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
 
-from optplan.estimators.profile import ModelDefaults
-from optplan.probes.loader import ModelFileError, check_model_path, one_line
+from optplan.probes.model_errors import ModelFileError, check_model_path, one_line
+
+if TYPE_CHECKING:
+    from optplan.estimators.profile import ModelDefaults
 
 BUILDER = "build_model"
 BATCH_FN = "example_batch"
@@ -130,11 +137,39 @@ def _positive_int(shown: str, key: str, value: Any) -> int:
     return value
 
 
-def read_defaults(module: ModuleType, display: str) -> tuple[ModelDefaults, list[str]]:
-    """The file's ``OPTPLAN`` dict as ModelDefaults (plus notes about skipped keys)."""
+@dataclass(frozen=True)
+class PlainDefaults:
+    """``ModelDefaults``' fields without pydantic (the runtime probe child uses these)."""
+
+    seq_len: int | None = None
+    global_batch: int | None = None
+    tokens: float | None = None
+    optimizer: str | None = None
+    precision: str | None = None
+    extra: dict[str, str | int | float | bool | None] = field(default_factory=dict)
+
+
+def _defaults(plain: bool, **values: Any) -> ModelDefaults | PlainDefaults:
+    if not plain:
+        try:
+            from optplan.estimators.profile import ModelDefaults
+        except ImportError:  # pydantic not installed: a bare training environment
+            pass
+        else:
+            return ModelDefaults(**values)
+    return PlainDefaults(**values)
+
+
+def read_defaults(module: ModuleType, display: str, *, plain: bool = False
+                  ) -> tuple[ModelDefaults | PlainDefaults, list[str]]:
+    """The file's ``OPTPLAN`` dict as ModelDefaults (plus notes about skipped keys).
+
+    ``plain``: return a :class:`PlainDefaults` and never import pydantic (also the fallback when
+    pydantic is not installed). Validation and errors are the same either way.
+    """
     raw = getattr(module, DEFAULTS, None)
     if raw is None:
-        return ModelDefaults(), []
+        return _defaults(plain), []
     if not isinstance(raw, Mapping):
         raise ModelFileError(display, f"OPTPLAN must be a dict, got {type(raw).__name__}",
                              'write OPTPLAN = {"seq_len": 2048, "global_batch": 256, ...} or remove it')
@@ -171,7 +206,7 @@ def read_defaults(module: ModuleType, display: str) -> tuple[ModelDefaults, list
             extra[key] = value
         else:
             notes.append(f"OPTPLAN[{key!r}] is a {type(value).__name__}, not a scalar, and was ignored")
-    return ModelDefaults(**values, extra=extra), notes
+    return _defaults(plain, **values, extra=extra), notes
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -188,7 +223,7 @@ class ModelContract:
     builder: Callable[[], Any]
     example_batch: Callable[[int, int], Any] | None
     loss_fn: Callable[[Any, Any], Any] | None
-    defaults: ModelDefaults
+    defaults: ModelDefaults | PlainDefaults
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -295,10 +330,11 @@ def _drop_part_classes(classes: dict[str, type], display: str) -> dict[str, type
 
 
 def resolve_contract(module: ModuleType, path: str | Path, *, model_name: str | None = None,
-                     display: str | None = None) -> ModelContract:
-    """Find the model builder, example batch, loss and defaults in an imported model file."""
+                     display: str | None = None, plain_defaults: bool = False) -> ModelContract:
+    """Find the model builder, example batch, loss and defaults in an imported model file
+    (``plain_defaults``: see :func:`read_defaults`)."""
     shown = display or str(path)
-    defaults, notes = read_defaults(module, shown)
+    defaults, notes = read_defaults(module, shown, plain=plain_defaults)
     batch_fn = getattr(module, BATCH_FN, None)
     loss = getattr(module, LOSS_FN, None)
     for fn_name, fn in ((BATCH_FN, batch_fn), (LOSS_FN, loss)):
@@ -342,10 +378,13 @@ def resolve_contract(module: ModuleType, path: str | Path, *, model_name: str | 
                          notes=notes)
 
 
-def load_contract(path: str | Path, *, model_name: str | None = None) -> ModelContract:
-    """Import the file and resolve its contract (in the current process: call it in a child)."""
+def load_contract(path: str | Path, *, model_name: str | None = None, plain_defaults: bool = False) -> ModelContract:
+    """Import the file and resolve its contract (in the current process: call it in a child).
+
+    ``plain_defaults``: the defaults are a :class:`PlainDefaults` and pydantic is never imported.
+    """
     module = import_model_file(path, display=str(path))
-    return resolve_contract(module, path, model_name=model_name, display=str(path))
+    return resolve_contract(module, path, model_name=model_name, display=str(path), plain_defaults=plain_defaults)
 
 
 def build_meta(builder: Callable[[], Any], source: str, display: str) -> nn.Module:

@@ -7,7 +7,9 @@ validated here into a :class:`~optplan.estimators.profile.ModelProfile`.
 
 Every problem a user can fix (no such file, a syntax error, a missing package, no model found, an
 example batch the model rejects, a child that crashes or hangs...) is raised as
-:class:`ModelFileError`, whose message is one line: ``"<file>: <problem> — <fix>"``.
+:class:`ModelFileError`, whose message is one line: ``"<file>: <problem> — <fix>"``. ModelFileError,
+``check_model_path`` and ``one_line`` live in the pydantic-free :mod:`optplan.probes.model_errors` and are
+re-exported here.
 """
 
 from __future__ import annotations
@@ -16,50 +18,20 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
-from optplan.estimators.errors import OptplanError
 from optplan.estimators.profile import ModelProfile
+from optplan.probes.model_errors import ModelFileError, check_model_path, one_line
 
 CHILD_MODULE = "optplan.probes._child"
 EXIT_OK = 0
 EXIT_MODEL_ERROR = 3
-_MAX_TEXT = 400
 
-
-def one_line(text: object, limit: int = _MAX_TEXT) -> str:
-    """``text`` with all whitespace runs collapsed to one space, cut to ``limit`` characters."""
-    flat = " ".join(str(text).split())
-    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
-
-
-class ModelFileError(OptplanError):
-    """A problem with a model file that the user can fix; ``str()`` is one line naming file and fix."""
-
-    def __init__(self, path: str | os.PathLike[str], problem: str, fix: str, *, detail: str = "") -> None:
-        self.path = str(path)
-        self.detail = detail  # the child's stderr (user output, tracebacks), shown by `optplan --debug`
-        self.problem = one_line(problem)
-        self.fix = one_line(fix)
-        super().__init__(f"{self.path}: {self.problem} — {self.fix}")
-
-
-def check_model_path(path: str | os.PathLike[str]) -> Path:
-    """The path as a resolved ``Path`` when it names an existing ``.py`` file, else ModelFileError."""
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise ModelFileError(path, "file not found",
-                             f"check the path (relative paths start at {os.getcwd()})")
-    if p.is_dir():
-        raise ModelFileError(path, "is a directory, not a model file",
-                             "pass the .py file that defines build_model() or your nn.Module")
-    if p.suffix != ".py":
-        raise ModelFileError(path, f"not a Python file (expected a .py file, got {p.suffix or 'no suffix'!r})",
-                             "pass the .py file that defines build_model() or your nn.Module")
-    return p.resolve()
+__all__ = [
+    "ModelFileError", "check_model_path", "one_line", "child_command", "parse_child_output", "profile_model_file",
+]
 
 
 def child_command(path: str | os.PathLike[str], *, seq_len: int | None = None,

@@ -6,12 +6,13 @@ unless ``--debug`` is given.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Annotated, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import typer
 from pydantic import ValidationError
@@ -129,25 +130,60 @@ def profile(ctx: typer.Context, model: OptModelFile = None, arch: ArchOpt = None
 
 
 @app.command()
-def hardware(ctx: typer.Context, as_json: JsonOpt = False) -> None:
+def hardware(ctx: typer.Context, as_json: JsonOpt = False,
+             microbench: Annotated[bool, typer.Option("--microbench", help="also measure matmul TFLOP/s per dtype, copy bandwidth and all-reduce bus bandwidth here")] = False,
+             quick: Annotated[bool, typer.Option("--quick", help="smaller microbenchmarks (seconds)")] = False) -> None:
     """Show the GPUs detected through NVML and the catalogue entries they map to."""
     from optplan.planner.api import detect_hardware
 
     def body() -> None:
         report = detect_hardware()
+        bench = None
+        if microbench:
+            from optplan.probes.microbench import run_microbench
+            with _stderr().status("running microbenchmarks in child processes..."):
+                bench = run_microbench(device="cuda" if report.available else "cpu", quick=quick,
+                                       allreduce_nproc=len(report.devices) if len(report.devices) > 1 else 0)
         if as_json:
-            typer.echo(report.model_dump_json(indent=2))
+            if bench is None:
+                typer.echo(report.model_dump_json(indent=2))
+            else:
+                typer.echo(json.dumps({"hardware": report.model_dump(mode="json"),
+                                       "microbench": bench.model_dump(mode="json")}, indent=2))
             return
         out = _stdout()
         if not report.available:
             out.print(f"{report.reason}. Commands plan for --gpu (default H100-SXM) instead.")
-            return
-        out.print(f"driver {report.driver_version}: {len(report.devices)} GPU(s)")
-        for d in report.devices:
-            target = d.catalogue_name or "not in the catalogue (pass --gpu to plan)"
-            out.print(f"  [{d.index}] {d.name}, {d.memory_total_bytes / 2**30:.1f} GiB -> {target}")
+        else:
+            out.print(f"driver {report.driver_version}: {len(report.devices)} GPU(s)")
+            for d in report.devices:
+                target = d.catalogue_name or "not in the catalogue (pass --gpu to plan)"
+                out.print(f"  [{d.index}] {d.name}, {d.memory_total_bytes / 2**30:.1f} GiB -> {target}")
+        if bench is not None:
+            _print_microbench(out, bench, report)
 
     _guard(ctx, body)
+
+
+def _print_microbench(out: Console, bench: Any, report: Any) -> None:
+    """Measured figures; against the datasheet when the device is a catalogued GPU."""
+    out.print(f"microbenchmarks on {bench.device_name} ({bench.device}, torch {bench.torch_version}, "
+              f"{bench.wall_s:.0f} s):")
+    catalogue = next((d.catalogue_name for d in report.devices if d.catalogue_name), None) if report.available else None
+    if bench.device == "cuda" and catalogue:
+        from optplan.estimators.ceilings import ceiling_report
+        from optplan.estimators.hardware import find_gpu
+        for line in ceiling_report(find_gpu(catalogue), bench.ceilings()):
+            out.print(f"  {line}")
+        return
+    for dtype, flops in bench.matmul_flops_per_s.items():
+        out.print(f"  {dtype} matmul: {flops / 1e12:.3g} TFLOP/s")
+    out.print(f"  copy: {bench.copy_bytes_per_s / 1e9:.3g} GB/s (read + write)")
+    if bench.allreduce_bus_bytes_per_s is not None:
+        out.print(f"  all-reduce bus bandwidth over {bench.allreduce_ranks} ranks: "
+                  f"{bench.allreduce_bus_bytes_per_s / 1e9:.3g} GB/s")
+    if bench.device == "cpu":
+        out.print("  (CPU figures: they are not used to plan for a GPU)", style="dim")
 
 
 @app.command()
@@ -303,6 +339,13 @@ def recommend(
     out: Annotated[Path | None, typer.Option("--out", help="write plan.json, PLAN.md and the launch files here")] = None,
     launcher: Annotated[str, typer.Option("--launcher", help="launch.sh starts torchrun or the deepspeed launcher")] = "torchrun",
     force: Annotated[bool, typer.Option("--force", help="overwrite existing files in --out")] = False,
+    probe: Annotated[bool | None, typer.Option("--probe/--no-probe", help="run the best candidates for a few real steps (default: on when a GPU is present)", show_default=False)] = None,
+    probe_budget: Annotated[float, typer.Option("--probe-budget", help="total seconds for all probes")] = 600.0,
+    probe_timeout: Annotated[float, typer.Option("--probe-timeout", help="seconds before one probe is killed")] = 300.0,
+    probe_top_k: Annotated[int, typer.Option("--probe-top-k", help="how many candidates to probe")] = 4,
+    probe_steps: Annotated[int, typer.Option("--probe-steps", help="timed steps per probe (after 2 warm-up steps)")] = 5,
+    probe_nproc: Annotated[int | None, typer.Option("--probe-nproc", help="local processes per probe (default: local GPUs, 1 on CPU)")] = None,
+    calibration: Annotated[bool, typer.Option("--calibration/--no-calibration", help="start from the calibration an earlier probe run stored for this GPU, model and torch")] = True,
     model_name: NameOpt = None, as_json: JsonOpt = False,
 ) -> None:
     """Search parallel layout, engine, sharding, offload, precision, micro-batch and checkpointing; print the best plan."""
@@ -328,6 +371,14 @@ def recommend(
         _check_finite("price", price, allow_zero=True)
         if trials is not None and trials < 1:
             raise OptplanError(f"--trials must be >= 1 (got {trials})")
+        _check_finite("probe-budget", probe_budget)
+        _check_finite("probe-timeout", probe_timeout)
+        for flag, count in (("probe-top-k", probe_top_k), ("probe-steps", probe_steps), ("probe-nproc", probe_nproc)):
+            if count is not None and count < 1:
+                raise OptplanError(f"--{flag} must be >= 1 (got {count})")
+        if probe and model is None:
+            raise OptplanError("--probe runs the model FILE for real: give a model file (not --arch/--params) "
+                               "or drop --probe")
         if global_batch is not None and global_batch_tokens is not None:
             raise OptplanError("give --global-batch (samples) or --global-batch-tokens, not both")
         if global_batch is not None and global_batch < 1:
@@ -369,10 +420,20 @@ def recommend(
                 raise OptplanError(f"--global-batch-tokens {global_batch_tokens:g} is not a multiple of the sequence "
                                    f"length {seq}: use a multiple of {seq}")
             gb = int(global_batch_tokens // seq)
-        with _stderr().status("searching..."):
+        probe_options = None
+        if model is not None and (probe or (probe is None and _gpu_present())):
+            from optplan.planner.probe_stage import ProbeOptions
+            probe_options = ProbeOptions(top_k=probe_top_k, budget_s=probe_budget, timeout_s=probe_timeout,
+                                         timed_steps=probe_steps, nproc=probe_nproc, model_name=model_name)
+        cal = None
+        if calibration and model is not None:
+            from optplan.planner.probe_stage import cached_calibration
+            cal = cached_calibration(prof, target)
+        with _plan_progress(quiet=as_json) as on_progress:
             rec = plan(prof, target, global_batch=gb, precisions=precision, optimizers=optimizer, engines=engine,
                        gpu_counts=counts, goal=goal, offload=offload, method=method,  # type: ignore[arg-type]
-                       seed=seed, n_trials=trials, storage=study, notes=notes)
+                       seed=seed, n_trials=trials, storage=study, notes=notes, calibration=cal,
+                       probe=probe_options, on_progress=on_progress)
         written: list[Path] = []
         skipped: list[str] = []
         if out is not None and rec.fits:
@@ -389,6 +450,83 @@ def recommend(
         if out is not None and not rec.fits:
             _stderr().print("nothing written: no plan fits", style="yellow")
         if not rec.fits:
+            raise typer.Exit(code=1)
+
+    _guard(ctx, body)
+
+
+def _gpu_present() -> bool:
+    """True when NVML (or torch) sees a GPU here: ``recommend`` probes by default then."""
+    from optplan.planner.api import detect_hardware
+    return detect_hardware().available
+
+
+@contextlib.contextmanager
+def _plan_progress(*, quiet: bool = False) -> Iterator[Callable[[Any], None]]:
+    """A spinner while searching and a progress bar while probing (stderr); probe outcomes as lines."""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        SpinnerColumn,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
+    console = _stderr()
+    progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TimeElapsedColumn(), console=console, transient=True, disable=quiet)
+    tasks: dict[str, Any] = {}
+
+    def on_progress(event: Any) -> None:
+        stage = event.stage
+        if stage not in tasks:
+            tasks[stage] = progress.add_task("searching" if stage == "search" else stage, total=event.total or None)
+        progress.update(tasks[stage], completed=event.done, total=event.total or None,
+                        description=(f"searching {event.message}" if stage == "search" else event.message or stage)[:70])
+        if stage == "probe" and event.done and not quiet and ": " in event.message:
+            progress.console.print(f"probe {event.message}", markup=False, highlight=False)
+
+    with progress:
+        tasks["search"] = progress.add_task("searching...", total=None)
+        yield on_progress
+
+
+@app.command("validate")
+def validate_cmd(
+    ctx: typer.Context,
+    target: Annotated[Path, typer.Argument(help="the folder recommend --out wrote, or one of ds_config.json, launch.sh, accelerate.yaml", show_default=False)],
+    model: Annotated[Path, typer.Argument(help="the model file the plan is for", show_default=False)],
+    timeout: Annotated[float, typer.Option("--timeout", help="seconds before one run is killed")] = 600.0,
+    steps: Annotated[int, typer.Option("--steps", help="timed steps per run (after one warm-up step)")] = 3,
+    nproc: Annotated[int | None, typer.Option("--nproc", help="local processes (default: local GPUs, 1 on CPU)")] = None,
+    seq_len: SeqOpt = None, model_name: NameOpt = None, as_json: JsonOpt = False,
+) -> None:
+    """Run the exported launch configs for a few steps: started, fits, step time against the prediction."""
+    from optplan.planner.api import resolve_model
+    from optplan.planner.probe_stage import local_devices
+    from optplan.planner.validate_run import files_to_run, validate_exports
+
+    def body() -> None:
+        _check_finite("timeout", timeout)
+        for flag, count in (("steps", steps), ("nproc", nproc)):
+            if count is not None and count < 1:
+                raise OptplanError(f"--{flag} must be >= 1 (got {count})")
+        files_to_run(target)  # a bad target fails before profiling
+        with _stderr().status("profiling the model in a child process..."):
+            prof = resolve_model(model, arch=None, seq_len=seq_len, model_name=model_name, params=None)
+        with _stderr().status("running the exported configs..."):
+            report = validate_exports(target, prof, model_name=model_name, local=local_devices(nproc),
+                                      timeout_s=timeout, timed_steps=steps)
+        if as_json:
+            typer.echo(json.dumps(report.model_dump(mode="json"), indent=2))
+        else:
+            out = _stdout()
+            for run in report.runs:
+                out.print(run.line(), style="green" if run.ok else "red", markup=False)
+                for note in run.notes:
+                    out.print(f"  note: {note}", style="dim", markup=False)
+        if not report.ok:
             raise typer.Exit(code=1)
 
     _guard(ctx, body)

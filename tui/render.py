@@ -159,6 +159,30 @@ def plans_table(rec: Recommendation) -> Table:
     return table
 
 
+def probes_table(rec: Recommendation) -> Table | None:
+    """Predicted vs measured for every probed candidate (``recommend --probe``)."""
+    report = rec.probes
+    if report is None or not report.probed:
+        return None
+    where = f"{report.nproc} x {report.device_name}" if report.device == "cuda" else f"CPU ({report.device_name})"
+    table = Table(title=f"probes on {where}: predicted vs measured ({report.spent_s:.0f} s of "
+                        f"{report.budget_s:.0f} s budget)", box=box.SIMPLE_HEAD, title_justify="left")
+    for col in ("candidate → probed as", "status", "step: predicted → measured", "peak GiB: predicted → measured"):
+        table.add_column(col, overflow="fold")
+    for c in report.probed:
+        r = c.result
+        t_err = f" ({100 * (c.time_ratio - 1):+.0f}%)" if c.time_ratio is not None else ""
+        m_err = f" ({100 * (c.memory_ratio - 1):+.1f}%)" if c.memory_ratio is not None else ""
+        status = r.status if r.status == "ok" else f"{r.status}: {r.reason}"[:80]
+        step = (f"{_duration(c.predicted_step_s) if c.predicted_step_s else '-'} → "
+                f"{_duration(r.step_s) if r.step_s else '-'}{t_err}")
+        peak = (f"{gib(c.predicted_allocated_bytes):.2f} → "
+                f"{f'{gib(r.peak_allocated_bytes):.2f}' if r.peak_allocated_bytes is not None else '-'}{m_err}")
+        table.add_row(Text(f"{c.candidate.label()} → dp {c.probed.dp} mbs {c.probed.mbs} gas {c.probed.grad_accum}"),
+                      Text(status), step, peak)
+    return table
+
+
 def print_recommendation(console: Console, rec: Recommendation, profile: ModelProfile) -> None:
     """The full human report of a recommendation."""
     console.print(profile_summary(profile))
@@ -168,9 +192,12 @@ def print_recommendation(console: Console, rec: Recommendation, profile: ModelPr
                   f"({rec.search.method}), {rec.search.feasible} fit")
     for note in rec.notes:
         console.print(f"note: {note}", style="dim")
+    probes = probes_table(rec)
+    if probes is not None:
+        console.print(probes)
     if rec.fits:
         console.print(plans_table(rec))
-        console.print(Panel("\n".join(f"- {line}" for line in rec.rationale), title="why this plan",
+        console.print(Panel(Text("\n".join(f"- {line}" for line in rec.rationale)), title="why this plan",
                             title_align="left"))
         cost = rec.estimate.cost if isinstance(rec.estimate, Estimate) else None
         if cost is not None:

@@ -86,3 +86,91 @@ def small_gpt_cfg() -> dict[str, int]:
 def small_gpt_file(write_model: Callable[..., Path]) -> Path:
     """A model file with a 4-layer GPT (n_embd 128, 4 heads, vocab 512, seq 64)."""
     return write_model(small_gpt_source(), "small_gpt.py")
+
+
+# ---------------------------------------------------------------------------------------------------
+# runtime probe (tests/probes/test_runtime_probe.py, test_distributed_probe.py)
+# ---------------------------------------------------------------------------------------------------
+TINY_TOKEN_MODEL = """
+import os, signal, time
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+MODE = os.environ.get("PROBE_TEST_MODE", "ok")   # how forward misbehaves (tests set it per probe)
+BAD_RANK = int(os.environ.get("PROBE_TEST_RANK", "-1"))  # only this rank misbehaves (-1: every rank)
+WIDTH = int(os.environ.get("PROBE_TEST_WIDTH", "64"))
+DEPTH = int(os.environ.get("PROBE_TEST_DEPTH", "3"))
+VOCAB = 128
+OPTPLAN = {"seq_len": 32}
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.fc2 = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
+
+
+class TinyLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.ModuleList([Block(WIDTH) for _ in range(DEPTH)])
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, idx):
+        rank = int(os.environ.get("RANK", "0"))
+        if "PROBE_TEST_PID_FILE" in os.environ:
+            with open(os.environ["PROBE_TEST_PID_FILE"], "a") as fh:
+                fh.write(f"{os.getpid()}\\n")
+        if MODE != "ok" and BAD_RANK in (-1, rank):
+            if MODE == "raise":
+                raise RuntimeError("boom in forward")
+            if MODE == "segv":
+                os.kill(os.getpid(), signal.SIGSEGV)
+            if MODE == "sigkill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if MODE == "exit":
+                os._exit(7)
+            if MODE == "sleep":
+                time.sleep(3600)
+            if MODE == "slow":
+                time.sleep(0.2)
+        h = self.emb(idx)
+        for block in self.blocks:
+            h = block(h)
+        out = self.head(h)
+        if MODE == "nan" and BAD_RANK in (-1, rank):
+            out = out * float("nan")  # every parameter still gets a gradient (DDP needs that)
+        return out
+
+
+def build_model():
+    return TinyLM()
+
+
+def loss_fn(logits, batch):
+    return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
+"""
+"""A small token model (embedding, DEPTH residual MLP blocks of class ``Block``, head) whose forward
+misbehaves as the environment says: PROBE_TEST_MODE = raise | nan | segv | sigkill | exit | sleep | slow
+(on rank PROBE_TEST_RANK only, when set); every forward appends its pid to PROBE_TEST_PID_FILE when set."""
+
+
+@pytest.fixture
+def tiny_lm_file(write_model: Callable[..., Path]) -> Path:
+    """A model file with :data:`TINY_TOKEN_MODEL` (repeated block class ``Block``)."""
+    return write_model(TINY_TOKEN_MODEL, "tiny_lm.py")
+
+
+@pytest.fixture(scope="module")
+def tiny_lm_module_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """:data:`TINY_TOKEN_MODEL` in a file shared by one test module (for module-scoped probe results)."""
+    path = tmp_path_factory.mktemp("tiny_lm") / "tiny_lm.py"
+    path.write_text(textwrap.dedent(TINY_TOKEN_MODEL))
+    return path

@@ -1,0 +1,199 @@
+"""Fit a Calibration from probe runs (predicted vs measured), and keep it in a cache file.
+
+A probe runs one candidate for a few steps on the local hardware (``optplan.probes.runtime``); its
+strategy is the candidate scaled to what is local (see ``planner.probe_stage``), and the estimators
+predict that same probed strategy. Each comparison gives measured ÷ predicted ratios:
+
+* memory (every probe that ran): peak allocated bytes ÷ predicted allocated bytes (model states +
+  activations + buffers; on the CPU, memory.py's CPU accounting), the caching-allocator margin
+  (``max_memory_reserved`` ÷ ``max_memory_allocated`` − 1) and the bytes outside torch's allocator (CUDA
+  context, NCCL); the median of each over the probes (robust to one odd probe);
+* time (only when the probes ran on the GPU the plan is for): ``compute_scale`` is the median of measured
+  ÷ predicted step time over probes whose predicted exposed communication is under 5 % of the step (the
+  on-device parts), and ``comm_scale`` the median of (measured − compute_scale × on-device) ÷ predicted
+  exposed communication over the others, clamped to [0.1, 10]. With only communicating probes,
+  ``compute_scale`` takes communication at face value.
+
+The cache (``calibration.json`` under ``$OPTPLAN_CACHE_DIR``, else ``$XDG_CACHE_HOME/optplan`` or
+``~/.cache/optplan``) maps ``GPU|model hash|torch version`` to the fitted Calibration, so later runs on
+the same GPU, model and torch start calibrated. Writes are atomic (temp file + rename).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import tempfile
+from collections.abc import Sequence
+from importlib import metadata
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from optplan.estimators.calibration import Calibration, calibration_key
+from optplan.estimators.errors import OptplanError
+from optplan.estimators.profile import ModelProfile
+from optplan.estimators.strategy import Strategy
+from optplan.probes.runtime import ProbeResult
+
+CACHE_FILE = "calibration.json"
+COMM_FREE_FRACTION = 0.05
+"""Probes whose predicted exposed communication is below this share of the step calibrate compute."""
+COMM_SCALE_BOUNDS = (0.1, 10.0)
+CACHE_FORMAT = 1
+
+
+class ProbeComparison(BaseModel):
+    """One probed candidate: what was predicted for the probed strategy and what the probe measured."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    candidate: Strategy = Field(description="the plan's strategy")
+    probed: Strategy = Field(description="the strategy the probe ran (scaled to the local devices)")
+    predicted_step_s: float | None = Field(default=None, description="the probed strategy's predicted step (s)")
+    predicted_on_device_s: float | None = Field(default=None, description="its compute + memory-bound + "
+                                                "optimizer + host + bubble parts (s)")
+    predicted_exposed_comm_s: float | None = Field(default=None, description="its exposed communication (s)")
+    predicted_allocated_bytes: int = Field(ge=0, description="model states + activations + buffers (bytes)")
+    predicted_total_bytes: int = Field(ge=0, description="allocated + overhead (bytes)")
+    time_comparable: bool = Field(description="the probe ran on the GPU the plan is for")
+    result: ProbeResult
+
+    @property
+    def measured_step_s(self) -> float | None:
+        return self.result.step_s
+
+    @property
+    def time_ratio(self) -> float | None:
+        """Measured ÷ predicted step time (None when either is missing)."""
+        if self.result.step_s is None or not self.predicted_step_s:
+            return None
+        return self.result.step_s / self.predicted_step_s
+
+    @property
+    def memory_ratio(self) -> float | None:
+        """Measured peak allocated ÷ predicted allocated bytes (None when not measured)."""
+        if self.result.peak_allocated_bytes is None or not self.predicted_allocated_bytes:
+            return None
+        return self.result.peak_allocated_bytes / self.predicted_allocated_bytes
+
+
+def profile_hash(profile: ModelProfile) -> str:
+    """16 hex digits of SHA-256 over the profile (timings and notes left out): same model, same hash."""
+    doc = profile.model_dump(mode="json", exclude={"profile_s", "notes"})
+    return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def torch_version() -> str:
+    """The installed torch's version string, read from package metadata (torch is not imported)."""
+    try:
+        return metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return ""
+
+
+def fit_calibration(comparisons: Sequence[ProbeComparison], *, gpu: str, model_hash: str,
+                    torch_version: str = "") -> Calibration | None:
+    """The Calibration the probes support (see the module docstring), or None when no probe measured."""
+    measured = [c for c in comparisons if c.result.status == "ok"]
+    mem = [r for c in measured if (r := c.memory_ratio) is not None]
+    frag = [c.result.peak_reserved_bytes / c.result.peak_allocated_bytes - 1 for c in measured
+            if c.result.peak_reserved_bytes and c.result.peak_allocated_bytes]
+    context = [c.result.non_torch_bytes for c in measured if c.result.non_torch_bytes is not None]
+    timed = [c for c in measured if c.time_comparable and c.time_ratio is not None
+             and c.predicted_on_device_s is not None and c.predicted_exposed_comm_s is not None]
+    quiet = [c for c in timed if c.predicted_exposed_comm_s <= COMM_FREE_FRACTION * (c.predicted_step_s or 0)]  # type: ignore[operator]
+    loud = [c for c in timed if c not in quiet]
+    compute_scale, comm_scale = 1.0, 1.0
+    if quiet:
+        compute_scale = statistics.median(c.time_ratio for c in quiet)  # type: ignore[type-var]
+    elif loud:
+        compute_scale = statistics.median(max(1e-3, (c.measured_step_s - c.predicted_exposed_comm_s)  # type: ignore[operator]
+                                                   / c.predicted_on_device_s) for c in loud if c.predicted_on_device_s)
+    if quiet and loud:
+        lo, hi = COMM_SCALE_BOUNDS
+        ratios = [(c.measured_step_s - compute_scale * c.predicted_on_device_s) / c.predicted_exposed_comm_s  # type: ignore[operator]
+                  for c in loud if c.predicted_exposed_comm_s]
+        if ratios:
+            comm_scale = min(hi, max(lo, statistics.median(ratios)))
+    if not mem and not timed:
+        return None
+    parts = []
+    if mem:
+        parts.append(f"memory from {len(mem)} probe(s)")
+    if timed:
+        parts.append(f"time from {len(timed)} probe(s) ({len(quiet)} without communication)")
+    return Calibration(
+        gpu=gpu, model_hash=model_hash, torch_version=torch_version,
+        compute_scale=compute_scale if timed else 1.0, comm_scale=comm_scale,
+        allocated_scale=statistics.median(mem) if mem else 1.0,
+        fragmentation_fraction=max(0.0, statistics.median(frag)) if frag else None,
+        context_bytes=int(statistics.median(context)) if context else None,
+        time_probes=len(timed), memory_probes=len(mem), source="; ".join(parts))
+
+
+# --- the cache -----------------------------------------------------------------------------------------
+
+def cache_dir() -> Path:
+    """``$OPTPLAN_CACHE_DIR``, else ``$XDG_CACHE_HOME/optplan``, else ``~/.cache/optplan``."""
+    if os.environ.get("OPTPLAN_CACHE_DIR"):
+        return Path(os.environ["OPTPLAN_CACHE_DIR"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base).expanduser() / "optplan"
+
+
+def cache_path(path: Path | None = None) -> Path:
+    return path if path is not None else cache_dir() / CACHE_FILE
+
+
+def _read_cache(path: Path) -> dict[str, dict[str, object]]:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return {}
+    except OSError as exc:
+        raise OptplanError(f"cannot read the calibration cache {path} ({exc.strerror or exc}); "
+                           "fix its permissions or set OPTPLAN_CACHE_DIR to another folder") from None
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError:
+        doc = None
+    if not isinstance(doc, dict) or not isinstance(doc.get("calibrations"), dict):
+        raise OptplanError(f"the calibration cache {path} is not an optplan calibration file; delete it "
+                           "(it is rebuilt by the next probe run) or set OPTPLAN_CACHE_DIR to another folder")
+    return doc["calibrations"]
+
+
+def load_calibration(gpu: str, model_hash: str, torch_ver: str, *, path: Path | None = None) -> Calibration | None:
+    """The cached Calibration for this GPU, model and torch version, or None."""
+    entry = _read_cache(cache_path(path)).get(calibration_key(gpu, model_hash, torch_ver))
+    if entry is None:
+        return None
+    try:
+        return Calibration.model_validate(entry)
+    except ValidationError:
+        return None  # an entry from another optplan version: ignored, replaced by the next probe run
+
+
+def save_calibration(cal: Calibration, *, path: Path | None = None) -> Path:
+    """Store ``cal`` under its key (other entries kept); atomic: temp file in the same folder + rename."""
+    target = cache_path(path)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        entries = _read_cache(target)
+        entries[cal.key] = cal.model_dump(mode="json")
+        text = json.dumps({"format": CACHE_FORMAT, "calibrations": entries}, indent=2, sort_keys=True)
+        fd, tmp = tempfile.mkstemp(prefix=".calibration-", suffix=".tmp", dir=target.parent)
+        try:
+            with os.fdopen(fd, "w") as fh:
+                fh.write(text + "\n")
+            os.replace(tmp, target)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    except OSError as exc:
+        raise OptplanError(f"cannot write the calibration cache {target} ({exc.strerror or exc}); "
+                           "set OPTPLAN_CACHE_DIR to a writable folder") from None
+    return target

@@ -1,0 +1,234 @@
+"""``optplan validate DIR_OR_FILE model.py``: run the exported launch config itself for a few steps.
+
+Checking a config with its trainer's loader (planner/validate.py) proves that it parses; this proves that
+it starts and fits. Each exported file that drives a run is run through the probe child
+(``optplan.probes.runtime``) with the model file's example batch:
+
+* ``ds_config.json``: the config as written, through ``deepspeed.initialize`` (the DeepSpeed engine); the
+  strategy comes from plan.json beside it, else is read from the config (ZeRO stage, bf16/fp16, batch
+  triple, offload, activation checkpointing).
+* ``launch.sh``: its torchrun (or deepspeed launcher) arguments are read without running the script
+  (``launch_argv``); the plan's processes per node are started by torchrun here, single node, with the
+  plan's strategy (from plan.json) in place of the training script.
+* ``accelerate.yaml``: started with ``accelerate launch --config_file accelerate.yaml`` so that accelerate's
+  own launcher reads it; the probe child prepares the model through ``Accelerator``.
+
+The run uses the local devices: at most as many processes as there are local GPUs (1 on the CPU unless
+``nproc`` says otherwise). When that is fewer than the plan's data-parallel degree, the batch triple is
+scaled to the local world (``train_batch_size = mbs × accumulation × processes``) and the report says so;
+predictions are made for what actually ran. Units: seconds and bytes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from optplan.estimators.errors import OptplanError
+from optplan.estimators.hardware import Cluster, find_gpu
+from optplan.estimators.profile import ModelProfile
+from optplan.estimators.strategy import Strategy
+from optplan.planner.calibrate import ProbeComparison
+from optplan.planner.export.context import FILE_NAMES, ExportPlan
+from optplan.planner.probe_stage import LocalDevices, compare_spec, describe_result, local_devices
+from optplan.probes.runtime import ProbeResult, ProbeSpec, run_probe
+
+RUNNABLE = ("ds_config.json", "launch.sh", "accelerate.yaml")
+DEFAULT_TIMEOUT_S = 600.0
+
+
+class ValidationRun(BaseModel):
+    """One exported file run for real: did it start, did it fit, how fast against the prediction."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    file: str
+    how: str = Field(description="what was started, e.g. 'deepspeed.initialize, 2 processes (plan: 8)'")
+    started: bool
+    fits: bool | None = Field(description="None when it did not get far enough to tell")
+    comparison: ProbeComparison
+    notes: tuple[str, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return self.comparison.result.status == "ok"
+
+    def line(self) -> str:
+        return f"{self.file}: {self.how}: {describe_result(self.comparison)}"
+
+
+class ValidationReport(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    target: str
+    model_path: str
+    device: str
+    runs: tuple[ValidationRun, ...]
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.runs) and all(r.ok for r in self.runs)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise OptplanError(f"{path} does not exist: give the folder recommend --out wrote, or one of its files") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise OptplanError(f"cannot read {path} ({exc}): check its permissions") from None
+    except json.JSONDecodeError as exc:
+        raise OptplanError(f"{path} is not JSON ({exc.msg} at line {exc.lineno}): re-export it") from None
+    if not isinstance(doc, dict):
+        raise OptplanError(f"{path} is not a JSON object: re-export it")
+    return doc
+
+
+def _plan_beside(folder: Path) -> ExportPlan | None:
+    plan_file = folder / FILE_NAMES["plan"]
+    if not plan_file.exists():
+        return None
+    from optplan.planner.export.report import load_plan_json
+
+    _rec, export = load_plan_json(plan_file.read_text(encoding="utf-8"), str(plan_file))
+    return export
+
+
+def strategy_from_ds_config(cfg: dict[str, Any], source: str = "ds_config.json") -> Strategy:
+    """The Strategy a ds_config.json describes (data parallel, DeepSpeed engine)."""
+    try:
+        mbs = int(cfg["train_micro_batch_size_per_gpu"])
+        accum = int(cfg.get("gradient_accumulation_steps", 1))
+        batch = int(cfg["train_batch_size"])
+    except (KeyError, TypeError, ValueError):
+        raise OptplanError(f"{source} has no usable batch triple (train_batch_size, train_micro_batch_size_per_gpu, "
+                           "gradient_accumulation_steps): re-export it") from None
+    if mbs < 1 or accum < 1 or batch % (mbs * accum):
+        raise OptplanError(f"{source}: train_batch_size {batch} is not micro-batch {mbs} x accumulation {accum} x "
+                           "GPUs: fix the batch triple or re-export it")
+    zero = cfg.get("zero_optimization") or {}
+    precision = ("bf16" if (cfg.get("bf16") or {}).get("enabled") else
+                 "fp16" if (cfg.get("fp16") or {}).get("enabled") else "fp32")
+    kind = str((cfg.get("optimizer") or {}).get("type") or "adamw").lower()
+    optimizer = "sgd" if kind == "sgd" else "adamw"
+    offload_opt = ((zero.get("offload_optimizer") or {}).get("device") or "none")
+    offload_par = ((zero.get("offload_param") or {}).get("device") or "none")
+    try:
+        return Strategy(precision=precision, optimizer=optimizer, zero=int(zero.get("stage", 0)), mbs=mbs,  # type: ignore[arg-type]
+                        grad_accum=accum, dp=batch // (mbs * accum), engine="deepspeed",
+                        checkpointing="full" if "activation_checkpointing" in cfg else "none",
+                        offload_optimizer=offload_opt, offload_params=offload_par)
+    except ValueError as exc:
+        raise OptplanError(f"{source} describes no strategy optplan can run ({exc}): re-export it") from None
+
+
+def _scaled_ds_config(cfg: dict[str, Any], strategy: Strategy) -> dict[str, Any]:
+    out = dict(cfg)
+    out["train_batch_size"] = strategy.mbs * strategy.grad_accum * strategy.dp
+    return out
+
+
+def _local_strategy(strategy: Strategy, local: LocalDevices) -> tuple[Strategy, list[str]]:
+    notes = []
+    dp = min(strategy.dp, local.count)
+    if dp != strategy.dp:
+        notes.append(f"ran {dp} of the plan's {strategy.dp} data-parallel processes (the local devices); the batch "
+                     "triple was scaled to match")
+    if strategy.model_parallel or strategy.engine == "megatron":
+        raise OptplanError("this plan runs on Megatron-LM (tensor/pipeline/context parallelism), which optplan "
+                           "validate does not start: run the exported launch.sh on the cluster")
+    update: dict[str, Any] = {"dp": dp}
+    if dp == 1 and strategy.fsdp == "hybrid":
+        update["fsdp"] = "full"
+    return Strategy.model_validate({**strategy.model_dump(), **update}), notes
+
+
+def _cluster_for(plan: ExportPlan | None, strategy: Strategy) -> Cluster:
+    gpu = find_gpu(plan.gpu) if plan is not None else find_gpu("H100-SXM")
+    per_node = plan.gpus_per_node if plan is not None else min(8, strategy.world_size)
+    return Cluster(gpu=gpu, gpus=strategy.world_size, gpus_per_node=max(1, min(per_node, strategy.world_size)))
+
+
+def files_to_run(target: Path) -> list[Path]:
+    """The runnable exported files of a folder (or the one file given)."""
+    if target.is_dir():
+        found = [target / name for name in RUNNABLE if (target / name).exists()]
+        if not found:
+            raise OptplanError(f"{target} has none of {', '.join(RUNNABLE)}: give the folder recommend --out wrote")
+        return found
+    if not target.exists():
+        raise OptplanError(f"{target} does not exist: give the folder recommend --out wrote, or one of its files")
+    if target.name == FILE_NAMES["plan"]:
+        return files_to_run(target.parent)
+    if target.name not in RUNNABLE and target.suffix not in (".json", ".sh", ".yaml", ".yml"):
+        raise OptplanError(f"{target.name} is not a launch config optplan can run: give ds_config.json, launch.sh "
+                           "or accelerate.yaml")
+    return [target]
+
+
+def _kind(path: Path) -> str:
+    if path.suffix == ".json":
+        return "deepspeed"
+    if path.suffix == ".sh":
+        return "launch"
+    return "accelerate"
+
+
+def validate_exports(target: Path, profile: ModelProfile, *, model_name: str | None = None,
+                     local: LocalDevices | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, warmup_steps: int = 1,
+                     timed_steps: int = 3, runner: Callable[..., ProbeResult] = run_probe) -> ValidationReport:
+    """Run every runnable exported file under ``target`` with the model of ``profile`` for a few steps."""
+    target = Path(target)
+    files = files_to_run(target)
+    local = local or local_devices()
+    runs: list[ValidationRun] = []
+    block = profile.repeated_block.class_name if profile.repeated_block else None
+    for path in files:
+        plan = _plan_beside(path.parent)
+        kind = _kind(path)
+        ds_config = None
+        extra: dict[str, Any] = {}
+        if kind == "deepspeed":
+            cfg = _read_json(path)
+            strategy = plan.strategy if plan is not None else strategy_from_ds_config(cfg, str(path))
+            if strategy.engine != "deepspeed":
+                strategy = strategy_from_ds_config(cfg, str(path))
+            probed, notes = _local_strategy(strategy, local)
+            ds_config = _scaled_ds_config(cfg, probed)
+            how = f"deepspeed.initialize with {path.name}, {probed.dp} process(es) (plan: {strategy.dp})"
+        else:
+            if plan is None:
+                raise OptplanError(f"{path} needs the plan.json beside it (the strategy it launches): validate the "
+                                   "folder recommend --out wrote")
+            strategy = plan.strategy
+            probed, notes = _local_strategy(strategy, local)
+            if probed.engine == "deepspeed":
+                from optplan.planner.export.deepspeed import render_ds_config
+                ds_config = render_ds_config(probed, plan.buckets)
+            if kind == "launch":
+                from optplan.planner.export.launch import launch_argv
+                argv = launch_argv(path.read_text(encoding="utf-8"))
+                how = f"{Path(argv[0]).name} from {path.name}, {probed.dp} process(es) (plan: {strategy.dp})"
+            else:
+                extra["accelerate_config"] = str(path.resolve())
+                how = f"accelerate launch --config_file {path.name}, {probed.dp} process(es) (plan: {strategy.dp})"
+        spec = ProbeSpec(model_path=profile.path, model_name=model_name, seq_len=profile.seq_len, strategy=probed,
+                         block_class=block, ds_config=ds_config, device=local.device, nproc=probed.dp,
+                         warmup_steps=warmup_steps, timed_steps=timed_steps, **extra)
+        result = runner(spec, timeout_s=timeout_s)
+        cluster = _cluster_for(plan, strategy)
+        comparable = local.device == "cuda" and local.catalogue_name == cluster.gpu.name
+        comparison = compare_spec(profile, cluster, strategy, probed, local, comparable, result)
+        started = result.status in ("ok", "oom", "nan", "pruned") or bool(result.step_times_s)
+        fits = True if result.status in ("ok", "nan", "pruned") else False if result.status == "oom" else None
+        runs.append(ValidationRun(file=str(path), how=how, started=started, fits=fits, comparison=comparison,
+                                  notes=(*notes, *result.notes)))
+    return ValidationReport(target=str(target), model_path=profile.path, device=local.device, runs=tuple(runs))
+
+
+def report_lines(report: ValidationReport) -> Sequence[str]:
+    return [r.line() for r in report.runs]

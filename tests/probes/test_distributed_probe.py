@@ -1,0 +1,238 @@
+"""Runtime probe under torchrun on CPU (gloo, 2 processes): DDP, FSDP2, DeepSpeed ZeRO-2, rank failures.
+
+The model is ``conftest.TINY_TOKEN_MODEL`` (116,160 parameters, fp32: 464,640 bytes). DeepSpeed runs
+with a ds_config without an "optimizer" section (the probe passes a torch AdamW), so no op is
+JIT-built; the probe also skips DeepSpeed's shared-memory allreduce build on CPU.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from optplan.estimators.strategy import Strategy
+from optplan.probes.distributed import (
+    alive,
+    crash_location,
+    describe_exit,
+    parse_torchrun_root_cause,
+    probe_command,
+    torchrun_command,
+)
+from optplan.probes.runtime import ProbeResult, ProbeSpec, run_probe
+
+P4 = 4 * 116_160
+"""fp32 bytes of TINY_TOKEN_MODEL's parameters (width 64, depth 3)."""
+MBS = 8
+
+
+def spec(path: Path, **kw: Any) -> ProbeSpec:
+    """A CPU ProbeSpec on the torch engine; Strategy fields and ProbeSpec fields mixed in ``kw``."""
+    strat = {"engine": "torch", "precision": "fp32"}
+    strat.update({k: kw.pop(k) for k in list(kw) if k in Strategy.model_fields})
+    kw.setdefault("warmup_steps", 1)
+    kw.setdefault("timed_steps", 3)
+    return ProbeSpec(model_path=str(path), strategy=Strategy(**strat), **kw)
+
+
+def pids_in(path: Path) -> list[int]:
+    """The pids the test model wrote (PROBE_TEST_PID_FILE), once each."""
+    return sorted({int(x) for x in path.read_text().split()}) if path.exists() else []
+
+
+def processes_with_env(assignment: str) -> list[int]:
+    """Live processes whose environment holds ``assignment`` ("NAME=value"): torchrun and every worker
+    inherit the test's PROBE_TEST_PID_FILE, so none may be left after run_probe returns."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                env = (entry / "environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if assignment.encode() in env and alive(int(entry.name)):
+                found.append(int(entry.name))
+    return found
+
+
+def dist_probe(path: Path, *, env: dict[str, str] | None = None, timeout_s: float = 180, **kw: Any) -> ProbeResult:
+    kw.setdefault("nproc", 2)
+    kw.setdefault("dp", kw["nproc"])
+    kw.setdefault("mbs", MBS)
+    return run_probe(spec(path, **kw), timeout_s=timeout_s, env=env)
+
+
+def zero_config(stage: int, *, nproc: int = 2, mbs: int = MBS, grad_accum: int = 1) -> dict[str, Any]:
+    """A fp32 ds_config for a torch-optimizer client (small buckets, as optplan's export sizes them)."""
+    return {
+        "train_batch_size": mbs * grad_accum * nproc,
+        "train_micro_batch_size_per_gpu": mbs,
+        "gradient_accumulation_steps": grad_accum,
+        "bf16": {"enabled": False},
+        "fp16": {"enabled": False},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 50_000, "allgather_bucket_size": 50_000,
+                              "overlap_comm": False, "contiguous_gradients": True},
+        "zero_allow_untested_optimizer": True,
+    }
+
+
+def assert_no_leftovers(pid_file: Path) -> None:
+    pids = pids_in(pid_file)
+    assert pids, "no rank reached forward"
+    assert not [p for p in pids if alive(p)]
+    if Path("/proc").is_dir():
+        assert processes_with_env(f"PROBE_TEST_PID_FILE={pid_file}") == []
+
+
+# ---------------------------------------------------------------------------------------------------
+# data-parallel strategies
+# ---------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def dp_results(tiny_lm_module_file: Path) -> dict[str, ProbeResult]:
+    """DDP, FSDP2 (full) and DeepSpeed ZeRO-2 probes of the same model, 2 ranks each."""
+    path = tiny_lm_module_file
+    return {
+        "ddp": dist_probe(path, block_class="Block"),
+        "fsdp": dist_probe(path, block_class="Block", fsdp="full"),
+        "zero2": dist_probe(path, block_class="Block", engine="deepspeed", zero=2, ds_config=zero_config(2)),
+    }
+
+
+@pytest.mark.parametrize("name", ["ddp", "fsdp", "zero2"])
+def test_data_parallel_probe_runs(dp_results: dict[str, ProbeResult], name: str) -> None:
+    r = dp_results[name]
+    assert r.ok, f"{r.reason}\n{r.tail}"
+    assert r.world_size == 2 and r.samples_per_step == 2 * MBS
+    assert len(r.step_times_s) == 3 and r.step_s is not None and r.step_s > 0
+    assert len(r.losses) == 4 and all(x == x for x in r.losses)
+    assert r.peak_allocated_bytes is not None and r.peak_allocated_bytes > P4
+
+
+def test_sharding_divides_the_optimizer_states(dp_results: dict[str, ProbeResult]) -> None:
+    ddp, fsdp, zero2 = (dp_results[k].peak_by_category_bytes for k in ("ddp", "fsdp", "zero2"))
+    # DDP replicates: fp32 parameters, gradients (bucket views) and both AdamW moments on every rank
+    assert ddp["param"] == P4 and ddp["grad"] == P4
+    assert ddp["optimizer"] == pytest.approx(2 * P4, abs=1024)
+    # FSDP2 full sharding: each rank keeps half the parameters and half the moments
+    assert fsdp["param"] == pytest.approx(P4 / 2, rel=0.01)
+    assert fsdp["optimizer"] == pytest.approx(P4, rel=0.01)
+    # ZeRO-2: half the moments and half the fp32 partition ("master"), full fp32 parameters
+    assert zero2["optimizer"] == pytest.approx(P4, rel=0.01)
+    assert zero2["master"] == pytest.approx(P4 / 2, rel=0.01)
+    assert zero2["param"] == P4
+
+
+def test_sharded_peaks_are_not_above_ddp(dp_results: dict[str, ProbeResult]) -> None:
+    ddp = dp_results["ddp"].peak_allocated_bytes
+    assert ddp is not None
+    for name in ("fsdp", "zero2"):
+        peak = dp_results[name].peak_allocated_bytes
+        assert peak is not None and peak <= ddp, (name, peak, ddp)
+
+
+def test_ddp_fsdp_and_zero2_train_the_same(dp_results: dict[str, ProbeResult]) -> None:
+    # the same initial weights (seeded build) and data (seed + rank): the same fp32 computation
+    for name in ("fsdp", "zero2"):
+        assert dp_results[name].losses == pytest.approx(dp_results["ddp"].losses, rel=1e-4), name
+
+
+def test_fsdp_mixed_precision_with_checkpointing_and_accumulation(tiny_lm_file: Path) -> None:
+    r = dist_probe(tiny_lm_file, block_class="Block", fsdp="grad_op", precision="bf16", checkpointing="full",
+                   grad_accum=2)
+    assert r.ok, f"{r.reason}\n{r.tail}"
+    assert r.checkpointing_applied == "full" and r.samples_per_step == 2 * MBS * 2
+    # FSDP's bf16 recipe: fp32 sharded parameters (the master copy), bf16 compute
+    assert r.peak_by_category_bytes["param"] == pytest.approx(P4 / 2, rel=0.01)
+
+
+# ---------------------------------------------------------------------------------------------------
+# failures of one rank
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("mode", "words"), [("exit", "rank 1 exited with code 7"),
+                                              ("sigkill", "rank 1 exited with code -9 (SIGKILL)")])
+def test_a_dying_rank_is_named_and_nothing_is_left(tiny_lm_file: Path, tmp_path: Path, mode: str,
+                                                   words: str) -> None:
+    pid_file = tmp_path / "pids"
+    r = dist_probe(tiny_lm_file, env={"PROBE_TEST_MODE": mode, "PROBE_TEST_RANK": "1",
+                                      "PROBE_TEST_PID_FILE": str(pid_file)})
+    assert r.status == "error" and r.failed_rank == 1
+    assert r.reason.startswith(words), r.reason
+    assert_no_leftovers(pid_file)
+
+
+def test_a_segfaulting_rank(tiny_lm_file: Path) -> None:
+    r = dist_probe(tiny_lm_file, env={"PROBE_TEST_MODE": "segv", "PROBE_TEST_RANK": "1"})
+    assert r.status == "error"
+    assert r.reason.startswith("rank 1 exited with code -11 (SIGSEGV) at ") and "in forward" in r.reason
+
+
+def test_an_exception_on_one_rank(tiny_lm_file: Path) -> None:
+    r = dist_probe(tiny_lm_file, env={"PROBE_TEST_MODE": "raise", "PROBE_TEST_RANK": "1"})
+    assert r.status == "error" and r.failed_rank == 1
+    assert r.reason == "rank 1: forward raised RuntimeError: boom in forward"
+
+
+def test_nan_on_one_rank_stops_every_rank(tiny_lm_file: Path) -> None:
+    r = dist_probe(tiny_lm_file, env={"PROBE_TEST_MODE": "nan", "PROBE_TEST_RANK": "1"})
+    assert r.status == "nan"
+    assert "at step 1 (warm-up) on rank 1" in r.reason
+
+
+def test_timeout_under_torchrun_kills_every_rank(tiny_lm_file: Path, tmp_path: Path) -> None:
+    pid_file = tmp_path / "pids"
+    started = time.monotonic()
+    r = dist_probe(tiny_lm_file, timeout_s=8, env={"PROBE_TEST_MODE": "sleep", "PROBE_TEST_PID_FILE": str(pid_file)})
+    assert r.status == "timeout" and r.reason == "killed after 8 s"
+    assert time.monotonic() - started < 20
+    assert len(pids_in(pid_file)) == 2
+    assert_no_leftovers(pid_file)
+
+
+# ---------------------------------------------------------------------------------------------------
+# command building and output parsing (no processes)
+# ---------------------------------------------------------------------------------------------------
+def test_commands() -> None:
+    one = probe_command("/s.json", "/o.json", 1, python="py")
+    assert one == ["py", "-m", "optplan.probes.runtime_child", "--spec", "/s.json", "--out", "/o.json"]
+    two = probe_command("/s.json", "/o.json", 2, python="py")
+    assert two[:6] == ["py", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    assert two[-6:] == ["-m", "optplan.probes.runtime_child", "--spec", "/s.json", "--out", "/o.json"]
+    assert torchrun_command(4, "m", [])[5] == "4"
+    with pytest.raises(ValueError):
+        torchrun_command(0, "m", [])
+
+
+TORCHRUN_FAILURE = """
+Failures:
+[1]:
+  time      : 2026-11-22_14:24:54
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : -15 (pid: 10847)  (SIGTERM)
+  error_file: <N/A>
+  traceback : Signal 15 (SIGTERM) received by PID 10847
+-------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-22_14:24:54
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : -11 (pid: 10848)  (SIGSEGV)
+  error_file: <N/A>
+  traceback : Signal 11 (SIGSEGV) received by PID 10848
+=======================================================
+"""
+
+
+def test_parsing_torchrun_and_faulthandler_output() -> None:
+    assert parse_torchrun_root_cause(TORCHRUN_FAILURE) == (1, -11)
+    assert parse_torchrun_root_cause("E... failed (exitcode: 7) local_rank: 3 (pid: 1) of binary: x") == (3, 7)
+    assert parse_torchrun_root_cause("all good") is None
+    assert describe_exit(-11) == "code -11 (SIGSEGV)" and describe_exit(3) == "code 3"
+    dump = ('Fatal Python error: Segmentation fault\n\nCurrent thread 0x7f (most recent call first):\n'
+            '  File "/m/model.py", line 9 in forward\n  File "/t/module.py", line 1 in _call_impl\n')
+    assert crash_location(dump) == "/m/model.py line 9 in forward"
+    assert crash_location("no dump") == ""

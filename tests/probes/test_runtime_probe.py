@@ -1,0 +1,277 @@
+"""Runtime probe, one process on CPU: real training steps of tiny models in a child process.
+
+Each probe starts a child Python (torch import ~1.5 s), so the tests run several probes in two threads
+where they compare recipes. Models come from ``conftest.TINY_TOKEN_MODEL`` (a token model whose forward
+misbehaves as ``PROBE_TEST_MODE`` says) and ``examples/mlp.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from optplan.estimators.strategy import Strategy
+from optplan.probes.distributed import alive
+from optplan.probes.runtime import ProbeResult, ProbeSpec, run_probe
+
+TINY_PARAMS = 116_160
+"""Parameters of TINY_TOKEN_MODEL at width 64, depth 3 (embedding 8,192 + 3 blocks x 33,216 + head 8,320)."""
+P4 = 4 * TINY_PARAMS  # fp32 bytes of the parameters
+
+
+def spec(path: Path, **kw: Any) -> ProbeSpec:
+    """A CPU ProbeSpec on the torch engine; Strategy fields and ProbeSpec fields mixed in ``kw``."""
+    strategy_keys = set(Strategy.model_fields)
+    strat = {"engine": "torch", "precision": "fp32", "mbs": 4}
+    strat.update({k: kw.pop(k) for k in list(kw) if k in strategy_keys})
+    kw.setdefault("warmup_steps", 1)
+    kw.setdefault("timed_steps", 3)
+    return ProbeSpec(model_path=str(path), strategy=Strategy(**strat), **kw)
+
+
+def probe(path: Path, *, env: dict[str, str] | None = None, timeout_s: float = 120, **kw: Any) -> ProbeResult:
+    return run_probe(spec(path, **kw), timeout_s=timeout_s, env=env)
+
+
+def in_parallel(*calls: Any) -> list[ProbeResult]:
+    """Run probes ``(path, kwargs)`` two at a time (2 CPU cores)."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return list(pool.map(lambda c: probe(c[0], **c[1]), calls))
+
+
+def pids_in(path: Path) -> list[int]:
+    """The pids the test model wrote (PROBE_TEST_PID_FILE), once each."""
+    return sorted({int(x) for x in path.read_text().split()}) if path.exists() else []
+
+
+def processes_with_env(assignment: str) -> list[int]:
+    """Live processes whose environment holds ``assignment`` ("NAME=value"): the probe's whole tree
+    inherits the test's PROBE_TEST_PID_FILE, so none may be left after run_probe returns."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                env = (entry / "environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if assignment.encode() in env and alive(int(entry.name)):
+                found.append(int(entry.name))
+    return found
+
+
+# ---------------------------------------------------------------------------------------------------
+# ok runs
+# ---------------------------------------------------------------------------------------------------
+def test_ok_probe_of_a_tiny_token_model(tiny_lm_file: Path) -> None:
+    r = probe(tiny_lm_file, block_class="Block", warmup_steps=2, timed_steps=5)
+    assert r.ok, r.reason + "\n" + r.tail
+    assert r.status == "ok" and r.reason == ""
+    assert len(r.step_times_s) == 5 and all(t > 0 for t in r.step_times_s)
+    assert r.step_s == sorted(r.step_times_s)[2]
+    assert r.step_spread_s == pytest.approx(max(r.step_times_s) - min(r.step_times_s))
+    assert len(r.losses) == 7 and all(x == x and abs(x) < 100 for x in r.losses)
+    assert r.losses[-1] < r.losses[0]  # AdamW trains it
+    # params + grads + AdamW's two moments, all fp32: the tracked step holds at least these at its peak
+    assert r.peak_allocated_bytes is not None and r.peak_allocated_bytes > 4 * P4
+    cats = r.peak_by_category_bytes
+    assert cats["param"] == P4
+    assert cats["optimizer"] == pytest.approx(2 * P4, abs=1024)  # exp_avg + exp_avg_sq (+ step scalars)
+    assert cats["activation"] > 0
+    assert r.peak_reserved_bytes is None and r.non_torch_bytes is None  # cuda-only figures
+    assert r.world_size == 1 and r.samples_per_step == 4
+    assert r.torch_version == torch.__version__ and r.device_name
+    assert r.exit_code == 0 and r.wall_s > 0 and r.setup_s is not None
+    assert any("inferred token-id batch [4, 32]" in n for n in r.notes)
+
+
+def test_example_mlp_with_full_checkpointing(examples_dir: Path) -> None:
+    r = probe(examples_dir / "mlp.py", block_class="MLPBlock", checkpointing="full", mbs=16, grad_accum=2)
+    assert r.ok, r.reason + "\n" + r.tail
+    assert r.checkpointing_applied == "full"
+    assert r.samples_per_step == 32 and len(r.step_times_s) == 3
+
+
+def test_precision_recipes_change_what_is_held(tiny_lm_file: Path) -> None:
+    recipes = ["fp32", "amp-bf16", "amp-fp16", "bf16", "fp16", "bf16-pure"]
+    results = dict(zip(recipes, in_parallel(*[(tiny_lm_file, {"precision": p}) for p in recipes]), strict=True))
+    for name, r in results.items():
+        assert r.ok, f"{name}: {r.reason}\n{r.tail}"
+        assert all(x == x for x in r.losses), name
+    cat = {name: r.peak_by_category_bytes for name, r in results.items()}
+    p2 = P4 // 2
+    assert cat["fp32"]["param"] == P4 and cat["amp-bf16"]["param"] == P4  # autocast keeps fp32 weights
+    assert cat["bf16-pure"]["param"] == p2  # bf16 weights ...
+    assert cat["bf16-pure"]["optimizer"] == pytest.approx(2 * p2, abs=1024)  # ... and bf16 moments
+    for name in ("bf16", "fp16"):  # 16-bit weights, fp32 master copy and fp32 moments
+        assert cat[name]["param"] == p2 and cat[name]["master"] == P4, name
+        assert cat[name]["optimizer"] == pytest.approx(2 * P4, abs=1024), name
+    # autocast saves 16-bit activations: less than fp32
+    assert cat["amp-bf16"]["activation"] < cat["fp32"]["activation"]
+
+
+def test_checkpointing_lowers_the_measured_activation_peak(tiny_lm_file: Path) -> None:
+    env = {"PROBE_TEST_DEPTH": "4"}
+    none, full, sel = in_parallel(*[(tiny_lm_file, {"checkpointing": c, "block_class": "Block", "mbs": 16,
+                                                    "seq_len": 64, "env": env})
+                                    for c in ("none", "full", "selective")])
+    for r in (none, full, sel):
+        assert r.ok, r.reason + "\n" + r.tail
+    assert (none.checkpointing_applied, full.checkpointing_applied, sel.checkpointing_applied) == \
+        ("none", "full", "selective")
+    act = {n: r.peak_by_category_bytes["activation"] for n, r in (("none", none), ("full", full), ("sel", sel))}
+    assert act["full"] < act["sel"] < act["none"]
+    assert full.peak_allocated_bytes is not None and none.peak_allocated_bytes is not None
+    assert full.peak_allocated_bytes < none.peak_allocated_bytes
+    # the same computation: checkpointing does not change the losses
+    assert full.losses == pytest.approx(none.losses, rel=1e-5)
+
+
+def test_checkpointing_without_block_class_is_noted(tiny_lm_file: Path) -> None:
+    r = probe(tiny_lm_file, checkpointing="full")
+    assert r.ok and r.checkpointing_applied == "none"
+    assert any("needs block_class" in n for n in r.notes)
+
+
+def test_optimizers(tiny_lm_file: Path) -> None:
+    sgd, ada, bnb = in_parallel(*[(tiny_lm_file, {"optimizer": o}) for o in ("sgd", "adafactor", "adamw8bit")])
+    assert sgd.ok and ada.ok, sgd.reason + ada.reason
+    assert sgd.peak_by_category_bytes["optimizer"] == pytest.approx(P4, abs=1024)  # one momentum buffer
+    assert ada.peak_by_category_bytes["optimizer"] < P4 // 4  # factored second moment only
+    try:
+        import bitsandbytes  # noqa: F401
+    except Exception:  # noqa: BLE001
+        assert bnb.status == "error" and "pip install bitsandbytes" in bnb.reason
+    else:  # pragma: no cover - bitsandbytes is not installed in CI
+        assert bnb.ok or bnb.status == "error"
+
+
+# ---------------------------------------------------------------------------------------------------
+# outcomes
+# ---------------------------------------------------------------------------------------------------
+def test_memory_cap_gives_oom(tiny_lm_file: Path) -> None:
+    r = probe(tiny_lm_file, memory_cap_bytes=100_000)
+    assert r.status == "oom" and not r.ok
+    assert "exceed the memory cap of 100,000 bytes" in r.reason and "memory-tracked step" in r.reason
+
+
+def test_nan_loss(tiny_lm_file: Path) -> None:
+    r = probe(tiny_lm_file, env={"PROBE_TEST_MODE": "nan"})
+    assert r.status == "nan"
+    assert r.reason == "loss is nan at step 1 (warm-up)"
+    assert r.exit_code == 3
+
+
+def test_forward_that_raises(tiny_lm_file: Path) -> None:
+    r = probe(tiny_lm_file, env={"PROBE_TEST_MODE": "raise"})
+    assert r.status == "error"
+    assert r.reason == "forward raised RuntimeError: boom in forward"
+    assert "in forward" in r.tail and r.tail.endswith("RuntimeError: boom in forward")  # the traceback
+
+
+def test_segfault_names_the_signal(tiny_lm_file: Path) -> None:
+    r = probe(tiny_lm_file, env={"PROBE_TEST_MODE": "segv"})
+    assert r.status == "error" and r.exit_code == -11
+    assert "SIGSEGV" in r.reason and "code -11" in r.reason
+    assert "tiny_lm.py line" in r.reason and "in forward" in r.reason  # faulthandler's innermost frame
+
+
+def test_timeout_kills_everything(tiny_lm_file: Path, tmp_path: Path) -> None:
+    pid_file = tmp_path / "pids"
+    started = time.monotonic()
+    r = probe(tiny_lm_file, timeout_s=5, env={"PROBE_TEST_MODE": "sleep", "PROBE_TEST_PID_FILE": str(pid_file)})
+    assert r.status == "timeout" and r.reason == "killed after 5 s"
+    assert time.monotonic() - started < 15
+    pids = pids_in(pid_file)
+    assert pids, "the child never reached forward"
+    assert not [p for p in pids if alive(p)]
+    if Path("/proc").is_dir():
+        assert processes_with_env(f"PROBE_TEST_PID_FILE={pid_file}") == []
+
+
+def test_missing_package_in_model_file(write_model: Any) -> None:
+    path = write_model("import not_a_real_package_xyz\n", "needs_pkg.py")
+    r = probe(path)
+    assert r.status == "error"
+    assert "not_a_real_package_xyz" in r.reason and "pip install" in r.reason
+
+
+def test_no_model_in_file(write_model: Any) -> None:
+    r = probe(write_model("X = 1\n", "empty.py"))
+    assert r.status == "error" and "no model found" in r.reason
+
+
+def test_slow_step_is_pruned(tiny_lm_file: Path) -> None:
+    r = probe(tiny_lm_file, stop_if_step_slower_than_s=0.05, env={"PROBE_TEST_MODE": "slow"})
+    assert r.status == "pruned" and not r.ok
+    assert "slower than the limit of 0.05 s" in r.reason
+    assert len(r.step_times_s) == 1 and r.step_times_s[0] > 0.05
+    assert r.exit_code == 0
+
+
+def test_refused_strategies_do_not_start_a_child(tiny_lm_file: Path) -> None:
+    r = probe(tiny_lm_file, tp=2)
+    assert r.status == "error" and r.reason.startswith("the probe runs data-parallel strategies only")
+    assert r.exit_code is None and r.wall_s < 1
+    r = probe(tiny_lm_file, precision="fp8")
+    assert r.status == "error" and "Transformer Engine" in r.reason
+
+
+def test_deepspeed_spec_needs_a_ds_config(tiny_lm_file: Path) -> None:
+    with pytest.raises(ValidationError, match="ds_config"):
+        ProbeSpec(model_path=str(tiny_lm_file), strategy=Strategy(engine="deepspeed"))
+
+
+# ---------------------------------------------------------------------------------------------------
+# the child imports only torch
+# ---------------------------------------------------------------------------------------------------
+BLOCKED = ("pydantic", "optuna", "typer", "rich", "yaml", "textual")
+
+
+def test_child_runs_without_the_planners_dependencies(tiny_lm_file: Path, tmp_path: Path) -> None:
+    spec_path, out_path = tmp_path / "spec.json", tmp_path / "result.json"
+    spec_path.write_text(spec(tiny_lm_file, block_class="Block", checkpointing="full").model_dump_json())
+    code = "\n".join([
+        "import sys",
+        f"BLOCKED = {BLOCKED!r}",
+        "for name in BLOCKED:",
+        "    sys.modules[name] = None  # any import of these raises ImportError",
+        "import runpy",
+        f"sys.argv = ['runtime_child', '--spec', {str(spec_path)!r}, '--out', {str(out_path)!r}]",
+        "runpy.run_module('optplan.probes.runtime_child', run_name='__main__', alter_sys=True)",
+    ])
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out_path.read_text())
+    assert doc["status"] == "ok", doc["reason"]
+    assert len(doc["step_times_s"]) == 3 and doc["peak_allocated_bytes"] > 4 * P4
+
+
+# ---------------------------------------------------------------------------------------------------
+# CUDA
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_probe_reports_allocator_figures(tiny_lm_file: Path) -> None:  # pragma: no cover - no GPU in CI
+    r = probe(tiny_lm_file, device="cuda", precision="amp-bf16", block_class="Block", checkpointing="full")
+    assert r.ok, r.reason + "\n" + r.tail
+    assert r.peak_allocated_bytes and r.peak_allocated_bytes > 4 * P4
+    assert r.peak_reserved_bytes is not None and r.peak_reserved_bytes >= r.peak_allocated_bytes
+    assert r.non_torch_bytes is not None and r.non_torch_bytes > 0  # the CUDA context at least
+    assert r.device_name and len(r.step_times_s) == 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_memory_cap_gives_oom(tiny_lm_file: Path) -> None:  # pragma: no cover - no GPU in CI
+    r = probe(tiny_lm_file, device="cuda", memory_cap_bytes=100_000)
+    assert r.status == "oom", r.reason + "\n" + r.tail
+    assert "out of memory" in r.reason.lower()

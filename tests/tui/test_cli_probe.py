@@ -1,0 +1,84 @@
+"""recommend --probe, validate and hardware --microbench through the CLI, for real on the CPU."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from optplan.tui.cli import app
+
+ROOT = Path(__file__).resolve().parents[2]
+MLP = str(ROOT / "examples" / "mlp.py")
+runner = CliRunner()
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OPTPLAN_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def _run(args: list[str], code: int = 0) -> str:
+    result = runner.invoke(app, args)
+    assert result.exit_code == code, (result.stdout, result.stderr)
+    return result.stdout
+
+
+def test_recommend_probe_on_cpu_runs_the_top_candidates_and_reports_them() -> None:
+    doc = json.loads(_run(["recommend", MLP, "--gpus", "2", "--probe", "--probe-top-k", "2", "--probe-steps", "1",
+                           "--json"]))
+    probes = doc["probes"]
+    assert probes["device"] == "cpu" and probes["time_comparable"] is False
+    assert len(probes["probed"]) == 2
+    for c in probes["probed"]:
+        r = c["result"]
+        assert r["status"] == "ok", r
+        assert len(r["step_times_s"]) == 1 and r["step_s"] > 0
+        assert c["probed"]["mbs"] == 1 and c["probed"]["dp"] == 1
+        # measured peak live bytes are within 20 % of the CPU accounting (tightly checked in benchmarks/fidelity.py)
+        assert 0.8 < r["peak_allocated_bytes"] / c["predicted_allocated_bytes"] < 1.2
+    assert doc["plan"] == probes["probed"][0]["candidate"]  # off the planned GPU the pick stays analytic
+    assert any(line.startswith("probes: 2 candidate(s) run for real on the CPU") for line in doc["rationale"])
+
+
+def test_recommend_without_gpu_does_not_probe_by_default() -> None:
+    doc = json.loads(_run(["recommend", MLP, "--gpus", "2", "--json"]))
+    assert doc["probes"] is None and doc["calibration"] is None
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["--arch", "layers=2,hidden=64,heads=2", "--probe"], "--probe runs the model FILE"),
+    ([MLP, "--probe-budget", "0"], "--probe-budget must be a finite number > 0"),
+    ([MLP, "--probe-top-k", "0"], "--probe-top-k must be >= 1"),
+])
+def test_probe_flags_are_checked(args: list[str], needle: str) -> None:
+    result = runner.invoke(app, ["recommend", *args, "--gpus", "2"])
+    assert result.exit_code == 2
+    assert needle in result.stderr and "Traceback" not in result.stderr
+
+
+def test_validate_runs_the_exported_launch_files(tmp_path: Path) -> None:
+    out = tmp_path / "plan"
+    _run(["recommend", MLP, "--gpus", "2", "--engine", "torch", "--precision", "fp32", "--no-offload",
+          "--out", str(out)])
+    doc = json.loads(_run(["validate", str(out), MLP, "--steps", "1", "--json"]))
+    runs = {Path(r["file"]).name: r for r in doc["runs"]}
+    assert "launch.sh" in runs
+    run = runs["launch.sh"]
+    assert run["started"] is True and run["fits"] is True
+    assert run["comparison"]["result"]["status"] == "ok"
+    assert any("ran 1 of the plan's 2" in n for n in run["notes"])
+
+
+def test_validate_bad_target_is_one_line(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["validate", str(tmp_path), MLP])
+    assert result.exit_code == 2 and "has none of ds_config.json, launch.sh, accelerate.yaml" in result.stderr
+
+
+def test_hardware_microbench_quick_json() -> None:
+    doc = json.loads(_run(["hardware", "--microbench", "--quick", "--json"]))
+    bench = doc["microbench"]
+    assert doc["hardware"]["available"] is False and bench["device"] == "cpu"
+    assert bench["matmul_flops_per_s"]["fp32"] > 1e8 and bench["copy_bytes_per_s"] > 1e8
