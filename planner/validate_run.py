@@ -132,6 +132,17 @@ def _scaled_ds_config(cfg: dict[str, Any], strategy: Strategy) -> dict[str, Any]
     return out
 
 
+def _cpu_ds_config(cfg: dict[str, Any], local: LocalDevices, notes: list[str]) -> dict[str, Any]:
+    """On the CPU, DeepSpeed's own Adam would JIT-build its fused kernel (~40 s): ask for torch's Adam."""
+    if local.device != "cpu" or not isinstance(cfg.get("optimizer"), dict):
+        return cfg
+    section = dict(cfg["optimizer"])
+    section["params"] = {**(section.get("params") or {}), "torch_adam": True}
+    notes.append("on the CPU the optimizer runs as torch's Adam (torch_adam: true) instead of DeepSpeed's fused "
+                 "kernel, which the CPU would JIT-build")
+    return {**cfg, "optimizer": section}
+
+
 def _local_strategy(strategy: Strategy, local: LocalDevices) -> tuple[Strategy, list[str]]:
     notes = []
     dp = min(strategy.dp, local.count)
@@ -199,6 +210,7 @@ def validate_exports(target: Path, profile: ModelProfile, *, model_name: str | N
                 strategy = strategy_from_ds_config(cfg, str(path))
             probed, notes = _local_strategy(strategy, local)
             ds_config = _scaled_ds_config(cfg, probed)
+            ds_config = _cpu_ds_config(ds_config, local, notes)
             how = f"deepspeed.initialize with {path.name}, {probed.dp} process(es) (plan: {strategy.dp})"
         else:
             if plan is None:
@@ -208,13 +220,17 @@ def validate_exports(target: Path, profile: ModelProfile, *, model_name: str | N
             probed, notes = _local_strategy(strategy, local)
             if probed.engine == "deepspeed":
                 from optplan.planner.export.deepspeed import render_ds_config
-                ds_config = render_ds_config(probed, plan.buckets)
+                ds_config = _cpu_ds_config(render_ds_config(probed, plan.buckets), local, notes)
             if kind == "launch":
                 from optplan.planner.export.launch import launch_argv
                 argv = launch_argv(path.read_text(encoding="utf-8"))
                 how = f"{Path(argv[0]).name} from {path.name}, {probed.dp} process(es) (plan: {strategy.dp})"
             else:
                 extra["accelerate_config"] = str(path.resolve())
+                if local.device == "cpu":
+                    notes.append("on the CPU `accelerate launch --cpu` runs without the config's FSDP/DeepSpeed "
+                                 "plugin: this checks that accelerate reads the file and the model trains, "
+                                 "not the sharding")
                 how = f"accelerate launch --config_file {path.name}, {probed.dp} process(es) (plan: {strategy.dp})"
         spec = ProbeSpec(model_path=profile.path, model_name=model_name, seq_len=profile.seq_len, strategy=probed,
                          block_class=block, ds_config=ds_config, device=local.device, nproc=probed.dp,

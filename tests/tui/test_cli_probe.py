@@ -59,17 +59,35 @@ def test_probe_flags_are_checked(args: list[str], needle: str) -> None:
     assert needle in result.stderr and "Traceback" not in result.stderr
 
 
-def test_validate_runs_the_exported_launch_files(tmp_path: Path) -> None:
+@pytest.mark.parametrize("engine", ["torch", "deepspeed"])
+def test_validate_runs_the_exported_launch_files(tmp_path: Path, engine: str) -> None:
     out = tmp_path / "plan"
-    _run(["recommend", MLP, "--gpus", "2", "--engine", "torch", "--precision", "fp32", "--no-offload",
+    _run(["recommend", MLP, "--gpus", "2", "--engine", engine, "--precision", "fp32", "--no-offload",
           "--out", str(out)])
     doc = json.loads(_run(["validate", str(out), MLP, "--steps", "1", "--json"]))
     runs = {Path(r["file"]).name: r for r in doc["runs"]}
-    assert "launch.sh" in runs
-    run = runs["launch.sh"]
-    assert run["started"] is True and run["fits"] is True
-    assert run["comparison"]["result"]["status"] == "ok"
-    assert any("ran 1 of the plan's 2" in n for n in run["notes"])
+    expected = {"launch.sh", "accelerate.yaml"} | ({"ds_config.json"} if engine == "deepspeed" else set())
+    assert set(runs) == expected
+    for run in runs.values():
+        assert run["started"] is True and run["fits"] is True, run
+        assert run["comparison"]["result"]["status"] == "ok"
+        assert any("ran 1 of the plan's 2" in n for n in run["notes"])
+    if engine == "deepspeed":
+        ds = runs["ds_config.json"]["comparison"]["result"]["spec"]["ds_config"]
+        assert ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"]
+        assert ds["optimizer"]["params"]["torch_adam"] is True  # no fused-Adam JIT build on the CPU
+
+
+def test_validate_reports_a_config_that_does_not_start(tmp_path: Path) -> None:
+    out = tmp_path / "plan"
+    _run(["recommend", MLP, "--gpus", "2", "--engine", "deepspeed", "--precision", "fp32", "--no-offload",
+          "--out", str(out)])
+    cfg = json.loads((out / "ds_config.json").read_text())
+    cfg["zero_optimization"]["no_such_key"] = 1  # DeepSpeed's own config model forbids unknown keys
+    (out / "ds_config.json").write_text(json.dumps(cfg))
+    result = runner.invoke(app, ["validate", str(out / "ds_config.json"), MLP, "--steps", "1"])
+    assert result.exit_code == 1, (result.stdout, result.stderr)
+    assert "ds_config.json" in result.stdout and "error" in result.stdout and "no_such_key" in result.stdout
 
 
 def test_validate_bad_target_is_one_line(tmp_path: Path) -> None:
