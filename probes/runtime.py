@@ -181,6 +181,9 @@ def run_probe(spec: ProbeSpec, *, timeout_s: float = 300.0, env: Mapping[str, st
             proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             timed_out = True
+        except BaseException:  # Ctrl-C or another signal in the parent: leave no probe process behind
+            terminate_tree(proc, token, grace_s=0.5)
+            raise
         terminate_tree(proc, token, grace_s=3.0 if timed_out else 0.5)  # also any process left behind
         code = proc.returncode
         tail = read_tail(log_path)

@@ -275,3 +275,35 @@ def test_cuda_memory_cap_gives_oom(tiny_lm_file: Path) -> None:  # pragma: no co
     r = probe(tiny_lm_file, device="cuda", memory_cap_bytes=100_000)
     assert r.status == "oom", r.reason + "\n" + r.tail
     assert "out of memory" in r.reason.lower()
+
+
+def test_ctrl_c_in_the_parent_leaves_no_probe_process(tiny_lm_file: Path, tmp_path: Path) -> None:
+    """SIGINT to the planner while a 2-rank torchrun probe runs: KeyboardInterrupt reaches the caller and the
+    whole probe tree (torchrun and both ranks, in sessions of their own) is gone."""
+    import os
+    import signal
+    import textwrap
+
+    pid_file = tmp_path / "pids"
+    script = tmp_path / "parent.py"
+    script.write_text(textwrap.dedent(f"""
+        from optplan.estimators.strategy import Strategy
+        from optplan.probes.runtime import ProbeSpec, run_probe
+        spec = ProbeSpec(model_path={str(tiny_lm_file)!r}, strategy=Strategy(engine="torch", dp=2, precision="fp32"),
+                         nproc=2, warmup_steps=1, timed_steps=1)
+        try:
+            run_probe(spec, timeout_s=300, env={{"PROBE_TEST_MODE": "sleep", "PROBE_TEST_PID_FILE": {str(pid_file)!r}}})
+        except KeyboardInterrupt:
+            print("interrupted")
+    """))
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 90
+    while len(pids_in(pid_file)) < 2 and time.monotonic() < deadline:  # both ranks reached forward
+        time.sleep(0.2)
+    assert len(pids_in(pid_file)) == 2, "the ranks never reached forward"
+    os.kill(parent.pid, signal.SIGINT)
+    out, _ = parent.communicate(timeout=30)
+    assert "interrupted" in out
+    time.sleep(0.5)
+    assert not [p for p in pids_in(pid_file) if alive(p)]
+    assert processes_with_env(f"PROBE_TEST_PID_FILE={pid_file}") == []
