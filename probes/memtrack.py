@@ -167,6 +167,56 @@ class MemTracker(TorchDispatchMode):
         if self.record and self.live_bytes > before:
             self.events.setdefault(self.phase, []).append((self.live_bytes, without))
 
+    def note_resize(self, storage: Any) -> None:
+        """Account a tracked storage whose size changed outside the dispatcher (bytes), e.g. FSDP2 freeing
+        and re-gathering unsharded parameters with ``untyped_storage().resize_(n)``; unknown storages are
+        ignored. Called by :meth:`watch_resizes`."""
+        key = getattr(storage, "_cdata", None)
+        old = self._sizes.get(key) if key is not None else None
+        if old is None:
+            return
+        nbytes = int(storage.nbytes())
+        if nbytes == old:
+            return
+        before = self.live_bytes
+        cat = self._category[key]
+        self._sizes[key] = nbytes
+        self.live_bytes += nbytes - old
+        self.live_by_category[cat] += nbytes - old
+        if self.live_bytes > self.peak_bytes:
+            self.peak_bytes = self.live_bytes
+            self.peak_by_category = dict(self.live_by_category)
+        without = self.live_without_copies
+        if without > self.peak_without_copies:
+            self.peak_without_copies = without
+        if self.record and self.live_bytes > before:
+            self.events.setdefault(self.phase, []).append((self.live_bytes, without))
+
+    def watch_resizes(self) -> Any:
+        """A context manager under which ``torch.UntypedStorage.resize_`` also calls :meth:`note_resize`
+        (storage resizes do not pass through ``__torch_dispatch__``). The original method is restored on
+        exit."""
+        import contextlib
+
+        tracker = self
+
+        @contextlib.contextmanager
+        def watching() -> Any:
+            original = torch.UntypedStorage.resize_
+
+            def resize_(storage: Any, size: int) -> Any:
+                out = original(storage, size)
+                tracker.note_resize(storage)
+                return out
+
+            torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+            try:
+                yield tracker
+            finally:
+                torch.UntypedStorage.resize_ = original  # type: ignore[method-assign]
+
+        return watching()
+
     def _free(self, key: int) -> None:
         nbytes = self._sizes.pop(key, None)
         if nbytes is not None:

@@ -52,9 +52,11 @@ which also makes NaN and pruning decisions collective so no rank is left waiting
 (the tracked step raises "oom" above it) and sets ``torch.cuda.set_per_process_memory_fraction`` on
 CUDA.
 
-Engines: DDP uses ``gradient_as_bucket_view=True`` and ``zero_grad(set_to_none=False)`` (the gradients
-are the reducer's buckets, which exist all the time anyway) and ``no_sync`` on all but the last
-micro-batch; FSDP2 wraps each repeated block and then the root (``grad_op`` = ``reshard_after_forward=
+Gradients stay allocated between steps (``zero_grad(set_to_none=False)``), as the profile and the
+estimators count them; torch's default ``set_to_none=True`` frees them after the step, which lowers a peak
+that falls in forward by up to one gradient copy (the estimate is then an upper bound). Engines: DDP uses
+torch's defaults (``gradient_as_bucket_view=False``: the reducer's buckets are a second gradient copy, as
+memory.py counts) and ``no_sync`` on all but the last micro-batch; FSDP2 wraps each repeated block and then the root (``grad_op`` = ``reshard_after_forward=
 False``; ``hybrid`` on one node is full sharding); DeepSpeed gets the ds_config as given plus a torch
 optimizer when the config has no "optimizer" section. On CPU the probe skips DeepSpeed's JIT-built
 shared-memory allreduce (``deepspeed_shm_comm``, ~25 s cold) and uses plain gloo collectives
@@ -807,7 +809,7 @@ class Probe:
 
                 self.phase = "DistributedDataParallel"
                 runner = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-                             gradient_as_bucket_view=True)
+                             gradient_as_bucket_view=False)  # torch's default: buckets beside the grads
             self.phase = "building the optimizer"
             self.optimizer = self.build_optimizer(params)
             if self.precision == "amp-fp16" or (self.fsdp != "none" and self.precision == "fp16"):
@@ -905,7 +907,7 @@ class Probe:
                 self.scaler.update()
             else:
                 self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=not isinstance(self.runner, _ddp_type()))
+            self.optimizer.zero_grad(set_to_none=False)  # gradients stay allocated, as the profile counts them
         return torch.stack([x.float() for x in losses]).mean()
 
     def _sync(self) -> None:
@@ -953,7 +955,7 @@ class Probe:
                     lambda q: tracker.retag(q.grad, "grad") if q.grad is not None else None))
         self.tracker = tracker  # left set when the step raises, so the reason names the tracked step
         try:
-            with tracker:
+            with tracker, tracker.watch_resizes():  # FSDP2 frees/gathers parameters by storage resizes
                 loss = self.one_step()
         finally:
             for h in hooks:

@@ -1,0 +1,560 @@
+"""Fidelity report (issue 5): predicted vs measured peak memory, and step time on a GPU, over a suite of
+(model, strategy) cases run for real by the runtime probe.
+
+Every case is one short real training run, ``optplan.probes.runtime.run_probe`` (a child process;
+``torchrun`` with 2 processes for DDP / FSDP / DeepSpeed ZeRO, gloo on the CPU), compared with what the
+estimators predict for the same Strategy from the model's static profile
+(``optplan.probes.loader.profile_model_file``, fake tensors, one profile per model):
+
+* memory: ``optplan.estimators.memory.memory_breakdown(profile, strategy, capacity, gpus_per_node=nproc,
+  device=...)``; the predicted figure is the ALLOCATED bytes, ``total_bytes - overhead_bytes``: the
+  overhead (a 1 GiB CUDA context and a 5 % allocator fragmentation margin) lies outside what
+  ``torch.cuda.max_memory_allocated`` counts, and does not exist on the CPU. Measured: on the CPU the peak
+  live tensor bytes of one tracked step (parameters, gradients, optimizer states, master copies,
+  activations, communication buffers, inputs: every tensor alive), on CUDA ``max_memory_allocated`` over
+  the whole run (the maximum over ranks);
+* time (CUDA only): ``optplan.estimators.estimate.estimate(profile, cluster, strategy)`` with the detected
+  GPU's catalogue entry, ``gpus = gpus_per_node = nproc``, against the median measured step. "Calibrated":
+  the first case of each model is its calibration probe, ``Calibration(compute_scale = measured /
+  predicted)`` of that case (one probe per model, as ``optplan.planner.calibrate`` would fit it), and the
+  model's other cases are predicted again with ``estimate(..., calibration=cal)``; the calibration probe
+  itself is left out of the calibrated statistics.
+
+Errors are absolute relative errors, ``|predicted - measured| / measured``. A probe that did not finish
+("oom", "error", "timeout", ...) prints its status and reason and is left out of the statistics (counted
+and listed at the end).
+
+The suite (at least 20 cases; ``--quick`` a subset): examples/mlp.py, examples/gpt2.py (GPT-2 small, a
+short sequence on the CPU), a reduced examples/llama.py (the Llama-3 1B layout with fewer, narrower
+layers on the CPU; the 1B model on a GPU) and examples/resnet.py (ResNet-50, SGD as its file says), at
+micro-batches 1/2/4 (scaled up per model: on the CPU the MLP's x16; on a GPU the MLP's x256, GPT-2's x4
+and ResNet's x16, so the steps are not all launch overhead), fp32 / amp-bf16 / bf16 / bf16-pure, checkpointing none / full,
+single-process torch, and with 2 processes DDP, FSDP2 full / grad_op and DeepSpeed ZeRO 1/2/3. On the CPU
+DeepSpeed runs without its ds_config's "optimizer" section (the probe then passes a torch AdamW, no
+fused-Adam JIT build), which the prediction follows (torch's CPU AdamW loop). On a machine with a single
+GPU the 2-process cases are skipped (listed).
+
+Run: ``python benchmarks/fidelity.py [--device cpu|cuda] [--quick] [--models mlp,llama] [--explain]
+[--timeout S] [--ds-torch-optimizer]``. A full CPU run is about 5-6 min on 2 cores, ``--quick`` under 1 min.
+``--explain`` prints, under each case whose memory error is over the target, the predicted categories
+(memory.py) beside the measured ones (the probe's ``peak_by_category_bytes`` on the CPU). The last line
+reads ``memory: median error X%, max Y%; time: median error Z%, max W%`` (time: after calibration); on
+the CPU time is not compared (see CPU_TIME_REASON).
+
+Targets: CPU peak memory within 2 %; GPU peak allocated memory median <= 5 %, max <= 10 % before
+calibration; GPU step time median <= 10 % after one calibration probe per model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from optplan.estimators.calibration import Calibration
+from optplan.estimators.estimate import estimate
+from optplan.estimators.hardware import Cluster, GPUSpec, find_gpu
+from optplan.estimators.memory import MemoryBreakdown, memory_breakdown
+from optplan.estimators.profile import ModelProfile
+from optplan.estimators.strategy import Strategy
+from optplan.planner.calibrate import profile_hash
+from optplan.planner.export.deepspeed import render_ds_config
+from optplan.probes.loader import profile_model_file
+from optplan.probes.runtime import ProbeResult, ProbeSpec, run_probe
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+MIB = 2**20
+CAPACITY = 2**50  # "unlimited": whether a plan fits is irrelevant here
+CPU_MEMORY_TARGET = 2.0
+GPU_MEMORY_TARGET = (5.0, 10.0)  # median, max
+GPU_TIME_TARGET = 10.0  # median, calibrated
+CPU_TIME_REASON = ("the step-time model prices a GPU's FLOP/s, HBM bandwidth and NCCL links; no CPU is in "
+                   "the catalogue, and 2 shared cores time noisily")
+
+LLAMA_CPU_SHAPE = dict(dim=256, n_layers=4, n_heads=4, n_kv_heads=1, ffn_dim=768)
+"""examples/llama.py's 1B layout (vocabulary 128256, tied embeddings, GQA, SwiGLU) reduced for CPU runs
+(as benchmarks/fidelity_cpu_memory.py --quick): 36 M parameters, most of them the embedding."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# the suite
+# ---------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Model:
+    """One model file, as this device runs it."""
+
+    key: str
+    describe: str
+    path: Path
+    seq_len: int | None
+    optimizer: str
+    mbs_scale: int = 1
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One (model, strategy) case: ``mode`` is single, ddp, fsdp-full, fsdp-grad_op or zero1/2/3."""
+
+    model: str
+    precision: str
+    mbs: int
+    checkpointing: str = "none"
+    mode: str = "single"
+    quick: bool = False
+    where: tuple[str, ...] = ("cpu", "cuda")
+
+    @property
+    def nproc(self) -> int:
+        return 1 if self.mode == "single" else 2
+
+
+SUITE: tuple[Case, ...] = (
+    # the first case of each model is single-process: on a GPU it is the model's calibration probe
+    Case("mlp", "fp32", 1, quick=True),
+    Case("mlp", "fp32", 4),
+    Case("mlp", "amp-bf16", 4, "full", quick=True),
+    Case("mlp", "fp32", 4, mode="ddp", quick=True),
+    Case("mlp", "fp32", 4, mode="fsdp-full", quick=True),
+    Case("mlp", "fp32", 4, mode="fsdp-grad_op"),
+    Case("mlp", "fp32", 4, mode="zero1"),
+    Case("mlp", "fp32", 4, mode="zero2", quick=True),
+    Case("mlp", "fp32", 4, mode="zero3"),
+    Case("gpt2", "fp32", 1),
+    Case("gpt2", "fp32", 4),
+    Case("gpt2", "amp-bf16", 4),
+    Case("gpt2", "fp32", 4, "full"),
+    Case("gpt2", "amp-bf16", 4, "full"),
+    Case("gpt2", "bf16", 2, where=("cuda",)),
+    Case("gpt2", "bf16-pure", 2, where=("cuda",)),
+    Case("gpt2", "fp32", 2, mode="ddp", where=("cuda",)),
+    Case("llama", "fp32", 1, quick=True),
+    Case("llama", "fp32", 2),
+    Case("llama", "amp-bf16", 2, quick=True),
+    Case("llama", "fp32", 4, "full"),
+    Case("llama", "amp-bf16", 4, "full", quick=True),
+    Case("llama", "bf16", 2),
+    Case("llama", "bf16-pure", 2),
+    Case("llama", "fp32", 2, mode="ddp"),
+    Case("llama", "fp32", 2, mode="fsdp-full"),
+    Case("llama", "fp32", 2, "full", mode="fsdp-grad_op"),
+    Case("llama", "fp32", 2, mode="zero1"),
+    Case("llama", "fp32", 2, mode="zero2"),
+    Case("llama", "fp32", 2, "full", mode="zero3"),
+    Case("llama", "bf16", 2, mode="fsdp-full", where=("cuda",)),
+    Case("llama", "bf16", 2, mode="zero2", where=("cuda",)),
+    Case("llama", "bf16", 2, mode="zero3", where=("cuda",)),
+    Case("resnet", "fp32", 1),
+    Case("resnet", "fp32", 2),
+    Case("resnet", "amp-bf16", 2),
+    Case("resnet", "fp32", 4, "full"),
+    Case("resnet", "bf16", 2, where=("cuda",)),
+)
+
+
+def llama_wrapper(directory: Path, shape: dict[str, int] | None, seq_len: int) -> Path:
+    """A model file building examples/llama.py's 1B layout with ``shape`` overrides (None: as is)."""
+    path = directory / "llama_fidelity.py"
+    path.write_text(textwrap.dedent(f"""
+        import importlib.util, sys
+        import torch
+        spec = importlib.util.spec_from_file_location("optplan_example_llama", {str(EXAMPLES / "llama.py")!r})
+        llama = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = llama
+        spec.loader.exec_module(llama)
+
+        SHAPE = {shape or {}!r}
+        OPTPLAN = {{"seq_len": {seq_len}, "optimizer": "adamw"}}
+
+        def build_model():
+            return llama.build_model("1B", **SHAPE)
+
+        def example_batch(batch_size, seq_len):
+            return torch.randint(0, llama.SIZES["1B"].vocab_size, (batch_size, seq_len))
+
+        loss_fn = llama.loss_fn
+        """))
+    return path
+
+
+def models(device: str, tmp: Path) -> dict[str, Model]:
+    if device == "cpu":
+        return {
+            "mlp": Model("mlp", "examples/mlp.py as is (in 64, hidden 256, depth 4); micro-batches x16",
+                         EXAMPLES / "mlp.py", None, "adamw", mbs_scale=16),
+            "gpt2": Model("gpt2", "examples/gpt2.py GPT-2 small (124 M) as is, seq 128", EXAMPLES / "gpt2.py",
+                          128, "adamw"),
+            "llama": Model("llama", "examples/llama.py 1B layout reduced: " + ", ".join(
+                f"{k} {v}" for k, v in LLAMA_CPU_SHAPE.items()) + " (vocab 128256, tied), seq 128",
+                llama_wrapper(tmp, LLAMA_CPU_SHAPE, 128), 128, "adamw"),
+            "resnet": Model("resnet", "examples/resnet.py ResNet-50 as is, 224x224, SGD", EXAMPLES / "resnet.py",
+                            None, "sgd"),
+        }
+    return {
+        "mlp": Model("mlp", "examples/mlp.py as is; micro-batches x256", EXAMPLES / "mlp.py", None, "adamw",
+                     mbs_scale=256),
+        "gpt2": Model("gpt2", "examples/gpt2.py GPT-2 small (124 M), seq 1024; micro-batches x4",
+                      EXAMPLES / "gpt2.py", 1024, "adamw", mbs_scale=4),
+        "llama": Model("llama", "examples/llama.py Llama-3 1B as is, seq 1024", llama_wrapper(tmp, None, 1024),
+                       1024, "adamw"),
+        "resnet": Model("resnet", "examples/resnet.py ResNet-50, 224x224, SGD; micro-batches x16",
+                        EXAMPLES / "resnet.py", None, "sgd", mbs_scale=16),
+    }
+
+
+def strategy_of(case: Case, model: Model) -> Strategy:
+    kwargs: dict[str, Any] = {"precision": case.precision, "optimizer": model.optimizer,
+                              "mbs": case.mbs * model.mbs_scale, "checkpointing": case.checkpointing,
+                              "dp": case.nproc, "engine": "torch"}
+    if case.mode == "fsdp-full":
+        kwargs["fsdp"] = "full"
+    elif case.mode == "fsdp-grad_op":
+        kwargs["fsdp"] = "grad_op"
+    elif case.mode.startswith("zero"):
+        kwargs.update(engine="deepspeed", zero=int(case.mode[4:]))
+    return Strategy(**kwargs)
+
+
+def label_of(case: Case, strategy: Strategy) -> str:
+    mode = {"single": "torch", "ddp": "DDP", "fsdp-full": "FSDP-full", "fsdp-grad_op": "FSDP-grad_op",
+            "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3"}[case.mode]
+    ckpt = " ckpt" if case.checkpointing == "full" else ""
+    return f"{case.precision} {mode} mbs{strategy.mbs}{ckpt}"
+
+
+# ---------------------------------------------------------------------------------------------------
+# one case
+# ---------------------------------------------------------------------------------------------------
+@dataclass
+class Row:
+    model: str
+    label: str
+    nproc: int
+    result: ProbeResult | None  # None: skipped
+    skipped: str = ""
+    memory: MemoryBreakdown | None = None
+    pred_bytes: int | None = None
+    pred_step_s: float | None = None
+    cal_step_s: float | None = None
+    is_calibration: bool = False
+    time_note: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.result is not None and self.result.ok
+
+    @property
+    def meas_bytes(self) -> int | None:
+        return self.result.peak_allocated_bytes if self.result is not None else None
+
+    @property
+    def mem_err(self) -> float | None:
+        return abs_err(self.pred_bytes, self.meas_bytes) if self.ok else None
+
+    @property
+    def time_err(self) -> float | None:
+        return abs_err(self.pred_step_s, self.result.step_s) if self.ok and self.result else None
+
+    @property
+    def cal_err(self) -> float | None:
+        if not self.ok or self.is_calibration or self.result is None:
+            return None
+        return abs_err(self.cal_step_s, self.result.step_s)
+
+
+def abs_err(pred: float | None, meas: float | None) -> float | None:
+    """|pred - meas| / meas in percent (None when either is missing)."""
+    if pred is None or not meas:
+        return None
+    return 100.0 * abs(pred - meas) / meas
+
+
+def signed(pred: float | None, meas: float | None) -> str:
+    if pred is None or not meas:
+        return "n/a"
+    return f"{100.0 * (pred - meas) / meas:+.2f}%"
+
+
+@contextlib.contextmanager
+def environment(extra: dict[str, str]) -> Iterator[None]:
+    """``os.environ`` with ``extra`` set (the profiler child inherits the environment)."""
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def ds_config(strategy: Strategy, profile: ModelProfile, torch_optimizer: bool) -> dict[str, Any] | None:
+    if strategy.engine != "deepspeed":
+        return None
+    config = render_ds_config(strategy, profile)
+    if torch_optimizer:
+        config.pop("optimizer", None)  # the probe passes a torch optimizer: no fused-Adam JIT build
+    return config
+
+
+def predict_memory(profile: ModelProfile, strategy: Strategy, device: str, nproc: int,
+                   ds_torch_optimizer: bool) -> MemoryBreakdown:
+    """memory.py's breakdown for the probed run. DeepSpeed with a torch client optimizer on CUDA runs
+    torch's foreach AdamW, not the fused kernel memory.py assumes for the engine by default."""
+    impl = "foreach" if (device == "cuda" and strategy.engine == "deepspeed" and ds_torch_optimizer) else None
+    return memory_breakdown(profile, strategy, CAPACITY, gpus_per_node=nproc, adam_impl=impl,  # type: ignore[arg-type]
+                            device=device)  # type: ignore[arg-type]
+
+
+@dataclass
+class Runner:
+    device: str
+    gpu: GPUSpec | None
+    nproc_available: int
+    timeout_s: float
+    ds_torch_optimizer: bool
+
+    def run_case(self, case: Case, model: Model, profile: ModelProfile, cal: Calibration | None) -> Row:
+        strategy = strategy_of(case, model)
+        label = label_of(case, strategy)
+        if case.nproc > self.nproc_available:
+            return Row(model.key, label, case.nproc, None,
+                       skipped=f"needs {case.nproc} devices, {self.nproc_available} available")
+        block = profile.repeated_block.class_name if profile.repeated_block else None
+        spec = ProbeSpec(
+            model_path=str(model.path), seq_len=model.seq_len, strategy=strategy, block_class=block,
+            ds_config=ds_config(strategy, profile, self.ds_torch_optimizer), device=self.device,  # type: ignore[arg-type]
+            nproc=case.nproc,
+            # CPU: one timed step, then the memory-tracked one (with a warm-up step first for 2 processes: DDP
+            # rebuilds its buckets in the second step); CPU times are shown, not compared. CUDA: the probe's
+            # defaults (2 warm-up + 5 timed steps).
+            warmup_steps=(0 if case.nproc == 1 else 1) if self.device == "cpu" else 2,
+            timed_steps=1 if self.device == "cpu" else 5)
+        result = run_probe(spec, timeout_s=self.timeout_s, env=model.env or None)
+        memory = predict_memory(profile, strategy, self.device, case.nproc, self.ds_torch_optimizer)
+        row = Row(model.key, label, case.nproc, result, memory=memory,
+                  pred_bytes=memory.total_bytes - memory.overhead_bytes)
+        if self.device == "cuda" and self.gpu is not None:
+            cluster = Cluster(gpu=self.gpu, gpus=case.nproc, gpus_per_node=case.nproc)
+            try:
+                row.pred_step_s = estimate(profile, cluster, strategy).time.step_s
+                if cal is not None:
+                    row.cal_step_s = estimate(profile, cluster, strategy, calibration=cal).time.step_s
+            except Exception as exc:  # noqa: BLE001 - a strategy the estimator refuses is reported, not fatal
+                row.time_note = f"no time estimate: {type(exc).__name__}: {exc}"
+        return row
+
+
+# ---------------------------------------------------------------------------------------------------
+# printing
+# ---------------------------------------------------------------------------------------------------
+def header(device: str) -> str:
+    head = (f"{'model':<7}{'strategy':<28}{'np':>3} | {'pred MiB':>9}{'meas MiB':>9}{'err':>10} |")
+    if device == "cuda":
+        head += f" {'pred ms':>9}{'meas ms':>9}{'err':>10} | {'calib ms':>9}{'err':>10} |"
+    else:
+        head += f" {'step1 s':>7} |"
+    return head + f" {'probe s':>7}"
+
+
+def mib(n: int | None) -> str:
+    return f"{n / MIB:>9.1f}" if n is not None else f"{'n/a':>9}"
+
+
+def ms(s: float | None) -> str:
+    return f"{1e3 * s:>9.1f}" if s is not None else f"{'n/a':>9}"
+
+
+def format_row(row: Row, device: str) -> str:
+    start = f"{row.model:<7}{row.label:<28}{row.nproc:>3} | "
+    if row.result is None:
+        return start + f"skipped: {row.skipped}"
+    r = row.result
+    if not r.ok:
+        return start + f"{mib(row.pred_bytes)}{'':>9}{'':>10} | {r.status.upper()}: {r.reason} ({r.wall_s:.0f} s)"
+    line = start + f"{mib(row.pred_bytes)}{mib(row.meas_bytes)}{signed(row.pred_bytes, row.meas_bytes):>10} |"
+    if device == "cuda":
+        line += f" {ms(row.pred_step_s)}{ms(r.step_s)}{signed(row.pred_step_s, r.step_s):>10} |"
+        if row.is_calibration:
+            line += f" {'(calibration probe)':>19} |"
+        else:
+            line += f" {ms(row.cal_step_s)}{signed(row.cal_step_s, r.step_s):>10} |"
+    else:
+        step = f"{r.step_s:>7.2f}" if r.step_s is not None else f"{'n/a':>7}"
+        line += f" {step} |"
+    line += f" {r.wall_s:>7.1f}"
+    if row.time_note:
+        line += f"  [{row.time_note}]"
+    return line
+
+
+def explain_lines(row: Row) -> list[str]:
+    """Predicted categories (memory.py) and measured ones (the probe's tracker, CPU) of one case, MiB."""
+    m, r = row.memory, row.result
+    if m is None or r is None:
+        return []
+
+    def part(name: str, n: float) -> str:
+        return f"{name} {n / MIB:.2f}"
+
+    items = {k: v for k, v in m.detail_bytes.items() if k not in ("cuda_context", "fragmentation_margin")}
+    pred = [part("params", m.params_bytes), part("grads", m.grads_bytes), part("optim", m.optimizer_bytes),
+            part("acts", m.activations_bytes)] + [part(k, v) for k, v in items.items()]
+    lines = ["      predicted: " + ", ".join(pred)]
+    if r.peak_by_category_bytes:
+        meas = [part(k, v) for k, v in sorted(r.peak_by_category_bytes.items(), key=lambda kv: -kv[1])]
+        lines.append("      measured:  " + ", ".join(meas))
+    elif r.peak_reserved_bytes is not None:
+        lines.append(f"      measured:  max allocated {(r.peak_allocated_bytes or 0) / MIB:.2f}, max reserved "
+                     f"{r.peak_reserved_bytes / MIB:.2f}, outside the allocator {(r.non_torch_bytes or 0) / MIB:.2f}")
+    for note in r.notes:
+        lines.append(f"      note: {note}")
+    return lines
+
+
+def stats(values: list[float]) -> tuple[str, str]:
+    if not values:
+        return "n/a", "n/a"
+    return f"{statistics.median(values):.2f}%", f"{max(values):.2f}%"
+
+
+def device_name(device: str) -> str:
+    if device == "cuda":
+        return f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}"
+    name = platform.processor() or platform.machine() or "cpu"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
+            if line.lower().startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    return f"{name} ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
+
+
+def catalogue_gpu() -> tuple[GPUSpec | None, str]:
+    """The detected GPU's catalogue entry, or None and why."""
+    from optplan.probes.hardware import detect_gpus
+
+    report = detect_gpus()
+    if not report.available or not report.devices:
+        return None, f"no GPU detected ({report.reason})"
+    first = report.devices[0]
+    if first.catalogue_name is None:
+        return None, f"{first.name} is not in the GPU catalogue: time not predicted"
+    return find_gpu(first.catalogue_name), ""
+
+
+# ---------------------------------------------------------------------------------------------------
+# main
+# ---------------------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                        help="where the probes run (default: cuda when torch sees a GPU, else cpu)")
+    parser.add_argument("--quick", action="store_true", help="a subset of the cases (~1-2 min on a CPU)")
+    parser.add_argument("--models", default=None, help="comma-separated subset of mlp,gpt2,llama,resnet")
+    parser.add_argument("--explain", action="store_true",
+                        help="print predicted vs measured categories under cases over the memory target")
+    parser.add_argument("--timeout", type=float, default=300.0, help="per-probe wall-clock limit (s)")
+    parser.add_argument("--ds-torch-optimizer", action="store_true",
+                        help="cuda: run DeepSpeed with a torch AdamW instead of its ds_config optimizer "
+                             "(always so on the CPU)")
+    args = parser.parse_args(argv)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        print(f"--device cuda: torch {torch.__version__} sees no CUDA device", file=sys.stderr)
+        return 2
+    wanted = set(args.models.split(",")) if args.models else None
+    gpu, gpu_note = (catalogue_gpu() if device == "cuda" else (None, ""))
+    nproc_available = torch.cuda.device_count() if device == "cuda" else 2
+    runner = Runner(device=device, gpu=gpu, nproc_available=nproc_available, timeout_s=args.timeout,
+                    ds_torch_optimizer=args.ds_torch_optimizer or device == "cpu")
+    started = time.perf_counter()
+    print(f"fidelity: {device} {device_name(device)}; torch {torch.__version__}; python {platform.python_version()}")
+    if device == "cuda":
+        print(f"time model: {gpu.name if gpu else gpu_note}; calibrated = one probe per model (its first case)")
+        print("memory: predicted allocated (memory.py total - CUDA context - fragmentation margin) vs "
+              "torch.cuda.max_memory_allocated, max over ranks")
+    else:
+        print("memory: predicted allocated (memory.py total - overhead) vs the peak live tensor bytes of one "
+              "tracked step (max over ranks); target 2%. step1 s: the first timed step, shown only")
+    target = CPU_MEMORY_TARGET if device == "cpu" else GPU_MEMORY_TARGET[1]
+    rows: list[Row] = []
+    suite = [c for c in SUITE if device in c.where and (c.quick or not args.quick)
+             and (wanted is None or c.model in wanted)]
+    with tempfile.TemporaryDirectory(prefix="optplan_fidelity_") as tmp:
+        defs = models(device, Path(tmp))
+        for key in dict.fromkeys(c.model for c in suite):
+            model = defs[key]
+            t0 = time.perf_counter()
+            try:
+                with environment(model.env):
+                    profile = profile_model_file(model.path, seq_len=model.seq_len)
+            except Exception as exc:  # noqa: BLE001 - one model's failure leaves the others
+                print(f"\n{key}: {model.describe}\n  profiling failed: {exc}")
+                for case in (c for c in suite if c.model == key):
+                    rows.append(Row(key, label_of(case, strategy_of(case, model)), case.nproc, None,
+                                    skipped="profiling failed"))
+                continue
+            print(f"\n{key}: {model.describe}; {profile.params:,} parameters; profile {time.perf_counter() - t0:.1f} s")
+            print(header(device), flush=True)
+            cal: Calibration | None = None
+            for case in (c for c in suite if c.model == key):
+                row = runner.run_case(case, model, profile, cal)
+                if (cal is None and device == "cuda" and row.ok and row.pred_step_s and row.result
+                        and row.result.step_s and case.nproc == 1):
+                    cal = Calibration(gpu=gpu.name if gpu else "", model_hash=profile_hash(profile),
+                                      torch_version=row.result.torch_version,
+                                      compute_scale=row.result.step_s / row.pred_step_s, time_probes=1,
+                                      source=f"fidelity: {row.label}")
+                    row.is_calibration = True
+                rows.append(row)
+                print(format_row(row, device), flush=True)
+                if args.explain and row.ok and (row.mem_err or 0.0) > target:
+                    for line in explain_lines(row):
+                        print(line)
+                    print(flush=True)
+    wall = time.perf_counter() - started
+    failed = [r for r in rows if r.result is not None and not r.ok]
+    skipped = [r for r in rows if r.result is None]
+    ok = [r for r in rows if r.ok]
+    mem = [e for r in ok if (e := r.mem_err) is not None]
+    print(f"\n{len(rows)} cases: {len(ok)} ok, {len(failed)} failed, {len(skipped)} skipped; wall time {wall:.0f} s")
+    for r in failed:
+        assert r.result is not None
+        print(f"  failed: {r.model} {r.label}: {r.result.status}: {r.result.reason}")
+    for r in skipped:
+        print(f"  skipped: {r.model} {r.label}: {r.skipped}")
+    over = [r for r in ok if (r.mem_err or 0.0) > target]
+    if over:
+        print(f"memory error over {target:g}%: " + "; ".join(f"{r.model} {r.label} {r.mem_err:.1f}%" for r in over))
+    mem_med, mem_max = stats(mem)
+    if device == "cpu":
+        print(f"memory: median error {mem_med}, max {mem_max}; time: not compared on CPU ({CPU_TIME_REASON})")
+        return 0 if ok else 1
+    raw_med, raw_max = stats([e for r in ok if (e := r.time_err) is not None])
+    cal_med, cal_max = stats([e for r in ok if (e := r.cal_err) is not None])
+    print(f"targets: memory median <= {GPU_MEMORY_TARGET[0]:g}%, max <= {GPU_MEMORY_TARGET[1]:g}% (uncalibrated); "
+          f"time median <= {GPU_TIME_TARGET:g}% (calibrated)")
+    print(f"time before calibration: median error {raw_med}, max {raw_max} (every case); after one calibration "
+          f"probe per model: over the other cases")
+    print(f"memory: median error {mem_med}, max {mem_max}; time: median error {cal_med}, max {cal_max}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
