@@ -22,7 +22,14 @@ from optplan.planner.export.context import FILE_NAMES
 from optplan.planner.export.registry import ExportOptions
 from optplan.planner.recommend import Recommendation
 from optplan.planner.space import check_global_batch, check_precisions
-from optplan.probes.hardware import HardwareReport, cluster_from, detect_gpus
+from optplan.probes.hardware import (
+    HardwareReport,
+    LiveReport,
+    NvmlApi,
+    cluster_from,
+    detect_gpus,
+    sample_gpus,
+)
 from optplan.probes.loader import profile_model_file
 
 EXPORT_NAMES = tuple(FILE_NAMES.values())
@@ -54,6 +61,12 @@ def resolve_model(path: Path | str | None, *, arch: str | None = None, seq_len: 
 def detect_hardware() -> HardwareReport:
     """What NVML sees (a clean 'no GPU detected' report when nothing is there)."""
     return detect_gpus()
+
+
+def sample_hardware(nvml: NvmlApi | None = None) -> LiveReport:
+    """Live utilisation, memory, temperature and power of each GPU (NVML; ``nvml`` an adapter, e.g. the
+    fake in ``optplan.probes.hardware_fake``). Never raises: ``available=False`` says why."""
+    return sample_gpus(nvml)
 
 
 def resolve_cluster(*, gpu: str | None, gpus: int | None, gpus_per_node: int | None,
@@ -140,6 +153,19 @@ def export_plan(rec: Recommendation, out_dir: Path, *, force: bool, targets: Seq
 
     files, skipped = render_exports(rec, targets, options)
     return write_files(out_dir, files, force=force), skipped
+
+
+def write_exports(out_dir: Path, files: dict[str, str], *, force: bool) -> list[Path]:
+    """Write rendered exports (``render_exports``' files) atomically, all or nothing; without ``force``
+    an existing file is an OptplanError and nothing is written."""
+    from optplan.planner.export.files import write_files
+
+    return write_files(out_dir, files, force=force)
+
+
+def existing_exports(out_dir: Path, names: Sequence[str]) -> list[str]:
+    """Which of ``names`` already exist in ``out_dir`` (what writing them would overwrite)."""
+    return [n for n in names if (Path(out_dir) / n).exists()]
 
 
 def export_plan_file(plan_file: Path, targets: Sequence[str], out_dir: Path, *, force: bool,

@@ -104,7 +104,8 @@ class Recommendation(BaseModel):
     calibration: Calibration | None = Field(default=None, description="the calibration the estimates carry")
 
 
-def _with_cost(e: Estimate, goal: Goal, cluster: Cluster) -> Estimate:
+def with_cost(e: Estimate, goal: Goal, cluster: Cluster) -> Estimate:
+    """``e`` with the time, GPU-hours, cost and energy of the goal's token budget (unchanged without one)."""
     if goal.tokens is None or not e.tokens_per_s:
         return e
     price = goal.price_per_gpu_hour if goal.price_per_gpu_hour is not None else cluster.price_per_gpu_hour
@@ -126,7 +127,8 @@ def recommend(profile: ModelProfile, cluster: Cluster, *, global_batch: int | No
               on_progress: Callable[[ProgressEvent], None] | None = None,
               calibration: Calibration | None = None, probe: ProbeOptions | None = None,
               probe_local: LocalDevices | None = None, probe_runner: Runner | None = None,
-              probe_bench: Callable[..., Any] | None = None) -> Recommendation:
+              probe_bench: Callable[..., Any] | None = None,
+              on_trial: Callable[[Estimate], None] | None = None) -> Recommendation:
     """Search the space of ``profile`` on ``cluster`` (or on each of ``gpu_counts``) and explain the pick.
 
     ``global_batch`` (samples) defaults to the model file's OPTPLAN value; None leaves it free. For a model
@@ -137,6 +139,9 @@ def recommend(profile: ModelProfile, cluster: Cluster, *, global_batch: int | No
     probe stage (``planner.probe_stage``) on a model file: the top candidates run for real on
     ``probe_local`` (default: the local GPUs, else the CPU) through ``probe_runner`` (default
     ``optplan.probes.runtime.run_probe``); on the planned GPU they recalibrate and re-rank.
+
+    ``on_trial`` receives each candidate's Estimate as the search prices it (see ``search``): the
+    dashboard's live table of trials.
     """
     goal = goal or Goal()
     goal.check()
@@ -162,7 +167,7 @@ def recommend(profile: ModelProfile, cluster: Cluster, *, global_batch: int | No
         raise OptplanError(f"global batch {gb} is not divisible by any data-parallel degree the layouts allow "
                            f"({', '.join(map(str, dps[:8]))}): use a multiple of {dps[0]} for --global-batch")
     result = search(profile, cluster, space, goal=goal, method=method, seed=seed, n_trials=n_trials,
-                    storage=storage, on_progress=on_progress, calibration=calibration)
+                    storage=storage, on_progress=on_progress, calibration=calibration, on_trial=on_trial)
     ranked = result.ranked
     report: ProbeReport | None = None
     probe_text: list[str] = []
@@ -191,7 +196,7 @@ def recommend(profile: ModelProfile, cluster: Cluster, *, global_batch: int | No
                   seq_len=profile.seq_len, search=summary, objective=goal.objective, tokens=goal.tokens,
                   deadline_s=goal.deadline_s, probes=report, calibration=calibration)
     if feasible:
-        pick = _with_cost(feasible[0], goal, cluster)
+        pick = with_cost(feasible[0], goal, cluster)
         if pick.strategy.engine == "megatron" and _is_model_file(profile):
             all_notes.append(MEGATRON_FILE_NOTE)
         if goal.deadline_s is not None and not goal.meets_deadline(pick):
@@ -200,10 +205,10 @@ def recommend(profile: ModelProfile, cluster: Cluster, *, global_batch: int | No
         lines = rationale(pick, ranked, pricer, space, goal, result.evaluated + result.resumed) + probe_text
         return Recommendation(
             **common, fits=True, plan=pick.strategy, estimate=pick,  # type: ignore[arg-type]
-            alternatives=tuple(PlanEstimate(plan=e.strategy, estimate=_with_cost(e, goal, cluster))
+            alternatives=tuple(PlanEstimate(plan=e.strategy, estimate=with_cost(e, goal, cluster))
                                for e in feasible[1:1 + alternatives]),
             rationale=tuple(lines),
-            pareto=tuple(PlanEstimate(plan=e.strategy, estimate=_with_cost(e, goal, cluster))
+            pareto=tuple(PlanEstimate(plan=e.strategy, estimate=with_cost(e, goal, cluster))
                          for e in pareto_front(feasible, goal)),
             suggestions=(), notes=tuple(all_notes),
             export=export_plan_for(pick.strategy, profile, pricer.cluster_for(pick.gpus)))

@@ -247,10 +247,12 @@ def _recorded(study: optuna.Study) -> list[Strategy]:
 class Pricer:
     """Estimates with a cache, one Cluster per GPU count."""
 
-    def __init__(self, profile: ModelProfile, cluster: Cluster, calibration: Calibration | None = None) -> None:
+    def __init__(self, profile: ModelProfile, cluster: Cluster, calibration: Calibration | None = None, *,
+                 on_priced: Callable[[Estimate], None] | None = None) -> None:
         self.profile = profile
         self.cluster = cluster
         self.calibration = calibration
+        self.on_priced = on_priced
         self._clusters: dict[int, Cluster] = {}
         self.priced: dict[Strategy, Estimate] = {}
 
@@ -269,6 +271,8 @@ class Pricer:
         except OptplanError:
             return None
         self.priced[strategy] = est
+        if self.on_priced is not None:
+            self.on_priced(est)
         return est
 
 
@@ -364,10 +368,14 @@ def search(profile: ModelProfile, cluster: Cluster, space: SearchSpace, *, goal:
            method: SearchMethod = "auto", n_trials: int | None = None, seed: int = 0,
            storage: str | Path | None = None, study_name: str | None = None,
            on_progress: Callable[[ProgressEvent], None] | None = None,
-           calibration: Calibration | None = None) -> SearchResult:
+           calibration: Calibration | None = None,
+           on_trial: Callable[[Estimate], None] | None = None) -> SearchResult:
     """Price the space and rank it by ``goal``. Deterministic for the same inputs and seed.
 
-    ``calibration`` (from earlier probe runs) corrects every estimate; it is part of the study's name."""
+    ``calibration`` (from earlier probe runs) corrects every estimate; it is part of the study's name.
+    ``on_trial`` receives each newly priced candidate's Estimate (in pricing order, resumed ones included),
+    from the thread that runs the search: a live view of the trials (the dashboard). An exception it
+    raises stops the search; the study keeps what was recorded (a rerun with the same storage resumes)."""
     goal = goal or Goal()
     goal.check()
     notify = on_progress or (lambda _e: None)
@@ -376,7 +384,7 @@ def search(profile: ModelProfile, cluster: Cluster, space: SearchSpace, *, goal:
         "enumerate" if method == "enumerate" or (method == "auto" and size <= ENUMERATE_LIMIT)
         else ("tpe" if method == "tpe" else "nsga2"))
     name = study_name or study_name_for(profile, cluster, space, goal, chosen, seed, calibration)
-    pricer = Pricer(profile, cluster, calibration)
+    pricer = Pricer(profile, cluster, calibration, on_priced=on_trial)
     if chosen == "enumerate":
         study = _open_study(storage, name, goal, optuna.samplers.NSGAIISampler(seed=seed))
         evaluated, resumed = _enumerate(pricer, space, study, goal, notify)

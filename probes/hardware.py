@@ -336,3 +336,82 @@ def cluster_from(report: HardwareReport | None, *, gpu: str | None = None, gpus:
         notes.append(f"{n} GPUs at {per_node} per node leaves the last node with {n % per_node}: "
                      "launchers expect the same number on every node")
     return Cluster(gpu=spec, gpus=n, gpus_per_node=per_node, detected=detected), notes
+
+
+class GpuSample(BaseModel):
+    """One GPU's live readings (a live view such as the dashboard's); None where NVML cannot say."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    index: int = Field(ge=0)
+    name: str
+    memory_total_bytes: int = Field(ge=0)
+    memory_used_bytes: int = Field(ge=0)
+    utilization_percent: int | None = None
+    memory_utilization_percent: int | None = None
+    temperature_c: int | None = None
+    power_watts: float | None = None
+    power_limit_watts: float | None = None
+
+
+class LiveReport(BaseModel):
+    """A sample of every GPU, or ``available=False`` with the reason (no NVML, no devices)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    available: bool
+    reason: str
+    driver_version: str | None = None
+    samples: tuple[GpuSample, ...] = ()
+
+
+def _reading(call: Any, index: int) -> Any:
+    try:
+        return call(index)
+    except Exception:  # a reading a GPU does not support (power on some boards) is left out, not fatal
+        return None
+
+
+def sample_gpus(nvml: NvmlApi | None = None) -> LiveReport:
+    """Read utilisation, memory, temperature and power of every GPU through NVML. Never raises."""
+    if nvml is None:
+        try:
+            nvml = PynvmlApi()
+        except ImportError:
+            return LiveReport(available=False, reason=f"{NO_GPU}: nvidia-ml-py (pynvml) is not installed")
+    try:
+        nvml.init()
+    except Exception as err:
+        return LiveReport(available=False, reason=f"{NO_GPU}: {_describe(err)}")
+    try:
+        driver = _reading(lambda _i: nvml.driver_version(), 0)
+        try:
+            count = nvml.device_count()
+        except Exception as err:
+            return LiveReport(available=False, reason=f"{NO_GPU}: NVML could not count devices ({_describe(err)})",
+                              driver_version=driver)
+        samples = []
+        for index in range(count):
+            try:
+                name = nvml.device_name(index)
+                mem = nvml.memory_info(index)
+            except Exception as err:
+                return LiveReport(available=False, driver_version=driver,
+                                  reason=f"{NO_GPU}: NVML could not read GPU {index} ({_describe(err)})")
+            util = _reading(nvml.utilization, index)
+            samples.append(GpuSample(
+                index=index, name=name, memory_total_bytes=mem.total, memory_used_bytes=mem.used,
+                utilization_percent=None if util is None else util.gpu_percent,
+                memory_utilization_percent=None if util is None else util.memory_percent,
+                temperature_c=_reading(nvml.temperature_c, index),
+                power_watts=_reading(nvml.power_usage_watts, index),
+                power_limit_watts=_reading(nvml.power_limit_watts, index)))
+    finally:
+        try:
+            nvml.shutdown()
+        except Exception:
+            pass
+    if not samples:
+        return LiveReport(available=False, reason=f"{NO_GPU}: NVML reports 0 devices", driver_version=driver)
+    names = ", ".join(f"{n} x {name}" for name, n in Counter(s.name for s in samples).items())
+    return LiveReport(available=True, reason=f"{names} via NVML", driver_version=driver, samples=tuple(samples))

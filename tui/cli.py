@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,6 +18,9 @@ from pydantic import ValidationError
 from rich.console import Console
 
 from optplan.estimators.errors import OptplanError
+from optplan.tui.recommend_args import OPTIMIZERS, PRECISIONS, RecommendArgs
+from optplan.tui.recommend_args import check_choice as _check_choice
+from optplan.tui.recommend_args import check_finite as _check_finite
 
 T = TypeVar("T")
 
@@ -38,23 +40,6 @@ SeqOpt = Annotated[int | None, typer.Option("--seq-len", help="sequence length (
 JsonOpt = Annotated[bool, typer.Option("--json", help="print a stable JSON document instead of tables")]
 NameOpt = Annotated[str | None, typer.Option("--model-name", help="which model when the file defines several")]
 ClusterOpt = Annotated[Path | None, typer.Option("--cluster", help="cluster YAML: gpu, gpus_per_node, nodes[, bandwidths, price, power]")]
-PRECISIONS = ("fp32", "amp-bf16", "amp-fp16", "bf16", "fp16", "bf16-pure", "fp8")
-OPTIMIZERS = ("adamw", "adamw8bit", "adamw-8bit", "adafactor", "sgd")
-
-
-def _check_finite(flag: str, value: float | None, *, allow_zero: bool = False) -> None:
-    """One line when a numeric flag is NaN, infinite, negative or (unless allowed) zero."""
-    if value is None:
-        return
-    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
-        need = "a finite number >= 0" if allow_zero else "a finite number > 0"
-        raise OptplanError(f"--{flag} must be {need} (got {value:g})")
-
-
-def _check_choice(flag: str, value: str, choices: tuple[str, ...]) -> None:
-    """One line naming the flag, the bad value and the choices."""
-    if value not in choices:
-        raise OptplanError(f"unknown {flag} {value!r}: use one of {', '.join(choices)}")
 
 
 class _State:
@@ -300,21 +285,6 @@ def chinchilla(
     _guard(ctx, body)
 
 
-def parse_duration_s(text: str, flag: str = "--deadline") -> float:
-    """'30d', '720h', '90m' or a plain number of days -> seconds."""
-    units = {"d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0}
-    t = text.strip().lower()
-    scale = units.get(t[-1:], None)
-    number = t[:-1] if scale is not None else t
-    try:
-        value = float(number) * (scale if scale is not None else 86400.0)
-    except ValueError:
-        raise OptplanError(f"{flag} {text!r} is not a duration: use e.g. 30d, 720h or 45 (days)") from None
-    if not math.isfinite(value) or value <= 0:
-        raise OptplanError(f"{flag} must be a positive duration (got {text!r})")
-    return value
-
-
 @app.command()
 def recommend(
     ctx: typer.Context, model: OptModelFile = None, arch: ArchOpt = None,
@@ -349,95 +319,22 @@ def recommend(
     model_name: NameOpt = None, as_json: JsonOpt = False,
 ) -> None:
     """Search parallel layout, engine, sharding, offload, precision, micro-batch and checkpointing; print the best plan."""
-    from optplan.planner.api import check_search_options, export_plan, resolve_cluster, resolve_model
-    from optplan.planner.export.registry import ExportOptions
-    from optplan.planner.recommend import recommend as plan
-    from optplan.planner.search import OBJECTIVES, Goal
-    from optplan.planner.space import parse_gpus_range
+    args = RecommendArgs.model_validate({k: v for k, v in locals().items() if k in RecommendArgs.model_fields})
+    from optplan.planner.api import export_plan
+    from optplan.tui.recommend_run import global_batch_for, prepare_recommend, profile_for, run_recommend
     from optplan.tui.render import print_recommendation
 
     def body() -> None:
-        _check_choice("--objective", objective, OBJECTIVES)
-        _check_choice("--method", method, ("auto", "enumerate", "nsga2", "tpe"))
-        _check_choice("--launcher", launcher, ("torchrun", "deepspeed"))
-        for value in precision or ():
-            _check_choice("--precision", value, PRECISIONS)
-        for value in optimizer or ():
-            _check_choice("--optimizer", value, OPTIMIZERS)
-        for value in engine or ():
-            _check_choice("--engine", value, ("deepspeed", "torch", "megatron"))
-        for flag, value in (("params", params), ("tokens", tokens), ("global-batch-tokens", global_batch_tokens)):
-            _check_finite(flag, value)
-        _check_finite("price", price, allow_zero=True)
-        if trials is not None and trials < 1:
-            raise OptplanError(f"--trials must be >= 1 (got {trials})")
-        _check_finite("probe-budget", probe_budget)
-        _check_finite("probe-timeout", probe_timeout)
-        for flag, count in (("probe-top-k", probe_top_k), ("probe-steps", probe_steps), ("probe-nproc", probe_nproc)):
-            if count is not None and count < 1:
-                raise OptplanError(f"--{flag} must be >= 1 (got {count})")
-        if probe and model is None:
-            raise OptplanError("--probe runs the model FILE for real: give a model file (not --arch/--params) "
-                               "or drop --probe")
-        if global_batch is not None and global_batch_tokens is not None:
-            raise OptplanError("give --global-batch (samples) or --global-batch-tokens, not both")
-        if global_batch is not None and global_batch < 1:
-            raise OptplanError(f"--global-batch must be >= 1 (got {global_batch})")
-        goal = Goal(objective=objective, tokens=tokens, price_per_gpu_hour=price,  # type: ignore[arg-type]
-                    deadline_s=parse_duration_s(deadline) if deadline is not None else None)
-        goal.check()
-        if gpus_range is not None and gpus is not None:
-            raise OptplanError("give --gpus or --gpus-range, not both")
-        target, notes = resolve_cluster(gpu=gpu, gpus=gpus, gpus_per_node=gpus_per_node, cluster_file=cluster)
-        counts = None
-        if gpus_range is not None:
-            counts = parse_gpus_range(gpus_range, target.gpus_per_node)
-            target = target.model_copy(update={"gpus": max(counts)})
-        check_search_options(target, global_batch=global_batch, precisions=precision)
-        if global_batch is not None and model is not None and "megatron" not in (engine or ()):
-            # a model file trains data-parallel (DeepSpeed/torch): dp is the GPU count, known before profiling
-            if not any(global_batch % n == 0 for n in (counts or (target.gpus,))):
-                n = min(counts or (target.gpus,))
-                raise OptplanError(f"global batch {global_batch} is not divisible by {n} GPUs: use a multiple of "
-                                   f"{n} for --global-batch or change --gpus")
-        options = ExportOptions(launcher=launcher)  # type: ignore[arg-type]
-        study = storage
-        if out is not None:
-            from optplan.planner.api import check_out_dir
-            check_out_dir(out, force=force)
-            if study is None:
-                out.mkdir(parents=True, exist_ok=True)
-                study = str(out / "optplan-study.log")
+        prepared = prepare_recommend(args)
         with _stderr().status("profiling the model in a child process..."):
-            prof = resolve_model(model, arch=arch, seq_len=seq_len, model_name=model_name, params=params)
-        gb = global_batch
-        if global_batch_tokens is not None:
-            seq = prof.tokens_per_sample
-            if not seq:
-                raise OptplanError(f"--global-batch-tokens needs a token model; {prof.name} takes {prof.input_kind} "
-                                   "inputs: use --global-batch")
-            if global_batch_tokens % seq:
-                raise OptplanError(f"--global-batch-tokens {global_batch_tokens:g} is not a multiple of the sequence "
-                                   f"length {seq}: use a multiple of {seq}")
-            gb = int(global_batch_tokens // seq)
-        probe_options = None
-        if model is not None and (probe or (probe is None and _gpu_present())):
-            from optplan.planner.probe_stage import ProbeOptions
-            probe_options = ProbeOptions(top_k=probe_top_k, budget_s=probe_budget, timeout_s=probe_timeout,
-                                         timed_steps=probe_steps, nproc=probe_nproc, model_name=model_name)
-        cal = None
-        if calibration and model is not None:
-            from optplan.planner.probe_stage import cached_calibration
-            cal = cached_calibration(prof, target)
+            prof = profile_for(prepared)
+        global_batch_for(prepared, prof)  # a bad --global-batch-tokens fails before the search
         with _plan_progress(quiet=as_json) as on_progress:
-            rec = plan(prof, target, global_batch=gb, precisions=precision, optimizers=optimizer, engines=engine,
-                       gpu_counts=counts, goal=goal, offload=offload, method=method,  # type: ignore[arg-type]
-                       seed=seed, n_trials=trials, storage=study, notes=notes, calibration=cal,
-                       probe=probe_options, on_progress=on_progress)
+            rec = run_recommend(prepared, prof, on_progress=on_progress)
         written: list[Path] = []
         skipped: list[str] = []
         if out is not None and rec.fits:
-            written, skipped = export_plan(rec, out, force=force, options=options)
+            written, skipped = export_plan(rec, out, force=force, options=prepared.export_options)
         if as_json:
             typer.echo(json.dumps(rec.model_dump(mode="json"), indent=2))
         else:
@@ -453,12 +350,6 @@ def recommend(
             raise typer.Exit(code=1)
 
     _guard(ctx, body)
-
-
-def _gpu_present() -> bool:
-    """True when NVML (or torch) sees a GPU here: ``recommend`` probes by default then."""
-    from optplan.planner.api import detect_hardware
-    return detect_hardware().available
 
 
 @contextlib.contextmanager

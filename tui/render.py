@@ -13,21 +13,11 @@ from optplan.estimators.precision import get_recipe
 from optplan.estimators.profile import ModelProfile
 from optplan.estimators.units import gib
 from optplan.planner.recommend import Recommendation
+from optplan.tui.fmt import duration, gib_text, si
 
-
-def _g(n: float) -> str:
-    return f"{gib(n):.1f}"
-
-
-def _si(n: float) -> str:
-    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f}{unit}"
-    return f"{n:.0f}"
-
-
-def _duration(seconds: float) -> str:
-    return f"{seconds * 1e3:.0f} ms" if seconds < 1 else f"{seconds:.2f} s" if seconds < 100 else f"{seconds:.0f} s"
+_g = gib_text
+_si = si
+_duration = duration
 
 
 def profile_summary(p: ModelProfile) -> Text:

@@ -1,0 +1,28 @@
+"""Number formatting shared by the terminal faces (CLI tables, dashboard)."""
+
+from __future__ import annotations
+
+from optplan.estimators.units import gib
+
+
+def gib_text(n: float) -> str:
+    """Bytes as GiB with one decimal ('12.3')."""
+    return f"{gib(n):.1f}"
+
+
+def si(n: float) -> str:
+    """1.23G, 45.60M, 7.00K or the plain number."""
+    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return f"{n:.0f}"
+
+
+def duration(seconds: float) -> str:
+    """Step-sized durations: '12 ms', '3.40 s', '250 s'."""
+    return f"{seconds * 1e3:.0f} ms" if seconds < 1 else f"{seconds:.2f} s" if seconds < 100 else f"{seconds:.0f} s"
+
+
+def long_duration(seconds: float) -> str:
+    """Training-sized durations: '5.2 h', '31.0 days'."""
+    return f"{seconds / 86400:.1f} days" if seconds >= 86400 else f"{seconds / 3600:.1f} h"

@@ -1,0 +1,168 @@
+"""``recommend``'s options checked together and run: shared by ``optplan recommend`` and ``optplan dashboard``.
+
+The faces differ in how they show progress and results; how the options are checked (one line per mistake,
+before the model is profiled) and how the pipeline runs is here, once. No textual, no printing: checks
+raise OptplanError, progress goes out through callbacks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from pydantic import BaseModel, ConfigDict
+
+from optplan.estimators.errors import OptplanError
+from optplan.estimators.estimate import Estimate
+from optplan.estimators.hardware import Cluster
+from optplan.estimators.profile import ModelProfile
+from optplan.planner.events import ProgressEvent
+from optplan.planner.export.registry import ExportOptions
+from optplan.planner.recommend import Recommendation
+from optplan.planner.search import Goal
+from optplan.tui.recommend_args import (
+    ENGINES,
+    LAUNCHERS,
+    METHODS,
+    OPTIMIZERS,
+    PRECISIONS,
+    RecommendArgs,
+    check_choice,
+    check_finite,
+    parse_duration_s,
+)
+
+
+class PreparedRecommend(BaseModel):
+    """Checked options: the cluster to plan for (with notes), the GPU counts, the goal, the study storage."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    args: RecommendArgs
+    cluster: Cluster
+    notes: tuple[str, ...]
+    gpu_counts: tuple[int, ...] | None
+    goal: Goal
+    storage: str | None
+    export_options: ExportOptions
+
+
+def prepare_recommend(args: RecommendArgs, *, check_out: bool = True) -> PreparedRecommend:
+    """Check every option that can be checked before the model is profiled (OptplanError: one line).
+
+    ``check_out``: fail when ``--out`` already has export files and ``--force`` is not given (the
+    dashboard asks instead). With ``--out`` and no ``--storage`` the study goes to DIR/optplan-study.log
+    (the folder is created).
+    """
+    from optplan.planner.api import check_out_dir, check_search_options, resolve_cluster
+    from optplan.planner.search import OBJECTIVES
+    from optplan.planner.space import parse_gpus_range
+
+    a = args
+    check_choice("--objective", a.objective, OBJECTIVES)
+    check_choice("--method", a.method, METHODS)
+    check_choice("--launcher", a.launcher, LAUNCHERS)
+    for value in a.precision or ():
+        check_choice("--precision", value, PRECISIONS)
+    for value in a.optimizer or ():
+        check_choice("--optimizer", value, OPTIMIZERS)
+    for value in a.engine or ():
+        check_choice("--engine", value, ENGINES)
+    for flag, number in (("params", a.params), ("tokens", a.tokens), ("global-batch-tokens", a.global_batch_tokens)):
+        check_finite(flag, number)
+    check_finite("price", a.price, allow_zero=True)
+    if a.trials is not None and a.trials < 1:
+        raise OptplanError(f"--trials must be >= 1 (got {a.trials})")
+    check_finite("probe-budget", a.probe_budget)
+    check_finite("probe-timeout", a.probe_timeout)
+    for flag, count in (("probe-top-k", a.probe_top_k), ("probe-steps", a.probe_steps), ("probe-nproc", a.probe_nproc)):
+        if count is not None and count < 1:
+            raise OptplanError(f"--{flag} must be >= 1 (got {count})")
+    if a.probe and a.model is None:
+        raise OptplanError("--probe runs the model FILE for real: give a model file (not --arch/--params) "
+                           "or drop --probe")
+    if a.global_batch is not None and a.global_batch_tokens is not None:
+        raise OptplanError("give --global-batch (samples) or --global-batch-tokens, not both")
+    if a.global_batch is not None and a.global_batch < 1:
+        raise OptplanError(f"--global-batch must be >= 1 (got {a.global_batch})")
+    goal = Goal(objective=a.objective, tokens=a.tokens, price_per_gpu_hour=a.price,  # type: ignore[arg-type]
+                deadline_s=parse_duration_s(a.deadline) if a.deadline is not None else None)
+    goal.check()
+    if a.gpus_range is not None and a.gpus is not None:
+        raise OptplanError("give --gpus or --gpus-range, not both")
+    target, notes = resolve_cluster(gpu=a.gpu, gpus=a.gpus, gpus_per_node=a.gpus_per_node, cluster_file=a.cluster)
+    counts = None
+    if a.gpus_range is not None:
+        counts = parse_gpus_range(a.gpus_range, target.gpus_per_node)
+        target = target.model_copy(update={"gpus": max(counts)})
+    check_search_options(target, global_batch=a.global_batch, precisions=a.precision)
+    if a.global_batch is not None and a.model is not None and "megatron" not in (a.engine or ()):
+        # a model file trains data-parallel (DeepSpeed/torch): dp is the GPU count, known before profiling
+        if not any(a.global_batch % n == 0 for n in (counts or (target.gpus,))):
+            n = min(counts or (target.gpus,))
+            raise OptplanError(f"global batch {a.global_batch} is not divisible by {n} GPUs: use a multiple of "
+                               f"{n} for --global-batch or change --gpus")
+    options = ExportOptions(launcher=a.launcher)  # type: ignore[arg-type]
+    study = a.storage
+    if a.out is not None:
+        if check_out:
+            check_out_dir(a.out, force=a.force)
+        if study is None:
+            a.out.mkdir(parents=True, exist_ok=True)
+            study = str(a.out / "optplan-study.log")
+    return PreparedRecommend(args=a, cluster=target, notes=tuple(notes),
+                             gpu_counts=None if counts is None else tuple(counts), goal=goal, storage=study,
+                             export_options=options)
+
+
+def profile_for(prepared: PreparedRecommend) -> ModelProfile:
+    """Profile the model the options name (a model file runs in a child process: seconds)."""
+    from optplan.planner.api import resolve_model
+
+    a = prepared.args
+    return resolve_model(a.model, arch=a.arch, seq_len=a.seq_len, model_name=a.model_name, params=a.params)
+
+
+def global_batch_for(prepared: PreparedRecommend, prof: ModelProfile) -> int | None:
+    """--global-batch, or --global-batch-tokens in samples of the profile's sequence length."""
+    a = prepared.args
+    if a.global_batch_tokens is None:
+        return a.global_batch
+    seq = prof.tokens_per_sample
+    if not seq:
+        raise OptplanError(f"--global-batch-tokens needs a token model; {prof.name} takes {prof.input_kind} "
+                           "inputs: use --global-batch")
+    if a.global_batch_tokens % seq:
+        raise OptplanError(f"--global-batch-tokens {a.global_batch_tokens:g} is not a multiple of the sequence "
+                           f"length {seq}: use a multiple of {seq}")
+    return int(a.global_batch_tokens // seq)
+
+
+def gpu_present() -> bool:
+    """True when NVML (or torch) sees a GPU here: ``recommend`` probes by default then."""
+    from optplan.planner.api import detect_hardware
+    return detect_hardware().available
+
+
+def run_recommend(prepared: PreparedRecommend, prof: ModelProfile, *,
+                  on_progress: Callable[[ProgressEvent], None] | None = None,
+                  on_trial: Callable[[Estimate], None] | None = None,
+                  gpu_here: Callable[[], bool] = gpu_present) -> Recommendation:
+    """Search, (probe,) explain: ``planner.recommend.recommend`` with the options' values."""
+    from optplan.planner.recommend import recommend
+
+    a = prepared.args
+    gb = global_batch_for(prepared, prof)
+    probe_options = None
+    if a.model is not None and (a.probe or (a.probe is None and gpu_here())):
+        from optplan.planner.probe_stage import ProbeOptions
+        probe_options = ProbeOptions(top_k=a.probe_top_k, budget_s=a.probe_budget, timeout_s=a.probe_timeout,
+                                     timed_steps=a.probe_steps, nproc=a.probe_nproc, model_name=a.model_name)
+    cal = None
+    if a.calibration and a.model is not None:
+        from optplan.planner.probe_stage import cached_calibration
+        cal = cached_calibration(prof, prepared.cluster)
+    return recommend(prof, prepared.cluster, global_batch=gb, precisions=a.precision, optimizers=a.optimizer,
+                     engines=a.engine, gpu_counts=prepared.gpu_counts, goal=prepared.goal, offload=a.offload,
+                     method=a.method, seed=a.seed, n_trials=a.trials,  # type: ignore[arg-type]
+                     storage=prepared.storage, notes=prepared.notes, calibration=cal, probe=probe_options,
+                     on_progress=on_progress, on_trial=on_trial)
