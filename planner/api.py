@@ -19,7 +19,7 @@ from optplan.estimators.profile import ModelProfile
 from optplan.estimators.strategy import Strategy
 from optplan.planner.cluster_file import load_cluster_file
 from optplan.planner.export.context import FILE_NAMES
-from optplan.planner.export.registry import ExportOptions
+from optplan.planner.export.registry import TARGETS, ExportOptions
 from optplan.planner.recommend import Recommendation
 from optplan.planner.space import check_global_batch, check_precisions
 from optplan.probes.hardware import (
@@ -33,6 +33,8 @@ from optplan.probes.hardware import (
 from optplan.probes.loader import profile_model_file
 
 EXPORT_NAMES = tuple(FILE_NAMES.values())
+EXPORT_TARGETS: tuple[str, ...] = tuple(TARGETS)
+"""The targets ``render_exports`` knows (``all`` is each of them)."""
 
 
 def load_profile(path: Path | str, *, seq_len: int | None = None, model_name: str | None = None) -> ModelProfile:

@@ -7,6 +7,7 @@ unless ``--debug`` is given.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import sys
 from collections.abc import Callable, Iterator
@@ -348,6 +349,41 @@ def recommend(
             _stderr().print("nothing written: no plan fits", style="yellow")
         if not rec.fits:
             raise typer.Exit(code=1)
+
+    _guard(ctx, body)
+
+
+def _options_of(source: Callable[..., None], *, drop: tuple[str, ...]) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Give a command the options of ``source`` (less ``drop``): typer reads the signature and annotations."""
+    signature = inspect.signature(source, eval_str=True)
+    params = [p for name, p in signature.parameters.items() if name not in drop]
+
+    def decorate(func: Callable[..., None]) -> Callable[..., None]:
+        func.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
+        func.__annotations__ = {p.name: p.annotation for p in params} | {"return": None}
+        return func
+
+    return decorate
+
+
+@app.command()
+@_options_of(recommend, drop=("as_json",))
+def dashboard(ctx: typer.Context, **options: Any) -> None:
+    """The same search as recommend, live in a terminal UI: overview, trials and Pareto front, the plan, exports, GPUs."""
+    args = RecommendArgs.model_validate({k: v for k, v in options.items() if k in RecommendArgs.model_fields})
+
+    def body() -> None:
+        from optplan.tui.recommend_run import prepare_recommend
+
+        prepared = prepare_recommend(args, check_out=False)  # bad options fail here, before the app starts
+        from optplan.tui.app import create_app
+
+        outcome = create_app(args, prepared=prepared).run()
+        if outcome is not None and outcome.error is not None:
+            raise OptplanError(outcome.error)
+        if outcome is not None and outcome.storage is not None and not outcome.finished:
+            _stderr().print(f"search stopped; the study in {outcome.storage} resumes when you run the same "
+                            "command again", style="yellow")
 
     _guard(ctx, body)
 

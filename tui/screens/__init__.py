@@ -1,0 +1,1 @@
+"""Dashboard screens: Overview, Search, Plan, Export, Hardware, and the Help and Confirm modals."""

@@ -1,0 +1,1 @@
+"""Dashboard widgets: each renders one kind of planner result (no planner logic)."""
