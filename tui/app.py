@@ -172,8 +172,9 @@ class DashboardApp(App[DashboardOutcome]):
     def on_plan_failed(self, message: PlanFailed) -> None:
         if message.run_id != self._run_id:
             return
-        if not self._ever_planned and self.profile is None and self._given_profile is None:
-            # the first run could not even profile the model: a bad model file is bad input (exit 2)
+        if not self._ever_planned:
+            # the first run failed on bad input (a broken model file, a batch no layout splits): like
+            # recommend, one line on stderr and exit 2 (re-plans show the error here instead)
             self.exit(DashboardOutcome(error=message.error), return_code=2)
             return
         self.error = message.error

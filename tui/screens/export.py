@@ -138,7 +138,7 @@ class ExportScreen(DashboardScreen):
         names.add_options(list(files))
         status = self.query_one("#export-status", Static)
         if error is not None:
-            status.update(Text(f"✗ not valid: {error}", style="bold red"))
+            status.update(Text(f"✗ {error}", style="bold red"))
         elif files:
             text = Text(f"✓ {len(files)} files rendered; each launch config accepted by its trainer's own loader",
                         style="green")
