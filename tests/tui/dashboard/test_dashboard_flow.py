@@ -149,7 +149,7 @@ def test_first_run_that_fails_in_the_search_exits_2_but_a_replan_failure_stays_i
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(DashboardApp, "run", functools.partialmethod(App.run, headless=True))
     result = runner.invoke(cli_app, ["dashboard", "--arch", "layers=2,hidden=64,heads=4,seq=128", "--gpu", "H100-SXM",
-                                     "--gpus", "8", "--global-batch", "12"])
+                                     "--gpus", "8", "--global-batch", "12", "--engine", "deepspeed"])
     assert result.exit_code == 2, result.output
     assert "global batch 12 is not divisible" in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
