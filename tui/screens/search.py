@@ -37,7 +37,7 @@ class SearchScreen(DashboardScreen):
             yield ProgressBar(id="search-progress", show_eta=False)
             yield Static(id="search-best")
         with Horizontal(id="search-main"):
-            yield TrialsTable(id="trials")
+            yield TrialsTable(id="trials", show_gpus=self.dash.prepared.gpu_counts is not None)
             yield ParetoPlot(id="pareto")
 
     def on_mount(self) -> None:

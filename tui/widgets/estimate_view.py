@@ -37,7 +37,7 @@ def memory_bar(m: MemoryBreakdown, gpu: str) -> BarData:
     parts = (("weights", m.params_bytes), ("grads", m.grads_bytes), ("optimizer", m.optimizer_bytes),
              ("activations", m.activations_bytes), ("buffers", m.buffers_bytes), ("overhead", m.overhead_bytes))
     title = f"memory per GPU ({gpu})" + ("" if m.rank == "every rank" else f", worst rank: {m.rank}")
-    return BarData(title=title, segments=tuple(Segment(label=n, value=float(v), color=c)
+    return BarData(title=title, segments=tuple(Segment(label=n, value=float(v), color=c, always=True)
                                                for (n, v), c in zip(parts, MEMORY_COLORS, strict=True)),
                    capacity=float(m.capacity_bytes), capacity_label="usable", unit=_gib)
 
@@ -48,9 +48,10 @@ def time_bar(t: TimeBreakdown) -> BarData:
     parts = (("compute", t.compute_s), ("recompute", t.recompute_s), ("memory-bound", t.memory_bound_s),
              ("optimizer", t.optimizer_s), ("exposed comm", t.exposed_comm_s), ("bubble", t.bubble_s),
              ("host", t.host_overhead_s))
+    always = ("compute", "exposed comm", "bubble")
     return BarData(title=f"step time {_ms(t.step_s)} (communication {_ms(t.comm_s)}, "
                          f"{_ms(t.exposed_comm_s)} exposed)",
-                   segments=tuple(Segment(label=n, value=v, color=c)
+                   segments=tuple(Segment(label=n, value=v, color=c, always=n in always)
                                   for (n, v), c in zip(parts, TIME_COLORS, strict=True)), unit=_ms)
 
 
@@ -83,7 +84,7 @@ def bullets(heading: str, lines: Sequence[str]) -> Group:
     table.add_column(no_wrap=True)
     table.add_column(ratio=1)
     for line in lines:
-        table.add_row("•", line)
+        table.add_row("•", Text(line))  # plain text: labels like "[torch]" are not markup
     return Group(Text(heading, style="bold"), table) if heading else Group(table)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from rich.table import Table
+from rich.text import Text
 from textual.widgets import Static
 
 
@@ -24,5 +25,5 @@ class KeyValues(Static):
         table.add_column(style="bold", no_wrap=True)
         table.add_column()
         for key, value in rows:
-            table.add_row(key, value)
+            table.add_row(Text(key), Text(value))  # plain text: paths and labels are not markup
         self.update(table)

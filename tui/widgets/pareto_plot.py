@@ -27,7 +27,7 @@ class ParetoPlot(PlotextPlot):
         plt.clear_data()
         plt.clear_figure()
         throughput = goal.objective == "throughput" or goal.tokens is None
-        plt.title("Pareto front: throughput vs memory" if throughput else "Pareto front: time vs GPU-hours")
+        plt.title("Pareto front")
         plt.xlabel("GiB per GPU" if throughput else "GPU-hours")
         plt.ylabel("samples/s" if throughput else "days")
         if feasible:

@@ -20,6 +20,7 @@ class Segment(BaseModel):
     label: str
     value: float
     color: str
+    always: bool = False  # listed in the legend even when zero
 
 
 class BarData(BaseModel):
@@ -92,7 +93,8 @@ class StackedBar(Widget):
         out.append("\n")
         out.append_text(bar)
         out.append("\n")
-        for i, seg in enumerate(d.segments):
+        listed = [seg for seg in d.segments if seg.value > 0 or seg.always]
+        for i, seg in enumerate(listed):
             if i:
                 out.append("  ")
             out.append("■ ", style=seg.color)

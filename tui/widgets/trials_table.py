@@ -11,36 +11,48 @@ from optplan.estimators.estimate import Estimate
 from optplan.estimators.strategy import Strategy
 from optplan.tui.fmt import gib_text, si
 
-COLUMNS: tuple[tuple[str, int], ...] = (("#", 4), ("strategy", 30), ("GPUs", 4), ("GiB/GPU", 7), ("step ms", 8),
-                                        ("throughput", 12), ("fits", 4), ("probe", 8))
-"""(header, width): the label is cut at 30 cells; the Plan screen shows it whole."""
+COLUMNS: tuple[tuple[str, int], ...] = (("#", 4), ("strategy", 30), ("GPUs", 4), ("GiB/GPU", 7), ("step ms", 7),
+                                        ("throughput", 11), ("fits", 4), ("probe", 7))
+"""(header, width); GPUs only when the GPU count is searched; the strategy column takes the width left over
+(at least 20 cells: a longer label is
+cut, the Plan screen shows it whole)."""
+MIN_STRATEGY = 20
+BESIDE = 36 + 4  # the Pareto plot beside the table (app.tcss) and both borders
 MAX_ROWS = 5000
 
 
-def _row(number: int, e: Estimate, *, pick: bool, probe: str) -> tuple[object, ...]:
+def _row(number: int, e: Estimate, *, pick: bool, probe: str, gpus: bool) -> tuple[object, ...]:
     label = Text(("★ " if pick else "") + e.strategy.label(), style="bold green" if pick else "")
     fits = Text("yes", style="green") if e.fits else Text("no", style="red")
     rate = f"{si(e.tokens_per_s)} tok/s" if e.tokens_per_s else f"{si(e.samples_per_s)} smp/s"
-    return (str(number), label, str(e.gpus), gib_text(e.memory.total_bytes), f"{e.time.step_s * 1e3:,.1f}",
-            Text(rate, justify="right"), fits, probe)
+    head = (str(number), label, str(e.gpus)) if gpus else (str(number), label)
+    return (*head, gib_text(e.memory.total_bytes), f"{e.time.step_s * 1e3:,.1f}", Text(rate, justify="right"), fits,
+            probe)
 
 
 class TrialsTable(DataTable[object]):
     """Rows keyed by trial number; ``estimate_at`` maps the cursor back to the Estimate."""
 
-    def __init__(self, *, id: str | None = None) -> None:
+    def __init__(self, *, show_gpus: bool = True, id: str | None = None) -> None:
         super().__init__(id=id, cursor_type="row", zebra_stripes=True)
+        self.columns_shown = tuple(c for c in COLUMNS if show_gpus or c[0] != "GPUs")
         self._by_key: dict[str, Estimate] = {}
         self._numbers: dict[Strategy, int] = {}
 
     def on_mount(self) -> None:
-        for header, width in COLUMNS:
-            self.add_column(header, width=width)
+        fixed = sum(width for header, width in self.columns_shown if header != "strategy")
+        spare = self.app.size.width - BESIDE - fixed - 2 * self.cell_padding * len(self.columns_shown) - 2  # scrollbar
+        for header, width in self.columns_shown:
+            self.add_column(header, width=max(MIN_STRATEGY, spare) if header == "strategy" else width)
 
     def reset(self) -> None:
         self.clear()
         self._by_key.clear()
         self._numbers.clear()
+
+    @property
+    def _gpus(self) -> bool:
+        return any(header == "GPUs" for header, _ in self.columns_shown)
 
     @property
     def shown(self) -> int:
@@ -56,7 +68,7 @@ class TrialsTable(DataTable[object]):
             if len(self._by_key) < MAX_ROWS:
                 key = str(number)
                 self._by_key[key] = e
-                rows.append((_row(number, e, pick=False, probe=""), key))
+                rows.append((_row(number, e, pick=False, probe="", gpus=self._gpus), key))
         for row, key in rows:
             self.add_row(*row, key=key)
 
@@ -69,7 +81,8 @@ class TrialsTable(DataTable[object]):
             number = self._numbers.setdefault(e.strategy, len(self._numbers) + 1)
             key = str(number)
             self._by_key[key] = e
-            self.add_row(*_row(number, e, pick=e.strategy == pick, probe=probes.get(e.strategy, "")), key=key)
+            self.add_row(*_row(number, e, pick=e.strategy == pick, probe=probes.get(e.strategy, ""), gpus=self._gpus),
+                         key=key)
         if self.row_count:
             self.move_cursor(row=0)
 
