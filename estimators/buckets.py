@@ -5,7 +5,7 @@ Hugging Face DeepSpeed integration's "auto" values (transformers.integrations.de
 reduce_bucket_size = h², stage3_prefetch_bucket_size = 0.9·h², stage3_param_persistence_threshold =
 10·h) when the hidden size h is known; otherwise one repeated block's parameters (or a tenth of the
 model), clamped to [1e6, 5e8] elements (5e8 is DeepSpeed's default reduce_bucket_size). Max live
-parameters keeps DeepSpeed's default of 1e9 elements.
+parameters and max reuse distance keep DeepSpeed's defaults of 1e9 elements.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from optplan.estimators.profile import ModelProfile
 DEEPSPEED_DEFAULT_BUCKET_ELEMENTS = 500_000_000
 DEEPSPEED_DEFAULT_MAX_LIVE_PARAMETERS = 1_000_000_000
 DEEPSPEED_DEFAULT_PERSISTENCE_THRESHOLD = 100_000
+DEEPSPEED_DEFAULT_MAX_REUSE_DISTANCE = 1_000_000_000
 MIN_BUCKET_ELEMENTS = 1_000_000
 
 
@@ -30,6 +31,10 @@ class DeepSpeedBuckets(BaseModel):
     stage3_prefetch_bucket_size: int = Field(ge=0)
     stage3_param_persistence_threshold: int = Field(ge=0)
     stage3_max_live_parameters: int = Field(ge=1)
+    stage3_max_reuse_distance: int = Field(
+        default=DEEPSPEED_DEFAULT_MAX_REUSE_DISTANCE, ge=0,
+        description="DeepSpeed's default (not written to ds_config.json): a gathered parameter used again "
+                    "within this many fetched elements is not released")
 
 
 def deepspeed_buckets(profile: ModelProfile) -> DeepSpeedBuckets:

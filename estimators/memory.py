@@ -35,18 +35,35 @@ Sources
   (Narayanan et al. 2021 §2.2.1); interleaving with v virtual stages multiplies the first stage's
   activations by 1 + (p−1)/(p·v) (Korthikanti et al. §4.2.3).
 - Buffers: DeepSpeed's gradient reduce / all-gather buckets (reduce_bucket_size, allgather_bucket_size
-  elements) and, for ZeRO-3, the gathered working set: one repeated block plus the prefetch bucket,
-  capped by stage3_max_live_parameters (DeepSpeed ZeRO-3 docs, "stage3_*" parameters); torch DDP's
+  elements) and, for ZeRO-3, the gathered working set: the parameters reused within
+  stage3_max_reuse_distance, one repeated block and the prefetch bucket, capped by
+  stage3_max_live_parameters (DeepSpeed ZeRO-3 docs, "stage3_*" parameters); torch DDP's
   gradient buckets (a copy of every gradient unless gradient_as_bucket_view=True, torch DDP docs);
   FSDP's unsharded unit, its prefetched successor and the unit's unsharded gradient for the
   reduce-scatter (FSDP2 ``fully_shard`` docs); pipeline send/receive tensors (s·b·h per direction);
   context-parallel K/V chunks in flight (double-buffered ring, Liu et al. 2023 Ring Attention).
+- Engines as implemented (checked against real CPU runs of the probes, benchmarks/fidelity.py):
+  DeepSpeed ZeRO-1/2 (deepspeed/runtime/zero/stage_1_and_2.py, with the contiguous_gradients and
+  overlap_comm that ds_config.json sets) keeps an fp32 partition of the weights even for fp32 models,
+  partitions the gradients in stage 1 as in stage 2, and copies each gradient into
+  ``grads_in_partition``, sized to the WHOLE parameters that overlap the rank's partition of the flat
+  buffer (:func:`deepspeed_grad_partition_elements`), through two reduce buckets; both live from the
+  first gradient of a backward to its end (and the averaged partition across accumulation steps).
+  torch FSDP2 (``fully_shard``) keeps sharded parameters; SHARD_GRAD_OP (``reshard_after_forward=
+  False``) holds every unit unsharded from its forward to its backward, FULL_SHARD the root unit (the
+  parameters outside the repeated blocks) while the model runs and two block units (one prefetched).
+- When: the peak is the largest total over the moments of the step (profile.STEP_PHASES: forward, loss,
+  backward until the first parameter gradient, the rest of backward; and the optimizer step), each
+  moment's activations (the profile's per-phase envelopes) plus the buffers alive at that moment. A fit
+  without phases (formula fits, model parallelism) takes its peak at every moment, which is the sum of
+  everything (an upper bound).
 - Overhead: CUDA context, cuBLAS workspace and NCCL buffers (a stated default, 1 GiB) plus an
   allocator fragmentation margin (a stated default, 5 % of everything else) until probes calibrate.
 """
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
@@ -56,7 +73,7 @@ from optplan.estimators.optimizers import optimizer_sees_flat_params, optimizer_
 from optplan.estimators.parallel import layers_per_stage, placement
 from optplan.estimators.pipeline import in_flight_microbatches
 from optplan.estimators.precision import Recipe, get_recipe
-from optplan.estimators.profile import ModelProfile
+from optplan.estimators.profile import STEP_PHASES, ModelProfile
 from optplan.estimators.strategy import Strategy
 from optplan.estimators.temporaries import (
     AdamImpl,
@@ -114,6 +131,10 @@ class MemoryBreakdown(BaseModel):
     detail_bytes: dict[str, int] = Field(default_factory=dict,
                                          description="each named buffer and overhead item (bytes)")
     rank: str = Field(default="every rank", description="which rank these figures are for (the worst)")
+    moment: str = Field(default="", description="the moment of the step these figures are for (the worst): "
+                                              "forward, loss, backward, grads, backward_end or "
+                                              "optimizer_step; empty when "
+                                              "every term's peak is summed")
 
     @model_validator(mode="before")
     @classmethod
@@ -208,12 +229,70 @@ def _fp8_cache_bytes(recipe: Recipe) -> float:
     return float(recipe.fp8_weight_cache_bytes)
 
 
+DEEPSPEED_FP32_PARTITION_BYTES = 4
+"""DeepSpeed ZeRO 1-3 keep an fp32 copy of their partition of the weights (``single_partition_of_fp32_groups``
+in deepspeed/runtime/zero/stage_1_and_2.py, ``fp32_partitioned_groups_flat`` in stage3.py) for every
+precision, an fp32 model's included: bytes per trainable parameter, sharded over the data-parallel ranks."""
+DEEPSPEED_IPG_BUFFERS = 2
+"""Reduce buckets of DeepSpeed ZeRO-1/2 with overlap_comm (stage_1_and_2.py ``setup_buckets``: ``buf_0`` and,
+for overlap_comm, ``buf_1``, each reduce_bucket_size elements), count."""
+
+
+def _deepspeed_partitions_grads(strategy: Strategy) -> bool:
+    """DeepSpeed ZeRO-1/2 on the device: gradients go to ``grads_in_partition`` (stage 1 as stage 2)."""
+    return (strategy.engine == "deepspeed" and strategy.zero in (1, 2) and strategy.offload_optimizer == "none"
+            and strategy.offload_params == "none")
+
+
+@lru_cache(maxsize=256)
+def deepspeed_grad_partition_elements(numels: tuple[int, ...], ranks: int) -> int:
+    """Elements of DeepSpeed ZeRO-1/2's ``grads_in_partition`` on its largest rank (count).
+
+    DeepSpeed flattens the trainable parameters in order, splits the flat buffer into ``ranks`` equal
+    partitions, and sizes each rank's gradient buffer to the whole parameters that overlap its partition
+    (stage_1_and_2.py ``copy_grads_in_partition``: the sum of ``params_in_partition`` numels), so a rank
+    whose partition cuts into a large embedding holds that whole embedding's gradient.
+    """
+    total = sum(numels)
+    if ranks <= 1 or total == 0:
+        return total
+    size = -(-total // ranks)
+    held = [0] * (ranks + 1)
+    start = 0
+    for n in numels:
+        if n:
+            first, last = start // size, (start + n - 1) // size
+            held[first] += n
+            held[min(last + 1, ranks)] -= n
+        start += n
+    best = running = 0
+    for r in range(ranks):
+        running += held[r]
+        best = max(best, running)
+    return best
+
+
+def _deepspeed_grad_partition_bytes(profile: ModelProfile, strategy: Strategy, stage: int,
+                                    gpus_per_node: int) -> float:
+    """``grads_in_partition`` of the worst rank (bytes): exact from the parameter sizes when the profile
+    has them and there is no model parallelism, else the ideal 1/N share."""
+    recipe = get_recipe(strategy.precision)
+    n_d = placement(strategy, gpus_per_node).shard.ranks
+    if profile.param_numels and not strategy.model_parallel:
+        return deepspeed_grad_partition_elements(tuple(profile.param_numels), n_d) * recipe.grad_bytes
+    psi_train = stage_params(profile, strategy, stage) * (
+        profile.trainable_params / profile.params if profile.params else 0.0)
+    return psi_train * recipe.grad_bytes / n_d
+
+
 def model_states(profile: ModelProfile, strategy: Strategy, *, stage: int = 0,
                  gpus_per_node: int = 8) -> ModelStates:
     """Sharded model states per GPU of pipeline ``stage`` (ZeRO §5 with the recipe's bytes/param), bytes.
 
     Weights count every unique parameter; gradients and optimizer state count trainable ones only.
-    Sharding runs over the dp·cp ranks (the node-local part of them for HYBRID_SHARD).
+    Sharding runs over the dp·cp ranks (the node-local part of them for HYBRID_SHARD). DeepSpeed ZeRO-1/2's
+    gradients are its ``grads_in_partition`` at their largest (they live only from the first gradient of a
+    backward to its end: see :func:`memory_breakdown`).
     """
     recipe = get_recipe(strategy.precision)
     psi = stage_params(profile, strategy, stage)
@@ -224,14 +303,19 @@ def model_states(profile: ModelProfile, strategy: Strategy, *, stage: int = 0,
     shard = strategy.shard_stage
     weights = psi * recipe.weight_bytes
     grads = psi_train * _grad_bytes(recipe, strategy)
+    if (strategy.engine == "deepspeed" and strategy.zero > 0 and recipe.master_bytes == 0
+            and recipe.weight_bytes == 4):
+        k += DEEPSPEED_FP32_PARTITION_BYTES  # its fp32 partition, kept beside fp32 weights too
     optim = psi_train * k
     if shard >= 1:
         optim = optim / n_d
-    if shard >= 2:
+    if _deepspeed_partitions_grads(strategy):
+        grads = _deepspeed_grad_partition_bytes(profile, strategy, stage, gpus_per_node)
+    elif shard >= 2:
         grads = grads / n_d
-    if shard >= 3:
-        weights = weights / n_d
-    else:
+    if shard >= 3 or (strategy.engine == "torch" and strategy.fsdp == "grad_op"):
+        weights = weights / n_d  # FSDP SHARD_GRAD_OP keeps sharded weights (and gathers them for the step)
+    if shard < 3:
         weights += psi * _fp8_cache_bytes(recipe)
     off: dict[str, float] = {"cpu": 0.0, "nvme": 0.0}
     if strategy.engine == "torch" and strategy.offload_params != "none":
@@ -341,60 +425,118 @@ def persistent_params(profile: ModelProfile, threshold_elements: int) -> int:
     return sum(size * n for size, n in counts.items() if size <= threshold_elements)
 
 
+Moments = frozenset[str] | None
+"""The moments of the step a buffer is alive in (profile.STEP_PHASES and "optimizer_step"); None: all."""
+WHILE_MODEL_RUNS: Moments = frozenset({"forward", "backward", "grads"})
+WHILE_GRADS: Moments = frozenset({"grads"})
+THROUGH_BACKWARD: Moments = frozenset(STEP_PHASES)
+AT_OPTIMIZER_STEP: Moments = frozenset({"optimizer_step"})
+
+
 def buffer_items(profile: ModelProfile, strategy: Strategy, *, stage: int = 0,
                  gpus_per_node: int = 8) -> dict[str, int]:
-    """Named communication buffers and gathered working sets of one rank (bytes each).
+    """Named communication buffers and gathered working sets of one rank (bytes each; not all alive at
+    once: :func:`buffer_moments` says when).
 
-    DeepSpeed (engine "deepspeed"): ZeRO-0/1/2 one reduce bucket (and an all-gather bucket from ZeRO-1)
-    in gradient dtype when there is data parallelism; ZeRO-3 the reduce bucket plus the gathered
-    parameters of one repeated block (÷ t) and the prefetch bucket in weight dtype, capped by
-    ``stage3_max_live_parameters``, and the unpartitioned tensors under
-    ``stage3_param_persistence_threshold``. torch: DDP's gradient buckets (a copy of every gradient), or FSDP's
-    unsharded unit + prefetched unit (FULL/HYBRID) and the unit's unsharded gradients. Megatron: its
-    gradient buffer is the fp32 main_grad already counted in grads_bytes. Pipeline and context
-    parallelism add their send/receive tensors.
+    DeepSpeed (engine "deepspeed"): ZeRO-0 one reduce bucket in gradient dtype when there is data
+    parallelism; ZeRO-1/2 two reduce buckets (overlap_comm) while gradients are reduced; ZeRO-3 the reduce
+    bucket plus the parameters it keeps gathered (:func:`zero3_gathered_params`) in weight dtype, and the
+    unpartitioned tensors under
+    ``stage3_param_persistence_threshold``. torch: DDP's gradient buckets (a copy of every gradient), or
+    FSDP's gathered parameters (FULL/HYBRID: the root unit and two block units; SHARD_GRAD_OP: the whole
+    model) and the unit's unsharded gradients for the reduce-scatter. Megatron: its gradient buffer is the
+    fp32 main_grad already counted in grads_bytes. Pipeline and context parallelism add their send/receive
+    tensors.
     """
+    return {k: v for k, (v, _) in _buffers(profile, strategy, stage, gpus_per_node).items()}
+
+
+def buffer_moments(profile: ModelProfile, strategy: Strategy, *, stage: int = 0,
+                   gpus_per_node: int = 8) -> dict[str, Moments]:
+    """When each of :func:`buffer_items` is alive: a set of moments, or None for the whole step."""
+    return {k: m for k, (_, m) in _buffers(profile, strategy, stage, gpus_per_node).items()}
+
+
+def _buffers(profile: ModelProfile, strategy: Strategy, stage: int,
+             gpus_per_node: int) -> dict[str, tuple[int, Moments]]:
     recipe = get_recipe(strategy.precision)
-    items: dict[str, int] = {}
+    items: dict[str, tuple[int, Moments]] = {}
     dpcp = strategy.dp * strategy.cp
     psi_train = stage_params(profile, strategy, stage) * (
         profile.trainable_params / profile.params if profile.params else 0.0)
     block = profile.repeated_block
     unit = (block.params_per_block if block else profile.params) / strategy.tp
+    weight = recipe.weight_bytes + _fp8_cache_bytes(recipe)
     if strategy.engine == "deepspeed" and (dpcp > 1 or strategy.zero > 0):
         buckets = deepspeed_buckets(profile)
-        items["deepspeed_reduce_bucket"] = round(min(buckets.reduce_bucket_size, psi_train) * recipe.grad_bytes)
-        if strategy.zero in (1, 2):
-            items["deepspeed_allgather_bucket"] = round(
-                min(buckets.allgather_bucket_size, profile.params) * recipe.weight_bytes)
+        # ZeRO 1-3 allocate whole reduce buckets (torch.empty(reduce_bucket_size)); ZeRO-0 flattens what is there
+        full = strategy.zero > 0
+        bucket = (buckets.reduce_bucket_size if full else min(buckets.reduce_bucket_size, psi_train)) * recipe.grad_bytes
+        if _deepspeed_partitions_grads(strategy):
+            items["deepspeed_reduce_buckets"] = (round(DEEPSPEED_IPG_BUFFERS * bucket), WHILE_GRADS)
+        else:
+            items["deepspeed_reduce_bucket"] = (round(bucket), None)
         if strategy.zero == 3:
-            live = min(unit + buckets.stage3_prefetch_bucket_size, buckets.stage3_max_live_parameters,
-                       profile.params)
-            items["zero3_working_set"] = round(live * (recipe.weight_bytes + _fp8_cache_bytes(recipe)))
+            live = zero3_gathered_params(profile, strategy)
+            items["zero3_working_set"] = (round(live * weight), None)
             persistent = persistent_params(profile, buckets.stage3_param_persistence_threshold)
             shard = placement(strategy, gpus_per_node).shard.ranks
             # kept whole on every rank; the sharded states already count 1/shard of them
-            items["zero3_persistent_params"] = round(persistent * recipe.weight_bytes * (1 - 1 / shard))
+            items["zero3_persistent_params"] = (round(persistent * recipe.weight_bytes * (1 - 1 / shard)), None)
     elif strategy.engine == "torch" and dpcp > 1:
         if strategy.fsdp == "none":
-            items["ddp_gradient_buckets"] = round(psi_train * recipe.grad_bytes)
+            items["ddp_gradient_buckets"] = (round(psi_train * recipe.grad_bytes), None)
         else:
             if strategy.fsdp in ("full", "hybrid"):
-                items["fsdp_unsharded_units"] = round(2 * unit * (recipe.weight_bytes + _fp8_cache_bytes(recipe)))
-            items["fsdp_reduce_scatter_unit"] = round(unit * recipe.grad_bytes)
+                root = _root_unit_params(profile, strategy, stage)
+                if root:
+                    items["fsdp_root_unit"] = (round(root * weight), WHILE_MODEL_RUNS)
+                if block:
+                    items["fsdp_unsharded_units"] = (round(2 * unit * weight), WHILE_MODEL_RUNS)
+            else:
+                items["fsdp_unsharded_params"] = (round(stage_params(profile, strategy, stage) * weight),
+                                                  THROUGH_BACKWARD)
+            items["fsdp_reduce_scatter_unit"] = (round((unit if block else psi_train) * recipe.grad_bytes),
+                                                 WHILE_GRADS)
     if strategy.pp > 1 or strategy.cp > 1:
         scale = 2 if recipe.activation_precision == "fp32" else 1
         seq = profile.tokens_per_sample or 1
         width = profile.transformer.hidden if profile.transformer else 0
         hidden_bytes = strategy.mbs * seq * width * scale / strategy.cp / (strategy.tp if strategy.sp else 1)
         if strategy.pp > 1:
-            items["pipeline_p2p"] = round(2 * hidden_bytes)  # one send and one receive tensor
+            items["pipeline_p2p"] = (round(2 * hidden_bytes), None)  # one send and one receive tensor
         if strategy.cp > 1 and profile.transformer is not None:
             shape = profile.transformer
             kv_dim = shape.hidden * (shape.kv_heads or shape.heads) // shape.heads
             chunk = strategy.mbs * seq / strategy.cp * kv_dim * scale / strategy.tp
-            items["cp_kv_ring_buffers"] = round(2 * 2 * chunk)  # K and V, double-buffered
-    return {k: v for k, v in items.items() if v > 0}
+            items["cp_kv_ring_buffers"] = (round(2 * 2 * chunk), None)  # K and V, double-buffered
+    return {k: v for k, v in items.items() if v[0] > 0}
+
+
+def zero3_gathered_params(profile: ModelProfile, strategy: Strategy) -> float:
+    """Parameters DeepSpeed ZeRO-3 holds gathered on one rank at the start of backward (count).
+
+    A parameter is released after its forward unless it is used again within ``stage3_max_reuse_distance``
+    fetched elements (partitioned_param_coordinator.py); between a block's forward and its backward come
+    the forward and the backward of every later block, twice their parameters, so the last
+    ``reuse_distance / 2`` parameters of the model stay gathered (the whole model below ~0.5e9
+    parameters with DeepSpeed's default of 1e9), plus the block in use and the prefetch bucket, capped by
+    ``stage3_max_live_parameters``."""
+    buckets = deepspeed_buckets(profile)
+    block = profile.repeated_block
+    unit = (block.params_per_block if block else profile.params) / strategy.tp
+    whole = stage_params(profile, strategy)
+    kept = min(whole, buckets.stage3_max_reuse_distance / 2)
+    return min(kept + unit + buckets.stage3_prefetch_bucket_size, buckets.stage3_max_live_parameters, whole)
+
+
+def _root_unit_params(profile: ModelProfile, strategy: Strategy, stage: int) -> float:
+    """Parameters of one rank outside the repeated blocks (FSDP's root unit: embedding, head, norms), count."""
+    split = param_split(profile)
+    if not split.layers:
+        return stage_params(profile, strategy, stage)
+    blocks = (split.layers if strategy.pp == 1 else layers_per_stage(split.layers, strategy.pp)) * split.per_block
+    return max(0.0, stage_params(profile, strategy, stage) - blocks / strategy.tp)
 
 
 def buffer_bytes(profile: ModelProfile, strategy: Strategy, *, stage: int = 0) -> int:
@@ -451,25 +593,75 @@ def step_peak_extra_bytes(profile: ModelProfile, strategy: Strategy, activations
     return optimizer_temp_excess_bytes(activations_bytes, scratch)
 
 
+def activation_moments(profile: ModelProfile, strategy: Strategy, *, stage: int = 0) -> dict[str, int]:
+    """Activation bytes at each moment of the step (profile.STEP_PHASES) when the profile's measured fit
+    applies and has per-phase envelopes; else ``{"step": activation_bytes(...)}`` (one figure, the peak)."""
+    if _uses_measured_fit(profile, strategy):
+        recipe = get_recipe(strategy.precision)
+        mode = strategy.checkpointing if profile.supports_checkpointing else "none"
+        fit = profile.activation(recipe.activation_precision, "full" if mode == "full" else "none")
+        phases = fit.phases_at(strategy.mbs, param_copies=recipe.weight_bytes != 2)
+        if phases:
+            return dict(phases)
+    return {"step": activation_bytes(profile, strategy, stage=stage)}
+
+
+def _grads_at(states: ModelStates, profile: ModelProfile, strategy: Strategy, moment: str, stage: int,
+              gpus_per_node: int) -> int:
+    """Gradient bytes on the device at ``moment``. DeepSpeed ZeRO-1/2: ``grads_in_partition`` from the first
+    gradient to the end of backward, then the averaged 1/N partition, which accumulation steps keep."""
+    if not _deepspeed_partitions_grads(strategy):
+        return states.grads_bytes
+    recipe = get_recipe(strategy.precision)
+    psi_train = stage_params(profile, strategy, stage) * (
+        profile.trainable_params / profile.params if profile.params else 0.0)
+    averaged = round(psi_train * recipe.grad_bytes / placement(strategy, gpus_per_node).shard.ranks)
+    kept = averaged if strategy.grad_accum > 1 else 0
+    if moment in ("grads", "step"):
+        return states.grads_bytes + kept
+    return averaged if moment == "optimizer_step" else kept
+
+
 def _stage_breakdown(profile: ModelProfile, strategy: Strategy, capacity_bytes: int, gpus_per_node: int,
                      stage: int, adam_impl: AdamImpl | None, device: DeviceKind) -> MemoryBreakdown:
+    """The rank's memory at the worst moment of the step (module docstring, "When")."""
     states = model_states(profile, strategy, stage=stage, gpus_per_node=gpus_per_node)
-    acts = activation_bytes(profile, strategy, stage=stage)
-    items = buffer_items(profile, strategy, stage=stage, gpus_per_node=gpus_per_node)
-    step_extra = step_peak_extra_bytes(profile, strategy, acts, stage, gpus_per_node=gpus_per_node,
-                                       adam_impl=adam_impl, device=device)
-    if step_extra:
-        name = "deepspeed_step_fp32_grad_flatten" if _deepspeed_flattens(strategy) else "optimizer_step_scratch"
-        items[name] = step_extra
+    buffers = _buffers(profile, strategy, stage, gpus_per_node)
+    whole: dict[str, int] = {}
     if strategy.optimizer == "adamw" and strategy.offload_optimizer == "none":
         impl = adam_impl or engine_adam_impl(strategy.engine, device)
         counters = adam_step_counter_bytes(len(profile.param_numels), impl, device)
         if counters:
-            items["adam_step_counters"] = counters
+            whole["adam_step_counters"] = counters
     if profile.buffer_bytes:
-        items["model_buffers"] = profile.buffer_bytes
-    bufs = sum(items.values())
-    allocated = states.params_bytes + states.grads_bytes + states.optimizer_bytes + acts + bufs
+        whole["model_buffers"] = profile.buffer_bytes
+
+    def live_at(moment: str) -> dict[str, int]:
+        return {**{k: v for k, (v, m) in buffers.items() if m is None or moment == "step" or moment in m}, **whole}
+
+    moments = [(moment, acts, _grads_at(states, profile, strategy, moment, stage, gpus_per_node), live_at(moment))
+               for moment, acts in activation_moments(profile, strategy, stage=stage).items()]
+    if _deepspeed_partitions_grads(strategy):
+        # the end of backward (independent_gradient_partition_epilogue): the averaged 1/N partition is built
+        # while grads_in_partition and the reduce buckets are still alive, the activations freed
+        end = (_grads_at(states, profile, strategy, "grads", stage, gpus_per_node)
+               + _grads_at(states, profile, strategy, "optimizer_step", stage, gpus_per_node))
+        moments.append(("backward_end", 0, end, live_at("grads")))
+    peak_acts = max(acts for _, acts, _, _ in moments)
+    moment, acts, grads, items = max(moments, key=lambda m: m[1] + m[2] + sum(m[3].values()))
+    scratch = optimizer_step_scratch_bytes(profile, strategy, stage=stage, gpus_per_node=gpus_per_node,
+                                           adam_impl=adam_impl, device=device)
+    step_grads, step_items = _grads_at(states, profile, strategy, "optimizer_step", stage, gpus_per_node), \
+        live_at("optimizer_step")
+    if step_grads + sum(step_items.values()) + scratch > grads + acts + sum(items.values()):
+        # the optimizer step is the worst moment: report the activation peak (what a user reads as "the
+        # activations") and what the step's scratch adds above it, so the categories still sum to the peak
+        moment, grads, items = "optimizer_step", step_grads, dict(step_items)
+        acts = min(peak_acts, scratch)
+        name = "deepspeed_step_fp32_grad_flatten" if _deepspeed_flattens(strategy) else "optimizer_step_scratch"
+        if scratch > acts:
+            items[name] = scratch - acts
+    allocated = states.params_bytes + grads + states.optimizer_bytes + acts + sum(items.values())
     fragmentation = round(FRAGMENTATION_FRACTION * allocated)
     detail = {**items, "cuda_context": CUDA_CONTEXT_BYTES, "fragmentation_margin": fragmentation}
     p = strategy.pp
@@ -482,11 +674,12 @@ def _stage_breakdown(profile: ModelProfile, strategy: Strategy, capacity_bytes: 
         rank = f"pipeline stage {stage} of {p} (output head and loss)"
     ranks_per_node = min(gpus_per_node, strategy.world_size)
     return MemoryBreakdown(
-        params_bytes=states.params_bytes, grads_bytes=states.grads_bytes,
-        optimizer_bytes=states.optimizer_bytes, activations_bytes=acts, buffers_bytes=bufs,
+        params_bytes=states.params_bytes, grads_bytes=grads,
+        optimizer_bytes=states.optimizer_bytes, activations_bytes=acts, buffers_bytes=sum(items.values()),
         overhead_bytes=CUDA_CONTEXT_BYTES + fragmentation, capacity_bytes=capacity_bytes,
         host_bytes=states.host_bytes, nvme_bytes=states.nvme_bytes,
         host_bytes_per_node=states.host_bytes * ranks_per_node, detail_bytes=detail, rank=rank,
+        moment="" if moment == "step" else moment,
     )
 
 

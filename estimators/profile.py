@@ -12,6 +12,14 @@ from pydantic import BaseModel, ConfigDict, Field
 
 ActivationPrecision = Literal["fp32", "bf16"]
 CheckpointMode = Literal["none", "full"]
+StepPhase = Literal["forward", "loss", "backward", "grads"]
+STEP_PHASES: tuple[StepPhase, ...] = ("forward", "loss", "backward", "grads")
+"""The moments of a training step that decide which engine buffers are alive beside the activations:
+``forward`` the model's forward (its parameters are in use), ``loss`` from the model's output to the
+gradient of that output (the loss function's forward and backward, outside the model: FSDP has
+resharded every unit, no parameter gradient exists yet), ``backward`` the model's backward until the
+first parameter gradient is accumulated, ``grads`` the rest of backward (gradient buckets, partitions
+and reduce-scatters are alive)."""
 
 
 class _Frozen(BaseModel):
@@ -70,6 +78,14 @@ class ActivationFit(_Frozen):
         description="the same envelope not counting autocast's parameter copies (what a model with 16-bit "
                     "weights holds); () means lines minus param_copy_bytes",
     )
+    phase_lines: dict[StepPhase, tuple[tuple[int, int], ...]] = Field(
+        default_factory=dict,
+        description="the envelope of each moment of the step (STEP_PHASES), so that an engine's buffers are "
+                    "added only to the moments they live in; the largest of them is ``lines``. Empty when "
+                    "unknown (older, hand-made or formula fits): every buffer is then added to the peak",
+    )
+    phase_lines_without_copies: dict[StepPhase, tuple[tuple[int, int], ...]] = Field(
+        default_factory=dict, description="``phase_lines`` without autocast's parameter copies")
 
     def bytes_at(self, micro_batch: int, param_copies: bool = True) -> int:
         """Activation bytes for ``micro_batch`` samples (bytes); with ``param_copies=False``, without
@@ -81,6 +97,12 @@ class ActivationFit(_Frozen):
         else:
             total = max(0, self.fixed_bytes + self.per_sample_bytes * micro_batch)
         return total if param_copies else max(0, total - self.param_copy_bytes)
+
+    def phases_at(self, micro_batch: int, param_copies: bool = True) -> dict[StepPhase, int]:
+        """Activation bytes at each moment of the step (STEP_PHASES) for ``micro_batch`` samples (bytes);
+        empty when the fit has no phase lines. Their maximum is :meth:`bytes_at`."""
+        lines = self.phase_lines if param_copies else (self.phase_lines_without_copies or self.phase_lines)
+        return {phase: _envelope_at(ls, micro_batch) for phase, ls in lines.items() if ls}
 
     def param_copies_at(self, micro_batch: int) -> int:
         """How much of ``bytes_at(micro_batch)`` is autocast's copies of the parameters (bytes)."""

@@ -561,6 +561,7 @@ class Probe:
         self.loss_fn: Callable[[Any, Any], Any] | None = None
         self.loss_note: str | None = None
         self.tracker: ProbeTracker | None = None
+        self.ddp_buckets: dict[int, torch.Tensor] = {}  # CPU: DDP's flat gradient buckets, by index
         self.accelerator: Any = None  # accelerate.Accelerator under `accelerate launch` (optplan validate)
         self.use_accelerate = bool(spec.get("accelerate_config"))
 
@@ -810,6 +811,8 @@ class Probe:
                 self.phase = "DistributedDataParallel"
                 runner = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                              gradient_as_bucket_view=False)  # torch's default: buckets beside the grads
+                if device.type == "cpu":
+                    self.watch_ddp_buckets(runner)
             self.phase = "building the optimizer"
             self.optimizer = self.build_optimizer(params)
             if self.precision == "amp-fp16" or (self.fsdp != "none" and self.precision == "fp16"):
@@ -827,6 +830,25 @@ class Probe:
                               "frames while the probe's tensor tracker, a TorchDispatchMode, is active); the "
                               "step times are of the compiled model")
         self.runner = runner
+
+    def watch_ddp_buckets(self, ddp: Any) -> None:
+        """Keep a reference to each of DDP's flat gradient buckets (CPU memory figures). The reducer
+        allocates them in C++ when it builds (and, after the first step, rebuilds) its buckets, out of the
+        tracker's sight, so the tracked step registers them as "bucket" (what a GPU's
+        ``max_memory_allocated`` counts all along). The hook is DDP's default all-reduce
+        (``default_hooks.allreduce_hook``: divide by the world size, all-reduce the bucket in place)."""
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        buckets = self.ddp_buckets
+
+        def hook(state: Any, bucket: Any) -> Any:
+            buckets[bucket.index()] = bucket.buffer()
+            return allreduce_hook(state, bucket)
+
+        # DDP checks the hook's annotations as objects (this module's are strings)
+        hook.__annotations__ = {"state": object, "bucket": torch.distributed.GradBucket,
+                                "return": torch.futures.Future[torch.Tensor]}
+        ddp.register_comm_hook(None, hook)
 
     def check_ds_precision(self, config: dict[str, Any]) -> None:
         """Note when the ds_config's precision sections do not match the strategy (the ds_config wins)."""
@@ -943,6 +965,7 @@ class Probe:
             tracker.track([v for st in opt.state.values() for v in (st.values() if isinstance(st, dict) else [st])
                            if isinstance(v, torch.Tensor)], category="optimizer")
         tracker.track(list(self.model.buffers()), category="buffer")
+        tracker.track(list(self.ddp_buckets.values()), category="bucket")
         tracker.track(self.batches, category="input")
         rest = _live_python_tensors(self.device_type)
         if self.fsdp != "none":  # FSDP2's unsharded parameters (storage resized to 0 between uses)

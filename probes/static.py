@@ -31,12 +31,17 @@ Definitions the estimators rely on:
   ``nn.Sequential`` of length L >= 3 and all have the same parameter count, FLOPs and activations are
   measured with the container cut to 1 and 2 blocks and extrapolated linearly:
   ``value(L) = value(1) + (value(2) - value(1)) * (L - 1)``. The activation envelope is extrapolated
-  per phase of the step (:data:`PHASES`: before the first block, forward + loss, backward until the
-  first block's input gradient, the rest of backward): each line of the 2-block envelope of a phase
+  per phase of the step (:data:`PHASES`: before the first block, the model's forward, the loss's
+  forward, the loss's backward, the model's backward until the first parameter gradient, on to the first
+  block's input gradient, the rest of backward): each line of the 2-block envelope of a phase
   gets L - 2 times the phase's growth per block (its 2-block minus its 1-block peak, a line over
   ``b``). Within one phase the points that can be the peak grow alike with depth, while the phases
   grow at different rates (the embedding's backward not at all, the start of backward by a block's
-  saved activations). When the first block's input does not require grad (blocks first, no embedding
+  saved activations, the loss's forward also by autocast's cached weight copies, which its backward no
+  longer holds). The same phases, grouped into the moments of ``STEP_PHASES``, give
+  ``ActivationFit.phase_lines``: the estimators add each engine buffer only at the moments it is alive
+  (FSDP's gathered units while the model runs, DeepSpeed's gradient partitions from the first parameter
+  gradient on). When the first block's input does not require grad (blocks first, no embedding
   or stem before them) the first block skips its input gradient and depth 1 is off the line, so 2 and
   3 blocks are measured instead. If the cut model fails to run, the full depth is profiled instead
   (with a note).
@@ -61,6 +66,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -398,12 +404,26 @@ def _autocast(precision: ActivationPrecision) -> contextlib.AbstractContextManag
 Line = tuple[float, float]
 """``(intercept, slope)``: bytes ``intercept + slope * b`` at micro-batch ``b`` (bytes, bytes per sample)."""
 
-PHASES = ("stem", "forward", "backward", "stem_backward")
+PHASES = ("stem", "forward", "loss", "loss_backward", "backward", "backward_grads", "stem_backward")
 """The phases of a step's timeline, in order: ``stem`` before the first repeated block's forward
-(batch creation, embedding or stem), ``forward`` the blocks, head and loss, ``backward`` until the
-gradient of the first block's input exists, ``stem_backward`` the rest (the stem's or embedding's
-backward, e.g. vocabulary-sized buffers that do not grow with depth). A model without repeated
-blocks has only ``forward`` and ``backward``."""
+(batch creation, embedding or stem), ``forward`` the blocks and the rest of the model's forward,
+``loss`` the loss function's forward, ``loss_backward`` from the start of backward to the gradient of
+the model's output (the loss function's backward), ``backward`` the model's backward until the first parameter gradient is accumulated,
+``backward_grads`` the rest of it until the gradient of the first block's input exists,
+``stem_backward`` the rest (the stem's or embedding's backward, e.g. vocabulary-sized buffers that do
+not grow with depth). A model without repeated blocks has no ``stem`` and ``stem_backward``."""
+
+GROWTH_GROUP = {"stem": "stem", "forward": "forward", "loss": "forward", "loss_backward": "backward",
+                "backward": "backward", "backward_grads": "backward", "stem_backward": "stem_backward"}
+"""Phases that grow alike with depth (:meth:`StepEnvelope.deeper`): before the first block, the model's and
+the loss's forward, the loss's and the model's backward to the first block's input gradient, the rest.
+Finer phases only say when engine buffers are alive; one growth per group keeps the extrapolation from
+following a single phase's peak as it moves between points that grow differently."""
+
+STEP_PHASE_OF = {"stem": "forward", "forward": "forward", "loss": "loss", "loss_backward": "loss",
+                 "backward": "backward",
+                 "backward_grads": "grads", "stem_backward": "grads"}
+"""The moment of the step (``optplan.estimators.profile.STEP_PHASES``) each timeline phase belongs to."""
 
 PhaseLines = dict[str, tuple[Line, ...]]
 """Per phase, an :func:`upper_envelope`."""
@@ -497,6 +517,14 @@ class StepEnvelope:
         phases = self.bare if bare else self.total
         return upper_envelope(line for lines in phases.values() for line in lines)
 
+    def step_phase_lines(self, bare: bool = False) -> dict[str, tuple[Line, ...]]:
+        """The upper envelope of each moment of the step (:data:`STEP_PHASE_OF`), by increasing slope."""
+        phases = self.bare if bare else self.total
+        grouped: dict[str, list[Line]] = {}
+        for phase, lines in phases.items():
+            grouped.setdefault(STEP_PHASE_OF[phase], []).extend(lines)
+        return {k: upper_envelope(v) for k, v in grouped.items()}
+
     def at(self, b: float, bare: bool = False) -> float:
         """The activation peak at micro-batch ``b`` (bytes)."""
         return value_at(self.lines(bare), b)
@@ -505,20 +533,26 @@ class StepEnvelope:
         """Extrapolate this envelope (``d + 1`` blocks) by ``extra_blocks`` more blocks, given the one
         of ``shallower`` (``d`` blocks).
 
-        Per phase, one more block adds the difference of the two phase peaks, itself a line over the
-        micro-batch (through its values at the two profiled sizes); that is added ``extra_blocks`` times
-        to every line of the phase. Within a phase the points that can be the peak grow alike with depth
+        Per group of phases (:data:`GROWTH_GROUP`), one more block adds the difference of the group's two
+        peaks, itself a line over the micro-batch (through its values at the two profiled sizes); that is
+        added ``extra_blocks`` times to every line of the group's phases. Within a phase the points that can be the peak grow alike with depth
         (all saved activations of the blocks so far), which is why the step is split where it is: the
         embedding's backward, for one, does not grow at all while the start of backward does.
         """
         b0, b1 = self.batch_sizes
 
         def grow(mine: PhaseLines, theirs: PhaseLines) -> PhaseLines:
+            def group_lines(phases: PhaseLines, group: str) -> list[Line]:
+                return [ln for phase, lines in phases.items() if GROWTH_GROUP[phase] == group for ln in lines]
+
+            growth = {}
+            for group in set(GROWTH_GROUP.values()):
+                ours, other = group_lines(mine, group), group_lines(theirs, group)
+                growth[group] = line_through(value_at(ours, b0) - value_at(other, b0),
+                                             value_at(ours, b1) - value_at(other, b1), b0, b1) if other else (0.0, 0.0)
             out = {}
             for phase, lines in mine.items():
-                other = theirs.get(phase, ())
-                a, c = line_through(value_at(lines, b0) - value_at(other, b0),
-                                    value_at(lines, b1) - value_at(other, b1), b0, b1) if other else (0.0, 0.0)
+                a, c = growth[GROWTH_GROUP[phase]]
                 out[phase] = tuple((la + extra_blocks * a, lc + extra_blocks * c) for la, lc in lines)
             return out
 
@@ -539,11 +573,18 @@ def activation_fit(precision: ActivationPrecision, checkpointing: CheckpointMode
     """
     total, bare = envelope.lines(), envelope.lines(bare=True)
     rounded = tuple((round(a), round(c)) for a, c in total)
+    by_step_total, by_step_bare = envelope.step_phase_lines(), envelope.step_phase_lines(bare=True)
     fixed, per_sample = rounded[-1] if rounded else (0, 0)
     copies = value_at(total, 1) - value_at(bare, 1)
     return ActivationFit(precision=precision, checkpointing=checkpointing, fixed_bytes=fixed,
                          per_sample_bytes=max(0, per_sample), param_copy_bytes=max(0, round(copies)),
-                         lines=rounded, lines_without_copies=tuple((round(a), round(c)) for a, c in bare))
+                         lines=rounded, lines_without_copies=tuple((round(a), round(c)) for a, c in bare),
+                         phase_lines={k: _rounded(v) for k, v in by_step_total.items()},
+                         phase_lines_without_copies={k: _rounded(v) for k, v in by_step_bare.items()})
+
+
+def _rounded(lines: tuple[Line, ...]) -> tuple[tuple[int, int], ...]:
+    return tuple((round(a), round(c)) for a, c in lines)
 
 
 @dataclass
@@ -690,13 +731,18 @@ class StepRunner:
         of one forward + loss + backward at micro-batch ``b``, split into :data:`PHASES` (bytes)."""
         tracker = self._tracker()
         tracker.phase = "stem" if self.blocks else "forward"
-        with _phase_hooks(self.blocks, tracker), checkpointed(self.blocks, checkpointing == "full"), tracker:
+        with _phase_hooks(self.blocks, tracker), _grad_hooks(self.model, tracker), \
+                checkpointed(self.blocks, checkpointing == "full"), tracker:
             batch = self.make_batch(b)
             with _autocast(precision):
                 out = self.forward(batch, b)
+                _advance(tracker, "loss")
+                waits = _on_output_grad(out, tracker)
                 loss = self.loss(out, batch)
             del out, batch
-            tracker.phase = "backward"
+            # the points of the loss's backward grow with depth unlike those of its forward (autocast's cached
+            # weight copies are gone): a phase of its own, which ends at the model output's gradient
+            _advance(tracker, "loss_backward" if waits else "backward")
             self.backward(loss)
             del loss
         self.model.zero_grad(set_to_none=False)
@@ -709,6 +755,35 @@ class StepRunner:
         return max((live for events in timeline.values() for live, _ in events), default=0)
 
 
+def _advance(tracker: MemTracker, phase: str) -> None:
+    """Move ``tracker.phase`` on to ``phase`` (never back: hooks can fire out of order)."""
+    if PHASES.index(phase) > PHASES.index(tracker.phase):
+        tracker.phase = phase
+
+
+def _on_output_grad(out: Any, tracker: MemTracker) -> bool:
+    """Hook the model's differentiable outputs so the ``backward`` phase starts when the first of their
+    gradients exists; returns whether any output was hooked."""
+    hooked = False
+    for leaf in tree_leaves(out):
+        if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+            leaf.register_hook(lambda g: _advance(tracker, "backward"))
+            hooked = True
+    return hooked
+
+
+@contextlib.contextmanager
+def _grad_hooks(model: nn.Module, tracker: MemTracker) -> Iterator[None]:
+    """Start the ``backward_grads`` phase when the first parameter gradient has been accumulated."""
+    handles = [p.register_post_accumulate_grad_hook(lambda _p: _advance(tracker, "backward_grads"))
+               for p in model.parameters() if p.requires_grad]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
 @contextlib.contextmanager
 def _phase_hooks(blocks: list[nn.Module], tracker: MemTracker) -> Iterator[None]:
     """Switch ``tracker.phase`` to ``forward`` when the first repeated block starts its forward and to
@@ -718,7 +793,7 @@ def _phase_hooks(blocks: list[nn.Module], tracker: MemTracker) -> Iterator[None]
         return
 
     def on_input_grad(grad: torch.Tensor) -> None:
-        tracker.phase = "stem_backward"
+        _advance(tracker, "stem_backward")
 
     def pre_hook(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if tracker.phase != "stem":
