@@ -26,3 +26,12 @@ def duration(seconds: float) -> str:
 def long_duration(seconds: float) -> str:
     """Training-sized durations: '5.2 h', '31.0 days'."""
     return f"{seconds / 86400:.1f} days" if seconds >= 86400 else f"{seconds / 3600:.1f} h"
+
+
+def si3(n: float) -> str:
+    """Three significant digits with a unit: '394K', '4.75M', '12.3G', '950'."""
+    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale:
+            value = n / scale
+            return f"{value:.3g}{unit}" if value < 1000 else f"{value:,.0f}{unit}"
+    return f"{n:.3g}"

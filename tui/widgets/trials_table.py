@@ -9,9 +9,9 @@ from textual.widgets import DataTable
 
 from optplan.estimators.estimate import Estimate
 from optplan.estimators.strategy import Strategy
-from optplan.tui.fmt import gib_text, si
+from optplan.tui.fmt import duration, gib_text, si3
 
-COLUMNS: tuple[tuple[str, int], ...] = (("#", 4), ("strategy", 30), ("GPUs", 4), ("GiB/GPU", 7), ("step ms", 7),
+COLUMNS: tuple[tuple[str, int], ...] = (("#", 4), ("strategy", 30), ("GPUs", 4), ("GiB/GPU", 7), ("step", 7),
                                         ("throughput", 11), ("fits", 4), ("probe", 7))
 """(header, width); GPUs only when the GPU count is searched; the strategy column takes the width left over
 (at least 20 cells: a longer label is
@@ -24,9 +24,9 @@ MAX_ROWS = 5000
 def _row(number: int, e: Estimate, *, pick: bool, probe: str, gpus: bool) -> tuple[object, ...]:
     label = Text(("★ " if pick else "") + e.strategy.label(), style="bold green" if pick else "")
     fits = Text("yes", style="green") if e.fits else Text("no", style="red")
-    rate = f"{si(e.tokens_per_s)} tok/s" if e.tokens_per_s else f"{si(e.samples_per_s)} smp/s"
+    rate = f"{si3(e.tokens_per_s)} tok/s" if e.tokens_per_s else f"{si3(e.samples_per_s)} smp/s"
     head = (str(number), label, str(e.gpus)) if gpus else (str(number), label)
-    return (*head, gib_text(e.memory.total_bytes), f"{e.time.step_s * 1e3:,.1f}", Text(rate, justify="right"), fits,
+    return (*head, gib_text(e.memory.total_bytes), duration(e.time.step_s), Text(rate, justify="right"), fits,
             probe)
 
 
