@@ -203,7 +203,8 @@ class DashboardApp(App[DashboardOutcome]):
     async def action_quit(self) -> None:
         """Stop the search between two candidates (the study keeps what it recorded) and leave."""
         self.workers.cancel_group(self, "plan")
-        self.exit(DashboardOutcome(storage=self.prepared.storage, finished=self.status.phase == "done"))
+        stopped_search = self.status.phase in ("starting", "profiling", "searching", "probing")
+        self.exit(DashboardOutcome(storage=self.prepared.storage, finished=not stopped_search))
 
     def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
         """A worker that died of a bug (not bad input) is shown, not swallowed."""

@@ -24,11 +24,16 @@ class PlanScreen(DashboardScreen):
     def on_mount(self) -> None:
         self.watch(self.app, "result", self._refresh_plan)
         self.watch(self.app, "selected", self._refresh_plan)
+        self.watch(self.app, "error", self._refresh_plan)
 
     def _refresh_plan(self, _value: object = None) -> None:
         view = self.query_one(EstimateView)
         result = self.dash.result
         selected = self.dash.selected
+        if result is None and self.dash.error:
+            view.show_message(Text("planning failed", style="bold red"),
+                              [self.dash.error, "fix the input on the Overview (1) and re-plan (r)"], heading="")
+            return
         if result is None:
             view.show_message(Text("no plan yet", style="bold"),
                               ["the search is running: watch it on the Search screen (2)"], heading="")

@@ -4,8 +4,13 @@ with fixed readings, and a factory that builds the app the way the CLI does."""
 from __future__ import annotations
 
 import asyncio
+import io
 from collections.abc import Awaitable, Callable
 from typing import Any
+
+from rich.console import Console
+from textual.widget import Widget
+from textual.widgets import Static
 
 from optplan.probes.hardware_fake import FakeDevice, FakeNvml
 from optplan.tui.app import DashboardApp, create_app
@@ -54,3 +59,10 @@ def drive(app: DashboardApp, script: Callable[[Any], Awaitable[None]], size: tup
             await script(pilot)
 
     asyncio.run(main())
+
+
+def text_of(widget: Widget) -> str:
+    """The plain text a widget shows: a Static's content, else what it renders (at 200 columns)."""
+    console = Console(width=200, record=True, file=io.StringIO())
+    console.print(widget.content if isinstance(widget, Static) else widget.render())
+    return console.export_text()

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from dashboard_helpers import drive, make_app, settle, tiny_args
+from dashboard_helpers import drive, make_app, settle, text_of, tiny_args
 from textual.app import App
 from textual.widgets import OptionList, SelectionList
 from typer.testing import CliRunner
@@ -160,5 +160,9 @@ def test_first_run_that_fails_in_the_search_exits_2_but_a_replan_failure_stays_i
         await settle(pilot)
         assert pilot.app.is_running and pilot.app.status.phase == "failed"
         assert "global batch 12 is not divisible" in (pilot.app.error or "")
+        await pilot.press("3")
+        await pilot.pause()
+        assert "planning failed" in text_of(pilot.app.screen.query_one("#ev-title"))
+        assert "global batch 12 is not divisible" in text_of(pilot.app.screen.query_one("#ev-lines"))
 
     drive(app, script)

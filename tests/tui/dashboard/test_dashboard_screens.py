@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import io
 from typing import Any
 
-from dashboard_helpers import drive, fake_gpus, make_app, settle, tiny_args
-from rich.console import Console
-from textual.widget import Widget
+from dashboard_helpers import drive, fake_gpus, make_app, settle, text_of, tiny_args
 from textual.widgets import Input, ProgressBar, Select, Static
 
 from optplan.estimators.estimate import Estimate
@@ -17,13 +14,6 @@ from optplan.tui.widgets.gpu_table import GpuTable
 from optplan.tui.widgets.key_values import KeyValues
 from optplan.tui.widgets.stacked_bar import StackedBar
 from optplan.tui.widgets.trials_table import TrialsTable
-
-
-def text_of(widget: Widget) -> str:
-    """The plain text a widget shows: a Static's content, else what it renders (at 200 columns)."""
-    console = Console(width=200, record=True, file=io.StringIO())
-    console.print(widget.content if isinstance(widget, Static) else widget.render())
-    return console.export_text()
 
 
 def test_overview_shows_model_cluster_objective_and_inputs() -> None:
