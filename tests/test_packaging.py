@@ -27,7 +27,8 @@ def test_wheel_file_list_maps_every_subpackage(wheel: Path) -> None:
     for required in ("optplan/estimators/__init__.py", "optplan/estimators/estimate.py",
                      "optplan/estimators/data/gpus.yaml", "optplan/probes/loader.py",
                      "optplan/planner/recommend.py", "optplan/planner/export/deepspeed.py",
-                     "optplan/tui/cli.py"):
+                     "optplan/tui/cli.py", "optplan/tui/app.tcss", "optplan/tui/screens/plan.py",
+                     "optplan/tui/widgets/trials_table.py"):
         assert required in names, required
     assert not any(n.startswith(("estimators/", "probes/", "planner/", "tui/", "tests/")) for n in names)
     assert "optplan/__init__.py" not in names  # optplan is a namespace
