@@ -35,7 +35,7 @@ fused-Adam JIT build), which the prediction follows (torch's CPU AdamW loop). On
 GPU the 2-process cases are skipped (listed).
 
 Run: ``python benchmarks/fidelity.py [--device cpu|cuda] [--quick] [--models mlp,llama] [--explain]
-[--timeout S] [--ds-torch-optimizer]``. A full CPU run is about 5-6 min on 2 cores, ``--quick`` under 1 min.
+[--timeout S] [--ds-torch-optimizer]``. A full CPU run is about 8 min on 2 cores, ``--quick`` about 1 min.
 ``--explain`` prints, under each case whose memory error is over the target, the predicted categories
 (memory.py) beside the measured ones (the probe's ``peak_by_category_bytes`` on the CPU). The last line
 reads ``memory: median error X%, max Y%; time: median error Z%, max W%`` (time: after calibration); on
