@@ -440,8 +440,8 @@ def buffer_items(profile: ModelProfile, strategy: Strategy, *, stage: int = 0,
 
     DeepSpeed (engine "deepspeed"): ZeRO-0 one reduce bucket in gradient dtype when there is data
     parallelism; ZeRO-1/2 two reduce buckets (overlap_comm) while gradients are reduced; ZeRO-3 the reduce
-    bucket plus the parameters it keeps gathered (:func:`zero3_gathered_params`) in weight dtype, and the
-    unpartitioned tensors under
+    bucket plus the parameters it keeps gathered (:func:`zero3_gathered_params`) in weight dtype, its in-flight
+    all-gather (:func:`zero3_prefetch_params`), and the unpartitioned tensors under
     ``stage3_param_persistence_threshold``. torch: DDP's gradient buckets (a copy of every gradient), or
     FSDP's gathered parameters (FULL/HYBRID: the root unit and two block units; SHARD_GRAD_OP: the whole
     model) and the unit's unsharded gradients for the reduce-scatter. Megatron: its gradient buffer is the
@@ -479,6 +479,8 @@ def _buffers(profile: ModelProfile, strategy: Strategy, stage: int,
         if strategy.zero == 3:
             live = zero3_gathered_params(profile, strategy)
             items["zero3_working_set"] = (round(live * weight), None)
+            inflight, moments = zero3_prefetch_params(profile, strategy)
+            items["zero3_prefetch_buffer"] = (round(inflight * weight), moments)
             persistent = persistent_params(profile, buckets.stage3_param_persistence_threshold)
             shard = placement(strategy, gpus_per_node).shard.ranks
             # kept whole on every rank; the sharded states already count 1/shard of them
@@ -528,6 +530,27 @@ def zero3_gathered_params(profile: ModelProfile, strategy: Strategy) -> float:
     whole = stage_params(profile, strategy)
     kept = min(whole, buckets.stage3_max_reuse_distance / 2)
     return min(kept + unit + buckets.stage3_prefetch_bucket_size, buckets.stage3_max_live_parameters, whole)
+
+
+def zero3_prefetch_params(profile: ModelProfile, strategy: Strategy) -> tuple[float, Moments]:
+    """Elements of DeepSpeed ZeRO-3's in-flight all-gather (count) and when it is alive.
+
+    Parameters are fetched in coalesced buckets of whole parameters up to ``stage3_prefetch_bucket_size``
+    elements into one flat buffer (partition_parameters.py ``_all_gather_dtype``), which lives until the
+    fetch is waited on while the previous block computes; gathered parameters are copies out of it. Here
+    one bucket (the prefetch size rounded up to whole repeated blocks) beyond the first, which is fetched
+    before anything computes: none when the model fits in one bucket. It is alive while the model runs;
+    when the whole model stays gathered (:func:`zero3_gathered_params`) backward fetches nothing, so only
+    in forward."""
+    buckets = deepspeed_buckets(profile)
+    block = profile.repeated_block
+    unit = (block.params_per_block if block else profile.params) / strategy.tp
+    whole = stage_params(profile, strategy)
+    size = buckets.stage3_prefetch_bucket_size
+    bucket = min(whole, -(-size // unit) * unit if unit else size)
+    inflight = min(bucket, max(0.0, whole - bucket))  # the next bucket, fetched while the first computes
+    kept_whole = buckets.stage3_max_reuse_distance / 2 >= whole
+    return inflight, (frozenset({"forward"}) if kept_whole else WHILE_MODEL_RUNS)
 
 
 def _root_unit_params(profile: ModelProfile, strategy: Strategy, stage: int) -> float:

@@ -218,12 +218,23 @@ def classify(exc: BaseException, phase: str) -> tuple[str, str]:
         return "oom", one_line(f"out of host memory in {phase} (MemoryError{': ' + text if text else ''})", 400)
     if isinstance(exc, RuntimeError) and ("out of memory" in lowered or "can't allocate memory" in lowered):
         return "oom", one_line(f"out of memory in {phase}: {text}", 400)
-    if phase.startswith(("deepspeed", "importing deepspeed")) and _OP_BUILD.search(text):
+    if phase.startswith(("deepspeed", "importing deepspeed")) and (_OP_BUILD.search(text) or _in_op_build(exc)):
         return "error", one_line(
             f"DeepSpeed could not JIT-build an op during {phase} ({exc_text(exc)}): check that g++/ninja (and nvcc "
             f"with CUDA_HOME on GPU) work and {EXTENSIONS_VAR} is writable, or give a ds_config without an "
             "'optimizer' section (the probe then passes a torch optimizer)", 500)
     return "error", one_line(f"{phase} raised {exc_text(exc)}", 400)
+
+
+def _in_op_build(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an exception it chains) was raised inside DeepSpeed's op builder or torch's
+    C++ extension loader (a compiler that fails even its version check says nothing of "build")."""
+    for e in _exception_chain(exc):
+        for frame in traceback.extract_tb(e.__traceback__):
+            name = frame.filename.replace("\\", "/")
+            if "/op_builder/" in name or name.endswith("cpp_extension.py"):
+                return True
+    return False
 
 
 _OP_BUILD = re.compile(r"error building extension|ninja|cuda_home|nvcc|op_builder|\.so: cannot open|"

@@ -62,10 +62,19 @@ def profile_table(p: ModelProfile) -> Group:
     return Group(head, mods, acts, *notes)
 
 
+MOMENTS = {"forward": "the model's forward", "loss": "the loss (forward and backward)",
+           "backward": "backward, before the first gradient", "grads": "backward, after the first gradient",
+           "backward_end": "the end of backward", "optimizer_step": "the optimizer step"}
+"""How the estimate's ``memory.moment`` reads in the tables."""
+
+
 def _memory_table(e: Estimate | StatesEstimate) -> Table:
     m = e.memory
+    where = [f"worst rank: {m.rank}"] if m.rank != "every rank" else []
+    if m.moment:
+        where.append(f"at its peak moment: {MOMENTS.get(m.moment, m.moment)}")
     mem = Table(title=f"memory per GPU ({e.gpu})", title_justify="left",
-                caption=None if m.rank == "every rank" else f"worst rank: {m.rank}", caption_justify="left")
+                caption="; ".join(where) or None, caption_justify="left")
     mem.add_column("category")
     mem.add_column("GiB", justify="right")
     for name, val in (("weights", m.params_bytes), ("gradients", m.grads_bytes),

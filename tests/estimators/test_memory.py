@@ -14,6 +14,7 @@ from optplan.estimators.memory import (
     model_states,
     usable_capacity_bytes,
     zero3_gathered_params,
+    zero3_prefetch_params,
 )
 from optplan.estimators.strategy import Strategy
 
@@ -98,8 +99,22 @@ def test_buffers_by_stage() -> None:
     assert buffer_bytes(prof, Strategy(precision="bf16", zero=2, dp=8)) == bucket * 2 * 2
     z3 = buffer_bytes(prof, Strategy(precision="bf16", zero=3, dp=8))
     # below ~0.5e9 parameters DeepSpeed's default stage3_max_reuse_distance (1e9) keeps every parameter
-    # gathered from its forward to its backward
-    assert z3 == bucket * 2 + prof.params * 2
+    # gathered from its forward to its backward; one more prefetch bucket (0.9·h² elements, rounded up to
+    # a whole block) is in flight while a block computes
+    block = prof.repeated_block.params_per_block  # type: ignore[union-attr]
+    assert z3 == bucket * 2 + prof.params * 2 + block * 2
+
+
+def test_zero3_prefetch_buffer_is_the_next_bucket() -> None:
+    prof = make_profile(params=100_000_000, hidden=2048)
+    s = Strategy(precision="bf16", zero=3, dp=8)
+    block = prof.repeated_block.params_per_block  # type: ignore[union-attr]
+    inflight, moments = zero3_prefetch_params(prof, s)
+    assert inflight == block and moments == frozenset({"forward"})  # the whole model stays gathered
+    tiny = make_profile(params=800_000, layers=2, hidden=64)  # one bucket holds it all: nothing in flight
+    assert zero3_prefetch_params(tiny, s)[0] == 0
+    big = make_profile(params=20_000_000_000, layers=40, hidden=8192)
+    assert zero3_prefetch_params(big, s)[1] == frozenset({"forward", "backward", "grads"})  # backward fetches
 
 
 def test_zero3_keeps_the_last_half_reuse_distance_gathered() -> None:

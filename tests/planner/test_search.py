@@ -267,9 +267,10 @@ def test_nothing_fits_says_what_would() -> None:
     fewest = fewest_gpus_zero3(prof, c, space)
     assert fewest is not None and fewest.fits
     n = fewest.gpus
-    assert n % 8 == 0  # whole nodes of 8
-    below = estimate(prof, c.model_copy(update={"gpus": n - 8}),
-                     fewest.strategy.model_copy(update={"dp": n - 8}))
+    assert n % 8 == 0 and 1024 % n == 0  # whole nodes of 8 that divide the global batch
+    launchable = max(m for m in range(8, n, 8) if 1024 % m == 0)  # the next count that can be launched
+    below = estimate(prof, c.model_copy(update={"gpus": launchable}),
+                     fewest.strategy.model_copy(update={"dp": launchable}))
     assert not below.fits
     assert any(f"--gpus {n}" in s for s in rec.suggestions)
     assert any("offload" in s for s in rec.suggestions)

@@ -282,3 +282,14 @@ def test_parsing_torchrun_and_faulthandler_output() -> None:
             '  File "/m/model.py", line 9 in forward\n  File "/t/module.py", line 1 in _call_impl\n')
     assert crash_location(dump) == "/m/model.py line 9 in forward"
     assert crash_location("no dump") == ""
+
+
+def test_a_deepspeed_op_that_cannot_be_built_is_a_readable_error(tiny_lm_module_file: Path, tmp_path: Path) -> None:
+    """The ds_config's own "optimizer" makes DeepSpeed JIT-build its Adam op; with a compiler that fails the
+    probe records an error naming the build and how to avoid it, and the parent goes on."""
+    config = zero_config(2)
+    config["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
+    r = dist_probe(tiny_lm_module_file, block_class="Block", engine="deepspeed", zero=2, ds_config=config,
+                   env={"CXX": "/bin/false", "CC": "/bin/false", "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")})
+    assert r.status == "error", r.reason
+    assert "JIT-build" in r.reason and "TORCH_EXTENSIONS_DIR" in r.reason, r.reason
