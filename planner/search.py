@@ -193,7 +193,9 @@ def resolve_storage(storage: str | Path | None) -> optuna.storages.BaseStorage |
         return f"sqlite:///{path.resolve()}"
     from optuna.storages import JournalStorage
     from optuna.storages.journal import JournalFileBackend
-    return JournalStorage(JournalFileBackend(str(path)))
+
+    from optplan.planner.journal_lock import journal_lock
+    return JournalStorage(JournalFileBackend(str(path), lock_obj=journal_lock(str(path))))
 
 
 def study_name_for(profile: ModelProfile, cluster: Cluster, space: SearchSpace, goal: Goal, method: str,
@@ -214,11 +216,20 @@ def _open_study(storage: str | Path | None, name: str, goal: Goal,
     try:
         return optuna.create_study(directions=goal.directions, storage=resolve_storage(storage),  # type: ignore[arg-type]
                                    study_name=name, sampler=sampler, load_if_exists=True)
-    except (OSError, ValueError) as exc:  # unreadable file, wrong URL
-        raise OptplanError(f"cannot open the study storage {storage}: {exc}; choose another --storage") from exc
+    except (OSError, ValueError) as exc:  # unreadable file, wrong URL, a journal of garbage
+        raise OptplanError(f"cannot open the study storage {storage} ({_first_line(exc)}): it is not an optplan "
+                           "study (corrupted or another program's file?); choose another --storage or delete "
+                           "the file") from exc
     except Exception as exc:  # sqlalchemy errors: not importable here without sqlalchemy
-        raise OptplanError(f"cannot open the study storage {storage} ({type(exc).__name__}: {exc}); "
-                           "choose another --storage") from exc
+        raise OptplanError(f"cannot open the study storage {storage} ({type(exc).__name__}: {_first_line(exc)}): "
+                           "it is not an optplan study database (corrupted or another program's file?); "
+                           "choose another --storage or delete the file") from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (sqlalchemy appends the SQL and a link on more lines)."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    return lines[0][:240] if lines else type(exc).__name__
 
 
 def _record(study: optuna.Study, dists: dict[str, optuna.distributions.BaseDistribution],
@@ -292,8 +303,10 @@ def _enumerate(pricer: Pricer, space: SearchSpace, study: optuna.Study, goal: Go
     groups = list(space.groups())
     done = int(study.user_attrs.get("groups_done", 0))
     resumed = 0
+    # a run killed after recording a chunk but before marking it done left those trials: never record twice
+    recorded = set(_recorded(study))
     if done:
-        for s in _recorded(study):
+        for s in recorded:
             if pricer(s) is not None:
                 resumed += 1
     evaluated = 0
@@ -317,7 +330,7 @@ def _enumerate(pricer: Pricer, space: SearchSpace, study: optuna.Study, goal: Go
             if not any_fits:
                 break  # memory grows with the micro-batch: larger ones do not fit either
         if (gi + 1) % CHUNK_GROUPS == 0 or gi + 1 == len(groups):
-            _record(study, dists, _keep(chunk, goal), goal)
+            _record(study, dists, [(e, p) for e, p in _keep(chunk, goal) if e.strategy not in recorded], goal)
             study.set_user_attr("groups_done", gi + 1)
             chunk = []
             notify(ProgressEvent(stage="search", done=gi + 1, total=len(groups),

@@ -1,0 +1,130 @@
+"""Faults and interruptions of the search: a SIGKILL at any point loses nothing and repeats nothing.
+
+The search runs in a forked child (the parent has imported everything, so a run costs only the search)
+and is killed at random points; a rerun with the same storage must find every trial the killed run
+completed, record none twice, and pick what an uninterrupted run picks.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from collections import Counter
+from pathlib import Path
+
+import optuna
+import pytest
+from conftest import make_profile
+
+from optplan.estimators.arch import parse_arch, profile_from_arch
+from optplan.estimators.hardware import Cluster, find_gpu
+from optplan.estimators.strategy import Strategy
+from optplan.planner import search as search_module
+from optplan.planner.search import SearchResult, resolve_storage, search
+from optplan.planner.space import SearchSpace, build_space
+
+ARCH = "layers=12,hidden=768,heads=12,vocab=50257,seq=1024"
+KILLS = 20
+CHUNK = 8
+"""Groups per recorded chunk in the killed runs (the default 512 would leave one chunk for this space)."""
+
+
+@pytest.fixture(scope="module")
+def setup() -> tuple:
+    prof = profile_from_arch(parse_arch(ARCH))
+    cluster = Cluster(gpu=find_gpu("H100-SXM"), gpus=16, gpus_per_node=8)
+    space = build_space(prof, cluster, global_batch=64)
+    return prof, cluster, space
+
+
+def _run_child(prof, cluster: Cluster, space: SearchSpace, store: str) -> int:  # noqa: ANN001
+    """Fork a child that runs the search into ``store`` and exits; returns its pid."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 0
+        try:
+            search_module.CHUNK_GROUPS = CHUNK
+            search(prof, cluster, space, storage=store)
+        except BaseException:  # noqa: BLE001
+            code = 1
+        os._exit(code)
+    return pid
+
+
+def _completed(store: str) -> list[Strategy]:
+    """The strategies of the completed trials in ``store``'s one study (none when nothing was written)."""
+    storage = resolve_storage(store)
+    summaries = optuna.get_all_study_summaries(storage)  # type: ignore[arg-type]
+    if not summaries:
+        return []
+    assert len(summaries) == 1
+    study = optuna.load_study(study_name=summaries[0].study_name, storage=storage)  # type: ignore[arg-type]
+    return [Strategy.model_validate(t.user_attrs["strategy"])
+            for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))]
+
+
+def _top(result: SearchResult, k: int = 5) -> list[Strategy]:
+    return [e.strategy for e in result.ranked[:k]]
+
+
+def test_sigkill_at_random_points_loses_and_repeats_nothing(setup, tmp_path: Path) -> None:  # noqa: ANN001
+    prof, cluster, space = setup
+    reference = search(prof, cluster, space)
+    started = time.perf_counter()
+    pid = _run_child(prof, cluster, space, str(tmp_path / "timing.log"))
+    assert os.waitpid(pid, 0)[1] == 0
+    full_s = time.perf_counter() - started
+    rng = random.Random(2026)
+    landed = 0
+    for i in range(KILLS):
+        store = str(tmp_path / f"study{i}.log")
+        pid = _run_child(prof, cluster, space, store)
+        time.sleep(rng.uniform(0.0, full_s))
+        os.kill(pid, signal.SIGKILL)
+        _, status = os.waitpid(pid, 0)
+        before = _completed(store)
+        landed += bool(before) and os.WIFSIGNALED(status)
+        resumed = search(prof, cluster, space, storage=store)
+        after = _completed(store)
+        counts = Counter(after)
+        assert not [s for s, n in counts.items() if n > 1], f"kill {i}: trials recorded twice"
+        assert set(before) <= set(after), f"kill {i}: completed trials lost"
+        assert _top(resumed) == _top(reference), f"kill {i}: a different plan after the kill"
+        assert search(prof, cluster, space, storage=store).evaluated == 0  # finished: nothing left to price
+    assert landed >= KILLS // 2, "too few kills landed mid-search to test anything"
+
+
+def _nsga_worker(prof, cluster: Cluster, space: SearchSpace, store: str) -> int:  # noqa: ANN001
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 0
+        try:
+            search(prof, cluster, space, method="nsga2", n_trials=25, storage=store, study_name="shared", seed=5)
+        except BaseException:  # noqa: BLE001
+            code = 1
+        os._exit(code)
+    return pid
+
+
+def test_four_processes_share_one_study(tmp_path: Path) -> None:
+    """Four workers optimise one NSGA-II study in one journal file: every trial finishes exactly once under
+    its own number, none is lost, and a rerun has nothing left and picks the best of what they priced."""
+    prof = make_profile(params=2_000_000_000)
+    cluster = Cluster(gpu=find_gpu("H100-SXM"), gpus=8, gpus_per_node=8)
+    space = build_space(prof, cluster, global_batch=256, engines=["deepspeed"])
+    store = str(tmp_path / "shared.log")
+    pids = [_nsga_worker(prof, cluster, space, store) for _ in range(4)]
+    assert all(os.waitpid(pid, 0)[1] == 0 for pid in pids)
+    study = optuna.load_study(study_name="shared", storage=resolve_storage(store))  # type: ignore[arg-type]
+    trials = study.get_trials(deepcopy=False)
+    finished = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+    assert all(t.state in finished for t in trials)  # none left RUNNING or lost
+    assert sorted(t.number for t in trials) == list(range(len(trials)))
+    assert 25 <= len(trials) <= 4 * 25
+    after = search(prof, cluster, space, method="nsga2", n_trials=25, storage=store, study_name="shared", seed=5)
+    assert after.evaluated == 0 and after.resumed > 0
+    priced = {Strategy.model_validate(t.user_attrs["strategy"])
+              for t in trials if t.state == optuna.trial.TrialState.COMPLETE}
+    assert after.feasible and after.feasible[0].strategy in priced
