@@ -9,7 +9,10 @@ own lock is used.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from optuna.storages.journal import JournalFileSymlinkLock
@@ -51,3 +54,19 @@ class FlockJournalLock:
 def journal_lock(journal_path: str) -> Any:
     """The lock optplan's journal files use: :class:`FlockJournalLock`, else Optuna's symlink lock."""
     return FlockJournalLock(journal_path) if fcntl is not None else JournalFileSymlinkLock(journal_path)
+
+
+@contextlib.contextmanager
+def storage_file_lock(storage: str | os.PathLike[str] | None, purpose: str) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``<storage file>.<purpose>.flock`` for a block of several storage
+    operations that must not interleave with another process's (e.g. "check what is recorded, then record").
+    A no-op for in-memory studies, database URLs (no shared file) and where ``fcntl`` does not exist."""
+    if storage is None or fcntl is None or "://" in str(storage):
+        yield
+        return
+    lock = FlockJournalLock(f"{Path(storage).resolve()}.{purpose}")
+    lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()

@@ -298,7 +298,13 @@ def _keep(entries: list[tuple[Estimate, dict[str, object]]], goal: Goal) -> list
 
 
 def _enumerate(pricer: Pricer, space: SearchSpace, study: optuna.Study, goal: Goal,
-               notify: Callable[[ProgressEvent], None]) -> tuple[int, int]:
+               notify: Callable[[ProgressEvent], None], storage: str | Path | None = None) -> tuple[int, int]:
+    """Price the space group by group, recording each chunk's keepers and then its done-mark. Recording
+    holds a lock on the storage file and first re-reads what is recorded: a chunk recorded by a run that
+    was killed before its done-mark, or by another process enumerating the same study, is never recorded
+    twice."""
+    from optplan.planner.journal_lock import storage_file_lock
+
     dists = _distributions(space)
     groups = list(space.groups())
     done = int(study.user_attrs.get("groups_done", 0))
@@ -330,8 +336,10 @@ def _enumerate(pricer: Pricer, space: SearchSpace, study: optuna.Study, goal: Go
             if not any_fits:
                 break  # memory grows with the micro-batch: larger ones do not fit either
         if (gi + 1) % CHUNK_GROUPS == 0 or gi + 1 == len(groups):
-            _record(study, dists, [(e, p) for e, p in _keep(chunk, goal) if e.strategy not in recorded], goal)
-            study.set_user_attr("groups_done", gi + 1)
+            with storage_file_lock(storage, "record"):
+                recorded = set(_recorded(study))
+                _record(study, dists, [(e, p) for e, p in _keep(chunk, goal) if e.strategy not in recorded], goal)
+                study.set_user_attr("groups_done", max(gi + 1, int(study.user_attrs.get("groups_done", 0))))
             chunk = []
             notify(ProgressEvent(stage="search", done=gi + 1, total=len(groups),
                                  message=f"{evaluated} candidates priced"))
@@ -400,7 +408,7 @@ def search(profile: ModelProfile, cluster: Cluster, space: SearchSpace, *, goal:
     pricer = Pricer(profile, cluster, calibration, on_priced=on_trial)
     if chosen == "enumerate":
         study = _open_study(storage, name, goal, optuna.samplers.NSGAIISampler(seed=seed))
-        evaluated, resumed = _enumerate(pricer, space, study, goal, notify)
+        evaluated, resumed = _enumerate(pricer, space, study, goal, notify, storage)
     else:
         sampler: optuna.samplers.BaseSampler = (
             optuna.samplers.TPESampler(seed=seed, multivariate=True)

@@ -128,3 +128,20 @@ def test_four_processes_share_one_study(tmp_path: Path) -> None:
     priced = {Strategy.model_validate(t.user_attrs["strategy"])
               for t in trials if t.state == optuna.trial.TrialState.COMPLETE}
     assert after.feasible and after.feasible[0].strategy in priced
+
+
+def test_four_processes_enumerating_one_study_record_nothing_twice(setup, tmp_path: Path) -> None:  # noqa: ANN001
+    """Four processes enumerate the same study at once: each prices the space, none records a trial another
+    has recorded, every process's keepers are there, and the plan is an uninterrupted run's."""
+    prof, cluster, space = setup
+    reference = search(prof, cluster, space)
+    store = str(tmp_path / "enum.log")
+    pids = [_run_child(prof, cluster, space, store) for _ in range(4)]
+    assert all(os.waitpid(pid, 0)[1] == 0 for pid in pids)
+    recorded = _completed(store)
+    assert recorded and len(recorded) == len(set(recorded))
+    single = str(tmp_path / "single.log")
+    search(prof, cluster, space, storage=single)
+    assert set(_completed(single)) <= set(recorded)  # nothing lost
+    again = search(prof, cluster, space, storage=store)
+    assert again.evaluated == 0 and _top(again) == _top(reference)
