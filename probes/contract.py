@@ -395,6 +395,15 @@ def build_meta(builder: Callable[[], Any], source: str, display: str) -> nn.Modu
     except ModelFileError:
         raise
     except Exception as exc:
+        if _network_error(exc):
+            raise ModelFileError(display, f"{source} tried to download over the network and failed ({exc_text(exc)})",
+                                 f"download the weights beforehand and load them outside {source} (optplan only "
+                                 "needs the architecture: build it without pretrained weights)") from None
+        if _out_of_memory(exc):
+            raise ModelFileError(display, f"{source} ran out of host memory ({exc_text(exc)}): the model is too "
+                                 "large to build here, even on the meta device",
+                                 f"create no tensors with an explicit device='cpu' in {source} (optplan builds on "
+                                 "the meta device), or pass --arch/--params to plan it by shape") from None
         raise ModelFileError(display, f"{source} raised {exc_text(exc)}",
                              f"make {source} run with no arguments; optplan calls it under "
                              "`with torch.device('meta')`, so it must not need real weights or values "
@@ -402,7 +411,43 @@ def build_meta(builder: Callable[[], Any], source: str, display: str) -> nn.Modu
     if not isinstance(model, nn.Module):
         raise ModelFileError(display, f"{source} returned {type(model).__name__}, not a torch.nn.Module",
                              f"return the model (an nn.Module instance) from {source}")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ModelFileError(display, "the model has no trainable parameters (every parameter has "
+                             "requires_grad=False, or there are none), so there is nothing to train",
+                             f"leave at least one parameter trainable in {source} (e.g. do not freeze the adapter "
+                             "or the head)")
     return model
+
+
+def _causes(exc: BaseException) -> list[BaseException]:
+    """``exc`` and the exceptions it was raised from or during (a few levels)."""
+    chain: list[BaseException] = []
+    cur: BaseException | None = exc
+    while cur is not None and len(chain) < 8 and cur not in chain:
+        chain.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    return chain
+
+
+def _network_error(exc: BaseException) -> bool:
+    """A failed download: a refused/unreachable connection, a DNS failure, an HTTP error (urllib, requests,
+    huggingface_hub raise subclasses of these or name them so)."""
+    import socket
+    import urllib.error
+
+    for e in _causes(exc):
+        if isinstance(e, (urllib.error.URLError, ConnectionError, socket.gaierror, socket.timeout)):
+            return True
+        names = {c.__name__ for c in type(e).__mro__}
+        if names & {"ConnectionError", "HTTPError", "ConnectTimeout", "ReadTimeout", "MaxRetryError",
+                    "NewConnectionError", "LocalEntryNotFoundError", "OfflineModeIsEnabled"}:
+            return True
+    return False
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    return any(isinstance(e, MemoryError) or "can't allocate memory" in str(e) or "not enough memory" in str(e)
+               for e in _causes(exc))
 
 
 # ---------------------------------------------------------------------------------------------------

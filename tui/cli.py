@@ -402,7 +402,8 @@ def _plan_progress(*, quiet: bool = False) -> Iterator[Callable[[Any], None]]:
 
     console = _stderr()
     progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                        TimeElapsedColumn(), console=console, transient=True, disable=quiet)
+                        TimeElapsedColumn(), console=console, transient=True,
+                        disable=quiet or not console.is_terminal)  # off a terminal rich ends with a blank line
     tasks: dict[str, Any] = {}
 
     def on_progress(event: Any) -> None:

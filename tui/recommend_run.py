@@ -106,8 +106,7 @@ def prepare_recommend(args: RecommendArgs, *, check_out: bool = True) -> Prepare
     if a.out is not None:
         if check_out:
             check_out_dir(a.out, force=a.force)
-        if study is None:
-            a.out.mkdir(parents=True, exist_ok=True)
+        if study is None:  # the folder is created when the search starts (nothing is written for bad input)
             study = str(a.out / "optplan-study.log")
     return PreparedRecommend(args=a, cluster=target, notes=tuple(notes),
                              gpu_counts=None if counts is None else tuple(counts), goal=goal, storage=study,
@@ -152,6 +151,11 @@ def run_recommend(prepared: PreparedRecommend, prof: ModelProfile, *,
 
     a = prepared.args
     gb = global_batch_for(prepared, prof)
+    if a.out is not None and a.storage is None:
+        try:
+            a.out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise OptplanError(f"cannot create --out {a.out} ({exc.strerror or exc}): choose a writable directory") from None
     probe_options = None
     if a.model is not None and (a.probe or (a.probe is None and gpu_here())):
         from optplan.planner.probe_stage import ProbeOptions
