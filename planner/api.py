@@ -131,6 +131,8 @@ def check_out_dir(out_dir: Path, *, force: bool, names: Sequence[str] = EXPORT_N
         raise OptplanError(f"{out_dir} already has {', '.join(existing)}: pass --force to overwrite "
                            "or choose another --out")
     probe = out_dir if out_dir.exists() else next((p for p in out_dir.parents if p.exists()), Path("."))
+    if not probe.is_dir():
+        raise OptplanError(f"cannot create --out {out_dir}: {probe} is a file, not a directory; choose another --out")
     if not os.access(probe, os.W_OK):
         raise OptplanError(f"cannot write to {probe}: choose a writable --out directory")
 

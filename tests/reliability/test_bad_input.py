@@ -165,7 +165,7 @@ CASES: dict[str, Case] = {
     "gpus-and-gpus-range": Case(_rec("good.py", "--gpus-range", "8:16"), ("--gpus-range",), ("not both",)),
     "file-and-params": Case(lambda m, w: ["estimate", str(m / "good.py"), "--params", "1e9", *H100],
                             ("exactly one",), ("--params",)),
-    "impossible-tp": Case(_est("good.py", "--tp", "3"), ("tp",), ("3",)),
+    "impossible-tp": Case(_est("good.py", "--tp", "3"), ("not divisible by tp",), ("multiple of 3",)),
     "unknown-gpu": Case(lambda m, w: ["recommend", str(m / "good.py"), "--gpu", "Z80", "--gpus", "8",
                                       "--out", str(w / "out")], ("z80",), ("H100",)),
     "non-numeric-gpus": Case(lambda m, w: ["recommend", str(m / "good.py"), "--gpus", "eight",
@@ -177,7 +177,7 @@ CASES: dict[str, Case] = {
     "out-is-a-file": Case(_rec("good.py"), ("is a file",), ("choose a directory",),
                           setup=_write("out", "x")),
     "out-under-a-file": Case(lambda m, w: ["recommend", str(m / "good.py"), *H100, "--out", str(w / "f" / "out")],
-                             ("f/out",), ("writable",), setup=_write("f", "x")),
+                             ("f/out", "is a file"), ("choose another --out",), setup=_write("f", "x")),
     "existing-files-without-force": Case(_rec("good.py"), ("already has plan.json",), ("--force",),
                                          setup=_existing),
     "storage-garbage-journal": Case(lambda m, w: [*_rec("good.py")(m, w), "--storage", str(w / "s.log")],
@@ -268,3 +268,23 @@ def test_frozen_parts_get_no_gradients_or_optimizer_state(tmp_path: Path) -> Non
     for key in ("grads_bytes", "optimizer_bytes"):
         assert full[key] > 0
         assert frozen[key] == pytest.approx(full[key] / 2, rel=0.02), key
+
+
+@pytest.mark.parametrize("where", ["existing-file", "out-under-a-file"])
+def test_export_of_a_good_plan_to_a_bad_out_is_one_line_exit_2(where: str, saved_plan: dict, tmp_path: Path) -> None:
+    (tmp_path / "plan.json").write_text(json.dumps(saved_plan))
+    if where == "existing-file":
+        out = tmp_path / "out"
+        out.mkdir()
+        (out / "ds_config.json").write_text("mine")
+        case = Case(lambda m, w: [], ("ds_config.json", "already exist"), ("--force",))
+    else:
+        (tmp_path / "f").write_text("x")
+        out = tmp_path / "f" / "out"
+        case = Case(lambda m, w: [], ("f/out",), ("--out",))
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    code, stdout, stderr = run_cli(["export", str(tmp_path / "plan.json"), "--to", "deepspeed", "--out", str(out)])
+    check_one_line(code, stdout, stderr, case)
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    if where == "existing-file":
+        assert (out / "ds_config.json").read_text() == "mine"
