@@ -189,6 +189,7 @@ def resolve_storage(storage: str | Path | None) -> optuna.storages.BaseStorage |
         raise OptplanError(f"--storage {text} is a folder: give a file (study.log or study.db) or a database URL")
     if not path.parent.exists():
         raise OptplanError(f"--storage {text}: folder {path.parent} does not exist; create it or choose another path")
+    check_storage_file(path)
     if path.suffix in (".db", ".sqlite", ".sqlite3"):
         return f"sqlite:///{path.resolve()}"
     from optuna.storages import JournalStorage
@@ -196,6 +197,35 @@ def resolve_storage(storage: str | Path | None) -> optuna.storages.BaseStorage |
 
     from optplan.planner.journal_lock import journal_lock
     return JournalStorage(JournalFileBackend(str(path), lock_obj=journal_lock(str(path))))
+
+
+def check_storage_file(path: Path) -> None:
+    """An existing ``--storage`` file that is plainly not a study (garbage, another program's file) is an
+    OptplanError before anything runs or is written: a ``.db`` must be SQLite, a journal's first complete
+    line a JSON object (an incomplete first line is left to Optuna, which repairs a torn write)."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    try:
+        with path.open("rb") as f:
+            head = f.read(1 << 16)
+    except OSError as exc:
+        raise OptplanError(f"cannot read --storage {path} ({exc.strerror or exc}): choose another --storage") from None
+    fix = "choose another --storage or delete the file"
+    if path.suffix in (".db", ".sqlite", ".sqlite3"):
+        if not head.startswith(b"SQLite format 3\x00"):
+            raise OptplanError(f"--storage {path} is not an SQLite database (corrupted or another program's "
+                               f"file?): {fix}")
+        return
+    first, newline, _rest = head.lstrip().partition(b"\n")
+    if not newline:
+        return
+    try:
+        ok = isinstance(json.loads(first), dict)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise OptplanError(f"--storage {path} is not an optplan study journal (corrupted or another program's "
+                           f"file?): {fix}")
 
 
 def study_name_for(profile: ModelProfile, cluster: Cluster, space: SearchSpace, goal: Goal, method: str,

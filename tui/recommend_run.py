@@ -8,6 +8,7 @@ raise OptplanError, progress goes out through callbacks.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
@@ -103,6 +104,9 @@ def prepare_recommend(args: RecommendArgs, *, check_out: bool = True) -> Prepare
                                f"{n} for --global-batch or change --gpus")
     options = ExportOptions(launcher=a.launcher)  # type: ignore[arg-type]
     study = a.storage
+    if study is not None and "://" not in study:
+        from optplan.planner.search import check_storage_file
+        check_storage_file(Path(study))  # a garbage --storage file fails before profiling
     if a.out is not None:
         if check_out:
             check_out_dir(a.out, force=a.force)
