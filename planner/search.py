@@ -195,7 +195,8 @@ def resolve_storage(storage: str | Path | None) -> optuna.storages.BaseStorage |
     from optuna.storages import JournalStorage
     from optuna.storages.journal import JournalFileBackend
 
-    from optplan.planner.journal_lock import journal_lock
+    from optplan.planner.journal_lock import drop_torn_tail, journal_lock
+    drop_torn_tail(str(path))  # a run killed mid-append
     return JournalStorage(JournalFileBackend(str(path), lock_obj=journal_lock(str(path))))
 
 

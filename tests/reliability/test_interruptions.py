@@ -16,7 +16,6 @@ from pathlib import Path
 
 import optuna
 import pytest
-from conftest import make_profile
 
 from optplan.estimators.arch import parse_arch, profile_from_arch
 from optplan.estimators.hardware import Cluster, find_gpu
@@ -111,8 +110,8 @@ def _nsga_worker(prof, cluster: Cluster, space: SearchSpace, store: str) -> int:
 def test_four_processes_share_one_study(tmp_path: Path) -> None:
     """Four workers optimise one NSGA-II study in one journal file: every trial finishes exactly once under
     its own number, none is lost, and a rerun has nothing left and picks the best of what they priced."""
-    prof = make_profile(params=2_000_000_000)
-    cluster = Cluster(gpu=find_gpu("H100-SXM"), gpus=8, gpus_per_node=8)
+    prof = profile_from_arch(parse_arch("layers=24,hidden=2560,heads=20,vocab=50257,seq=1024"))  # 1.9 B
+    cluster = Cluster(gpu=find_gpu("A100-40GB"), gpus=8, gpus_per_node=8)
     space = build_space(prof, cluster, global_batch=256, engines=["deepspeed"])
     store = str(tmp_path / "shared.log")
     pids = [_nsga_worker(prof, cluster, space, store) for _ in range(4)]
@@ -145,3 +144,17 @@ def test_four_processes_enumerating_one_study_record_nothing_twice(setup, tmp_pa
     assert set(_completed(single)) <= set(recorded)  # nothing lost
     again = search(prof, cluster, space, storage=store)
     assert again.evaluated == 0 and _top(again) == _top(reference)
+
+
+def test_a_torn_last_record_is_dropped_before_the_study_is_used(setup, tmp_path: Path) -> None:  # noqa: ANN001
+    """A run killed mid-append leaves a record without its newline; the next run cuts it off instead of
+    burying it mid-file (after which every read of the journal fails)."""
+    prof, cluster, space = setup
+    store = tmp_path / "torn.log"
+    search(prof, cluster, space, storage=str(store))
+    whole = store.read_bytes()
+    store.write_bytes(whole + b'{"op_code": 5, "worker_id": "x", "study_id": 0, "datetime_st')
+    again = search(prof, cluster, space, storage=str(store))
+    assert store.read_bytes().endswith(b"\n") and store.read_bytes().startswith(whole)
+    assert again.evaluated == 0 and _top(again) == _top(search(prof, cluster, space))
+    search(prof, cluster, space, storage=str(store))  # and the journal still reads

@@ -68,7 +68,7 @@ def test_recommend_out_writes_validated_exports_and_refuses_to_overwrite(tmp_pat
     out = tmp_path / "plan"
     doc = _json(["recommend", str(EX / "mlp.py"), *H100, "--global-batch", "64", "--engine", "deepspeed", "--out",
                  str(out), "--json"])
-    files = sorted(p.name for p in out.iterdir())
+    files = sorted(p.name for p in out.iterdir() if not p.name.startswith("."))  # not the study's lock files
     assert files == ["PLAN.md", "accelerate.yaml", "ds_config.json", "hf_training_args.json", "launch.sh",
                      "lightning.json", "optplan-study.log", "plan.json"]
     assert json.loads((out / "plan.json").read_text()) == doc
