@@ -629,20 +629,20 @@ def activation_moments(profile: ModelProfile, strategy: Strategy, *, stage: int 
     return {"step": activation_bytes(profile, strategy, stage=stage)}
 
 
-def _grads_at(states: ModelStates, profile: ModelProfile, strategy: Strategy, moment: str, stage: int,
-              gpus_per_node: int) -> int:
-    """Gradient bytes on the device at ``moment``. DeepSpeed ZeRO-1/2: ``grads_in_partition`` from the first
-    gradient to the end of backward, then the averaged 1/N partition, which accumulation steps keep."""
+def _grad_bytes_by_moment(states: ModelStates, profile: ModelProfile, strategy: Strategy, stage: int,
+                          gpus_per_node: int) -> tuple[int, int, int]:
+    """Gradient bytes on the device (after the first gradient of a backward, elsewhere in the step, at the
+    optimizer step). DeepSpeed ZeRO-1/2: ``grads_in_partition`` from the first gradient to the end of
+    backward, then the averaged 1/N partition, which accumulation steps keep; every other engine keeps its
+    gradients throughout."""
     if not _deepspeed_partitions_grads(strategy):
-        return states.grads_bytes
+        return states.grads_bytes, states.grads_bytes, states.grads_bytes
     recipe = get_recipe(strategy.precision)
     psi_train = stage_params(profile, strategy, stage) * (
         profile.trainable_params / profile.params if profile.params else 0.0)
     averaged = round(psi_train * recipe.grad_bytes / placement(strategy, gpus_per_node).shard.ranks)
     kept = averaged if strategy.grad_accum > 1 else 0
-    if moment in ("grads", "step"):
-        return states.grads_bytes + kept
-    return averaged if moment == "optimizer_step" else kept
+    return states.grads_bytes + kept, kept, averaged
 
 
 def _stage_breakdown(profile: ModelProfile, strategy: Strategy, capacity_bytes: int, gpus_per_node: int,
@@ -662,20 +662,18 @@ def _stage_breakdown(profile: ModelProfile, strategy: Strategy, capacity_bytes: 
     def live_at(moment: str) -> dict[str, int]:
         return {**{k: v for k, (v, m) in buffers.items() if m is None or moment == "step" or moment in m}, **whole}
 
-    moments = [(moment, acts, _grads_at(states, profile, strategy, moment, stage, gpus_per_node), live_at(moment))
+    during, outside, at_step = _grad_bytes_by_moment(states, profile, strategy, stage, gpus_per_node)
+    moments = [(moment, acts, during if moment in ("grads", "step") else outside, live_at(moment))
                for moment, acts in activation_moments(profile, strategy, stage=stage).items()]
     if _deepspeed_partitions_grads(strategy):
         # the end of backward (independent_gradient_partition_epilogue): the averaged 1/N partition is built
         # while grads_in_partition and the reduce buckets are still alive, the activations freed
-        end = (_grads_at(states, profile, strategy, "grads", stage, gpus_per_node)
-               + _grads_at(states, profile, strategy, "optimizer_step", stage, gpus_per_node))
-        moments.append(("backward_end", 0, end, live_at("grads")))
+        moments.append(("backward_end", 0, during + at_step, live_at("grads")))
     peak_acts = max(acts for _, acts, _, _ in moments)
     moment, acts, grads, items = max(moments, key=lambda m: m[1] + m[2] + sum(m[3].values()))
     scratch = optimizer_step_scratch_bytes(profile, strategy, stage=stage, gpus_per_node=gpus_per_node,
                                            adam_impl=adam_impl, device=device)
-    step_grads, step_items = _grads_at(states, profile, strategy, "optimizer_step", stage, gpus_per_node), \
-        live_at("optimizer_step")
+    step_grads, step_items = at_step, live_at("optimizer_step")
     if step_grads + sum(step_items.values()) + scratch > grads + acts + sum(items.values()):
         # the optimizer step is the worst moment: report the activation peak (what a user reads as "the
         # activations") and what the step's scratch adds above it, so the categories still sum to the peak

@@ -340,10 +340,8 @@ def _enumerate(pricer: Pricer, space: SearchSpace, study: optuna.Study, goal: Go
     groups = list(space.groups())
     done = int(study.user_attrs.get("groups_done", 0))
     resumed = 0
-    # a run killed after recording a chunk but before marking it done left those trials: never record twice
-    recorded = set(_recorded(study))
     if done:
-        for s in recorded:
+        for s in _recorded(study):
             if pricer(s) is not None:
                 resumed += 1
     evaluated = 0

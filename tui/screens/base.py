@@ -34,4 +34,5 @@ class DashboardScreen(Screen[None]):
         yield Footer()
 
     def body(self) -> Iterable[Widget]:
-        raise NotImplementedError
+        """The screen's own widgets between the status line and the footer (each screen gives its own)."""
+        return ()

@@ -49,6 +49,18 @@ def test_real_model_file_plan_then_export(tmp_path: Path) -> None:
     assert (out / "optplan-study.log").exists()  # --out keeps the study (resumable)
 
 
+async def export_only_torchrun(pilot: Any) -> Any:
+    """Open the Export screen with only the torchrun target picked; returns the screen."""
+    await pilot.press("4")
+    await settle(pilot)
+    screen = pilot.app.screen
+    targets = screen.query_one(SelectionList)
+    targets.deselect_all()
+    targets.select("torchrun")
+    await settle(pilot)
+    return screen
+
+
 def test_second_export_asks_before_overwriting(tmp_path: Path) -> None:
     out = tmp_path / "plan"
     out.mkdir()
@@ -56,13 +68,7 @@ def test_second_export_asks_before_overwriting(tmp_path: Path) -> None:
     app = make_app(tiny_args(out=out))
 
     async def script(pilot: Any) -> None:
-        await pilot.press("4")
-        await settle(pilot)
-        screen = pilot.app.screen
-        targets = screen.query_one(SelectionList)
-        targets.deselect_all()
-        targets.select("torchrun")
-        await settle(pilot)
+        screen = await export_only_torchrun(pilot)
         assert set(screen.files) == {"plan.json", "PLAN.md", "launch.sh"}
         await pilot.press("w")
         await pilot.pause()
@@ -90,13 +96,7 @@ def test_force_writes_without_asking(tmp_path: Path) -> None:
     app = make_app(tiny_args(out=out, force=True))
 
     async def script(pilot: Any) -> None:
-        await pilot.press("4")
-        await settle(pilot)
-        screen = pilot.app.screen
-        targets = screen.query_one(SelectionList)
-        targets.deselect_all()
-        targets.select("torchrun")
-        await settle(pilot)
+        await export_only_torchrun(pilot)
         await pilot.press("w")
         await pilot.pause()
         assert not isinstance(pilot.app.screen, ConfirmScreen)

@@ -200,3 +200,16 @@ def test_footer_lists_the_keys() -> None:
 
     drive(app, script)
 
+
+
+def test_every_screen_gives_its_own_body() -> None:
+    from optplan.tui.screens.base import DashboardScreen
+    from optplan.tui.screens.export import ExportScreen
+    from optplan.tui.screens.hardware import HardwareScreen
+    from optplan.tui.screens.overview import OverviewScreen
+    from optplan.tui.screens.plan import PlanScreen
+    from optplan.tui.screens.search import SearchScreen
+
+    for cls in (OverviewScreen, SearchScreen, PlanScreen, ExportScreen, HardwareScreen):
+        assert cls.body is not DashboardScreen.body, cls.__name__
+        assert cls.MODE, cls.__name__
