@@ -11,3 +11,8 @@ class OptplanError(ValueError):
     """
 
     exit_code: int = 2
+
+
+class Cancelled(Exception):  # noqa: N818 - a state, not an error: the caller asked to stop
+    """The caller cancelled the run (the dashboard quit or re-planned): every child process it started
+    has been stopped before this is raised. Not a user error: faces stop quietly."""

@@ -6,7 +6,7 @@ No printing here; faces render what these return.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from optplan.estimators.arch import parse_arch, profile_from_arch
@@ -37,17 +37,20 @@ EXPORT_TARGETS: tuple[str, ...] = tuple(TARGETS)
 """The targets ``render_exports`` knows (``all`` is each of them)."""
 
 
-def load_profile(path: Path | str, *, seq_len: int | None = None, model_name: str | None = None) -> ModelProfile:
-    """Profile a model file in a child process (the file is user code: it never runs in this process)."""
+def load_profile(path: Path | str, *, seq_len: int | None = None, model_name: str | None = None,
+                 cancelled: Callable[[], bool] | None = None) -> ModelProfile:
+    """Profile a model file in a child process (the file is user code: it never runs in this process);
+    ``cancelled()`` turning true kills the child and raises Cancelled."""
     if seq_len is not None and seq_len < 1:
         raise OptplanError(f"--seq-len must be >= 1 (got {seq_len})")
-    return profile_model_file(path, seq_len=seq_len, model_name=model_name)
+    return profile_model_file(path, seq_len=seq_len, model_name=model_name, cancelled=cancelled)
 
 
 def resolve_model(path: Path | str | None, *, arch: str | None = None, seq_len: int | None = None,
-                  model_name: str | None = None, params: float | None = None) -> ModelProfile:
+                  model_name: str | None = None, params: float | None = None,
+                  cancelled: Callable[[], bool] | None = None) -> ModelProfile:
     """The profile of a model file (profiled in a child process), of an ``--arch`` shape (by formula), or of
-    a bare parameter count (``--params``: model states only)."""
+    a bare parameter count (``--params``: model states only). ``cancelled``: see :func:`load_profile`."""
     given = [name for name, v in (("a model FILE", path), ("--arch", arch), ("--params", params)) if v is not None]
     if len(given) != 1:
         what = f"not both: got {' and '.join(given)}" if given else "got none"
@@ -57,7 +60,7 @@ def resolve_model(path: Path | str | None, *, arch: str | None = None, seq_len: 
         return profile_from_params(params)
     if arch is not None:
         return profile_from_arch(parse_arch(arch, seq_len=seq_len))
-    return load_profile(path, seq_len=seq_len, model_name=model_name)  # type: ignore[arg-type]
+    return load_profile(path, seq_len=seq_len, model_name=model_name, cancelled=cancelled)  # type: ignore[arg-type]
 
 
 def detect_hardware() -> HardwareReport:

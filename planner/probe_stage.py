@@ -41,7 +41,7 @@ import optuna
 from pydantic import BaseModel, ConfigDict, Field
 
 from optplan.estimators.calibration import Calibration, calibrate_estimate
-from optplan.estimators.errors import OptplanError
+from optplan.estimators.errors import Cancelled, OptplanError
 from optplan.estimators.estimate import Estimate, estimate
 from optplan.estimators.hardware import Cluster
 from optplan.estimators.memory import memory_breakdown, usable_capacity_bytes
@@ -230,8 +230,13 @@ def run_probe_stage(profile: ModelProfile, cluster: Cluster, ranked: Sequence[Es
                     options: ProbeOptions | None = None, local: LocalDevices | None = None,
                     storage: str | Path | None = None, study_name: str = "optplan",
                     runner: Runner = run_probe,
-                    on_progress: Callable[[ProgressEvent], None] | None = None) -> ProbeReport:
-    """Probe the top-k feasible candidates of ``ranked`` (best first); never raises for a probe's outcome."""
+                    on_progress: Callable[[ProgressEvent], None] | None = None,
+                    cancelled: Callable[[], bool] | None = None) -> ProbeReport:
+    """Probe the top-k feasible candidates of ``ranked`` (best first); never raises for a probe's outcome.
+
+    ``cancelled`` is checked before each probe and handed to the runner, which stops a running probe's
+    processes when it turns true; then :class:`~optplan.estimators.errors.Cancelled` is raised (the probes
+    told so far stay in the study)."""
     options = options or ProbeOptions()
     local = local or local_devices(options.nproc)
     notify = on_progress or (lambda _e: None)
@@ -280,7 +285,10 @@ def run_probe_stage(profile: ModelProfile, cluster: Cluster, ranked: Sequence[Es
         if key in earlier:
             result, reused = earlier[key], reused + 1
         else:
-            result = runner(spec, timeout_s=min(options.timeout_s, left))
+            if cancelled is not None and cancelled():
+                raise Cancelled("cancelled between probes")
+            stop = {} if cancelled is None else {"cancelled": cancelled}
+            result = runner(spec, timeout_s=min(options.timeout_s, left), **stop)
             _tell(study, spec, label, result)
         comparison = compare_spec(profile, cluster, e.strategy, probed, local, comparable, result)
         comparisons.append(comparison)

@@ -128,7 +128,8 @@ def recommend(profile: ModelProfile, cluster: Cluster, *, global_batch: int | No
               calibration: Calibration | None = None, probe: ProbeOptions | None = None,
               probe_local: LocalDevices | None = None, probe_runner: Runner | None = None,
               probe_bench: Callable[..., Any] | None = None,
-              on_trial: Callable[[Estimate], None] | None = None) -> Recommendation:
+              on_trial: Callable[[Estimate], None] | None = None,
+              cancelled: Callable[[], bool] | None = None) -> Recommendation:
     """Search the space of ``profile`` on ``cluster`` (or on each of ``gpu_counts``) and explain the pick.
 
     ``global_batch`` (samples) defaults to the model file's OPTPLAN value; None leaves it free. For a model
@@ -141,7 +142,8 @@ def recommend(profile: ModelProfile, cluster: Cluster, *, global_batch: int | No
     ``optplan.probes.runtime.run_probe``); on the planned GPU they recalibrate and re-rank.
 
     ``on_trial`` receives each candidate's Estimate as the search prices it (see ``search``): the
-    dashboard's live table of trials.
+    dashboard's live table of trials. ``cancelled`` stops the probe stage (its running probe's processes
+    included) when it turns true, raising :class:`~optplan.estimators.errors.Cancelled`.
     """
     goal = goal or Goal()
     goal.check()
@@ -174,7 +176,8 @@ def recommend(profile: ModelProfile, cluster: Cluster, *, global_batch: int | No
     if probe is not None and _is_model_file(profile) and result.feasible:
         kwargs = {"runner": probe_runner} if probe_runner is not None else {}
         report = run_probe_stage(profile, cluster, ranked, options=probe, local=probe_local, storage=storage,
-                                 study_name=result.study.study_name, on_progress=on_progress, **kwargs)
+                                 study_name=result.study.study_name, on_progress=on_progress,
+                                 cancelled=cancelled, **kwargs)
         dropped: tuple[str, ...] = ()
         if report.time_comparable:
             calibration = report.calibration or calibration

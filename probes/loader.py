@@ -18,12 +18,14 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import ValidationError
 
 from optplan.estimators.profile import ModelProfile
 from optplan.probes.model_errors import ModelFileError, check_model_path, one_line
+from optplan.probes.waiting import communicate_until
 
 CHILD_MODULE = "optplan.probes._child"
 EXIT_OK = 0
@@ -85,30 +87,40 @@ def parse_child_output(path: str | os.PathLike[str], returncode: int, stdout: st
 
 
 def profile_model_file(path: str | os.PathLike[str], *, seq_len: int | None = None,
-                       model_name: str | None = None, timeout_s: float = 600.0) -> ModelProfile:
+                       model_name: str | None = None, timeout_s: float = 600.0,
+                       cancelled: Callable[[], bool] | None = None) -> ModelProfile:
     """Profile the model file at ``path`` in a child process and return its ModelProfile.
 
     ``seq_len`` overrides the file's ``OPTPLAN["seq_len"]`` and the model's own maximum length;
     ``model_name`` picks one model when the file defines several. The child runs with
     ``sys.executable`` and the current environment (so ``OPTPLAN_*`` variables reach the file).
     Raises :class:`ModelFileError` (one line: file, problem, fix) for anything that goes wrong,
-    including a crash or a timeout of the child.
+    including a crash or a timeout of the child. ``cancelled`` is asked every ``POLL_S`` s while the child
+    runs: when it turns true the child is killed and :class:`~optplan.estimators.errors.Cancelled` raised;
+    so is it on Ctrl-C (KeyboardInterrupt): no profiling child outlives this call.
     """
     check_model_path(path)
     if seq_len is not None and int(seq_len) < 1:
         raise ModelFileError(path, f"sequence length must be >= 1 (got {seq_len})", "pass --seq-len 1 or more")
     cmd = child_command(path, seq_len=seq_len, model_name=model_name)
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
-                              stdin=subprocess.DEVNULL, errors="replace")
-    except subprocess.TimeoutExpired as exc:
-        err = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else (exc.stderr or "")
-        last = one_line(_last_line(err), 300)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                stdin=subprocess.DEVNULL, errors="replace")
+    except OSError as exc:
+        raise ModelFileError(path, f"could not start the profiler child process ({exc})",
+                             f"check that {sys.executable} runs") from exc
+    try:
+        stdout, stderr = communicate_until(proc, timeout_s=timeout_s, cancelled=cancelled)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+        last = one_line(_last_line(err or ""), 300)
         said = f" (last stderr line: {last})" if last else ""
         raise ModelFileError(path, f"profiling did not finish within {timeout_s:g} s{said}",
                              "check that build_model() and forward finish quickly on the meta device, "
                              "or raise the timeout") from None
-    except OSError as exc:
-        raise ModelFileError(path, f"could not start the profiler child process ({exc})",
-                             f"check that {sys.executable} runs") from exc
-    return parse_child_output(path, proc.returncode, proc.stdout, proc.stderr)
+    except BaseException:  # cancelled, Ctrl-C: the child (user code) must not outlive the call
+        proc.kill()
+        proc.communicate()
+        raise
+    return parse_child_output(path, proc.returncode, stdout, stderr)

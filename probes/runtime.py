@@ -21,7 +21,7 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -41,6 +41,7 @@ from optplan.probes.distributed import (
     terminate_tree,
 )
 from optplan.probes.model_errors import one_line
+from optplan.probes.waiting import communicate_until
 
 ProbeStatus = Literal["ok", "oom", "nan", "timeout", "error", "pruned"]
 
@@ -147,12 +148,16 @@ def _preflight(spec: ProbeSpec) -> str | None:
     return None
 
 
-def run_probe(spec: ProbeSpec, *, timeout_s: float = 300.0, env: Mapping[str, str] | None = None) -> ProbeResult:
+def run_probe(spec: ProbeSpec, *, timeout_s: float = 300.0, env: Mapping[str, str] | None = None,
+              cancelled: Callable[[], bool] | None = None) -> ProbeResult:
     """Run ``spec`` in a child process (torchrun for ``nproc`` > 1) and return what it measured.
 
     ``timeout_s``: wall-clock limit of the whole child (s); past it every process of the probe is killed
     and the status is "timeout". ``env``: extra environment variables for the child, on top of
     ``os.environ`` (``TORCH_EXTENSIONS_DIR`` defaults to ``~/.cache/optplan/torch_extensions``).
+
+    ``cancelled``: asked every ``POLL_S`` s while the child runs; when it turns true every process of
+    the probe is stopped (within about a second) and :class:`~optplan.estimators.errors.Cancelled` is raised.
 
     Never raises for anything the child does (crash, hang, OOM, NaN, bad model file): returns a
     ProbeResult with the status and a one-line reason.
@@ -178,10 +183,10 @@ def run_probe(spec: ProbeSpec, *, timeout_s: float = 300.0, env: Mapping[str, st
                                wall_s=round(time.perf_counter() - started, 3))
         timed_out = False
         try:
-            proc.wait(timeout=timeout_s)
+            communicate_until(proc, timeout_s=timeout_s, cancelled=cancelled)
         except subprocess.TimeoutExpired:
             timed_out = True
-        except BaseException:  # Ctrl-C or another signal in the parent: leave no probe process behind
+        except BaseException:  # Ctrl-C, a signal or a cancel in the parent: leave no probe process behind
             terminate_tree(proc, token, grace_s=0.5)
             raise
         terminate_tree(proc, token, grace_s=3.0 if timed_out else 0.5)  # also any process left behind

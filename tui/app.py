@@ -17,7 +17,7 @@ from textual.binding import Binding
 from textual.reactive import var
 from textual.worker import Worker, get_current_worker
 
-from optplan.estimators.errors import OptplanError
+from optplan.estimators.errors import Cancelled, OptplanError
 from optplan.estimators.estimate import Estimate
 from optplan.estimators.profile import ModelProfile
 from optplan.planner.events import ProgressEvent
@@ -31,7 +31,7 @@ from optplan.tui.screens.help import HelpScreen
 from optplan.tui.screens.overview import OverviewScreen
 from optplan.tui.screens.plan import PlanScreen
 from optplan.tui.screens.search import SearchScreen
-from optplan.tui.session import PlanResult, SessionCancelled, run_session
+from optplan.tui.session import PlanResult, run_session
 
 Phase = Literal["starting", "profiling", "searching", "probing", "done", "failed", "cancelled"]
 
@@ -90,6 +90,8 @@ class DashboardApp(App[DashboardOutcome]):
         Binding("5", "switch_mode('hardware')", "Hardware"),
         Binding("question_mark", "help", "Help", key_display="?"),
         Binding("q", "quit", "Quit"),
+        # Ctrl-C quits too (Textual's default only says how to quit); ahead of any focused input's copy
+        Binding("ctrl+c", "quit", "Quit", show=False, priority=True),
     ]
 
     status: var[RunStatus] = var(RunStatus())
@@ -134,7 +136,7 @@ class DashboardApp(App[DashboardOutcome]):
         try:
             result = run_session(prepared, _PostingSink(self, run_id), profile=profile,
                                  cancelled=lambda: worker.is_cancelled, gpu_here=self._gpu_here)
-        except SessionCancelled:
+        except Cancelled:  # quit or a newer re-plan: every child process is already stopped
             return
         except OptplanError as err:
             self.post_message(PlanFailed(run_id, str(err)))

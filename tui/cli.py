@@ -24,6 +24,8 @@ from optplan.tui.recommend_args import check_choice as _check_choice
 from optplan.tui.recommend_args import check_finite as _check_finite
 
 T = TypeVar("T")
+EXIT_INTERRUPTED = 130
+"""Exit code after Ctrl-C (128 + SIGINT, as shells report it)."""
 
 app = typer.Typer(
     name="optplan", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
@@ -79,8 +81,9 @@ def _guard(ctx: typer.Context, body: Callable[[], T]) -> T:
         if debug:
             raise
         raise _fail(_validation_message(err)) from None
-    except KeyboardInterrupt:
-        raise _fail("interrupted") from None
+    except KeyboardInterrupt as err:  # Ctrl-C: child processes are already stopped by the layer that started them
+        _fail(str(err) or "interrupted")
+        raise typer.Exit(code=EXIT_INTERRUPTED) from None
 
 
 def _stderr() -> Console:
@@ -330,8 +333,14 @@ def recommend(
         with _stderr().status("profiling the model in a child process..."):
             prof = profile_for(prepared)
         global_batch_for(prepared, prof)  # a bad --global-batch-tokens fails before the search
-        with _plan_progress(quiet=as_json) as on_progress:
-            rec = run_recommend(prepared, prof, on_progress=on_progress)
+        try:
+            with _plan_progress(quiet=as_json) as on_progress:
+                rec = run_recommend(prepared, prof, on_progress=on_progress)
+        except KeyboardInterrupt:
+            if prepared.storage is None:
+                raise
+            raise KeyboardInterrupt(f"interrupted: the study in {prepared.storage} resumes when you run the same "
+                                    "command again") from None
         written: list[Path] = []
         skipped: list[str] = []
         if out is not None and rec.fits:
@@ -510,7 +519,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     except (typer.Abort, KeyboardInterrupt):
         sys.stderr.write("error: interrupted\n")
-        sys.exit(130)
+        sys.exit(EXIT_INTERRUPTED)
     sys.exit(code if isinstance(code, int) else 0)
 
 

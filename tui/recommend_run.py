@@ -117,12 +117,14 @@ def prepare_recommend(args: RecommendArgs, *, check_out: bool = True) -> Prepare
                              export_options=options)
 
 
-def profile_for(prepared: PreparedRecommend) -> ModelProfile:
-    """Profile the model the options name (a model file runs in a child process: seconds)."""
+def profile_for(prepared: PreparedRecommend, *, cancelled: Callable[[], bool] | None = None) -> ModelProfile:
+    """Profile the model the options name (a model file runs in a child process: seconds); ``cancelled()``
+    turning true kills that child and raises Cancelled."""
     from optplan.planner.api import resolve_model
 
     a = prepared.args
-    return resolve_model(a.model, arch=a.arch, seq_len=a.seq_len, model_name=a.model_name, params=a.params)
+    return resolve_model(a.model, arch=a.arch, seq_len=a.seq_len, model_name=a.model_name, params=a.params,
+                         cancelled=cancelled)
 
 
 def global_batch_for(prepared: PreparedRecommend, prof: ModelProfile) -> int | None:
@@ -149,8 +151,10 @@ def gpu_present() -> bool:
 def run_recommend(prepared: PreparedRecommend, prof: ModelProfile, *,
                   on_progress: Callable[[ProgressEvent], None] | None = None,
                   on_trial: Callable[[Estimate], None] | None = None,
-                  gpu_here: Callable[[], bool] = gpu_present) -> Recommendation:
-    """Search, (probe,) explain: ``planner.recommend.recommend`` with the options' values."""
+                  gpu_here: Callable[[], bool] = gpu_present,
+                  cancelled: Callable[[], bool] | None = None) -> Recommendation:
+    """Search, (probe,) explain: ``planner.recommend.recommend`` with the options' values (``cancelled``:
+    stops a running probe, see ``recommend``)."""
     from optplan.planner.recommend import recommend
 
     a = prepared.args
@@ -173,4 +177,4 @@ def run_recommend(prepared: PreparedRecommend, prof: ModelProfile, *,
                      engines=a.engine, gpu_counts=prepared.gpu_counts, goal=prepared.goal, offload=a.offload,
                      method=a.method, seed=a.seed, n_trials=a.trials,  # type: ignore[arg-type]
                      storage=prepared.storage, notes=prepared.notes, calibration=cal, probe=probe_options,
-                     on_progress=on_progress, on_trial=on_trial)
+                     on_progress=on_progress, on_trial=on_trial, cancelled=cancelled)

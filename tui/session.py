@@ -2,7 +2,8 @@
 
 The dashboard runs :func:`run_session` in a thread worker. What happens goes out through the ``Sink``
 callbacks (which post messages to the UI); a ``cancelled`` check is made at every progress event and
-every priced candidate, so quitting or re-planning stops the search within one candidate. The study is
+every priced candidate, so quitting or re-planning stops the search within one candidate, and the
+profiling child and probe processes poll it too, so they are stopped within about a second. The study is
 only ever cut between Optuna writes: a rerun with the same ``--storage`` resumes it.
 """
 
@@ -14,6 +15,7 @@ from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict
 
+from optplan.estimators.errors import Cancelled
 from optplan.estimators.estimate import Estimate
 from optplan.estimators.profile import ModelProfile
 from optplan.planner.events import ProgressEvent
@@ -23,7 +25,7 @@ from optplan.tui.recommend_run import PreparedRecommend, gpu_present, profile_fo
 TRIAL_BATCH_S = 0.1
 
 
-class SessionCancelled(Exception):
+class SessionCancelled(Cancelled):
     """Raised inside the search when the run was cancelled (quit, or a newer re-plan)."""
 
 
@@ -77,7 +79,9 @@ def run_session(prepared: PreparedRecommend, sink: Sink, *, profile: ModelProfil
     """Profile (unless ``profile`` is given), search and explain, reporting to ``sink`` as it goes.
 
     Raises OptplanError for bad input (a broken model file, a global batch the layouts cannot split) and
-    SessionCancelled when ``cancelled()`` turns true.
+    Cancelled when ``cancelled()`` turns true: the profiling child or a running probe's processes are
+    stopped within about a second (they are polled every ``probes.waiting.POLL_S``), the search within
+    one candidate.
     """
 
     def check() -> None:
@@ -87,7 +91,7 @@ def run_session(prepared: PreparedRecommend, sink: Sink, *, profile: ModelProfil
     if profile is None:
         sink.progress(ProgressEvent(stage="profile", done=0, total=1,
                                     message="profiling the model in a child process"))
-        profile = profile_for(prepared)
+        profile = profile_for(prepared, cancelled=cancelled)
         check()
     sink.profiled(profile)
     batcher = TrialBatcher(sink.trials)
@@ -101,6 +105,7 @@ def run_session(prepared: PreparedRecommend, sink: Sink, *, profile: ModelProfil
         check()
         batcher.add(estimate)
 
-    rec = run_recommend(prepared, profile, on_progress=on_progress, on_trial=on_trial, gpu_here=gpu_here)
+    rec = run_recommend(prepared, profile, on_progress=on_progress, on_trial=on_trial, gpu_here=gpu_here,
+                        cancelled=cancelled)
     batcher.flush()
     return PlanResult(prepared=prepared, profile=profile, recommendation=rec)

@@ -1,0 +1,248 @@
+"""Ctrl-C in the CLI and in the dashboard: out within 2 s, no child process left, the study consistent,
+no partial exports.
+
+Each test runs the real ``optplan`` in a process of its own session and interrupts it as a terminal
+does: SIGINT to the whole foreground process group (the CLI), or the Ctrl-C byte typed into the
+dashboard's pseudo-terminal. The model file hangs where the test wants the interrupt to land: in the
+profiling child (``build_model``) or in a probe's forward (only probes carry ``OPTPLAN_PROBE_TOKEN``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+EXIT_WITHIN_S = 2.0
+"""The issue's bound on Ctrl-C to exit (s)."""
+READY_TIMEOUT_S = 120.0
+
+MODEL = """
+import os, time
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+HANG = os.environ.get("TEST_HANG", "")        # "profile": build_model hangs; "probe": a probe's forward hangs
+PID_FILE = os.environ.get("TEST_PID_FILE", "")
+OPTPLAN = {"seq_len": 16, "global_batch": 8}
+
+
+def _hang():
+    with open(PID_FILE, "a") as fh:
+        fh.write(f"{os.getpid()}\\n")
+    time.sleep(3600)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(64, 32)
+        self.fc = nn.Linear(32, 64)
+
+    def forward(self, idx):
+        if HANG == "probe" and "OPTPLAN_PROBE_TOKEN" in os.environ:
+            _hang()
+        return self.fc(self.emb(idx))
+
+
+def build_model():
+    if HANG == "profile":
+        _hang()
+    return Net()
+
+
+def example_batch(batch_size, seq_len):
+    return torch.randint(0, 64, (batch_size, seq_len))
+
+
+def loss_fn(logits, batch):
+    return F.cross_entropy(logits.reshape(-1, 64), batch.reshape(-1))
+"""
+
+BASE = ["--gpu", "H100-SXM", "--gpus", "2", "--no-calibration"]
+
+
+def _model(tmp_path: Path) -> Path:
+    path = tmp_path / "net.py"
+    path.write_text(MODEL)
+    return path
+
+
+def _env(hang: str, pid_file: Path) -> dict[str, str]:
+    return {**os.environ, "TEST_HANG": hang, "TEST_PID_FILE": str(pid_file), "PYTHONUNBUFFERED": "1"}
+
+
+def _pids(pid_file: Path) -> list[int]:
+    try:
+        return [int(line) for line in pid_file.read_text().split()]
+    except FileNotFoundError:
+        return []
+
+
+def _wait_for_hang(pid_file: Path, proc: subprocess.Popen) -> list[int]:  # type: ignore[type-arg]
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while not _pids(pid_file):
+        assert proc.poll() is None, f"optplan ended before the hang (code {proc.returncode})"
+        assert time.monotonic() < deadline, "the model file never reached its hang"
+        time.sleep(0.1)
+    time.sleep(0.3)  # the hanging process is inside time.sleep now
+    return _pids(pid_file)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _processes_with(needle: str) -> list[int]:
+    """Live processes whose environment contains ``needle`` (the test's pid-file variable)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if needle.encode() in (entry / "environ").read_bytes() and _alive(int(entry.name)):
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def _optplan(args: list[str], env: dict[str, str], **kwargs: object) -> subprocess.Popen:  # type: ignore[type-arg]
+    return subprocess.Popen([sys.executable, "-m", "optplan.tui.cli", *args], env=env, start_new_session=True,
+                            **kwargs)  # type: ignore[call-overload]
+
+
+def _interrupt_group(proc: subprocess.Popen) -> float:  # type: ignore[type-arg]
+    """SIGINT to the process group, as a terminal's Ctrl-C does; seconds until the CLI exited."""
+    started = time.monotonic()
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return time.monotonic() - started
+
+
+def _assert_nothing_left(pid_file: Path, hung: list[int]) -> None:
+    assert not [p for p in hung if _alive(p)], "the hanging child outlived optplan"
+    assert _processes_with(f"TEST_PID_FILE={pid_file}") == [], "a child of optplan is still running"
+
+
+pytestmark = pytest.mark.skipif(not Path("/proc").is_dir(), reason="process checks read /proc (Linux)")
+
+
+@pytest.mark.parametrize("where", ["profile", "probe"])
+def test_ctrl_c_in_recommend(tmp_path: Path, where: str) -> None:
+    """Interrupted while the model file is profiled or while a probe runs: exit 130 within 2 s with one
+    line, the profiling child / the probe's processes gone, nothing exported, and the same command run
+    again finishes from the study and picks what an uninterrupted run picks."""
+    model, pid_file, out = _model(tmp_path), tmp_path / "pids", tmp_path / "out"
+    args = ["recommend", str(model), *BASE, "--out", str(out)]
+    proc = _optplan([*args, "--probe", "--probe-top-k", "1", "--probe-timeout", "300"], _env(where, pid_file),
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    hung = _wait_for_hang(pid_file, proc)
+    took_s = _interrupt_group(proc)
+    stdout, stderr = proc.communicate()
+    assert took_s < EXIT_WITHIN_S, f"exit took {took_s:.2f} s"
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr and stdout == ""
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: interrupted"), stderr
+    _assert_nothing_left(pid_file, hung)
+    written = sorted(p.name for p in out.iterdir()) if out.exists() else []
+    assert not [n for n in written if not n.startswith((".optplan-study.log", "optplan-study.log"))], written
+    if where == "probe":
+        assert "resumes" in lines[0] and "optplan-study.log" in lines[0]
+
+    again = subprocess.run([sys.executable, "-m", "optplan.tui.cli", *args, "--no-probe", "--json"],
+                           env=_env("", pid_file), capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    resumed = json.loads(again.stdout)
+    fresh = subprocess.run([sys.executable, "-m", "optplan.tui.cli", "recommend", str(model), *BASE, "--no-probe",
+                            "--json"], env=_env("", pid_file), capture_output=True, text=True, timeout=300)
+    reference = json.loads(fresh.stdout)
+    assert resumed["plan"] == reference["plan"]
+    if where == "probe":  # the search had finished: the rerun prices nothing again
+        assert resumed["search"]["resumed"] > 0 and resumed["search"]["evaluated"] == 0
+    assert (out / "plan.json").is_file()
+
+
+class _Terminal:
+    """A pseudo-terminal running the dashboard; what it draws is drained (and kept) by a thread."""
+
+    def __init__(self, args: list[str], env: dict[str, str], *, rows: int = 40, cols: int = 120) -> None:
+        import fcntl
+        import pty
+        import struct
+        import termios
+        import threading
+
+        self.master, slave = pty.openpty()
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+        self.proc = _optplan(args, {**env, "TERM": "xterm-256color", "COLUMNS": str(cols), "LINES": str(rows)},
+                             stdin=slave, stdout=slave, stderr=slave)
+        os.close(slave)
+        self.chunks: list[bytes] = []
+        self._reader = threading.Thread(target=self._drain, daemon=True)
+        self._reader.start()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                data = os.read(self.master, 65536)
+            except OSError:  # EIO: the other side closed
+                return
+            if not data:
+                return
+            self.chunks.append(data)
+
+    def type(self, keys: bytes) -> None:
+        os.write(self.master, keys)
+
+    def text(self) -> str:
+        return b"".join(self.chunks).decode(errors="replace")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self._reader.join(timeout=5)
+        os.close(self.master)
+
+
+@pytest.mark.parametrize(("where", "key"), [("profile", b"\x03"), ("probe", b"\x03"), ("probe", b"q")],
+                         ids=["ctrl-c-profiling", "ctrl-c-probing", "q-probing"])
+def test_quitting_the_dashboard(tmp_path: Path, where: str, key: bytes) -> None:
+    """Ctrl-C (or q) in the dashboard while the profiling child or a probe hangs: the dashboard is gone
+    within 2 s with the hanging child stopped, says the study resumes, and wrote no export."""
+    model, pid_file, out = _model(tmp_path), tmp_path / "pids", tmp_path / "out"
+    term = _Terminal(["dashboard", str(model), *BASE, "--probe", "--probe-top-k", "1", "--probe-timeout", "300",
+                      "--out", str(out)], _env(where, pid_file))
+    try:
+        hung = _wait_for_hang(pid_file, term.proc)
+        time.sleep(0.5)  # the app is drawn and reading keys
+        started = time.monotonic()
+        term.type(key)
+        term.proc.wait(timeout=30)
+        took_s = time.monotonic() - started
+    finally:
+        term.close()
+    assert took_s < EXIT_WITHIN_S, f"exit took {took_s:.2f} s"
+    assert term.proc.returncode == 0, term.text()[-2000:]
+    assert "Traceback" not in term.text()
+    _assert_nothing_left(pid_file, hung)
+    written = sorted(p.name for p in out.iterdir()) if out.exists() else []
+    assert not [n for n in written if not n.startswith((".optplan-study.log", "optplan-study.log"))], written
+    if where == "probe":
+        assert "search stopped" in term.text() and "resumes" in term.text()
