@@ -106,6 +106,9 @@ def _read_mapping(file: Path) -> dict[object, object]:
     text = _read_text(file)
     try:
         data = yaml.safe_load(text)
+    except yaml.constructor.ConstructorError as exc:  # a tag such as !!python/object: data only, never code
+        raise OptplanError(f"{name}: invalid YAML{_yaml_where(exc)}: {_yaml_problem(exc)}: the file is plain "
+                           "data, no tags: remove the '!!' tag and write a plain value") from exc
     except yaml.YAMLError as exc:
         raise OptplanError(f"{name}: invalid YAML{_yaml_where(exc)}: {_yaml_problem(exc)}: "
                            f"fix the syntax (one 'key: value' per line)") from exc

@@ -13,10 +13,19 @@ import time
 
 _STARTED = time.perf_counter()
 
-import argparse  # noqa: E402
-import json  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
+
+# ``python -m`` put the folder optplan was started from first on sys.path: drop it before anything else is
+# imported, so that a stray ``numpy.py`` there never runs. The model file's own folder goes on sys.path when
+# the file is imported (as ``python FILE`` does); PYTHONPATH still applies.
+if not getattr(sys.flags, "safe_path", False) and sys.path and sys.path[0] in ("", os.getcwd()):
+    del sys.path[0]
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
 import traceback  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -80,6 +89,21 @@ def _run(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
+    # Importing torch._dynamo creates torch's compile cache folder ($TMPDIR/torchinductor_$USER). The profiler
+    # compiles nothing, so unless the user chose a folder it gets a private one, removed on the way out:
+    # profiling leaves nothing behind outside --out.
+    private_cache = None
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        private_cache = tempfile.mkdtemp(prefix="optplan-profile-")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = private_cache
+    try:
+        return _main(args)
+    finally:
+        if private_cache is not None:
+            shutil.rmtree(private_cache, ignore_errors=True)
+
+
+def _main(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     real_stdout = os.dup(1)
     os.dup2(2, 1)  # user prints (Python and C level) go to stderr

@@ -19,8 +19,8 @@ tensor; ``output["loss"]``; the first scalar tensor of a tuple/list; else the fi
 
 ``OPTPLAN`` is read as data after the import (nothing in it is executed or evaluated): ``seq_len``,
 ``global_batch`` (positive ints), ``tokens`` (a number, or a string such as ``"2e12"``),
-``optimizer`` and ``precision`` (strings); other keys with scalar values go to ``extra`` (non-scalar
-ones are skipped with a note). A non-dict ``OPTPLAN`` is an error.
+``optimizer`` and ``precision`` (names from :data:`OPTPLAN_NAMES`); other keys with scalar values go to
+``extra`` (non-scalar ones are skipped with a note). A non-dict ``OPTPLAN`` is an error.
 
 Every problem is raised as :class:`~optplan.probes.model_errors.ModelFileError` (one line: file, problem,
 fix; re-exported by ``optplan.probes.loader``).
@@ -128,6 +128,12 @@ def import_model_file(path: str | Path, display: str | None = None) -> ModuleTyp
 # OPTPLAN defaults
 # ---------------------------------------------------------------------------------------------------
 _SCALARS = (str, int, float, bool, type(None))
+OPTPLAN_NAMES: dict[str, tuple[str, ...]] = {
+    "optimizer": ("adamw", "adamw8bit", "adafactor", "sgd"),
+    "precision": ("fp32", "amp-bf16", "amp-fp16", "bf16", "fp16", "bf16-pure", "fp8"),
+}
+"""The names ``OPTPLAN["optimizer"]``/``["precision"]`` may take: ``estimators.strategy``'s OptimizerName and
+PrecisionName (spelled out: this module runs where pydantic may be missing)."""
 
 
 def _positive_int(shown: str, key: str, value: Any) -> int:
@@ -201,6 +207,10 @@ def read_defaults(module: ModuleType, display: str, *, plain: bool = False
             if value is not None and not isinstance(value, str):
                 raise ModelFileError(display, f"OPTPLAN[{key!r}] must be a string, got {value!r}",
                                      f'write OPTPLAN[{key!r}] as a name such as "adamw" / "bf16"')
+            names = OPTPLAN_NAMES[key]
+            if value is not None and value not in names:  # a name, never evaluated
+                raise ModelFileError(display, f"OPTPLAN[{key!r}] is {value!r}, not a known {key}",
+                                     f"write one of {', '.join(names)}")
             values[key] = value
         elif isinstance(value, _SCALARS):
             extra[key] = value

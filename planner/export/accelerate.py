@@ -57,6 +57,7 @@ import copy
 import difflib
 import logging
 import os
+import shlex
 import tempfile
 import textwrap
 import warnings
@@ -558,6 +559,7 @@ def render_accelerate_yaml(plan: ExportPlan, *, fsdp_version: int = 2, ds_config
                   f"{strategy.grad_accum} x data-parallel {strategy.dp}"),
     ]
     command = f"accelerate launch --config_file {file_name}"
+    train_script = shlex.quote(train_script)  # the lines below are shell commands a user copies
     if not plan.multi_node:
         header += _comment("Launch from the folder holding this file:")
         header += _comment(f"  {command} {train_script}", wrap=False)

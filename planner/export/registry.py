@@ -8,8 +8,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Callable, Sequence
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -106,6 +110,25 @@ def targets_for(names: Sequence[str]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(out))
 
 
+@contextlib.contextmanager
+def _private_torch_cache() -> Iterator[None]:
+    """Validators import transformers/lightning, and their import of ``torch._dynamo`` creates torch's compile
+    cache folder (``$TMPDIR/torchinductor_$USER``). Nothing is compiled while validating, so unless the user
+    chose a folder (``TORCHINDUCTOR_CACHE_DIR``) it is a private temporary one, removed afterwards: exporting
+    writes nothing outside the output folder."""
+    if "TORCHINDUCTOR_CACHE_DIR" in os.environ:
+        yield
+        return
+    folder = tempfile.mkdtemp(prefix="optplan-export-")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
+    try:
+        yield
+    finally:
+        if os.environ.get("TORCHINDUCTOR_CACHE_DIR") == folder:
+            del os.environ["TORCHINDUCTOR_CACHE_DIR"]
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def render_targets(plan: ExportPlan, names: Sequence[str], *, options: ExportOptions | None = None,
                    ) -> tuple[dict[str, str], list[str]]:
     """Render and validate the ``names`` targets for ``plan``: (file name -> text, skipped-target reasons).
@@ -120,15 +143,16 @@ def render_targets(plan: ExportPlan, names: Sequence[str], *, options: ExportOpt
     lenient = "all" in names
     files: dict[str, str] = {}
     skipped: list[str] = []
-    for name in targets_for(names):
-        if lenient and name == "slurm" and not plan.multi_node and "slurm" not in names:
-            continue
-        try:
-            files.update(TARGETS[name](plan, opts))
-        except ExportValidationError:
-            raise
-        except OptplanError as err:
-            if not lenient or name in names:
+    with _private_torch_cache():
+        for name in targets_for(names):
+            if lenient and name == "slurm" and not plan.multi_node and "slurm" not in names:
+                continue
+            try:
+                files.update(TARGETS[name](plan, opts))
+            except ExportValidationError:
                 raise
-            skipped.append(f"{name}: {err}")
+            except OptplanError as err:
+                if not lenient or name in names:
+                    raise
+                skipped.append(f"{name}: {err}")
     return files, skipped
