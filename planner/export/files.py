@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -45,7 +46,9 @@ def write_files(out_dir: Path, files: dict[str, str], *, force: bool) -> list[Pa
     and ``--force``), when a name is not a plain file name, or when a target is a folder. Every file
     is first written to a temporary file in ``out_dir`` and fsynced; only when all are written are
     they renamed into place (``os.replace``), so a failure leaves no partial or temporary files
-    (each target is either untouched or complete).
+    (each target is either untouched or complete). A failure or Ctrl-C between two renames puts the
+    already replaced targets back (from hard-link backups) and removes the new ones: the folder holds
+    the whole old set or the whole new set.
     ``*.sh`` files are made executable. An unwritable folder is an OptplanError naming it.
     """
     out_dir = Path(out_dir)
@@ -74,6 +77,7 @@ def write_files(out_dir: Path, files: dict[str, str], *, force: bool) -> list[Pa
 
     mask = _umask()
     staged: list[tuple[str, Path]] = []  # (temporary path, target)
+    replaced: list[tuple[Path, str | None]] = []  # (target, its old content's backup; None: it was new)
     try:
         for name, target in zip(names, targets, strict=True):
             fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{name}.", suffix=".tmp")
@@ -85,8 +89,17 @@ def write_files(out_dir: Path, files: dict[str, str], *, force: bool) -> list[Pa
             mode = 0o777 if name.endswith(EXECUTABLE_SUFFIXES) else 0o666
             os.chmod(tmp, mode & ~mask)
         for tmp, target in staged:
-            os.replace(tmp, target)
+            backup = _backup(target, out_dir)
+            try:
+                os.replace(tmp, target)
+            except BaseException:
+                if backup is not None:  # still a second name of the untouched target
+                    with contextlib.suppress(OSError):
+                        os.unlink(backup)
+                raise
+            replaced.append((target, backup))
     except BaseException as exc:
+        _roll_back(replaced)  # an error or Ctrl-C between two renames: the old set comes back whole
         for tmp, _ in staged:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)  # already renamed ones are gone: FileNotFoundError, suppressed
@@ -94,5 +107,34 @@ def write_files(out_dir: Path, files: dict[str, str], *, force: bool) -> list[Pa
             raise OptplanError(f"cannot write to output folder {out_dir}: {exc.strerror or exc}; "
                                "choose a writable folder (--out)") from exc
         raise
+    for _, backup in replaced:
+        if backup is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(backup)
     _fsync_dir(out_dir)
     return targets
+
+
+def _backup(target: Path, out_dir: Path) -> str | None:
+    """A hidden second name for ``target``'s current content (a hard link: no copy, no moment without the
+    file), or None when there is no file to keep. Falls back to a copy where hard links are refused."""
+    if not target.is_file():
+        return None
+    fd, backup = tempfile.mkstemp(dir=out_dir, prefix=f".{target.name}.", suffix=".old")
+    os.close(fd)
+    os.unlink(backup)
+    try:
+        os.link(target, backup)
+    except OSError:
+        shutil.copy2(target, backup)
+    return backup
+
+
+def _roll_back(replaced: list[tuple[Path, str | None]]) -> None:
+    """Undo renames already done: each target gets its old content back, or goes when it was new."""
+    for target, backup in reversed(replaced):
+        with contextlib.suppress(OSError):
+            if backup is None:
+                os.unlink(target)
+            else:
+                os.replace(backup, target)

@@ -143,16 +143,21 @@ def render_targets(plan: ExportPlan, names: Sequence[str], *, options: ExportOpt
     lenient = "all" in names
     files: dict[str, str] = {}
     skipped: list[str] = []
-    with _private_torch_cache():
-        for name in targets_for(names):
-            if lenient and name == "slurm" and not plan.multi_node and "slurm" not in names:
-                continue
-            try:
-                files.update(TARGETS[name](plan, opts))
-            except ExportValidationError:
-                raise
-            except OptplanError as err:
-                if not lenient or name in names:
+    try:
+        with _private_torch_cache():
+            for name in targets_for(names):
+                if lenient and name == "slurm" and not plan.multi_node and "slurm" not in names:
+                    continue
+                try:
+                    files.update(TARGETS[name](plan, opts))
+                except ExportValidationError:
                     raise
-                skipped.append(f"{name}: {err}")
+                except OptplanError as err:
+                    if not lenient or name in names:
+                        raise
+                    skipped.append(f"{name}: {err}")
+    except OSError as exc:  # the loaders read temporary copies: a full or read-only temp folder
+        raise OptplanError(f"cannot check the exports with their trainers' loaders: a temporary file in "
+                           f"{tempfile.gettempdir()} could not be written ({exc.strerror or exc}); free space "
+                           "there or point TMPDIR at another folder") from exc
     return files, skipped

@@ -151,3 +151,37 @@ def test_permission_denied_is_an_error_naming_the_folder(tmp_path, monkeypatch):
     with pytest.raises(OptplanError, match=f"cannot write to output folder {tmp_path}: Permission denied"):
         write_files(tmp_path, FILES, force=False)
     assert listing(tmp_path) == []
+
+
+@pytest.mark.parametrize("fault", [KeyboardInterrupt(), OSError(18, "Invalid cross-device link")],
+                         ids=["ctrl-c", "oserror"])
+def test_a_fault_between_renames_brings_the_old_set_back(tmp_path, monkeypatch, fault):
+    """Two of three targets exist; the second rename fails: the first target has its old content again,
+    the new third one is not there, and no temporary or backup file is left."""
+    (tmp_path / "ds_config.json").write_text("old ds\n")
+    (tmp_path / "launch.sh").write_text("old launch\n")
+    real_replace = os.replace
+    calls = {"n": 0}
+
+    def flaky_replace(src, dst):
+        if str(src).endswith(".tmp"):
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise fault
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(files_mod.os, "replace", flaky_replace)
+    with pytest.raises(type(fault) if isinstance(fault, KeyboardInterrupt) else OptplanError):
+        write_files(tmp_path, FILES, force=True)
+    assert listing(tmp_path) == ["ds_config.json", "launch.sh"]
+    assert (tmp_path / "ds_config.json").read_text() == "old ds\n"
+    assert (tmp_path / "launch.sh").read_text() == "old launch\n"
+
+
+def test_a_new_set_replaces_an_old_one_without_leftovers(tmp_path):
+    (tmp_path / "plan.md").write_text("old\n")
+    os.link(tmp_path / "plan.md", tmp_path / "keep.md")  # someone else's hard link to the old content
+    write_files(tmp_path, FILES, force=True)
+    assert listing(tmp_path) == sorted([*FILES, "keep.md"])
+    assert (tmp_path / "plan.md").read_text(encoding="utf-8") == FILES["plan.md"]
+    assert (tmp_path / "keep.md").read_text() == "old\n"  # a replace, never a write through the old inode
