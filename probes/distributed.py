@@ -89,12 +89,14 @@ def _free_port() -> int:
 def child_env(base: Mapping[str, str] | None, *, device: str, nproc: int, token: str,
               extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """The child's environment: ``base`` (``os.environ`` when None) updated with ``extra``, plus the
-    marker token, ``PYTHONUNBUFFERED=1``, ``TORCH_EXTENSIONS_DIR`` (:func:`default_extensions_dir` unless
+    marker token, ``PYTHONSAFEPATH=1`` (Python >= 3.11: the working folder is not put on ``sys.path``, so
+    no stray module or ``optplan/`` folder there is imported), ``PYTHONUNBUFFERED=1``, ``TORCH_EXTENSIONS_DIR`` (:func:`default_extensions_dir` unless
     set) and ``OMP_NUM_THREADS=1`` for several CPU ranks (unless set)."""
     env = dict(os.environ if base is None else base)
     if extra:
         env.update({str(k): str(v) for k, v in extra.items()})
     env[TOKEN_VAR] = token
+    env["PYTHONSAFEPATH"] = "1"  # python -m must not put the working folder on sys.path (a stray numpy.py)
     env.setdefault("PYTHONUNBUFFERED", "1")
     env.setdefault(EXTENSIONS_VAR, default_extensions_dir(env))
     if device == "cpu" and nproc > 1:

@@ -47,6 +47,13 @@ def child_command(path: str | os.PathLike[str], *, seq_len: int | None = None,
     return cmd
 
 
+def child_process_env() -> dict[str, str]:
+    """This process's environment plus ``PYTHONSAFEPATH=1``: ``python -m`` then leaves the working folder off
+    ``sys.path`` (Python >= 3.11), so an ``optplan/`` folder or a stray ``numpy.py`` there is never imported
+    (``_child`` drops that entry itself on older Pythons, after ``-m`` has found it)."""
+    return {**os.environ, "PYTHONSAFEPATH": "1"}
+
+
 def _last_line(text: str) -> str:
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     return lines[-1] if lines else ""
@@ -105,7 +112,7 @@ def profile_model_file(path: str | os.PathLike[str], *, seq_len: int | None = No
     cmd = child_command(path, seq_len=seq_len, model_name=model_name)
     try:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                stdin=subprocess.DEVNULL, errors="replace")
+                                stdin=subprocess.DEVNULL, errors="replace", env=child_process_env())
     except OSError as exc:
         raise ModelFileError(path, f"could not start the profiler child process ({exc})",
                              f"check that {sys.executable} runs") from exc

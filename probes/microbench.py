@@ -253,7 +253,7 @@ def run_microbench(*, device: Literal["auto", "cpu", "cuda"] = "auto", quick: bo
         _allreduce_ranks(allreduce_nproc, "cpu", 0)  # reject a negative count before running anything
     started = time.perf_counter()
     deadline = time.monotonic() + timeout_s
-    child_env = None if env is None else {**os.environ, **env}
+    child_env = {**os.environ, **(env or {}), "PYTHONSAFEPATH": "1"}  # no stray module from the working folder
     with tempfile.TemporaryDirectory(prefix="optplan-microbench-") as tmp:
         single_out = Path(tmp) / "matmul_copy.json"
         single = run_child(child_command(single_out, device=device, quick=quick), single_out,

@@ -445,3 +445,25 @@ def test_model_name_reaches_scripts_only_as_comments_or_sanitised(planned: Plann
         for line in path.read_text().splitlines():
             if "touch PWNED" in line and not line.lstrip().startswith("#"):
                 assert line == f"DEFAULT_TRAIN_SCRIPT={shlex.quote(TRAIN_SCRIPT)}", (path.name, line)
+
+
+def test_probe_children_import_nothing_from_the_working_folder(tmp_path: Path) -> None:
+    """The profiler and the real probe run (``python -m`` children, torchrun workers included) start with
+    PYTHONSAFEPATH=1: an ``optplan/`` package or a stray ``numpy.py`` in the working folder would be found
+    before the real ones; neither is imported and the probe runs the model for real."""
+    markers, cwd = tmp_path / "markers", tmp_path / "cwd"
+    markers.mkdir()
+    (cwd / "optplan").mkdir(parents=True)
+    stray = (f"import pathlib\npathlib.Path({str(markers)!r}, __name__).write_text('imported')\n"
+             "raise ImportError('a stray module: optplan must never import it')\n")
+    (cwd / "optplan" / "__init__.py").write_text(stray)
+    (cwd / "numpy.py").write_text(stray)
+    model = tmp_path / "net.py"
+    model.write_text(f"PIDS = {str(tmp_path / 'pids')!r}\n" + MODEL + 'OPTPLAN = {"seq_len": 32}\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OPTPLAN")}
+    proc = run_optplan(["recommend", str(model), "--gpu", "H100-SXM", "--gpus", "2", "--probe", "--probe-top-k", "1",
+                        "--probe-nproc", "2", "--json"], cwd=cwd, env=env)
+    assert proc.returncode == 0, proc.stderr
+    probed = json.loads(proc.stdout)["probes"]["probed"]
+    assert [p["result"]["status"] for p in probed] == ["ok"], probed
+    assert sorted(p.name for p in markers.iterdir()) == []
