@@ -32,7 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 FAULT_DIR = os.environ.get("TEST_FAULT_DIR", "")
-FAULTS = %r
+FAULTS = __FAULTS__
 OPTPLAN = {"seq_len": 16, "global_batch": 8}
 
 
@@ -84,7 +84,7 @@ def example_batch(batch_size, seq_len):
 
 def loss_fn(logits, batch):
     return F.cross_entropy(logits.reshape(-1, 64), batch.reshape(-1))
-""" % (FAULTS,)
+""".replace("__FAULTS__", repr(FAULTS))
 
 pytestmark = pytest.mark.skipif(not Path("/proc").is_dir(), reason="process checks read /proc (Linux)")
 
