@@ -504,6 +504,21 @@ def _usage_error_type() -> type[Exception]:
     return next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
 
 
+def _usage_message(err: Exception) -> str:
+    """click's message, or for a value typer's pydantic coercion refused (``--gpus eight``), one naming the
+    flag, the value given and the type expected: ``invalid --gpus 'eight': expected a valid integer``."""
+    cause = err.__cause__
+    param = getattr(err, "param", None)
+    if isinstance(cause, ValidationError) and param is not None and cause.errors():
+        first = cause.errors()[0]
+        flags = [o for o in getattr(param, "opts", ()) if o.startswith("--")]
+        flag = flags[0] if flags else str(getattr(param, "name", "value")).upper()
+        reason = str(first.get("msg", "")).split(", unable to")[0]
+        reason = reason.replace("Input should be", "expected", 1)
+        return f"invalid {flag} {first.get('input')!r}: {reason}"
+    return str(err.format_message())  # type: ignore[attr-defined]
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: usage errors become one line on stderr and exit code 2."""
     usage_error = _usage_error_type()
@@ -515,7 +530,7 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(0)
         ctx = getattr(err, "ctx", None)
         hint = f" (see {ctx.command_path} --help)" if ctx is not None else ""
-        sys.stderr.write(f"error: {err.format_message()}{hint}\n")  # type: ignore[attr-defined]
+        sys.stderr.write(f"error: {_usage_message(err)}{hint}\n")
         sys.exit(2)
     except (typer.Abort, KeyboardInterrupt):
         sys.stderr.write("error: interrupted\n")

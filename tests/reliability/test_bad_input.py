@@ -169,8 +169,8 @@ CASES: dict[str, Case] = {
     "unknown-gpu": Case(lambda m, w: ["recommend", str(m / "good.py"), "--gpu", "Z80", "--gpus", "8",
                                       "--out", str(w / "out")], ("z80",), ("H100",)),
     "non-numeric-gpus": Case(lambda m, w: ["recommend", str(m / "good.py"), "--gpus", "eight",
-                                           "--out", str(w / "out")], ("--gpus", "valid integer"), ("--help",)),
-    "non-numeric-params": Case(lambda m, w: ["estimate", "--params", "7B"], ("--params", "valid number"), ("--help",)),
+                                           "--out", str(w / "out")], ("invalid --gpus 'eight'", "expected a valid integer"), ("--help",)),
+    "non-numeric-params": Case(lambda m, w: ["estimate", "--params", "7B"], ("invalid --params '7B'", "expected a valid number"), ("--help",)),
     "global-batch-not-divisible": Case(_rec("good.py", "--global-batch", "12"), ("not divisible",),
                                        ("multiple of 8",)),
     # files
