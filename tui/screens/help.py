@@ -17,7 +17,7 @@ KEYS = (
     ("w", "on the Export screen: write the files (asks before overwriting)"),
     ("tab", "next field or table"),
     ("?", "this help"),
-    ("q", "quit (a search in progress stops; with --out/--storage the study resumes on the next run)"),
+    ("q, ctrl+c", "quit (a search or probe in progress stops; with --out/--storage the study resumes on the next run)"),
 )
 SCREENS = (
     ("Overview", "the model, the cluster, the objective and constraints; edit GPUs, global batch, "
