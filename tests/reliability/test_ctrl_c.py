@@ -178,6 +178,54 @@ def test_ctrl_c_in_recommend(tmp_path: Path, where: str) -> None:
     assert (out / "plan.json").is_file()
 
 
+def test_ctrl_c_while_the_search_records_trials(tmp_path: Path) -> None:
+    """SIGINT lands while the search writes its journal (a 12-layer GPT on 16 GPUs: a few seconds of
+    recording): exit 130 within 2 s, and the same command then completes from the study (what was recorded
+    is kept, nothing is repeated) with the plan a fresh run picks."""
+    out = tmp_path / "out"
+    args = ["recommend", "--arch", "layers=12,hidden=768,heads=12,vocab=50257,seq=1024", "--gpus", "16",
+            "--global-batch", "64", "--out", str(out)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = _optplan(args, env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    journal = out / "optplan-study.log"
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while not (journal.exists() and journal.stat().st_size > 20_000):  # trials are being recorded
+        assert proc.poll() is None, "the search ended before it could be interrupted"
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    took_s = _interrupt_group(proc)
+    _, stderr = proc.communicate()
+    assert took_s < EXIT_WITHIN_S, f"exit took {took_s:.2f} s"
+    assert proc.returncode == 130, stderr
+    assert stderr.strip().splitlines() == [f"error: interrupted: the study in {journal} resumes when you run the "
+                                           "same command again"]
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == ["optplan-study.log"]
+    again = subprocess.run([sys.executable, "-m", "optplan.tui.cli", *args, "--json"], env=env,
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    resumed = json.loads(again.stdout)
+    fresh = subprocess.run([sys.executable, "-m", "optplan.tui.cli", *args[:-1], str(tmp_path / "fresh"), "--json"],
+                           env=env, capture_output=True, text=True, timeout=300)
+    reference = json.loads(fresh.stdout)
+    assert resumed["plan"] == reference["plan"]
+    recorded, expected = _trials(journal), _trials(tmp_path / "fresh" / "optplan-study.log")
+    assert len(recorded) == len(set(recorded))  # no candidate recorded twice
+    assert sorted(recorded) == sorted(expected)  # and none missing
+
+
+def _trials(journal: Path) -> list[str]:
+    """The strategies of every finished trial in the journal's one search study (JSON text, sorted keys)."""
+    import optuna
+
+    from optplan.planner.search import resolve_storage
+
+    storage = resolve_storage(str(journal))
+    (summary,) = [s for s in optuna.get_all_study_summaries(storage) if not s.study_name.endswith("-probes")]  # type: ignore[arg-type]
+    study = optuna.load_study(study_name=summary.study_name, storage=storage)  # type: ignore[arg-type]
+    return [json.dumps(t.user_attrs["strategy"], sort_keys=True) for t in study.get_trials(deepcopy=False)
+            if t.state.is_finished()]
+
+
 class _Terminal:
     """A pseudo-terminal running the dashboard; what it draws is drained (and kept) by a thread."""
 
