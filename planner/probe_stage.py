@@ -308,12 +308,13 @@ def run_probe_stage(profile: ModelProfile, cluster: Cluster, ranked: Sequence[Es
                        skipped=tuple(skipped), calibration=calibration, cache_file=cache_file, reused=reused)
 
 
-def measured_cluster(cluster: Cluster, local: LocalDevices, *,
-                     bench: Callable[..., Any] | None = None) -> tuple[Cluster, list[str]]:
+def measured_cluster(cluster: Cluster, local: LocalDevices, *, bench: Callable[..., Any] | None = None,
+                     cancelled: Callable[[], bool] | None = None) -> tuple[Cluster, list[str]]:
     """``cluster`` with the microbenchmarked ceilings of the local GPUs (matmul per dtype, copy bandwidth,
     all-reduce bus bandwidth) in place of the datasheet's, when the local GPUs are the planned ones; the
     lines say what was measured against the datasheet. Elsewhere ``cluster`` is returned unchanged.
-    A failing microbenchmark keeps the datasheet figures and says why (it never stops the plan)."""
+    A failing microbenchmark keeps the datasheet figures and says why (it never stops the plan);
+    ``cancelled`` turning true stops it (Cancelled, as ``run_probe_stage``)."""
     from optplan.estimators.ceilings import ceiling_report, gpu_with_measured_ceilings
     from optplan.probes.microbench import MicrobenchError, run_microbench
 
@@ -321,7 +322,9 @@ def measured_cluster(cluster: Cluster, local: LocalDevices, *,
         return cluster, []
     ranks = min(local.count, cluster.gpus_per_node)
     try:
-        result = (bench or run_microbench)(device="cuda", quick=True, allreduce_nproc=ranks if ranks > 1 else 0)
+        stop = {} if cancelled is None else {"cancelled": cancelled}
+        result = (bench or run_microbench)(device="cuda", quick=True, allreduce_nproc=ranks if ranks > 1 else 0,
+                                           **stop)
     except MicrobenchError as exc:
         return cluster, [f"microbenchmarks failed, datasheet ceilings kept: {exc}"]
     measured = result.ceilings()

@@ -142,8 +142,8 @@ def recommend(profile: ModelProfile, cluster: Cluster, *, global_batch: int | No
     ``optplan.probes.runtime.run_probe``); on the planned GPU they recalibrate and re-rank.
 
     ``on_trial`` receives each candidate's Estimate as the search prices it (see ``search``): the
-    dashboard's live table of trials. ``cancelled`` stops the probe stage (its running probe's processes
-    included) when it turns true, raising :class:`~optplan.estimators.errors.Cancelled`.
+    dashboard's live table of trials. ``cancelled`` stops the microbenchmarks and the probe stage (their
+    running child processes included) when it turns true, raising :class:`~optplan.estimators.errors.Cancelled`.
     """
     goal = goal or Goal()
     goal.check()
@@ -159,7 +159,7 @@ def recommend(profile: ModelProfile, cluster: Cluster, *, global_batch: int | No
     if probe is not None and _is_model_file(profile) and probe.microbench:
         from optplan.planner.probe_stage import local_devices, measured_cluster
         probe_local = probe_local or local_devices(probe.nproc)
-        cluster, ceiling_notes = measured_cluster(cluster, probe_local, bench=probe_bench)
+        cluster, ceiling_notes = measured_cluster(cluster, probe_local, bench=probe_bench, cancelled=cancelled)
     space = build_space(profile, cluster, global_batch=gb, precisions=precisions, optimizers=optimizers,
                         engines=engines, gpu_counts=gpu_counts, offload=offload)
     if not space.layouts:

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -30,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from optplan.estimators.ceilings import DTYPE_ORDER, MeasuredCeilings
 from optplan.estimators.errors import OptplanError
+from optplan.probes.waiting import communicate_until
 
 CHILD_MODULE = "optplan.probes.microbench_child"
 ERROR_PREFIX = "microbench_child: error:"  # the child's last stderr line on failure (microbench_child.py)
@@ -166,7 +167,8 @@ def _exit_text(returncode: int) -> str:
 
 
 def run_child(cmd: list[str], out: Path, *, what: str, timeout_s: float,
-              env: Mapping[str, str] | None = None, limit_s: float | None = None) -> dict[str, Any]:
+              env: Mapping[str, str] | None = None, limit_s: float | None = None,
+              cancelled: Callable[[], bool] | None = None) -> dict[str, Any]:
     """Run one child (new session, stdin closed) and return the JSON object it wrote to ``out``.
 
     ``timeout_s`` is the time this child may take; ``limit_s`` the user's whole limit, named in the
@@ -186,7 +188,7 @@ def run_child(cmd: list[str], out: Path, *, what: str, timeout_s: float,
     except OSError as exc:
         raise MicrobenchError(f"could not start the {what} ({exc})", f"check that {cmd[0]} runs") from exc
     try:
-        stdout, stderr = proc.communicate(timeout=timeout_s)
+        stdout, stderr = communicate_until(proc, timeout_s=timeout_s, cancelled=cancelled)
     except subprocess.TimeoutExpired:
         _kill_tree(proc)
         try:
@@ -197,7 +199,7 @@ def run_child(cmd: list[str], out: Path, *, what: str, timeout_s: float,
         raise MicrobenchError(f"the {what} did not finish within the {limit:g} s limit and was killed",
                               "pass a larger timeout, or quick=True (--quick) for smaller sizes",
                               detail=stderr or "") from None
-    except BaseException:  # KeyboardInterrupt: leave nothing running
+    except BaseException:  # KeyboardInterrupt or a cancel (Cancelled): leave nothing running
         _kill_tree(proc)
         proc.wait()
         raise
@@ -239,13 +241,16 @@ ALLREDUCE_KEYS = ("allreduce_bus_bytes_per_s", "allreduce_ranks", "allreduce_siz
 
 def run_microbench(*, device: Literal["auto", "cpu", "cuda"] = "auto", quick: bool = False,
                    allreduce_nproc: int | None = None, timeout_s: float = 300.0,
-                   env: Mapping[str, str] | None = None) -> MicrobenchResult:
+                   env: Mapping[str, str] | None = None,
+                   cancelled: Callable[[], bool] | None = None) -> MicrobenchResult:
     """Measure this machine's ceilings in child processes (module docstring).
 
     ``device`` "auto" picks CUDA when torch sees a GPU. ``allreduce_nproc``: processes for the
     all-reduce; None = the number of local CUDA GPUs when there are more than one (else no all-reduce);
     0 or 1 = no all-reduce; on CPU pass 2 or more explicitly (gloo). ``timeout_s`` bounds all children
     together (seconds). ``env`` adds to (overrides) this process's environment for the children.
+    ``cancelled`` is asked every ``POLL_S`` s: when it turns true the running child's tree is killed and
+    :class:`~optplan.estimators.errors.Cancelled` raised.
     """
     if device not in ("auto", "cpu", "cuda"):
         raise MicrobenchError(f"unknown device {device!r}", "use auto, cpu or cuda")
@@ -258,7 +263,7 @@ def run_microbench(*, device: Literal["auto", "cpu", "cuda"] = "auto", quick: bo
         single_out = Path(tmp) / "matmul_copy.json"
         single = run_child(child_command(single_out, device=device, quick=quick), single_out,
                            what="matmul/copy microbenchmark", timeout_s=deadline - time.monotonic(),
-                           env=child_env, limit_s=timeout_s)
+                           env=child_env, limit_s=timeout_s, cancelled=cancelled)
         resolved = single.get("device")
         nproc = _allreduce_ranks(allreduce_nproc, str(resolved), int(single.get("cuda_device_count") or 0))
         merged = {k: single[k] for k in RESULT_KEYS if k in single}
@@ -266,7 +271,8 @@ def run_microbench(*, device: Literal["auto", "cpu", "cuda"] = "auto", quick: bo
             ar_out = Path(tmp) / "allreduce.json"
             ar = run_child(child_command(ar_out, device=str(resolved), quick=quick, allreduce_nproc=nproc), ar_out,
                            what=f"all-reduce microbenchmark ({nproc} processes)",
-                           timeout_s=deadline - time.monotonic(), env=child_env, limit_s=timeout_s)
+                           timeout_s=deadline - time.monotonic(), env=child_env, limit_s=timeout_s,
+                           cancelled=cancelled)
             merged.update({k: ar[k] for k in ALLREDUCE_KEYS if k in ar})
     merged["wall_s"] = time.perf_counter() - started
     try:

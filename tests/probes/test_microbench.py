@@ -183,3 +183,26 @@ def test_cuda_microbench() -> None:
         assert r.allreduce_ranks == torch.cuda.device_count() and r.allreduce_bus_bytes_per_s > 1e9
     else:
         assert r.allreduce_bus_bytes_per_s is None
+
+
+def test_cancel_kills_the_child_and_its_grandchildren(tmp_path: Path) -> None:
+    """The dashboard's quit during a microbenchmark: Cancelled within a poll, and nothing left running."""
+    from optplan.estimators.errors import Cancelled
+
+    pid_file = tmp_path / "grandchild"
+    code = ("import subprocess, sys, time; "
+            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], start_new_session=True); "
+            f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(120)")
+    started = time.monotonic()
+    with pytest.raises(Cancelled):
+        run_child([sys.executable, "-c", code], tmp_path / "none.json", what="test child", timeout_s=60,
+                  cancelled=lambda: pid_file.exists() and bool(pid_file.read_text()))
+    assert time.monotonic() - started < 30  # long before the 60 s timeout
+    pid = int(pid_file.read_text())
+    for _ in range(100):
+        if not _alive(pid):
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        pytest.fail("the grandchild survived the cancel")
