@@ -35,18 +35,30 @@ DEFAULT_VOCAB = 51200
 LOGIT_BYTES = {"bf16": 10, "fp32": 16}
 
 
+MAX_LAYERS = 10_000
+"""Far above any trained decoder (hundreds of layers); the profile lists every layer's tensors, so a
+shape like ``layers=1e9`` would otherwise take the memory of a billion-entry tuple."""
+MAX_WIDTH = 2**24
+"""Largest ``hidden`` and ``ffn`` (16.7M, over 500x today's widest): with the other bounds every figure
+(parameters, FLOPs, bytes) stays a finite float."""
+MAX_VOCAB = 2**30
+MAX_SEQ = 2**30
+
+
 class ArchSpec(BaseModel):
-    """A decoder shape; ``ffn`` defaults to 4·hidden, ``kv_heads`` to heads."""
+    """A decoder shape; ``ffn`` defaults to 4·hidden, ``kv_heads`` to heads. Sizes are bounded far above
+    real models (``MAX_*``) so a mistyped exponent is one error line, not an exhausted memory or an
+    infinite figure."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    layers: int = Field(ge=1)
-    hidden: int = Field(ge=1)
+    layers: int = Field(ge=1, le=MAX_LAYERS)
+    hidden: int = Field(ge=1, le=MAX_WIDTH)
     heads: int = Field(ge=1)
     kv_heads: int | None = Field(default=None, ge=1)
-    ffn: int | None = Field(default=None, ge=1)
-    vocab: int = Field(default=DEFAULT_VOCAB, ge=1)
-    seq: int | None = Field(default=None, ge=1)
+    ffn: int | None = Field(default=None, ge=1, le=MAX_WIDTH)
+    vocab: int = Field(default=DEFAULT_VOCAB, ge=1, le=MAX_VOCAB)
+    seq: int | None = Field(default=None, ge=1, le=MAX_SEQ)
     gated: bool = False
     tied: bool = True
     flash: bool = True
@@ -64,6 +76,7 @@ def parse_arch(text: str, *, seq_len: int | None = None) -> ArchSpec:
     """Parse ``layers=L,hidden=H,heads=A[,kv_heads=K][,ffn=F][,vocab=V][,seq=S][,gated=0|1][,tied=0|1]``
     (sizes may use 1e3)."""
     fields: dict[str, int] = {}
+    given: dict[str, str] = {}  # as written, for messages (``1e30``, not its 31 digits)
     for part in filter(None, (p.strip() for p in text.split(","))):
         key, sep, value = part.partition("=")
         if not sep:
@@ -78,6 +91,7 @@ def parse_arch(text: str, *, seq_len: int | None = None) -> ArchSpec:
         if key in fields:
             raise OptplanError(f"--arch gives {key} twice ({fields[key]} and {int(number)}): keep one")
         fields[key] = int(number)
+        given[key] = f"--arch {key}={value.strip()}"
     known = set(ArchSpec.model_fields) - {"flash"}
     unknown = sorted(set(fields) - known)
     if unknown:
@@ -92,13 +106,14 @@ def parse_arch(text: str, *, seq_len: int | None = None) -> ArchSpec:
             raise OptplanError(f"--arch seq={fields['seq']} and --seq-len {seq_len} disagree: give the sequence "
                                "length once")
         fields["seq"] = seq_len
+        given["seq"] = f"--seq-len {seq_len}"
     try:
         return ArchSpec(**fields)
     except ValueError as err:
         first = err.errors()[0] if hasattr(err, "errors") else {"msg": str(err)}  # type: ignore[attr-defined]
         loc = [str(p) for p in first.get("loc", ())]
-        where = f" {loc[-1]}={fields.get(loc[-1])}" if loc and loc[-1] in fields else ""
-        raise OptplanError(f"invalid --arch{where}: {str(first['msg']).removeprefix('Value error, ')}") from None
+        where = given[loc[-1]] if loc and loc[-1] in given else "--arch"
+        raise OptplanError(f"invalid {where}: {str(first['msg']).removeprefix('Value error, ')}") from None
 
 
 def _layer_tensors(spec: ArchSpec) -> list[tuple[int, int]]:

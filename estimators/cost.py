@@ -8,6 +8,8 @@ host, network and cooling are not counted).
 
 from __future__ import annotations
 
+import math
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from optplan.estimators.errors import OptplanError
@@ -34,8 +36,11 @@ def training_cost(*, tokens: float, tokens_per_s: float, gpus: int, gpu_power_w:
         raise OptplanError(f"--price must be >= 0 (got {price_per_gpu_hour:g})")
     seconds = tokens / tokens_per_s
     gpu_hours = gpus * seconds / 3600
-    return CostEstimate(
-        tokens=tokens, train_time_s=seconds, gpu_hours=gpu_hours,
-        cost_usd=None if price_per_gpu_hour is None else gpu_hours * price_per_gpu_hour,
-        energy_kwh=gpus * gpu_power_w * seconds / 3.6e6,
-    )
+    cost_usd = None if price_per_gpu_hour is None else gpu_hours * price_per_gpu_hour
+    energy_kwh = gpus * gpu_power_w * seconds / 3.6e6
+    if not all(math.isfinite(x) for x in (seconds, gpu_hours, energy_kwh, cost_usd or 0.0)):
+        price = "" if price_per_gpu_hour is None else f" at --price {price_per_gpu_hour:g}"
+        raise OptplanError(f"--tokens {tokens:g}{price} on {gpus} GPUs gives figures beyond floating point "
+                           "(infinite time, GPU-hours, cost or energy): give a smaller budget")
+    return CostEstimate(tokens=tokens, train_time_s=seconds, gpu_hours=gpu_hours, cost_usd=cost_usd,
+                        energy_kwh=energy_kwh)

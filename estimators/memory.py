@@ -257,17 +257,17 @@ def deepspeed_grad_partition_elements(numels: tuple[int, ...], ranks: int) -> in
     if ranks <= 1 or total == 0:
         return total
     size = -(-total // ranks)
-    held = [0] * (ranks + 1)
+    change: dict[int, int] = {}  # rank -> change of the held elements there (sparse: ranks may be 2**31)
     start = 0
     for n in numels:
         if n:
             first, last = start // size, (start + n - 1) // size
-            held[first] += n
-            held[min(last + 1, ranks)] -= n
+            change[first] = change.get(first, 0) + n
+            change[last + 1] = change.get(last + 1, 0) - n
         start += n
     best = running = 0
-    for r in range(ranks):
-        running += held[r]
+    for r in sorted(change):
+        running += change[r]
         best = max(best, running)
     return best
 
@@ -599,10 +599,20 @@ def optimizer_step_scratch_bytes(profile: ModelProfile, strategy: Strategy, *, s
     if strategy.optimizer != "adamw" or strategy.offload_optimizer != "none" or strategy.offload_params != "none":
         return 0
     impl = adam_impl or engine_adam_impl(strategy.engine, device)
+    if impl == "fused":  # no scratch: skip the per-tensor sizes (the search's hot path, deep models)
+        return 0
     if strategy.shard_stage >= 1:
         share /= placement(strategy, gpus_per_node).shard.ranks
-    numels = [round(n * share) for n in profile.param_numels] or [round(profile.trainable_params * share)]
-    return adamw_step_temp_bytes(numels, impl, state_bytes=recipe.state_bytes)
+    return _adamw_scratch(tuple(profile.param_numels), round(profile.trainable_params * share), share, impl,
+                          recipe.state_bytes)
+
+
+@lru_cache(maxsize=1024)
+def _adamw_scratch(param_numels: tuple[int, ...], whole: int, share: float, impl: AdamImpl, state_bytes: int) -> int:
+    """``adamw_step_temp_bytes`` over the rank's ``share`` of each tensor (``whole`` when no sizes are known);
+    cached: the search asks it for every candidate of one model."""
+    numels = [round(n * share) for n in param_numels] or [whole]
+    return adamw_step_temp_bytes(numels, impl, state_bytes=state_bytes)
 
 
 def step_peak_extra_bytes(profile: ModelProfile, strategy: Strategy, activations_bytes: int, stage: int = 0,
