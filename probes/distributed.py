@@ -31,6 +31,8 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from optplan.probes._pdeathsig import guarded
+
 CHILD_MODULE = "optplan.probes.runtime_child"
 TOKEN_VAR = "OPTPLAN_PROBE_TOKEN"
 """Environment variable carrying a per-probe random token; every descendant of the child inherits it."""
@@ -106,9 +108,10 @@ def child_env(base: Mapping[str, str] | None, *, device: str, nproc: int, token:
 
 def launch(cmd: Sequence[str], env: Mapping[str, str], log_path: str | os.PathLike[str],
            cwd: str | os.PathLike[str] | None = None) -> subprocess.Popen[bytes]:
-    """Start ``cmd`` in a new session (its own process group) with stdout and stderr in ``log_path``."""
+    """Start ``cmd`` in a new session (its own process group) with stdout and stderr in ``log_path``; it is
+    SIGKILLed by the kernel if this process dies first (``_pdeathsig``: no orphan holds a GPU)."""
     with open(log_path, "wb") as log:
-        return subprocess.Popen(list(cmd), env=dict(env), stdout=log, stderr=subprocess.STDOUT,
+        return subprocess.Popen(guarded(list(cmd)), env=dict(env), stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True, cwd=cwd)
 
 

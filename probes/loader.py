@@ -24,6 +24,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from optplan.estimators.profile import ModelProfile
+from optplan.probes._pdeathsig import guarded
 from optplan.probes.model_errors import ModelFileError, check_model_path, one_line
 from optplan.probes.waiting import communicate_until
 
@@ -111,7 +112,7 @@ def profile_model_file(path: str | os.PathLike[str], *, seq_len: int | None = No
         raise ModelFileError(path, f"sequence length must be >= 1 (got {seq_len})", "pass --seq-len 1 or more")
     cmd = child_command(path, seq_len=seq_len, model_name=model_name)
     try:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        proc = subprocess.Popen(guarded(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 stdin=subprocess.DEVNULL, errors="replace", env=child_process_env())
     except OSError as exc:
         raise ModelFileError(path, f"could not start the profiler child process ({exc})",

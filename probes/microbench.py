@@ -30,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from optplan.estimators.ceilings import DTYPE_ORDER, MeasuredCeilings
 from optplan.estimators.errors import OptplanError
+from optplan.probes._pdeathsig import guarded
 from optplan.probes.waiting import communicate_until
 
 CHILD_MODULE = "optplan.probes.microbench_child"
@@ -182,7 +183,7 @@ def run_child(cmd: list[str], out: Path, *, what: str, timeout_s: float,
         raise MicrobenchError(f"no time left for the {what} within the {timeout_s if limit_s is None else limit_s:g} s limit",
                               "pass a larger timeout, or quick=True (--quick) for smaller sizes")
     try:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        proc = subprocess.Popen(guarded(cmd), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, errors="replace", start_new_session=True,
                                 env=None if env is None else dict(env))
     except OSError as exc:

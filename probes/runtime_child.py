@@ -86,7 +86,6 @@ import math  # noqa: E402
 import os  # noqa: E402
 import platform  # noqa: E402
 import re  # noqa: E402
-import signal  # noqa: E402
 import socket  # noqa: E402
 import sys  # noqa: E402
 import traceback  # noqa: E402
@@ -523,19 +522,12 @@ def _free_port() -> int:
 
 
 def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when its parent dies (no orphans if the launcher is killed)."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        import ctypes
+    """Ask Linux to SIGKILL this process when its parent (torchrun, or optplan) dies: no orphans if the
+    launcher is killed."""
+    from optplan.probes._pdeathsig import die_with_parent
 
-        libc = ctypes.CDLL(None, use_errno=True)
-        parent = os.getppid()
-        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
-        if os.getppid() != parent:  # the parent already died before prctl
-            os._exit(EXIT_FAILED)
-    except Exception:  # noqa: BLE001 - best effort
-        pass
+    if not die_with_parent():  # the parent already died before prctl
+        os._exit(EXIT_FAILED)
 
 
 # ---------------------------------------------------------------------------------------------------

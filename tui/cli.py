@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
+import signal
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -26,6 +27,21 @@ from optplan.tui.recommend_args import check_finite as _check_finite
 T = TypeVar("T")
 EXIT_INTERRUPTED = 130
 """Exit code after Ctrl-C (128 + SIGINT, as shells report it)."""
+EXIT_TERMINATED = 143
+"""Exit code after SIGTERM (128 + SIGTERM): ``kill``, ``scancel``, a container stop."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread like Ctrl-C so that the same clean-up runs (probe trees killed,
+    exports rolled back, the study left resumable)."""
+
+
+def _on_sigterm(_signum: int, _frame: object) -> None:
+    raise Terminated("terminated")
+
+
+def _interrupted_code(err: KeyboardInterrupt) -> int:
+    return EXIT_TERMINATED if isinstance(err, Terminated) else EXIT_INTERRUPTED
 
 app = typer.Typer(
     name="optplan", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
@@ -83,7 +99,7 @@ def _guard(ctx: typer.Context, body: Callable[[], T]) -> T:
         raise _fail(_validation_message(err)) from None
     except KeyboardInterrupt as err:  # Ctrl-C: child processes are already stopped by the layer that started them
         _fail(str(err) or "interrupted")
-        raise typer.Exit(code=EXIT_INTERRUPTED) from None
+        raise typer.Exit(code=_interrupted_code(err)) from None
 
 
 def _stderr() -> Console:
@@ -336,11 +352,12 @@ def recommend(
         try:
             with _plan_progress(quiet=as_json) as on_progress:
                 rec = run_recommend(prepared, prof, on_progress=on_progress)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as err:
             if prepared.storage is None:
                 raise
-            raise KeyboardInterrupt(f"interrupted: the study in {prepared.storage} resumes when you run the same "
-                                    "command again") from None
+            what = "terminated" if isinstance(err, Terminated) else "interrupted"
+            raise type(err)(f"{what}: the study in {prepared.storage} resumes when you run the same "
+                            "command again") from None
         written: list[Path] = []
         skipped: list[str] = []
         if out is not None and rec.fits:
@@ -522,6 +539,17 @@ def _usage_message(err: Exception) -> str:
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: usage errors become one line on stderr and exit code 2."""
     usage_error = _usage_error_type()
+    previous = None
+    with contextlib.suppress(ValueError):  # not the main thread (an embedding caller): leave SIGTERM alone
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        _run(argv, usage_error)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _run(argv: list[str] | None, usage_error: type[Exception]) -> None:
     try:
         code = app(args=argv, standalone_mode=False)
     except usage_error as err:
@@ -532,9 +560,12 @@ def main(argv: list[str] | None = None) -> None:
         hint = f" (see {ctx.command_path} --help)" if ctx is not None else ""
         sys.stderr.write(f"error: {_usage_message(err)}{hint}\n")
         sys.exit(2)
-    except (typer.Abort, KeyboardInterrupt):
+    except typer.Abort:
         sys.stderr.write("error: interrupted\n")
         sys.exit(EXIT_INTERRUPTED)
+    except KeyboardInterrupt as err:
+        sys.stderr.write(f"error: {err or 'interrupted'}\n")
+        sys.exit(_interrupted_code(err))
     sys.exit(code if isinstance(code, int) else 0)
 
 

@@ -178,6 +178,47 @@ def test_ctrl_c_in_recommend(tmp_path: Path, where: str) -> None:
     assert (out / "plan.json").is_file()
 
 
+def test_sigterm_cleans_up_like_ctrl_c(tmp_path: Path) -> None:
+    """``kill PID`` (SIGTERM: scancel, a container stop) while a probe runs: the same clean-up as Ctrl-C,
+    exit 143 within 2 s with one line, no child left."""
+    model, pid_file, out = _model(tmp_path), tmp_path / "pids", tmp_path / "out"
+    proc = _optplan(["recommend", str(model), *BASE, "--out", str(out), "--probe", "--probe-top-k", "1",
+                     "--probe-timeout", "300"], _env("probe", pid_file),
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    hung = _wait_for_hang(pid_file, proc)
+    started = time.monotonic()
+    os.kill(proc.pid, signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=30)
+    took_s = time.monotonic() - started
+    assert took_s < EXIT_WITHIN_S, f"exit took {took_s:.2f} s"
+    assert proc.returncode == 143, stderr
+    assert stderr.strip().splitlines() == [f"error: terminated: the study in {out / 'optplan-study.log'} resumes "
+                                           "when you run the same command again"]
+    _assert_nothing_left(pid_file, hung)
+
+
+@pytest.mark.parametrize("where", ["profile", "probe"])
+def test_sigkill_of_optplan_takes_its_children_along(tmp_path: Path, where: str) -> None:
+    """``kill -9`` (or the OOM killer) of optplan itself, when no cleanup code can run, while the profiler
+    child or a 2-rank torchrun probe hangs: the kernel kills them too (parent-death signal), so no orphan
+    keeps running (on a GPU: keeps holding memory)."""
+    model, pid_file = _model(tmp_path), tmp_path / "pids"
+    proc = _optplan(["recommend", str(model), *BASE, "--probe", "--probe-top-k", "1", "--probe-nproc", "2",
+                     "--probe-timeout", "300"], _env(where, pid_file),
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    hung = _wait_for_hang(pid_file, proc)
+    os.kill(proc.pid, signal.SIGKILL)  # optplan only, not its process group
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while (_processes_with(f"TEST_PID_FILE={pid_file}") or [p for p in hung if _alive(p)]) \
+            and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = _processes_with(f"TEST_PID_FILE={pid_file}")
+    for pid in left:  # do not leave them to the next test
+        os.kill(pid, signal.SIGKILL)
+    assert left == [], "children outlived optplan"
+
+
 def test_ctrl_c_while_the_search_records_trials(tmp_path: Path) -> None:
     """SIGINT lands while the search writes its journal (a 12-layer GPT on 16 GPUs: a few seconds of
     recording): exit 130 within 2 s, and the same command then completes from the study (what was recorded
@@ -269,11 +310,13 @@ class _Terminal:
         os.close(self.master)
 
 
-@pytest.mark.parametrize(("where", "key"), [("profile", b"\x03"), ("probe", b"\x03"), ("probe", b"q")],
-                         ids=["ctrl-c-profiling", "ctrl-c-probing", "q-probing"])
-def test_quitting_the_dashboard(tmp_path: Path, where: str, key: bytes) -> None:
-    """Ctrl-C (or q) in the dashboard while the profiling child or a probe hangs: the dashboard is gone
-    within 2 s with the hanging child stopped, says the study resumes, and wrote no export."""
+@pytest.mark.parametrize(("where", "key"), [("profile", b"\x03"), ("probe", b"\x03"), ("probe", b"q"),
+                                            ("probe", None)],
+                         ids=["ctrl-c-profiling", "ctrl-c-probing", "q-probing", "sigterm-probing"])
+def test_quitting_the_dashboard(tmp_path: Path, where: str, key: bytes | None) -> None:
+    """Ctrl-C (or q, or a SIGTERM) in the dashboard while the profiling child or a probe hangs: the
+    dashboard is gone within 2 s with the hanging child stopped, says the study resumes, and wrote no
+    export."""
     model, pid_file, out = _model(tmp_path), tmp_path / "pids", tmp_path / "out"
     term = _Terminal(["dashboard", str(model), *BASE, "--probe", "--probe-top-k", "1", "--probe-timeout", "300",
                       "--out", str(out)], _env(where, pid_file))
@@ -281,16 +324,21 @@ def test_quitting_the_dashboard(tmp_path: Path, where: str, key: bytes) -> None:
         hung = _wait_for_hang(pid_file, term.proc)
         time.sleep(0.5)  # the app is drawn and reading keys
         started = time.monotonic()
-        term.type(key)
+        if key is None:
+            os.kill(term.proc.pid, signal.SIGTERM)
+        else:
+            term.type(key)
         term.proc.wait(timeout=30)
         took_s = time.monotonic() - started
     finally:
         term.close()
     assert took_s < EXIT_WITHIN_S, f"exit took {took_s:.2f} s"
-    assert term.proc.returncode == 0, term.text()[-2000:]
+    assert term.proc.returncode == (0 if key is not None else 143), term.text()[-2000:]
     assert "Traceback" not in term.text()
     _assert_nothing_left(pid_file, hung)
     written = sorted(p.name for p in out.iterdir()) if out.exists() else []
     assert not [n for n in written if not n.startswith((".optplan-study.log", "optplan-study.log"))], written
-    if where == "probe":
+    if key is None:
+        assert "error: terminated" in term.text()
+    elif where == "probe":
         assert "search stopped" in term.text() and "resumes" in term.text()
