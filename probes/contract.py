@@ -246,6 +246,10 @@ class ModelContract:
         """Build the model on the meta device (no real weights); errors become ModelFileError."""
         return build_meta(self.builder, self.source, self.display)
 
+    def build_real(self) -> nn.Module:
+        """Build the model on the CPU with real weights (see :func:`build_real`)."""
+        return build_real(self.builder, self.source, self.display)
+
 
 def _no_arg_constructible(obj: Callable[..., Any]) -> bool:
     try:
@@ -426,6 +430,23 @@ def build_meta(builder: Callable[[], Any], source: str, display: str) -> nn.Modu
                              "requires_grad=False, or there are none), so there is nothing to train",
                              f"leave at least one parameter trainable in {source} (e.g. do not freeze the adapter "
                              "or the head)")
+    return model
+
+
+def build_real(builder: Callable[[], Any], source: str, display: str) -> nn.Module:
+    """``builder()`` on the CPU with real, initialised weights (the profile's fallback for a forward that
+    needs tensor values; the caller checks the size first); ModelFileError when it raises."""
+    try:
+        with torch.device("cpu"):
+            model = builder()
+    except ModelFileError:
+        raise
+    except Exception as exc:
+        raise ModelFileError(display, f"{source} raised {exc_text(exc)} when built on the CPU for a real run",
+                             f"make {source} build the model on the CPU too") from None
+    if not isinstance(model, nn.Module):
+        raise ModelFileError(display, f"{source} returned {type(model).__name__}, not a torch.nn.Module",
+                             f"return the model (an nn.Module instance) from {source}")
     return model
 
 

@@ -120,6 +120,9 @@ except ImportError:  # pragma: no cover
 
 PRECISIONS: tuple[ActivationPrecision, ...] = ("fp32", "bf16")
 MIN_BLOCKS_FOR_REDUCTION = 3
+REAL_RUN_MAX_BYTES = 1 << 30
+"""Largest model (parameter and buffer bytes) profiled by a real CPU run when fake tensors cannot run its
+forward: a real step also holds gradients and activations, on the host."""
 
 _CONFIG_ATTRS = ("config", "cfg", "args", "params", "model_args", "hparams", "hp")
 HIDDEN_NAMES = ("n_embd", "hidden_size", "dim", "d_model", "embed_dim", "n_embed", "hidden_dim")
@@ -587,6 +590,11 @@ def _rounded(lines: tuple[Line, ...]) -> tuple[tuple[int, int], ...]:
     return tuple((round(a), round(c)) for a, c in lines)
 
 
+class FakeTensorLimit(ModelFileError):
+    """Forward needs tensor values (``.item()``, a branch on a tensor, a data-dependent shape), which fake
+    tensors do not have: a small model is then profiled by a real CPU run (:func:`measure_real`)."""
+
+
 @dataclass
 class BatchInfo:
     input_kind: str
@@ -630,7 +638,7 @@ class StepRunner:
         except ModelFileError:
             raise
         except _FAKE_LIMITS as exc:
-            raise ModelFileError(
+            raise FakeTensorLimit(
                 self.display, f"forward needs real tensor values, which the meta/fake-tensor profile cannot "
                 f"provide ({exc_text(exc)})",
                 "avoid .item(), .tolist(), data-dependent shapes and Python branches on tensor values in "
@@ -937,6 +945,41 @@ def _measure_reduced(contract: ModelContract, meta: nn.Module, block: BlockInfo,
     return measurement, sizes, base + 1
 
 
+def measure_real(contract: ModelContract, meta: nn.Module, spec: BatchSpec, block_cls: type | None,
+                 limit: FakeTensorLimit, notes: list[str]) -> tuple[Measurement, tuple[int, int]]:
+    """The fallback when fake tensors cannot run forward: build the whole model on the CPU with real
+    weights and :func:`measure` real steps (same trackers, FLOP counter and fit as the fake profile), if
+    its parameters and buffers take at most ``REAL_RUN_MAX_BYTES``; else ``limit`` is raised, saying why
+    there is no fallback. A module-level instance cannot be rebuilt with real weights (optplan moved it to
+    the meta device), so it has no fallback either."""
+    state_bytes = sum(p.numel() * p.element_size() for p in meta.parameters()) + buffer_bytes(meta)
+    if contract.source.startswith("instance "):
+        raise FakeTensorLimit(contract.display, limit.problem,
+                              f"{limit.fix}; or define build_model() so that optplan can profile it by a real "
+                              "CPU run") from None
+    if state_bytes > REAL_RUN_MAX_BYTES:
+        raise FakeTensorLimit(contract.display, f"{limit.problem}; a real CPU run instead would hold "
+                              f"{state_bytes / 2**30:.1f} GiB of weights, over the {REAL_RUN_MAX_BYTES / 2**30:g} "
+                              "GiB optplan allows", limit.fix) from None
+    torch.manual_seed(0)
+    model = contract.build_real()
+
+    def run(batch_sizes: tuple[int, int]) -> Measurement:
+        runner = StepRunner(model=model, spec=spec, loss_fn=contract.loss_fn, display=contract.display,
+                            blocks=blocks_of(model, block_cls))
+        return measure(runner, batch_sizes)
+
+    try:
+        measurement, sizes = run((1, 2)), (1, 2)
+    except ModelFileError as first:
+        if "forward raised" not in first.problem:
+            raise
+        measurement, sizes = run((2, 4)), (2, 4)
+    notes.append(f"{limit.problem}: profiled by a real CPU run of the whole model at micro-batch {sizes[0]} "
+                 f"and {sizes[1]}; memory that depends on the data (e.g. routing) is what these batches produced")
+    return measurement, sizes
+
+
 def profile_contract(contract: ModelContract, *, seq_len: int | None = None,
                      started: float | None = None) -> ModelProfile:
     """Profile the model of ``contract`` (see the module docstring); ``started`` is a perf_counter()."""
@@ -963,12 +1006,17 @@ def profile_contract(contract: ModelContract, *, seq_len: int | None = None,
         layers = len(block.blocks)
         try:
             measurement, sizes, profiled_blocks = _measure_reduced(contract, meta, block, spec, notes)
+        except FakeTensorLimit as exc:
+            measurement, sizes = measure_real(contract, meta, spec, block_cls, exc, notes)
         except ModelFileError as exc:
             notes.append(f"could not profile with the block list cut to 1-3 blocks ({exc.problem}); "
                          f"profiled all {layers} blocks")
     if measurement is None:
-        measurement, sizes = _measure_with_fallback(contract, lambda: _fresh(contract, meta), spec, block_cls,
-                                                    notes)
+        try:
+            measurement, sizes = _measure_with_fallback(contract, lambda: _fresh(contract, meta), spec, block_cls,
+                                                        notes)
+        except FakeTensorLimit as exc:
+            measurement, sizes = measure_real(contract, meta, spec, block_cls, exc, notes)
 
     info = measurement.batch_info
     misaligned = sorted({p for env in measurement.envelopes.values() for p in env.misaligned}, key=PHASES.index)

@@ -57,8 +57,10 @@ MODEL_FILES: dict[str, str] = {
                      "        super().__init__()\n        self.fc = nn.Linear(16, 4)\n"
                      "    def forward(self, x, mask):\n        return self.fc(x) * mask\n"
                      "def build_model():\n    return Net()\n" + LINEAR_BATCH,
+    # too large for the real CPU run that profiles small data-dependent models (6.4 GB of fp32 weights)
     "data_dependent.py": "import torch.nn as nn\nclass Net(nn.Module):\n    def __init__(self):\n"
-                         "        super().__init__()\n        self.fc = nn.Linear(16, 4)\n"
+                         "        super().__init__()\n        self.fc = nn.Sequential(nn.Linear(16, 40000), "
+                         "nn.Linear(40000, 40000), nn.Linear(40000, 4))\n"
                          "    def forward(self, x):\n        if x.sum() > 0:\n            return self.fc(x)\n"
                          "        return self.fc(-x)\ndef build_model():\n    return Net()\n" + LINEAR_BATCH,
     # a builder that allocates real memory (an explicit device='cpu' escapes the meta device)
@@ -155,7 +157,8 @@ CASES: dict[str, Case] = {
     "batch-wrong-shape": Case(_est("bad_shape.py"), ("rejected example_batch", "[1, 7]"), ("make example_batch",)),
     "batch-wrong-dtype": Case(_est("bad_dtype.py"), ("rejected example_batch", "float32"), ("make example_batch",)),
     "forward-extra-args": Case(_est("extra_args.py"), ("'mask'",), ("make example_batch",)),
-    "data-dependent-forward": Case(_est("data_dependent.py"), ("real tensor values",),
+    "data-dependent-forward": Case(_est("data_dependent.py"), ("real tensor values", "a real CPU run instead would "
+                                                               "hold 6.0 GiB of weights"),
                                    ("avoid", "branches on tensor values")),
     "too-large-to-build": Case(_est("too_large.py"), ("too large", "memory"), ("meta device",)),
     "no-trainable-params": Case(_rec("frozen_all.py"), ("no trainable parameters",), ("leave at least one",)),
@@ -267,6 +270,21 @@ def test_frozen_parts_get_no_gradients_or_optimizer_state(tmp_path: Path) -> Non
     for key in ("grads_bytes", "optimizer_bytes"):
         assert full[key] > 0
         assert frozen[key] == pytest.approx(full[key] / 2, rel=0.02), key
+
+
+def test_data_dependent_control_flow_in_a_small_model_falls_back_to_a_real_cpu_run(tmp_path: Path) -> None:
+    """The same branch on a tensor value as the data-dependent case, in a model small enough to build for
+    real: recommend plans it, and says it was profiled by a real CPU run."""
+    path = tmp_path / "branchy.py"
+    path.write_text("import torch.nn as nn\nclass Net(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+                    "        self.fc = nn.Linear(16, 4)\n    def forward(self, x):\n        if x.sum() > 0:\n"
+                    "            return self.fc(x)\n        return self.fc(-x)\ndef build_model():\n    return Net()\n"
+                    + LINEAR_BATCH)
+    code, stdout, stderr = run_cli(["recommend", str(path), *H100, "--no-probe", "--json"])
+    assert code == 0, stderr
+    rec = json.loads(stdout)
+    assert rec["plan"] is not None
+    assert any("profiled by a real CPU run of the whole model" in note for note in rec["notes"]), rec["notes"]
 
 
 @pytest.mark.parametrize("where", ["existing-file", "out-under-a-file"])
