@@ -120,9 +120,10 @@ except ImportError:  # pragma: no cover
 
 PRECISIONS: tuple[ActivationPrecision, ...] = ("fp32", "bf16")
 MIN_BLOCKS_FOR_REDUCTION = 3
-REAL_RUN_MAX_BYTES = 1 << 30
-"""Largest model (parameter and buffer bytes) profiled by a real CPU run when fake tensors cannot run its
-forward: a real step also holds gradients and activations, on the host."""
+REAL_RUN_MAX_BYTES = 1 << 28
+"""Largest model (parameter and buffer bytes: 256 MiB, ~64 M fp32 parameters) profiled by a real CPU run
+when fake tensors cannot run its forward: the run takes about ten real steps on the host (a minute at
+this size on two cores) and also holds gradients and activations."""
 
 _CONFIG_ATTRS = ("config", "cfg", "args", "params", "model_args", "hparams", "hp")
 HIDDEN_NAMES = ("n_embd", "hidden_size", "dim", "d_model", "embed_dim", "n_embed", "hidden_dim")
