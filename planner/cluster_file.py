@@ -106,12 +106,12 @@ def _read_mapping(file: Path) -> dict[object, object]:
     text = _read_text(file)
     try:
         data = yaml.safe_load(text)
-    except yaml.constructor.ConstructorError as exc:  # a tag such as !!python/object: data only, never code
-        raise OptplanError(f"{name}: invalid YAML{_yaml_where(exc)}: {_yaml_problem(exc)}: the file is plain "
-                           "data, no tags: remove the '!!' tag and write a plain value") from exc
     except yaml.YAMLError as exc:
-        raise OptplanError(f"{name}: invalid YAML{_yaml_where(exc)}: {_yaml_problem(exc)}: "
-                           f"fix the syntax (one 'key: value' per line)") from exc
+        # a tag such as !!python/object is refused by safe_load: the file is data only, never code
+        tag = isinstance(exc, yaml.constructor.ConstructorError) and "could not determine a constructor" in str(exc)
+        fix = ("the file is plain data, no tags: remove the '!!' tag and write a plain value" if tag
+               else "fix the syntax (one 'key: value' per line)")
+        raise OptplanError(f"{name}: invalid YAML{_yaml_where(exc)}: {_yaml_problem(exc)}: {fix}") from exc
     if not isinstance(data, dict):
         raise OptplanError(f"{name}: the top level must be a mapping of keys, got {_kind(data)}: "
                            f"write one 'key: value' per line, e.g. 'gpu: H100-SXM'")

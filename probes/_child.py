@@ -16,11 +16,11 @@ _STARTED = time.perf_counter()
 import os  # noqa: E402
 import sys  # noqa: E402
 
-# ``python -m`` put the folder optplan was started from first on sys.path: drop it before anything else is
-# imported, so that a stray ``numpy.py`` there never runs. The model file's own folder goes on sys.path when
-# the file is imported (as ``python FILE`` does); PYTHONPATH still applies.
-if not getattr(sys.flags, "safe_path", False) and sys.path and sys.path[0] in ("", os.getcwd()):
-    del sys.path[0]
+from optplan.probes._safe_path import drop_working_folder  # noqa: E402
+
+# before anything else is imported, so that a stray ``numpy.py`` in the working folder never runs; the model
+# file's own folder goes on sys.path when the file is imported (as ``python FILE`` does); PYTHONPATH applies
+drop_working_folder()
 
 import argparse  # noqa: E402
 import json  # noqa: E402

@@ -17,6 +17,8 @@ import sys
 PR_SET_PDEATHSIG = 1
 EXIT_PARENT_GONE = 70
 """Exit code when optplan died before the signal was armed (the command is not started)."""
+GUARD_VAR = "OPTPLAN_GUARD_PID"
+"""Set for the guarded command (its own pid, which ``exec`` keeps) and inherited by its descendants."""
 
 
 def die_with_parent(parent: int | None = None) -> bool:
@@ -33,6 +35,35 @@ def die_with_parent(parent: int | None = None) -> bool:
     return os.getppid() == parent
 
 
+def die_with_launcher() -> bool:
+    """For a worker of the guarded command (torchrun's, the DeepSpeed launcher's): arm the signal on the
+    current parent, and return False when the guarded launcher is already gone. A worker that arms late
+    (after importing torch) may find its launcher killed before that; its parent is then some reaper,
+    so the launcher's own liveness is checked. The guarded process itself was armed by :func:`main`."""
+    armed = die_with_parent()
+    guard = os.environ.get(GUARD_VAR, "")
+    if guard.isdigit() and int(guard) != os.getpid() and not _alive(int(guard)):
+        return False
+    return armed
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, killed but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
+            return fh.read().rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+
 def guarded(cmd: list[str]) -> list[str]:
     """``cmd`` started through this module, so that it dies with the calling process (Linux only)."""
     if not sys.platform.startswith("linux"):
@@ -46,6 +77,7 @@ def main(argv: list[str]) -> int:
         return 2
     if not die_with_parent(int(argv[0])):
         return EXIT_PARENT_GONE
+    os.environ[GUARD_VAR] = str(os.getpid())
     os.execvp(argv[1], argv[1:])
     return 0  # not reached
 

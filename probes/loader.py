@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +33,8 @@ from optplan.probes.waiting import communicate_until
 CHILD_MODULE = "optplan.probes._child"
 EXIT_OK = 0
 EXIT_MODEL_ERROR = 3
+KILL_WAIT_S = 5.0
+"""How long the output of a killed profiler child is waited for (s)."""
 
 __all__ = [
     "ModelFileError", "check_model_path", "one_line", "child_command", "parse_child_output", "profile_model_file",
@@ -111,24 +115,45 @@ def profile_model_file(path: str | os.PathLike[str], *, seq_len: int | None = No
     if seq_len is not None and int(seq_len) < 1:
         raise ModelFileError(path, f"sequence length must be >= 1 (got {seq_len})", "pass --seq-len 1 or more")
     cmd = child_command(path, seq_len=seq_len, model_name=model_name)
+    cache = tempfile.mkdtemp(prefix="optplan-profile-")  # torch's compile cache: removed here, whatever happens
+    try:
+        env = child_process_env()
+        env.setdefault("TORCHINDUCTOR_CACHE_DIR", cache)
+        stdout, stderr, code = _run_child(path, cmd, env, timeout_s, cancelled)
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+    return parse_child_output(path, code, stdout, stderr)
+
+
+def _run_child(path: str | os.PathLike[str], cmd: list[str], env: dict[str, str], timeout_s: float,
+               cancelled: Callable[[], bool] | None) -> tuple[str, str, int]:
+    """(stdout, stderr, exit code) of the profiler child; killed on a timeout, a cancel or Ctrl-C."""
     try:
         proc = subprocess.Popen(guarded(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                stdin=subprocess.DEVNULL, errors="replace", env=child_process_env())
+                                stdin=subprocess.DEVNULL, errors="replace", env=env)
     except OSError as exc:
         raise ModelFileError(path, f"could not start the profiler child process ({exc})",
                              f"check that {sys.executable} runs") from exc
     try:
         stdout, stderr = communicate_until(proc, timeout_s=timeout_s, cancelled=cancelled)
     except subprocess.TimeoutExpired:
-        proc.kill()
-        _, err = proc.communicate()
+        _, err = _kill(proc)
         last = one_line(_last_line(err or ""), 300)
         said = f" (last stderr line: {last})" if last else ""
         raise ModelFileError(path, f"profiling did not finish within {timeout_s:g} s{said}",
                              "check that build_model() and forward finish quickly on the meta device, "
                              "or raise the timeout") from None
     except BaseException:  # cancelled, Ctrl-C: the child (user code) must not outlive the call
-        proc.kill()
-        proc.communicate()
+        _kill(proc)
         raise
-    return parse_child_output(path, proc.returncode, stdout, stderr)
+    return stdout, stderr, proc.returncode
+
+
+def _kill(proc: subprocess.Popen[str]) -> tuple[str, str]:
+    """SIGKILL the child and collect what it wrote; a grandchild still holding its pipes is not waited for."""
+    proc.kill()
+    try:
+        return proc.communicate(timeout=KILL_WAIT_S)
+    except subprocess.TimeoutExpired:
+        proc.wait()
+        return "", ""

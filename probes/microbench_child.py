@@ -52,6 +52,10 @@ import time
 
 _STARTED = time.perf_counter()
 
+from optplan.probes._safe_path import drop_working_folder  # noqa: E402
+
+drop_working_folder()  # before torch: no stray numpy.py from the working folder (Python 3.10)
+
 import argparse  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
@@ -338,6 +342,10 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from optplan.probes._pdeathsig import die_with_launcher
+
+    if not die_with_launcher():  # torchrun's workers run in sessions of their own: die with torchrun
+        return 1
     args = _parse_args(argv)
     try:
         doc = run(args)

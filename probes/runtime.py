@@ -176,6 +176,8 @@ def run_probe(spec: ProbeSpec, *, timeout_s: float = 300.0, env: Mapping[str, st
         cmd = probe_command(spec_path, out_path, spec.nproc, accelerate_config=spec.accelerate_config,
                             device=spec.device)
         child = child_env(None, device=spec.device, nproc=spec.nproc, token=token, extra=env)
+        if not (env and "TMPDIR" in env):  # torchrun's and torch's temp folders go with the probe's own
+            child["TMPDIR"] = str(tmp)
         try:
             proc = launch(cmd, child, log_path)
         except OSError as exc:

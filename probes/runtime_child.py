@@ -77,6 +77,10 @@ import time
 
 _STARTED = time.perf_counter()
 
+from optplan.probes._safe_path import drop_working_folder  # noqa: E402
+
+drop_working_folder()  # before torch: no stray numpy.py from the working folder (Python 3.10)
+
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import faulthandler  # noqa: E402
@@ -524,9 +528,9 @@ def _free_port() -> int:
 def _die_with_parent() -> None:
     """Ask Linux to SIGKILL this process when its parent (torchrun, or optplan) dies: no orphans if the
     launcher is killed."""
-    from optplan.probes._pdeathsig import die_with_parent
+    from optplan.probes._pdeathsig import die_with_launcher
 
-    if not die_with_parent():  # the parent already died before prctl
+    if not die_with_launcher():  # the launcher already died before prctl
         os._exit(EXIT_FAILED)
 
 

@@ -77,7 +77,7 @@ def write_files(out_dir: Path, files: dict[str, str], *, force: bool) -> list[Pa
 
     mask = _umask()
     staged: list[tuple[str, Path]] = []  # (temporary path, target)
-    replaced: list[tuple[Path, str | None]] = []  # (target, its old content's backup; None: it was new)
+    replaced: list[tuple[str, Path, str | None]] = []  # (temporary, target, backup of its old content or None)
     try:
         for name, target in zip(names, targets, strict=True):
             fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{name}.", suffix=".tmp")
@@ -89,15 +89,9 @@ def write_files(out_dir: Path, files: dict[str, str], *, force: bool) -> list[Pa
             mode = 0o777 if name.endswith(EXECUTABLE_SUFFIXES) else 0o666
             os.chmod(tmp, mode & ~mask)
         for tmp, target in staged:
-            backup = _backup(target, out_dir)
-            try:
-                os.replace(tmp, target)
-            except BaseException:
-                if backup is not None:  # still a second name of the untouched target
-                    with contextlib.suppress(OSError):
-                        os.unlink(backup)
-                raise
-            replaced.append((target, backup))
+            replaced.append((tmp, target, None))
+            replaced[-1] = (tmp, target, _backup(target, out_dir))
+            os.replace(tmp, target)
     except BaseException as exc:
         _roll_back(replaced)  # an error or Ctrl-C between two renames: the old set comes back whole
         for tmp, _ in staged:
@@ -107,7 +101,7 @@ def write_files(out_dir: Path, files: dict[str, str], *, force: bool) -> list[Pa
             raise OptplanError(f"cannot write to output folder {out_dir}: {exc.strerror or exc}; "
                                "choose a writable folder (--out)") from exc
         raise
-    for _, backup in replaced:
+    for _, _, backup in replaced:
         if backup is not None:
             with contextlib.suppress(OSError):
                 os.unlink(backup)
@@ -117,24 +111,35 @@ def write_files(out_dir: Path, files: dict[str, str], *, force: bool) -> list[Pa
 
 def _backup(target: Path, out_dir: Path) -> str | None:
     """A hidden second name for ``target``'s current content (a hard link: no copy, no moment without the
-    file), or None when there is no file to keep. Falls back to a copy where hard links are refused."""
-    if not target.is_file():
+    file), or None when there is nothing to keep. Falls back to a copy where hard links are refused."""
+    if not os.path.lexists(target):
         return None
     fd, backup = tempfile.mkstemp(dir=out_dir, prefix=f".{target.name}.", suffix=".old")
     os.close(fd)
     os.unlink(backup)
     try:
-        os.link(target, backup)
+        os.link(target, backup, follow_symlinks=False)
     except OSError:
-        shutil.copy2(target, backup)
+        try:
+            shutil.copy2(target, backup, follow_symlinks=False)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(backup)
+            raise
     return backup
 
 
-def _roll_back(replaced: list[tuple[Path, str | None]]) -> None:
-    """Undo renames already done: each target gets its old content back, or goes when it was new."""
-    for target, backup in reversed(replaced):
+def _roll_back(replaced: list[tuple[str, Path, str | None]]) -> None:
+    """Undo what the renames did: each target gets its old content back, or goes when it was new. A
+    signal can land between any two steps, so each entry is judged by what is on disk: while the
+    temporary file still exists its rename did not happen (and the target, if any, is untouched)."""
+    for tmp, target, backup in reversed(replaced):
         with contextlib.suppress(OSError):
+            renamed = not os.path.lexists(tmp)
             if backup is None:
-                os.unlink(target)
-            else:
+                if renamed:
+                    os.unlink(target)
+            elif renamed:
                 os.replace(backup, target)
+            else:
+                os.unlink(backup)  # the same file as the untouched target: a rename onto it would do nothing

@@ -7,6 +7,7 @@ JIT-built; the probe also skips DeepSpeed's shared-memory allreduce build on CPU
 
 from __future__ import annotations
 
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -199,13 +200,19 @@ def test_fsdp_mixed_precision_with_checkpointing_and_accumulation(tiny_lm_file: 
 @pytest.mark.parametrize(("mode", "words"), [("exit", "rank 1 exited with code 7"),
                                               ("sigkill", "rank 1 exited with code -9 (SIGKILL)")])
 def test_a_dying_rank_is_named_and_nothing_is_left(tiny_lm_file: Path, tmp_path: Path, mode: str,
-                                                   words: str) -> None:
-    pid_file = tmp_path / "pids"
+                                                   words: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing left: no process, and nothing in TMPDIR (torchrun's logs and torch's caches go to the
+    probe's own temporary folder, which is removed)."""
+    pid_file, tmp = tmp_path / "pids", tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
     r = dist_probe(tiny_lm_file, env={"PROBE_TEST_MODE": mode, "PROBE_TEST_RANK": "1",
                                       "PROBE_TEST_PID_FILE": str(pid_file)})
     assert r.status == "error" and r.failed_rank == 1
     assert r.reason.startswith(words), r.reason
     assert_no_leftovers(pid_file)
+    assert sorted(p.name for p in tmp.iterdir()) == []
 
 
 def test_a_segfaulting_rank(tiny_lm_file: Path) -> None:

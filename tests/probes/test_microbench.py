@@ -87,7 +87,9 @@ def test_child_runs_without_pydantic_or_optuna(tmp_path: Path) -> None:
         """)
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
-    assert set(eval(run.stdout.strip())) <= {"optplan", "optplan.probes"}  # nothing else of optplan
+    # nothing else of optplan than the two standard-library-only process helpers
+    assert set(eval(run.stdout.strip())) <= {"optplan", "optplan.probes", "optplan.probes._safe_path",
+                                             "optplan.probes._pdeathsig"}
     doc = json.loads(out.read_text())
     assert set(doc["matmul_flops_per_s"]) == {"fp32"} and doc["copy_bytes_per_s"] > 0
     assert doc["device"] == "cpu" and doc["allreduce_bus_bytes_per_s"] is None
@@ -206,3 +208,40 @@ def test_cancel_kills_the_child_and_its_grandchildren(tmp_path: Path) -> None:
     else:
         os.kill(pid, signal.SIGKILL)
         pytest.fail("the grandchild survived the cancel")
+
+
+def _marked(mark: str) -> list[tuple[int, str]]:
+    """(pid, command line) of live processes whose environment holds ``mark``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if mark.encode() in (entry / "environ").read_bytes() and _alive(int(entry.name)):
+                    found.append((int(entry.name), (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()))
+            except OSError:
+                continue
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_kill_9_of_the_parent_takes_the_allreduce_workers_along(tmp_path: Path) -> None:
+    """torchrun starts its workers in sessions of their own; with optplan SIGKILLed (no clean-up runs)
+    the kernel still kills torchrun and both workers (each arms the parent-death signal)."""
+    mark = f"OPTPLAN_TEST_MARK={tmp_path}"
+    code = ("from optplan.probes.microbench import run_microbench; "
+            f"run_microbench(device='cpu', quick=True, allreduce_nproc=2, env={{'OPTPLAN_TEST_MARK': {str(tmp_path)!r}}})")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while len([c for _, c in _marked(mark) if "--allreduce" in c and "torch.distributed.run" not in c]) < 2:
+        assert parent.poll() is None, "the microbenchmark ended before its all-reduce workers were seen"
+        assert time.monotonic() < deadline, "the all-reduce workers never started"
+        time.sleep(0.05)
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while _marked(mark) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = _marked(mark)
+    for pid, _ in left:
+        os.kill(pid, signal.SIGKILL)
+    assert left == []

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tempfile
+
 import pytest
 
 from optplan.estimators.errors import OptplanError
@@ -240,3 +242,36 @@ def test_missing_package_names_the_pypi_distribution_when_it_differs(write_model
         import sklearn.linear_model
         """)
     expect_error(path, "missing package 'sklearn'", "scikit-learn on PyPI")
+
+
+@pytest.mark.parametrize("how", ["cancel", "timeout", "ok"])
+def test_the_profiler_leaves_nothing_in_tmpdir(write_model, tmp_path, monkeypatch, how):
+    """torch's compile cache folder is made and removed by the parent, so a child killed by a cancel
+    or a timeout (no clean-up code runs in it) leaves nothing behind either."""
+    from optplan.estimators.errors import Cancelled
+    from optplan.probes.loader import profile_model_file
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    marker = tmp_path / "started"
+    hang = "" if how == "ok" else f"open({str(marker)!r}, 'w').close()\n            time.sleep(120)"
+    path = write_model(f"""
+        import time, torch, torch.nn as nn
+        def build_model():
+            {hang}
+            return nn.Linear(4, 4)
+        def example_batch(batch_size, seq_len):
+            return torch.zeros(batch_size, 4)
+        """)
+    if how == "cancel":
+        with pytest.raises(Cancelled):
+            profile_model_file(path, cancelled=marker.exists)
+    elif how == "timeout":
+        with pytest.raises(ModelFileError, match="did not finish within 20 s"):
+            profile_model_file(path, timeout_s=20)
+    else:
+        assert profile_model_file(path).params == 20
+    assert sorted(p.name for p in tmp.iterdir()) == []

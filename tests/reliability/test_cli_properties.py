@@ -20,6 +20,7 @@ import json
 import math
 import os
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,17 @@ class Run:
         return json.loads(self.stdout, parse_constant=reject)
 
 
+@contextlib.contextmanager
+def _chdir(folder: Path) -> Iterator[None]:
+    """``contextlib.chdir`` (Python 3.11+) for Python 3.10 too."""
+    before = os.getcwd()
+    os.chdir(folder)
+    try:
+        yield
+    finally:
+        os.chdir(before)
+
+
 def run_cli(argv: list[str]) -> Run:
     """Run ``optplan ARGV`` in-process through ``main`` in a fresh working folder with an empty cache."""
     out, err = io.StringIO(), io.StringIO()
@@ -66,7 +78,7 @@ def run_cli(argv: list[str]) -> Run:
         work.mkdir()
         env = {"OPTPLAN_CACHE_DIR": str(root / "cache"), "XDG_CACHE_HOME": str(root / "xdg")}
         code: Any = 0
-        with contextlib.chdir(work), mock.patch.dict(os.environ, env), \
+        with _chdir(work), mock.patch.dict(os.environ, env), \
                 contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
                 main(argv)

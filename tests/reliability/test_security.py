@@ -447,6 +447,8 @@ def test_model_name_reaches_scripts_only_as_comments_or_sanitised(planned: Plann
                 assert line == f"DEFAULT_TRAIN_SCRIPT={shlex.quote(TRAIN_SCRIPT)}", (path.name, line)
 
 
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="PYTHONSAFEPATH is Python 3.11+: on 3.10 an optplan/ "
+                    "folder in the working folder shadows the package for `python -m` (README says so)")
 def test_probe_children_import_nothing_from_the_working_folder(tmp_path: Path) -> None:
     """The profiler and the real probe run (``python -m`` children, torchrun workers included) start with
     PYTHONSAFEPATH=1: an ``optplan/`` package or a stray ``numpy.py`` in the working folder would be found
