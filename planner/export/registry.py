@@ -157,7 +157,8 @@ def render_targets(plan: ExportPlan, names: Sequence[str], *, options: ExportOpt
                         raise
                     skipped.append(f"{name}: {err}")
     except OSError as exc:  # the loaders read temporary copies: a full or read-only temp folder
-        raise OptplanError(f"cannot check the exports with their trainers' loaders: a temporary file in "
-                           f"{tempfile.gettempdir()} could not be written ({exc.strerror or exc}); free space "
-                           "there or point TMPDIR at another folder") from exc
+        what = (f"a temporary file in {tempfile.gettempdir()}" if exc.filename is None
+                else f"{exc.filename} (temporary folder {tempfile.gettempdir()})")
+        raise OptplanError(f"cannot check the exports with their trainers' loaders: {what} could not be written "
+                           f"({exc.strerror or exc}); free space there or point TMPDIR at another folder") from exc
     return files, skipped

@@ -9,12 +9,14 @@ profiling child (``build_model``) or in a probe's forward (only probes carry ``O
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -140,6 +142,15 @@ def _assert_nothing_left(pid_file: Path, hung: list[int]) -> None:
 
 
 pytestmark = pytest.mark.skipif(not Path("/proc").is_dir(), reason="process checks read /proc (Linux)")
+
+
+@pytest.fixture(autouse=True)
+def _kill_leftovers(tmp_path: Path) -> Iterator[None]:
+    """A failing test must not leave its hung children (3600 s sleepers) to the rest of the run."""
+    yield
+    for pid in _processes_with(f"TEST_PID_FILE={tmp_path}"):
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.parametrize("where", ["profile", "probe"])
