@@ -277,6 +277,32 @@ def test_cuda_memory_cap_gives_oom(tiny_lm_file: Path) -> None:  # pragma: no co
     assert "out of memory" in r.reason.lower()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_memory_is_freed_when_a_hung_probe_is_killed(tiny_lm_file: Path, tmp_path: Path) -> None:  # pragma: no cover - no GPU in CI
+    """A probe that holds ~1.6 GB on the GPU and hangs in forward: while it hangs the GPU's free memory is
+    lower by at least 1 GiB; after the timeout kills it, the memory is back (within 256 MiB) in 10 s."""
+    torch.cuda.init()
+    free_before, _ = torch.cuda.mem_get_info()  # after this process's own context
+    pid_file = tmp_path / "pids"
+    env = {"PROBE_TEST_MODE": "sleep", "PROBE_TEST_PID_FILE": str(pid_file), "PROBE_TEST_WIDTH": "4096"}
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        running = pool.submit(probe, tiny_lm_file, device="cuda", timeout_s=60, env=env)
+        deadline = time.monotonic() + 50
+        while not pids_in(pid_file) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert pids_in(pid_file), "the probe never reached forward"
+        held = free_before - torch.cuda.mem_get_info()[0]
+        r = running.result()
+    assert r.status == "timeout", r.reason
+    assert held > 2**30, f"the probe held only {held / 2**20:.0f} MiB"
+    deadline = time.monotonic() + 10
+    while free_before - torch.cuda.mem_get_info()[0] > 2**28 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert free_before - torch.cuda.mem_get_info()[0] <= 2**28
+    assert not [p for p in pids_in(pid_file) if alive(p)]
+
+
 def test_ctrl_c_in_the_parent_leaves_no_probe_process(tiny_lm_file: Path, tmp_path: Path) -> None:
     """SIGINT to the planner while a 2-rank torchrun probe runs: KeyboardInterrupt reaches the caller and the
     whole probe tree (torchrun and both ranks, in sessions of their own) is gone."""
