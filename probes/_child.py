@@ -24,8 +24,6 @@ drop_working_folder()
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import shutil  # noqa: E402
-import tempfile  # noqa: E402
 import traceback  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -88,22 +86,9 @@ def _run(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # torch's compile cache folder (created by importing torch._dynamo) is a private one the parent made
+    # (TORCHINDUCTOR_CACHE_DIR, see optplan.probes.loader) and removes, even when this process is killed
     args = _parse_args(argv)
-    # Importing torch._dynamo creates torch's compile cache folder ($TMPDIR/torchinductor_$USER). The profiler
-    # compiles nothing, so unless the user chose a folder it gets a private one, removed on the way out:
-    # profiling leaves nothing behind outside --out.
-    private_cache = None
-    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-        private_cache = tempfile.mkdtemp(prefix="optplan-profile-")
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = private_cache
-    try:
-        return _main(args)
-    finally:
-        if private_cache is not None:
-            shutil.rmtree(private_cache, ignore_errors=True)
-
-
-def _main(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     real_stdout = os.dup(1)
     os.dup2(2, 1)  # user prints (Python and C level) go to stderr

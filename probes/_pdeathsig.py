@@ -42,13 +42,14 @@ def die_with_launcher() -> bool:
     so the launcher's own liveness is checked. The guarded process itself was armed by :func:`main`."""
     armed = die_with_parent()
     guard = os.environ.get(GUARD_VAR, "")
-    if guard.isdigit() and int(guard) != os.getpid() and not _alive(int(guard)):
+    if guard.isdigit() and int(guard) != os.getpid() and not alive(int(guard)):
         return False
     return armed
 
 
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie, killed but not yet reaped, does not)."""
+def alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie, killed but not yet reaped (Linux ``/proc``;
+    elsewhere: ``kill(pid, 0)`` succeeds)."""
     try:
         with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
             return fh.read().rsplit(")", 1)[-1].split()[0] not in ("Z", "X")

@@ -31,7 +31,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from optplan.probes._pdeathsig import guarded
+from optplan.probes._pdeathsig import alive, guarded
 
 CHILD_MODULE = "optplan.probes.runtime_child"
 TOKEN_VAR = "OPTPLAN_PROBE_TOKEN"
@@ -118,32 +118,10 @@ def launch(cmd: Sequence[str], env: Mapping[str, str], log_path: str | os.PathLi
 # ---------------------------------------------------------------------------------------------------
 # finding and ending processes
 # ---------------------------------------------------------------------------------------------------
-def _state(pid: int) -> str | None:
-    """The process state letter from ``/proc/PID/stat`` ("R", "S", "Z"...), None when it is gone."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return text.rsplit(")", 1)[-1].split()[0] if ")" in text else None
-
-
-def alive(pid: int) -> bool:
-    """True while ``pid`` exists and is not a zombie (Linux; elsewhere: ``kill(pid, 0)`` succeeds)."""
-    if Path("/proc").is_dir():
-        state = _state(pid)
-        return state is not None and state not in ("Z", "X")
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def marked_processes(token: str) -> list[int]:
-    """Live processes (not zombies) whose environment holds ``TOKEN_VAR=token`` (Linux ``/proc``; [] elsewhere)."""
-    needle = f"{TOKEN_VAR}={token}".encode()
+def processes_with_env(assignment: str) -> list[int]:
+    """Live processes (not zombies, not this one) whose environment holds ``assignment`` ("NAME=value"),
+    e.g. the token every process of a probe inherits (Linux ``/proc``; [] elsewhere)."""
+    needle = assignment.encode()
     found: list[int] = []
     proc = Path("/proc")
     if not proc.is_dir():
@@ -159,6 +137,11 @@ def marked_processes(token: str) -> list[int]:
         if needle in data.split(b"\0") and alive(int(entry.name)):
             found.append(int(entry.name))
     return found
+
+
+def marked_processes(token: str) -> list[int]:
+    """Live processes (not zombies) whose environment holds ``TOKEN_VAR=token`` (Linux ``/proc``; [] elsewhere)."""
+    return processes_with_env(f"{TOKEN_VAR}={token}")
 
 
 def _signal_group(pgid: int, sig: int) -> None:

@@ -900,20 +900,26 @@ def resolve_seq_len(contract: ModelContract, model: nn.Module, seq_len: int | No
     return None, "default"
 
 
-def _measure_with_fallback(contract: ModelContract, make_model: Callable[[], nn.Module], spec: BatchSpec,
-                           block_cls: type | None, notes: list[str]) -> tuple[Measurement, tuple[int, int]]:
-    """Measure at batch sizes (1, 2); a model that cannot run one sample is measured at (2, 4)."""
+def _at_batch_one_or_two(run: Callable[[tuple[int, int]], Measurement],
+                         notes: list[str]) -> tuple[Measurement, tuple[int, int]]:
+    """``run`` at batch sizes (1, 2); a model that cannot run one sample is measured at (2, 4)."""
     try:
-        return measure_fake(make_model(), spec, contract, block_cls, (1, 2)), (1, 2)
+        return run((1, 2)), (1, 2)
     except ModelFileError as first:
         if "forward raised" not in first.problem:
             raise
         try:
-            result = measure_fake(make_model(), spec, contract, block_cls, (2, 4))
+            result = run((2, 4))
         except ModelFileError:
             raise first from None
         notes.append(f"the model cannot run a single sample ({first.problem}); profiled at batch 2 and 4")
         return result, (2, 4)
+
+
+def _measure_with_fallback(contract: ModelContract, make_model: Callable[[], nn.Module], spec: BatchSpec,
+                           block_cls: type | None, notes: list[str]) -> tuple[Measurement, tuple[int, int]]:
+    """:func:`measure_fake` of a fresh ``make_model()`` at batch sizes (1, 2), else (2, 4)."""
+    return _at_batch_one_or_two(lambda sizes: measure_fake(make_model(), spec, contract, block_cls, sizes), notes)
 
 
 def _measure_reduced(contract: ModelContract, meta: nn.Module, block: BlockInfo, spec: BatchSpec,
@@ -970,12 +976,7 @@ def measure_real(contract: ModelContract, meta: nn.Module, spec: BatchSpec, bloc
                             blocks=blocks_of(model, block_cls))
         return measure(runner, batch_sizes)
 
-    try:
-        measurement, sizes = run((1, 2)), (1, 2)
-    except ModelFileError as first:
-        if "forward raised" not in first.problem:
-            raise
-        measurement, sizes = run((2, 4)), (2, 4)
+    measurement, sizes = _at_batch_one_or_two(run, notes)
     notes.append(f"{limit.problem}: profiled by a real CPU run of the whole model at micro-batch {sizes[0]} "
                  f"and {sizes[1]}; memory that depends on the data (e.g. routing) is what these batches produced")
     return measurement, sizes

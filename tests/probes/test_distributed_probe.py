@@ -21,6 +21,7 @@ from optplan.probes.distributed import (
     describe_exit,
     parse_torchrun_root_cause,
     probe_command,
+    processes_with_env,
     torchrun_command,
 )
 from optplan.probes.runtime import ProbeResult, ProbeSpec, run_probe
@@ -44,19 +45,6 @@ def pids_in(path: Path) -> list[int]:
     return sorted({int(x) for x in path.read_text().split()}) if path.exists() else []
 
 
-def processes_with_env(assignment: str) -> list[int]:
-    """Live processes whose environment holds ``assignment`` ("NAME=value"): torchrun and every worker
-    inherit the test's PROBE_TEST_PID_FILE, so none may be left after run_probe returns."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                env = (entry / "environ").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if assignment.encode() in env and alive(int(entry.name)):
-                found.append(int(entry.name))
-    return found
 
 
 def dist_probe(path: Path, *, env: dict[str, str] | None = None, timeout_s: float = 180, **kw: Any) -> ProbeResult:

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from optplan.estimators.ceilings import MeasuredCeilings
+from optplan.probes.distributed import alive
 from optplan.probes.microbench import (
     MicrobenchError,
     MicrobenchResult,
@@ -32,13 +33,17 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def _alive(pid: int) -> bool:
-    """True while ``pid`` runs (a zombie that no reaper has collected yet counts as dead)."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+
+
+
+def assert_gone_soon(pid: int, message: str) -> None:
+    """``pid`` ends within 5 s; else it is killed (so the run goes on clean) and the test fails."""
+    for _ in range(100):
+        if not alive(pid):
+            return
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    pytest.fail(message)
 
 
 @pytest.fixture(scope="module")
@@ -113,13 +118,7 @@ def test_timeout_kills_grandchildren_in_their_own_sessions(tmp_path: Path) -> No
     with pytest.raises(MicrobenchError) as info:
         run_child([sys.executable, "-c", code], tmp_path / "none.json", what="test child", timeout_s=1.5)
     pid = int(info.value.detail.split("GRANDCHILD")[1].split()[0])
-    for _ in range(100):
-        if not _alive(pid):
-            break
-        time.sleep(0.05)
-    else:
-        os.kill(pid, signal.SIGKILL)
-        pytest.fail("the grandchild survived the timeout")
+    assert_gone_soon(pid, "the grandchild survived the timeout")
 
 
 def test_killed_child_raises_one_line(tmp_path: Path) -> None:
@@ -201,13 +200,7 @@ def test_cancel_kills_the_child_and_its_grandchildren(tmp_path: Path) -> None:
                   cancelled=lambda: pid_file.exists() and bool(pid_file.read_text()))
     assert time.monotonic() - started < 30  # long before the 60 s timeout
     pid = int(pid_file.read_text())
-    for _ in range(100):
-        if not _alive(pid):
-            break
-        time.sleep(0.05)
-    else:
-        os.kill(pid, signal.SIGKILL)
-        pytest.fail("the grandchild survived the cancel")
+    assert_gone_soon(pid, "the grandchild survived the cancel")
 
 
 def _marked(mark: str) -> list[tuple[int, str]]:
@@ -216,7 +209,7 @@ def _marked(mark: str) -> list[tuple[int, str]]:
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit() and int(entry.name) != os.getpid():
             try:
-                if mark.encode() in (entry / "environ").read_bytes() and _alive(int(entry.name)):
+                if mark.encode() in (entry / "environ").read_bytes() and alive(int(entry.name)):
                     found.append((int(entry.name), (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()))
             except OSError:
                 continue

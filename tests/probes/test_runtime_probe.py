@@ -20,7 +20,7 @@ import torch
 from pydantic import ValidationError
 
 from optplan.estimators.strategy import Strategy
-from optplan.probes.distributed import alive
+from optplan.probes.distributed import alive, processes_with_env
 from optplan.probes.runtime import ProbeResult, ProbeSpec, run_probe
 
 TINY_PARAMS = 116_160
@@ -53,44 +53,6 @@ def pids_in(path: Path) -> list[int]:
     return sorted({int(x) for x in path.read_text().split()}) if path.exists() else []
 
 
-def processes_with_env(assignment: str) -> list[int]:
-    """Live processes whose environment holds ``assignment`` ("NAME=value"): the probe's whole tree
-    inherits the test's PROBE_TEST_PID_FILE, so none may be left after run_probe returns."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                env = (entry / "environ").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if assignment.encode() in env and alive(int(entry.name)):
-                found.append(int(entry.name))
-    return found
-
-
-# ---------------------------------------------------------------------------------------------------
-# ok runs
-# ---------------------------------------------------------------------------------------------------
-def test_ok_probe_of_a_tiny_token_model(tiny_lm_file: Path) -> None:
-    r = probe(tiny_lm_file, block_class="Block", warmup_steps=2, timed_steps=5)
-    assert r.ok, r.reason + "\n" + r.tail
-    assert r.status == "ok" and r.reason == ""
-    assert len(r.step_times_s) == 5 and all(t > 0 for t in r.step_times_s)
-    assert r.step_s == sorted(r.step_times_s)[2]
-    assert r.step_spread_s == pytest.approx(max(r.step_times_s) - min(r.step_times_s))
-    assert len(r.losses) == 7 and all(x == x and abs(x) < 100 for x in r.losses)
-    assert r.losses[-1] < r.losses[0]  # AdamW trains it
-    # params + grads + AdamW's two moments, all fp32: the tracked step holds at least these at its peak
-    assert r.peak_allocated_bytes is not None and r.peak_allocated_bytes > 4 * P4
-    cats = r.peak_by_category_bytes
-    assert cats["param"] == P4
-    assert cats["optimizer"] == pytest.approx(2 * P4, abs=1024)  # exp_avg + exp_avg_sq (+ step scalars)
-    assert cats["activation"] > 0
-    assert r.peak_reserved_bytes is None and r.non_torch_bytes is None  # cuda-only figures
-    assert r.world_size == 1 and r.samples_per_step == 4
-    assert r.torch_version == torch.__version__ and r.device_name
-    assert r.exit_code == 0 and r.wall_s > 0 and r.setup_s is not None
-    assert any("inferred token-id batch [4, 32]" in n for n in r.notes)
 
 
 def test_example_mlp_with_full_checkpointing(examples_dir: Path) -> None:

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from optplan.probes.distributed import alive, processes_with_env
+
 EXIT_WITHIN_S = 2.0
 """The issue's bound on Ctrl-C to exit (s)."""
 READY_TIMEOUT_S = 120.0
@@ -98,25 +100,10 @@ def _wait_for_hang(pid_file: Path, proc: subprocess.Popen) -> list[int]:  # type
     return _pids(pid_file)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
-def _processes_with(needle: str) -> list[int]:
-    """Live processes whose environment contains ``needle`` (the test's pid-file variable)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            try:
-                if needle.encode() in (entry / "environ").read_bytes() and _alive(int(entry.name)):
-                    found.append(int(entry.name))
-            except OSError:
-                continue
-    return found
+
+
 
 
 def _optplan(args: list[str], env: dict[str, str], **kwargs: object) -> subprocess.Popen:  # type: ignore[type-arg]
@@ -137,8 +124,8 @@ def _interrupt_group(proc: subprocess.Popen) -> float:  # type: ignore[type-arg]
 
 
 def _assert_nothing_left(pid_file: Path, hung: list[int]) -> None:
-    assert not [p for p in hung if _alive(p)], "the hanging child outlived optplan"
-    assert _processes_with(f"TEST_PID_FILE={pid_file}") == [], "a child of optplan is still running"
+    assert not [p for p in hung if alive(p)], "the hanging child outlived optplan"
+    assert processes_with_env(f"TEST_PID_FILE={pid_file}") == [], "a child of optplan is still running"
 
 
 pytestmark = pytest.mark.skipif(not Path("/proc").is_dir(), reason="process checks read /proc (Linux)")
@@ -148,7 +135,7 @@ pytestmark = pytest.mark.skipif(not Path("/proc").is_dir(), reason="process chec
 def _kill_leftovers(tmp_path: Path) -> Iterator[None]:
     """A failing test must not leave its hung children (3600 s sleepers) to the rest of the run."""
     yield
-    for pid in _processes_with(f"TEST_PID_FILE={tmp_path}"):
+    for pid in processes_with_env(f"TEST_PID_FILE={tmp_path / 'pids'}"):
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
 
@@ -221,10 +208,10 @@ def test_sigkill_of_optplan_takes_its_children_along(tmp_path: Path, where: str)
     os.kill(proc.pid, signal.SIGKILL)  # optplan only, not its process group
     proc.wait()
     deadline = time.monotonic() + 10
-    while (_processes_with(f"TEST_PID_FILE={pid_file}") or [p for p in hung if _alive(p)]) \
+    while (processes_with_env(f"TEST_PID_FILE={pid_file}") or [p for p in hung if alive(p)]) \
             and time.monotonic() < deadline:
         time.sleep(0.1)
-    left = _processes_with(f"TEST_PID_FILE={pid_file}")
+    left = processes_with_env(f"TEST_PID_FILE={pid_file}")
     for pid in left:  # do not leave them to the next test
         os.kill(pid, signal.SIGKILL)
     assert left == [], "children outlived optplan"

@@ -21,6 +21,7 @@ import optuna
 import pytest
 
 from optplan.planner.search import resolve_storage
+from optplan.probes.distributed import alive, processes_with_env
 
 PROBE_TIMEOUT_S = 40
 FAULTS = ("segv", "hang", "oom", "kill-rank", "ok")
@@ -89,24 +90,10 @@ def loss_fn(logits, batch):
 pytestmark = pytest.mark.skipif(not Path("/proc").is_dir(), reason="process checks read /proc (Linux)")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
-def _processes_with(needle: str) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            try:
-                if needle.encode() in (entry / "environ").read_bytes() and _alive(int(entry.name)):
-                    found.append(int(entry.name))
-            except OSError:
-                continue
-    return found
+
+
 
 
 def _recommend(model: Path, out: Path, fault_dir: Path) -> subprocess.CompletedProcess[str]:
@@ -149,8 +136,8 @@ def test_no_process_of_any_probe_is_left(faulty_run) -> None:  # type: ignore[no
     root, _rec, _ = faulty_run
     pids = [int(p) for p in (root / "faults" / "pids").read_text().split()]
     assert len(set(pids)) >= 2 * len(FAULTS) - 1  # both ranks of every probe reached forward (one segfaulted first)
-    assert not [p for p in pids if _alive(p)]
-    assert _processes_with(f"TEST_FAULT_DIR={root / 'faults'}") == []
+    assert not [p for p in pids if alive(p)]
+    assert processes_with_env(f"TEST_FAULT_DIR={root / 'faults'}") == []
 
 
 def test_outcomes_are_in_the_study_and_a_rerun_reuses_them(faulty_run) -> None:  # type: ignore[no-untyped-def]
