@@ -107,7 +107,8 @@ def calibrate_time(time: TimeBreakdown, cal: Calibration) -> TimeBreakdown:
     step_s = sum(update[k] for k in _ON_DEVICE) + update["exposed_comm_s"]
     ratio = time.step_s / step_s  # new throughput ÷ old
     update.update({
-        "step_s": step_s, "samples_per_s": time.samples_per_s * ratio,
+        "step_s": step_s, "step_s_low": time.step_s_low / ratio, "step_s_high": time.step_s_high / ratio,
+        "samples_per_s": time.samples_per_s * ratio,
         "model_tflops_per_gpu": time.model_tflops_per_gpu * ratio,
         "hardware_tflops_per_gpu": time.hardware_tflops_per_gpu * ratio,
         "mfu": time.mfu * ratio, "hfu": time.hfu * ratio, "efficiency": time.efficiency * ratio,

@@ -17,6 +17,7 @@ from optplan.estimators.optimizers import optimizer_sees_flat_params, optimizer_
 from optplan.estimators.profile import ModelProfile
 from optplan.estimators.strategy import Strategy
 from optplan.estimators.timing import TimeBreakdown, comm_time_s, mfu_peak_flops, step_time
+from optplan.estimators.uncertainty import TimeBand, time_band
 from optplan.estimators.units import gib
 from optplan.estimators.validity import check_strategy
 
@@ -104,6 +105,20 @@ def estimate_notes(profile: ModelProfile, strategy: Strategy, cluster: Cluster) 
     return tuple(notes)
 
 
+def with_band(time: TimeBreakdown, band: TimeBand) -> TimeBreakdown:
+    """``time`` with its band (uncertainty.py): ``step_s_low``/``step_s_high`` in seconds, basis and reasons."""
+    return time.model_copy(update={"step_s_low": time.step_s * band.low, "step_s_high": time.step_s * band.high,
+                                   "band_basis": band.basis, "outside_measured": band.outside})
+
+
+def band_notes(band: TimeBand) -> tuple[str, ...]:
+    """One note when the estimate lies outside every measured run, naming what and the band's width."""
+    if not band.outside:
+        return ()
+    return (f"time: outside the measured domain ({'; '.join(band.outside)}): the step time may be "
+            f"{band.low:.2f}-{band.high:.2f}x the estimate",)
+
+
 def estimate(profile: ModelProfile, cluster: Cluster, strategy: Strategy, *,
              calibration: Calibration | None = None) -> Estimate:
     """Predict memory per GPU (worst rank), step time, throughput, MFU/HFU and feasibility of ``strategy``.
@@ -113,7 +128,10 @@ def estimate(profile: ModelProfile, cluster: Cluster, strategy: Strategy, *,
     memory = memory_breakdown(profile, strategy, usable_capacity_bytes(cluster.gpu.memory_bytes),
                               gpus_per_node=cluster.gpus_per_node)
     time = step_time(profile, strategy, cluster)
-    result = Estimate(notes=estimate_notes(profile, strategy, cluster),
+    band = time_band(profile, strategy, cluster, mfu=time.mfu)
+    time = with_band(time, band)
+    notes = estimate_notes(profile, strategy, cluster) + band_notes(band)
+    result = Estimate(notes=notes,
         strategy=strategy, gpu=cluster.gpu.name, gpus=strategy.world_size, memory=memory, time=time,
         global_batch=strategy.global_batch, samples_per_s=time.samples_per_s, tokens_per_s=time.tokens_per_s,
         model_tflops_per_gpu=time.model_tflops_per_gpu, mfu=time.mfu, hfu=time.hfu, fits=memory.fits,

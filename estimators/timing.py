@@ -105,6 +105,11 @@ class TimeBreakdown(BaseModel):
                                                             "embedding all-reduce and offload transfers")
     exposed_dp_comm_s: float = Field(default=0.0, ge=0, description="the part of dp_comm_s not overlapped")
     step_s: float = Field(gt=0)
+    step_s_low: float = Field(default=0.0, ge=0, description="fast end of the band the step time lies in (s): the "
+                                                          "measured sets' residuals, widened out of domain")
+    step_s_high: float = Field(default=0.0, ge=0, description="slow end of the band (s)")
+    band_basis: str = Field(default="", description="the measured set the band rests on")
+    outside_measured: tuple[str, ...] = Field(default=(), description="what lies outside every measured run")
     efficiency: float = Field(gt=0, description="achieved model FLOP/s ÷ the compute dtype's peak (FLOPs-only "
                                                 "model: the matmul efficiency assumed)")
     samples_per_s: float = Field(gt=0)
@@ -229,7 +234,7 @@ def _finish(profile: ModelProfile, strategy: Strategy, cluster: Cluster, *, part
     model_flops_per_s = profile.train_flops_per_sample * samples_per_s / gpus
     hw_flops_per_s = hardware_flops_per_sample * samples_per_s / gpus
     peak = mfu_peak_flops(cluster.gpu)
-    return TimeBreakdown(step_s=step_s, samples_per_s=samples_per_s, tokens_per_s=tokens_per_s,
+    return TimeBreakdown(step_s=step_s, step_s_low=step_s, step_s_high=step_s, samples_per_s=samples_per_s, tokens_per_s=tokens_per_s,
                          model_tflops_per_gpu=model_flops_per_s / 1e12,
                          hardware_tflops_per_gpu=hw_flops_per_s / 1e12, mfu=model_flops_per_s / peak,
                          hfu=hw_flops_per_s / peak,

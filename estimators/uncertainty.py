@@ -1,0 +1,210 @@
+"""How sure a step time is: a band from measured residuals, widened outside what was ever measured.
+
+Every time estimate carries ``step_s_low``/``step_s_high`` (seconds). The band comes from the runs the
+time model was checked against (``data/time_domain.yaml``, written by
+``benchmarks/fidelity_published.py --write-domain``): for each measured set (one GPU, one engine family)
+the 5th and 95th percentiles of measured ÷ predicted step time over its runs. A strategy is *inside*
+the set's domain when its model size, GPU count, sequence length, micro-batch tokens, parallel degrees,
+precision and checkpointing lie within what the set measured; outside it the band widens:
+
+- by ``WIDEN_PER_OCTAVE`` of the log step time per doubling beyond a measured range (parameters, GPUs,
+  sequence, tokens per micro-batch, tensor/pipeline/context degrees);
+- by ``WIDEN_UNMEASURED`` for each thing the set never measured (an engine or a GPU without a set: the
+  nearest set stands in; offload; a precision or checkpointing mode not in the set);
+- and when the predicted MFU is above the best MFU ever measured on that GPU and precision (the
+  envelope), the slow end is at least the time at the envelope: step × predicted MFU ÷ envelope MFU.
+
+Every reason for widening is returned as text, and ``estimate.py`` turns them into a note. Stated
+defaults (not fitted): the two widening rates. Units: seconds, ratios dimensionless. Pure functions.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import cache
+from importlib import resources
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+from optplan.estimators.hardware import Cluster
+from optplan.estimators.precision import get_recipe
+from optplan.estimators.profile import ModelProfile
+from optplan.estimators.strategy import Strategy
+
+WIDEN_PER_OCTAVE = 0.05
+"""Extra half-width of the log band per doubling outside a measured range (stated default: the
+measured sets' error grows by a few percent per doubling of model size or sequence at their edges)."""
+WIDEN_UNMEASURED = 0.10
+"""Extra half-width of the log band for each categorical thing never measured (stated default)."""
+UNMEASURED_GPU_BAND = 0.35
+"""Half-width of the log band for a GPU with neither a measured set nor a derived one (stated)."""
+
+
+class MeasuredSet(BaseModel):
+    """What one measured set covered and how far the time model was off on it."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    gpu: str = Field(description="catalogue name")
+    engine: str = Field(description="optplan engine family: torch, deepspeed or megatron")
+    source: str
+    runs: int = Field(ge=1)
+    mape: float = Field(ge=0, description="mean absolute percentage error of the step time, fraction")
+    ratio_low: float = Field(gt=0, description="5th percentile of measured ÷ predicted step time")
+    ratio_high: float = Field(gt=0, description="95th percentile of measured ÷ predicted step time")
+    params: tuple[float, float]
+    gpus: tuple[int, int]
+    seq: tuple[int, int]
+    tokens_per_microbatch: tuple[float, float]
+    tp: tuple[int, int] = (1, 1)
+    pp: tuple[int, int] = (1, 1)
+    cp: tuple[int, int] = (1, 1)
+    precisions: tuple[str, ...]
+    checkpointing: tuple[str, ...]
+    max_mfu: dict[str, float] = Field(description="best measured MFU (PaLM definition) by precision class")
+
+
+class Derivation(BaseModel):
+    """A GPU without a measured set of its own: the set it borrows and why (stated)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    gpu: str
+    from_gpu: str
+    widen: float = Field(ge=0, description="extra half-width of the log band")
+    reason: str
+
+
+class TimeDomain(BaseModel):
+    """``data/time_domain.yaml``: the measured sets and the derived GPUs."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    sets: tuple[MeasuredSet, ...]
+    derived: tuple[Derivation, ...] = ()
+
+
+class TimeBand(BaseModel):
+    """Multipliers of the predicted step time and why the band is as wide as it is."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    low: float = Field(gt=0, description="step_s_low ÷ step_s")
+    high: float = Field(gt=0, description="step_s_high ÷ step_s")
+    basis: str = Field(description="the measured set the band rests on")
+    outside: tuple[str, ...] = Field(default=(), description="what lies outside the measured domain")
+
+
+@cache
+def time_domain() -> TimeDomain:
+    """The packaged measured domain (read once; immutable)."""
+    text = resources.files("optplan.estimators").joinpath("data/time_domain.yaml").read_text(encoding="utf-8")
+    return TimeDomain(**yaml.safe_load(text))
+
+
+def precision_class(precision: str) -> str:
+    """The class MFU envelopes are kept by: the compute dtype (bf16 and fp16 are one class, '16-bit')."""
+    dtype = get_recipe(precision).compute_dtype
+    return "16-bit" if dtype in ("bf16", "fp16") else dtype
+
+
+def mfu_envelope(gpu: str, precision: str, domain: TimeDomain | None = None) -> float | None:
+    """The best MFU ever measured on ``gpu`` (or the GPU its figures derive from) in ``precision``'s class,
+    over every measured set; None when nothing was measured there."""
+    dom = domain or time_domain()
+    name = _measured_gpu(gpu, dom)[0]
+    cls = precision_class(precision)
+    found = [s.max_mfu[cls] for s in dom.sets if s.gpu == name and cls in s.max_mfu]
+    return max(found) if found else None
+
+
+def _measured_gpu(gpu: str, dom: TimeDomain) -> tuple[str, Derivation | None]:
+    if any(s.gpu == gpu for s in dom.sets):
+        return gpu, None
+    for d in dom.derived:
+        if d.gpu == gpu:
+            return d.from_gpu, d
+    return gpu, None
+
+
+def _octaves(value: float, lo: float, hi: float) -> float:
+    if value > hi > 0:
+        return math.log2(value / hi)
+    if 0 < value < lo:
+        return math.log2(lo / value)
+    return 0.0
+
+
+def _pick_set(sets: list[MeasuredSet], engine: str) -> tuple[MeasuredSet, bool]:
+    same = [s for s in sets if s.engine == engine]
+    if same:
+        return max(same, key=lambda s: s.runs), True
+    # nearest engine: DeepSpeed ZeRO-3 shards like FSDP; ZeRO 0-2 reduce like Megatron-DeepSpeed
+    order = {"deepspeed": ("torch", "megatron"), "torch": ("deepspeed", "megatron"),
+             "megatron": ("deepspeed", "torch")}[engine]
+    for other in order:
+        cand = [s for s in sets if s.engine == other]
+        if cand:
+            return max(cand, key=lambda s: s.runs), False
+    return max(sets, key=lambda s: s.runs), False
+
+
+def time_band(profile: ModelProfile, strategy: Strategy, cluster: Cluster, *, mfu: float,
+              domain: TimeDomain | None = None) -> TimeBand:
+    """The band around a predicted step time of ``strategy`` (module docstring); ``mfu`` is the prediction's."""
+    dom = domain or time_domain()
+    gpu = cluster.gpu.name
+    name, derived = _measured_gpu(gpu, dom)
+    sets = [s for s in dom.sets if s.gpu == name]
+    if not sets:
+        return TimeBand(low=math.exp(-UNMEASURED_GPU_BAND), high=math.exp(UNMEASURED_GPU_BAND),
+                        basis=f"no measured runs on {gpu} or a GPU its figures derive from",
+                        outside=(f"no step time was ever measured on {gpu}",))
+    engine = strategy.engine
+    ms, same_engine = _pick_set(sets, engine)
+    outside: list[str] = []
+    widen = 0.0
+    if derived is not None:
+        widen += derived.widen
+        outside.append(f"{gpu} was never measured: {derived.reason}")
+    if not same_engine:
+        widen += WIDEN_UNMEASURED
+        outside.append(f"engine {engine} was never measured on {name}: the {ms.engine} set stands in")
+    s = strategy
+    tokens = profile.tokens_per_sample or 1
+    numeric = (("parameters", float(profile.params), ms.params, "{:.3g}"),
+               ("GPUs", float(s.world_size), ms.gpus, "{:.0f}"),
+               ("sequence", float(tokens), ms.seq, "{:.0f}"),
+               ("tokens per micro-batch", float(s.mbs * tokens / s.cp), ms.tokens_per_microbatch, "{:.0f}"),
+               ("tensor parallel", float(s.tp), ms.tp, "{:.0f}"),
+               ("pipeline parallel", float(s.pp), ms.pp, "{:.0f}"),
+               ("context parallel", float(s.cp), ms.cp, "{:.0f}"))
+    for label, value, (lo, hi), fmt in numeric:
+        octaves = _octaves(value, float(lo), float(hi))
+        if octaves > 0:
+            widen += WIDEN_PER_OCTAVE * octaves
+            outside.append(f"{label} {fmt.format(value)} outside the measured {fmt.format(lo)}-{fmt.format(hi)}")
+    if s.precision not in ms.precisions:
+        widen += WIDEN_UNMEASURED
+        outside.append(f"precision {s.precision} not measured (measured: {', '.join(ms.precisions)})")
+    if s.checkpointing not in ms.checkpointing:
+        widen += WIDEN_UNMEASURED
+        outside.append(f"checkpointing {s.checkpointing} not measured")
+    if s.offload_optimizer != "none" or s.offload_params != "none":
+        widen += WIDEN_UNMEASURED
+        outside.append("offload was never measured")
+    low = ms.ratio_low * math.exp(-widen)
+    high = ms.ratio_high * math.exp(widen)
+    envelope = mfu_envelope(gpu, s.precision, dom)
+    if envelope is not None and mfu > envelope:
+        high = max(high, mfu / envelope)
+        outside.append(f"predicted MFU {mfu:.0%} is above the best measured on {name} ({envelope:.0%})")
+    basis = (f"{ms.name}: {ms.runs} measured runs, {ms.mape:.1%} MAPE, measured/predicted "
+             f"{ms.ratio_low:.2f}-{ms.ratio_high:.2f} (5th-95th percentile)")
+    return TimeBand(low=min(low, 1.0), high=max(high, 1.0), basis=basis, outside=tuple(outside))
+
+
+__all__ = ["MeasuredSet", "TimeBand", "TimeDomain", "mfu_envelope", "precision_class", "time_band",
+           "time_domain"]
