@@ -30,13 +30,10 @@ import math
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from optplan.estimators.efficiency import INTRA_NODE_ALPHA_S, LINK_EFFICIENCY
 from optplan.estimators.hardware import Cluster
 from optplan.estimators.parallel import GroupPlacement
 
-LINK_EFFICIENCY = 0.75
-"""Achieved bus bandwidth / datasheet link bandwidth (stated default: nccl-tests all-reduce busbw on
-H100 NVLink4 reaches ~340-370 of 450 GB/s; A100 NVLink3 ~230 of 300 GB/s)."""
-INTRA_NODE_ALPHA_S = 5e-6
 INTER_NODE_ALPHA_S = 15e-6
 DDP_BUCKET_BYTES = 25 * 2**20
 """torch DDP's gradient bucket (``bucket_cap_mb=25``, torch.nn.parallel.DistributedDataParallel docs)."""
@@ -99,13 +96,20 @@ def p2p_s(size_bytes: float, link: Link) -> float:
 
 def link_for(group: GroupPlacement, cluster: Cluster, *, intra_fraction: float = LINK_EFFICIENCY,
              intra_alpha_s: float = INTRA_NODE_ALPHA_S) -> Link:
-    """The link a ring over ``group`` runs at: intra-node when the group sits in one node, else the
-    slower of the intra-node and inter-node links (bytes/s achieved, alpha seconds)."""
+    """The link a ring over ``group`` runs at (bus bandwidth, bytes/s achieved; alpha seconds): intra-node
+    when the group sits in one node; across nodes the slower of the intra-node link and the inter-node
+    bandwidth of the group's GPUs in one node together. A ring (NCCL runs one channel per NIC, rail by
+    rail) crosses each node boundary once per channel, so every byte of the collective leaves a node once
+    over all the node's NICs the group uses: with g of the group's GPUs per node, each with its own NIC of
+    B, the inter-node bus bandwidth is g·B (NCCL's multi-node busbw on DGX systems approaches the node's
+    aggregate NIC bandwidth, not one NIC's; nccl-tests doc/PERFORMANCE.md defines busbw). A group with one
+    GPU per node (data parallelism beside tp = 8) gets one NIC's B."""
     intra = cluster.gpu.intra_node_bandwidth_bytes_per_s
     if group.nodes <= 1:
         return Link.model_construct(bandwidth_bytes_per_s=intra * intra_fraction, alpha_s=intra_alpha_s,
                                     inter_node=False)
-    bw = min(intra * intra_fraction, cluster.inter_node_bandwidth_bytes_per_s * LINK_EFFICIENCY)
+    local = -(-group.ranks // group.nodes)  # the group's GPUs per node, each with its own NIC (rails)
+    bw = min(intra * intra_fraction, local * cluster.inter_node_bandwidth_bytes_per_s * LINK_EFFICIENCY)
     return Link.model_construct(bandwidth_bytes_per_s=bw, alpha_s=INTER_NODE_ALPHA_S, inter_node=True)
 
 

@@ -65,8 +65,15 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from optplan.estimators.comm import INTRA_NODE_ALPHA_S, LINK_EFFICIENCY
-from optplan.estimators.hardware import GPUSpec
+from optplan.estimators.efficiency import (
+    EngineEfficiency,
+    GpuEfficiency,
+    default_efficiency,
+    efficiency_for,
+    engine_efficiency,
+    fitted_gpus,
+)
+from optplan.estimators.hardware import GPUSpec, find_gpu
 from optplan.estimators.optimizers import optimizer_state_bytes_per_param
 from optplan.estimators.precision import get_recipe
 from optplan.estimators.profile import ModelProfile
@@ -102,82 +109,24 @@ FLASH_BACKWARD_FACTOR = 2.5
 """FlashAttention-2 backward FLOPs / forward FLOPs (Dao 2023 §3.1: five GEMMs vs two)."""
 
 
-class GpuEfficiency(BaseModel):
-    """Achieved fractions and host overheads of one GPU system (dimensionless unless a unit is named)."""
+A100_FIT: GpuEfficiency = efficiency_for(find_gpu("A100-80GB"))
+"""A100 constants (data/efficiency.yaml; dimensionless unless the name carries a unit), fitted on the vTrain
+data set (Bang et al., MICRO 2024, arXiv 2312.12391): 1,440 measured Megatron-DeepSpeed iterations of GPT
+models (hidden 1024/2048, 12-24 layers, sequence 1024, vocabulary 50,257) on 2, 4 and 8 A100s of one node
+with tp 1-8, pp 1-4 (1F1B), fp16 and full activation checkpointing; the fit half is every other row in file
+order within each GPU count (``python benchmarks/fidelity_vtrain.py`` refits it). Bounds (physical
+ceilings, reached): gemm_peak_fraction <= 0.86 (the best measured A100 16-bit matmul, 267.9 of 312 TFLOP/s:
+S. Bekman, "Machine Learning Engineering", Maximum Achievable Matmul FLOPS) and intra_node_alpha_s <= 5 µs
+per ring step. Read the fitted values as effective: gemm_wave_outputs came out below the 108 SMs × 128²
+tile outputs of a full wave (cuBLAS picks smaller tiles and split-K for small GEMMs, and the host floor
+covers small micro-batches); intra_node_link_fraction (186 of 300 GB/s) is the bus bandwidth of the 2-32 MB
+all-reduces these layers make; host_* are the measured system's Python/launch costs. The flash-attention
+fractions come from llm-foundry's A100 FSDP runs (``benchmarks/fit_time.py``): vTrain has no flash."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    gemm_peak_fraction: float = Field(gt=0, le=1, description="large aligned 16-bit GEMM: achieved / peak")
-    gemm_wave_outputs: float = Field(gt=0, description="GEMM output elements per full wave of tiles "
-                                                       "(SMs × tile area, effective); efficiency x/(x + ½)")
-    alignment_exponent: float = Field(ge=0, description="γ in (alignment bytes / 16)^γ")
-    hbm_fraction: float = Field(gt=0, le=1, description="achieved / datasheet HBM bandwidth")
-    elementwise_factor: float = Field(ge=0, description="elementwise bytes moved / the kernel-by-kernel count")
-    logits_bytes_per_element: float = Field(ge=0, description="cross-entropy bytes moved per logit, fwd+bwd")
-    flash_attention_fraction: float = Field(gt=0, le=1, description="flash attention forward: achieved / peak")
-    host_layer_pass_s: float = Field(ge=0, description="host time to issue one layer's forward (s)")
-    host_microbatch_s: float = Field(ge=0, description="host time per micro-batch per stage (s)")
-    host_step_s: float = Field(ge=0, description="host time per optimizer step (s)")
-    host_collective_step_s: float = Field(ge=0, description="host-side wait per ring step of a blocking "
-                                                            "tensor-parallel collective (s)")
-    overlap_exponent: float = Field(ge=1, description="p of the host/device p-norm blend")
-    intra_node_link_fraction: float = Field(gt=0, le=1, description="achieved bus bandwidth / datasheet link")
-    intra_node_alpha_s: float = Field(ge=0, description="latency per ring step on the intra-node link (s)")
-    source: str = ""
-
-
-A100_FIT = GpuEfficiency(
-    gemm_peak_fraction=0.86,
-    gemm_wave_outputs=1.422e5,
-    alignment_exponent=0.1965,
-    hbm_fraction=0.85,
-    elementwise_factor=1.245,
-    logits_bytes_per_element=90.3,
-    flash_attention_fraction=0.5,
-    host_layer_pass_s=0.7647e-3,
-    host_microbatch_s=1.695e-3,
-    host_step_s=0.4978e-3,
-    host_collective_step_s=11.7e-6,
-    overlap_exponent=2.82,
-    intra_node_link_fraction=0.6185,
-    intra_node_alpha_s=5e-6,
-    source="fitted by benchmarks/fidelity_vtrain.py on the fit half of the 1,440 vTrain A100 rows "
-           "(Megatron-DeepSpeed, fp16, full checkpointing, 1F1B; ../shared/data/vtrain_single_node.csv)",
-)
-"""A100 constants (dimensionless unless the name carries a unit), fitted on the vTrain data set
-(Bang et al., MICRO 2024, arXiv 2312.12391): 1,440 measured Megatron-DeepSpeed iterations of GPT models
-(hidden 1024/2048, 12-24 layers, sequence 1024, vocabulary 50,257) on 2, 4 and 8 A100s of one node with
-tp 1-8, pp 1-4 (1F1B), fp16 and full activation checkpointing. The fit half is every other row in file
-order within each GPU count (720 rows); ``python benchmarks/fidelity_vtrain.py`` refits by pattern
-search on the mean absolute percentage error and reports the held-out half: 5.5 % MAPE (2 GPUs 4.1 %,
-4 GPUs 5.3 %, 8 GPUs 6.1 %). Bounds (physical ceilings, reached): gemm_peak_fraction <= 0.86 (the best
-measured A100 16-bit matmul, 267.9 of 312 TFLOP/s: S. Bekman, "Machine Learning Engineering", Maximum
-Achievable Matmul FLOPS) and intra_node_alpha_s <= 5 µs per ring step (a small all-reduce over 8 GPUs
-takes ~20-30 µs). Read the fitted values as effective: gemm_wave_outputs came out below the 108 SMs ×
-128² tile outputs of a full wave (cuBLAS picks smaller tiles and split-K for small GEMMs, and the host
-floor covers small micro-batches); intra_node_link_fraction (186 of 300 GB/s) is the bus bandwidth of the
-2-32 MB all-reduces these layers make, below nccl-tests' large-message ~230 GB/s; host_* are the measured
-system's Python/launch costs (host_collective_step_s is what makes t = 8 on small layers slow in the
-data). hbm_fraction and flash_attention_fraction are stated defaults (the HBM fraction and
-``elementwise_factor`` are not separable in the data; it has no flash attention: FlashAttention-2 reaches
-50-70 % of A100 peak, Dao 2023 §4.1). Out of sample, GPT-3 175B on 1,536 A100s (t = 8, p = 16, batch
-1,536; Narayanan et al. 2021 Table 1: 153 TFLOP/s per GPU) comes out at ~140 TFLOP/s."""
-
-EFFICIENCY: dict[str, GpuEfficiency] = {"A100-80GB": A100_FIT, "A100-40GB": A100_FIT}
-"""Per-GPU constants by catalogue name."""
-
-DEFAULT_EFFICIENCY = A100_FIT.model_copy(update={
-    "intra_node_link_fraction": LINK_EFFICIENCY, "intra_node_alpha_s": INTRA_NODE_ALPHA_S,
-    "source": "no fit for this GPU: the A100 fit's GEMM, HBM and elementwise fractions and host overheads; "
-              "comm.py's default link efficiency and latency (stated defaults)"})
-"""GPUs without a fit take the A100 fit's dimensionless compute fractions against their own datasheet
-peaks and the same host overheads (the same software stack), and comm.py's generic link figures (the
-fitted NVLink3 latency includes A100-system effects); probes calibrate them later."""
-
-
-def efficiency_for(gpu: GPUSpec) -> GpuEfficiency:
-    """The constants for ``gpu``: its fit when there is one, else ``DEFAULT_EFFICIENCY``."""
-    return EFFICIENCY.get(gpu.name, DEFAULT_EFFICIENCY)
+EFFICIENCY: dict[str, GpuEfficiency] = {name: efficiency_for(find_gpu(name)) for name in fitted_gpus()}
+"""Per-GPU fitted constants by catalogue name (data/efficiency.yaml ``gpus``)."""
+DEFAULT_EFFICIENCY: GpuEfficiency = default_efficiency()
+"""What a GPU without a fit or derivation takes (efficiency.py ``default_efficiency``)."""
 
 
 def _align_bytes(dim: float, elem_bytes: int) -> int:
@@ -283,9 +232,10 @@ def _fraction(eff: GpuEfficiency, dtype: str) -> float:
     return min(MAX_GEMM_FRACTION, eff.gemm_peak_fraction * GEMM_DTYPE_FRACTION.get(dtype, 1.0))
 
 
-EAGER_ELEMENTWISE_FACTOR = 4.0
-"""Elementwise bytes of an eager PyTorch layer (engine "torch") ÷ the fused kernel-by-kernel count above.
-Stated default, by counting the kernels of an eager Llama layer (torchtitan's, or examples/llama.py) per
+EAGER_ELEMENTWISE_FACTOR = engine_efficiency("torch").elementwise_multiplier
+"""Elementwise bytes of an eager PyTorch layer (engine "torch") ÷ the fused kernel-by-kernel count above
+(data/efficiency.yaml ``engines.torch``; fitted by benchmarks/fit_time.py on llm-foundry's FSDP runs). The
+prior it started from, by counting the kernels of an eager Llama layer (torchtitan's, or examples/llama.py) per
 token in bf16 (bytes read + written): two RMSNorms computed in fp32 (cast, pow, mean, multiply, cast
 back, weight: ~36·h each), rotary embeddings on q and k through fp32 complex products (~25·h with
 kv = h/4), two residual adds (12·h) and an unfused SwiGLU (silu, product: 10·F): ~109·h + 10·F, against
@@ -293,7 +243,8 @@ the fused count 22·h + 4·F (Megatron's fused bias-GeLU, bias-dropout-add and n
 h = 4096, F = 3.5·h. Megatron and DeepSpeed (Megatron-DeepSpeed's fused kernels) keep the fitted count."""
 
 
-def layer_time(dims: TransformerDims, strategy: Strategy, gpu: GPUSpec, eff: GpuEfficiency) -> LayerTime:
+def layer_time(dims: TransformerDims, strategy: Strategy, gpu: GPUSpec, eff: GpuEfficiency,
+               engine: EngineEfficiency | None = None) -> LayerTime:
     """GEMM and elementwise time of one layer for one micro-batch on one GPU (module docstring)."""
     s, t, c, b = dims.seq, strategy.tp, strategy.cp, strategy.mbs
     h, a = dims.hidden, dims.heads
@@ -317,7 +268,7 @@ def layer_time(dims: TransformerDims, strategy: Strategy, gpu: GPUSpec, eff: Gpu
     core_flops = 4.0 * heads * (s / c) * s * d
     if strategy.flash:
         core_fwd = CAUSAL_FLASH_FRACTION * core_flops / (other_peak * eff.flash_attention_fraction)
-        core_bwd = FLASH_BACKWARD_FACTOR * core_fwd
+        core_bwd = FLASH_BACKWARD_FACTOR * CAUSAL_FLASH_FRACTION * core_flops / (other_peak * eff.flash_backward)
     else:
         akw = dict(kw, peak_flops=other_peak, fraction=_fraction(eff, "bf16" if dtype == "fp8" else dtype))
         q = s / c
@@ -328,9 +279,9 @@ def layer_time(dims: TransformerDims, strategy: Strategy, gpu: GPUSpec, eff: Gpu
     r = 1.0 / t if strategy.sp else 1.0
     ew_fwd_bytes = tokens * h * r * (4 * elem + 2 * (3 * elem + 1)) + tokens * (ffn / t) * 2 * elem
     ew_bwd_bytes = tokens * h * r * (6 * elem + 2 * (5 * elem + 1)) + tokens * (ffn / t) * 3 * elem
-    if strategy.engine == "torch":
-        ew_fwd_bytes *= EAGER_ELEMENTWISE_FACTOR
-        ew_bwd_bytes *= EAGER_ELEMENTWISE_FACTOR
+    multiplier = (engine or engine_efficiency(strategy.engine)).elementwise_multiplier
+    ew_fwd_bytes *= multiplier
+    ew_bwd_bytes *= multiplier
     score_fwd = score_bwd = 0.0
     if not strategy.flash:
         scores = heads * (s / c) * s

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from optplan.estimators.calibration import Calibration, calibrate_estimate
-from optplan.estimators.compute import EFFICIENCY
+from optplan.estimators.efficiency import derivation_for, fitted_gpus
 from optplan.estimators.cost import CostEstimate
 from optplan.estimators.hardware import Cluster
 from optplan.estimators.memory import MemoryBreakdown, memory_breakdown, usable_capacity_bytes
@@ -95,7 +95,7 @@ def estimate_notes(profile: ModelProfile, strategy: Strategy, cluster: Cluster) 
     optimizer = optimizer_state_note(strategy.optimizer, profile, flat_params=optimizer_sees_flat_params(strategy))
     if optimizer:
         notes.append(optimizer)
-    if cluster.gpu.name not in EFFICIENCY:
+    if cluster.gpu.name not in fitted_gpus() and derivation_for(cluster.gpu.name) is None:
         notes.append(f"time: {cluster.gpu.name} has no fitted efficiencies; the A100 fit's GEMM, memory and host "
                      "fractions are applied to its datasheet peaks, so throughput and MFU may be optimistic "
                      "until probe runs calibrate them")

@@ -27,6 +27,9 @@ Composition (one optimizer step; the slowest pipeline stage and the slowest rank
   * torch DDP: bucketed (25 MiB) all-reduce overlapped with the last micro-batch's backward (``no_sync``
     before it), the last bucket exposed; FSDP: all-gathers prefetched and reduce-scatters overlapped
     with each micro-step's compute, the first unit's gather exposed.
+  Overlap is not free: NCCL's kernels run on SMs and stream through HBM while the GEMMs they hide behind
+  run, so a share of the overlapped time (the engine's ``overlap_interference``, efficiency.py; fitted
+  on llm-foundry's FSDP runs) still lands on the critical path.
   ``comm_s`` is all communication time; ``exposed_comm_s`` the part on the critical path.
 - Profile FLOPs beyond what the shape accounts for (a measured model's extra modules) are priced on the
   last stage at ``UNMODELLED_FLOPS_FRACTION`` of the large-GEMM rate (compute.py).
@@ -76,6 +79,7 @@ from optplan.estimators.compute import (
     optimizer_step_s,
     transformer_dims,
 )
+from optplan.estimators.efficiency import EngineEfficiency, engine_efficiency
 from optplan.estimators.hardware import Cluster, GPUSpec
 from optplan.estimators.memory import param_split, stage_params
 from optplan.estimators.parallel import Placement, layers_per_stage, placement
@@ -137,10 +141,14 @@ def _links(pl: Placement, cluster: Cluster, eff: GpuEfficiency) -> dict[str, Lin
 
 def _comm_grad_bytes(strategy: Strategy) -> int:
     """Bytes per gradient element in the data-parallel reduction: Megatron all-reduces fp32 main
-    gradients under bf16 (``accumulate_allreduce_grads_in_fp32`` is forced for bf16), else the recipe's."""
+    gradients under bf16 (``accumulate_allreduce_grads_in_fp32`` is forced for bf16); torch FSDP reduces in
+    fp32 under the 16-bit recipes (``reduce_dtype=torch.float32``, torchtitan's and Composer's default and
+    optplan's export); else the recipe's."""
     recipe = get_recipe(strategy.precision)
     if strategy.engine == "megatron" and strategy.precision in ("bf16", "fp8") and recipe.master_bytes > 0:
         return 4
+    if strategy.engine == "torch" and strategy.fsdp != "none" and recipe.master_bytes > 0:
+        return 4  # FSDP MixedPrecision(param_dtype=16-bit, reduce_dtype=fp32), as the exports configure it
     return recipe.grad_bytes
 
 
@@ -155,7 +163,7 @@ class DataParallelComm(BaseModel):
 
 def data_parallel_comm(strategy: Strategy, params_local: float, trainable_fraction: float, dp_link: Link,
                        shard_link: Link, pl: Placement, *, step_compute_s: float, mb_compute_s: float,
-                       last_bwd_s: float, units: int) -> DataParallelComm:
+                       last_bwd_s: float, units: int, engine: EngineEfficiency | None = None) -> DataParallelComm:
     """Data-parallel / ZeRO / FSDP collectives of one step and the part left exposed (module docstring).
 
     ``params_local`` are this rank's parameters after tensor and pipeline parallelism (count);
@@ -201,6 +209,9 @@ def data_parallel_comm(strategy: Strategy, params_local: float, trainable_fracti
         exposed = m * max(exposed_s(per_mb, mb_compute_s), per_mb / max(1, units)) + once
     else:
         exposed = total
+    # overlapped collectives still take SMs and HBM bandwidth from the compute they hide behind
+    kappa = (engine or engine_efficiency(strategy.engine)).overlap_interference
+    exposed += kappa * max(0.0, total - exposed)
     if strategy.offload_params != "none":
         pcie = m * 2 * (weights / max(1, pl.shard.ranks)) / PCIE_BYTES_PER_S
         total += pcie
@@ -267,7 +278,7 @@ def _flops_only_step(profile: ModelProfile, strategy: Strategy, cluster: Cluster
 
 
 def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: Strategy, cluster: Cluster,
-                      eff: GpuEfficiency) -> TimeBreakdown:
+                      eff: GpuEfficiency, engine: EngineEfficiency) -> TimeBreakdown:
     """Transformer profiles: per-stage roofline by op class, collectives by placement, 1F1B pipeline."""
     gpu = cluster.gpu
     s_, t, c, p, v, m = strategy, strategy.tp, strategy.cp, strategy.pp, strategy.vpp, strategy.grad_accum
@@ -276,7 +287,7 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
     hbm = gpu.memory_bandwidth_bytes_per_s * eff.hbm_fraction
     pl = placement(s_, cluster.gpus_per_node)
     links = _links(pl, cluster, eff)
-    lt = layer_time(dims, s_, gpu, eff)
+    lt = layer_time(dims, s_, gpu, eff, engine)
     ht = head_time(dims, s_, gpu, eff)
     tokens = s_.mbs * dims.seq / c
     h = dims.hidden
@@ -293,7 +304,8 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
     kv_local = dims.kv_heads * (h / dims.heads) / t
     cp_fwd, cp_bwd = cp_ring_exchange_s(tokens, kv_local, elem, c, links["cp"])
     core_fwd = lt.attention_core_fwd_s
-    core_bwd = core_fwd * (FLASH_BACKWARD_FACTOR if s_.flash else 2.0)
+    core_bwd = core_fwd * (FLASH_BACKWARD_FACTOR * eff.flash_attention_fraction / eff.flash_backward
+                           if s_.flash else 2.0)
     layer_cp = cp_fwd + cp_bwd + (cp_fwd if full else 0.0)
     layer_cp_exposed = (exposed_s(cp_fwd, core_fwd) + exposed_s(cp_bwd, core_bwd)
                         + (exposed_s(cp_fwd, core_fwd) if full else 0.0))
@@ -365,7 +377,7 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
     for info in stage_info:
         dpc = data_parallel_comm(s_, info["params"], trainable, links["dp"], links["shard"], pl,
                                  step_compute_s=m * info["compute"], mb_compute_s=info["compute"],
-                                 last_bwd_s=info["bwd"], units=int(info["layers"]) or 1)
+                                 last_bwd_s=info["bwd"], units=int(info["layers"]) or 1, engine=engine)
         tied = 0.0
         if p > 1 and split.tied and split.embed:
             tied = ring_all_reduce_s(split.embed / t * grad_bytes * trainable, 2,
@@ -399,17 +411,17 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
 
 
 def step_time(profile: ModelProfile, strategy: Strategy, cluster: Cluster, *,
-              efficiency: GpuEfficiency | None = None) -> TimeBreakdown:
+              efficiency: GpuEfficiency | None = None, engine: EngineEfficiency | None = None) -> TimeBreakdown:
     """Time of one optimizer step of ``strategy`` on ``cluster`` with throughput, MFU and HFU.
 
-    ``efficiency`` overrides the GPU's constants (compute.py ``efficiency_for``); the vTrain benchmark
-    fits them through it.
+    ``efficiency`` overrides the GPU's constants and ``engine`` the engine family's (efficiency.py); the
+    fitting benchmarks (fidelity_vtrain.py, fit_time.py) fit them through these.
     """
     eff = efficiency or efficiency_for(cluster.gpu)
     dims = transformer_dims(profile)
     if dims is None:
         return _flops_only_step(profile, strategy, cluster, eff)
-    return _transformer_step(profile, dims, strategy, cluster, eff)
+    return _transformer_step(profile, dims, strategy, cluster, eff, engine or engine_efficiency(strategy.engine))
 
 
 __all__ = ["TimeBreakdown", "comm_time_s", "data_parallel_comm", "mfu_peak_flops",

@@ -131,11 +131,14 @@ def test_ceiling_report_lines() -> None:
     measured = MeasuredCeilings(matmul_flops_per_s={"fp16": 650e12, "bf16": 712e12},
                                 copy_bytes_per_s=2.9e12, allreduce_bus_bytes_per_s=370e9)
     lines = ceiling_report(gpu, measured)
+    eff = efficiency_for(gpu)
+    gemm, hbm, link = (f"{100 * gemm_fraction(eff, 'bf16'):.0f}%", f"{100 * eff.hbm_fraction:.0f}%",
+                       f"{100 * eff.intra_node_link_fraction:.0f}%")
     assert lines == [
-        "bf16 matmul: measured 712 TFLOP/s = 72% of datasheet 989.5 (model assumed 86%)",
-        "fp16 matmul: measured 650 TFLOP/s = 66% of datasheet 989.5 (model assumed 86%)",
-        "memory copy: measured 2,900 GB/s = 87% of datasheet 3,350 (model assumed 85%)",
-        "all-reduce bus bandwidth: measured 370 GB/s = 82% of datasheet NVLink4 450 (model assumed 75%)",
+        f"bf16 matmul: measured 712 TFLOP/s = 72% of datasheet 989.5 (model assumed {gemm})",
+        f"fp16 matmul: measured 650 TFLOP/s = 66% of datasheet 989.5 (model assumed {gemm})",
+        f"memory copy: measured 2,900 GB/s = 87% of datasheet 3,350 (model assumed {hbm})",
+        f"all-reduce bus bandwidth: measured 370 GB/s = 82% of datasheet NVLink4 450 (model assumed {link})",
     ]
     a100 = find_gpu("A100-80GB")
     (fp8,) = ceiling_report(a100, MeasuredCeilings(matmul_flops_per_s={"fp8": 400e12}))

@@ -80,7 +80,8 @@ def test_data_parallel_across_nodes_is_slower() -> None:
     one_node = estimate(prof, Cluster(gpu=make_gpu(), gpus=8, gpus_per_node=8), s).time
     two_nodes = estimate(prof, Cluster(gpu=make_gpu(), gpus=8, gpus_per_node=4,
                                        inter_node_bandwidth_bytes_per_s=25e9), s).time
-    assert two_nodes.dp_comm_s > 10 * one_node.dp_comm_s
+    # two nodes of 4: every byte leaves a node over its 4 NICs (4 x 25 GB/s) instead of NVLink
+    assert two_nodes.dp_comm_s > 2 * one_node.dp_comm_s
     assert two_nodes.compute_s == pytest.approx(one_node.compute_s)
 
 
@@ -110,14 +111,15 @@ def test_overlap_defaults_by_engine() -> None:
     # Megatron all-reduces fp32 main gradients under bf16 (twice the bytes); Megatron (no
     # --overlap-grad-reduce) and DeepSpeed (overlap_comm off) expose the all-reduce, DDP hides all but
     # what exceeds the last backward (and at least one bucket)
-    assert megatron.dp_comm_s == pytest.approx(2 * ddp.dp_comm_s, rel=2e-3)
+    assert megatron.dp_comm_s == pytest.approx(2 * ddp.dp_comm_s, rel=2e-2)  # twice the bytes, same latency
     assert ds0.dp_comm_s == pytest.approx(ddp.dp_comm_s)
     assert megatron.exposed_dp_comm_s == pytest.approx(megatron.dp_comm_s)
     assert ds0.exposed_dp_comm_s == pytest.approx(ds0.dp_comm_s)
     assert ddp.exposed_dp_comm_s < ddp.dp_comm_s
     z3 = estimate(prof, cluster, Strategy(engine="deepspeed", zero=3, **common)).time
     fsdp = estimate(prof, cluster, Strategy(engine="torch", fsdp="full", **common)).time
-    assert z3.dp_comm_s == pytest.approx(fsdp.dp_comm_s)
+    # torch FSDP reduce-scatters in fp32 (reduce_dtype=float32, as exported); ZeRO-3 in the bf16 gradients
+    assert fsdp.dp_comm_s > 1.2 * z3.dp_comm_s
     assert z3.exposed_dp_comm_s < z3.dp_comm_s
     for t in (megatron, ddp, ds0, z3, fsdp):
         assert t.exposed_comm_s <= t.comm_s + 1e-12

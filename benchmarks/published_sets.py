@@ -1,0 +1,184 @@
+"""Measured training runs as rows the time model can price: every set the fit and the report use.
+
+Each row is one measured run: a profile from its shape (``--arch`` formulas), a cluster, a strategy and
+the measured step time (seconds). Sets:
+
+- ``vtrain``: 1,440 Megatron-DeepSpeed iterations on 2-8 A100s (benchmarks/fidelity_vtrain.py's rows).
+- ``llmfoundry-<gpu>``: 191 MPT runs with Composer and torch FSDP (``../shared/data`` copy in
+  benchmarks/data/llmfoundry_mpt_benchmarks.csv, Apache-2.0). MPT blocks are GPT blocks without biases,
+  learned positions, tied embeddings, flash attention, ffn 4h, vocabulary 50,368: the ``--arch`` GPT shape
+  with the table's vocabulary. Composer's ``amp_bf16`` with FSDP ``DEFAULT`` mixed precision keeps fp32
+  sharded parameters, gathers them in bf16 and reduces gradients in fp32 — optplan's torch ``bf16`` recipe
+  as its exports configure it; ``bf16``/``PURE`` rows reduce in bf16 (modelled as the same recipe: their
+  fp32 reduction volume is overstated, which the overlap hides). Measured step time = global batch ×
+  sequence ÷ (tokens/s per GPU × GPUs). A100 tables ran on RoCE at 1,600 Gb/s per node (25 GB/s per
+  GPU); the H100 table names no interconnect: 400 Gb/s per GPU (the catalogue default, 8 × NDR per
+  node) is assumed.
+- ``narayanan-table1``, ``korthikanti-table5``, ``torchtitan``: published tables (sources in ``PAPER``).
+
+Split for fitting: within each set, rows alternate in file order between the fit half and the held-out
+half (``split``).
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+
+from optplan.estimators.arch import ArchSpec, parse_arch, profile_from_arch
+from optplan.estimators.efficiency import EngineEfficiency, GpuEfficiency
+from optplan.estimators.estimate import estimate
+from optplan.estimators.hardware import Cluster, find_gpu
+from optplan.estimators.profile import ModelProfile
+from optplan.estimators.strategy import Strategy
+from optplan.estimators.timing import TimeBreakdown, step_time
+
+HERE = Path(__file__).resolve().parent
+LLMFOUNDRY = HERE / "data" / "llmfoundry_mpt_benchmarks.csv"
+LLMFOUNDRY_GPU = {"h100_80gb": "H100-SXM", "a100_80gb": "A100-80GB", "a100_40gb": "A100-40GB"}
+LLMFOUNDRY_NIC_BYTES_PER_S = {"h100_80gb": 50e9, "a100_80gb": 25e9, "a100_40gb": 25e9}
+
+
+@dataclass(frozen=True)
+class Row:
+    """One measured run and how to price it."""
+
+    set: str
+    label: str
+    profile: ModelProfile
+    cluster: Cluster
+    strategy: Strategy
+    measured_s: float
+    extra: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def gpu(self) -> str:
+        return self.cluster.gpu.name
+
+    def time(self, eff: GpuEfficiency | None = None, engine: EngineEfficiency | None = None) -> TimeBreakdown:
+        """The predicted step (committed constants through ``estimate``, else ``step_time`` with overrides)."""
+        if eff is None and engine is None:
+            return estimate(self.profile, self.cluster, self.strategy).time
+        return step_time(self.profile, self.strategy, self.cluster, efficiency=eff, engine=engine)
+
+    def ratio(self, eff: GpuEfficiency | None = None, engine: EngineEfficiency | None = None) -> float:
+        """Predicted ÷ measured step time."""
+        return self.time(eff, engine).step_s / self.measured_s
+
+
+@cache
+def _profile(layers: int, hidden: int, heads: int, seq: int, vocab: int, flash: bool = True,
+             kv_heads: int | None = None, ffn: int | None = None, gated: bool = False,
+             tied: bool = True) -> ModelProfile:
+    return profile_from_arch(ArchSpec(layers=layers, hidden=hidden, heads=heads, seq=seq, vocab=vocab,
+                                      flash=flash, kv_heads=kv_heads, ffn=ffn, gated=gated, tied=tied))
+
+
+def llmfoundry_rows(path: Path = LLMFOUNDRY) -> list[Row]:
+    """The 191 llm-foundry MPT runs, one set per GPU (``llmfoundry-H100-SXM`` ...), file order."""
+    rows = []
+    with path.open() as f:
+        for raw in csv.DictReader(f):
+            layers, hidden, heads, vocab, seq = (int(raw[k]) for k in ("layers", "hidden", "heads", "vocab",
+                                                                       "SeqLen (T)"))
+            gpus, mbs, accum = int(raw["# GPUs"]), int(raw["MicroBatchSize"]), int(raw["GradAccum"])
+            ck = "full" if raw["Activation Checkpointing"] == "True" else "none"
+            strategy = Strategy(precision="bf16", engine="torch", fsdp="full", dp=gpus, mbs=mbs, grad_accum=accum,
+                                checkpointing=ck)
+            gpu = LLMFOUNDRY_GPU[raw["GPU"]]
+            cluster = Cluster(gpu=find_gpu(gpu), gpus=gpus, gpus_per_node=8,
+                              inter_node_bandwidth_bytes_per_s=LLMFOUNDRY_NIC_BYTES_PER_S[raw["GPU"]])
+            tokens_per_gpu_s = float(raw["Throughput (T/s/GPU)"])
+            measured = strategy.global_batch * seq / (tokens_per_gpu_s * gpus)
+            label = (f"MPT-{raw['Model']} s={seq} gpus={gpus} mbs={mbs} ga={accum} ck={ck} "
+                     f"{raw['Precision']}/{raw['MP Mode']}")
+            rows.append(Row(set=f"llmfoundry-{gpu}", label=label,
+                            profile=_profile(layers, hidden, heads, seq, vocab), cluster=cluster,
+                            strategy=strategy, measured_s=measured,
+                            extra={"mfu": raw["MFU"], "precision": raw["Precision"]}))
+    return rows
+
+
+def vtrain_rows() -> list[Row]:
+    """vTrain's 1,440 A100 rows through benchmarks/fidelity_vtrain.py's own loader."""
+    spec = importlib.util.spec_from_file_location("fidelity_vtrain", HERE / "fidelity_vtrain.py")
+    assert spec and spec.loader
+    module = sys.modules.get("fidelity_vtrain") or importlib.util.module_from_spec(spec)
+    if "fidelity_vtrain" not in sys.modules:
+        sys.modules["fidelity_vtrain"] = module
+        spec.loader.exec_module(module)
+    return [Row(set="vtrain", label=r.label(), profile=r.profile, cluster=r.cluster, strategy=r.strategy,
+                measured_s=r.measured_s) for r in module.load_rows()]
+
+
+def narayanan_eq3_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
+    """FLOPs of one iteration with full recomputation, Narayanan et al. 2021 eq. 3:
+    96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h))."""
+    return 96.0 * batch * seq * layers * hidden ** 2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
+
+
+@dataclass(frozen=True)
+class Paper:
+    """A published table row: shape, layout, and what it reported."""
+
+    set: str
+    label: str
+    arch: str
+    seq: int
+    gpu: str
+    gpus: int
+    strategy: Strategy
+    measured_s: Callable[[], float]
+    source: str
+    nic_bytes_per_s: float = 25e9
+
+
+def _narayanan(params: str, heads: int, hidden: int, layers: int, tp: int, pp: int, gpus: int, batch: int,
+               tflops: float) -> Paper:
+    dp = gpus // (tp * pp)
+    mbs = 1
+    accum = batch // (dp * mbs)
+    s = Strategy(precision="fp16", engine="megatron", tp=tp, pp=pp, dp=dp, mbs=mbs, grad_accum=accum, sp=False,
+                 flash=False, checkpointing="full", vpp=1)
+    return Paper(set="narayanan-table1", label=f"GPT {params} tp{tp} pp{pp} {gpus} A100 batch {batch}",
+                 arch=f"layers={layers},hidden={hidden},heads={heads},vocab=51200", seq=2048, gpu="A100-80GB",
+                 gpus=gpus, strategy=s,
+                 measured_s=lambda: narayanan_eq3_flops(batch, 2048, layers, hidden, 51200) / (tflops * 1e12 * gpus),
+                 source="Narayanan et al. 2021 (arXiv 2104.04473) Table 1; Selene, 8 x 200 Gb/s HDR per node")
+
+
+PAPER: tuple[Paper, ...] = ()
+"""Published tables (filled in below from their papers)."""
+
+
+def paper_rows() -> list[Row]:
+    """Rows of the published tables in ``PAPER``."""
+    out = []
+    for p in PAPER:
+        prof = profile_from_arch(parse_arch(p.arch, seq_len=p.seq))
+        cluster = Cluster(gpu=find_gpu(p.gpu), gpus=p.gpus, gpus_per_node=8,
+                          inter_node_bandwidth_bytes_per_s=p.nic_bytes_per_s)
+        out.append(Row(set=p.set, label=p.label, profile=prof, cluster=cluster, strategy=p.strategy,
+                       measured_s=p.measured_s(), extra={"source": p.source}))
+    return out
+
+
+def all_rows() -> list[Row]:
+    """Every given set, in a stable order."""
+    return vtrain_rows() + llmfoundry_rows() + paper_rows()
+
+
+def split(rows: list[Row]) -> tuple[list[Row], list[Row]]:
+    """(fit, held-out): alternating rows in file order within each set."""
+    seen: dict[str, int] = {}
+    fit, held = [], []
+    for r in rows:
+        i = seen.get(r.set, 0)
+        (fit if i % 2 == 0 else held).append(r)
+        seen[r.set] = i + 1
+    return fit, held

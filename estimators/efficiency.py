@@ -1,0 +1,156 @@
+"""Achieved-efficiency constants of the time model, per GPU generation and per engine (data/efficiency.yaml).
+
+Two kinds of constants, kept apart because they come from different measurements:
+
+- :class:`GpuEfficiency`, per GPU: what the hardware and its kernels reach (large-GEMM fraction of peak,
+  wave and alignment effects, HBM fraction, flash-attention forward and backward fractions, NVLink bus
+  bandwidth and latency) plus the host overheads of the stack that was measured on it. Fitted per GPU by
+  ``benchmarks/fit_time.py`` on measured runs (A100: vTrain's Megatron-DeepSpeed runs for GEMMs, memory,
+  host and links, llm-foundry's FSDP runs for flash attention; H100: llm-foundry's FSDP runs), each with
+  its ``source`` naming the data and the fit. GPUs without measurements *derive* from a measured one
+  (``derived:`` in the file: H200 is H100's die with faster HBM; B200 a newer part) and say why.
+- :class:`EngineEfficiency`, per engine family (torch, deepspeed, megatron): what the training framework
+  adds on any GPU: eager elementwise kernels (torch runs unfused norms, activations and residual adds),
+  and how much overlapped communication still slows compute (NCCL kernels occupy SMs and HBM bandwidth
+  while a GEMM runs: the "overlap interference"). torch is fitted on llm-foundry's FSDP runs (A100 and
+  H100); DeepSpeed takes torch's overlap figure (its ZeRO-3 prefetch overlaps the same way; no measured
+  set: stated) and Megatron-DeepSpeed's fused kernels keep the vTrain count (its data-parallel reduction
+  is not overlapped, so interference does not arise).
+
+Units: fractions are dimensionless; names ending ``_s`` are seconds; wave outputs are GEMM output
+elements. Pure data and lookups; no torch.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from importlib import resources
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+from optplan.estimators.hardware import GPUSpec
+
+LINK_EFFICIENCY = 0.75
+"""Achieved bus bandwidth / datasheet link bandwidth (stated default: nccl-tests all-reduce busbw on
+H100 NVLink4 reaches ~340-370 of 450 GB/s; A100 NVLink3 ~230 of 300 GB/s)."""
+INTRA_NODE_ALPHA_S = 5e-6
+"""Latency per ring step inside a node (stated default), seconds."""
+
+
+class GpuEfficiency(BaseModel):
+    """Achieved fractions and host overheads of one GPU system (dimensionless unless a unit is named)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    gemm_peak_fraction: float = Field(gt=0, le=1, description="large aligned 16-bit GEMM: achieved / peak")
+    gemm_wave_outputs: float = Field(gt=0, description="GEMM output elements per full wave of tiles "
+                                                       "(SMs × tile area, effective); efficiency x/(x + ½)")
+    alignment_exponent: float = Field(ge=0, description="γ in (alignment bytes / 16)^γ")
+    hbm_fraction: float = Field(gt=0, le=1, description="achieved / datasheet HBM bandwidth")
+    elementwise_factor: float = Field(ge=0, description="elementwise bytes moved / the kernel-by-kernel count")
+    logits_bytes_per_element: float = Field(ge=0, description="cross-entropy bytes moved per logit, fwd+bwd")
+    flash_attention_fraction: float = Field(gt=0, le=1, description="flash attention forward: achieved / peak")
+    flash_backward_fraction: float = Field(default=0.0, ge=0, le=1,
+                                           description="flash attention backward: achieved / peak (0: as forward)")
+    host_layer_pass_s: float = Field(ge=0, description="host time to issue one layer's forward (s)")
+    host_microbatch_s: float = Field(ge=0, description="host time per micro-batch per stage (s)")
+    host_step_s: float = Field(ge=0, description="host time per optimizer step (s)")
+    host_collective_step_s: float = Field(ge=0, description="host-side wait per ring step of a blocking "
+                                                            "tensor-parallel collective (s)")
+    overlap_exponent: float = Field(ge=1, description="p of the host/device p-norm blend")
+    intra_node_link_fraction: float = Field(gt=0, le=1, description="achieved bus bandwidth / datasheet link")
+    intra_node_alpha_s: float = Field(ge=0, description="latency per ring step on the intra-node link (s)")
+    source: str = ""
+
+    @property
+    def flash_backward(self) -> float:
+        """The backward fraction in use: ``flash_backward_fraction``, or the forward's when 0."""
+        return self.flash_backward_fraction or self.flash_attention_fraction
+
+
+class EngineEfficiency(BaseModel):
+    """What an engine family adds on any GPU (dimensionless)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    elementwise_multiplier: float = Field(gt=0, description="elementwise bytes ÷ the fused (Megatron) count")
+    overlap_interference: float = Field(ge=0, le=1, description="share of overlapped communication time that "
+                                                                "still delays compute (SMs/HBM taken by NCCL)")
+    source: str = ""
+
+
+class Derivation(BaseModel):
+    """A GPU without its own fit: whose constants it takes, which it changes, and why."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    from_gpu: str
+    update: dict[str, float] = Field(default_factory=dict)
+    reason: str
+
+
+class EfficiencyTable(BaseModel):
+    """``data/efficiency.yaml``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    gpus: dict[str, GpuEfficiency]
+    derived: dict[str, Derivation] = Field(default_factory=dict)
+    default_gpu: str = Field(description="the fit GPUs without a fit or a derivation take (compute fractions)")
+    engines: dict[str, EngineEfficiency]
+
+
+@cache
+def efficiency_table() -> EfficiencyTable:
+    """The packaged table (read once; immutable)."""
+    text = resources.files("optplan.estimators").joinpath("data/efficiency.yaml").read_text(encoding="utf-8")
+    return EfficiencyTable(**yaml.safe_load(text))
+
+
+@cache
+def _resolved() -> dict[str, GpuEfficiency]:
+    table = efficiency_table()
+    out = dict(table.gpus)
+    for name, d in table.derived.items():
+        base = table.gpus[d.from_gpu]
+        out[name] = base.model_copy(update={**d.update, "source": f"derived from {d.from_gpu}: {d.reason}"})
+    return out
+
+
+def fitted_gpus() -> tuple[str, ...]:
+    """Catalogue names with constants of their own (fitted on measured runs)."""
+    return tuple(efficiency_table().gpus)
+
+
+@cache
+def default_efficiency() -> GpuEfficiency:
+    """Constants for a GPU without a fit or derivation: the default GPU's dimensionless compute fractions and
+    host overheads against the GPU's own datasheet peaks, and the generic link figures (stated)."""
+    table = efficiency_table()
+    base = table.gpus[table.default_gpu]
+    return base.model_copy(update={
+        "intra_node_link_fraction": LINK_EFFICIENCY, "intra_node_alpha_s": INTRA_NODE_ALPHA_S,
+        "source": f"no fit for this GPU: the {table.default_gpu} fit's GEMM, HBM and elementwise fractions and "
+                  "host overheads; the default link efficiency and latency (stated defaults)"})
+
+
+def efficiency_for(gpu: GPUSpec) -> GpuEfficiency:
+    """The constants for ``gpu``: its fit, else its derivation, else :func:`default_efficiency`."""
+    found = _resolved().get(gpu.name)
+    return found if found is not None else default_efficiency()
+
+
+def derivation_for(gpu_name: str) -> Derivation | None:
+    """How ``gpu_name``'s constants were derived, or None (fitted, or no derivation)."""
+    return efficiency_table().derived.get(gpu_name)
+
+
+def engine_efficiency(engine: str) -> EngineEfficiency:
+    """The engine family's constants (torch, deepspeed or megatron)."""
+    return efficiency_table().engines[engine]
+
+
+__all__ = ["Derivation", "EfficiencyTable", "EngineEfficiency", "GpuEfficiency", "INTRA_NODE_ALPHA_S",
+           "LINK_EFFICIENCY", "default_efficiency", "derivation_for", "efficiency_for", "efficiency_table",
+           "engine_efficiency", "fitted_gpus"]
