@@ -215,7 +215,7 @@ def main() -> None:
         start = A100_FIT.model_copy(update=SCRATCH) if args.from_scratch else A100_FIT
         fitted = fit(fit_rows, start, step=0.1 if args.quick else 0.4, min_step=0.05 if args.quick else 0.005,
                      max_rounds=3 if args.quick else 300)
-        print("fitted constants (paste into compute.A100_FIT):")
+        print("fitted constants (put them into estimators/data/efficiency.yaml, gpus.A100-80GB and A100-40GB):")
         for name in FITTED:
             print(f"    {name}={getattr(fitted, name):.4g},")
         print("with the fitted constants:")

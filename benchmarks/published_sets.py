@@ -152,8 +152,35 @@ def _narayanan(params: str, heads: int, hidden: int, layers: int, tp: int, pp: i
                  source="Narayanan et al. 2021 (arXiv 2104.04473) Table 1; Selene, 8 x 200 Gb/s HDR per node")
 
 
-PAPER: tuple[Paper, ...] = ()
-"""Published tables (filled in below from their papers)."""
+def _tokens_per_gpu(set_: str, label: str, arch: str, seq: int, gpu: str, gpus: int, strategy: Strategy,
+                    tokens_per_gpu_s: float, source: str, nic_bytes_per_s: float) -> Paper:
+    return Paper(set=set_, label=label, arch=arch, seq=seq, gpu=gpu, gpus=gpus, strategy=strategy,
+                 measured_s=lambda: strategy.global_batch * seq / (tokens_per_gpu_s * gpus), source=source,
+                 nic_bytes_per_s=nic_bytes_per_s)
+
+
+LLAMA3_8B = "layers=32,hidden=4096,heads=32,kv_heads=8,ffn=14336,vocab=128256,gated=1,tied=0"
+LLAMA3_70B = "layers=80,hidden=8192,heads=64,kv_heads=8,ffn=28672,vocab=128256,gated=1,tied=0"
+TORCHTITAN = "torchtitan docs/performance.md (pytorch/torchtitan), Llama 3 performance numbers"
+
+TORCHTITAN_ROWS: tuple[Paper, ...] = (
+    _tokens_per_gpu("torchtitan", "Llama 3 8B FSDP2 64 A100 s8192 sel. AC", LLAMA3_8B, 8192, "A100-80GB", 64,
+                    Strategy(precision="bf16", engine="torch", fsdp="full", dp=64, mbs=1, checkpointing="selective"),
+                    2973.0, TORCHTITAN, 25e9),
+    _tokens_per_gpu("torchtitan", "Llama 3 70B FSDP2 64 A100 s8192 full AC", LLAMA3_70B, 8192, "A100-80GB", 64,
+                    Strategy(precision="bf16", engine="torch", fsdp="full", dp=64, mbs=1, checkpointing="full"),
+                    331.0, TORCHTITAN, 25e9),
+    _tokens_per_gpu("torchtitan", "Llama 3.1 8B FSDP 8 H100 (96GB, 500 W) s8192 sel. AC", LLAMA3_8B, 8192,
+                    "H100-SXM", 8,
+                    Strategy(precision="bf16", engine="torch", fsdp="full", dp=8, mbs=2, checkpointing="selective"),
+                    5762.0, TORCHTITAN + " (Table 1: H100 96 GB HBM2e at 2.4 TB/s, 500 W: a slower part than the "
+                    "catalogue's H100 SXM)", 50e9),
+)
+"""torchtitan's published FSDP runs (tokens/s per GPU). Its "selective op" checkpointing recomputes more than
+Korthikanti's selective recomputation (optplan's ``selective``)."""
+
+PAPER: tuple[Paper, ...] = TORCHTITAN_ROWS
+"""Published tables."""
 
 
 def paper_rows() -> list[Row]:

@@ -1,0 +1,101 @@
+"""Every step time carries a band: the measured sets' residuals, widened outside what was measured."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from optplan.estimators.arch import ArchSpec, profile_from_arch
+from optplan.estimators.calibration import Calibration, calibrate_estimate
+from optplan.estimators.estimate import estimate
+from optplan.estimators.hardware import Cluster, find_gpu
+from optplan.estimators.strategy import Strategy
+from optplan.estimators.uncertainty import (
+    UNMEASURED_GPU_BAND,
+    WIDEN_PER_OCTAVE,
+    WIDEN_UNMEASURED,
+    mfu_envelope,
+    time_band,
+    time_domain,
+)
+
+MPT_7B = ArchSpec(layers=32, hidden=4096, heads=32, vocab=50368, seq=2048)
+FSDP8 = Strategy(precision="bf16", engine="torch", fsdp="full", dp=8, mbs=4, grad_accum=2, checkpointing="none")
+
+
+def _cluster(gpu: str = "H100-SXM", gpus: int = 8) -> Cluster:
+    return Cluster(gpu=find_gpu(gpu), gpus=gpus, gpus_per_node=8)
+
+
+def _h100_torch():
+    return next(s for s in time_domain().sets if s.gpu == "H100-SXM" and s.engine == "torch")
+
+
+def test_a_measured_configuration_gets_the_sets_residual_band_and_no_note() -> None:
+    e = estimate(profile_from_arch(MPT_7B), _cluster(), FSDP8)
+    t, ms = e.time, _h100_torch()
+    assert t.outside_measured == ()
+    assert not any(n.startswith("time: outside the measured domain") for n in e.notes)
+    assert t.step_s_low == pytest.approx(t.step_s * min(1.0, ms.ratio_low))
+    assert t.step_s_high == pytest.approx(t.step_s * max(1.0, ms.ratio_high))
+    assert t.step_s_low <= t.step_s <= t.step_s_high
+    assert "runs" in t.band_basis and "MAPE" in t.band_basis
+
+
+def test_outside_the_measured_sizes_widens_the_band_and_says_what() -> None:
+    inside = estimate(profile_from_arch(MPT_7B), _cluster(), FSDP8).time
+    big = profile_from_arch(ArchSpec(layers=126, hidden=16384, heads=128, vocab=50368, seq=2048))  # ~405B
+    ms = _h100_torch()
+    s = FSDP8.model_copy(update={"dp": 512, "mbs": 1, "checkpointing": "full"})
+    out = estimate(big, _cluster(gpus=512), s)
+    octaves = (math.log2(big.params / ms.params[1]) + math.log2(512 / ms.gpus[1])
+               + max(0.0, math.log2(ms.tokens_per_microbatch[0] / 2048)))  # 1 x 2,048 tokens per micro-batch
+    band = time_band(big, s, _cluster(gpus=512), mfu=0.0)
+    assert band.high == pytest.approx(ms.ratio_high * math.exp(WIDEN_PER_OCTAVE * octaves))
+    assert out.time.step_s_high / out.time.step_s > inside.step_s_high / inside.step_s
+    reasons = " ".join(out.time.outside_measured)
+    assert "parameters" in reasons and "GPUs 512 outside the measured 8-64" in reasons
+    assert any(n.startswith("time: outside the measured domain (parameters") for n in out.notes)
+
+
+def test_unmeasured_parallelism_and_engine_widen_the_band() -> None:
+    prof = profile_from_arch(MPT_7B)
+    base = time_band(prof, FSDP8, _cluster(), mfu=0.0)
+    tp = time_band(prof, Strategy(precision="bf16", engine="megatron", tp=2, dp=4, mbs=4, checkpointing="none"),
+                   _cluster(), mfu=0.0)
+    assert any("engine megatron was never measured on H100-SXM" in r for r in tp.outside)
+    assert any(r.startswith("tensor parallel 2 outside") for r in tp.outside)
+    assert math.log(tp.high) > math.log(base.high) + WIDEN_UNMEASURED
+    offload = time_band(prof, FSDP8.model_copy(update={"offload_params": "cpu", "offload_optimizer": "cpu"}),
+                        _cluster(), mfu=0.0)
+    assert "offload was never measured" in offload.outside
+
+
+def test_a_predicted_mfu_above_the_measured_envelope_bounds_the_slow_end() -> None:
+    prof = profile_from_arch(MPT_7B)
+    envelope = mfu_envelope("H100-SXM", "bf16")
+    assert envelope is not None and 0.3 < envelope < 0.7
+    band = time_band(prof, FSDP8, _cluster(), mfu=envelope * 1.5)
+    assert band.high >= 1.5 - 1e-9
+    assert any("above the best measured on H100-SXM" in r for r in band.outside)
+
+
+def test_gpus_without_measurements_say_so() -> None:
+    prof = profile_from_arch(MPT_7B)
+    h200 = time_band(prof, FSDP8, _cluster("H200"), mfu=0.0)
+    h100 = time_band(prof, FSDP8, _cluster("H100-SXM"), mfu=0.0)
+    assert h200.high > h100.high and any(r.startswith("H200 was never measured") for r in h200.outside)
+    l40s = time_band(prof, FSDP8, _cluster("L40S"), mfu=0.0)
+    assert l40s.high == pytest.approx(math.exp(UNMEASURED_GPU_BAND))
+    assert l40s.outside == ("no step time was ever measured on L40S",)
+    assert mfu_envelope("L40S", "bf16") is None
+
+
+def test_calibration_moves_the_band_with_the_step() -> None:
+    e = estimate(profile_from_arch(MPT_7B), _cluster(), FSDP8)
+    cal = Calibration(gpu="H100-SXM", model_hash="x", compute_scale=1.5, time_probes=1)
+    c = calibrate_estimate(e, cal).time
+    assert c.step_s > e.time.step_s
+    assert c.step_s_low / c.step_s == pytest.approx(e.time.step_s_low / e.time.step_s)
+    assert c.step_s_high / c.step_s == pytest.approx(e.time.step_s_high / e.time.step_s)
