@@ -9,8 +9,8 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from optplan.estimators.calibration import Calibration, calibrate_estimate
-from optplan.estimators.efficiency import derivation_for, fitted_gpus
 from optplan.estimators.cost import CostEstimate
+from optplan.estimators.efficiency import derivation_for, fitted_gpus
 from optplan.estimators.hardware import Cluster
 from optplan.estimators.memory import MemoryBreakdown, memory_breakdown, usable_capacity_bytes
 from optplan.estimators.optimizers import optimizer_sees_flat_params, optimizer_state_note
