@@ -179,7 +179,51 @@ TORCHTITAN_ROWS: tuple[Paper, ...] = (
 """torchtitan's published FSDP runs (tokens/s per GPU). Its "selective op" checkpointing recomputes more than
 Korthikanti's selective recomputation (optplan's ``selective``)."""
 
-PAPER: tuple[Paper, ...] = TORCHTITAN_ROWS
+NARAYANAN_ROWS: tuple[Paper, ...] = (
+    _narayanan("1.7B", 24, 2304, 24, 1, 1, 32, 512, 137.0),
+    _narayanan("3.6B", 32, 3072, 30, 2, 1, 64, 512, 138.0),
+    _narayanan("7.5B", 32, 4096, 36, 4, 1, 128, 512, 142.0),
+    _narayanan("18.4B", 48, 6144, 40, 8, 1, 256, 1024, 135.0),
+    _narayanan("39.1B", 64, 8192, 48, 8, 2, 512, 1536, 138.0),
+    _narayanan("76.1B", 80, 10240, 60, 8, 4, 1024, 1792, 140.0),
+    _narayanan("145.6B", 96, 12288, 80, 8, 8, 1536, 2304, 148.0),
+    _narayanan("310.1B", 128, 16384, 96, 8, 16, 1920, 2160, 155.0),
+    _narayanan("529.6B", 128, 20480, 105, 8, 35, 2520, 2520, 163.0),
+    _narayanan("1008.0B", 160, 25600, 128, 8, 64, 3072, 3072, 163.0),
+)
+"""Narayanan et al. 2021 Table 1 (weak scaling, GPT shapes, sequence 2,048, vocabulary 51,200, fp16, full
+recomputation, no flash attention, no sequence parallelism): achieved TFLOP/s per GPU counted with the
+paper's eq. 3 (hardware FLOPs, recomputation included), turned into an iteration time. The table gives no
+micro-batch size or schedule: micro-batch 1 and the plain 1F1B schedule are assumed (stated, not fitted)."""
+
+
+def _korthikanti(params: str, heads: int, hidden: int, layers: int, pp: int, gpus: int, batch: int,
+                 selective: bool, iteration_s: float) -> Paper:
+    dp = gpus // (8 * pp)
+    s = Strategy(precision="fp16", engine="megatron", tp=8, pp=pp, dp=dp, mbs=1, grad_accum=batch // dp,
+                 sp=selective, flash=False, checkpointing="selective" if selective else "full", vpp=1)
+    how = "sequence parallel + selective recompute" if selective else "full recompute"
+    return Paper(set="korthikanti-table5", label=f"GPT {params} tp8 pp{pp} {gpus} A100 batch {batch} {how}",
+                 arch=f"layers={layers},hidden={hidden},heads={heads},vocab=51200", seq=2048, gpu="A100-80GB",
+                 gpus=gpus, strategy=s, measured_s=lambda: iteration_s,
+                 source="Korthikanti et al. 2022, Reducing Activation Recomputation in Large Transformer Models "
+                        "(arXiv 2205.05198) Tables 3 and 5; Selene")
+
+
+KORTHIKANTI_ROWS: tuple[Paper, ...] = tuple(
+    _korthikanti(name, heads, hidden, layers, pp, gpus, batch, sel, t)
+    for name, heads, hidden, layers, pp, gpus, batch, times in (
+        ("22B", 64, 6144, 48, 1, 8, 4, (1.42, 1.10)),
+        ("175B", 96, 12288, 96, 8, 64, 64, (18.13, 13.75)),
+        ("530B", 128, 20480, 105, 35, 280, 280, (49.05, 37.83)),
+        ("1T", 160, 25600, 128, 64, 512, 512, (94.42, 71.49)),
+    )
+    for sel, t in ((False, times[0]), (True, times[1])))
+"""Korthikanti et al. 2022 Table 5: measured iteration time (s) of four GPT models (Table 3: tensor-parallel
+8, micro-batch 1, sequence 2,048, vocabulary 51,200, data-parallel 1) with full recomputation and with
+sequence parallelism + selective recomputation."""
+
+PAPER: tuple[Paper, ...] = NARAYANAN_ROWS + KORTHIKANTI_ROWS + TORCHTITAN_ROWS
 """Published tables."""
 
 

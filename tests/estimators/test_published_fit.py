@@ -65,6 +65,25 @@ def test_vtrain_held_out_within_target(sets) -> None:  # noqa: ANN001
     assert _mape(held) <= 0.06
 
 
+@pytest.mark.parametrize(("name", "runs", "limit"), [("narayanan-table1", 10, 0.06),
+                                                     ("korthikanti-table5", 8, 0.05)])
+def test_megatron_paper_tables_never_fitted_on_stay_close(sets, name, runs, limit) -> None:  # noqa: ANN001
+    # Narayanan et al. 2021 Table 1 (1.7B-1T on 32-3,072 A100s) and Korthikanti et al. 2022 Table 5 (full vs
+    # selective recompute with sequence parallelism): out of sample for every fit. Issue 15's target for
+    # Table 1 is 5 % (a benchmark figure: 5.2 % today, micro-batch 1 assumed); the test keeps it from drifting.
+    rows = [r for r in sets.paper_rows() if r.set == name]
+    assert len(rows) == runs
+    assert _mape(rows) <= limit
+    assert all(0.85 < r.ratio() < 1.15 for r in rows)
+    if name == "korthikanti-table5":  # the ~24 % saving of selective recompute + SP is priced, not just the level
+        full = {r.label.split(" full")[0]: r for r in rows if "full recompute" in r.label}
+        for r in rows:
+            if "selective" in r.label:
+                f = full[r.label.split(" sequence")[0]]
+                saved, measured_saved = 1 - r.time().step_s / f.time().step_s, 1 - r.measured_s / f.measured_s
+                assert saved == pytest.approx(measured_saved, abs=0.06), r.label
+
+
 def test_the_committed_domain_is_what_the_benchmark_writes(sets) -> None:  # noqa: ANN001
     bench = _load("fidelity_published")
     rows = sets.all_rows()
