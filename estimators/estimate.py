@@ -14,6 +14,7 @@ from optplan.estimators.efficiency import derivation_for, fitted_gpus
 from optplan.estimators.hardware import Cluster
 from optplan.estimators.memory import MemoryBreakdown, memory_breakdown, usable_capacity_bytes
 from optplan.estimators.optimizers import optimizer_sees_flat_params, optimizer_state_note
+from optplan.estimators.parallel import placement_notes
 from optplan.estimators.profile import ModelProfile
 from optplan.estimators.strategy import Strategy
 from optplan.estimators.timing import TimeBreakdown, comm_time_s, mfu_peak_flops, step_time
@@ -130,7 +131,7 @@ def estimate(profile: ModelProfile, cluster: Cluster, strategy: Strategy, *,
     time = step_time(profile, strategy, cluster)
     band = time_band(profile, strategy, cluster, mfu=time.mfu)
     time = with_band(time, band)
-    notes = estimate_notes(profile, strategy, cluster) + band_notes(band)
+    notes = estimate_notes(profile, strategy, cluster) + placement_notes(strategy, cluster) + band_notes(band)
     result = Estimate(notes=notes,
         strategy=strategy, gpu=cluster.gpu.name, gpus=strategy.world_size, memory=memory, time=time,
         global_batch=strategy.global_batch, samples_per_s=time.samples_per_s, tokens_per_s=time.tokens_per_s,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from optplan.estimators.hardware import Cluster
 from optplan.estimators.strategy import Strategy
 
 
@@ -67,6 +68,22 @@ def placement(strategy: Strategy, gpus_per_node: int) -> Placement:
         shard = GroupPlacement(ranks=max(1, dpcp.ranks // dpcp.nodes), nodes=1)
     return Placement(tp=grp(s.tp, 1), cp=grp(s.cp, s.tp), dp=grp(s.dp, s.tp * s.cp), shard=shard,
                      grad_reduce=dpcp, pp=grp(s.pp, s.tp * s.cp * s.dp), gpus_per_node=g)
+
+
+def placement_notes(strategy: Strategy, cluster: Cluster) -> tuple[str, ...]:
+    """A note when the tensor-parallel group spans nodes: its per-layer collectives then run over the
+    inter-node link (``comm.link_for``: the NICs of the group's GPUs in one node together), which Megatron-LM
+    allows but the search never proposes (the vTrain study measured tp 16 on 8-GPU nodes)."""
+    tp = placement(strategy, cluster.gpus_per_node).tp
+    if tp.nodes <= 1:
+        return ()
+    per_node = -(-tp.ranks // tp.nodes)
+    nic_gb = per_node * cluster.inter_node_bandwidth_bytes_per_s / 1e9
+    return (f"placement: tensor parallelism over {tp.ranks} GPUs spans {tp.nodes} nodes of "
+            f"{cluster.gpus_per_node}: its per-layer collectives are priced over the inter-node link "
+            f"({per_node} x {cluster.inter_node_bandwidth_bytes_per_s / 1e9:.0f} GB/s = {nic_gb:.0f} GB/s per node "
+            f"instead of {cluster.gpu.intra_node_bandwidth_bytes_per_s / 1e9:.0f} GB/s inside one); the search "
+            f"keeps tp <= {cluster.gpus_per_node}",)
 
 
 def layers_per_stage(layers: int, pp: int) -> int:

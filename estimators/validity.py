@@ -13,7 +13,8 @@ def check_strategy(profile: ModelProfile, cluster: Cluster, strategy: Strategy) 
     """Raise OptplanError when ``strategy`` cannot run ``profile`` on ``cluster``.
 
     Rules (Megatron-LM's argument checks, ``megatron/training/arguments.py``): tp divides the attention
-    heads and the key-value heads and stays inside a node; pp (× vpp) is at most the number of layers;
+    heads and the key-value heads (a tp group larger than a node is allowed: it is priced over the
+    inter-node link, see ``parallel.placement_notes``; the search keeps tp inside a node); pp (× vpp) is at most the number of layers;
     context parallelism splits the sequence into 2·cp chunks (load-balanced causal attention); the
     world size dp·tp·pp·cp fits the cluster.
     """
@@ -21,9 +22,6 @@ def check_strategy(profile: ModelProfile, cluster: Cluster, strategy: Strategy) 
     require_precision(cluster.gpu, s.precision)
     shape = profile.transformer
     if s.tp > 1:
-        if s.tp > cluster.gpus_per_node:
-            raise OptplanError(f"--tp {s.tp} is larger than a node of {cluster.gpus_per_node} GPUs: tensor "
-                               "parallelism needs the intra-node link, use --tp <= --gpus-per-node")
         if shape is None:
             raise OptplanError(f"--tp {s.tp} needs a transformer (attention heads to split), and {profile.name} "
                                "has no transformer shape: use --tp 1")

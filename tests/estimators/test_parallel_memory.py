@@ -179,9 +179,22 @@ def test_group_nodes_follow_megatron_order() -> None:
     assert p.tp.intra_node and p.dp.nodes == 4 and p.pp.nodes == 2
 
 
+def test_tensor_parallelism_across_nodes_is_priced_over_the_inter_node_link(gpt) -> None:  # noqa: ANN001
+    # tp 16 on 8-GPU nodes (Megatron-LM runs it; the vTrain study measured it): the group spans 2 nodes and
+    # its collectives run over the 8 NICs of each node, slower than the same group inside one 16-GPU node
+    s = Strategy(engine="megatron", tp=16, mbs=1, grad_accum=4)
+    two_nodes = estimate(gpt, Cluster(gpu=make_gpu(), gpus=16, gpus_per_node=8), s)
+    one_node = estimate(gpt, Cluster(gpu=make_gpu(), gpus=16, gpus_per_node=16), s)
+    assert placement(s, 8).tp.nodes == 2 and placement(s, 16).tp.intra_node
+    assert two_nodes.time.tp_comm_s > one_node.time.tp_comm_s > 0
+    assert two_nodes.time.step_s > one_node.time.step_s
+    assert any("spans 2 nodes" in n and "inter-node" in n for n in two_nodes.notes)
+    assert not any("spans" in n for n in one_node.notes)
+
+
 @pytest.mark.parametrize(("kwargs", "match"), [
     ({"tp": 3}, "does not divide the 16 attention heads"),
-    ({"tp": 16}, "larger than a node"),
+    ({"tp": 16}, "exceeds the 8 GPUs"),
     ({"pp": 32}, "larger than the 24 layers"),
     ({"pp": 8, "vpp": 4, "grad_accum": 8}, "exceed the 24 layers"),
     ({"cp": 3}, "divisible by 2·cp"),

@@ -258,7 +258,7 @@ def test_estimate_reads_a_cluster_file(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("args", "needle"), [
     (["--tp", "3"], "not divisible by tp·pp·cp"),
-    (["--tp", "16", "--gpus", "16"], "larger than a node"),
+    (["--tp", "16", "--gpus", "8"], "not divisible by tp·pp·cp = 16"),
     (["--tp", "8", "--arch", "layers=2,hidden=768,heads=12,seq=512"], "does not divide the 12 attention heads"),
     (["--pp", "8", "--arch", "layers=4,hidden=256,heads=4,seq=512"], "larger than the 4 layers"),
     (["--precision", "fp8", "--gpu", "A100-80GB"], "fp8"),
@@ -288,6 +288,19 @@ def test_estimate_bad_strategy_input_is_one_line_exit_2(args: list[str], needle:
     result = runner.invoke(app, base + args)
     assert result.exit_code == 2, (result.stdout, result.stderr)
     assert needle in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_estimate_prices_tensor_parallelism_across_nodes() -> None:
+    args = ["estimate", "--arch", "layers=24,hidden=2048,heads=16,seq=2048", "--gpus", "16", "--gpus-per-node", "8",
+            "--engine", "megatron", "--gpu", "H100"]
+    across = _json([*args, "--tp", "16", "--json"])
+    inside = _json([*args, "--tp", "8", "--dp", "2", "--gas", "1", "--json"])
+    assert across["strategy"]["tp"] == 16 and across["gpus"] == 16
+    assert across["time"]["tp_comm_s"] > inside["time"]["tp_comm_s"]
+    assert any("spans 2 nodes" in n for n in across["notes"])
+    assert across["time"]["step_s_low"] < across["time"]["step_s"] < across["time"]["step_s_high"]
+    shown = runner.invoke(app, [*args, "--tp", "16"])
+    assert shown.exit_code == 0 and "spans 2 nodes" in " ".join(shown.stdout.split())
 
 
 def test_recommend_reads_a_cluster_file(tmp_path: Path) -> None:
