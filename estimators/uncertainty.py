@@ -186,7 +186,8 @@ def time_band(profile: ModelProfile, strategy: Strategy, cluster: Cluster, *, mf
         if octaves > 0:
             widen += WIDEN_PER_OCTAVE * octaves
             outside.append(f"{label} {fmt.format(value)} outside the measured {fmt.format(lo)}-{fmt.format(hi)}")
-    if s.precision not in ms.precisions:
+    if precision_class(s.precision) not in {precision_class(p) for p in ms.precisions}:
+        # bf16 and fp16 run at the same tensor-core rate (one class); fp32 and fp8 do not
         widen += WIDEN_UNMEASURED
         outside.append(f"precision {s.precision} not measured (measured: {', '.join(ms.precisions)})")
     if s.checkpointing not in ms.checkpointing:

@@ -99,3 +99,17 @@ def test_calibration_moves_the_band_with_the_step() -> None:
     assert c.step_s > e.time.step_s
     assert c.step_s_low / c.step_s == pytest.approx(e.time.step_s_low / e.time.step_s)
     assert c.step_s_high / c.step_s == pytest.approx(e.time.step_s_high / e.time.step_s)
+
+
+def test_precision_widens_by_class_not_by_name() -> None:
+    # bf16 and fp16 run at one tensor-core rate: a bf16 plan on the fp16-measured A100 Megatron set is
+    # inside the domain; fp32 (a different rate) is not
+    prof = profile_from_arch(MPT_7B)
+    a100 = Cluster(gpu=find_gpu("A100-80GB"), gpus=8, gpus_per_node=8)
+    base = {"engine": "megatron", "tp": 2, "dp": 4, "mbs": 1, "grad_accum": 4, "checkpointing": "full"}
+    bf16 = time_band(prof, Strategy(precision="bf16", **base), a100, mfu=0.0)
+    fp16 = time_band(prof, Strategy(precision="fp16", **base), a100, mfu=0.0)
+    fp32 = time_band(prof, Strategy(precision="fp32", **base), a100, mfu=0.0)
+    assert not any("precision" in r for r in bf16.outside) and bf16.high == pytest.approx(fp16.high)
+    assert any(r.startswith("precision fp32 not measured") for r in fp32.outside)
+    assert fp32.high > bf16.high
