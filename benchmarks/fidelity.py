@@ -56,7 +56,7 @@ import sys
 import tempfile
 import textwrap
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -69,7 +69,7 @@ from optplan.estimators.hardware import Cluster, GPUSpec, find_gpu
 from optplan.estimators.memory import MemoryBreakdown, memory_breakdown
 from optplan.estimators.profile import ModelProfile
 from optplan.estimators.strategy import Strategy
-from optplan.planner.calibrate import profile_hash
+from optplan.planner.calibrate import ProbeComparison, profile_hash
 from optplan.planner.export.deepspeed import render_ds_config
 from optplan.probes.loader import profile_model_file
 from optplan.probes.runtime import ProbeResult, ProbeSpec, run_probe
@@ -116,9 +116,12 @@ class Case:
     mode: str = "single"
     quick: bool = False
     where: tuple[str, ...] = ("cpu", "cuda")
+    procs: int | None = None  # None: 1 for single, else 2
 
     @property
     def nproc(self) -> int:
+        if self.procs is not None:
+            return self.procs
         return 1 if self.mode == "single" else 2
 
 
@@ -133,6 +136,7 @@ SUITE: tuple[Case, ...] = (
     Case("mlp", "fp32", 4, mode="zero1"),
     Case("mlp", "fp32", 4, mode="zero2", quick=True),
     Case("mlp", "fp32", 4, mode="zero3"),
+    Case("mlp", "fp32", 4, mode="zero0", procs=1, quick=True),
     Case("gpt2", "fp32", 1),
     Case("gpt2", "fp32", 4),
     Case("gpt2", "amp-bf16", 4),
@@ -162,6 +166,12 @@ SUITE: tuple[Case, ...] = (
     Case("resnet", "amp-bf16", 2),
     Case("resnet", "fp32", 4, "full"),
     Case("resnet", "bf16", 2, where=("cuda",)),
+    # DeepSpeed at world size 1 (a one-GPU machine runs no 2-process case): ZeRO-0..3 on the Llama layout
+    Case("llama", "bf16", 2, mode="zero0", procs=1, where=("cuda",)),
+    Case("llama", "bf16", 2, mode="zero1", procs=1, where=("cuda",)),
+    Case("llama", "bf16", 2, mode="zero2", procs=1, where=("cuda",)),
+    Case("llama", "bf16", 2, "full", mode="zero3", procs=1, where=("cuda",)),
+    Case("gpt2", "amp-bf16", 2, mode="zero2", procs=1, where=("cuda",)),
 )
 
 
@@ -230,7 +240,7 @@ def strategy_of(case: Case, model: Model) -> Strategy:
 
 def label_of(case: Case, strategy: Strategy) -> str:
     mode = {"single": "torch", "ddp": "DDP", "fsdp-full": "FSDP-full", "fsdp-grad_op": "FSDP-grad_op",
-            "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3"}[case.mode]
+            "zero0": "ZeRO-0", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3"}[case.mode]
     ckpt = " ckpt" if case.checkpointing == "full" else ""
     return f"{case.precision} {mode} mbs{strategy.mbs}{ckpt}"
 
@@ -251,6 +261,7 @@ class Row:
     cal_step_s: float | None = None
     is_calibration: bool = False
     time_note: str = ""
+    comparison: ProbeComparison | None = None  # what calibration and the results file keep
 
     @property
     def ok(self) -> bool:
@@ -349,14 +360,21 @@ class Runner:
         memory = predict_memory(profile, strategy, self.device, case.nproc, self.ds_torch_optimizer)
         row = Row(model.key, label, case.nproc, result, memory=memory,
                   pred_bytes=memory.total_bytes - memory.overhead_bytes)
+        on_device = comm = None
         if self.device == "cuda" and self.gpu is not None:
             cluster = Cluster(gpu=self.gpu, gpus=case.nproc, gpus_per_node=case.nproc)
             try:
-                row.pred_step_s = estimate(profile, cluster, strategy).time.step_s
+                t = estimate(profile, cluster, strategy).time
+                row.pred_step_s, comm = t.step_s, t.exposed_comm_s
+                on_device = t.step_s - t.exposed_comm_s
                 if cal is not None:
                     row.cal_step_s = estimate(profile, cluster, strategy, calibration=cal).time.step_s
             except Exception as exc:  # noqa: BLE001 - a strategy the estimator refuses is reported, not fatal
                 row.time_note = f"no time estimate: {type(exc).__name__}: {exc}"
+        row.comparison = ProbeComparison(
+            candidate=strategy, probed=strategy, predicted_step_s=row.pred_step_s, predicted_on_device_s=on_device,
+            predicted_exposed_comm_s=comm, predicted_allocated_bytes=row.pred_bytes or 0,
+            predicted_total_bytes=memory.total_bytes, time_comparable=row.pred_step_s is not None, result=result)
         return row
 
 
@@ -459,6 +477,87 @@ def catalogue_gpu() -> tuple[GPUSpec | None, str]:
 
 
 # ---------------------------------------------------------------------------------------------------
+# the run
+# ---------------------------------------------------------------------------------------------------
+@dataclass
+class SuiteResult:
+    """Every case of one run: rows in order, each model's profile hash and description."""
+
+    device: str
+    gpu: GPUSpec | None
+    gpu_note: str
+    rows: list[Row] = field(default_factory=list)
+    model_hashes: dict[str, str] = field(default_factory=dict)
+    describe: dict[str, str] = field(default_factory=dict)
+
+
+def select_cases(device: str, quick: bool, wanted: set[str] | None) -> list[Case]:
+    return [c for c in SUITE if device in c.where and (c.quick or not quick) and (wanted is None or c.model in wanted)]
+
+
+def run_suite(device: str, *, quick: bool = False, wanted: set[str] | None = None, timeout_s: float = 300.0,
+              ds_torch_optimizer: bool = False, deadline: float | None = None,
+              on_model: Callable[[str, Model, ModelProfile | None, float], None] | None = None,
+              on_row: Callable[[Row], None] | None = None) -> SuiteResult:
+    """Run the suite's cases for ``device`` (profile each model once, probe each case, predict it).
+
+    ``deadline`` (a ``time.perf_counter()`` value): cases not started by then are recorded as skipped
+    ("out of time"), so a caller with a wall-clock limit still gets every result so far. ``on_model`` is
+    called after each model's profile (None when profiling failed), ``on_row`` after each case."""
+    gpu, gpu_note = (catalogue_gpu() if device == "cuda" else (None, ""))
+    nproc_available = torch.cuda.device_count() if device == "cuda" else 2
+    runner = Runner(device=device, gpu=gpu, nproc_available=nproc_available, timeout_s=timeout_s,
+                    ds_torch_optimizer=ds_torch_optimizer or device == "cpu")
+    out = SuiteResult(device=device, gpu=gpu, gpu_note=gpu_note)
+    suite = select_cases(device, quick, wanted)
+
+    def add(row: Row) -> None:
+        out.rows.append(row)
+        if on_row is not None:
+            on_row(row)
+
+    with tempfile.TemporaryDirectory(prefix="optplan_fidelity_") as tmp:
+        defs = models(device, Path(tmp))
+        for key in dict.fromkeys(c.model for c in suite):
+            model = defs[key]
+            cases = [c for c in suite if c.model == key]
+            out.describe[key] = model.describe
+            if deadline is not None and time.perf_counter() > deadline:
+                for case in cases:
+                    add(Row(key, label_of(case, strategy_of(case, model)), case.nproc, None, skipped="out of time"))
+                continue
+            t0 = time.perf_counter()
+            try:
+                with environment(model.env):
+                    profile = profile_model_file(model.path, seq_len=model.seq_len)
+            except Exception as exc:  # noqa: BLE001 - one model's failure leaves the others
+                if on_model is not None:
+                    on_model(key, model, None, time.perf_counter() - t0)
+                for case in cases:
+                    add(Row(key, label_of(case, strategy_of(case, model)), case.nproc, None,
+                            skipped=f"profiling failed: {exc}"))
+                continue
+            out.model_hashes[key] = profile_hash(profile)
+            if on_model is not None:
+                on_model(key, model, profile, time.perf_counter() - t0)
+            cal: Calibration | None = None
+            for case in cases:
+                if deadline is not None and time.perf_counter() > deadline:
+                    add(Row(key, label_of(case, strategy_of(case, model)), case.nproc, None, skipped="out of time"))
+                    continue
+                row = runner.run_case(case, model, profile, cal)
+                if (cal is None and device == "cuda" and row.ok and row.pred_step_s and row.result
+                        and row.result.step_s and case.nproc == 1):
+                    cal = Calibration(gpu=gpu.name if gpu else "", model_hash=profile_hash(profile),
+                                      torch_version=row.result.torch_version,
+                                      compute_scale=row.result.step_s / row.pred_step_s, time_probes=1,
+                                      source=f"fidelity: {row.label}")
+                    row.is_calibration = True
+                add(row)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
 # main
 # ---------------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
@@ -479,55 +578,36 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--device cuda: torch {torch.__version__} sees no CUDA device", file=sys.stderr)
         return 2
     wanted = set(args.models.split(",")) if args.models else None
-    gpu, gpu_note = (catalogue_gpu() if device == "cuda" else (None, ""))
-    nproc_available = torch.cuda.device_count() if device == "cuda" else 2
-    runner = Runner(device=device, gpu=gpu, nproc_available=nproc_available, timeout_s=args.timeout,
-                    ds_torch_optimizer=args.ds_torch_optimizer or device == "cpu")
     started = time.perf_counter()
     print(f"fidelity: {device} {device_name(device)}; torch {torch.__version__}; python {platform.python_version()}")
     if device == "cuda":
-        print(f"time model: {gpu.name if gpu else gpu_note}; calibrated = one probe per model (its first case)")
+        gpu_line = catalogue_gpu()
+        print(f"time model: {gpu_line[0].name if gpu_line[0] else gpu_line[1]}; calibrated = one probe per model "
+              "(its first case)")
         print("memory: predicted allocated (memory.py total - CUDA context - fragmentation margin) vs "
               "torch.cuda.max_memory_allocated, max over ranks")
     else:
         print("memory: predicted allocated (memory.py total - overhead) vs the peak live tensor bytes of one "
               "tracked step (max over ranks); target 2%. step1 s: the first timed step, shown only")
     target = CPU_MEMORY_TARGET if device == "cpu" else GPU_MEMORY_TARGET[1]
-    rows: list[Row] = []
-    suite = [c for c in SUITE if device in c.where and (c.quick or not args.quick)
-             and (wanted is None or c.model in wanted)]
-    with tempfile.TemporaryDirectory(prefix="optplan_fidelity_") as tmp:
-        defs = models(device, Path(tmp))
-        for key in dict.fromkeys(c.model for c in suite):
-            model = defs[key]
-            t0 = time.perf_counter()
-            try:
-                with environment(model.env):
-                    profile = profile_model_file(model.path, seq_len=model.seq_len)
-            except Exception as exc:  # noqa: BLE001 - one model's failure leaves the others
-                print(f"\n{key}: {model.describe}\n  profiling failed: {exc}")
-                for case in (c for c in suite if c.model == key):
-                    rows.append(Row(key, label_of(case, strategy_of(case, model)), case.nproc, None,
-                                    skipped="profiling failed"))
-                continue
-            print(f"\n{key}: {model.describe}; {profile.params:,} parameters; profile {time.perf_counter() - t0:.1f} s")
-            print(header(device), flush=True)
-            cal: Calibration | None = None
-            for case in (c for c in suite if c.model == key):
-                row = runner.run_case(case, model, profile, cal)
-                if (cal is None and device == "cuda" and row.ok and row.pred_step_s and row.result
-                        and row.result.step_s and case.nproc == 1):
-                    cal = Calibration(gpu=gpu.name if gpu else "", model_hash=profile_hash(profile),
-                                      torch_version=row.result.torch_version,
-                                      compute_scale=row.result.step_s / row.pred_step_s, time_probes=1,
-                                      source=f"fidelity: {row.label}")
-                    row.is_calibration = True
-                rows.append(row)
-                print(format_row(row, device), flush=True)
-                if args.explain and row.ok and (row.mem_err or 0.0) > target:
-                    for line in explain_lines(row):
-                        print(line)
-                    print(flush=True)
+
+    def on_model(key: str, model: Model, profile: ModelProfile | None, profile_s: float) -> None:
+        if profile is None:
+            print(f"\n{key}: {model.describe}\n  profiling failed")
+            return
+        print(f"\n{key}: {model.describe}; {profile.params:,} parameters; profile {profile_s:.1f} s")
+        print(header(device), flush=True)
+
+    def on_row(row: Row) -> None:
+        print(format_row(row, device), flush=True)
+        if args.explain and row.ok and (row.mem_err or 0.0) > target:
+            for line in explain_lines(row):
+                print(line)
+            print(flush=True)
+
+    suite = run_suite(device, quick=args.quick, wanted=wanted, timeout_s=args.timeout,
+                      ds_torch_optimizer=args.ds_torch_optimizer, on_model=on_model, on_row=on_row)
+    rows = suite.rows
     wall = time.perf_counter() - started
     failed = [r for r in rows if r.result is not None and not r.ok]
     skipped = [r for r in rows if r.result is None]

@@ -467,9 +467,11 @@ def _buffers(profile: ModelProfile, strategy: Strategy, stage: int,
     block = profile.repeated_block
     unit = (block.params_per_block if block else profile.params) / strategy.tp
     weight = recipe.weight_bytes + _fp8_cache_bytes(recipe)
-    if strategy.engine == "deepspeed" and (dpcp > 1 or strategy.zero > 0):
+    if strategy.engine == "deepspeed":
         buckets = deepspeed_buckets(profile)
-        # ZeRO 1-3 allocate whole reduce buckets (torch.empty(reduce_bucket_size)); ZeRO-0 flattens what is there
+        # ZeRO 1-3 allocate whole reduce buckets (torch.empty(reduce_bucket_size)); ZeRO-0 flattens what is there,
+        # at world size 1 too (engine.allreduce_gradients -> buffered_allreduce_fallback runs for every world
+        # size: measured on the CPU probe, examples/mlp.py fp32 ZeRO-0 at 1 process, +1 flat fp32 gradient)
         full = strategy.zero > 0
         bucket = (buckets.reduce_bucket_size if full else min(buckets.reduce_bucket_size, psi_train)) * recipe.grad_bytes
         if _deepspeed_partitions_grads(strategy):

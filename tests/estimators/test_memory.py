@@ -93,7 +93,10 @@ def test_activations_follow_the_fit_and_precision() -> None:
 
 def test_buffers_by_stage() -> None:
     prof = make_profile(params=100_000_000, hidden=2048)
-    assert buffer_bytes(prof, Strategy(zero=0, dp=1)) == 0
+    assert buffer_bytes(prof, Strategy(engine="torch", dp=1)) == 0
+    # DeepSpeed's ZeRO-0 flattens its gradients for the all-reduce at world size 1 too (measured by the
+    # CPU probe: examples/mlp.py fp32 ZeRO-0 on one process peaks one flat fp32 gradient higher)
+    assert buffer_bytes(prof, Strategy(zero=0, dp=1)) == buffer_bytes(prof, Strategy(zero=0, dp=8)) > 0
     bucket = 2048 * 2048
     assert buffer_bytes(prof, Strategy(precision="bf16", zero=0, dp=8)) == bucket * 2
     assert buffer_bytes(prof, Strategy(precision="bf16", zero=2, dp=8)) == bucket * 2 * 2
