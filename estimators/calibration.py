@@ -5,7 +5,7 @@ fragmentation margin (5 % of allocated bytes), a 1 GiB CUDA context, and efficie
 A100 Megatron runs (compute.py). A short real run of the model on the target GPU shows what the defaults
 miss: allocator rounding and caching, workspaces, kernel efficiency of this model on this GPU, exposed
 communication. ``optplan.planner.calibrate`` fits a :class:`Calibration` from probe results (measured /
-predicted ratios) and :func:`calibrate_estimate` applies it:
+predicted ratios) and ``estimate.calibrate_estimate`` applies it:
 
 * memory: the bytes the allocator hands out (model states + activations + buffers) are multiplied by
   ``allocated_scale`` (measured ``torch.cuda.max_memory_allocated`` ÷ predicted); the overhead becomes the
@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from optplan.estimators.memory import CUDA_CONTEXT_BYTES, FRAGMENTATION_FRACTION, MemoryBreakdown
 from optplan.estimators.timing import TimeBreakdown
 
-__all__ = ["Calibration", "calibrate_estimate", "calibrate_memory", "calibrate_time", "calibration_key"]
+__all__ = ["Calibration", "calibrate_memory", "calibrate_time", "calibration_key"]
 
 CALIBRATION_DETAIL = "calibration_correction"
 """``detail_bytes`` key of the calibrated correction of allocated bytes (may be negative)."""
@@ -116,27 +116,3 @@ def calibrate_time(time: TimeBreakdown, cal: Calibration) -> TimeBreakdown:
     if time.tokens_per_s is not None:
         update["tokens_per_s"] = time.tokens_per_s * ratio
     return time.model_copy(update=update)
-
-
-def calibrate_estimate(estimate: object, cal: Calibration | None):  # noqa: ANN201 - Estimate (no import cycle)
-    """An ``Estimate`` with ``cal`` applied to its memory and time, its fit and reason re-derived, and a note
-    saying what was calibrated. ``cal`` None returns ``estimate`` unchanged."""
-    from optplan.estimators.estimate import Estimate, estimate_reason
-
-    assert isinstance(estimate, Estimate)
-    if cal is None or not (cal.calibrates_memory or cal.calibrates_time):
-        return estimate
-    memory = calibrate_memory(estimate.memory, cal)
-    time = calibrate_time(estimate.time, cal)
-    said = []
-    if cal.calibrates_memory:
-        said.append(f"memory × {cal.allocated_scale:.3f} from {cal.memory_probes} probe(s)")
-    if cal.calibrates_time:
-        said.append(f"compute time × {cal.compute_scale:.3f}, communication × {cal.comm_scale:.3f} "
-                    f"from {cal.time_probes} probe(s)")
-    note = f"calibrated on {cal.gpu} (torch {cal.torch_version or '?'}): " + "; ".join(said)
-    return estimate.model_copy(update={
-        "memory": memory, "time": time, "fits": memory.fits, "reason": estimate_reason(memory),
-        "samples_per_s": time.samples_per_s, "tokens_per_s": time.tokens_per_s,
-        "model_tflops_per_gpu": time.model_tflops_per_gpu, "mfu": time.mfu, "hfu": time.hfu,
-        "notes": (*estimate.notes, note)})

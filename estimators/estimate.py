@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from optplan.estimators.calibration import Calibration, calibrate_estimate
+from optplan.estimators.calibration import Calibration, calibrate_memory, calibrate_time
 from optplan.estimators.cost import CostEstimate
 from optplan.estimators.efficiency import derivation_for, fitted_gpus
 from optplan.estimators.hardware import Cluster
@@ -118,6 +118,27 @@ def band_notes(band: TimeBand) -> tuple[str, ...]:
         return ()
     return (f"time: outside the measured domain ({'; '.join(band.outside)}): the step time may be "
             f"{band.low:.2f}-{band.high:.2f}x the estimate",)
+
+
+def calibrate_estimate(estimate: Estimate, cal: Calibration | None) -> Estimate:
+    """An ``Estimate`` with ``cal`` applied to its memory and time, its fit and reason re-derived, and a note
+    saying what was calibrated. ``cal`` None returns ``estimate`` unchanged."""
+    if cal is None or not (cal.calibrates_memory or cal.calibrates_time):
+        return estimate
+    memory = calibrate_memory(estimate.memory, cal)
+    time = calibrate_time(estimate.time, cal)
+    said = []
+    if cal.calibrates_memory:
+        said.append(f"memory × {cal.allocated_scale:.3f} from {cal.memory_probes} probe(s)")
+    if cal.calibrates_time:
+        said.append(f"compute time × {cal.compute_scale:.3f}, communication × {cal.comm_scale:.3f} "
+                    f"from {cal.time_probes} probe(s)")
+    note = f"calibrated on {cal.gpu} (torch {cal.torch_version or '?'}): " + "; ".join(said)
+    return estimate.model_copy(update={
+        "memory": memory, "time": time, "fits": memory.fits, "reason": estimate_reason(memory),
+        "samples_per_s": time.samples_per_s, "tokens_per_s": time.tokens_per_s,
+        "model_tflops_per_gpu": time.model_tflops_per_gpu, "mfu": time.mfu, "hfu": time.hfu,
+        "notes": (*estimate.notes, note)})
 
 
 def estimate(profile: ModelProfile, cluster: Cluster, strategy: Strategy, *,

@@ -40,9 +40,9 @@ from typing import Any, Literal
 import optuna
 from pydantic import BaseModel, ConfigDict, Field
 
-from optplan.estimators.calibration import Calibration, calibrate_estimate
+from optplan.estimators.calibration import Calibration
 from optplan.estimators.errors import Cancelled, OptplanError
-from optplan.estimators.estimate import Estimate, estimate
+from optplan.estimators.estimate import Estimate, calibrate_estimate, estimate
 from optplan.estimators.hardware import Cluster
 from optplan.estimators.memory import memory_breakdown, usable_capacity_bytes
 from optplan.estimators.profile import ModelProfile

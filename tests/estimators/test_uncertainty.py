@@ -7,8 +7,8 @@ import math
 import pytest
 
 from optplan.estimators.arch import ArchSpec, profile_from_arch
-from optplan.estimators.calibration import Calibration, calibrate_estimate
-from optplan.estimators.estimate import estimate
+from optplan.estimators.calibration import Calibration
+from optplan.estimators.estimate import calibrate_estimate, estimate
 from optplan.estimators.hardware import Cluster, find_gpu
 from optplan.estimators.strategy import Strategy
 from optplan.estimators.uncertainty import (
