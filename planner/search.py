@@ -14,7 +14,11 @@ Every candidate is priced by the analytic estimators (well under a millisecond e
 
 Objectives (``Goal``): ``throughput`` maximises samples/s and memory headroom; ``time`` and ``cost``
 minimise the time to train the token budget and its cost (GPU-hours x price, or GPU-hours without a
-price). All orders are total and deterministic for the same inputs and seed.
+price). Every figure is taken at the slow end of the estimate's time band (``time.step_s_high``,
+estimators/uncertainty.py): a plan is ranked by what it delivers if the time model errs against it, so
+the search does not chase the model's optimism (issue 15). Among plans whose bands overlap the best's,
+``rank`` then prefers the simplest (planner/simplicity.py). All orders are total and deterministic for
+the same inputs and seed.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from optplan.estimators.hardware import Cluster
 from optplan.estimators.profile import ModelProfile
 from optplan.estimators.strategy import Strategy
 from optplan.planner.events import ProgressEvent
+from optplan.planner.simplicity import prefer_simple
 from optplan.planner.space import Group, SearchSpace, strategy_of
 
 SearchMethod = Literal["auto", "enumerate", "nsga2", "tpe"]
@@ -46,7 +51,19 @@ DEFAULT_TRIALS = 3000
 MEMORY_CONSTRAINT_KEY = "memory_excess_gib"
 RECORDED_TOP_K = 12
 CHUNK_GROUPS = 512
-STUDY_FORMAT = 2
+STUDY_FORMAT = 3
+"""Part of every study's name: bump it when what a study stores changes meaning. 3: the objective values
+are taken at the slow end of the time band (2: nominal). An older study then has another name, so a rerun
+starts a new study beside it instead of resuming values of another meaning."""
+BandEnd = Literal["nominal", "fast", "slow"]
+
+
+def band_factor(e: Estimate, end: BandEnd) -> float:
+    """The step time at the band's ``end`` ÷ the nominal step time (1 for ``nominal`` or an estimate
+    without a band): throughput divides by it, times to train multiply by it."""
+    t = e.time
+    at = {"nominal": t.step_s, "fast": t.step_s_low, "slow": t.step_s_high}[end]
+    return at / t.step_s if at > 0 else 1.0
 
 
 class Goal(BaseModel):
@@ -65,43 +82,68 @@ class Goal(BaseModel):
         if self.deadline_s is not None and self.tokens is None:
             raise OptplanError("--deadline needs --tokens (the token budget to train in that time)")
 
-    def train_time_s(self, e: Estimate) -> float:
-        """Time to train the token budget (s); inf without a token model."""
+    def train_time_s(self, e: Estimate, end: BandEnd = "nominal") -> float:
+        """Time to train the token budget (s) at the band's ``end``; inf without a token model."""
         if self.tokens is None or not e.tokens_per_s:
             return math.inf
-        return self.tokens / e.tokens_per_s
+        return self.tokens / e.tokens_per_s * band_factor(e, end)
 
-    def gpu_hours(self, e: Estimate) -> float:
-        return e.gpus * self.train_time_s(e) / 3600
+    def gpu_hours(self, e: Estimate, end: BandEnd = "nominal") -> float:
+        return e.gpus * self.train_time_s(e, end) / 3600
 
     def meets_deadline(self, e: Estimate) -> bool:
+        """The nominal time to train is within the deadline (the deadline's meaning is unchanged)."""
         return self.deadline_s is None or self.train_time_s(e) <= self.deadline_s
 
+    @property
+    def by_throughput(self) -> bool:
+        return self.objective == "throughput" or self.tokens is None
+
+    def figure(self, e: Estimate, end: BandEnd = "slow") -> float:
+        """The objective's own figure at the band's ``end``, lower is better: -samples/s (throughput),
+        the time to train (time) or GPU-hours (cost). ``slow`` (the default) is the robust figure."""
+        if self.by_throughput:
+            return -e.samples_per_s / band_factor(e, end)
+        if self.objective == "time":
+            return self.train_time_s(e, end)
+        return self.gpu_hours(e, end)
+
+    def class_key(self, e: Estimate) -> tuple[float, ...]:
+        """What comes before the figure: feasible first, then (time/cost with a deadline) plans that meet it,
+        and for the time objective with a deadline the fewest GPUs. Only plans of one class can tie."""
+        head: tuple[float, ...] = (0.0 if e.fits else 1.0,)
+        if self.by_throughput or self.deadline_s is None:
+            return head
+        met = self.meets_deadline(e)
+        if self.objective == "time":  # the fewest GPUs that meet the deadline, then the fastest
+            return (*head, 0.0 if met else 1.0, e.gpus if met else 0.0)
+        return (*head, 0.0 if met else 1.0)
+
     def rank_key(self, e: Estimate) -> tuple[float, ...]:
-        """Ascending sort key: feasible first, then the objective, then headroom, then the label."""
-        head = (0.0 if e.fits else 1.0,)
-        if self.objective == "throughput" or self.tokens is None:
-            body: tuple[float, ...] = (-e.samples_per_s,)
-        elif self.objective == "time":
-            if self.deadline_s is not None:  # the fewest GPUs that meet the deadline, then the fastest
-                met = self.meets_deadline(e)
-                body = (0.0 if met else 1.0, e.gpus if met else 0.0, self.train_time_s(e))
-            else:
-                body = (self.train_time_s(e),)
-        else:
-            met = self.meets_deadline(e)
-            body = (0.0 if met else 1.0, self.gpu_hours(e), self.train_time_s(e))
-        return (*head, *body, -float(e.memory.headroom_bytes), float(e.gpus))
+        """Ascending sort key: the class (``class_key``), then the robust figure (the band's slow end),
+        then for cost the robust time to train, then headroom, then the GPU count."""
+        body: tuple[float, ...] = (self.figure(e, "slow"),)
+        if not self.by_throughput and self.objective == "cost":
+            body = (*body, self.train_time_s(e, "slow"))
+        return (*self.class_key(e), *body, -float(e.memory.headroom_bytes), float(e.gpus))
+
+    def ties(self, best: Estimate, other: Estimate) -> bool:
+        """``other``'s band overlaps ``best``'s: same class, and ``other`` at its fast end is at least as
+        good as ``best`` at its slow end (throughput: samples/s at step_s_low >= best's at step_s_high;
+        time/cost: the time or GPU-hours at step_s_low <= best's at step_s_high)."""
+        return (self.class_key(other) == self.class_key(best)
+                and self.figure(other, "fast") <= self.figure(best, "slow"))
 
     def values(self, e: Estimate) -> list[float]:
-        """The study's objective values for ``e`` (see ``directions``)."""
-        if self.objective == "throughput" or self.tokens is None:
-            return [e.samples_per_s, e.memory.headroom_bytes / 2**30]
-        return [self.train_time_s(e) / 86400, self.gpu_hours(e)]
+        """The study's objective values for ``e`` (see ``directions``), at the band's slow end: samples/s
+        and headroom (GiB), or days and GPU-hours to train."""
+        if self.by_throughput:
+            return [-self.figure(e, "slow"), e.memory.headroom_bytes / 2**30]
+        return [self.train_time_s(e, "slow") / 86400, self.gpu_hours(e, "slow")]
 
     @property
     def directions(self) -> list[str]:
-        if self.objective == "throughput" or self.tokens is None:
+        if self.by_throughput:
             return ["maximize", "maximize"]
         return ["minimize", "minimize"]
 
@@ -145,8 +187,15 @@ def pareto_front(estimates: tuple[Estimate, ...] | list[Estimate], goal: Goal | 
     return front
 
 
-def rank(estimates: list[Estimate], goal: Goal) -> tuple[Estimate, ...]:
+def rank_by_figure(estimates: list[Estimate] | tuple[Estimate, ...], goal: Goal) -> tuple[Estimate, ...]:
+    """``estimates`` in ``goal.rank_key`` order (the robust figure), before the simplicity tie-break."""
     return tuple(sorted(estimates, key=lambda e: (goal.rank_key(e), e.strategy.label())))
+
+
+def rank(estimates: list[Estimate] | tuple[Estimate, ...], goal: Goal) -> tuple[Estimate, ...]:
+    """The final ranking: by the robust figure, then the simplest of the plans tied with the best first
+    (``simplicity.prefer_simple``): ``rank(...)[0]`` is the chosen plan when it fits."""
+    return prefer_simple(rank_by_figure(estimates, goal), goal)
 
 
 # --- the study --------------------------------------------------------------------------------------

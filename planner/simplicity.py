@@ -1,0 +1,91 @@
+"""Simplicity tie-break: among feasible plans whose time bands overlap the best plan's, pick the simplest.
+
+A predicted difference smaller than the prediction's own uncertainty is no reason to take on more moving
+parts (issue 15, "a search that does not chase its errors"). The best plan ``A`` is the first of the ranking
+by the robust figure (``Goal.rank_key``: the band's slow end); plan ``B`` *ties* with it when both are of the
+same class (feasible; for time/cost with a deadline, meeting it or not; for time with a deadline, the same
+GPU count) and ``B`` at the fast end of its band (``time.step_s_low``) is at least as good as ``A`` at the
+slow end of its band (``time.step_s_high``) - ``Goal.ties``. Among the tied plans the simplest is chosen,
+by this order (``simplicity_key``, lower is simpler), each criterion deciding only when the ones before
+it are equal:
+
+1. fewer model-parallel dimensions: the count of tp > 1, pp > 1 and cp > 1 (the Strategy has no expert
+   parallelism to count);
+2. no offload: the count of offloaded states (optimizer states, parameters);
+3. less sharding: none (DDP / ZeRO-0) < ZeRO-1 (Megatron's distributed optimizer) < ZeRO-2 / FSDP
+   SHARD_GRAD_OP < ZeRO-3 / FSDP FULL_SHARD / HYBRID_SHARD (which shards the weights too, within a node);
+4. fewer virtual pipeline stages (vpp);
+5. less recomputation: none < selective < full activation checkpointing;
+
+and then the robust figure (the earlier place in the ranking). Only the chosen plan moves (to the front);
+the others keep their order by the robust figure.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from optplan.estimators.estimate import Estimate
+from optplan.estimators.strategy import Strategy
+
+if TYPE_CHECKING:  # search.py imports this module; the Goal is only passed in
+    from optplan.planner.search import Goal
+
+CRITERIA: tuple[str, ...] = ("fewer model-parallel dimensions", "no offload", "less sharding",
+                             "fewer virtual pipeline stages", "less recomputation")
+"""The names of ``simplicity_key``'s components, in order."""
+_RECOMPUTE = {"none": 0, "selective": 1, "full": 2}
+
+
+def simplicity_key(strategy: Strategy) -> tuple[int, ...]:
+    """How complex ``strategy`` is, one component per ``CRITERIA`` entry; lower is simpler."""
+    s = strategy
+    return (int(s.tp > 1) + int(s.pp > 1) + int(s.cp > 1),
+            int(s.offload_optimizer != "none") + int(s.offload_params != "none"),
+            s.shard_stage,
+            s.vpp,
+            _RECOMPUTE[s.checkpointing])
+
+
+class TieBreak(BaseModel):
+    """The outcome of the tie-break over a ranking: the plan first by the robust figure, the plans tied
+    with it (itself included, in ranking order), the one chosen, and the criterion that set it apart."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    best: Estimate = Field(description="first by the robust figure")
+    tied: tuple[Estimate, ...] = Field(description="every plan whose band overlaps best's, best included")
+    chosen: Estimate
+    criterion: str | None = Field(default=None, description="the CRITERIA entry that decided; None when the "
+                                                            "best is also the simplest")
+
+    @property
+    def changed(self) -> bool:
+        return self.chosen.strategy != self.best.strategy
+
+
+def tie_break(ranked: tuple[Estimate, ...] | list[Estimate], goal: Goal) -> TieBreak | None:
+    """The tie-break over ``ranked`` (in ``Goal.rank_key`` order); None when its first plan does not fit."""
+    if not ranked or not ranked[0].fits:
+        return None
+    best = ranked[0]
+    tied = tuple(e for e in ranked if e.fits and goal.ties(best, e))
+    chosen = min(tied, key=lambda e: simplicity_key(e.strategy))  # min keeps the first of equals: rank order
+    criterion = None
+    if chosen.strategy != best.strategy:
+        mine, theirs = simplicity_key(chosen.strategy), simplicity_key(best.strategy)
+        criterion = next(name for name, a, b in zip(CRITERIA, mine, theirs, strict=True) if a != b)
+    return TieBreak(best=best, tied=tied, chosen=chosen, criterion=criterion)
+
+
+def prefer_simple(ranked: tuple[Estimate, ...], goal: Goal) -> tuple[Estimate, ...]:
+    """``ranked`` (in ``Goal.rank_key`` order) with the tie-break's chosen plan moved to the front."""
+    tb = tie_break(ranked, goal)
+    if tb is None or not tb.changed:
+        return tuple(ranked)
+    return (tb.chosen, *(e for e in ranked if e is not tb.chosen))
+
+
+__all__ = ["CRITERIA", "TieBreak", "prefer_simple", "simplicity_key", "tie_break"]

@@ -1,0 +1,109 @@
+"""The simplicity tie-break: its order, the band-overlap rule, deadline classes and the criterion named."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import make_gpu, make_profile
+
+from optplan.estimators.estimate import Estimate, estimate
+from optplan.estimators.hardware import Cluster
+from optplan.estimators.strategy import Strategy
+from optplan.planner.search import Goal, rank, rank_by_figure
+from optplan.planner.simplicity import CRITERIA, prefer_simple, simplicity_key, tie_break
+
+PROFILE = make_profile()
+CLUSTER = Cluster(gpu=make_gpu(80), gpus=8, gpus_per_node=8)
+
+
+def _est(**kw: object) -> Estimate:
+    return estimate(PROFILE, CLUSTER, Strategy(**{"dp": 8, "mbs": 8, **kw}))
+
+
+def _banded(e: Estimate, low: float, high: float) -> Estimate:
+    """``e`` with its step-time band set to ``low``/``high`` x the step time (a controlled band)."""
+    t = e.time
+    return e.model_copy(update={"time": t.model_copy(update={"step_s_low": t.step_s * low,
+                                                             "step_s_high": t.step_s * high})})
+
+
+@pytest.mark.parametrize(("simple", "complex_", "criterion"), [
+    (dict(tp=2, dp=4), dict(tp=2, pp=2, dp=2), "fewer model-parallel dimensions"),
+    (dict(cp=2, dp=4, engine="megatron"), dict(tp=2, cp=2, dp=2, engine="megatron"), "fewer model-parallel dimensions"),
+    (dict(zero=3), dict(zero=1, offload_optimizer="cpu"), "no offload"),
+    (dict(zero=3, offload_optimizer="cpu"), dict(zero=3, offload_optimizer="cpu", offload_params="cpu"), "no offload"),
+    (dict(zero=0), dict(zero=1), "less sharding"),
+    (dict(zero=1), dict(zero=2), "less sharding"),
+    (dict(fsdp="grad_op", engine="torch"), dict(fsdp="full", engine="torch"), "less sharding"),
+    (dict(zero=2), dict(fsdp="hybrid", engine="torch"), "less sharding"),
+    (dict(pp=4, vpp=2, dp=2, grad_accum=4, engine="megatron"), dict(pp=4, vpp=3, dp=2, grad_accum=4, engine="megatron"),
+     "fewer virtual pipeline stages"),
+    (dict(checkpointing="none"), dict(checkpointing="selective"), "less recomputation"),
+    (dict(checkpointing="selective"), dict(checkpointing="full"), "less recomputation"),
+])
+def test_simplicity_order_names_the_first_difference(simple: dict, complex_: dict, criterion: str) -> None:
+    a, b = simplicity_key(Strategy(**simple)), simplicity_key(Strategy(**complex_))
+    assert a < b
+    assert CRITERIA[next(i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)] == criterion
+
+
+def test_criteria_are_ordered_model_parallel_offload_sharding_vpp_recompute() -> None:
+    # each earlier criterion outweighs every later one
+    assert simplicity_key(Strategy(tp=2, dp=4)) > simplicity_key(
+        Strategy(zero=3, offload_optimizer="cpu", offload_params="cpu", checkpointing="full"))
+    assert simplicity_key(Strategy(zero=1, offload_optimizer="cpu")) > simplicity_key(Strategy(zero=3, checkpointing="full"))
+    assert simplicity_key(Strategy(zero=1)) > simplicity_key(Strategy(zero=0, checkpointing="full"))
+
+
+def test_a_simpler_plan_whose_band_reaches_the_best_is_picked() -> None:
+    goal = Goal()
+    fast = _est(zero=1)  # ZeRO-1
+    slow = _est(zero=0, checkpointing="selective")  # simpler (no sharding), slower (recompute)
+    assert slow.samples_per_s < fast.samples_per_s
+    a = _banded(fast, 0.9, 1.1)
+    a_slow_end = a.samples_per_s / 1.1
+    # B's fast end (samples/s at step_s_low) just reaches A's slow end: a tie, and B is simpler
+    low_tie = slow.samples_per_s / (a_slow_end * 1.0001)
+    b = _banded(slow, low_tie, 1.1)
+    assert goal.ties(a, b)
+    ranked = rank([a, b], goal)
+    assert ranked[0] is b and ranked[1] is a
+    tb = tie_break(rank_by_figure([a, b], goal), goal)
+    assert tb is not None and tb.best is a and tb.chosen is b and tb.changed
+    assert tb.tied == (a, b) and tb.criterion == "less sharding"
+    # just short of A's slow end: no tie, the faster plan stays first
+    c = _banded(slow, slow.samples_per_s / (a_slow_end * 0.9999), 1.1)
+    assert not goal.ties(a, c)
+    assert rank([a, c], goal)[0] is a
+
+
+def test_the_robust_figure_ranks_and_a_wider_band_loses() -> None:
+    goal = Goal()
+    e = _est(zero=1)
+    narrow, wide = _banded(e, 0.95, 1.05), _banded(_est(zero=1, mbs=4, grad_accum=2), 0.6, 1.8)
+    assert wide.samples_per_s / 1.8 < narrow.samples_per_s / 1.05
+    assert rank_by_figure([wide, narrow], goal)[0] is narrow
+    assert goal.values(narrow)[0] == pytest.approx(narrow.samples_per_s / 1.05)
+
+
+def test_infeasible_plans_and_an_infeasible_best_never_tie() -> None:
+    goal = Goal()
+    fits = _est(zero=1)
+    too_big = fits.model_copy(update={"fits": False})
+    assert not goal.ties(fits, too_big)
+    assert tie_break((too_big, fits), goal) is None
+    assert prefer_simple((too_big, fits), goal) == (too_big, fits)
+
+
+def test_time_with_a_deadline_ties_only_plans_on_the_same_gpu_count() -> None:
+    prof = make_profile(params=1_000_000_000, hidden=2048, layers=24)
+    e8 = estimate(prof, Cluster(gpu=make_gpu(80), gpus=8, gpus_per_node=8), Strategy(dp=8, mbs=6, zero=1))
+    e16 = estimate(prof, Cluster(gpu=make_gpu(80), gpus=16, gpus_per_node=8),
+                   Strategy(dp=16, mbs=3, zero=0))  # simpler, and on more GPUs
+    e8, e16 = _banded(e8, 0.5, 2.0), _banded(e16, 0.5, 2.0)  # bands wide enough to overlap
+    free = Goal(objective="time", tokens=2e9)
+    assert free.train_time_s(e16) < free.train_time_s(e8) and free.ties(e16, e8)
+    assert rank([e16, e8], free)[0] is e16  # e16 is simpler (ZeRO-0) and fastest
+    loose = Goal(objective="time", tokens=2e9, deadline_s=1e9)
+    assert loose.meets_deadline(e8) and loose.meets_deadline(e16)
+    assert not loose.ties(e8, e16)  # the fewest GPUs that meet the deadline: no tie across GPU counts
+    assert rank([e16, e8], loose)[0] is e8
