@@ -2,7 +2,9 @@
 
 A decision is explained by its neighbours: the same plan with that one choice changed, priced on demand
 (``price``), or the best searched plan that differs in it. Lines say what the alternative would cost
-(samples/s, GiB per GPU against the capacity, time or money to train).
+(samples/s, GiB per GPU against the capacity, time or money to train). Two lines are about how sure the
+pick is: the simplicity tie-break (planner/simplicity.py) when it changed the pick, and the predicted MFU
+against the best MFU ever measured on that GPU and precision (estimators/uncertainty.py ``mfu_envelope``).
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ from collections.abc import Callable, Sequence
 from optplan.estimators.estimate import Estimate
 from optplan.estimators.precision import get_recipe
 from optplan.estimators.strategy import Strategy
+from optplan.estimators.uncertainty import mfu_envelope, precision_class, time_domain
 from optplan.estimators.units import gib
-from optplan.planner.search import Goal
+from optplan.planner.search import Goal, band_factor, rank_by_figure
+from optplan.planner.simplicity import CRITERIA, simplicity_key, tie_break
 from optplan.planner.space import Layout, SearchSpace
 
 Price = Callable[[Strategy], "Estimate | None"]
@@ -48,22 +52,92 @@ def _best(ranked: Sequence[Estimate], keep: Callable[[Strategy], bool]) -> Estim
     return next((e for e in ranked if keep(e.strategy)), None)
 
 
-def _headline(pick: Estimate, evaluated: int, goal: Goal) -> str:
-    figures = (f"{pick.samples_per_s:.1f} samples/s, {pick.model_tflops_per_gpu:.0f} TFLOP/s per GPU, "
+def _step(seconds: float) -> str:
+    """A step-sized duration: '412 ms' or '3.27 s'."""
+    return f"{seconds * 1e3:,.0f} ms" if seconds < 1 else f"{seconds:,.3g} s"
+
+
+def _band(lo: float, hi: float, fmt: str) -> str:
+    """' [lo-hi]' in ``fmt``: the band of a figure, low end first."""
+    return f" [{fmt.format(min(lo, hi))}-{fmt.format(max(lo, hi))}]"
+
+
+def _rate_band(e: Estimate) -> str:
+    """Samples/s and its band: at the band's slow end (step_s_high) and fast end (step_s_low)."""
+    return (f"{e.samples_per_s:,.1f} samples/s"
+            + _band(e.samples_per_s / band_factor(e, "slow"), e.samples_per_s / band_factor(e, "fast"), "{:,.1f}"))
+
+
+def _time_band(goal: Goal, e: Estimate) -> str:
+    return _days(goal.train_time_s(e)) + _band(goal.train_time_s(e, "fast") / _unit(goal.train_time_s(e)),
+                                               goal.train_time_s(e, "slow") / _unit(goal.train_time_s(e)), "{:.1f}")
+
+
+def _unit(seconds: float) -> float:
+    """The unit ``_days`` writes ``seconds`` in (s)."""
+    return 86400.0 if seconds >= 86400 else 3600.0
+
+
+def _hours_band(goal: Goal, e: Estimate) -> str:
+    return f"{goal.gpu_hours(e):,.0f} GPU-hours" + _band(goal.gpu_hours(e, "fast"), goal.gpu_hours(e, "slow"), "{:,.0f}")
+
+
+def _headline(pick: Estimate, evaluated: int, goal: Goal, simplest: bool = False) -> str:
+    """What was picked and its figures with their bands; ``simplest``: the tie-break chose it (see ``_ties_line``)."""
+    figures = (f"{_rate_band(pick)}, {pick.model_tflops_per_gpu:.0f} TFLOP/s per GPU, "
                f"{pick.mfu * 100:.0f}% MFU, {pick.reason}")
+    lead = "simplest of the plans tied with the " if simplest else ""
     if goal.objective == "throughput" or goal.tokens is None:
-        return f"fastest feasible of {evaluated} candidates priced: {figures}"
-    t = goal.train_time_s(pick)
+        return f"{lead}fastest feasible of {evaluated} candidates priced: {figures}"
     money = (f", ${goal.gpu_hours(pick) * goal.price_per_gpu_hour:,.0f}" if goal.price_per_gpu_hour is not None
              else "")
-    cost = f"{goal.gpu_hours(pick):,.0f} GPU-hours{money}"
+    cost = f"{_hours_band(goal, pick)}{money}"
     if goal.objective == "time" and goal.deadline_s is not None:
         met = "meets" if goal.meets_deadline(pick) else "misses"
         what = f"fewest GPUs ({pick.gpus}) that train {goal.tokens:.3g} tokens by the deadline"
-        return (f"{what} of {evaluated} candidates priced: {_days(t)} ({met} {_days(goal.deadline_s)}), {cost}; "
-                f"{figures}")
+        return (f"{lead}{what} of {evaluated} candidates priced: {_time_band(goal, pick)} ({met} "
+                f"{_days(goal.deadline_s)}), {cost}; {figures}")
     what = "fastest to train" if goal.objective == "time" else "cheapest to train"
-    return f"{what} {goal.tokens:.3g} tokens of {evaluated} candidates priced: {_days(t)}, {cost}; {figures}"
+    return (f"{lead}{what} {goal.tokens:.3g} tokens of {evaluated} candidates priced: {_time_band(goal, pick)}, "
+            f"{cost}; {figures}")
+
+
+def _ties_line(pick: Estimate, ranked: Sequence[Estimate], goal: Goal) -> str | None:
+    """When the simplicity tie-break changed the pick: how many plans tied with the best by the robust figure,
+    the best with its band, and the criterion (simplicity.CRITERIA) that chose the pick over it."""
+    tb = tie_break(rank_by_figure(tuple(ranked), goal), goal)
+    if tb is None or not tb.changed or tb.chosen.strategy != pick.strategy or tb.criterion is None:
+        return None
+    best = tb.best
+    if goal.objective == "throughput" or goal.tokens is None:
+        who, figure = "fastest", _rate_band(best)
+    elif goal.objective == "time":
+        who, figure = "fastest to train", _time_band(goal, best)
+    else:
+        who, figure = "cheapest to train", _hours_band(goal, best)
+    i = CRITERIA.index(tb.criterion)
+    detail = f"{simplicity_key(pick.strategy)[i]} vs {simplicity_key(best.strategy)[i]}"
+    others = len(tb.tied) - 1
+    return (f"ties: {others} plan{'s' if others != 1 else ''}' bands overlap the {who} "
+            f"({best.strategy.label()} at {figure}); picked the simplest: {tb.criterion} ({detail})")
+
+
+def _envelope_line(pick: Estimate) -> str:
+    """The predicted MFU against the best MFU measured on this GPU (or the GPU its figures derive from) and
+    precision class; unmeasured ones are said to be so."""
+    cls = precision_class(pick.strategy.precision)
+    envelope = mfu_envelope(pick.gpu, pick.strategy.precision)
+    source = next((d.from_gpu for d in time_domain().derived if d.gpu == pick.gpu), None)
+    where = f"{pick.gpu}" + (f" (figures derived from {source})" if source else "")
+    if envelope is None:
+        return (f"MFU: no run on {where} in {cls} precision was ever measured, so the predicted "
+                f"{pick.mfu:.0%} MFU and the step time are uncertain (step {_step(pick.time.step_s)}, band "
+                f"{_step(pick.time.step_s_low)}-{_step(pick.time.step_s_high)})")
+    if pick.mfu > envelope:
+        return (f"MFU: the predicted {pick.mfu:.0%} is above the best measured MFU for {where} in {cls} precision "
+                f"({envelope:.0%}): the time is optimistic; at the measured best the step would take "
+                f"{_step(pick.time.step_s * pick.mfu / envelope)}, not {_step(pick.time.step_s)}")
+    return ""
 
 
 def _gpus_line(pick: Estimate, ranked: Sequence[Estimate], space: SearchSpace, goal: Goal) -> str | None:
@@ -110,7 +184,7 @@ def _layout_line(pick: Estimate, ranked: Sequence[Estimate]) -> str:
     return f"layout {degrees} = {s.world_size} GPUs" + (": " + "; ".join(parts) if parts else "")
 
 
-def _sharding_line(pick: Estimate, price: Price) -> str:
+def _sharding_line(pick: Estimate, price: Price, ranked: Sequence[Estimate], goal: Goal) -> str:
     s = pick.strategy
     m = pick.memory
     states = m.params_bytes + m.grads_bytes + m.optimizer_bytes
@@ -145,12 +219,38 @@ def _sharding_line(pick: Estimate, price: Price) -> str:
                 f"{_gib(lower.memory.params_bytes + lower.memory.grads_bytes + lower.memory.optimizer_bytes)}/GPU "
                 f"do not fit beside {_gib(lower.memory.activations_bytes)} of activations "
                 f"({_gib(lower.memory.total_bytes)} > {_gib(m.capacity_bytes)})")
-    freed = lower.memory.total_bytes - m.total_bytes
-    if abs(pick.samples_per_s - lower.samples_per_s) <= 0.005 * pick.samples_per_s:
-        return (f"DeepSpeed ZeRO-{s.zero}: as fast as ZeRO-{s.zero - 1} ({pick.samples_per_s:.1f} samples/s) and "
-                f"sharding the {sharded} frees {_gib(freed)}/GPU; ties go to headroom")
-    return (f"DeepSpeed ZeRO-{s.zero}: sharding the {sharded} over {s.dp} GPUs frees {_gib(freed)}/GPU at "
-            f"{pick.samples_per_s:.1f} vs {lower.samples_per_s:.1f} samples/s under ZeRO-{s.zero - 1}")
+    return _lower_stage_line(pick, lower, ranked, goal, sharded)
+
+
+def _grown(pick: Estimate, other: Estimate) -> str:
+    """The memory category that grew most from ``other`` to ``pick``, with both sizes."""
+    parts = ("params_bytes", "weights"), ("grads_bytes", "gradients"), ("optimizer_bytes", "optimizer states"), \
+        ("activations_bytes", "activations"), ("buffers_bytes", "buffers"), ("overhead_bytes", "overhead")
+    field, name = max(parts, key=lambda p: getattr(pick.memory, p[0]) - getattr(other.memory, p[0]))
+    return f"its {name}, {gib(getattr(pick.memory, field)):.2f} vs {gib(getattr(other.memory, field)):.2f} GiB,"
+
+
+def _lower_stage_line(pick: Estimate, lower: Estimate, ranked: Sequence[Estimate], goal: Goal, sharded: str) -> str:
+    """ZeRO-k against ZeRO-(k-1) that also fits: what sharding frees (or costs: ZeRO-3's gather and prefetch
+    buffers can outweigh the weights it shards) and why ZeRO-k ranks first, by the comparison the ranking
+    makes (``Goal.rank_key``: the robust figure, then headroom)."""
+    s = pick.strategy
+    below = f"ZeRO-{s.zero - 1}"
+    freed = lower.memory.total_bytes - pick.memory.total_bytes
+    speeds = f"{pick.samples_per_s:.1f} vs {lower.samples_per_s:.1f} samples/s under {below}"
+    memory = f"frees {_gib(freed)}/GPU" if freed > 0 else (
+        f"costs {gib(-freed):.2f} GiB/GPU more than {below} ({_grown(pick, lower)} outweigh the {sharded} it shards)")
+    head = f"DeepSpeed ZeRO-{s.zero}: sharding the {sharded} over {s.dp} GPUs {memory}"
+    if not any(e.strategy == lower.strategy for e in ranked):
+        return f"{head} at {speeds}; {below} at these settings was not among the plans searched"
+    mine, theirs = goal.figure(pick), goal.figure(lower)
+    if mine < theirs - 0.005 * abs(theirs):
+        return f"{head}; chosen for speed: {speeds}"
+    if freed > 0:
+        return f"DeepSpeed ZeRO-{s.zero}: as fast as {below} ({pick.samples_per_s:.1f} samples/s) and sharding the " \
+               f"{sharded} frees {_gib(freed)}/GPU; ties go to headroom"
+    return (f"{head} at {speeds}; at the time band's slow end, which the ranking compares: {_rate_band(pick)} vs "
+            f"{_rate_band(lower)} under {below}")
 
 
 def _offload_line(pick: Estimate, price: Price) -> str | None:
@@ -259,8 +359,10 @@ def _optimizer_line(pick: Estimate, price: Price, space: SearchSpace) -> str:
 def rationale(pick: Estimate, ranked: Sequence[Estimate], price: Price, space: SearchSpace, goal: Goal,
               evaluated: int) -> list[str]:
     """The chosen plan's decisions, one line each, with the numbers behind them."""
-    lines = [_headline(pick, evaluated, goal), _gpus_line(pick, ranked, space, goal), _layout_line(pick, ranked),
-             _sharding_line(pick, price), _offload_line(pick, price), _precision_line(pick, price, space),
+    ties = _ties_line(pick, ranked, goal)
+    lines = [_headline(pick, evaluated, goal, simplest=ties is not None), ties, _envelope_line(pick),
+             _gpus_line(pick, ranked, space, goal), _layout_line(pick, ranked),
+             _sharding_line(pick, price, ranked, goal), _offload_line(pick, price), _precision_line(pick, price, space),
              _optimizer_line(pick, price, space), _mbs_line(pick, price, space),
              _checkpointing_line(pick, price, space), _batch_line(pick, space)]
     return [line for line in lines if line]

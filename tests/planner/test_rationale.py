@@ -1,0 +1,109 @@
+"""Rationale lines about how sure the pick is: the tie-break, the MFU envelope, and sharding that costs memory."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from conftest import make_gpu, make_profile
+
+from optplan.estimators.estimate import estimate
+from optplan.estimators.hardware import Cluster, find_gpu
+from optplan.estimators.strategy import Strategy
+from optplan.estimators.uncertainty import mfu_envelope
+from optplan.planner.rationale import _envelope_line, _sharding_line, _ties_line
+from optplan.planner.recommend import recommend
+from optplan.planner.search import Goal
+from optplan.planner.simplicity import CRITERIA, simplicity_key
+
+
+def _cluster(gpu=None, gpus: int = 8) -> Cluster:  # type: ignore[no-untyped-def]
+    return Cluster(gpu=gpu or make_gpu(80), gpus=gpus, gpus_per_node=8)
+
+
+def test_a_tie_break_pick_says_which_plans_tied_and_which_criterion_decided() -> None:
+    rec = recommend(make_profile(), _cluster(), global_batch=64)
+    assert rec.estimate is not None and rec.alternatives
+    ties = [r for r in rec.rationale if r.startswith("ties: ")]
+    assert len(ties) == 1
+    m = re.match(r"ties: (\d+) plans?' bands overlap the fastest \((.+) at ([\d,.]+) samples/s \[([\d,.]+)-([\d,.]+)\]\); "
+                 r"picked the simplest: (.+) \((\d+) vs (\d+)\)$", ties[0])
+    assert m, ties[0]
+    best = next(a.estimate for a in rec.alternatives if a.plan.label() == m.group(2))
+    assert best.samples_per_s > rec.estimate.samples_per_s  # the pick is not the fastest...
+    goal = Goal()
+    assert goal.ties(best, rec.estimate)  # ...but its band reaches the fastest's slow end
+    assert float(m.group(4).replace(",", "")) == pytest.approx(-goal.figure(best), rel=1e-3)
+    criterion = m.group(6)
+    i = CRITERIA.index(criterion)
+    mine, theirs = simplicity_key(rec.plan), simplicity_key(best.strategy)
+    assert mine[:i] == theirs[:i] and mine[i] < theirs[i] == int(m.group(8))
+    assert int(m.group(1)) >= 1
+    assert rec.rationale[0].startswith("simplest of the plans tied with the fastest feasible")
+
+
+def test_no_ties_line_when_the_best_is_also_the_simplest() -> None:
+    e = estimate(make_profile(), _cluster(), Strategy(dp=8, mbs=8))
+    assert _ties_line(e, [e], Goal()) is None
+
+
+def test_mfu_above_the_measured_envelope_is_said_with_both_numbers() -> None:
+    prof = make_profile(params=1_000_000_000, hidden=2048, layers=24)
+    h100 = find_gpu("H100-SXM")
+    rec = recommend(prof, _cluster(h100), global_batch=384, goal=Goal(objective="time", tokens=2e10))
+    pick = rec.estimate
+    envelope = mfu_envelope("H100-SXM", pick.strategy.precision)
+    assert envelope is not None
+    line = next((r for r in rec.rationale if r.startswith("MFU:")), None)
+    if pick.mfu > envelope:
+        assert line is not None and f"{pick.mfu:.0%}" in line and f"({envelope:.0%})" in line
+        assert "above the best measured MFU for H100-SXM in 16-bit" in line and "optimistic" in line
+    else:
+        assert line is None
+    # the same plan at a lower MFU (a slow step) says nothing; above the envelope it always speaks
+    slow = pick.model_copy(update={"mfu": envelope * 0.9})
+    assert _envelope_line(slow) == ""
+    fast = pick.model_copy(update={"mfu": envelope * 1.2})
+    assert f"{envelope * 1.2:.0%}" in _envelope_line(fast) and f"{envelope:.0%}" in _envelope_line(fast)
+
+
+def test_unmeasured_and_derived_gpus_are_named() -> None:
+    e = estimate(make_profile(), _cluster(), Strategy(dp=8, mbs=8))
+    assert mfu_envelope("TestGPU", "bf16") is None
+    line = _envelope_line(e)
+    assert "no run on TestGPU in 16-bit precision was ever measured" in line and f"{e.mfu:.0%}" in line
+    h200 = estimate(make_profile(), _cluster(find_gpu("H200")), Strategy(dp=8, mbs=8))
+    hot = h200.model_copy(update={"mfu": 0.9})
+    assert "H200 (figures derived from H100-SXM)" in _envelope_line(hot)
+
+
+def _zero(prof, z: int, **kw):  # type: ignore[no-untyped-def]
+    return estimate(prof, _cluster(), Strategy(zero=z, dp=8, mbs=4, **kw))
+
+
+def test_sharding_that_costs_memory_never_says_it_frees_a_negative_amount() -> None:
+    prof = make_profile()  # 124M parameters: ZeRO-3's gather buffers outweigh the weights it shards
+    z3, z2 = _zero(prof, 3), _zero(prof, 2)
+    assert z3.memory.total_bytes > z2.memory.total_bytes and z3.samples_per_s < z2.samples_per_s
+    goal = Goal()
+
+    def price(s: Strategy):  # type: ignore[no-untyped-def]
+        return z2 if s == z2.strategy else None
+
+    unsearched = _sharding_line(z3, price, [z3], goal)
+    assert "frees" not in unsearched and "costs" in unsearched and "more than ZeRO-2" in unsearched
+    assert "its buffers" in unsearched and "not among the plans searched" in unsearched
+    searched = _sharding_line(z3, price, [z2, z3], goal)
+    assert "frees" not in searched and "slow end" in searched
+    # were ZeRO-3 the faster one, speed is the reason
+    quick = z3.model_copy(update={"samples_per_s": z2.samples_per_s * 1.2})
+    assert "chosen for speed" in _sharding_line(quick, price, [quick, z2], goal)
+
+
+def test_sharding_that_frees_memory_says_how_much() -> None:
+    prof = make_profile(params=1_000_000_000, hidden=2048, layers=24)
+    z3, z2 = _zero(prof, 3), _zero(prof, 2)
+    freed = z2.memory.total_bytes - z3.memory.total_bytes
+    assert freed > 0
+    line = _sharding_line(z3, lambda s: z2 if s == z2.strategy else None, [z2, z3], Goal())
+    assert f"frees {freed / 2**30:.1f} GiB/GPU" in line
