@@ -107,3 +107,20 @@ def test_sharding_that_frees_memory_says_how_much() -> None:
     assert freed > 0
     line = _sharding_line(z3, lambda s: z2 if s == z2.strategy else None, [z2, z3], Goal())
     assert f"frees {freed / 2**30:.1f} GiB/GPU" in line
+
+
+def test_model_scope_note_names_what_the_time_model_rests_on() -> None:
+    from optplan.estimators.efficiency import fitted_gpus
+    from optplan.estimators.uncertainty import time_domain
+    from optplan.planner.recommend import MODEL_SCOPE_NOTE
+
+    dom = time_domain()
+    for gpu in {*fitted_gpus(), *(s.gpu for s in dom.sets)}:
+        assert gpu.split("-")[0] in MODEL_SCOPE_NOTE  # A100, H100
+    for d in dom.derived:
+        assert f"{d.gpu}" in MODEL_SCOPE_NOTE and f"derived from {d.from_gpu.split('-')[0]}" in MODEL_SCOPE_NOTE
+    for s in dom.sets:
+        assert f"{s.engine.replace('torch', 'torch FSDP').replace('megatron', 'Megatron')}" in MODEL_SCOPE_NOTE
+        for source in s.source.split(" (")[0].split("; "):
+            name = source.split("-")[0].replace("llmfoundry", "llm-foundry")
+            assert name.lower() in MODEL_SCOPE_NOTE.lower(), name
