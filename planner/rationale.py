@@ -87,8 +87,9 @@ def _headline(pick: Estimate, evaluated: int, goal: Goal, simplest: bool = False
     figures = (f"{_rate_band(pick)}, {pick.model_tflops_per_gpu:.0f} TFLOP/s per GPU, "
                f"{pick.mfu * 100:.0f}% MFU, {pick.reason}")
     lead = "simplest of the plans tied with the " if simplest else ""
+    slow_end = "" if simplest else " (at the band's slow end)"
     if goal.objective == "throughput" or goal.tokens is None:
-        return f"{lead}fastest feasible of {evaluated} candidates priced: {figures}"
+        return f"{lead}fastest feasible{slow_end} of {evaluated} candidates priced: {figures}"
     money = (f", ${goal.gpu_hours(pick) * goal.price_per_gpu_hour:,.0f}" if goal.price_per_gpu_hour is not None
              else "")
     cost = f"{_hours_band(goal, pick)}{money}"
@@ -98,7 +99,7 @@ def _headline(pick: Estimate, evaluated: int, goal: Goal, simplest: bool = False
         return (f"{lead}{what} of {evaluated} candidates priced: {_time_band(goal, pick)} ({met} "
                 f"{_days(goal.deadline_s)}), {cost}; {figures}")
     what = "fastest to train" if goal.objective == "time" else "cheapest to train"
-    return (f"{lead}{what} {goal.tokens:.3g} tokens of {evaluated} candidates priced: {_time_band(goal, pick)}, "
+    return (f"{lead}{what}{slow_end} {goal.tokens:.3g} tokens of {evaluated} candidates priced: {_time_band(goal, pick)}, "
             f"{cost}; {figures}")
 
 

@@ -112,11 +112,17 @@ def estimate_table(e: Estimate | StatesEstimate) -> Group:
                       (f"exposed communication (of {t.comm_s * 1e3:.1f})", t.exposed_comm_s)):
         tim.add_row(name, f"{val * 1e3:.1f}")
     tim.add_row("[bold]step[/]", f"[bold]{t.step_s * 1e3:.1f}[/]")
-    rate = f"{e.tokens_per_s:,.0f} tokens/s" if e.tokens_per_s else f"{e.samples_per_s:,.1f} samples/s"
+    low, high = _band_ends(e)
+    tim.add_row("band", f"{low * 1e3:.1f}-{high * 1e3:.1f}")
+    if e.tokens_per_s:
+        rate = f"{e.tokens_per_s:,.0f} tokens/s [{_rate_band(e, e.tokens_per_s, '{:,.0f}')}]"
+    else:
+        rate = f"{e.samples_per_s:,.1f} samples/s [{_rate_band(e, e.samples_per_s, '{:,.1f}')}]"
     summary = Text(f"{e.strategy.label()} on {e.gpus} GPU(s): global batch {e.global_batch}, {rate}, "
                    f"MFU {e.mfu * 100:.1f}%, HFU {e.hfu * 100:.1f}%, {e.model_tflops_per_gpu:.1f} TFLOP/s per GPU")
     recipe = Text(f"precision {e.strategy.precision}: {get_recipe(e.strategy.precision).description}", style="dim")
-    parts: list = [summary, verdict, recipe, _memory_table(e), _detail_line(e), tim,
+    basis = [Text(f"time band: {t.band_basis}", style="dim")] if t.band_basis else []
+    parts: list = [summary, verdict, recipe, _memory_table(e), _detail_line(e), tim, *basis,
                    *(Text(f"note: {n}", style="dim") for n in e.notes)]
     if e.cost is not None:
         c = e.cost
@@ -128,6 +134,29 @@ def estimate_table(e: Estimate | StatesEstimate) -> Group:
     return Group(*parts)
 
 
+def _band_ends(e: Estimate) -> tuple[float, float]:
+    """The step time's band (s): ``time.step_s_low``-``step_s_high``; the step itself when it has none."""
+    t = e.time
+    return (t.step_s_low or t.step_s), (t.step_s_high or t.step_s)
+
+
+def _rate_band(e: Estimate, rate: float, fmt: str) -> str:
+    """'slow-fast' of a rate (samples or tokens per second) over the step time's band."""
+    low, high = _band_ends(e)
+    return f"{fmt.format(rate * e.time.step_s / high)}-{fmt.format(rate * e.time.step_s / low)}"
+
+
+def _step_cell(e: Estimate) -> str:
+    """'412 ms' over '[370-430]': the step time and its band, the band's ends in the step's unit with at most
+    9 characters (whole ms; 0.1 s under 10 s; whole seconds above)."""
+    low, high = _band_ends(e)
+    step = e.time.step_s
+    if step < 1:
+        return f"{_duration(step)}\n[{low * 1e3:.0f}-{high * 1e3:.0f}]"
+    digits = 1 if high < 10 else 0
+    return f"{_duration(step)}\n[{low:.{digits}f}-{high:.{digits}f}]"
+
+
 def _rate(n: float) -> str:
     return f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n / 1e3:.1f}K" if n >= 1e4 else f"{n:,.1f}"
 
@@ -136,11 +165,15 @@ def plans_table(rec: Recommendation) -> Table:
     """The pick and its runners-up: memory per GPU by category against usable capacity, speed, MFU.
 
     States = weights + gradients + optimizer states; other = buffers + overhead (``optplan estimate``
-    and --json give every category). Fits an 80-column terminal.
+    and --json give every category). Under each step time, its band in brackets (``time.step_s_low``-
+    ``step_s_high``, the step's unit); throughput varies inversely. Fits an 80-column terminal.
     """
     usable = _g(rec.estimate.memory.capacity_bytes) if rec.estimate else "?"
     table = Table(title=f"best plans (GiB per GPU, {usable} usable)", title_justify="left", box=box.SIMPLE_HEAD,
-                  pad_edge=False)
+                  pad_edge=False, caption=Text("[band]: where the step time lies, from measured runs' errors "
+                                               "(wider outside them); throughput varies inversely; ranked by the "
+                                               "band's slow end", style="dim"),
+                  caption_justify="left")
     table.add_column("#", justify="right", no_wrap=True)
     table.add_column("plan", overflow="fold")
     for col in ("states", "acts", "other", "total", "step", "tokens/s" if rec.seq_len else "samples/s",
@@ -151,9 +184,9 @@ def plans_table(rec: Recommendation) -> Table:
         m = e.memory
         timed = isinstance(e, Estimate)
         rate = (e.tokens_per_s or e.samples_per_s) if timed else 0.0
-        table.add_row(str(i), e.strategy.label(), _g(m.params_bytes + m.grads_bytes + m.optimizer_bytes),
+        table.add_row(str(i), Text(e.strategy.label()), _g(m.params_bytes + m.grads_bytes + m.optimizer_bytes),
                       _g(m.activations_bytes), _g(m.buffers_bytes + m.overhead_bytes),
-                      _g(m.total_bytes), _duration(e.time.step_s) if timed else "-", _rate(rate) if timed else "-",
+                      _g(m.total_bytes), _step_cell(e) if timed else "-", _rate(rate) if timed else "-",
                       f"{e.mfu * 100:.0f}%" if timed else "-", style="bold green" if i == 1 else None)
     return table
 
@@ -196,6 +229,10 @@ def print_recommendation(console: Console, rec: Recommendation, profile: ModelPr
         console.print(probes)
     if rec.fits:
         console.print(plans_table(rec))
+        if isinstance(rec.estimate, Estimate):  # the pick's own caveats: out of the measured domain, ...
+            for note in rec.estimate.notes:
+                if note not in rec.notes:
+                    console.print(Text(f"note (#1): {note}", style="dim"))
         console.print(Panel(Text("\n".join(f"- {line}" for line in rec.rationale)), title="why this plan",
                             title_align="left"))
         cost = rec.estimate.cost if isinstance(rec.estimate, Estimate) else None

@@ -41,6 +41,14 @@ def load_plan_json(text: str, source: str = "plan.json") -> tuple[Recommendation
     return rec, export
 
 
+def _step_band(e: Estimate) -> str:
+    """'0.266 [0.207-0.326]': the step time (s) and its band (``time.step_s_low``-``step_s_high``)."""
+    t = e.time
+    if not t.step_s_high:
+        return f"{t.step_s:.3g}"
+    return f"{t.step_s:.3g} [{t.step_s_low:.3g}-{t.step_s_high:.3g}]"
+
+
 def _row(e: Estimate, tokens: float | None) -> str:
     s = e.strategy
     m = e.memory
@@ -52,11 +60,11 @@ def _row(e: Estimate, tokens: float | None) -> str:
         train = f"{e.cost.train_time_s / 86400:.1f} d"
     return (f"| {s.engine} | {layout} | {sharding}{' +' + offload if offload else ''} | {s.precision} | "
             f"{s.mbs} x {s.grad_accum} | {s.checkpointing} | {m.total_bytes / 2**30:.1f} / "
-            f"{m.capacity_bytes / 2**30:.1f} | {e.time.step_s:.3g} | {e.samples_per_s:.4g} | "
+            f"{m.capacity_bytes / 2**30:.1f} | {_step_band(e)} | {e.samples_per_s:.4g} | "
             f"{e.model_tflops_per_gpu:.0f} | {e.mfu * 100:.0f}% | {train} |")
 
 
-_HEADER = ("| engine | tp/pp/cp/dp | sharding | precision | mbs x accum | checkpointing | GiB/GPU | step s | "
+_HEADER = ("| engine | tp/pp/cp/dp | sharding | precision | mbs x accum | checkpointing | GiB/GPU | step s [band] | "
            "samples/s | TFLOP/s/GPU | MFU | train |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
@@ -78,7 +86,10 @@ def render_plan_md(rec: Recommendation) -> str:
               f"- memory per GPU (worst rank: {e.memory.rank}): {e.memory.total_bytes / 2**30:.1f} GiB of "
               f"{e.memory.capacity_bytes / 2**30:.1f} GiB ({e.memory.headroom_bytes / 2**30:.1f} GiB free)",
               f"- step: {e.time.step_s:.3f} s for {e.global_batch} samples; {e.samples_per_s:.4g} samples/s"
-              + (f", {e.tokens_per_s:,.0f} tokens/s" if e.tokens_per_s else ""),
+              + (f", {e.tokens_per_s:,.0f} tokens/s" if e.tokens_per_s else "")
+              + (f"; band {e.time.step_s_low:.3f}-{e.time.step_s_high:.3f} s ({e.time.band_basis})"
+                 if e.time.step_s_high else ""),
+              *[f"- out of the measured domain: {why}" for why in e.time.outside_measured],
               f"- {e.model_tflops_per_gpu:.0f} model TFLOP/s per GPU, MFU {e.mfu * 100:.1f}%, HFU {e.hfu * 100:.1f}%"]
     if e.cost is not None:
         money = f", ${e.cost.cost_usd:,.0f}" if e.cost.cost_usd is not None else ""

@@ -107,3 +107,13 @@ def test_export_command_writes_refuses_and_forces(ds_rec, tmp_path: Path) -> Non
 def test_every_target_is_registered() -> None:
     assert set(TARGETS) == {"deepspeed", "accelerate", "torchrun", "slurm", "hf", "lightning"}
     assert ExportOptions().launcher == "torchrun"
+
+
+def test_plan_md_gives_the_step_band_and_why_it_is_out_of_domain(ds_rec) -> None:  # type: ignore[no-untyped-def]
+    md = render_plan_md(ds_rec)
+    t = ds_rec.estimate.time
+    assert t.step_s_low < t.step_s < t.step_s_high
+    assert f"{t.step_s:.3g} [{t.step_s_low:.3g}-{t.step_s_high:.3g}]" in md
+    assert f"band {t.step_s_low:.3f}-{t.step_s_high:.3f} s ({t.band_basis})" in md
+    for why in t.outside_measured:
+        assert f"- out of the measured domain: {why}" in md

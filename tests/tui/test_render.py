@@ -1,0 +1,83 @@
+"""The CLI's recommend and estimate tables show each step time's band and the pick's out-of-domain note."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import make_gpu, make_profile
+from rich.console import Console
+
+from optplan.estimators.estimate import Estimate, estimate
+from optplan.estimators.hardware import Cluster, find_gpu
+from optplan.estimators.strategy import Strategy
+from optplan.planner.recommend import Recommendation, recommend
+from optplan.tui.render import estimate_table, plans_table, print_recommendation
+
+
+def _text(renderable: object, width: int = 80) -> str:
+    console = Console(width=width, record=True, highlight=False, color_system=None)
+    console.print(renderable)
+    return console.export_text()
+
+
+@pytest.fixture(scope="module")
+def rec() -> Recommendation:
+    return recommend(make_profile(), Cluster(gpu=find_gpu("H100-SXM"), gpus=8, gpus_per_node=8), global_batch=64)
+
+
+def _rows(rec: Recommendation) -> list[Estimate]:
+    rows = [rec.estimate, *(a.estimate for a in rec.alternatives)]
+    assert all(isinstance(e, Estimate) for e in rows)
+    return rows  # type: ignore[return-value]
+
+
+def test_plans_table_shows_every_step_band_and_fits_80_columns(rec: Recommendation) -> None:
+    out = _text(plans_table(rec))
+    assert max(len(line) for line in out.splitlines()) <= 80
+    for e in _rows(rec):
+        t = e.time
+        assert t.step_s_low < t.step_s < t.step_s_high
+        assert t.step_s < 1  # the cells are in ms here
+        assert f"{t.step_s * 1e3:.0f} ms" in out
+        assert f"[{t.step_s_low * 1e3:.0f}-{t.step_s_high * 1e3:.0f}]" in out
+    assert "[band]" in out and "slow end" in out
+
+
+def test_plan_labels_keep_their_engine_tag(rec: Recommendation) -> None:
+    torch_rows = [e for e in _rows(rec) if e.strategy.engine == "torch"]
+    assert torch_rows, "expected a torch plan among the best on H100 (DDP/FSDP)"
+    assert "[torch]" in _text(plans_table(rec), width=200)  # not swallowed as console markup
+
+
+def test_recommend_report_prints_the_picks_out_of_domain_note_and_the_tie(rec: Recommendation) -> None:
+    console = Console(width=100, record=True, highlight=False, color_system=None)
+    print_recommendation(console, rec, make_profile())
+    out = " ".join(console.export_text().replace("│", " ").split())  # the panel's borders out
+    assert rec.estimate is not None and rec.estimate.time.outside_measured  # 124M parameters: out of domain
+    assert "note (#1): time: outside the measured domain" in out
+    assert rec.estimate.time.outside_measured[0] in out
+    assert any(line.startswith("ties: ") for line in rec.rationale)
+    for line in rec.rationale:
+        assert " ".join(line.split()) in out
+
+
+def test_estimate_table_shows_the_band_its_basis_and_the_rate_range() -> None:
+    e = estimate(make_profile(), Cluster(gpu=find_gpu("H100-SXM"), gpus=8, gpus_per_node=8),
+                 Strategy(dp=8, mbs=8, engine="torch"))
+    out = " ".join(_text(estimate_table(e), width=120).split())
+    t = e.time
+    assert f"│ band │ {t.step_s_low * 1e3:.1f}-{t.step_s_high * 1e3:.1f} │" in out
+    assert f"time band: {' '.join(t.band_basis.split())}" in out
+    slow, fast = e.tokens_per_s * t.step_s / t.step_s_high, e.tokens_per_s * t.step_s / t.step_s_low
+    assert f"{e.tokens_per_s:,.0f} tokens/s [{slow:,.0f}-{fast:,.0f}]" in out
+
+
+def test_a_step_over_a_second_shows_its_band_in_seconds() -> None:
+    prof = make_profile(params=1_000_000_000, hidden=2048, layers=24)
+    c = Cluster(gpu=make_gpu(80), gpus=8, gpus_per_node=8)
+    rec = recommend(prof, c, global_batch=1024, engines=["deepspeed"])
+    out = _text(plans_table(rec))
+    for e in _rows(rec):
+        t = e.time
+        assert t.step_s >= 1
+        digits = 1 if t.step_s_high < 10 else 0
+        assert f"[{t.step_s_low:.{digits}f}-{t.step_s_high:.{digits}f}]" in out
