@@ -486,6 +486,35 @@ def validate_cmd(
     _guard(ctx, body)
 
 
+@app.command("calibrate")
+def calibrate_cmd(
+    ctx: typer.Context,
+    results: Annotated[list[Path], typer.Argument(help="results files (fidelity.json, grid.json) written by benchmarks/gpu_campaign.py", show_default=False)],
+    cache: Annotated[Path | None, typer.Option("--cache", help="calibration cache file (default: the one probes write, under $OPTPLAN_CACHE_DIR)")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Fold measured results files into the calibration cache that later plans for that GPU use."""
+    from optplan.planner.calibrate import save_calibration
+    from optplan.planner.results import calibrations_from_results
+
+    def body() -> None:
+        fits = calibrations_from_results(results)
+        if not fits:
+            raise OptplanError("no successful measured run in " + ", ".join(map(str, results)) +
+                               ": nothing to calibrate (rerun the campaign; see its failed runs)")
+        written = {fit.calibration.key: str(save_calibration(fit.calibration, path=cache)) for fit in fits}
+        if as_json:
+            typer.echo(json.dumps({"calibrations": [f.model_dump(mode="json") for f in fits],
+                                   "cache": sorted(set(written.values()))}, indent=2))
+            return
+        out = _stdout()
+        for fit in fits:
+            out.print(fit.line(), markup=False)
+        out.print(f"wrote {len(fits)} calibration(s) to {', '.join(sorted(set(written.values())))}", markup=False)
+
+    _guard(ctx, body)
+
+
 @app.command("export")
 def export_cmd(
     ctx: typer.Context,

@@ -1,0 +1,690 @@
+"""One command that measures everything a GPU can tell optplan, and keeps the results (issue 16).
+
+GPU time comes in short visits (one H100 or H200, ten minutes a command, no package index), so every
+measurement is scripted here and every result is written as JSON under ``--out`` as soon as it exists
+(a killed run keeps what it measured). Sections, each one file:
+
+* ``probes.json`` (part 1): the GPU paths of the probes: a CUDA OOM becomes data (a probe under a memory
+  cap ends with status "oom", not a crash), the microbenchmarks (matmul per dtype, copy bandwidth)
+  against the catalogue's peaks, and the GPU-only probe tests of ``tests/probes`` (allocator figures,
+  the OOM cap, the hung probe's memory freed after its kill), run by pytest.
+* ``fidelity.json`` (part 1): ``benchmarks/fidelity.py``'s suite (GPT-2 small, Llama-3 1B, ResNet-50,
+  the MLP; fp32, amp-bf16, bf16, bf16-pure; checkpointing on and off; torch single process and DeepSpeed
+  ZeRO-0..3 at world size 1): predicted allocated bytes against ``max_memory_allocated``, the
+  ``max_memory_reserved`` margin (the fragmentation margin's first measurement), and step times against
+  the uncalibrated and the calibrated prediction. Then ``calibration``: the results are fitted into a
+  calibration cache (``planner/results.py``, what ``optplan calibrate fidelity.json`` does), read back and
+  used for an estimate, and the step-time error before and after is recorded.
+* ``exports.json`` (part 2): ``optplan recommend --out`` for a DeepSpeed and a torch plan of a model file
+  on this one GPU, then ``optplan validate`` on what was written: ``ds_config.json`` through
+  ``deepspeed.initialize``, ``launch.sh`` through torchrun, ``accelerate.yaml`` through
+  ``accelerate launch``.
+* ``grid.json`` (part 2): recommendation quality. For two models, every configuration of a small
+  single-GPU grid (precision × checkpointing × micro-batch × engine) runs for a few steps; ``recommend``
+  searches the same space; the report gives the pick's rank among the measured configurations, its
+  measured throughput as a share of the best measured (target >= 97 %), and Spearman's rank correlation
+  of predicted and measured throughput.
+
+Every file holds ``"format": "optplan-results/1"``, an ``env`` record (device, driver, CUDA, torch and
+package versions, the git commit: ``git rev-parse`` here, else ``$OPTPLAN_GIT_COMMIT``) and, where runs
+were measured, ``measured`` (planner/results.py's MeasuredCase list), which ``optplan calibrate`` takes.
+
+Run (``--device`` defaults to cuda when torch sees a GPU):
+
+    python benchmarks/gpu_campaign.py --quick --out DIR           # everything, small, one 10-minute call
+    python benchmarks/gpu_campaign.py --part 1 --out DIR          # probes + fidelity + calibration
+    python benchmarks/gpu_campaign.py --part 2 --out DIR          # exports + recommendation grid
+    python benchmarks/gpu_campaign.py --device cpu --quick --out DIR   # the CPU path CI runs
+
+``--budget-s`` (default 540) bounds one call: runs not started in time are recorded as "out of time".
+On the CPU the step times are measured but not compared (no CPU in the catalogue: predictions are for
+the H100 and marked ``time_comparable: false``); the rest runs as on a GPU. The last line reads
+``campaign: <sections> written to DIR in N s``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import fidelity  # noqa: E402
+
+from optplan.estimators.estimate import estimate  # noqa: E402
+from optplan.estimators.hardware import Cluster, GPUSpec, find_gpu  # noqa: E402
+from optplan.estimators.profile import ModelProfile  # noqa: E402
+from optplan.estimators.strategy import Strategy  # noqa: E402
+from optplan.planner.calibrate import ProbeComparison, load_calibration, profile_hash, save_calibration  # noqa: E402
+from optplan.planner.recommend import recommend  # noqa: E402
+from optplan.planner.results import RESULTS_FORMAT, MeasuredCase, calibrations_from_results  # noqa: E402
+from optplan.probes.loader import profile_model_file  # noqa: E402
+from optplan.probes.runtime import ProbeResult, ProbeSpec, run_probe  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+PACKAGES = ("optplan", "torch", "deepspeed", "accelerate", "transformers", "optuna", "pydantic", "textual", "typer",
+            "nvidia-ml-py", "numpy")
+CPU_STAND_IN_GPU = "H100-SXM"
+"""The catalogue GPU the CPU path predicts for, so that every step runs; its times are not comparable."""
+GRID_SHARE_TARGET = 0.97
+DEFAULT_BUDGET_S = 540.0
+
+
+# ---------------------------------------------------------------------------------------------------
+# the record every file carries, and atomic writes
+# ---------------------------------------------------------------------------------------------------
+def git_commit() -> str:
+    """The checkout's commit (``+dirty`` when it has changes), else ``$OPTPLAN_GIT_COMMIT``, else 'unknown'."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
+        if head.returncode == 0 and head.stdout.strip():
+            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                                   capture_output=True, text=True, timeout=10)
+            return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return os.environ.get("OPTPLAN_GIT_COMMIT", "unknown (no git checkout; set OPTPLAN_GIT_COMMIT)")
+
+
+def env_record(device: str) -> dict[str, Any]:
+    """Device, driver, CUDA, torch and package versions, the commit and the start time."""
+    from optplan.probes.hardware import detect_gpus
+
+    versions = {}
+    for name in PACKAGES:
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            versions[name] = metadata.version(name)
+    report = detect_gpus()
+    return {
+        "device": device,
+        "device_name": fidelity.device_name(device),
+        "catalogue_gpu": (report.devices[0].catalogue_name if report.available and report.devices else None),
+        "driver": report.driver_version,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "packages": versions,
+        "commit": git_commit(),
+        "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def write_json(path: Path, doc: dict[str, Any]) -> None:
+    """Write ``doc`` atomically (temp file in the same folder + rename): a killed run leaves a whole file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(doc, fh, indent=2, default=str)
+            fh.write("\n")
+        os.chmod(tmp, 0o644)  # results are committed and shared: readable like any other file
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+@dataclass
+class Campaign:
+    """What every section needs: the device, the output folder, the env record and the deadline."""
+
+    device: str
+    out: Path
+    env: dict[str, Any]
+    deadline: float
+    quick: bool
+    gpu: GPUSpec | None
+    log: Callable[[str], None] = print
+
+    def left_s(self) -> float:
+        return self.deadline - time.perf_counter()
+
+    def doc(self, section: str, **body: Any) -> dict[str, Any]:
+        return {"format": RESULTS_FORMAT, "section": section, "env": self.env, **body}
+
+    @property
+    def gpu_name(self) -> str:
+        """The calibration key's GPU: the catalogue name, or 'cpu'."""
+        if self.device == "cpu":
+            return "cpu"
+        return self.gpu.name if self.gpu is not None else ""
+
+    def cluster(self, gpus: int = 1) -> Cluster:
+        return Cluster(gpu=self.gpu or find_gpu(CPU_STAND_IN_GPU), gpus=gpus, gpus_per_node=gpus)
+
+    @property
+    def time_comparable(self) -> bool:
+        return self.device == "cuda" and self.gpu is not None
+
+
+def measured_case(c: Campaign, model: str, profile: ModelProfile, comparison: ProbeComparison) -> dict[str, Any]:
+    return MeasuredCase(gpu=c.gpu_name, model=model, model_hash=profile_hash(profile),
+                        torch_version=comparison.result.torch_version or torch.__version__,
+                        comparison=comparison).model_dump(mode="json")
+
+
+def pct(pred: float | None, meas: float | None) -> float | None:
+    """Signed error (predicted − measured) ÷ measured, %."""
+    if pred is None or not meas:
+        return None
+    return 100.0 * (pred - meas) / meas
+
+
+def median_max(values: Sequence[float]) -> dict[str, float | None]:
+    vals = [abs(v) for v in values]
+    return {"median_abs_pct": statistics.median(vals) if vals else None, "max_abs_pct": max(vals) if vals else None,
+            "n": len(vals)}
+
+
+# ---------------------------------------------------------------------------------------------------
+# part 1: probes.json
+# ---------------------------------------------------------------------------------------------------
+def oom_as_data(c: Campaign) -> dict[str, Any]:
+    """A probe whose memory cap is far below what it needs must end with status 'oom' and a reason."""
+    path = EXAMPLES / "gpt2.py"
+    seq = 1024 if c.device == "cuda" else 64
+    strategy = Strategy(precision="fp32", optimizer="adamw", mbs=8 if c.device == "cuda" else 2, engine="torch")
+    cap = 256 * 2**20 if c.device == "cuda" else 64 * 2**20
+    spec = ProbeSpec(model_path=str(path), seq_len=seq, strategy=strategy, device=c.device,  # type: ignore[arg-type]
+                     warmup_steps=1, timed_steps=1, memory_cap_bytes=cap)
+    result = run_probe(spec, timeout_s=min(240.0, max(30.0, c.left_s())))
+    return {"model": "examples/gpt2.py", "seq_len": seq, "strategy": strategy.label(), "cap_bytes": cap,
+            "status": result.status, "reason": result.reason, "wall_s": result.wall_s,
+            "ok": result.status == "oom" and bool(result.reason)}
+
+
+def microbench(c: Campaign) -> dict[str, Any]:
+    from optplan.probes.microbench import run_microbench
+
+    bench = run_microbench(device=c.device, quick=c.quick or c.device == "cpu",  # type: ignore[arg-type]
+                           allreduce_nproc=0 if c.device == "cuda" else 2, timeout_s=min(240.0, max(30.0, c.left_s())))
+    doc: dict[str, Any] = {"result": bench.model_dump(mode="json"),
+                           "ok": bool(bench.matmul_flops_per_s) and bench.copy_bytes_per_s > 0}
+    if c.gpu is not None:  # measured ÷ datasheet: what the efficiency constants should be near
+        doc["matmul_share_of_catalogue_peak"] = {d: v / c.gpu.peak_flops[d]  # type: ignore[index]
+                                                 for d, v in bench.matmul_flops_per_s.items()
+                                                 if c.gpu.peak_flops.get(d)}  # type: ignore[call-overload]
+        doc["copy_share_of_catalogue_hbm"] = bench.copy_bytes_per_s / c.gpu.memory_bandwidth_bytes_per_s
+    return doc
+
+
+def gpu_tests(c: Campaign) -> dict[str, Any]:
+    """The GPU-only probe tests (skipped on a machine without CUDA): each test's outcome, from pytest's
+    JUnit XML report."""
+    import xml.etree.ElementTree as ET
+
+    with tempfile.TemporaryDirectory(prefix="optplan_campaign_pytest_") as tmp:
+        report = Path(tmp) / "junit.xml"
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
+               "tests/probes", "-k", "cuda or hung" if c.device == "cuda" else "cuda"]
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                                  timeout=max(30.0, min(300.0, c.left_s())))
+            text, code = proc.stdout + proc.stderr, proc.returncode
+        except subprocess.TimeoutExpired as exc:
+            out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+            text, code = out, 124
+        tests: dict[str, str] = {}
+        with contextlib.suppress(OSError, ET.ParseError):
+            for case in ET.parse(report).getroot().iter("testcase"):
+                outcome = next((child.tag for child in case if child.tag in ("failure", "error", "skipped")), "passed")
+                tests[f"{case.get('classname')}::{case.get('name')}"] = outcome
+    counts = {k: sum(v == k for v in tests.values()) for k in ("passed", "failed", "error", "skipped")}
+    return {"command": " ".join(["pytest", *cmd[5:]]), "exit_code": code, "counts": counts, "tests": tests,
+            "ok": code in (0, 5) and not counts["failed"] and not counts["error"],
+            "tail": "\n".join(text.strip().splitlines()[-12:])}
+
+
+def part_probes(c: Campaign) -> dict[str, Any]:
+    doc = c.doc("probes")
+    path = c.out / "probes.json"
+    for name, fn in (("oom", oom_as_data), ("microbench", microbench), ("gpu_tests", gpu_tests)):
+        if c.left_s() < 20:
+            doc[name] = {"skipped": "out of time"}
+            write_json(path, doc)
+            continue
+        t0 = time.perf_counter()
+        try:
+            doc[name] = fn(c)
+        except Exception as exc:  # noqa: BLE001 - one section's failure is data, the campaign goes on
+            doc[name] = {"error": f"{type(exc).__name__}: {exc}"}
+        doc[name]["section_s"] = round(time.perf_counter() - t0, 1)
+        shown = {k: v for k, v in doc[name].items() if k in ("status", "ok", "counts", "error", "skipped")}
+        c.log(f"probes: {name}: {json.dumps(shown)}")
+        write_json(path, doc)
+    return doc
+
+
+# ---------------------------------------------------------------------------------------------------
+# part 1: fidelity.json and the calibration round trip
+# ---------------------------------------------------------------------------------------------------
+def row_record(row: fidelity.Row) -> dict[str, Any]:
+    r = row.result
+    return {
+        "model": row.model, "label": row.label, "nproc": row.nproc,
+        "status": r.status if r is not None else "skipped", "reason": (r.reason if r is not None else row.skipped),
+        "predicted_allocated_bytes": row.pred_bytes,
+        "measured_allocated_bytes": row.meas_bytes if row.ok else None,
+        "measured_reserved_bytes": r.peak_reserved_bytes if r is not None and row.ok else None,
+        "reserved_margin": ((r.peak_reserved_bytes / r.peak_allocated_bytes - 1)
+                            if r is not None and row.ok and r.peak_reserved_bytes and r.peak_allocated_bytes else None),
+        "non_torch_bytes": r.non_torch_bytes if r is not None else None,
+        "memory_error_pct": pct(row.pred_bytes, row.meas_bytes) if row.ok else None,
+        "predicted_step_s": row.pred_step_s, "calibrated_step_s": row.cal_step_s,
+        "measured_step_s": r.step_s if r is not None and row.ok else None,
+        "time_error_pct": pct(row.pred_step_s, r.step_s) if r is not None and row.ok else None,
+        "calibrated_time_error_pct": (pct(row.cal_step_s, r.step_s)
+                                      if r is not None and row.ok and not row.is_calibration else None),
+        "is_calibration_probe": row.is_calibration, "probe_wall_s": r.wall_s if r is not None else None,
+        "note": row.time_note,
+    }
+
+
+def part_fidelity(c: Campaign) -> dict[str, Any]:
+    path = c.out / "fidelity.json"
+    profiles: dict[str, ModelProfile] = {}
+    rows: list[fidelity.Row] = []
+    doc = c.doc("fidelity", gpu=c.gpu_name, targets={
+        "cpu_memory_pct": fidelity.CPU_MEMORY_TARGET, "gpu_memory_median_max_pct": fidelity.GPU_MEMORY_TARGET,
+        "gpu_time_calibrated_median_pct": fidelity.GPU_TIME_TARGET}, cases=[], measured=[])
+
+    def on_model(key: str, model: fidelity.Model, profile: ModelProfile | None, profile_s: float) -> None:
+        if profile is not None:
+            profiles[key] = profile
+        c.log(f"fidelity: {key}: {'profiled' if profile else 'profiling failed'} in {profile_s:.1f} s")
+
+    def on_row(row: fidelity.Row) -> None:
+        rows.append(row)
+        doc["cases"].append(row_record(row))
+        if row.comparison is not None and row.result is not None and row.model in profiles:
+            doc["measured"].append(measured_case(c, row.model, profiles[row.model], row.comparison))
+        c.log("fidelity: " + fidelity.format_row(row, c.device))
+        doc["summary"] = fidelity_summary(doc["cases"])
+        write_json(path, doc)
+
+    fidelity.run_suite(c.device, quick=c.quick, timeout_s=min(300.0, max(60.0, c.left_s())), deadline=c.deadline,
+                       on_model=on_model, on_row=on_row)
+    doc["summary"] = fidelity_summary(doc["cases"])
+    write_json(path, doc)
+    doc["calibration"] = calibration_round_trip(c, path, rows, profiles)
+    write_json(path, doc)
+    return doc
+
+
+def fidelity_summary(cases: list[dict[str, Any]]) -> dict[str, Any]:
+    ok = [x for x in cases if x["status"] == "ok"]
+    return {
+        "cases": len(cases), "ok": len(ok),
+        "not_ok": {x["label"] + f" ({x['model']})": f"{x['status']}: {x['reason']}" for x in cases if x["status"] != "ok"},
+        "memory": median_max([x["memory_error_pct"] for x in ok if x["memory_error_pct"] is not None]),
+        "reserved_margin_median": (statistics.median(m) if (m := [x["reserved_margin"] for x in ok
+                                                                if x["reserved_margin"] is not None]) else None),
+        "time_uncalibrated": median_max([x["time_error_pct"] for x in ok if x["time_error_pct"] is not None]),
+        "time_calibrated": median_max([x["calibrated_time_error_pct"] for x in ok
+                                       if x["calibrated_time_error_pct"] is not None]),
+    }
+
+
+def calibration_round_trip(c: Campaign, results: Path, rows: list[fidelity.Row],
+                           profiles: dict[str, ModelProfile]) -> dict[str, Any]:
+    """Fit the results into a cache file, read each entry back and price one measured case with it."""
+    cache = c.out / "calibration_cache.json"
+    try:
+        fits = calibrations_from_results([results])
+    except Exception as exc:  # noqa: BLE001
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    out: dict[str, Any] = {"cache": cache.name, "fits": [f.model_dump(mode="json") for f in fits], "used": []}
+    for fit in fits:
+        save_calibration(fit.calibration, path=cache)
+    for key, profile in profiles.items():
+        h = profile_hash(profile)
+        row = next((r for r in rows if r.model == key and r.ok and r.comparison is not None), None)
+        if row is None or row.result is None:
+            continue
+        cal = load_calibration(c.gpu_name, h, row.result.torch_version or torch.__version__, path=cache)
+        if cal is None:
+            out["used"].append({"model": key, "loaded": False})
+            continue
+        strategy = row.comparison.probed  # type: ignore[union-attr]
+        plain = estimate(profile, c.cluster(row.nproc), strategy)
+        calibrated = estimate(profile, c.cluster(row.nproc), strategy, calibration=cal)
+        plain_alloc = plain.memory.total_bytes - plain.memory.overhead_bytes
+        cal_alloc = (calibrated.memory.total_bytes - calibrated.memory.overhead_bytes
+                     + calibrated.memory.detail_bytes.get("calibration_correction", 0))
+        applied = cal_alloc / plain_alloc if plain_alloc else None
+        out["used"].append({
+            "model": key, "loaded": True, "case": row.label,
+            "calibrated_note": next((n for n in calibrated.notes if n.startswith("calibrated on")), None),
+            # the estimate applies the cached scale to its allocated bytes; the same scale on this probe's
+            # prediction (CPU accounting on the CPU) against what the probe measured
+            "applied_allocated_scale": applied,
+            "allocated_error_pct_before": pct(row.pred_bytes, row.meas_bytes),
+            "allocated_error_pct_after": pct(row.pred_bytes * applied if row.pred_bytes else None, row.meas_bytes),
+            "step_error_pct_before": pct(plain.time.step_s, row.result.step_s) if c.time_comparable else None,
+            "step_error_pct_after": pct(calibrated.time.step_s, row.result.step_s) if c.time_comparable else None,
+        })
+    c.log(f"calibration: {len(fits)} fit(s) written to {cache.name}; used for {sum(u.get('loaded', False) for u in out['used'])} model(s)")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# part 2: exports.json
+# ---------------------------------------------------------------------------------------------------
+def _optplan(args: list[str], timeout_s: float) -> tuple[int, str, str]:
+    proc = subprocess.run([sys.executable, "-m", "optplan.tui.cli", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout_s)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def part_exports(c: Campaign) -> dict[str, Any]:
+    """recommend --out for a DeepSpeed and a torch plan on this one GPU, then validate what was written."""
+    path = c.out / "exports.json"
+    doc = c.doc("exports", plans=[])
+    model = EXAMPLES / ("gpt2.py" if c.device == "cuda" else "mlp.py")
+    gpu = ["--gpu", c.gpu.name] if c.gpu is not None else ["--gpu", CPU_STAND_IN_GPU]
+    seq = ["--seq-len", "512"] if c.device == "cuda" else []
+    with tempfile.TemporaryDirectory(prefix="optplan_campaign_exports_") as tmp:
+        for engine in ("deepspeed", "torch"):
+            if c.left_s() < 30:
+                doc["plans"].append({"engine": engine, "skipped": "out of time"})
+                continue
+            folder = Path(tmp) / engine
+            entry: dict[str, Any] = {"engine": engine, "model": str(model.relative_to(ROOT))}
+            code, out, err = _optplan(["recommend", str(model), "--gpus", "1", *gpu, *seq, "--engine", engine,
+                                       "--out", str(folder), "--json"], timeout_s=max(30.0, min(300.0, c.left_s())))
+            entry["recommend_exit_code"] = code
+            if code != 0:
+                entry["error"] = err.strip().splitlines()[-1:] or ["no output"]
+                doc["plans"].append(entry)
+                write_json(path, doc)
+                continue
+            rec = json.loads(out)
+            entry["plan"] = rec["plan"]
+            entry["files"] = sorted(p.name for p in folder.iterdir())
+            code, out, err = _optplan(["validate", str(folder), str(model), *seq, "--steps", "2", "--json",
+                                       "--timeout", str(int(max(60.0, min(300.0, c.left_s()))))],
+                                      timeout_s=max(60.0, min(400.0, c.left_s() + 30)))
+            entry["validate_exit_code"] = code
+            try:
+                report = json.loads(out)
+                entry["runs"] = [{"file": r["file"], "how": r["how"], "started": r["started"], "fits": r["fits"],
+                                  "status": r["comparison"]["result"]["status"],
+                                  "reason": r["comparison"]["result"]["reason"],
+                                  "predicted_step_s": r["comparison"]["predicted_step_s"],
+                                  "measured_step_s": r["comparison"]["result"]["step_s"],
+                                  "notes": r["notes"]} for r in report["runs"]]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                entry["error"] = (err or out).strip().splitlines()[-1:] or ["no output"]
+            doc["plans"].append(entry)
+            for r in entry.get("runs", []):
+                r["file"] = Path(r["file"]).name  # the temporary folder is gone after the run
+            c.log(f"exports: {engine}: recommend {entry['recommend_exit_code']}, validate {code}: "
+                  + ", ".join(f"{r['file']} {r['status']}" for r in entry.get("runs", [])))
+            write_json(path, doc)
+    launched = [r for p in doc["plans"] for r in p.get("runs", [])]
+    doc["summary"] = {"launched": len(launched), "ok": sum(r["status"] == "ok" for r in launched),
+                      "files": sorted({r["file"] for r in launched if r["status"] == "ok"})}
+    write_json(path, doc)
+    return doc
+
+
+# ---------------------------------------------------------------------------------------------------
+# part 2: grid.json (recommendation quality)
+# ---------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GridModel:
+    key: str
+    path: Path
+    seq_len: int | None
+    precisions: tuple[str, ...]
+    checkpointing: tuple[str, ...]
+    micro_batches: tuple[int, ...]
+    engines: tuple[str, ...]  # "torch" or "deepspeed-zeroN"
+
+
+def grid_models(device: str, quick: bool) -> list[GridModel]:
+    if device == "cpu":
+        return [GridModel("mlp", EXAMPLES / "mlp.py", None, ("fp32", "amp-bf16"), ("none", "full"), (16, 64),
+                          ("torch",)),
+                GridModel("gpt2", EXAMPLES / "gpt2.py", 64, ("fp32",), ("none", "full"), (1, 2), ("torch",))][
+                    : 1 if quick else 2]
+    if quick:
+        return [GridModel("gpt2", EXAMPLES / "gpt2.py", 1024, ("amp-bf16", "bf16"), ("none", "full"), (4, 16),
+                          ("torch",)),
+                GridModel("llama1b", EXAMPLES / "llama.py", 1024, ("bf16",), ("none", "full"), (2, 4), ("torch",))]
+    return [GridModel("gpt2", EXAMPLES / "gpt2.py", 1024, ("amp-bf16", "bf16"), ("none", "full"), (4, 8, 16),
+                      ("torch", "deepspeed-zero1")),
+            GridModel("llama1b", EXAMPLES / "llama.py", 1024, ("amp-bf16", "bf16"), ("none", "full"), (1, 2, 4),
+                      ("torch", "deepspeed-zero1"))]
+
+
+def grid_strategy(model: GridModel, precision: str, ckpt: str, mbs: int, engine: str) -> Strategy:
+    kwargs: dict[str, Any] = {"precision": precision, "optimizer": "adamw", "mbs": mbs, "checkpointing": ckpt}
+    if engine == "torch":
+        kwargs["engine"] = "torch"
+    else:
+        kwargs.update(engine="deepspeed", zero=int(engine.rsplit("zero", 1)[1]))
+    return Strategy(**kwargs)
+
+
+def spearman(x: Sequence[float], y: Sequence[float]) -> float | None:
+    """Spearman's rank correlation (average ranks for ties); None below 3 points or without spread."""
+    if len(x) < 3:
+        return None
+
+    def ranks(v: Sequence[float]) -> list[float]:
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        r = [0.0] * len(v)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2 + 1
+            i = j + 1
+        return r
+
+    rx, ry = ranks(x), ranks(y)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    sx = sum((a - mx) ** 2 for a in rx) ** 0.5
+    sy = sum((b - my) ** 2 for b in ry) ** 0.5
+    if not sx or not sy:
+        return None
+    return sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True)) / (sx * sy)
+
+
+def _measure(c: Campaign, model: GridModel, profile: ModelProfile, strategy: Strategy) -> ProbeResult:
+    from optplan.planner.export.deepspeed import render_ds_config
+
+    ds = None
+    if strategy.engine == "deepspeed":
+        ds = render_ds_config(strategy, profile)
+        if c.device == "cpu":
+            ds.pop("optimizer", None)
+    block = profile.repeated_block.class_name if profile.repeated_block else None
+    spec = ProbeSpec(model_path=str(model.path), seq_len=model.seq_len, strategy=strategy, block_class=block,
+                     ds_config=ds, device=c.device, warmup_steps=1 if c.device == "cpu" else 2,  # type: ignore[arg-type]
+                     timed_steps=2 if c.device == "cpu" else 3)
+    return run_probe(spec, timeout_s=max(30.0, min(240.0, c.left_s())))
+
+
+def grid_one(c: Campaign, model: GridModel, doc: dict[str, Any], save: Callable[[], None]) -> dict[str, Any]:
+    """Measure one model's grid and judge recommend's pick on it."""
+    profile = profile_model_file(model.path, seq_len=model.seq_len)
+    cluster = c.cluster(1)
+    runs: list[dict[str, Any]] = []
+    entry: dict[str, Any] = {"model": model.key, "path": str(model.path.relative_to(ROOT)), "seq_len": model.seq_len,
+                             "params": profile.params, "runs": runs}
+    doc["models"].append(entry)
+    measured: dict[Strategy, float] = {}
+    predicted: dict[Strategy, float] = {}
+
+    def run(strategy: Strategy, why: str) -> None:
+        if c.left_s() < 15:
+            runs.append({"strategy": strategy.label(), "status": "skipped", "reason": "out of time", "why": why})
+            return
+        pred = None
+        with contextlib.suppress(Exception):
+            pred = estimate(profile, cluster, strategy).samples_per_s
+        result = _measure(c, model, profile, strategy)
+        meas = (result.samples_per_step / result.step_s) if result.ok and result.step_s else None
+        if pred is not None:
+            predicted[strategy] = pred
+        if meas is not None:
+            measured[strategy] = meas
+        runs.append({"strategy": strategy.label(), "why": why, "status": result.status, "reason": result.reason,
+                     "predicted_samples_per_s": pred, "measured_samples_per_s": meas,
+                     "measured_allocated_bytes": result.peak_allocated_bytes, "probe_wall_s": result.wall_s})
+        if result.status in ("ok", "oom"):
+            est = None
+            with contextlib.suppress(Exception):
+                est = estimate(profile, cluster, strategy)
+            if est is not None:
+                comp = ProbeComparison(
+                    candidate=strategy, probed=strategy, predicted_step_s=est.time.step_s,
+                    predicted_on_device_s=est.time.step_s - est.time.exposed_comm_s,
+                    predicted_exposed_comm_s=est.time.exposed_comm_s,
+                    predicted_allocated_bytes=est.memory.total_bytes - est.memory.overhead_bytes,
+                    predicted_total_bytes=est.memory.total_bytes, time_comparable=c.time_comparable, result=result)
+                doc["measured"].append(measured_case(c, model.key, profile, comp))
+        c.log(f"grid: {model.key} {strategy.label()}: {result.status}"
+              + (f", measured {meas:.2f} samples/s" if meas else "")
+              + (f", predicted {pred:.2f}" if pred else ""))
+        save()
+
+    grid = [grid_strategy(model, p, k, b, e) for e in model.engines for p in model.precisions
+            for k in model.checkpointing for b in model.micro_batches]
+    engines = sorted({s.engine for s in grid})
+    rec = recommend(profile, cluster, precisions=list(model.precisions), optimizers=["adamw"], engines=engines,
+                    offload=False)
+    pick = rec.plan
+    entry["pick"] = pick.label() if pick is not None else None
+    entry["pick_predicted_samples_per_s"] = rec.estimate.samples_per_s if rec.estimate is not None else None  # type: ignore[union-attr]
+    for s in grid:
+        run(s, "grid")
+    if pick is not None and pick not in measured and all(r["strategy"] != pick.label() for r in runs):
+        run(pick, "recommend's pick (outside the grid)")
+    both = [s for s in measured if s in predicted]
+    entry["measured_runs"] = len(measured)
+    entry["spearman_predicted_vs_measured"] = spearman([predicted[s] for s in both], [measured[s] for s in both])
+    if measured:
+        best = max(measured, key=measured.__getitem__)
+        entry["best_measured"] = {"strategy": best.label(), "samples_per_s": measured[best]}
+        if pick is not None and pick in measured:
+            order = sorted(measured.values(), reverse=True)
+            entry["pick_rank"] = order.index(measured[pick]) + 1
+            entry["pick_share_of_best"] = measured[pick] / measured[best]
+            entry["meets_target"] = entry["pick_share_of_best"] >= GRID_SHARE_TARGET
+    save()
+    return entry
+
+
+def part_grid(c: Campaign) -> dict[str, Any]:
+    path = c.out / "grid.json"
+    doc = c.doc("grid", gpu=c.gpu_name, time_comparable=c.time_comparable, target_share_of_best=GRID_SHARE_TARGET,
+                models=[], measured=[])
+
+    def save() -> None:
+        write_json(path, doc)
+
+    for model in grid_models(c.device, c.quick):
+        if c.left_s() < 30:
+            doc["models"].append({"model": model.key, "skipped": "out of time"})
+            continue
+        try:
+            grid_one(c, model, doc, save)
+        except Exception as exc:  # noqa: BLE001 - one model's failure is data
+            doc["models"].append({"model": model.key, "error": f"{type(exc).__name__}: {exc}"})
+        save()
+    shares = [m["pick_share_of_best"] for m in doc["models"] if "pick_share_of_best" in m]
+    doc["summary"] = {"models": len(doc["models"]), "pick_share_of_best": shares,
+                      "spearman": [m.get("spearman_predicted_vs_measured") for m in doc["models"]],
+                      "meets_target": bool(shares) and all(s >= GRID_SHARE_TARGET for s in shares)}
+    save()
+    return doc
+
+
+# ---------------------------------------------------------------------------------------------------
+# main
+# ---------------------------------------------------------------------------------------------------
+PARTS: dict[str, tuple[tuple[str, Callable[[Campaign], dict[str, Any]]], ...]] = {
+    "1": (("probes", part_probes), ("fidelity", part_fidelity)),
+    "2": (("exports", part_exports), ("grid", part_grid)),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                        help="where to measure (default: cuda when torch sees a GPU, else cpu)")
+    parser.add_argument("--quick", action="store_true", help="small subsets of every section: one 10-minute call")
+    parser.add_argument("--part", choices=("1", "2", "all"), default="all",
+                        help="1: probes + fidelity + calibration; 2: exports + grid; all: both (default)")
+    parser.add_argument("--out", type=Path, required=True, help="folder for the JSON results (created)")
+    parser.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
+                        help="wall-clock budget of this call (s); runs not started in time are recorded as skipped")
+    args = parser.parse_args(argv)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        print(f"error: --device cuda: torch {torch.__version__} sees no CUDA device; use --device cpu",
+              file=sys.stderr)
+        return 2
+    if args.budget_s <= 0:
+        print("error: --budget-s must be > 0 (seconds)", file=sys.stderr)
+        return 2
+    if args.out.exists() and not args.out.is_dir():
+        print(f"error: --out {args.out} is a file: give a folder", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    gpu, gpu_note = fidelity.catalogue_gpu() if device == "cuda" else (None, "")
+    log_lines: list[str] = []
+
+    def log(line: str) -> None:
+        print(line, flush=True)
+        log_lines.append(line)
+        with contextlib.suppress(OSError):
+            (args.out / "campaign.log").write_text("\n".join(log_lines) + "\n")
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    c = Campaign(device=device, out=args.out, env=env_record(device), deadline=started + args.budget_s,
+                 quick=args.quick, gpu=gpu, log=log)
+    log(f"campaign: {device} {c.env['device_name']}; torch {c.env['torch']}, CUDA {c.env['cuda']}, driver "
+        f"{c.env['driver']}; commit {c.env['commit']}; budget {args.budget_s:.0f} s"
+        + (f"; {gpu_note}" if gpu_note else ""))
+    parts = ("1", "2") if args.part == "all" else (args.part,)
+    written = []
+    for part in parts:
+        for name, fn in PARTS[part]:
+            t0 = time.perf_counter()
+            try:
+                fn(c)
+                written.append(name)
+            except Exception as exc:  # noqa: BLE001 - a section's crash is reported; the others still run
+                log(f"{name}: failed: {type(exc).__name__}: {exc}")
+                write_json(args.out / f"{name}.json", c.doc(name, error=f"{type(exc).__name__}: {exc}"))
+            log(f"{name}: {time.perf_counter() - t0:.0f} s")
+    log(f"campaign: {', '.join(written) or 'nothing'} written to {args.out} in {time.perf_counter() - started:.0f} s")
+    return 0 if len(written) == sum(len(PARTS[p]) for p in parts) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

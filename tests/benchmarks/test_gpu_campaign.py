@@ -1,0 +1,136 @@
+"""benchmarks/gpu_campaign.py's CPU path end to end (issue 16: the CPU run is a test), the results files it
+writes, and ``optplan calibrate`` taking them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from optplan.planner.calibrate import load_calibration
+from optplan.planner.results import RESULTS_FORMAT, MeasuredCase, read_results
+from optplan.tui.cli import app
+
+ROOT = Path(__file__).resolve().parents[2]
+CAMPAIGN = ROOT / "benchmarks" / "gpu_campaign.py"
+runner = CliRunner()
+
+
+def _campaign(*args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(CAMPAIGN), *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("campaign")
+    proc = _campaign("--device", "cpu", "--quick", "--out", str(out))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1].startswith("campaign: probes, fidelity, exports, grid written to")
+    return out
+
+
+def _load(out: Path, name: str) -> dict:
+    return json.loads((out / f"{name}.json").read_text())
+
+
+def test_every_file_carries_the_environment_record(results: Path) -> None:
+    for name in ("probes", "fidelity", "exports", "grid"):
+        doc = _load(results, name)
+        assert doc["format"] == RESULTS_FORMAT and doc["section"] == name
+        env = doc["env"]
+        assert env["device"] == "cpu" and env["torch"].startswith("2.") and env["packages"]["pydantic"]
+        assert env["commit"] and env["started_at"]
+    assert "campaign:" in (results / "campaign.log").read_text()
+
+
+def test_probe_paths_oom_is_data_and_microbench_runs(results: Path) -> None:
+    doc = _load(results, "probes")
+    assert doc["oom"]["status"] == "oom" and "memory cap" in doc["oom"]["reason"] and doc["oom"]["ok"]
+    bench = doc["microbench"]["result"]
+    assert doc["microbench"]["ok"] and bench["matmul_flops_per_s"]["fp32"] > 1e8 and bench["copy_bytes_per_s"] > 1e8
+    tests = doc["gpu_tests"]
+    assert tests["ok"] and tests["counts"]["skipped"] >= 3 and tests["counts"]["failed"] == 0  # no CUDA here
+    assert any("hung" in name for name in tests["tests"])
+
+
+def test_fidelity_memory_and_the_calibration_round_trip(results: Path) -> None:
+    doc = _load(results, "fidelity")
+    s = doc["summary"]
+    assert s["ok"] == s["cases"] >= 8 and s["memory"]["max_abs_pct"] <= 2.0
+    assert any(c["label"].startswith("fp32 ZeRO-0") and c["nproc"] == 1 for c in doc["cases"])
+    cases = [MeasuredCase.model_validate(m) for m in doc["measured"]]
+    assert len(cases) == s["cases"] and {c.gpu for c in cases} == {"cpu"}
+    assert all(c.comparison.result.peak_allocated_bytes for c in cases)
+    cal = doc["calibration"]
+    assert len(cal["fits"]) == 2 and all(f["runs"] >= 3 for f in cal["fits"])
+    for used in cal["used"]:  # read back from the cache file and applied by estimate()
+        fit = next(f for f in cal["fits"] if f["model"] == used["model"])
+        assert used["loaded"] and used["calibrated_note"].startswith("calibrated on cpu")
+        assert used["applied_allocated_scale"] == pytest.approx(fit["calibration"]["allocated_scale"], rel=1e-6)
+    cached = cases[0]
+    assert load_calibration("cpu", cached.model_hash, cached.torch_version,
+                            path=results / "calibration_cache.json") is not None
+
+
+def test_exports_launch_through_their_trainers(results: Path) -> None:
+    doc = _load(results, "exports")
+    launched = {(p["engine"], r["file"]): r for p in doc["plans"] for r in p["runs"]}
+    assert {f for _, f in launched} >= {"ds_config.json", "launch.sh", "accelerate.yaml"}
+    assert all(r["status"] == "ok" and r["started"] and r["fits"] for r in launched.values()), launched
+    assert doc["summary"]["ok"] == doc["summary"]["launched"] >= 4
+
+
+def test_grid_judges_the_pick_against_measured_runs(results: Path) -> None:
+    doc = _load(results, "grid")
+    model = doc["models"][0]
+    ok = [r for r in model["runs"] if r["status"] == "ok"]
+    assert len(ok) >= 8 and all(r["measured_samples_per_s"] > 0 and r["predicted_samples_per_s"] > 0 for r in ok)
+    assert model["pick"] and 1 <= model["pick_rank"] <= len(ok)
+    best = max(r["measured_samples_per_s"] for r in ok)
+    pick = next(r for r in ok if r["strategy"] == model["pick"])
+    assert model["pick_share_of_best"] == pytest.approx(pick["measured_samples_per_s"] / best)
+    assert model["spearman_predicted_vs_measured"] is None or -1 <= model["spearman_predicted_vs_measured"] <= 1
+    assert doc["time_comparable"] is False  # the CPU's times are measured, not judged
+    assert len(read_results(results / "grid.json")) == len(doc["measured"]) >= len(ok)
+
+
+def test_optplan_calibrate_folds_results_files_into_the_cache(results: Path, tmp_path: Path) -> None:
+    cache = tmp_path / "cal.json"
+    out = runner.invoke(app, ["calibrate", str(results / "fidelity.json"), str(results / "grid.json"),
+                              "--cache", str(cache), "--json"])
+    assert out.exit_code == 0, out.stderr
+    doc = json.loads(out.stdout)
+    keys = {f["calibration"]["model_hash"] for f in doc["calibrations"]}
+    assert len(keys) == 2 and json.loads(cache.read_text())["calibrations"]
+    shown = runner.invoke(app, ["calibrate", str(results / "fidelity.json"), "--cache", str(cache)])
+    assert shown.exit_code == 0 and "allocated memory error" in shown.stdout and "wrote 2 calibration(s)" in shown.stdout
+
+
+def test_a_spent_budget_still_writes_every_file(tmp_path: Path) -> None:
+    proc = _campaign("--device", "cpu", "--quick", "--budget-s", "1", "--out", str(tmp_path), timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    probes = _load(tmp_path, "probes")
+    assert all(probes[k] == {"skipped": "out of time"} for k in ("oom", "microbench", "gpu_tests"))
+    assert all(c["status"] == "skipped" and c["reason"] == "out of time" for c in _load(tmp_path, "fidelity")["cases"])
+    assert all(m.get("skipped") == "out of time" for m in _load(tmp_path, "grid")["models"])
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["--device", "cuda"], "sees no CUDA device"),
+    (["--device", "cpu", "--budget-s", "0"], "--budget-s must be > 0"),
+])
+def test_bad_input_is_one_line_and_exit_2(args: list[str], needle: str, tmp_path: Path) -> None:
+    proc = _campaign(*args, "--out", str(tmp_path / "o"), timeout=120)
+    assert proc.returncode == 2 and needle in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_out_must_be_a_folder(tmp_path: Path) -> None:
+    f = tmp_path / "file"
+    f.write_text("keep me")
+    proc = _campaign("--device", "cpu", "--out", str(f), timeout=120)
+    assert proc.returncode == 2 and "is a file" in proc.stderr and f.read_text() == "keep me"

@@ -1,0 +1,85 @@
+"""planner/results.py: results files -> one calibration per (GPU, model, torch), and what it buys."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from optplan.estimators.errors import OptplanError
+from optplan.estimators.strategy import Strategy
+from optplan.planner.calibrate import ProbeComparison, load_calibration
+from optplan.planner.results import RESULTS_FORMAT, MeasuredCase, calibrations_from_results, read_results
+from optplan.probes.runtime import ProbeResult, ProbeSpec
+from optplan.tui.cli import app
+
+runner = CliRunner()
+
+
+def _case(mbs: int, predicted_s: float, measured_s: float, *, gpu: str = "H100-SXM", model_hash: str = "abc",
+          allocated: int = 1000, measured_bytes: int = 1100, status: str = "ok") -> dict:
+    s = Strategy(precision="bf16", engine="torch", mbs=mbs)
+    spec = ProbeSpec(model_path="m.py", strategy=s, device="cuda")
+    result = ProbeResult(spec=spec, status=status, step_s=measured_s if status == "ok" else None,  # type: ignore[arg-type]
+                         step_times_s=(measured_s,) if status == "ok" else (), torch_version="2.6.0",
+                         peak_allocated_bytes=measured_bytes if status == "ok" else None,
+                         peak_reserved_bytes=int(measured_bytes * 1.1) if status == "ok" else None,
+                         reason="" if status == "ok" else "CUDA out of memory")
+    comp = ProbeComparison(candidate=s, probed=s, predicted_step_s=predicted_s, predicted_on_device_s=predicted_s,
+                           predicted_exposed_comm_s=0.0, predicted_allocated_bytes=allocated,
+                           predicted_total_bytes=allocated + 500, time_comparable=True, result=result)
+    return MeasuredCase(gpu=gpu, model="m", model_hash=model_hash, torch_version="2.6.0",
+                        comparison=comp).model_dump(mode="json")
+
+
+def _file(path: Path, measured: list[dict]) -> Path:
+    path.write_text(json.dumps({"format": RESULTS_FORMAT, "env": {}, "measured": measured}))
+    return path
+
+
+def test_one_fit_per_gpu_model_and_torch_across_files(tmp_path: Path) -> None:
+    a = _file(tmp_path / "a.json", [_case(1, 0.10, 0.12), _case(2, 0.20, 0.24)])
+    b = _file(tmp_path / "b.json", [_case(4, 0.40, 0.48), _case(1, 0.1, 0.2, model_hash="other"),
+                                    _case(8, 0.8, 0.0, status="oom")])
+    fits = calibrations_from_results([a, b])
+    assert [(f.calibration.model_hash, f.runs) for f in fits] == [("abc", 4), ("other", 1)]
+    main = fits[0]
+    assert main.calibration.compute_scale == pytest.approx(1.2) and main.calibration.time_probes == 3
+    assert main.calibration.allocated_scale == pytest.approx(1.1)
+    assert main.time_error_before_pct == pytest.approx(100 / 6) and main.time_error_after_pct == pytest.approx(0)
+    assert main.memory_error_before_pct == pytest.approx(100 / 11) and main.memory_error_after_pct == pytest.approx(0)
+    assert "step time error 16.7% -> 0.0%" in main.line()
+
+
+def test_the_cli_writes_the_cache_that_plans_read(tmp_path: Path) -> None:
+    f = _file(tmp_path / "r.json", [_case(1, 0.10, 0.15), _case(2, 0.2, 0.3)])
+    cache = tmp_path / "cache.json"
+    out = runner.invoke(app, ["calibrate", str(f), "--cache", str(cache)])
+    assert out.exit_code == 0, out.stderr
+    cal = load_calibration("H100-SXM", "abc", "2.6.0", path=cache)
+    assert cal is not None and cal.compute_scale == pytest.approx(1.5) and cal.source.startswith("results files")
+
+
+@pytest.mark.parametrize(("text", "needle"), [
+    ("not json", "is not JSON"),
+    ('{"format": "other", "measured": []}', "is not an optplan results file"),
+    (json.dumps({"format": RESULTS_FORMAT, "measured": [{"gpu": "H100-SXM"}]}), "measured[0].model"),
+])
+def test_bad_results_files_are_one_line(tmp_path: Path, text: str, needle: str) -> None:
+    f = tmp_path / "bad.json"
+    f.write_text(text)
+    with pytest.raises(OptplanError, match=None) as err:
+        read_results(f)
+    assert needle in str(err.value) and "\n" not in str(err.value)
+    out = runner.invoke(app, ["calibrate", str(f), "--cache", str(tmp_path / "c.json")])
+    assert out.exit_code == 2 and needle in out.stderr and not (tmp_path / "c.json").exists()
+
+
+def test_nothing_measured_is_an_error_not_an_empty_cache(tmp_path: Path) -> None:
+    f = _file(tmp_path / "r.json", [_case(1, 0.1, 0.0, status="oom")])
+    out = runner.invoke(app, ["calibrate", str(f), "--cache", str(tmp_path / "c.json")])
+    assert out.exit_code == 2 and "nothing to calibrate" in out.stderr and not (tmp_path / "c.json").exists()
+    missing = runner.invoke(app, ["calibrate", str(tmp_path / "nope.json")])
+    assert missing.exit_code == 2 and "not found" in missing.stderr
