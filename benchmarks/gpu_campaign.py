@@ -460,7 +460,10 @@ class GridModel:
     engines: tuple[str, ...]  # "torch" or "deepspeed-zeroN"
 
 
-def grid_models(device: str, quick: bool) -> list[GridModel]:
+def grid_models(device: str, quick: bool, tmp: Path) -> list[GridModel]:
+    """Two models per device (one with --quick on the CPU). On a GPU: GPT-2 small and the Llama-3 1B
+    layout (benchmarks/fidelity.py's wrapper pins the size whatever $OPTPLAN_LLAMA_SIZE says), seq 1,024."""
+    llama1b = fidelity.llama_wrapper(tmp, None, 1024)
     if device == "cpu":
         return [GridModel("mlp", EXAMPLES / "mlp.py", None, ("fp32", "amp-bf16"), ("none", "full"), (16, 64),
                           ("torch",)),
@@ -469,10 +472,10 @@ def grid_models(device: str, quick: bool) -> list[GridModel]:
     if quick:
         return [GridModel("gpt2", EXAMPLES / "gpt2.py", 1024, ("amp-bf16", "bf16"), ("none", "full"), (4, 16),
                           ("torch",)),
-                GridModel("llama1b", EXAMPLES / "llama.py", 1024, ("bf16",), ("none", "full"), (2, 4), ("torch",))]
+                GridModel("llama1b", llama1b, 1024, ("bf16",), ("none", "full"), (2, 4), ("torch",))]
     return [GridModel("gpt2", EXAMPLES / "gpt2.py", 1024, ("amp-bf16", "bf16"), ("none", "full"), (4, 8, 16),
                       ("torch", "deepspeed-zero1")),
-            GridModel("llama1b", EXAMPLES / "llama.py", 1024, ("amp-bf16", "bf16"), ("none", "full"), (1, 2, 4),
+            GridModel("llama1b", llama1b, 1024, ("amp-bf16", "bf16"), ("none", "full"), (1, 2, 4),
                       ("torch", "deepspeed-zero1"))]
 
 
@@ -532,7 +535,8 @@ def grid_one(c: Campaign, model: GridModel, doc: dict[str, Any], save: Callable[
     profile = profile_model_file(model.path, seq_len=model.seq_len)
     cluster = c.cluster(1)
     runs: list[dict[str, Any]] = []
-    entry: dict[str, Any] = {"model": model.key, "path": str(model.path.relative_to(ROOT)), "seq_len": model.seq_len,
+    shown = str(model.path.relative_to(ROOT)) if model.path.is_relative_to(ROOT) else "examples/llama.py 1B layout"
+    entry: dict[str, Any] = {"model": model.key, "path": shown, "seq_len": model.seq_len,
                              "params": profile.params, "runs": runs}
     doc["models"].append(entry)
     measured: dict[Strategy, float] = {}
@@ -606,15 +610,16 @@ def part_grid(c: Campaign) -> dict[str, Any]:
     def save() -> None:
         write_json(path, doc)
 
-    for model in grid_models(c.device, c.quick):
-        if c.left_s() < 30:
-            doc["models"].append({"model": model.key, "skipped": "out of time"})
-            continue
-        try:
-            grid_one(c, model, doc, save)
-        except Exception as exc:  # noqa: BLE001 - one model's failure is data
-            doc["models"].append({"model": model.key, "error": f"{type(exc).__name__}: {exc}"})
-        save()
+    with tempfile.TemporaryDirectory(prefix="optplan_campaign_grid_") as tmp:
+        for model in grid_models(c.device, c.quick, Path(tmp)):
+            if c.left_s() < 30:
+                doc["models"].append({"model": model.key, "skipped": "out of time"})
+                continue
+            try:
+                grid_one(c, model, doc, save)
+            except Exception as exc:  # noqa: BLE001 - one model's failure is data
+                doc["models"].append({"model": model.key, "error": f"{type(exc).__name__}: {exc}"})
+            save()
     shares = [m["pick_share_of_best"] for m in doc["models"] if "pick_share_of_best" in m]
     doc["summary"] = {"models": len(doc["models"]), "pick_share_of_best": shares,
                       "spearman": [m.get("spearman_predicted_vs_measured") for m in doc["models"]],
