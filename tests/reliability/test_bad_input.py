@@ -92,9 +92,11 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def saved_plan(models: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """A real plan.json from ``recommend --out`` (to edit into nonsense)."""
+    """A real plan.json from ``recommend --out`` (to edit into nonsense); a DeepSpeed plan, so that
+    ``export --to deepspeed`` gets as far as its --out checks (a torch plan is refused before them)."""
     out = tmp_path_factory.mktemp("plan") / "out"
-    code, _stdout, stderr = run_cli(["recommend", str(models / "good.py"), *H100, "--out", str(out)])
+    code, _stdout, stderr = run_cli(["recommend", str(models / "good.py"), *H100, "--engine", "deepspeed",
+                                     "--out", str(out)])
     assert code == 0, stderr
     return json.loads((out / "plan.json").read_text())
 
