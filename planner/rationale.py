@@ -16,7 +16,7 @@ from optplan.estimators.precision import get_recipe
 from optplan.estimators.strategy import Strategy
 from optplan.estimators.uncertainty import mfu_envelope, precision_class, time_domain
 from optplan.estimators.units import gib
-from optplan.planner.search import Goal, band_factor, rank_by_figure
+from optplan.planner.search import TIE_TOLERANCE, Goal, band_factor, rank_by_figure
 from optplan.planner.simplicity import CRITERIA, simplicity_key, tie_break
 from optplan.planner.space import Layout, SearchSpace
 
@@ -119,8 +119,9 @@ def _ties_line(pick: Estimate, ranked: Sequence[Estimate], goal: Goal) -> str | 
     i = CRITERIA.index(tb.criterion)
     detail = f"{simplicity_key(pick.strategy)[i]} vs {simplicity_key(best.strategy)[i]}"
     others = len(tb.tied) - 1
-    return (f"ties: {others} plan{'s' if others != 1 else ''}' bands overlap the {who} "
-            f"({best.strategy.label()} at {figure}); picked the simplest: {tb.criterion} ({detail})")
+    return (f"ties: {others} plan{'s' if others != 1 else ''} within {TIE_TOLERANCE:.0%} (the time model's "
+            f"typical error) of the {who} at the band's slow end ({best.strategy.label()} at {figure}); picked "
+            f"the simplest: {tb.criterion} ({detail})")
 
 
 def _envelope_line(pick: Estimate) -> str:

@@ -1,11 +1,12 @@
-"""Simplicity tie-break: among feasible plans whose time bands overlap the best plan's, pick the simplest.
+"""Simplicity tie-break: among feasible plans the time model cannot tell from the best, pick the simplest.
 
 A predicted difference smaller than the prediction's own uncertainty is no reason to take on more moving
 parts (issue 15, "a search that does not chase its errors"). The best plan ``A`` is the first of the ranking
 by the robust figure (``Goal.rank_key``: the band's slow end); plan ``B`` *ties* with it when both are of the
 same class (feasible; for time/cost with a deadline, meeting it or not; for time with a deadline, the same
-GPU count) and ``B`` at the fast end of its band (``time.step_s_low``) is at least as good as ``A`` at the
-slow end of its band (``time.step_s_high``) - ``Goal.ties``. Among the tied plans the simplest is chosen,
+GPU count) and ``B``'s robust figure is within ``search.TIE_TOLERANCE`` (5 %, the model's typical
+error on one measured run) of ``A``'s - ``Goal.ties``, which says why this is not the overlap of the two
+absolute bands (they share most of their error). Among the tied plans the simplest is chosen,
 by this order (``simplicity_key``, lower is simpler), each criterion deciding only when the ones before
 it are equal:
 
@@ -56,7 +57,7 @@ class TieBreak(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     best: Estimate = Field(description="first by the robust figure")
-    tied: tuple[Estimate, ...] = Field(description="every plan whose band overlaps best's, best included")
+    tied: tuple[Estimate, ...] = Field(description="every plan that ties with best (Goal.ties), best included")
     chosen: Estimate
     criterion: str | None = Field(default=None, description="the CRITERIA entry that decided; None when the "
                                                             "best is also the simplest")

@@ -42,7 +42,7 @@ Precision recipes on the torch engine (DeepSpeed takes them from the ds_config a
 * ``fp8``: refused (needs Transformer Engine or torchao, not emulated).
 
 Floating-point input tensors are cast to the parameters' dtype when the model is held in 16 bits
-without autocast (as a training script would).
+without autocast (as a training script would), DeepSpeed's bf16/fp16 engines included.
 
 Measurements: step time per optimizer step, ``time.perf_counter`` around the step (with
 ``torch.cuda.synchronize`` on CUDA), the maximum over ranks (``all_reduce(MAX)`` after every step,
@@ -729,8 +729,14 @@ class Probe:
     def apply_precision(self, model: nn.Module) -> None:
         p = self.precision
         low = {"bf16": torch.bfloat16, "fp16": torch.float16, "bf16-pure": torch.bfloat16}
-        if self.engine == "deepspeed" or self.use_accelerate:
-            return  # the ds_config's sections, or accelerate's mixed_precision, decide
+        if self.engine == "deepspeed":
+            # the ds_config's sections decide; its bf16/fp16 engines hold the module in 16 bits and do not
+            # cast the inputs, so float inputs are cast as a DeepSpeed training script would
+            recipe = ds_config_recipe(self.spec.get("ds_config") or {})
+            self.input_dtype = low.get(recipe)
+            return
+        if self.use_accelerate:
+            return  # accelerate's mixed_precision (autocast over fp32 weights) decides
         if p in ("amp-bf16", "amp-fp16"):
             self.autocast_dtype = torch.bfloat16 if p == "amp-bf16" else torch.float16
             return

@@ -1,4 +1,4 @@
-"""The simplicity tie-break: its order, the band-overlap rule, deadline classes and the criterion named."""
+"""The simplicity tie-break: its order, the tie rule (robust figures within the model's typical error), deadline classes and the criterion named."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from conftest import make_gpu, make_profile
 from optplan.estimators.estimate import Estimate, estimate
 from optplan.estimators.hardware import Cluster
 from optplan.estimators.strategy import Strategy
-from optplan.planner.search import Goal, rank, rank_by_figure
+from optplan.planner.search import TIE_TOLERANCE, Goal, rank, rank_by_figure
 from optplan.planner.simplicity import CRITERIA, prefer_simple, simplicity_key, tie_break
 
 PROFILE = make_profile()
@@ -54,26 +54,36 @@ def test_criteria_are_ordered_model_parallel_offload_sharding_vpp_recompute() ->
     assert simplicity_key(Strategy(zero=1)) > simplicity_key(Strategy(zero=0, checkpointing="full"))
 
 
-def test_a_simpler_plan_whose_band_reaches_the_best_is_picked() -> None:
+def test_a_simpler_plan_within_the_models_typical_error_is_picked() -> None:
     goal = Goal()
     fast = _est(zero=1)  # ZeRO-1
     slow = _est(zero=0, checkpointing="selective")  # simpler (no sharding), slower (recompute)
     assert slow.samples_per_s < fast.samples_per_s
     a = _banded(fast, 0.9, 1.1)
     a_slow_end = a.samples_per_s / 1.1
-    # B's fast end (samples/s at step_s_low) just reaches A's slow end: a tie, and B is simpler
-    low_tie = slow.samples_per_s / (a_slow_end * 1.0001)
-    b = _banded(slow, low_tie, 1.1)
+    # B's slow end (samples/s at step_s_high) just within TIE_TOLERANCE of A's: a tie, and B is simpler
+    b = _banded(slow, 0.9, slow.samples_per_s / (a_slow_end * (1 - TIE_TOLERANCE) * 1.0001))
     assert goal.ties(a, b)
     ranked = rank([a, b], goal)
     assert ranked[0] is b and ranked[1] is a
     tb = tie_break(rank_by_figure([a, b], goal), goal)
     assert tb is not None and tb.best is a and tb.chosen is b and tb.changed
     assert tb.tied == (a, b) and tb.criterion == "less sharding"
-    # just short of A's slow end: no tie, the faster plan stays first
-    c = _banded(slow, slow.samples_per_s / (a_slow_end * 0.9999), 1.1)
+    # just beyond the tolerance: no tie, the faster plan stays first
+    c = _banded(slow, 0.9, slow.samples_per_s / (a_slow_end * (1 - TIE_TOLERANCE) * 0.9999))
     assert not goal.ties(a, c)
     assert rank([a, c], goal)[0] is a
+
+
+def test_overlapping_absolute_bands_alone_do_not_tie() -> None:
+    # bands of plans priced from one measured set move together: B reaching A's slow end only at B's fast
+    # end is no tie when B's own slow end is far behind A's
+    goal = Goal()
+    a = _banded(_est(zero=1), 0.8, 1.2)
+    slow = _est(zero=0, checkpointing="selective")
+    b = _banded(slow, slow.samples_per_s / a.samples_per_s * 1.2 * 0.99, 1.2 * a.samples_per_s / slow.samples_per_s * 1.25)
+    assert b.samples_per_s / (b.time.step_s_low / b.time.step_s) >= a.samples_per_s / 1.2  # fast end reaches
+    assert not goal.ties(a, b)
 
 
 def test_the_robust_figure_ranks_and_a_wider_band_loses() -> None:

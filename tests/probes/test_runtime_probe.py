@@ -295,3 +295,20 @@ def test_ctrl_c_in_the_parent_leaves_no_probe_process(tiny_lm_file: Path, tmp_pa
     time.sleep(0.5)
     assert not [p for p in pids_in(pid_file) if alive(p)]
     assert processes_with_env(f"PROBE_TEST_PID_FILE={pid_file}") == []
+
+
+def test_deepspeed_16_bit_engines_get_16_bit_inputs(examples_dir: Path) -> None:
+    # DeepSpeed's bf16/fp16 engines hold the module in 16 bits and leave the inputs alone: the probe casts
+    # float inputs (examples/mlp.py feeds float32 features) as a training script must, or the first matmul
+    # fails with "mat1 and mat2 must have the same dtype" (bf16: DeepSpeed refuses fp16 on the CPU)
+    from optplan.planner.export.deepspeed import render_ds_config
+    from optplan.probes.loader import profile_model_file
+
+    path = examples_dir / "mlp.py"
+    s = Strategy(precision="bf16", engine="deepspeed", zero=1, mbs=4)
+    config = render_ds_config(s, profile_model_file(path))
+    config.pop("optimizer", None)  # a client torch optimizer on the CPU (no fused-Adam build)
+    r = run_probe(ProbeSpec(model_path=str(path), strategy=s, ds_config=config, warmup_steps=0, timed_steps=1),
+                  timeout_s=240)
+    assert r.status == "ok", r.reason
+    assert r.losses and all(loss == loss for loss in r.losses)  # finite, not NaN

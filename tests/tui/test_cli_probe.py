@@ -27,8 +27,10 @@ def _run(args: list[str], code: int = 0) -> str:
 
 
 def test_recommend_probe_on_cpu_runs_the_top_candidates_and_reports_them() -> None:
-    doc = json.loads(_run(["recommend", MLP, "--gpus", "2", "--probe", "--probe-top-k", "2", "--probe-steps", "1",
-                           "--json"]))
+    # fp32: DeepSpeed's bf16 engines on the CPU (gloo) hold more than the GPU accounting predicts (ZeRO-1/2
+    # +31 %, ZeRO-3 +45 %, ZeRO-0 -16 % for examples/mlp.py); whether a GPU does is for the GPU campaign
+    doc = json.loads(_run(["recommend", MLP, "--gpus", "2", "--precision", "fp32", "--probe", "--probe-top-k", "2",
+                           "--probe-steps", "1", "--json"]))
     probes = doc["probes"]
     assert probes["device"] == "cpu" and probes["time_comparable"] is False
     assert len(probes["probed"]) == 2
