@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import make_gpu, make_profile
+from factories import make_gpu, make_profile
 from rich.console import Console
 
 from optplan.estimators.estimate import Estimate, estimate
