@@ -142,7 +142,7 @@ SUITE: tuple[Case, ...] = (
     Case("gpt2", "amp-bf16", 4),
     Case("gpt2", "fp32", 4, "full"),
     Case("gpt2", "amp-bf16", 4, "full"),
-    Case("gpt2", "bf16", 2, where=("cuda",)),
+    Case("gpt2", "bf16", 2, where=("cuda",), quick=True),
     Case("gpt2", "bf16-pure", 2, where=("cuda",)),
     Case("gpt2", "fp32", 2, mode="ddp", where=("cuda",)),
     Case("llama", "fp32", 1, quick=True),
@@ -165,12 +165,12 @@ SUITE: tuple[Case, ...] = (
     Case("resnet", "fp32", 2),
     Case("resnet", "amp-bf16", 2),
     Case("resnet", "fp32", 4, "full"),
-    Case("resnet", "bf16", 2, where=("cuda",)),
+    Case("resnet", "bf16", 2, where=("cuda",), quick=True),
     # DeepSpeed at world size 1 (a one-GPU machine runs no 2-process case): ZeRO-0..3 on the Llama layout
-    Case("llama", "bf16", 2, mode="zero0", procs=1, where=("cuda",)),
+    Case("llama", "bf16", 2, mode="zero0", procs=1, where=("cuda",), quick=True),
     Case("llama", "bf16", 2, mode="zero1", procs=1, where=("cuda",)),
     Case("llama", "bf16", 2, mode="zero2", procs=1, where=("cuda",)),
-    Case("llama", "bf16", 2, "full", mode="zero3", procs=1, where=("cuda",)),
+    Case("llama", "bf16", 2, "full", mode="zero3", procs=1, where=("cuda",), quick=True),
     Case("gpt2", "amp-bf16", 2, mode="zero2", procs=1, where=("cuda",)),
 )
 
@@ -498,12 +498,15 @@ def select_cases(device: str, quick: bool, wanted: set[str] | None) -> list[Case
 def run_suite(device: str, *, quick: bool = False, wanted: set[str] | None = None, timeout_s: float = 300.0,
               ds_torch_optimizer: bool = False, deadline: float | None = None,
               on_model: Callable[[str, Model, ModelProfile | None, float], None] | None = None,
-              on_row: Callable[[Row], None] | None = None) -> SuiteResult:
+              on_row: Callable[[Row], None] | None = None,
+              skip: Callable[[Case], str | None] | None = None) -> SuiteResult:
     """Run the suite's cases for ``device`` (profile each model once, probe each case, predict it).
 
     ``deadline`` (a ``time.perf_counter()`` value): cases not started by then are recorded as skipped
-    ("out of time"), so a caller with a wall-clock limit still gets every result so far. ``on_model`` is
-    called after each model's profile (None when profiling failed), ``on_row`` after each case."""
+    ("out of time") and each probe's timeout ends at the deadline (plus 20 s), so a caller with a wall-clock
+    limit still gets every result so far. ``on_model`` is called after each model's profile (None when
+    profiling failed), ``on_row`` after each case; ``skip`` may name a reason to leave a case out (e.g.
+    DeepSpeed cannot be imported)."""
     gpu, gpu_note = (catalogue_gpu() if device == "cuda" else (None, ""))
     nproc_available = torch.cuda.device_count() if device == "cuda" else 2
     runner = Runner(device=device, gpu=gpu, nproc_available=nproc_available, timeout_s=timeout_s,
@@ -542,9 +545,14 @@ def run_suite(device: str, *, quick: bool = False, wanted: set[str] | None = Non
                 on_model(key, model, profile, time.perf_counter() - t0)
             cal: Calibration | None = None
             for case in cases:
-                if deadline is not None and time.perf_counter() > deadline:
-                    add(Row(key, label_of(case, strategy_of(case, model)), case.nproc, None, skipped="out of time"))
+                why = skip(case) if skip is not None else None
+                if why is None and deadline is not None and time.perf_counter() > deadline:
+                    why = "out of time"
+                if why is not None:
+                    add(Row(key, label_of(case, strategy_of(case, model)), case.nproc, None, skipped=why))
                     continue
+                if deadline is not None:
+                    runner.timeout_s = max(10.0, min(timeout_s, deadline - time.perf_counter() + 20.0))
                 row = runner.run_case(case, model, profile, cal)
                 if (cal is None and device == "cuda" and row.ok and row.pred_step_s and row.result
                         and row.result.step_s and case.nproc == 1):

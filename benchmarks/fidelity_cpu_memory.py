@@ -191,7 +191,7 @@ def predict(profile: ModelProfile, precision: str, checkpointing: str, mbs: int,
     """Activation and step-peak bytes from ``estimators.memory.memory_breakdown`` for a CPU step with the
     AdamW implementation ``impl``: its GPU-only overhead (CUDA context, fragmentation margin) left out.
     ``total_memory_py`` is the old composition without the optimizer-step items, for reference."""
-    strategy = Strategy(precision=PRECISIONS[precision], optimizer="adamw", mbs=mbs,  # type: ignore[arg-type]
+    strategy = Strategy(precision=PRECISIONS[precision], optimizer="adamw", mbs=mbs, engine="torch",  # type: ignore[arg-type]
                         checkpointing=checkpointing)  # type: ignore[arg-type]
     m = memory_breakdown(profile, strategy, capacity_bytes=CAPACITY, adam_impl=impl, device="cpu")
     states = m.params_bytes + m.grads_bytes + m.optimizer_bytes
