@@ -22,6 +22,9 @@ predictions are made for what actually ran. Units: seconds and bytes.
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -133,14 +136,55 @@ def _scaled_ds_config(cfg: dict[str, Any], strategy: Strategy) -> dict[str, Any]
 
 
 def _cpu_ds_config(cfg: dict[str, Any], local: LocalDevices, notes: list[str]) -> dict[str, Any]:
-    """On the CPU, DeepSpeed's own Adam would JIT-build its fused kernel (~40 s): ask for torch's Adam."""
-    if local.device != "cpu" or not isinstance(cfg.get("optimizer"), dict):
+    """Where DeepSpeed's own Adam would JIT-build its fused kernel it cannot or should not build, ask for
+    torch's Adam (same states): on the CPU (~40 s of build), and on a GPU machine without ``nvcc`` (the
+    build fails there; a DeepSpeed wheel ships no prebuilt ops)."""
+    if not isinstance(cfg.get("optimizer"), dict):
+        return cfg
+    if local.device == "cpu":
+        why = "on the CPU the optimizer runs as torch's Adam (torch_adam: true) instead of DeepSpeed's fused kernel, " \
+              "which the CPU would JIT-build"
+    elif shutil.which("nvcc") is None and not os.environ.get("CUDA_HOME"):
+        why = "no nvcc here: the optimizer runs as torch's Adam (torch_adam: true) instead of DeepSpeed's fused " \
+              "kernel, which DeepSpeed would JIT-build with nvcc (same optimizer states)"
+    else:
         return cfg
     section = dict(cfg["optimizer"])
     section["params"] = {**(section.get("params") or {}), "torch_adam": True}
-    notes.append("on the CPU the optimizer runs as torch's Adam (torch_adam: true) instead of DeepSpeed's fused "
-                 "kernel, which the CPU would JIT-build")
+    notes.append(why)
     return {**cfg, "optimizer": section}
+
+
+def _accelerate_config_for_run(path: Path, folder: Path, local: LocalDevices, notes: list[str]) -> Path:
+    """``path``, or a copy in ``folder`` whose ``deepspeed_config_file`` is absolute (accelerate resolves a
+    relative one against the working folder, and the run starts from the model's, not the export's) and
+    points at a copy of that ds_config with torch's Adam where the fused one cannot be built
+    (``_cpu_ds_config``)."""
+    import yaml
+
+    try:
+        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError):
+        return path  # the loader check (planner/validate.py) reports a bad file
+    ds = doc.get("deepspeed_config") if isinstance(doc, dict) else None
+    ref = ds.get("deepspeed_config_file") if isinstance(ds, dict) else None
+    if not isinstance(ref, str):
+        return path
+    ds_file = Path(ref) if Path(ref).is_absolute() else (path.parent / ref).resolve()
+    try:
+        cfg = json.loads(ds_file.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        cfg = None  # accelerate reports a missing or broken file itself
+    run_cfg = _cpu_ds_config(cfg, local, notes) if isinstance(cfg, dict) else cfg
+    if run_cfg is not cfg:
+        ds_file = folder / ds_file.name
+        ds_file.write_text(json.dumps(run_cfg, indent=2), encoding="utf-8")
+    elif Path(ref).is_absolute():
+        return path
+    ds["deepspeed_config_file"] = str(ds_file)
+    copy = folder / path.name
+    copy.write_text(yaml.safe_dump(doc, sort_keys=False), encoding="utf-8")
+    return copy
 
 
 def _local_strategy(strategy: Strategy, local: LocalDevices) -> tuple[Strategy, list[str]]:
@@ -198,51 +242,53 @@ def validate_exports(target: Path, profile: ModelProfile, *, model_name: str | N
     local = local or local_devices()
     runs: list[ValidationRun] = []
     block = profile.repeated_block.class_name if profile.repeated_block else None
-    for path in files:
-        plan = _plan_beside(path.parent)
-        kind = _kind(path)
-        ds_config = None
-        extra: dict[str, Any] = {}
-        if kind == "deepspeed":
-            cfg = _read_json(path)
-            strategy = plan.strategy if plan is not None else strategy_from_ds_config(cfg, str(path))
-            if strategy.engine != "deepspeed":
-                strategy = strategy_from_ds_config(cfg, str(path))
-            probed, notes = _local_strategy(strategy, local)
-            ds_config = _scaled_ds_config(cfg, probed)
-            ds_config = _cpu_ds_config(ds_config, local, notes)
-            how = f"deepspeed.initialize with {path.name}, {probed.dp} process(es) (plan: {strategy.dp})"
-        else:
-            if plan is None:
-                raise OptplanError(f"{path} needs the plan.json beside it (the strategy it launches): validate the "
-                                   "folder recommend --out wrote")
-            strategy = plan.strategy
-            probed, notes = _local_strategy(strategy, local)
-            if probed.engine == "deepspeed":
-                from optplan.planner.export.deepspeed import render_ds_config
-                ds_config = _cpu_ds_config(render_ds_config(probed, plan.buckets), local, notes)
-            if kind == "launch":
-                from optplan.planner.export.launch import launch_argv
-                argv = launch_argv(path.read_text(encoding="utf-8"))
-                how = f"{Path(argv[0]).name} from {path.name}, {probed.dp} process(es) (plan: {strategy.dp})"
+    with tempfile.TemporaryDirectory(prefix="optplan_validate_") as scratch:
+        for path in files:
+            plan = _plan_beside(path.parent)
+            kind = _kind(path)
+            ds_config = None
+            extra: dict[str, Any] = {}
+            if kind == "deepspeed":
+                cfg = _read_json(path)
+                strategy = plan.strategy if plan is not None else strategy_from_ds_config(cfg, str(path))
+                if strategy.engine != "deepspeed":
+                    strategy = strategy_from_ds_config(cfg, str(path))
+                probed, notes = _local_strategy(strategy, local)
+                ds_config = _scaled_ds_config(cfg, probed)
+                ds_config = _cpu_ds_config(ds_config, local, notes)
+                how = f"deepspeed.initialize with {path.name}, {probed.dp} process(es) (plan: {strategy.dp})"
             else:
-                extra["accelerate_config"] = str(path.resolve())
-                if local.device == "cpu":
-                    notes.append("on the CPU `accelerate launch --cpu` runs without the config's FSDP/DeepSpeed "
-                                 "plugin: this checks that accelerate reads the file and the model trains, "
-                                 "not the sharding")
-                how = f"accelerate launch --config_file {path.name}, {probed.dp} process(es) (plan: {strategy.dp})"
-        spec = ProbeSpec(model_path=profile.path, model_name=model_name, seq_len=profile.seq_len, strategy=probed,
-                         block_class=block, ds_config=ds_config, device=local.device, nproc=probed.dp,
-                         warmup_steps=warmup_steps, timed_steps=timed_steps, **extra)
-        result = runner(spec, timeout_s=timeout_s)
-        cluster = _cluster_for(plan, strategy)
-        comparable = local.device == "cuda" and local.catalogue_name == cluster.gpu.name
-        comparison = compare_spec(profile, cluster, strategy, probed, local, comparable, result)
-        started = result.status in ("ok", "oom", "nan", "pruned") or bool(result.step_times_s)
-        fits = True if result.status in ("ok", "nan", "pruned") else False if result.status == "oom" else None
-        runs.append(ValidationRun(file=str(path), how=how, started=started, fits=fits, comparison=comparison,
-                                  notes=(*notes, *result.notes)))
+                if plan is None:
+                    raise OptplanError(f"{path} needs the plan.json beside it (the strategy it launches): validate the "
+                                       "folder recommend --out wrote")
+                strategy = plan.strategy
+                probed, notes = _local_strategy(strategy, local)
+                if probed.engine == "deepspeed":
+                    from optplan.planner.export.deepspeed import render_ds_config
+                    ds_config = _cpu_ds_config(render_ds_config(probed, plan.buckets), local, notes)
+                if kind == "launch":
+                    from optplan.planner.export.launch import launch_argv
+                    argv = launch_argv(path.read_text(encoding="utf-8"))
+                    how = f"{Path(argv[0]).name} from {path.name}, {probed.dp} process(es) (plan: {strategy.dp})"
+                else:
+                    run_yaml = _accelerate_config_for_run(path, Path(scratch), local, notes)
+                    extra["accelerate_config"] = str(run_yaml.resolve())
+                    if local.device == "cpu":
+                        notes.append("on the CPU `accelerate launch --cpu` runs without the config's FSDP/DeepSpeed "
+                                     "plugin: this checks that accelerate reads the file and the model trains, "
+                                     "not the sharding")
+                    how = f"accelerate launch --config_file {path.name}, {probed.dp} process(es) (plan: {strategy.dp})"
+            spec = ProbeSpec(model_path=profile.path, model_name=model_name, seq_len=profile.seq_len, strategy=probed,
+                             block_class=block, ds_config=ds_config, device=local.device, nproc=probed.dp,
+                             warmup_steps=warmup_steps, timed_steps=timed_steps, **extra)
+            result = runner(spec, timeout_s=timeout_s)
+            cluster = _cluster_for(plan, strategy)
+            comparable = local.device == "cuda" and local.catalogue_name == cluster.gpu.name
+            comparison = compare_spec(profile, cluster, strategy, probed, local, comparable, result)
+            started = result.status in ("ok", "oom", "nan", "pruned") or bool(result.step_times_s)
+            fits = True if result.status in ("ok", "nan", "pruned") else False if result.status == "oom" else None
+            runs.append(ValidationRun(file=str(path), how=how, started=started, fits=fits, comparison=comparison,
+                                      notes=(*notes, *result.notes)))
     return ValidationReport(target=str(target), model_path=profile.path, device=local.device, runs=tuple(runs))
 
 

@@ -793,7 +793,15 @@ class Probe:
         runner: Any = model
         if self.use_accelerate:
             self.phase = "building the optimizer"
-            optimizer = make_optimizer(self.strategy.get("optimizer", "adamw"), params)
+            plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
+            ds_section = getattr(plugin, "deepspeed_config", None) or {}
+            if isinstance(ds_section, dict) and "optimizer" in ds_section:
+                # the DeepSpeed config builds the optimizer; accelerate refuses a second one from the code
+                from accelerate.utils import DummyOptim
+
+                optimizer = DummyOptim(params)
+            else:
+                optimizer = make_optimizer(self.strategy.get("optimizer", "adamw"), params)
             self.phase = "Accelerator.prepare(model, optimizer)"
             runner, self.optimizer = self.accelerator.prepare(model, optimizer)
             if self.rank == 0:

@@ -1,0 +1,56 @@
+"""planner/validate_run.py's preparation of exported files for a local run (no run here)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from optplan.planner.probe_stage import LocalDevices
+from optplan.planner.validate_run import _accelerate_config_for_run, _cpu_ds_config
+
+CPU = LocalDevices(device="cpu", name="cpu", count=1)
+GPU = LocalDevices(device="cuda", name="NVIDIA H100 80GB HBM3", count=1, catalogue_name="H100-SXM")
+DS = {"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "bf16": {"enabled": True}}
+
+
+def _export(folder: Path, ref: str = "ds_config.json") -> Path:
+    (folder / "ds_config.json").write_text(json.dumps(DS))
+    path = folder / "accelerate.yaml"
+    path.write_text(yaml.safe_dump({"distributed_type": "DEEPSPEED",
+                                    "deepspeed_config": {"deepspeed_config_file": ref}}))
+    return path
+
+
+def test_a_relative_deepspeed_config_file_becomes_absolute_and_torch_adam_where_needed(tmp_path: Path) -> None:
+    export, scratch = tmp_path / "plan", tmp_path / "scratch"
+    export.mkdir()
+    scratch.mkdir()
+    notes: list[str] = []
+    run_yaml = _accelerate_config_for_run(_export(export), scratch, CPU, notes)
+    assert run_yaml.parent == scratch and (export / "accelerate.yaml").read_text().count("ds_config.json") == 1
+    ref = Path(yaml.safe_load(run_yaml.read_text())["deepspeed_config"]["deepspeed_config_file"])
+    assert ref.is_absolute() and ref.parent == scratch  # a copy: the exported ds_config.json is untouched
+    assert json.loads(ref.read_text())["optimizer"]["params"] == {"lr": 1e-4, "torch_adam": True}
+    assert json.loads((export / "ds_config.json").read_text()) == DS
+    assert any("torch_adam" in n for n in notes)
+
+
+def test_without_nvcc_a_gpu_run_uses_torch_adam_and_with_it_the_fused_kernel(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.setattr("shutil.which", lambda name: None)
+    notes: list[str] = []
+    assert _cpu_ds_config(DS, GPU, notes)["optimizer"]["params"]["torch_adam"] is True
+    assert "no nvcc" in notes[0]
+    monkeypatch.setattr("shutil.which", lambda name: "/usr/local/cuda/bin/nvcc")
+    assert _cpu_ds_config(DS, GPU, []) is DS  # DeepSpeed builds its fused Adam
+
+
+def test_an_absolute_reference_that_needs_nothing_is_used_as_is(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("shutil.which", lambda name: "/usr/local/cuda/bin/nvcc")
+    path = _export(tmp_path, ref=str(tmp_path / "ds_config.json"))
+    assert _accelerate_config_for_run(path, tmp_path / "unused", GPU, []) == path
