@@ -35,3 +35,10 @@ def si3(n: float) -> str:
             value = n / scale
             return f"{value:.3g}{unit}" if value < 1000 else f"{value:,.0f}{unit}"
     return f"{n:.3g}"
+
+
+def band_text(step_s: float, low_s: float, high_s: float) -> str:
+    """A step-time band relative to the estimate, in %: '-12/+19' (fast end, slow end); '' without a band."""
+    if step_s <= 0 or high_s <= 0 or (low_s == step_s == high_s):
+        return ""
+    return f"{100 * (low_s / step_s - 1):+.0f}/{100 * (high_s / step_s - 1):+.0f}"

@@ -9,14 +9,15 @@ from textual.widgets import DataTable
 
 from optplan.estimators.estimate import Estimate
 from optplan.estimators.strategy import Strategy
-from optplan.tui.fmt import duration, gib_text, si3
+from optplan.tui.fmt import band_text, duration, gib_text, si3
 
 COLUMNS: tuple[tuple[str, int], ...] = (("#", 4), ("strategy", 30), ("GPUs", 4), ("GiB/GPU", 7), ("step", 7),
-                                        ("throughput", 11), ("fits", 4), ("probe", 7))
-"""(header, width); GPUs only when the GPU count is searched; the strategy column takes the width left over
-(at least 20 cells: a longer label is
+                                        ("band %", 7), ("throughput", 11), ("fits", 4), ("probe", 7))
+"""(header, width); band: the step time's band around the estimate (fast/slow end, %; the ranking uses the
+slow end); GPUs only when the GPU count is searched; the strategy column takes the width left over
+(at least 16 cells: a longer label is
 cut, the Plan screen shows it whole)."""
-MIN_STRATEGY = 20
+MIN_STRATEGY = 16
 BESIDE = 36 + 4  # the Pareto plot beside the table (app.tcss) and both borders
 MAX_ROWS = 5000
 
@@ -26,7 +27,8 @@ def _row(number: int, e: Estimate, *, pick: bool, probe: str, gpus: bool) -> tup
     fits = Text("yes", style="green") if e.fits else Text("no", style="red")
     rate = f"{si3(e.tokens_per_s)} tok/s" if e.tokens_per_s else f"{si3(e.samples_per_s)} smp/s"
     head = (str(number), label, str(e.gpus)) if gpus else (str(number), label)
-    return (*head, gib_text(e.memory.total_bytes), duration(e.time.step_s), Text(rate, justify="right"), fits,
+    band = band_text(e.time.step_s, e.time.step_s_low, e.time.step_s_high)
+    return (*head, gib_text(e.memory.total_bytes), duration(e.time.step_s), band, Text(rate, justify="right"), fits,
             probe)
 
 

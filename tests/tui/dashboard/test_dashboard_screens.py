@@ -75,6 +75,9 @@ def test_search_fills_the_table_and_ranks_it_when_done() -> None:
         first = table.estimate_at(table.coordinate_to_cell_key(table.cursor_coordinate).row_key.value)
         assert isinstance(first, Estimate) and first.strategy == rec.plan
         assert "★" in str(table.get_row_at(0)[1])
+        band = str(table.get_row_at(0)[[h for h, _ in table.columns_shown].index("band %")])
+        t = rec.estimate.time  # type: ignore[union-attr]
+        assert band == f"{100 * (t.step_s_low / t.step_s - 1):+.0f}/{100 * (t.step_s_high / t.step_s - 1):+.0f}"
         bar = screen.query_one("#search-progress", ProgressBar)
         assert bar.percentage == 1.0
         best = text_of(screen.query_one("#search-best", Static))
