@@ -580,19 +580,23 @@ gradient to fp32 and flattens the copies at ``step()`` (deepspeed/runtime/fp16/f
 
 
 DEEPSPEED_ZERO12_STEP_FP32_BYTES = 4
-"""DeepSpeed ZeRO-1/2 with 16-bit weights and fp32 master weights, at ``step()``
-(deepspeed/runtime/zero/stage_1_and_2.py, ``DeepSpeedZeroOptimizer.step``): the averaged 16-bit gradient
-partition is flattened into a new 16-bit buffer (``flatten_dense_tensors_aligned``) and converted to an fp32
-gradient for the fp32 master partition (``.to(single_partition_of_fp32_groups[i].dtype)``), all three alive
-at once: above the averaged partition already counted, grad bytes + this many bytes per parameter of the
-rank's partition. Measured by the CPU probe (examples/mlp.py bf16 ZeRO-1/2, one process): -24 % without it,
--12 % with it; the rest (about 1.5 × the 16-bit gradients) is not explained yet (the reduce buckets kept
-to the step, gradient-clipping temporaries?): the GPU campaign's bf16 ZeRO cases will measure it."""
+"""DeepSpeed ZeRO-1/2/3 with 16-bit weights and fp32 master weights, at ``step()``: the averaged 16-bit
+gradient partition is flattened into a new 16-bit buffer and converted to an fp32 gradient for the fp32
+master partition, all three alive at once (deepspeed/runtime/zero/stage_1_and_2.py,
+``DeepSpeedZeroOptimizer.step``: ``flatten_dense_tensors_aligned(...)``, ``.to(single_partition_of_fp32_groups
+[i].dtype)``; stage3.py ``_prepare_fp32_grad_for_sub_group``, one sub-group of at most
+``DEEPSPEED_SUB_GROUP_ELEMENTS`` at a time): above the averaged partition already counted, grad bytes + this
+many bytes per parameter of the rank's partition. Measured by the CPU probe (examples/mlp.py bf16, one
+process): ZeRO-1/2 -24 % without it, -12 % with it; ZeRO-3 -31 %, -11 %. The rest (about 1.5 × the 16-bit
+gradients in both) is not explained yet (reduce buckets kept to the step, gradient-clipping temporaries?):
+the GPU campaign's bf16 ZeRO cases will measure it."""
+DEEPSPEED_SUB_GROUP_ELEMENTS = 1_000_000_000
+"""ZeRO-3's default ``sub_group_size`` (DeepSpeed's config docs; optplan's ds_config keeps the default)."""
 
 
 def _deepspeed_zero12_converts(strategy: Strategy) -> bool:
     recipe = get_recipe(strategy.precision)
-    return (strategy.engine == "deepspeed" and strategy.zero in (1, 2) and recipe.weight_bytes == 2
+    return (strategy.engine == "deepspeed" and strategy.zero in (1, 2, 3) and recipe.weight_bytes == 2
             and recipe.master_bytes > 0 and strategy.offload_optimizer == "none")
 
 
@@ -608,8 +612,9 @@ def optimizer_step_scratch_bytes(profile: ModelProfile, strategy: Strategy, *, s
     """Transient bytes the optimizer step allocates on the device, after backward (bytes).
 
     DeepSpeed ZeRO-0 with 16-bit weights: the fp32 gradient flattening (DEEPSPEED_STEP_FLATTEN_BYTES per
-    parameter; its FusedAdam then updates in place). DeepSpeed ZeRO-1/2 with 16-bit weights: the flat
-    16-bit copy and the fp32 gradient of the rank's partition (DEEPSPEED_ZERO12_STEP_FP32_BYTES). AdamW otherwise, over this rank's (sharded)
+    parameter; its FusedAdam then updates in place). DeepSpeed ZeRO-1/2/3 with 16-bit weights: the flat
+    16-bit copy and the fp32 gradient of the rank's partition (DEEPSPEED_ZERO12_STEP_FP32_BYTES; ZeRO-3 one
+    sub-group at a time). AdamW otherwise, over this rank's (sharded)
     parameter tensors: nothing for fused kernels (DeepSpeed, Megatron), Σ n_i · moment bytes for torch's
     foreach default on CUDA, max(2·n_i + n_{i−1}) · moment bytes for its CPU loop (temporaries.py).
     Offloaded optimizers step on the host: nothing on the device.
@@ -621,8 +626,10 @@ def optimizer_step_scratch_bytes(profile: ModelProfile, strategy: Strategy, *, s
         return round(DEEPSPEED_STEP_FLATTEN_BYTES * trainable)
     convert = 0
     if _deepspeed_zero12_converts(strategy):
-        ranks = placement(strategy, gpus_per_node).shard.ranks
-        convert = round((recipe.grad_bytes + DEEPSPEED_ZERO12_STEP_FP32_BYTES) * trainable / ranks)
+        elements = trainable / placement(strategy, gpus_per_node).shard.ranks
+        if strategy.zero == 3:
+            elements = min(elements, DEEPSPEED_SUB_GROUP_ELEMENTS)
+        convert = round((recipe.grad_bytes + DEEPSPEED_ZERO12_STEP_FP32_BYTES) * elements)
     if strategy.optimizer != "adamw" or strategy.offload_optimizer != "none" or strategy.offload_params != "none":
         return convert
     impl = adam_impl or engine_adam_impl(strategy.engine, device)

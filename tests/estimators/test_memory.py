@@ -171,3 +171,20 @@ def test_autocast_weight_copies_only_count_for_amp() -> None:
     assert amp == activation_bytes(base, Strategy(precision="amp-bf16", mbs=2)) + 5000
     for precision in ("bf16", "fp16", "bf16-pure"):
         assert activation_bytes(prof, Strategy(precision=precision, mbs=2)) == amp - 5000  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_deepspeed_16_bit_zero_step_converts_the_gradient_partition_to_fp32(zero: int) -> None:
+    # stage_1_and_2.py / stage3.py step(): a flat 16-bit copy of the rank's averaged gradient partition and its
+    # fp32 conversion, alive together: (2 + 4) bytes per parameter of the partition (fused Adam adds nothing)
+    from optplan.estimators.memory import DEEPSPEED_SUB_GROUP_ELEMENTS, optimizer_step_scratch_bytes
+
+    prof = make_profile(params=100_000_000, hidden=2048)
+    bf16 = Strategy(precision="bf16", engine="deepspeed", zero=zero, dp=8)
+    assert optimizer_step_scratch_bytes(prof, bf16, gpus_per_node=8, adam_impl="fused") == 6 * 100_000_000 // 8
+    fp32 = bf16.model_copy(update={"precision": "fp32"})  # fp32 gradients need no conversion
+    assert optimizer_step_scratch_bytes(prof, fp32, gpus_per_node=8, adam_impl="fused") == 0
+    big = make_profile(params=40_000_000_000, hidden=8192)
+    capped = optimizer_step_scratch_bytes(big, bf16, gpus_per_node=8, adam_impl="fused")
+    per_rank = 6 * 40_000_000_000 // 8
+    assert capped == (6 * DEEPSPEED_SUB_GROUP_ELEMENTS if zero == 3 else per_rank)  # ZeRO-3: one sub-group

@@ -28,7 +28,7 @@ def _run(args: list[str], code: int = 0) -> str:
 
 def test_recommend_probe_on_cpu_runs_the_top_candidates_and_reports_them() -> None:
     # fp32: DeepSpeed's bf16 engines hold more than the accounting predicts on the CPU probe (examples/mlp.py,
-    # one process: ZeRO-1/2 -12 % after the step-conversion term, ZeRO-3 -31 %); the GPU campaign measures them
+    # one process: ZeRO-1/2 -12 %, ZeRO-3 -10 % after the step-conversion term); the GPU campaign measures them
     doc = json.loads(_run(["recommend", MLP, "--gpus", "2", "--precision", "fp32", "--probe", "--probe-top-k", "2",
                            "--probe-steps", "1", "--json"]))
     probes = doc["probes"]
