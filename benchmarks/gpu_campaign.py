@@ -74,6 +74,7 @@ from optplan.estimators.hardware import Cluster, GPUSpec, find_gpu  # noqa: E402
 from optplan.estimators.profile import ModelProfile  # noqa: E402
 from optplan.estimators.strategy import Strategy  # noqa: E402
 from optplan.planner.calibrate import ProbeComparison, load_calibration, profile_hash, save_calibration  # noqa: E402
+from optplan.planner.probe_stage import LocalDevices, compare_spec  # noqa: E402
 from optplan.planner.recommend import recommend  # noqa: E402
 from optplan.planner.results import RESULTS_FORMAT, MeasuredCase, calibrations_from_results  # noqa: E402
 from optplan.planner.search import Goal, rank  # noqa: E402
@@ -627,13 +628,21 @@ def grid_one(c: Campaign, model: GridModel, doc: dict[str, Any], save: Callable[
     measured: dict[Strategy, float] = {}
     predicted: dict[Strategy, float] = {}
 
+    local = LocalDevices(device=c.device, name=c.env["device_name"], count=1,
+                         catalogue_name=c.gpu.name if c.gpu is not None else None)
+    priced: dict[Strategy, Any] = {}
+
+    def price(strategy: Strategy) -> Any:
+        if strategy not in priced:
+            priced[strategy] = _price(profile, cluster, strategy)
+        return priced[strategy]
+
     def run(strategy: Strategy, why: str) -> None:
         if c.left_s() < 15:
             runs.append({"strategy": strategy.label(), "status": "skipped", "reason": "out of time", "why": why})
             return
-        pred = None
-        with contextlib.suppress(Exception):
-            pred = estimate(profile, cluster, strategy).samples_per_s
+        est = price(strategy)
+        pred = est.samples_per_s if est is not None else None
         result = _measure(c, model, profile, strategy)
         meas = (result.samples_per_step / result.step_s) if result.ok and result.step_s else None
         if pred is not None:
@@ -643,18 +652,12 @@ def grid_one(c: Campaign, model: GridModel, doc: dict[str, Any], save: Callable[
         runs.append({"strategy": strategy.label(), "why": why, "status": result.status, "reason": result.reason,
                      "predicted_samples_per_s": pred, "measured_samples_per_s": meas,
                      "measured_allocated_bytes": result.peak_allocated_bytes, "probe_wall_s": result.wall_s})
-        if result.status in ("ok", "oom"):
-            est = None
-            with contextlib.suppress(Exception):
-                est = estimate(profile, cluster, strategy)
-            if est is not None:
-                comp = ProbeComparison(
-                    candidate=strategy, probed=strategy, predicted_step_s=est.time.step_s,
-                    predicted_on_device_s=est.time.step_s - est.time.exposed_comm_s,
-                    predicted_exposed_comm_s=est.time.exposed_comm_s,
-                    predicted_allocated_bytes=est.memory.total_bytes - est.memory.overhead_bytes,
-                    predicted_total_bytes=est.memory.total_bytes, time_comparable=c.time_comparable, result=result)
-                doc["measured"].append(measured_case(c, model.key, profile, comp))
+        if result.status in ("ok", "oom") and est is not None:
+            # predicted as the probe ran it (CPU accounting on the CPU; DeepSpeed with torch's AdamW: _measure)
+            impl = "foreach" if strategy.engine == "deepspeed" and c.device == "cuda" else None
+            comp = compare_spec(profile, cluster, strategy, strategy, local, c.time_comparable, result,
+                                adam_impl=impl)
+            doc["measured"].append(measured_case(c, model.key, profile, comp))
         c.log(f"grid: {model.key} {strategy.label()}: {result.status}"
               + (f", measured {meas:.2f} samples/s" if meas else "")
               + (f", predicted {pred:.2f}" if pred else ""))
@@ -667,8 +670,8 @@ def grid_one(c: Campaign, model: GridModel, doc: dict[str, Any], save: Callable[
             for k in model.checkpointing for b in model.micro_batches]
     # the planner's choice among exactly these configurations (its ranking: the band's slow end, then the
     # simplest of the ties), so that the pick and the measured runs share batch and accumulation
-    priced = [e for s in grid if (e := _price(profile, cluster, s)) is not None and e.fits]
-    pick = rank(priced, Goal())[0].strategy if priced else None
+    fitting = [e for s in grid if (e := price(s)) is not None and e.fits]
+    pick = rank(fitting, Goal())[0].strategy if fitting else None
     entry["pick"] = pick.label() if pick is not None else None
     # recommend's free pick over the same precisions and engines, for information (its global batch and
     # accumulation may differ from the grid's, so it is measured but not ranked)

@@ -114,13 +114,16 @@ def mfu_envelope(gpu: str, precision: str, domain: TimeDomain | None = None) -> 
     """The best MFU ever measured on ``gpu`` (or the GPU its figures derive from) in ``precision``'s class,
     over every measured set; None when nothing was measured there."""
     dom = domain or time_domain()
-    name = _measured_gpu(gpu, dom)[0]
+    name = measured_gpu(gpu, dom)[0]
     cls = precision_class(precision)
     found = [s.max_mfu[cls] for s in dom.sets if s.gpu == name and cls in s.max_mfu]
     return max(found) if found else None
 
 
-def _measured_gpu(gpu: str, dom: TimeDomain) -> tuple[str, Derivation | None]:
+def measured_gpu(gpu: str, domain: TimeDomain | None = None) -> tuple[str, Derivation | None]:
+    """The GPU whose measured sets stand for ``gpu`` (itself, or the GPU its figures derive from) and the
+    derivation, None when ``gpu`` itself was measured or nothing stands for it."""
+    dom = domain or time_domain()
     if any(s.gpu == gpu for s in dom.sets):
         return gpu, None
     for d in dom.derived:
@@ -156,7 +159,7 @@ def time_band(profile: ModelProfile, strategy: Strategy, cluster: Cluster, *, mf
     """The band around a predicted step time of ``strategy`` (module docstring); ``mfu`` is the prediction's."""
     dom = domain or time_domain()
     gpu = cluster.gpu.name
-    name, derived = _measured_gpu(gpu, dom)
+    name, derived = measured_gpu(gpu, dom)
     sets = [s for s in dom.sets if s.gpu == name]
     if not sets:
         return TimeBand(low=math.exp(-UNMEASURED_GPU_BAND), high=math.exp(UNMEASURED_GPU_BAND),
@@ -207,5 +210,5 @@ def time_band(profile: ModelProfile, strategy: Strategy, cluster: Cluster, *, mf
     return TimeBand(low=min(low, 1.0), high=max(high, 1.0), basis=basis, outside=tuple(outside))
 
 
-__all__ = ["MeasuredSet", "TimeBand", "TimeDomain", "mfu_envelope", "precision_class", "time_band",
-           "time_domain"]
+__all__ = ["MeasuredSet", "TimeBand", "TimeDomain", "measured_gpu", "mfu_envelope", "precision_class",
+           "time_band", "time_domain"]

@@ -47,6 +47,7 @@ from optplan.estimators.hardware import Cluster
 from optplan.estimators.memory import memory_breakdown, usable_capacity_bytes
 from optplan.estimators.profile import ModelProfile
 from optplan.estimators.strategy import Strategy
+from optplan.estimators.temporaries import AdamImpl
 from optplan.estimators.units import gib
 from optplan.planner.calibrate import (
     ProbeComparison,
@@ -159,11 +160,14 @@ def _probe_cluster(cluster: Cluster, probed: Strategy) -> Cluster:
 
 
 def compare_spec(profile: ModelProfile, cluster: Cluster, candidate: Strategy, probed: Strategy,
-                 local: LocalDevices, time_comparable: bool, result: ProbeResult) -> ProbeComparison:
-    """Predict the probed strategy the way the probe ran it and pair it with the measurement."""
+                 local: LocalDevices, time_comparable: bool, result: ProbeResult, *,
+                 adam_impl: AdamImpl | None = None) -> ProbeComparison:
+    """Predict the probed strategy the way the probe ran it and pair it with the measurement. ``adam_impl``:
+    the AdamW the probe ran when it is not the engine's own (e.g. a torch client optimizer under DeepSpeed)."""
     small = _probe_cluster(cluster, probed)
     cap = usable_capacity_bytes(cluster.gpu.memory_bytes)
-    memory = memory_breakdown(profile, probed, cap, gpus_per_node=small.gpus_per_node, device=local.device)
+    memory = memory_breakdown(profile, probed, cap, gpus_per_node=small.gpus_per_node, device=local.device,
+                              adam_impl=adam_impl)
     allocated = memory.total_bytes - memory.overhead_bytes
     step = on_device = comm = None
     if time_comparable:

@@ -17,8 +17,8 @@ minimise the time to train the token budget and its cost (GPU-hours x price, or 
 price). Every figure is taken at the slow end of the estimate's time band (``time.step_s_high``,
 estimators/uncertainty.py): a plan is ranked by what it delivers if the time model errs against it, so
 the search does not chase the model's optimism (issue 15). Among plans within the model's typical error
-of the best (``Goal.ties``), ``rank`` then prefers the simplest (planner/simplicity.py). All orders are total and deterministic for
-the same inputs and seed.
+of the best (``Goal.ties``), ``rank`` then prefers the simplest (planner/simplicity.py). All orders are
+total and deterministic for the same inputs and seed.
 """
 
 from __future__ import annotations
@@ -52,12 +52,12 @@ MEMORY_CONSTRAINT_KEY = "memory_excess_gib"
 RECORDED_TOP_K = 12
 CHUNK_GROUPS = 512
 STUDY_FORMAT = 3
-TIE_TOLERANCE = 0.05
-"""Plans whose robust figures are this close (relative) tie: the time model's typical error on one measured
-run (held-out MAPE 3.3-5.7 % per GPU and engine, 5.5 % over every given set: benchmarks/fidelity_published.py)."""
 """Part of every study's name: bump it when what a study stores changes meaning. 3: the objective values
 are taken at the slow end of the time band (2: nominal). An older study then has another name, so a rerun
 starts a new study beside it instead of resuming values of another meaning."""
+TIE_TOLERANCE = 0.05
+"""Plans whose robust figures are this close (relative) tie: the time model's typical error on one measured
+run (held-out MAPE 3.3-5.7 % per GPU and engine, 5.5 % over every given set: benchmarks/fidelity_published.py)."""
 BandEnd = Literal["nominal", "fast", "slow"]
 
 

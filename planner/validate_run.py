@@ -135,7 +135,7 @@ def _scaled_ds_config(cfg: dict[str, Any], strategy: Strategy) -> dict[str, Any]
     return out
 
 
-def _cpu_ds_config(cfg: dict[str, Any], local: LocalDevices, notes: list[str]) -> dict[str, Any]:
+def _runnable_ds_config(cfg: dict[str, Any], local: LocalDevices, notes: list[str]) -> dict[str, Any]:
     """Where DeepSpeed's own Adam would JIT-build its fused kernel it cannot or should not build, ask for
     torch's Adam (same states): on the CPU (~40 s of build), and on a GPU machine without ``nvcc`` (the
     build fails there; a DeepSpeed wheel ships no prebuilt ops)."""
@@ -159,7 +159,7 @@ def _accelerate_config_for_run(path: Path, folder: Path, local: LocalDevices, no
     """``path``, or a copy in ``folder`` whose ``deepspeed_config_file`` is absolute (accelerate resolves a
     relative one against the working folder, and the run starts from the model's, not the export's) and
     points at a copy of that ds_config with torch's Adam where the fused one cannot be built
-    (``_cpu_ds_config``)."""
+    (``_runnable_ds_config``)."""
     import yaml
 
     try:
@@ -175,7 +175,7 @@ def _accelerate_config_for_run(path: Path, folder: Path, local: LocalDevices, no
         cfg = json.loads(ds_file.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError):
         cfg = None  # accelerate reports a missing or broken file itself
-    run_cfg = _cpu_ds_config(cfg, local, notes) if isinstance(cfg, dict) else cfg
+    run_cfg = _runnable_ds_config(cfg, local, notes) if isinstance(cfg, dict) else cfg
     if run_cfg is not cfg:
         ds_file = folder / ds_file.name
         ds_file.write_text(json.dumps(run_cfg, indent=2), encoding="utf-8")
@@ -255,7 +255,7 @@ def validate_exports(target: Path, profile: ModelProfile, *, model_name: str | N
                     strategy = strategy_from_ds_config(cfg, str(path))
                 probed, notes = _local_strategy(strategy, local)
                 ds_config = _scaled_ds_config(cfg, probed)
-                ds_config = _cpu_ds_config(ds_config, local, notes)
+                ds_config = _runnable_ds_config(ds_config, local, notes)
                 how = f"deepspeed.initialize with {path.name}, {probed.dp} process(es) (plan: {strategy.dp})"
             else:
                 if plan is None:
@@ -265,7 +265,7 @@ def validate_exports(target: Path, profile: ModelProfile, *, model_name: str | N
                 probed, notes = _local_strategy(strategy, local)
                 if probed.engine == "deepspeed":
                     from optplan.planner.export.deepspeed import render_ds_config
-                    ds_config = _cpu_ds_config(render_ds_config(probed, plan.buckets), local, notes)
+                    ds_config = _runnable_ds_config(render_ds_config(probed, plan.buckets), local, notes)
                 if kind == "launch":
                     from optplan.planner.export.launch import launch_argv
                     argv = launch_argv(path.read_text(encoding="utf-8"))

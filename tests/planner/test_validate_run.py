@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from optplan.planner.probe_stage import LocalDevices
-from optplan.planner.validate_run import _accelerate_config_for_run, _cpu_ds_config
+from optplan.planner.validate_run import _accelerate_config_for_run, _runnable_ds_config
 
 CPU = LocalDevices(device="cpu", name="cpu", count=1)
 GPU = LocalDevices(device="cuda", name="NVIDIA H100 80GB HBM3", count=1, catalogue_name="H100-SXM")
@@ -43,10 +43,10 @@ def test_without_nvcc_a_gpu_run_uses_torch_adam_and_with_it_the_fused_kernel(tmp
     monkeypatch.delenv("CUDA_HOME", raising=False)
     monkeypatch.setattr("shutil.which", lambda name: None)
     notes: list[str] = []
-    assert _cpu_ds_config(DS, GPU, notes)["optimizer"]["params"]["torch_adam"] is True
+    assert _runnable_ds_config(DS, GPU, notes)["optimizer"]["params"]["torch_adam"] is True
     assert "no nvcc" in notes[0]
     monkeypatch.setattr("shutil.which", lambda name: "/usr/local/cuda/bin/nvcc")
-    assert _cpu_ds_config(DS, GPU, []) is DS  # DeepSpeed builds its fused Adam
+    assert _runnable_ds_config(DS, GPU, []) is DS  # DeepSpeed builds its fused Adam
 
 
 def test_an_absolute_reference_that_needs_nothing_is_used_as_is(tmp_path: Path,
