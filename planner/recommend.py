@@ -218,7 +218,7 @@ def recommend(profile: ModelProfile, cluster: Cluster, *, global_batch: int | No
             pareto=tuple(PlanEstimate(plan=e.strategy, estimate=with_cost(e, goal, cluster))
                          for e in pareto_front(feasible, goal)),
             suggestions=(), notes=tuple(all_notes),
-            export=export_plan_for(pick.strategy, profile, pricer.cluster_for(pick.gpus)))
+            export=export_plan_for(pick.strategy, profile, pricer.cluster_for(pick.gpus), shown=pick))
     closest = min(ranked, key=lambda e: e.memory.total_bytes) if ranked else None
     gpus = max(space.gpu_counts)
     why = (f"no searched plan fits {gpus} x {cluster.gpu.name}: the leanest needs "

@@ -9,7 +9,9 @@ its predicted step parts and allocated bytes, and the probe's measurements).
 :func:`calibrations_from_results` groups the measured cases of any number of files by calibration key
 (GPU, model hash, torch version) and fits each group with ``calibrate.fit_calibration``, the same fit the
 probe stage uses, so the cache (``calibrate.save_calibration``) holds one entry format whichever way the
-measurements came. Each fit reports how far the predictions of its own runs were from the measurements
+measurements came. A ``measurements.json`` that a generated train.py wrote (``"format":
+"optplan-measurements/1"``, :func:`case_from_measurements`) is one more measured case: a real run of a plan at
+its full scale, with the plan's prediction carried in it. Each fit reports how far the predictions of its own runs were from the measurements
 before and after it (median absolute relative error, %), so a user sees what the calibration buys.
 """
 
@@ -19,14 +21,20 @@ import json
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from optplan.estimators.calibration import Calibration
 from optplan.estimators.errors import OptplanError
+from optplan.estimators.strategy import Strategy
 from optplan.planner.calibrate import ProbeComparison, fit_calibration
+from optplan.probes.model_errors import one_line
+from optplan.probes.runtime import ProbeResult, ProbeSpec
 
 RESULTS_FORMAT = "optplan-results/1"
+MEASUREMENTS_FORMAT = "optplan-measurements/1"
+"""What a generated train.py writes (``optplan.probes.trainloop``): one run of a plan, at its full scale."""
 
 
 class MeasuredCase(BaseModel):
@@ -71,8 +79,8 @@ def read_results(path: Path) -> list[MeasuredCase]:
     try:
         text = path.read_text()
     except FileNotFoundError:
-        raise OptplanError(f"results file {path} not found: pass a fidelity.json or grid.json that "
-                           "benchmarks/gpu_campaign.py wrote") from None
+        raise OptplanError(f"results file {path} not found: pass a measurements.json that train.py wrote, or "
+                           "a fidelity.json or grid.json that benchmarks/gpu_campaign.py wrote") from None
     except OSError as exc:
         raise OptplanError(f"cannot read results file {path} ({exc.strerror or exc}): fix its permissions") from None
     try:
@@ -80,6 +88,8 @@ def read_results(path: Path) -> list[MeasuredCase]:
     except json.JSONDecodeError as exc:
         raise OptplanError(f"{path} is not JSON (line {exc.lineno}: {exc.msg}): pass a results file that "
                            "benchmarks/gpu_campaign.py wrote") from None
+    if isinstance(doc, dict) and doc.get("format") == MEASUREMENTS_FORMAT:
+        return [case_from_measurements(doc, path)]
     if not isinstance(doc, dict) or doc.get("format") != RESULTS_FORMAT or not isinstance(doc.get("measured"), list):
         raise OptplanError(f"{path} is not an optplan results file (no \"format\": \"{RESULTS_FORMAT}\" with a "
                            "\"measured\" list): pass fidelity.json or grid.json from benchmarks/gpu_campaign.py")
@@ -93,6 +103,57 @@ def read_results(path: Path) -> list[MeasuredCase]:
             raise OptplanError(f"{path}: measured[{i}].{where}: {first['msg']}; the file was edited or comes from "
                                "another optplan version: rerun the campaign") from None
     return out
+
+
+def case_from_measurements(doc: dict[str, Any], path: Path) -> MeasuredCase:
+    """The MeasuredCase of a train.py run (``measurements.json``): the plan's uncalibrated prediction (carried
+    in its ``PLAN``) against what the run measured. Times count only when the run was on the plan's GPU
+    (``match_device_name`` of the CUDA device name) at the plan's world size; a CPU run (live tensor bytes under
+    optplan's tracker) calibrates the ``cpu`` memory accounting and nothing else."""
+    from optplan.probes.hardware import match_device_name
+
+    fix = "pass the measurements.json a train.py exported by optplan wrote, unedited"
+    try:
+        plan, measured, cluster = doc["plan"], doc["measured"], doc["cluster"]
+        pred = plan.get("prediction")
+        if not isinstance(pred, dict):
+            raise OptplanError(f"{path}: the plan carries no prediction (exported from a --params plan or an older "
+                               "optplan): re-export train.py with optplan recommend --out and run it again")
+        strategy = Strategy.model_validate(plan["strategy"])
+        device = str(cluster["device"])
+        world = int(cluster["world_size"])
+        spec = match_device_name(str(cluster.get("device_name", ""))) if device == "cuda" else None
+        gpu = spec.name if spec is not None else ("cpu" if device == "cpu" else "")
+        comparable = device == "cuda" and gpu == plan.get("gpu") and world == int(plan["world_size"])
+        on_cpu = device == "cpu"
+        allocated = int(pred["cpu_allocated_bytes"] if on_cpu else pred["allocated_bytes"])
+        torch_ver = str((doc.get("software") or {}).get("torch") or "")
+        result = ProbeResult(
+            spec=ProbeSpec(model_path=str(plan.get("model_file") or plan.get("model", "")), strategy=strategy,
+                           ds_config={} if strategy.engine == "deepspeed" else None, device=device,  # type: ignore[arg-type]
+                           nproc=world, warmup_steps=int(measured.get("warmup_steps", 0)),
+                           timed_steps=max(1, len(measured.get("step_times_s", [])) - int(measured.get("warmup_steps", 0)))),
+            status=measured.get("status", "ok"), device_name=str(cluster.get("device_name", "")),
+            torch_version=torch_ver, world_size=world,
+            step_times_s=tuple(measured.get("step_times_s", ())), step_s=measured.get("step_s"),
+            peak_allocated_bytes=measured.get("peak_allocated_bytes"),
+            peak_reserved_bytes=measured.get("peak_reserved_bytes"), non_torch_bytes=measured.get("non_torch_bytes"),
+            losses=tuple(measured.get("losses", ())), samples_per_step=strategy.global_batch,
+            notes=tuple(doc.get("notes", ())))
+        comparison = ProbeComparison(
+            candidate=strategy, probed=strategy,
+            predicted_step_s=pred["uncalibrated_step_s"] if comparable else None,
+            predicted_on_device_s=pred["uncalibrated_on_device_s"] if comparable else None,
+            predicted_exposed_comm_s=pred["uncalibrated_exposed_comm_s"] if comparable else None,
+            predicted_allocated_bytes=allocated, predicted_total_bytes=allocated if on_cpu else int(pred["total_bytes"]),
+            time_comparable=comparable, result=result)
+        return MeasuredCase(gpu=gpu, model=str(plan.get("model", "")), model_hash=str(pred["model_hash"]),
+                            torch_version=torch_ver, comparison=comparison)
+    except OptplanError:
+        raise
+    except (KeyError, TypeError, ValueError) as exc:
+        what = f"missing {exc}" if isinstance(exc, KeyError) else one_line(str(exc), 160)
+        raise OptplanError(f"{path}: not a complete train.py measurements file ({what}): {fix}") from None
 
 
 def _median_pct(pairs: Sequence[tuple[float, float]]) -> float | None:

@@ -47,6 +47,7 @@ import torch
 import torch.nn as nn
 
 from optplan.probes.model_errors import ModelFileError, check_model_path, one_line
+from optplan.probes.trainloop import call_model, default_loss, first_param_module, first_tensor  # noqa: F401 - re-exported
 
 if TYPE_CHECKING:
     from optplan.estimators.profile import ModelDefaults
@@ -484,29 +485,6 @@ def _out_of_memory(exc: BaseException) -> bool:
 # ---------------------------------------------------------------------------------------------------
 # inputs, forward and loss
 # ---------------------------------------------------------------------------------------------------
-def first_tensor(obj: Any) -> torch.Tensor | None:
-    """The first tensor in a tensor / tuple / list / dict (depth first), or None."""
-    if isinstance(obj, torch.Tensor):
-        return obj
-    if isinstance(obj, Mapping):
-        obj = list(obj.values())
-    if isinstance(obj, (list, tuple)):
-        for item in obj:
-            t = first_tensor(item)
-            if t is not None:
-                return t
-    return None
-
-
-def call_model(model: nn.Module, batch: Any) -> Any:
-    """``model(x)`` for a tensor, ``model(*x)`` for a tuple/list, ``model(**x)`` for a dict."""
-    if isinstance(batch, Mapping):
-        return model(**batch)
-    if isinstance(batch, (list, tuple)):
-        return model(*batch)
-    return model(batch)
-
-
 def check_batch_type(batch: Any, display: str, where: str) -> None:
     """ModelFileError unless ``batch`` is a tensor, tuple/list or dict holding a tensor."""
     if not isinstance(batch, (torch.Tensor, Mapping, list, tuple)):
@@ -514,36 +492,3 @@ def check_batch_type(batch: Any, display: str, where: str) -> None:
                              BATCH_FIX)
     if first_tensor(batch) is None:
         raise ModelFileError(display, f"{where} returned no tensor", BATCH_FIX)
-
-
-def first_param_module(model: nn.Module) -> nn.Module | None:
-    """The first module (in ``modules()`` order) that owns parameters directly."""
-    for m in model.modules():
-        if any(True for _ in m.parameters(recurse=False)):
-            return m
-    return None
-
-
-def default_loss(output: Any) -> tuple[torch.Tensor, str]:
-    """The loss optplan uses without ``loss_fn``, and the rule that chose it (for a note)."""
-    if isinstance(output, torch.Tensor):
-        if output.dim() == 0:
-            return output, "the model's output (a scalar tensor)"
-        return output.float().mean(), "output.float().mean() of the output tensor"
-    if isinstance(output, Mapping):
-        if isinstance(output.get("loss"), torch.Tensor):
-            return output["loss"], 'output["loss"]'
-        items = list(output.values())
-        label = "value"
-    elif isinstance(output, (list, tuple)):
-        items = list(output)
-        label = "element"
-    else:
-        raise TypeError(f"the output is a {type(output).__name__}, not a tensor, tuple, list or dict")
-    for i, item in enumerate(items):
-        if isinstance(item, torch.Tensor) and item.dim() == 0:
-            return item, f"the first scalar tensor of the output ({label} {i})"
-    for i, item in enumerate(items):
-        if isinstance(item, torch.Tensor):
-            return item.float().mean(), f".float().mean() of the output's first tensor ({label} {i})"
-    raise TypeError("the output holds no tensor")

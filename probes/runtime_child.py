@@ -90,11 +90,9 @@ import math  # noqa: E402
 import os  # noqa: E402
 import platform  # noqa: E402
 import re  # noqa: E402
-import socket  # noqa: E402
 import sys  # noqa: E402
 import traceback  # noqa: E402
-from collections.abc import Callable, Iterator, Mapping  # noqa: E402
-from functools import partial  # noqa: E402
+from collections.abc import Callable, Iterator  # noqa: E402
 from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
@@ -104,15 +102,20 @@ from optplan.probes.contract import (  # noqa: E402
     BATCH_FIX,
     DEFAULT_TOKEN_SEQ_LEN,
     ModelContract,
-    call_model,
     check_batch_type,
-    default_loss,
     exc_text,
-    first_param_module,
     load_contract,
 )
 from optplan.probes.memtrack import MemTracker  # noqa: E402
 from optplan.probes.model_errors import ModelFileError, one_line  # noqa: E402
+from optplan.probes.trainloop import (  # noqa: E402
+    Trainer,
+    TrainFailure,
+    first_param_module,
+    max_positions,
+    to_device,
+    write_json_atomic,
+)
 
 EXIT_OK = 0
 EXIT_FAILED = 3
@@ -124,41 +127,14 @@ MAX_PREMADE_BATCHES = 4
 DATA_PARALLEL_ONLY = "the probe runs data-parallel strategies only (tp/pp/cp = 1, engines torch and deepspeed)"
 FP8_REFUSED = ("fp8 needs Transformer Engine / torchao fp8 layers, which the probe does not emulate: probe "
                "with precision bf16 (fp8 keeps bf16 weights and fp32 master states)")
-BNB_MISSING = "optimizer adamw8bit needs bitsandbytes in the probe's environment: pip install bitsandbytes"
-
-ADAMW_KW: dict[str, Any] = {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
-SGD_KW: dict[str, Any] = {"lr": 3e-4, "momentum": 0.9}
-ADAFACTOR_KW: dict[str, Any] = {"lr": 1e-2}
-"""Optimizer hyper-parameters (the planner's exported defaults); they do not change memory or time."""
-
-FP16_INITIAL_SCALE = 2.0 ** 16
-FP16_GROWTH_INTERVAL = 1000
-
-MAX_LEN_NAMES = ("block_size", "max_position_embeddings", "max_seq_len", "n_positions", "n_ctx",
-                 "max_seq_length", "context_length", "max_len")
-_CONFIG_ATTRS = ("config", "cfg", "args", "params", "model_args", "hparams", "hp")
-"""Where a model's maximum sequence length is read (as ``optplan.probes.static`` does)."""
-
-SAC_SAVE_OPS = ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_scaled_dot_product_flash_attention",
-                "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-                "_scaled_dot_product_flash_attention_for_cpu",
-                "_scaled_dot_product_fused_attention_overrideable")
-"""aten ops whose outputs selective checkpointing saves (matmuls and attention cores); the rest of a
-checkpointed block is recomputed (op-level SAC as in torchtitan, without its every-other-matmul rule)."""
-
 _OOM_MARK = "optplan-probe-oom"
 
 
 # ---------------------------------------------------------------------------------------------------
 # failures
 # ---------------------------------------------------------------------------------------------------
-class ProbeFailure(Exception):
-    """A readable end of the probe with a status ("error", "oom", "nan" or "pruned")."""
-
-    def __init__(self, status: str, reason: str) -> None:
-        super().__init__(reason)
-        self.status = status
-        self.reason = one_line(reason, 400)
+ProbeFailure = TrainFailure
+"""A readable end of the probe with a status ("error", "oom", "nan" or "pruned"): trainloop's TrainFailure."""
 
 
 class ProbeOOM(ProbeFailure):
@@ -206,8 +182,8 @@ def classify(exc: BaseException, phase: str) -> tuple[str, str]:
     for e in _exception_chain(exc):
         if isinstance(e, ProbeOOM):
             return "oom", f"{e.reason} during {phase}"
-        if isinstance(e, ProbeFailure):
-            return e.status, e.reason
+        if isinstance(e, TrainFailure) or (type(e).__name__ == "TrainFailure" and hasattr(e, "status")):
+            return e.status, e.reason  # this package's, or a generated train.py's (--train-script)
         if isinstance(e, ModelFileError):
             return "error", str(e)
     text = str(exc)
@@ -330,183 +306,8 @@ def _optimizer_chain(opt: Any) -> list[torch.optim.Optimizer]:
 
 
 # ---------------------------------------------------------------------------------------------------
-# precision: fp32 master weights for 16-bit parameters
+# host helpers
 # ---------------------------------------------------------------------------------------------------
-class MasterWeights:
-    """fp32 master copies of 16-bit parameters; the inner optimizer steps the masters.
-
-    ``step()`` makes fp32 gradients from the 16-bit ones (divided by the loss scale under fp16, which
-    skips the step and halves the scale when one is not finite), steps the inner optimizer, copies
-    the masters back into the 16-bit parameters and frees the fp32 gradients.
-    """
-
-    def __init__(self, params: list[torch.Tensor], make: Callable[[list[torch.Tensor]], Any], *,
-                 dynamic_scale: bool) -> None:
-        self.params = params
-        self.masters = [p.detach().float().clone() for p in params]
-        self.optimizer = make(self.masters)
-        self.dynamic_scale = dynamic_scale
-        self.scale = FP16_INITIAL_SCALE if dynamic_scale else 1.0
-        self.good_steps = 0
-        self.skipped_steps = 0
-
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss * self.scale if self.dynamic_scale else loss
-
-    def step(self) -> None:
-        pairs = [(m, p) for m, p in zip(self.masters, self.params, strict=True) if p.grad is not None]
-        for m, p in pairs:
-            m.grad = p.grad.float()
-        try:
-            if self.dynamic_scale and pairs:
-                grads = [m.grad for m, _ in pairs]
-                found = torch.zeros(1, device=grads[0].device)
-                inv = torch.full((1,), 1.0 / self.scale, device=grads[0].device)
-                torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
-                if found.item() > 0:
-                    self.scale /= 2.0
-                    self.good_steps = 0
-                    self.skipped_steps += 1
-                    return
-                self.good_steps += 1
-                if self.good_steps % FP16_GROWTH_INTERVAL == 0:
-                    self.scale *= 2.0
-            self.optimizer.step()
-            with torch.no_grad():
-                for m, p in pairs:
-                    p.copy_(m)
-        finally:
-            for m, _ in pairs:
-                m.grad = None
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.params:
-            if set_to_none:
-                p.grad = None
-            elif p.grad is not None:
-                p.grad.zero_()
-
-
-# ---------------------------------------------------------------------------------------------------
-# building blocks
-# ---------------------------------------------------------------------------------------------------
-def make_optimizer(name: str, params: list[torch.Tensor]) -> Any:
-    """The torch (or bitsandbytes) optimizer for a Strategy's optimizer name."""
-    if name == "adamw":
-        return torch.optim.AdamW(params, **ADAMW_KW)
-    if name == "sgd":
-        return torch.optim.SGD(params, **SGD_KW)
-    if name == "adafactor":
-        if not hasattr(torch.optim, "Adafactor"):
-            raise ProbeFailure("error", f"optimizer adafactor needs torch.optim.Adafactor (torch >= 2.5); this "
-                                        f"is torch {torch.__version__}")
-        return torch.optim.Adafactor(params, **ADAFACTOR_KW)
-    if name == "adamw8bit":
-        try:
-            import bitsandbytes as bnb  # type: ignore[import-not-found]
-        except Exception as exc:  # noqa: BLE001 - missing, or broken on this platform
-            raise ProbeFailure("error", f"{BNB_MISSING} ({exc_text(exc)})") from None
-        return bnb.optim.AdamW8bit(params, **ADAMW_KW)
-    raise ProbeFailure("error", f"unknown optimizer {name!r}")
-
-
-def _selective_context() -> Callable[[], Any] | None:
-    """``context_fn`` for op-level selective checkpointing, or None when torch lacks it."""
-    try:
-        from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-    except ImportError:
-        return None
-    save = set()
-    for name in SAC_SAVE_OPS:
-        packet = getattr(torch.ops.aten, name, None)
-        if packet is not None and hasattr(packet, "default"):
-            save.add(packet.default)
-
-    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-        return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
-
-    return partial(create_selective_checkpoint_contexts, policy)
-
-
-def _checkpointed_call(fn: Callable[..., Any], context_fn: Callable[[], Any] | None, *args: Any, **kwargs: Any) -> Any:
-    from torch.utils.checkpoint import checkpoint
-
-    if context_fn is None:
-        return checkpoint(fn, *args, use_reentrant=False, **kwargs)
-    return checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
-
-
-def find_blocks(model: nn.Module, class_name: str | None) -> list[nn.Module]:
-    """The outermost modules whose class name is ``class_name`` (nested ones are inside a checkpoint)."""
-    if not class_name:
-        return []
-    found: list[nn.Module] = []
-    inside: set[int] = set()
-    for mod in model.modules():
-        if id(mod) in inside:
-            continue
-        if type(mod).__name__ == class_name:
-            found.append(mod)
-            inside.update(id(m) for m in mod.modules())
-    return found
-
-
-def apply_checkpointing(blocks: list[nn.Module], mode: str, notes: list[str]) -> str:
-    """Wrap each block's forward in ``torch.utils.checkpoint`` (non-reentrant); returns the mode applied."""
-    if mode == "none" or not blocks:
-        return "none"
-    context_fn = None
-    if mode == "selective":
-        context_fn = _selective_context()
-        if context_fn is None:
-            notes.append(f"selective checkpointing needs torch.utils.checkpoint.create_selective_checkpoint_contexts "
-                         f"(torch >= 2.4); torch {torch.__version__} lacks it, so every block is fully checkpointed")
-            mode = "full"
-    for blk in blocks:
-        blk.forward = partial(_checkpointed_call, blk.forward, context_fn)  # instance attribute shadows it
-    return mode
-
-
-def _config_sources(model: nn.Module) -> list[Any]:
-    sources: list[Any] = []
-    for attr in _CONFIG_ATTRS:
-        obj = getattr(model, attr, None)
-        if obj is not None and not isinstance(obj, (torch.Tensor, nn.Module)) and not callable(obj):
-            sources.append(obj)
-    sources.append(model)
-    return sources
-
-
-def max_positions(model: nn.Module) -> int | None:
-    """The model's maximum sequence length when a config attribute names it, else None."""
-    for src in _config_sources(model):
-        for name in MAX_LEN_NAMES:
-            value = src.get(name) if isinstance(src, Mapping) else getattr(src, name, None)
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                return value
-    return None
-
-
-def _to_device(obj: Any, device: torch.device, float_dtype: torch.dtype | None) -> Any:
-    if isinstance(obj, torch.Tensor):
-        t = obj.to(device, non_blocking=False)
-        if float_dtype is not None and t.is_floating_point() and t.dtype != float_dtype:
-            t = t.to(float_dtype)
-        return t
-    if isinstance(obj, Mapping):
-        moved = {k: _to_device(v, device, float_dtype) for k, v in obj.items()}
-        try:
-            return moved if type(obj) is dict else type(obj)(moved)
-        except Exception:  # noqa: BLE001 - a mapping type that cannot be rebuilt from a dict
-            return moved
-    if isinstance(obj, tuple):
-        items = [_to_device(v, device, float_dtype) for v in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
-    if isinstance(obj, list):
-        return [_to_device(v, device, float_dtype) for v in obj]
-    return obj
-
-
 def cpu_name() -> str:
     """The CPU's model name (``/proc/cpuinfo``), else ``platform.processor()``, else "cpu"."""
     try:
@@ -517,12 +318,6 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or "cpu"
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _die_with_parent() -> None:
@@ -537,40 +332,74 @@ def _die_with_parent() -> None:
 # ---------------------------------------------------------------------------------------------------
 # the probe
 # ---------------------------------------------------------------------------------------------------
-class Probe:
-    """One rank's run of a ProbeSpec (a dict); fills ``self.result``."""
+def tracked_call(trainer: Any, step: Callable[[], torch.Tensor], cap_bytes: int | None,
+                 inputs: list[Any]) -> tuple[torch.Tensor, ProbeTracker]:
+    """Run ``step`` (one optimizer step of ``trainer``, a :class:`~optplan.probes.trainloop.Trainer` of this
+    package or of a generated train.py) under a ProbeTracker with everything alive registered first: the
+    CPU memory figures. ``trainer.tracker`` stays set when the step raises, so the reason names it."""
+    model = trainer.model
+    tracker = ProbeTracker(cap_bytes)
+    params = list(model.parameters())
+    param_keys = set()
+    for p in params:
+        key = MemTracker._storage_key(_local(p))
+        if key is not None:
+            param_keys.add(key)
+    tracker.track(params, category="param")
+    tracker.track([p.grad for p in params], category="grad")
+    for opt in _optimizer_chain(trainer.master or trainer.optimizer):
+        for group in opt.param_groups:
+            masters = [t for t in group["params"] if MemTracker._storage_key(_local(t)) not in param_keys]
+            tracker.track(masters, category="master")
+        tracker.track([v for st in opt.state.values() for v in (st.values() if isinstance(st, dict) else [st])
+                       if isinstance(v, torch.Tensor)], category="optimizer")
+    tracker.track(list(model.buffers()), category="buffer")
+    tracker.track(list(trainer.ddp_buckets.values()), category="bucket")
+    tracker.track(inputs, category="input")
+    rest = _live_python_tensors(trainer.device_type)
+    if trainer.fsdp != "none":  # FSDP2's unsharded parameters (storage resized to 0 between uses)
+        tracker.track([t for t in rest if isinstance(t, nn.Parameter)], category="unsharded_param")
+    tracker.track(rest, category="other")
+    hooks = []
+    for p in params:
+        if p.requires_grad and hasattr(p, "register_post_accumulate_grad_hook"):
+            hooks.append(p.register_post_accumulate_grad_hook(
+                lambda q: tracker.retag(q.grad, "grad") if q.grad is not None else None))
+
+    def retag_grads() -> None:  # gradients made by backward are "grad" from the optimizer step on
+        for p in params:
+            if p.grad is not None:
+                tracker.retag(p.grad, "grad")
+
+    previous = trainer.before_optimizer_step
+    trainer.before_optimizer_step = retag_grads
+    trainer.tracker = tracker
+    try:
+        with tracker, tracker.watch_resizes():  # FSDP2 frees/gathers parameters by storage resizes
+            loss = step()
+    finally:
+        for h in hooks:
+            h.remove()
+        trainer.before_optimizer_step = previous
+    trainer.tracker = None
+    return loss, tracker
+
+
+class Probe(Trainer):
+    """One rank's run of a ProbeSpec (a dict) through :class:`~optplan.probes.trainloop.Trainer` (the code
+    of the generated train.py); fills ``self.result``."""
 
     def __init__(self, spec: dict[str, Any], result: dict[str, Any]) -> None:
+        ds_config = spec.get("ds_config")
+        super().__init__(spec["strategy"], device_type=spec.get("device", "cpu"),
+                         ds_config=ds_config if isinstance(ds_config, dict) else None,
+                         block_class=spec.get("block_class"), compile=bool(spec.get("compile")),
+                         use_accelerate=bool(spec.get("accelerate_config")), notes=result["notes"])
         self.spec = spec
-        self.strategy: dict[str, Any] = dict(spec["strategy"])
         self.result = result
-        self.notes: list[str] = result["notes"]
-        self.phase = "setup"
-        self.rank = int(os.environ.get("RANK", "0"))
-        self.world = int(os.environ.get("WORLD_SIZE", "1"))
-        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        self.device_type: str = spec.get("device", "cpu")
-        self.engine: str = self.strategy.get("engine", "torch")
-        self.fsdp: str = self.strategy.get("fsdp", "none")
-        self.precision: str = self.strategy.get("precision", "fp32")
-        self.mbs = int(self.strategy.get("mbs", 1))
-        self.grad_accum = int(self.strategy.get("grad_accum", 1))
-        self.dist_on = False
-        self.scaler: Any = None
-        self.master: MasterWeights | None = None
-        self.optimizer: Any = None
-        self.engine_obj: Any = None  # the DeepSpeed engine
-        self.model: nn.Module | None = None  # the module that owns the parameters (unwrapped)
-        self.runner: Any = None  # what forward is called on (DDP / compiled / engine)
-        self.autocast_dtype: torch.dtype | None = None
-        self.input_dtype: torch.dtype | None = None
         self.batches: list[Any] = []
-        self.loss_fn: Callable[[Any, Any], Any] | None = None
-        self.loss_note: str | None = None
         self.tracker: ProbeTracker | None = None
-        self.ddp_buckets: dict[int, torch.Tensor] = {}  # CPU: DDP's flat gradient buckets, by index
-        self.accelerator: Any = None  # accelerate.Accelerator under `accelerate launch` (optplan validate)
-        self.use_accelerate = bool(spec.get("accelerate_config"))
+        self.track_ddp_buckets = self.device_type == "cpu"  # DDP's flat gradient buckets, by index
 
     @property
     def where(self) -> str:
@@ -593,68 +422,16 @@ class Probe:
                               f"states are divided by {self.world}, not {dp}")
 
     def setup_device(self) -> torch.device:
-        if self.device_type == "cuda":
-            if not torch.cuda.is_available():
-                raise ProbeFailure("error", f"device cuda requested but CUDA is not available (torch "
-                                            f"{torch.__version__}, CUDA build {torch.version.cuda or 'none'})")
-            if self.local_rank >= torch.cuda.device_count():
-                raise ProbeFailure("error", f"rank {self.rank} needs GPU {self.local_rank} but only "
-                                            f"{torch.cuda.device_count()} are visible")
-            torch.cuda.set_device(self.local_rank)
-            device = torch.device("cuda", self.local_rank)
+        device = super().setup_device()
+        if device.type == "cuda":
             self.result["device_name"] = torch.cuda.get_device_name(device)
             cap = self.spec.get("memory_cap_bytes")
             if cap:
                 total = torch.cuda.get_device_properties(device).total_memory
                 torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
-            return device
-        self.result["device_name"] = cpu_name()
-        return torch.device("cpu")
-
-    def setup_distributed(self) -> None:
-        if self.use_accelerate:
-            self.phase = "accelerate.Accelerator() (reading the accelerate launch environment)"
-            from accelerate import Accelerator
-
-            self.accelerator = Accelerator()  # accumulation is the probe's own loop (loss / grad_accum)
-            self.dist_on = self.world > 1
-            return
-        need = self.world > 1 or self.engine == "deepspeed" or self.fsdp != "none"
-        if not need:
-            return
-        if "MASTER_ADDR" not in os.environ:  # one process, not under torchrun: a group of one
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0",
-                              WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-        backend = "nccl" if self.device_type == "cuda" else "gloo"
-        self.phase = "initialising torch.distributed"
-        if self.engine == "deepspeed":
-            ds = self._import_deepspeed()
-            ds.init_distributed(dist_backend=backend)
         else:
-            import torch.distributed as dist
-
-            kwargs: dict[str, Any] = {}
-            if self.device_type == "cuda":
-                kwargs["device_id"] = torch.device("cuda", self.local_rank)
-            dist.init_process_group(backend=backend, **kwargs)
-        self.dist_on = True
-
-    def _import_deepspeed(self) -> Any:
-        self.phase = "importing deepspeed"
-        try:
-            import deepspeed
-        except Exception as exc:  # noqa: BLE001
-            raise ProbeFailure("error", f"the deepspeed engine needs deepspeed in the probe's environment "
-                                        f"(pip install deepspeed): {exc_text(exc)}") from None
-        if self.device_type == "cpu" and os.environ.get("OPTPLAN_PROBE_DS_SHM", "") != "1":
-            # DeepSpeed's CPU accelerator JIT-builds a shared-memory allreduce op (deepspeed_shm_comm) at
-            # init; on CPU the probe uses plain gloo collectives instead (OPTPLAN_PROBE_DS_SHM=1 keeps it).
-            import importlib
-
-            # not `import deepspeed.comm.torch as m`: deepspeed.comm's attribute "torch" is torch itself
-            ds_torch = importlib.import_module("deepspeed.comm.torch")
-            ds_torch.build_shm_op = lambda: None
-        return deepspeed
+            self.result["device_name"] = cpu_name()
+        return device
 
     # -- the model ----------------------------------------------------------------------------------
     def build(self, device: torch.device) -> ModelContract:
@@ -723,288 +500,25 @@ class Probe:
             except Exception as exc:
                 raise ModelFileError(contract.display, f"{describe} raised {exc_text(exc)}", BATCH_FIX) from None
             check_batch_type(batch, contract.display, describe)
-            self.batches.append(_to_device(batch, device, self.input_dtype))
+            self.batches.append(to_device(batch, device, self.input_dtype))
+
+    def batch_for(self, i: int) -> Any:
+        return self.batches[i % len(self.batches)]
 
     # -- strategy -----------------------------------------------------------------------------------
-    def apply_precision(self, model: nn.Module) -> None:
-        p = self.precision
-        low = {"bf16": torch.bfloat16, "fp16": torch.float16, "bf16-pure": torch.bfloat16}
-        if self.engine == "deepspeed":
-            # the ds_config's sections decide; its bf16/fp16 engines hold the module in 16 bits and do not
-            # cast the inputs, so float inputs are cast as a DeepSpeed training script would
-            recipe = ds_config_recipe(self.spec.get("ds_config") or {})
-            self.input_dtype = low.get(recipe)
-            return
-        if self.use_accelerate:
-            return  # accelerate's mixed_precision (autocast over fp32 weights) decides
-        if p in ("amp-bf16", "amp-fp16"):
-            self.autocast_dtype = torch.bfloat16 if p == "amp-bf16" else torch.float16
-            return
-        if p in low and not (self.fsdp != "none" and p in ("bf16", "fp16")):
-            model.to(low[p])
-            self.input_dtype = low[p]
-
-    def build_optimizer(self, params: list[torch.Tensor]) -> Any:
-        name = self.strategy.get("optimizer", "adamw")
-        if self.engine == "torch" and self.fsdp == "none" and self.precision in ("bf16", "fp16"):
-            self.master = MasterWeights(params, partial(make_optimizer, name), dynamic_scale=self.precision == "fp16")
-            return self.master
-        return make_optimizer(name, params)
-
-    def apply_fsdp(self, model: nn.Module, blocks: list[nn.Module], device: torch.device) -> None:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        try:
-            from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
-        except ImportError:  # pragma: no cover - torch < 2.6 kept these in _composable
-            from torch.distributed._composable.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
-
-        mesh = init_device_mesh(device.type, (self.world,))
-        kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": self.fsdp != "grad_op"}
-        if self.precision in ("bf16", "fp16"):
-            dtype = torch.bfloat16 if self.precision == "bf16" else torch.float16
-            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-        if self.strategy.get("offload_params", "none") == "cpu":
-            if device.type == "cuda":
-                kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
-            elif self.rank == 0:
-                self.notes.append("offload_params cpu on the cpu device: nothing to offload, not applied")
-        if self.fsdp == "hybrid" and self.rank == 0:
-            self.notes.append("fsdp hybrid on one node is full sharding (one replica group)")
-        for blk in blocks:
-            fully_shard(blk, **kwargs)
-        fully_shard(model, **kwargs)
-
     def setup_training(self, model: nn.Module, device: torch.device) -> None:
-        blocks = find_blocks(model, self.spec.get("block_class"))
-        mode = self.strategy.get("checkpointing", "none")
-        if self.spec.get("block_class") and not blocks and self.rank == 0:
-            self.notes.append(f"no module of class {self.spec['block_class']} found: no checkpointing, and "
-                              "FSDP wraps the root only")
-        if mode != "none" and not self.spec.get("block_class") and self.rank == 0:
-            self.notes.append(f"checkpointing {mode} needs block_class (the repeated block): not applied")
-        self.phase = "applying the precision recipe"
-        self.apply_precision(model)
-        self.phase = "applying activation checkpointing"
-        applied = apply_checkpointing(blocks, mode, self.notes)
-        self.result["checkpointing_applied"] = applied
-        params = [p for p in model.parameters() if p.requires_grad]
-        runner: Any = model
-        if self.use_accelerate:
-            self.phase = "building the optimizer"
-            plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
-            ds_section = getattr(plugin, "deepspeed_config", None) or {}
-            if isinstance(ds_section, dict) and "optimizer" in ds_section:
-                # the DeepSpeed config builds the optimizer; accelerate refuses a second one from the code
-                from accelerate.utils import DummyOptim
-
-                optimizer = DummyOptim(params)
-            else:
-                optimizer = make_optimizer(self.strategy.get("optimizer", "adamw"), params)
-            self.phase = "Accelerator.prepare(model, optimizer)"
-            runner, self.optimizer = self.accelerator.prepare(model, optimizer)
-            if self.rank == 0:
-                self.notes.append(f"accelerate: {self.accelerator.distributed_type}, mixed precision "
-                                  f"{self.accelerator.mixed_precision}, {self.accelerator.num_processes} process(es)")
-        elif self.engine == "deepspeed":
-            ds = self._import_deepspeed()
-            config = dict(self.spec["ds_config"])
-            self.check_ds_precision(config)
-            kwargs: dict[str, Any] = {"model": model, "model_parameters": params, "config": config}
-            if "optimizer" not in config:
-                self.phase = "building the optimizer"
-                kwargs["optimizer"] = make_optimizer(self.strategy.get("optimizer", "adamw"), params)
-            self.phase = "deepspeed.initialize"
-            engine, optimizer, _, _ = ds.initialize(**kwargs)
-            self.engine_obj, self.optimizer, runner = engine, optimizer, engine
-            if self.spec.get("compile"):
-                self.phase = "compiling the model (engine.compile)"
-                engine.compile()
-        else:
-            if self.fsdp != "none":
-                self.phase = "fully_shard (FSDP2)"
-                self.apply_fsdp(model, blocks, device)
-                params = [p for p in model.parameters() if p.requires_grad]
-            elif self.world > 1:
-                from torch.nn.parallel import DistributedDataParallel as DDP
-
-                self.phase = "DistributedDataParallel"
-                runner = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-                             gradient_as_bucket_view=False)  # torch's default: buckets beside the grads
-                if device.type == "cpu":
-                    self.watch_ddp_buckets(runner)
-            self.phase = "building the optimizer"
-            self.optimizer = self.build_optimizer(params)
-            if self.precision == "amp-fp16" or (self.fsdp != "none" and self.precision == "fp16"):
-                if self.fsdp != "none":
-                    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-                    self.scaler = ShardedGradScaler(device.type)
-                else:
-                    self.scaler = torch.amp.GradScaler(device.type)
-            if self.spec.get("compile"):
-                self.phase = "compiling the model (torch.compile)"
-                runner.compile()
-        if self.spec.get("compile") and self.device_type == "cpu" and self.rank == 0:
+        super().setup_training(model, device)
+        self.result["checkpointing_applied"] = self.checkpointing_applied
+        if self.compile and self.device_type == "cpu" and self.rank == 0:
             self.notes.append("torch.compile: the CPU memory figure is of the eager step (torch.compile skips "
                               "frames while the probe's tensor tracker, a TorchDispatchMode, is active); the "
                               "step times are of the compiled model")
-        self.runner = runner
-
-    def watch_ddp_buckets(self, ddp: Any) -> None:
-        """Keep a reference to each of DDP's flat gradient buckets (CPU memory figures). The reducer
-        allocates them in C++ when it builds (and, after the first step, rebuilds) its buckets, out of the
-        tracker's sight, so the tracked step registers them as "bucket" (what a GPU's
-        ``max_memory_allocated`` counts all along). The hook is DDP's default all-reduce
-        (``default_hooks.allreduce_hook``: divide by the world size, all-reduce the bucket in place)."""
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-        buckets = self.ddp_buckets
-
-        def hook(state: Any, bucket: Any) -> Any:
-            buckets[bucket.index()] = bucket.buffer()
-            return allreduce_hook(state, bucket)
-
-        # DDP checks the hook's annotations as objects (this module's are strings)
-        hook.__annotations__ = {"state": object, "bucket": torch.distributed.GradBucket,
-                                "return": torch.futures.Future[torch.Tensor]}
-        ddp.register_comm_hook(None, hook)
-
-    def check_ds_precision(self, config: dict[str, Any]) -> None:
-        """Note when the ds_config's precision sections do not match the strategy (the ds_config wins)."""
-        found = ds_config_recipe(config)
-        if found != self.precision and self.rank == 0:
-            self.notes.append(f"the ds_config's precision sections say {found}, the strategy {self.precision}: "
-                              "the probe ran what the ds_config says")
 
     # -- steps --------------------------------------------------------------------------------------
-    def compute_loss(self, output: Any, batch: Any) -> torch.Tensor:
-        if self.loss_fn is not None:
-            self.phase = "loss_fn(output, batch)"
-            loss = self.loss_fn(output, batch)
-        else:
-            self.phase = "the default loss"
-            try:
-                loss, rule = default_loss(output)
-            except TypeError as exc:
-                raise ProbeFailure("error", f"no loss: {exc}; define loss_fn(output, batch) returning a scalar "
-                                            "tensor") from None
-            if self.loss_note is None:
-                self.loss_note = f"no loss_fn: the loss is {rule}"
-                if self.rank == 0:
-                    self.notes.append(self.loss_note)
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-            raise ProbeFailure("error", f"{self.phase} returned {shape}, not a scalar tensor")
-        if not loss.requires_grad:
-            raise ProbeFailure("error", f"{self.phase} does not depend on any trainable parameter")
-        return loss.reshape(())
-
-    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device_type, dtype=self.autocast_dtype)
-
-    def _no_sync(self, last: bool) -> contextlib.AbstractContextManager[Any]:
-        no_sync = getattr(self.runner, "no_sync", None)
-        if last or self.engine == "deepspeed" or no_sync is None or self.fsdp != "none":
-            return contextlib.nullcontext()
-        return no_sync()
-
-    def one_step(self) -> torch.Tensor:
-        """One optimizer step of ``grad_accum`` micro-batches; returns the mean loss (a 0-d tensor)."""
-        losses: list[torch.Tensor] = []
-        for i in range(self.grad_accum):
-            batch = self.batches[i % len(self.batches)]
-            last = i == self.grad_accum - 1
-            with self._no_sync(last):
-                self.phase = "forward"
-                with self._autocast():
-                    out = call_model(self.runner, batch)
-                    loss = self.compute_loss(out, batch)
-                del out
-                self.phase = "backward"
-                if self.engine_obj is not None:
-                    self.engine_obj.backward(loss)
-                    self.phase = "optimizer step"
-                    self.engine_obj.step()
-                elif self.accelerator is not None:
-                    self.accelerator.backward(loss / self.grad_accum)
-                else:
-                    scaled = loss / self.grad_accum
-                    if self.scaler is not None:
-                        scaled = self.scaler.scale(scaled)
-                    elif self.master is not None:
-                        scaled = self.master.scale_loss(scaled)
-                    scaled.backward()
-            losses.append(loss.detach())
-        if self.engine_obj is None:
-            self.phase = "optimizer step"
-            if self.tracker is not None:
-                for p in self.model.parameters():  # gradients made by backward are "grad" from here on
-                    if p.grad is not None:
-                        self.tracker.retag(p.grad, "grad")
-            if self.scaler is not None:
-                self.scaler.step(self.optimizer)
-                self.scaler.update()
-            else:
-                self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=False)  # gradients stay allocated, as the profile counts them
-        return torch.stack([x.float() for x in losses]).mean()
-
-    def _sync(self) -> None:
-        if self.device_type == "cuda":
-            torch.cuda.synchronize()
-
-    def _reduce_max(self, values: list[float]) -> list[float]:
-        if not self.dist_on or self.world == 1:
-            return values
-        import torch.distributed as dist
-
-        t = torch.tensor(values, dtype=torch.float64,
-                         device=torch.device("cuda", self.local_rank) if self.device_type == "cuda" else "cpu")
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return [float(v) for v in t.tolist()]
-
     def tracked_step(self, after: int) -> None:
         """One extra step under a ProbeTracker with everything alive registered (CPU memory figures)."""
-        assert self.model is not None
-        tracker = ProbeTracker(self.spec.get("memory_cap_bytes"))
-        params = list(self.model.parameters())
-        param_keys = set()
-        for p in params:
-            key = MemTracker._storage_key(_local(p))
-            if key is not None:
-                param_keys.add(key)
-        tracker.track(params, category="param")
-        tracker.track([p.grad for p in params], category="grad")
-        for opt in _optimizer_chain(self.master or self.optimizer):
-            for group in opt.param_groups:
-                masters = [t for t in group["params"] if MemTracker._storage_key(_local(t)) not in param_keys]
-                tracker.track(masters, category="master")
-            tracker.track([v for st in opt.state.values() for v in (st.values() if isinstance(st, dict) else [st])
-                           if isinstance(v, torch.Tensor)], category="optimizer")
-        tracker.track(list(self.model.buffers()), category="buffer")
-        tracker.track(list(self.ddp_buckets.values()), category="bucket")
-        tracker.track(self.batches, category="input")
-        rest = _live_python_tensors(self.device_type)
-        if self.fsdp != "none":  # FSDP2's unsharded parameters (storage resized to 0 between uses)
-            tracker.track([t for t in rest if isinstance(t, nn.Parameter)], category="unsharded_param")
-        tracker.track(rest, category="other")
-        hooks = []
-        for p in params:
-            if p.requires_grad and hasattr(p, "register_post_accumulate_grad_hook"):
-                hooks.append(p.register_post_accumulate_grad_hook(
-                    lambda q: tracker.retag(q.grad, "grad") if q.grad is not None else None))
-        self.tracker = tracker  # left set when the step raises, so the reason names the tracked step
-        try:
-            with tracker, tracker.watch_resizes():  # FSDP2 frees/gathers parameters by storage resizes
-                loss = self.one_step()
-        finally:
-            for h in hooks:
-                h.remove()
-        self.tracker = None
+        loss, tracker = tracked_call(self, lambda: self.one_step(self.batch_for), self.spec.get("memory_cap_bytes"),
+                                     self.batches)
         if not math.isfinite(float(loss)):
             raise ProbeFailure("nan", f"loss is {float(loss)} at the memory-tracked step (after step {after + 1})")
         self.result["peak_allocated_bytes"] = int(tracker.peak_bytes)
@@ -1020,14 +534,14 @@ class Probe:
         times: list[float] = []
         self.result["setup_s"] = round(time.perf_counter() - _STARTED, 3)
         for k in range(warmup + timed):
-            self._sync()
+            self.sync()
             t0 = time.perf_counter()
-            loss = self.one_step()
-            self._sync()
+            loss = self.one_step(self.batch_for)
+            self.sync()
             dt = time.perf_counter() - t0
             value = float(loss)
             bad = 0.0 if math.isfinite(value) else float(self.rank + 1)
-            dt, bad = self._reduce_max([dt, bad])  # the highest rank with a non-finite loss, plus one
+            dt, bad = self.reduce_max([dt, bad])  # the highest rank with a non-finite loss, plus one
             losses.append(value)
             self.result["losses"] = losses
             kind = "warm-up" if k < warmup else "timed"
@@ -1067,26 +581,48 @@ class Probe:
             self.notes.append(f"fp16 loss scaling skipped {self.master.skipped_steps} step(s) on overflow")
 
 
-def ds_config_recipe(config: Mapping[str, Any]) -> str:
-    """The precision recipe a ds_config's ``bf16`` / ``fp16`` / ``torch_autocast`` sections select."""
-    def on(name: str) -> bool:
-        section = config.get(name)
-        return isinstance(section, Mapping) and bool(section.get("enabled", False))
+class ScriptHooks:
+    """Hooks for a generated train.py run by the probe (``--train-script``): on CPU its second step runs
+    under the live-tensor tracker, and the peak goes into its measurements.json as
+    ``peak_allocated_bytes`` (what a GPU's ``max_memory_allocated`` would say)."""
 
-    if on("bf16"):
-        return "bf16-pure" if config["bf16"].get("bf16_master_weights_and_grads") else "bf16"
-    if on("fp16"):
-        return "fp16"
-    if on("torch_autocast"):
-        dtype = str(config["torch_autocast"].get("dtype", "bfloat16"))
-        return "amp-fp16" if dtype in ("float16", "fp16", "half", "torch.float16") else "amp-bf16"
-    return "fp32"
+    TRACKED_STEP = 1
+    """The step index tracked (DDP rebuilds its gradient buckets in the second step)."""
+
+    def __init__(self, cap_bytes: int | None) -> None:
+        self.cap_bytes = cap_bytes
+        self.peak: int | None = None
+        self.by_category: dict[str, int] = {}
+
+    def run_step(self, trainer: Any, index: int, step: Callable[[], torch.Tensor]) -> torch.Tensor:
+        if trainer.device_type != "cpu" or index != self.TRACKED_STEP:
+            return step()
+        trainer.track_ddp_buckets = True
+        loss, tracker = tracked_call(trainer, step, self.cap_bytes, [])
+        peak, = trainer.reduce_max([float(tracker.peak_bytes)])
+        self.peak = int(peak)
+        self.by_category = {k: int(v) for k, v in tracker.peak_by_category.items() if v > 0}
+        return loss
+
+    def measured(self) -> dict[str, Any]:
+        if self.peak is None:
+            return {}
+        return {"peak_allocated_bytes": self.peak, "peak_by_category_bytes": self.by_category,
+                "memory_source": "optplan's live-tensor tracker (CPU): peak live tensor bytes of step 2, max over ranks"}
 
 
-def _ddp_type() -> type:
-    from torch.nn.parallel import DistributedDataParallel
+def run_train_script(path: str, cap_bytes: int | None, argv: list[str]) -> int:
+    """Import a generated train.py and run its ``main`` with :class:`ScriptHooks` (its exit code)."""
+    import importlib.util
 
-    return DistributedDataParallel
+    spec = importlib.util.spec_from_file_location("optplan_train_script", path)
+    if spec is None or spec.loader is None:
+        print(f"error: {path} cannot be imported as a Python module", file=sys.stderr)
+        return EXIT_FAILED
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return int(module.main(argv, ScriptHooks(cap_bytes)))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -1097,16 +633,6 @@ def rank_out_path(out: str, rank: int) -> str:
     return out if rank == 0 else f"{out}.rank{rank}"
 
 
-def write_json_atomic(path: str, doc: dict[str, Any]) -> None:
-    """Write ``doc`` to ``path`` through a temporary file and a rename (never a half-written file)."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(doc, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m optplan.probes.runtime_child",
                                      description="Run a few training steps of a model file under one strategy.")
@@ -1115,7 +641,25 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _train_script_args(argv: list[str]) -> tuple[str, int | None, list[str]] | None:
+    """``--train-script PATH [--memory-cap-bytes N] [-- train.py's arguments]``, or None for a probe spec."""
+    if not argv or argv[0] != "--train-script":
+        return None
+    parser = argparse.ArgumentParser(prog="python -m optplan.probes.runtime_child --train-script",
+                                     description="Run a generated train.py with the CPU live-tensor tracker.")
+    parser.add_argument("--train-script", required=True, help="the generated train.py")
+    parser.add_argument("--memory-cap-bytes", type=int, default=None, help="live tensor bytes that count as oom")
+    rest = argv[argv.index("--") + 1:] if "--" in argv else []
+    mine = argv[:argv.index("--")] if "--" in argv else argv
+    args = parser.parse_args(mine)
+    return args.train_script, args.memory_cap_bytes, rest
+
+
 def main(argv: list[str] | None = None) -> int:
+    script = _train_script_args(list(sys.argv[1:] if argv is None else argv))
+    if script is not None:  # a generated train.py, measured: the same Trainer, the user's own loop
+        _die_with_parent()
+        return run_train_script(*script)
     args = _parse_args(argv)
     _die_with_parent()
     sys.stdout.flush()

@@ -489,11 +489,11 @@ def validate_cmd(
 @app.command("calibrate")
 def calibrate_cmd(
     ctx: typer.Context,
-    results: Annotated[list[Path], typer.Argument(help="results files (fidelity.json, grid.json) written by benchmarks/gpu_campaign.py", show_default=False)],
+    results: Annotated[list[Path], typer.Argument(help="measurements.json files written by an exported train.py, or results files (fidelity.json, grid.json) written by benchmarks/gpu_campaign.py", show_default=False)],
     cache: Annotated[Path | None, typer.Option("--cache", help="calibration cache file (default: the one probes write, under $OPTPLAN_CACHE_DIR)")] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Fold measured results files into the calibration cache that later plans for that GPU use."""
+    """Fold measured runs (train.py's measurements.json, campaign results) into the calibration cache that later plans for that GPU use."""
     from optplan.planner.calibrate import save_calibration
     from optplan.planner.results import calibrations_from_results
 
@@ -501,7 +501,7 @@ def calibrate_cmd(
         fits = calibrations_from_results(results)
         if not fits:
             raise OptplanError("no successful measured run in " + ", ".join(map(str, results)) +
-                               ": nothing to calibrate (rerun the campaign; see its failed runs)")
+                               ": nothing to calibrate (a run on a GPU outside the catalogue, or only failed runs: rerun on a catalogued GPU)")
         written = {fit.calibration.key: str(save_calibration(fit.calibration, path=cache)) for fit in fits}
         if as_json:
             typer.echo(json.dumps({"calibrations": [f.model_dump(mode="json") for f in fits],
@@ -519,7 +519,7 @@ def calibrate_cmd(
 def export_cmd(
     ctx: typer.Context,
     plan_file: Annotated[Path, typer.Argument(help="plan.json written by optplan recommend --out", show_default=False)],
-    to: Annotated[list[str], typer.Option("--to", help="deepspeed, accelerate, torchrun, slurm, hf, lightning or all (repeatable)")],
+    to: Annotated[list[str], typer.Option("--to", help="deepspeed, accelerate, torchrun, slurm, hf, lightning, train or all (repeatable)")],
     out: Annotated[Path, typer.Option("--out", help="folder to write the files to")],
     launcher: Annotated[str, typer.Option("--launcher", help="launch.sh starts torchrun or the deepspeed launcher")] = "torchrun",
     fsdp_version: Annotated[int, typer.Option("--fsdp-version", help="accelerate FSDP config version (1 or 2)")] = 2,

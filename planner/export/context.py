@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from optplan.estimators.buckets import DeepSpeedBuckets, deepspeed_buckets
 from optplan.estimators.errors import OptplanError
+from optplan.estimators.estimate import Estimate
 from optplan.estimators.hardware import Cluster
 from optplan.estimators.profile import ModelProfile, TransformerShape
 from optplan.estimators.strategy import Strategy
@@ -25,12 +26,41 @@ FILE_NAMES: dict[str, str] = {
     "slurm": "slurm.sbatch",
     "hf": "hf_training_args.json",
     "lightning": "lightning.json",
+    "train": "train.py",
 }
 """The file each target writes (stable names: users' scripts refer to them)."""
 
 
 class NotExportable(OptplanError):
     """The plan cannot be expressed by this target (the message names the target that can, or the fix)."""
+
+
+class TrainPrediction(BaseModel):
+    """What the plan predicts for one optimizer step, carried into train.py (which prints its measurements
+    beside these) and back through measurements.json into ``optplan calibrate``. Shown figures are the
+    plan's (calibrated when a calibration was used); ``uncalibrated_*`` and the byte figures are the plain
+    model's, which calibrations scale."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    step_s: float = Field(gt=0, description="predicted optimizer step (s)")
+    step_s_low: float = Field(ge=0, description="fast end of its band (s)")
+    step_s_high: float = Field(ge=0, description="slow end of its band (s)")
+    band_basis: str = ""
+    outside_measured: tuple[str, ...] = ()
+    samples_per_s: float = Field(gt=0, description="global samples per second")
+    tokens_per_s: float | None = Field(default=None, description="global tokens per second")
+    mfu: float = Field(ge=0)
+    model_flops_per_step: float = Field(ge=0, description="model FLOPs of one optimizer step, all GPUs")
+    mfu_peak_flops_per_gpu: float = Field(gt=0, description="the MFU reference peak of one GPU (FLOP/s)")
+    total_bytes: int = Field(ge=0, description="predicted peak per GPU incl. allocator/context overhead (bytes)")
+    allocated_bytes: int = Field(ge=0, description="predicted peak allocated per GPU (bytes)")
+    cpu_allocated_bytes: int = Field(ge=0, description="the same run on CPU ranks: peak live tensor bytes (bytes)")
+    uncalibrated_step_s: float = Field(gt=0)
+    uncalibrated_on_device_s: float = Field(ge=0, description="compute + memory-bound + optimizer + host + bubble (s)")
+    uncalibrated_exposed_comm_s: float = Field(ge=0)
+    model_hash: str = Field(description="calibrate.profile_hash of the model's profile (the calibration key)")
+    torch_version: str = ""
 
 
 class ExportPlan(BaseModel):
@@ -53,6 +83,9 @@ class ExportPlan(BaseModel):
     buckets: DeepSpeedBuckets
     gpu: str
     gpus_per_node: int = Field(ge=1)
+    tokens_per_sample: int | None = None
+    prediction: TrainPrediction | None = Field(default=None, description="what the plan predicts (train.py "
+                                               "prints its measurements beside it); None for --params plans")
 
     @property
     def world_size(self) -> int:
@@ -74,7 +107,8 @@ class ExportPlan(BaseModel):
         return self.nodes > 1
 
 
-def export_plan_for(strategy: Strategy, profile: ModelProfile, cluster: Cluster) -> ExportPlan:
+def export_plan_for(strategy: Strategy, profile: ModelProfile, cluster: Cluster, *,
+                    shown: Estimate | None = None) -> ExportPlan:
     """The ExportPlan of ``strategy`` for ``profile`` on ``cluster``.
 
     Raises OptplanError when the plan spans nodes but does not fill whole nodes (launchers start the same
@@ -85,9 +119,36 @@ def export_plan_for(strategy: Strategy, profile: ModelProfile, cluster: Cluster)
         raise OptplanError(f"the plan uses {world} GPUs, not a whole number of {cluster.gpus_per_node}-GPU nodes: "
                            "re-plan with a GPU count that fills whole nodes")
     block = profile.repeated_block
+    prediction = train_prediction(strategy, profile, cluster, shown) if shown is not None else None
     return ExportPlan(
         strategy=strategy, model=profile.name, model_path=profile.path, model_class=profile.model_class,
         block_class=block.class_name if block is not None else None, params=profile.params,
         transformer=profile.transformer, seq_len=profile.seq_len, buckets=deepspeed_buckets(profile),
-        gpu=cluster.gpu.name, gpus_per_node=cluster.gpus_per_node,
+        gpu=cluster.gpu.name, gpus_per_node=cluster.gpus_per_node, tokens_per_sample=profile.tokens_per_sample,
+        prediction=prediction,
     )
+
+
+def train_prediction(strategy: Strategy, profile: ModelProfile, cluster: Cluster, shown: Estimate) -> TrainPrediction:
+    """The :class:`TrainPrediction` of ``strategy``: ``shown`` (the estimate the user saw) for the printed
+    figures, a fresh uncalibrated estimate for the parts a calibration scales (as ``probe_stage.compare_spec``
+    predicts probes), and the CPU accounting of the same run (``memory.memory_breakdown(device="cpu")``)."""
+    from optplan.estimators.estimate import estimate
+    from optplan.estimators.memory import memory_breakdown
+    from optplan.estimators.timing import mfu_peak_flops
+    from optplan.planner.calibrate import profile_hash, torch_version
+
+    plain = estimate(profile, cluster, strategy)
+    cpu = memory_breakdown(profile, strategy, plain.memory.capacity_bytes, gpus_per_node=cluster.gpus_per_node,
+                           device="cpu")
+    t = shown.time
+    return TrainPrediction(
+        step_s=t.step_s, step_s_low=t.step_s_low, step_s_high=t.step_s_high, band_basis=t.band_basis,
+        outside_measured=t.outside_measured, samples_per_s=t.samples_per_s, tokens_per_s=t.tokens_per_s,
+        mfu=t.mfu, model_flops_per_step=profile.train_flops_per_sample * strategy.global_batch,
+        mfu_peak_flops_per_gpu=mfu_peak_flops(cluster.gpu), total_bytes=shown.memory.total_bytes,
+        allocated_bytes=plain.memory.total_bytes - plain.memory.overhead_bytes,
+        cpu_allocated_bytes=cpu.total_bytes - cpu.overhead_bytes, uncalibrated_step_s=plain.time.step_s,
+        uncalibrated_on_device_s=plain.time.step_s - plain.time.exposed_comm_s,
+        uncalibrated_exposed_comm_s=plain.time.exposed_comm_s, model_hash=profile_hash(profile),
+        torch_version=torch_version())

@@ -150,7 +150,8 @@ def _torch_notes(plan: ExportPlan) -> list[str]:
     s = plan.strategy
     block = plan.block_class or "the repeated transformer block"
     notes = ["torch engine: the training script sets up the parallelism itself; this script only starts it "
-             "(or use `accelerate launch --config_file accelerate.yaml` when that file was exported)."]
+             "(or use `accelerate launch --config_file accelerate.yaml` when that file was exported). The train.py "
+             "optplan exports (--to train) applies every setting below; a script of your own must do the same."]
     if s.fsdp == "none":
         notes.append("DDP: DistributedDataParallel(model.cuda(local_rank), device_ids=[local_rank]); use "
                      "model.no_sync() on the accumulation steps that do not step the optimizer.")
@@ -250,7 +251,7 @@ def launched_command(plan: ExportPlan, *, train_script: str = "train.py",
         from optplan.planner.export.deepspeed import deepspeed_notes  # light: no deepspeed import
 
         notes = [f"DeepSpeed: the training script must accept --deepspeed PATH (Hugging Face Trainer convention, "
-                 f"or deepspeed.initialize(config=args.deepspeed)); ZeRO stage {s.zero}, offload optimizer "
+                 f"or deepspeed.initialize(config=args.deepspeed); the train.py optplan exports does); ZeRO stage {s.zero}, offload optimizer "
                  f"{s.offload_optimizer} / params {s.offload_params}."]
         notes += deepspeed_notes(s)
         if s.model_parallel:
@@ -258,7 +259,12 @@ def launched_command(plan: ExportPlan, *, train_script: str = "train.py",
                          "the model-parallel groups itself (Megatron-DeepSpeed); ds_config.json covers ZeRO only.")
     else:
         notes = _torch_notes(plan)
-    return LaunchedCommand(assignments=tuple(assignments), checks=(), exports=(), words=tuple(words),
+    checks = (  # the train.py exported beside this script, when the working folder has none of that name
+        'if [[ ! -e "$TRAIN_SCRIPT" && -e "$SCRIPT_DIR/$TRAIN_SCRIPT" ]]; then',
+        '  TRAIN_SCRIPT="$SCRIPT_DIR/$TRAIN_SCRIPT"',
+        "fi",
+    )
+    return LaunchedCommand(assignments=tuple(assignments), checks=checks, exports=(), words=tuple(words),
                            notes=tuple(notes), overrides=tuple(overrides))
 
 

@@ -1,6 +1,6 @@
 """The export targets: ``name -> builder`` (each renders its files and checks them with the target's own loader).
 
-``optplan export plan.json --to deepspeed|accelerate|torchrun|slurm|hf|lightning|all`` and
+``optplan export plan.json --to deepspeed|accelerate|torchrun|slurm|hf|lightning|train|all`` and
 ``optplan recommend --out DIR`` both go through ``render_targets``. A target that cannot express a plan
 (ds_config.json for a Megatron plan, say) raises an OptplanError naming the target that can; under
 ``all`` it is skipped and the reason is returned, under an explicit ``--to`` it is the error.
@@ -86,6 +86,13 @@ def _lightning(plan: ExportPlan, opts: ExportOptions) -> dict[str, str]:
     return {FILE_NAMES["lightning"]: text}
 
 
+def _train(plan: ExportPlan, opts: ExportOptions) -> dict[str, str]:
+    from optplan.planner.export.train_script import render_train_py, validate_train_py
+    text = render_train_py(plan)
+    validate_train_py(text, plan)
+    return {FILE_NAMES["train"]: text}
+
+
 TARGETS: dict[str, Builder] = {
     "deepspeed": _deepspeed,
     "accelerate": _accelerate,
@@ -93,6 +100,7 @@ TARGETS: dict[str, Builder] = {
     "slurm": _slurm,
     "hf": _hf,
     "lightning": _lightning,
+    "train": _train,
 }
 """Every export target by its ``--to`` name."""
 

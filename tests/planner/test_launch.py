@@ -415,7 +415,7 @@ def test_validate_engine_mismatch():
     ("--rdzv-backend c10d", "--rdzv-backend static", "static rendezvous"),
     ("  --nnodes 4\n", "  --standalone\n  --nnodes 4\n", "standalone"),
     ("--nproc-per-node 8", "--nproc-per-node 8 --bogus-flag", "unrecognized arguments"),
-    ('"$TRAIN_SCRIPT"', "$TRAIN_SCRIPT", "unquoted shell syntax"),
+    ('  "$TRAIN_SCRIPT"\n', "  $TRAIN_SCRIPT\n", "unquoted shell syntax"),
     ('--rdzv-id "$RDZV_ID"', '--rdzv-id "$NO_SUCH_VAR"', r"\$NO_SUCH_VAR"),
     ("LAUNCH=(", "ARGS=(", "LAUNCH=\\("),
     ("fi\n", "\n", "bash -n"),

@@ -9,7 +9,7 @@
 # Environment overrides: TRAIN_SCRIPT (default train.py); DS_CONFIG (default $SCRIPT_DIR/ds_config.json); HOSTFILE (default $SCRIPT_DIR/hostfile); MASTER_ADDR (default the hostfile's first host); MASTER_PORT (default 29500).
 # SCRIPT_DIR is the folder holding this script.
 # DeepSpeed's launcher adds --local_rank=N to the training script's arguments (and sets LOCAL_RANK): the script must accept it.
-# NOTE: DeepSpeed: the training script must accept --deepspeed PATH (Hugging Face Trainer convention, or deepspeed.initialize(config=args.deepspeed)); ZeRO stage 2, offload optimizer none / params none.
+# NOTE: DeepSpeed: the training script must accept --deepspeed PATH (Hugging Face Trainer convention, or deepspeed.initialize(config=args.deepspeed); the train.py optplan exports does); ZeRO stage 2, offload optimizer none / params none.
 set -euo pipefail
 
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -25,6 +25,9 @@ if [[ ! -f "$HOSTFILE" ]]; then
 fi
 MASTER_ADDR="${MASTER_ADDR:-$(awk 'NF && $1 !~ /^#/ {print $1; exit}' "$HOSTFILE")}"
 MASTER_PORT="${MASTER_PORT:-29500}"
+if [[ ! -e "$TRAIN_SCRIPT" && -e "$SCRIPT_DIR/$TRAIN_SCRIPT" ]]; then
+  TRAIN_SCRIPT="$SCRIPT_DIR/$TRAIN_SCRIPT"
+fi
 
 LAUNCH=(
   deepspeed

@@ -7,7 +7,7 @@
 # Run: bash launch.sh [training-script arguments...]
 # Environment overrides: TRAIN_SCRIPT (default train.py); DS_CONFIG (default $SCRIPT_DIR/ds_config.json).
 # SCRIPT_DIR is the folder holding this script.
-# NOTE: DeepSpeed: the training script must accept --deepspeed PATH (Hugging Face Trainer convention, or deepspeed.initialize(config=args.deepspeed)); ZeRO stage 2, offload optimizer none / params none.
+# NOTE: DeepSpeed: the training script must accept --deepspeed PATH (Hugging Face Trainer convention, or deepspeed.initialize(config=args.deepspeed); the train.py optplan exports does); ZeRO stage 2, offload optimizer none / params none.
 set -euo pipefail
 
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -15,6 +15,9 @@ DEFAULT_TRAIN_SCRIPT=train.py
 TRAIN_SCRIPT="${TRAIN_SCRIPT:-$DEFAULT_TRAIN_SCRIPT}"
 DEFAULT_DS_CONFIG="$SCRIPT_DIR"/ds_config.json
 DS_CONFIG="${DS_CONFIG:-$DEFAULT_DS_CONFIG}"
+if [[ ! -e "$TRAIN_SCRIPT" && -e "$SCRIPT_DIR/$TRAIN_SCRIPT" ]]; then
+  TRAIN_SCRIPT="$SCRIPT_DIR/$TRAIN_SCRIPT"
+fi
 
 LAUNCH=(
   torchrun

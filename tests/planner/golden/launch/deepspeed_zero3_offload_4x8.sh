@@ -8,7 +8,7 @@
 #   torchrun's c10d rendezvous on MASTER_ADDR:MASTER_PORT assigns the node ranks.
 # Environment overrides: TRAIN_SCRIPT (default train.py); DS_CONFIG (default $SCRIPT_DIR/ds_config.json); MASTER_ADDR (required: the first node's address); MASTER_PORT (default 29500); RDZV_ID (default optplan-llama-70b).
 # SCRIPT_DIR is the folder holding this script.
-# NOTE: DeepSpeed: the training script must accept --deepspeed PATH (Hugging Face Trainer convention, or deepspeed.initialize(config=args.deepspeed)); ZeRO stage 3, offload optimizer cpu / params cpu.
+# NOTE: DeepSpeed: the training script must accept --deepspeed PATH (Hugging Face Trainer convention, or deepspeed.initialize(config=args.deepspeed); the train.py optplan exports does); ZeRO stage 3, offload optimizer cpu / params cpu.
 # NOTE: activation checkpointing: wrap each repeated block with deepspeed.checkpointing.checkpoint (or torch.utils.checkpoint); the ds_config section only configures DeepSpeed's version
 set -euo pipefail
 
@@ -22,6 +22,9 @@ RDZV_ID="${RDZV_ID:-optplan-llama-70b}"
 if [[ -z "${MASTER_ADDR:-}" ]]; then
   echo "launch.sh: set MASTER_ADDR to the first node's address (the same on every node)" >&2
   exit 2
+fi
+if [[ ! -e "$TRAIN_SCRIPT" && -e "$SCRIPT_DIR/$TRAIN_SCRIPT" ]]; then
+  TRAIN_SCRIPT="$SCRIPT_DIR/$TRAIN_SCRIPT"
 fi
 
 LAUNCH=(

@@ -8,7 +8,7 @@
 #   torchrun's c10d rendezvous on MASTER_ADDR:MASTER_PORT assigns the node ranks.
 # Environment overrides: TRAIN_SCRIPT (default train.py); MASTER_ADDR (required: the first node's address); MASTER_PORT (default 29500); RDZV_ID (default optplan-llama-8b).
 # SCRIPT_DIR is the folder holding this script.
-# NOTE: torch engine: the training script sets up the parallelism itself; this script only starts it (or use `accelerate launch --config_file accelerate.yaml` when that file was exported).
+# NOTE: torch engine: the training script sets up the parallelism itself; this script only starts it (or use `accelerate launch --config_file accelerate.yaml` when that file was exported). The train.py optplan exports (--to train) applies every setting below; a script of your own must do the same.
 # NOTE: FSDP: sharding_strategy=ShardingStrategy.FULL_SHARD, auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer}), use_orig_params=True, device_id=local_rank; FSDP2 equivalent: fully_shard(module, reshard_after_forward=True) on each LlamaDecoderLayer, then on the root module.
 # NOTE: precision bf16: keep fp32 parameters (the sharded master copy) and set mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) (FSDP2: mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32); DDP: torch.autocast('cuda', torch.bfloat16)).
 # NOTE: activation checkpointing: apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper, check_fn=lambda m: isinstance(m, LlamaDecoderLayer)) after wrapping.
@@ -23,6 +23,9 @@ RDZV_ID="${RDZV_ID:-optplan-llama-8b}"
 if [[ -z "${MASTER_ADDR:-}" ]]; then
   echo "launch.sh: set MASTER_ADDR to the first node's address (the same on every node)" >&2
   exit 2
+fi
+if [[ ! -e "$TRAIN_SCRIPT" && -e "$SCRIPT_DIR/$TRAIN_SCRIPT" ]]; then
+  TRAIN_SCRIPT="$SCRIPT_DIR/$TRAIN_SCRIPT"
 fi
 
 LAUNCH=(
