@@ -982,6 +982,11 @@ def run_training(plan: Mapping[str, Any], args: argparse.Namespace, hooks: Hooks
         return to_device(raw, device, trainer.input_dtype)
 
     if rank == 0:
+        gpu = str(plan.get("gpu", ""))
+        here = torch.cuda.get_device_name(device) if device_type == "cuda" else "cpu"
+        if gpu and gpu.split("-")[0].lower() not in here.lower():
+            notes.append(f"the plan is for {gpu}; this run is on {here}: measured and predicted times differ by "
+                         "the hardware, not only the model")
         for n in notes:
             print(f"note: {n}", file=sys.stderr)
         print(f"training {plan.get('model', '')} for {args.steps} step(s) on {world} x {device_type}: "

@@ -501,7 +501,8 @@ def calibrate_cmd(
         fits = calibrations_from_results(results)
         if not fits:
             raise OptplanError("no successful measured run in " + ", ".join(map(str, results)) +
-                               ": nothing to calibrate (a run on a GPU outside the catalogue, or only failed runs: rerun on a catalogued GPU)")
+                               ": nothing to calibrate (runs must be on a catalogued GPU, or on the CPU under optplan's live-tensor "
+                               "tracker: python -m optplan.probes.runtime_child --train-script train.py -- ARGS)")
         written = {fit.calibration.key: str(save_calibration(fit.calibration, path=cache)) for fit in fits}
         if as_json:
             typer.echo(json.dumps({"calibrations": [f.model_dump(mode="json") for f in fits],
