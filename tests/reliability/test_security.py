@@ -394,9 +394,11 @@ SLURM_ENV = {"SLURM_JOB_NODELIST": "node[0-1]", "SLURM_NNODES": "2", "SLURM_JOB_
 def test_launch_scripts_pass_user_values_as_single_arguments(which: str, planned: Planned, tmp_path: Path) -> None:
     assert planned.recommend.returncode == 0 and planned.export.returncode == 0
     out = planned.out2 if which in ("launch-torchrun", "slurm-train-script") else planned.out
-    train = TRAIN_SCRIPT if out == planned.out2 else "train.py"
     cwd = tmp_path / "run here"
     cwd.mkdir()
+    # the exported train.py beside the script is used when the working folder has none
+    train = TRAIN_SCRIPT if out == planned.out2 else (
+        str(out / "train.py") if (out / "train.py").exists() and not (cwd / "train.py").exists() else "train.py")
     if which.startswith("launch"):
         argv = run_script(out / "launch.sh", planned, cwd=cwd, extra_env={"MASTER_ADDR": "node0"})
         if which == "launch-deepspeed":

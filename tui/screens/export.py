@@ -28,7 +28,7 @@ from optplan.tui.screens.confirm import ConfirmScreen
 LEXERS = {".json": "json", ".yaml": "yaml", ".yml": "yaml", ".sh": "bash", ".sbatch": "bash", ".md": "markdown"}
 TARGET_LABELS = {"deepspeed": "DeepSpeed ds_config.json", "accelerate": "accelerate.yaml",
                  "torchrun": "launch.sh", "slurm": "slurm.sbatch", "hf": "HF TrainingArguments",
-                 "lightning": "Lightning Trainer"}
+                 "lightning": "Lightning Trainer", "train": "train.py (the training loop)"}
 DEFAULT_OUT = "plan"
 
 
