@@ -73,7 +73,7 @@ from optplan.estimators.optimizers import optimizer_sees_flat_params, optimizer_
 from optplan.estimators.parallel import layers_per_stage, placement
 from optplan.estimators.pipeline import in_flight_microbatches
 from optplan.estimators.precision import Recipe, get_recipe
-from optplan.estimators.profile import STEP_PHASES, ModelProfile
+from optplan.estimators.profile import STEP_PHASES, WEIGHTS_16BIT, ActivationFit, ModelProfile
 from optplan.estimators.strategy import Strategy
 from optplan.estimators.temporaries import (
     AdamImpl,
@@ -350,6 +350,31 @@ def _uses_measured_fit(profile: ModelProfile, strategy: Strategy) -> bool:
     return strategy.flash or strategy.checkpointing != "none"
 
 
+WEIGHTS_16BIT_ENGINES = frozenset({"torch", "deepspeed"})
+"""Engines that run the user's model as written with its weights in 16 bits (a model ``.to(bf16)``,
+DeepSpeed's bf16/fp16 engines, FSDP2's ``MixedPrecisionPolicy(param_dtype)``), so that the profile's
+``bf16-weights`` fit is their step. Megatron-LM upcasts the logits to fp32 for its vocabulary-parallel cross
+entropy and accumulates gradients in fp32 ``main_grad`` buffers: the autocast fit without its weight copies
+is the closer of the two there."""
+
+
+def measured_fit(profile: ModelProfile, strategy: Strategy) -> tuple[ActivationFit, bool]:
+    """The profile's measured activation fit for ``strategy`` and whether its autocast weight copies count.
+
+    fp32 and AMP recipes: the fp32 or autocast fit as measured (copies count). Recipes with 16-bit weights:
+    the ``bf16-weights`` fit (the model held in bf16, measured: its gradient temporaries and the loss's tensors
+    are 16-bit) on the engines of :data:`WEIGHTS_16BIT_ENGINES`; else (Megatron, or a profile without
+    that fit: older, or a model that does not run in bf16) the autocast fit less autocast's weight copies.
+    """
+    recipe = get_recipe(strategy.precision)
+    mode = strategy.checkpointing if profile.supports_checkpointing else "none"
+    fit_mode = "full" if mode == "full" else "none"
+    if (recipe.weight_bytes == 2 and strategy.engine in WEIGHTS_16BIT_ENGINES
+            and profile.has_activation(WEIGHTS_16BIT)):
+        return profile.activation(WEIGHTS_16BIT, fit_mode), True
+    return profile.activation(recipe.activation_precision, fit_mode), recipe.weight_bytes != 2
+
+
 def _fixed_stage_bytes(profile: ModelProfile, strategy: Strategy, fixed: int, copies: int, stage: int) -> float:
     """The fit's fixed bytes on one rank: autocast weight copies scale with the rank's parameters and
     vanish for 16-bit weights; the rest stays."""
@@ -371,9 +396,10 @@ def activation_bytes(profile: ModelProfile, strategy: Strategy, *, stage: int = 
     recipe = get_recipe(strategy.precision)
     mode = strategy.checkpointing if profile.supports_checkpointing else "none"
     fit_mode = "full" if mode == "full" else "none"
-    fit = profile.activation(recipe.activation_precision, fit_mode)
     if _uses_measured_fit(profile, strategy):
-        return fit.bytes_at(strategy.mbs, param_copies=recipe.weight_bytes != 2)
+        fit, copies = measured_fit(profile, strategy)
+        return fit.bytes_at(strategy.mbs, param_copies=copies)
+    fit = profile.activation(recipe.activation_precision, fit_mode)
     fixed = _fixed_stage_bytes(profile, strategy, fit.fixed_at(strategy.mbs), fit.param_copies_at(strategy.mbs), stage)
     per_sample = _per_sample_stage_bytes(profile, strategy, mode, stage)
     return max(0, round(fixed + per_sample * strategy.mbs))
@@ -427,8 +453,9 @@ def persistent_params(profile: ModelProfile, threshold_elements: int) -> int:
 
 Moments = frozenset[str] | None
 """The moments of the step a buffer is alive in (profile.STEP_PHASES and "optimizer_step"); None: all."""
-WHILE_MODEL_RUNS: Moments = frozenset({"forward", "backward", "grads"})
-WHILE_GRADS: Moments = frozenset({"grads"})
+WHILE_MODEL_RUNS: Moments = frozenset({"forward", "backward", "grads", "stem_grads"})
+WHILE_BLOCKS_RUN: Moments = frozenset({"forward", "backward", "grads"})
+WHILE_GRADS: Moments = frozenset({"grads", "stem_grads"})
 THROUGH_BACKWARD: Moments = frozenset(STEP_PHASES)
 AT_OPTIMIZER_STEP: Moments = frozenset({"optimizer_step"})
 
@@ -443,8 +470,13 @@ def buffer_items(profile: ModelProfile, strategy: Strategy, *, stage: int = 0,
     bucket plus the parameters it keeps gathered (:func:`zero3_gathered_params`) in weight dtype, its in-flight
     all-gather (:func:`zero3_prefetch_params`), and the unpartitioned tensors under
     ``stage3_param_persistence_threshold``. torch: DDP's gradient buckets (a copy of every gradient), or
-    FSDP's gathered parameters (FULL/HYBRID: the root unit and two block units; SHARD_GRAD_OP: the whole
-    model) and the unit's unsharded gradients for the reduce-scatter. Megatron: its gradient buffer is the
+    FSDP's gathered parameters (FULL/HYBRID: the root unit while the model runs and two block units while
+    the blocks run; SHARD_GRAD_OP: the whole model) and one unit's fp32 reduce-scatter input
+    (:data:`FSDP_REDUCE_BYTES`; FSDP2 keeps the last one alive until the next unit reduces:
+    ``FSDPCommContext.reduce_scatter_states``, torch 2.13 ``_fsdp_param_group.post_backward``); HSDP with
+    more than one replica also keeps every block unit's fp32 all-reduce output until the end of backward
+    (``FSDPParamGroup._all_reduce_state``, cleared in ``finalize_backward``); on CPU ranks gloo's reduce-scatter
+    holds an fp32 copy of its input (measured by benchmarks/fidelity_train.py on torch 2.13). Megatron: its gradient buffer is the
     fp32 main_grad already counted in grads_bytes. Pipeline and context parallelism add their send/receive
     tensors.
     """
@@ -457,8 +489,15 @@ def buffer_moments(profile: ModelProfile, strategy: Strategy, *, stage: int = 0,
     return {k: m for k, (_, m) in _buffers(profile, strategy, stage, gpus_per_node).items()}
 
 
+FSDP_REDUCE_BYTES = 4
+"""FSDP2 reduces gradients in fp32: the reduce dtype of fp32 models, and the ``MixedPrecisionPolicy(reduce_dtype=
+torch.float32)`` that optplan's train.py sets for 16-bit ones (torch ``_fsdp_collectives.foreach_reduce``:
+the reduce-scatter input is allocated in ``reduce_dtype`` and the unit's gradients are copied into it), bytes
+per element."""
+
+
 def _buffers(profile: ModelProfile, strategy: Strategy, stage: int,
-             gpus_per_node: int) -> dict[str, tuple[int, Moments]]:
+             gpus_per_node: int, device: DeviceKind = "cuda") -> dict[str, tuple[int, Moments]]:
     recipe = get_recipe(strategy.precision)
     items: dict[str, tuple[int, Moments]] = {}
     dpcp = strategy.dp * strategy.cp
@@ -499,12 +538,20 @@ def _buffers(profile: ModelProfile, strategy: Strategy, stage: int,
                 if root:
                     items["fsdp_root_unit"] = (round(root * weight), WHILE_MODEL_RUNS)
                 if block:
-                    items["fsdp_unsharded_units"] = (round(2 * unit * weight), WHILE_MODEL_RUNS)
+                    items["fsdp_unsharded_units"] = (round(2 * unit * weight), WHILE_BLOCKS_RUN)
             else:
                 items["fsdp_unsharded_params"] = (round(stage_params(profile, strategy, stage) * weight),
                                                   THROUGH_BACKWARD)
-            items["fsdp_reduce_scatter_unit"] = (round((unit if block else psi_train) * recipe.grad_bytes),
-                                                 WHILE_GRADS)
+            reduced = unit if block else psi_train
+            # SHARD_GRAD_OP: measured free by the stem's backward (benchmarks/fidelity_train.py)
+            reducing = WHILE_GRADS if strategy.fsdp in ("full", "hybrid") else frozenset({"grads"})
+            items["fsdp_reduce_scatter_unit"] = (round(reduced * FSDP_REDUCE_BYTES), reducing)
+            shard = placement(strategy, gpus_per_node).shard.ranks
+            if strategy.fsdp == "hybrid" and block and dpcp > shard:
+                blocks_params = stage_params(profile, strategy, stage) - _root_unit_params(profile, strategy, stage)
+                items["hsdp_all_reduce_outputs"] = (round(blocks_params / shard * FSDP_REDUCE_BYTES), WHILE_GRADS)
+            if device == "cpu" and shard > 1:
+                items["gloo_reduce_scatter_copy"] = (round(reduced * FSDP_REDUCE_BYTES), reducing)
     if strategy.pp > 1 or strategy.cp > 1:
         scale = 2 if recipe.activation_precision == "fp32" else 1
         seq = profile.tokens_per_sample or 1
@@ -600,6 +647,20 @@ def _deepspeed_zero12_converts(strategy: Strategy) -> bool:
             and recipe.master_bytes > 0 and strategy.offload_optimizer == "none")
 
 
+TORCH_MASTER_GRAD_BYTES = 4
+"""torch without FSDP, 16-bit weights with fp32 master weights (recipes bf16/fp16): optplan's train.py keeps
+fp32 masters (``probes/trainloop.MasterWeights``, the master-weight scheme of Micikevicius et al. 2018,
+"Mixed Precision Training", arXiv 1710.03740 §3.1) and at ``step()`` makes an fp32 gradient for every master
+from the 16-bit one before the inner optimizer steps, freeing them after: 4 bytes per trainable parameter,
+alive at the optimizer step (measured: benchmarks/fidelity_train.py, DDP bf16). Bytes per parameter."""
+
+
+def _torch_master_weights(strategy: Strategy) -> bool:
+    recipe = get_recipe(strategy.precision)
+    return (strategy.engine == "torch" and strategy.fsdp == "none" and recipe.weight_bytes == 2
+            and recipe.master_bytes > 0)
+
+
 def _deepspeed_flattens(strategy: Strategy) -> bool:
     recipe = get_recipe(strategy.precision)
     return (strategy.engine == "deepspeed" and strategy.zero == 0 and recipe.weight_bytes == 2
@@ -614,7 +675,9 @@ def optimizer_step_scratch_bytes(profile: ModelProfile, strategy: Strategy, *, s
     DeepSpeed ZeRO-0 with 16-bit weights: the fp32 gradient flattening (DEEPSPEED_STEP_FLATTEN_BYTES per
     parameter; its FusedAdam then updates in place). DeepSpeed ZeRO-1/2/3 with 16-bit weights: the flat
     16-bit copy and the fp32 gradient of the rank's partition (DEEPSPEED_ZERO12_STEP_FP32_BYTES; ZeRO-3 one
-    sub-group at a time). AdamW otherwise, over this rank's (sharded)
+    sub-group at a time). torch without FSDP with 16-bit weights and fp32 masters: the fp32 gradients the
+    master-weight step makes from the 16-bit ones, all before the inner optimizer steps
+    (TORCH_MASTER_GRAD_BYTES). AdamW otherwise, over this rank's (sharded)
     parameter tensors: nothing for fused kernels (DeepSpeed, Megatron), Σ n_i · moment bytes for torch's
     foreach default on CUDA, max(2·n_i + n_{i−1}) · moment bytes for its CPU loop (temporaries.py).
     Offloaded optimizers step on the host: nothing on the device.
@@ -630,6 +693,8 @@ def optimizer_step_scratch_bytes(profile: ModelProfile, strategy: Strategy, *, s
         if strategy.zero == 3:
             elements = min(elements, DEEPSPEED_SUB_GROUP_ELEMENTS)
         convert = round((recipe.grad_bytes + DEEPSPEED_ZERO12_STEP_FP32_BYTES) * elements)
+    if _torch_master_weights(strategy):
+        convert = round(TORCH_MASTER_GRAD_BYTES * trainable)
     if strategy.optimizer != "adamw" or strategy.offload_optimizer != "none" or strategy.offload_params != "none":
         return convert
     impl = adam_impl or engine_adam_impl(strategy.engine, device)
@@ -664,10 +729,8 @@ def activation_moments(profile: ModelProfile, strategy: Strategy, *, stage: int 
     """Activation bytes at each moment of the step (profile.STEP_PHASES) when the profile's measured fit
     applies and has per-phase envelopes; else ``{"step": activation_bytes(...)}`` (one figure, the peak)."""
     if _uses_measured_fit(profile, strategy):
-        recipe = get_recipe(strategy.precision)
-        mode = strategy.checkpointing if profile.supports_checkpointing else "none"
-        fit = profile.activation(recipe.activation_precision, "full" if mode == "full" else "none")
-        phases = fit.phases_at(strategy.mbs, param_copies=recipe.weight_bytes != 2)
+        fit, copies = measured_fit(profile, strategy)
+        phases = fit.phases_at(strategy.mbs, param_copies=copies)
         if phases:
             return dict(phases)
     return {"step": activation_bytes(profile, strategy, stage=stage)}
@@ -693,7 +756,7 @@ def _stage_breakdown(profile: ModelProfile, strategy: Strategy, capacity_bytes: 
                      stage: int, adam_impl: AdamImpl | None, device: DeviceKind) -> MemoryBreakdown:
     """The rank's memory at the worst moment of the step (module docstring, "When")."""
     states = model_states(profile, strategy, stage=stage, gpus_per_node=gpus_per_node)
-    buffers = _buffers(profile, strategy, stage, gpus_per_node)
+    buffers = _buffers(profile, strategy, stage, gpus_per_node, device)
     whole: dict[str, int] = {}
     if strategy.optimizer == "adamw" and strategy.offload_optimizer == "none":
         impl = adam_impl or engine_adam_impl(strategy.engine, device)
@@ -707,7 +770,7 @@ def _stage_breakdown(profile: ModelProfile, strategy: Strategy, capacity_bytes: 
         return {**{k: v for k, (v, m) in buffers.items() if m is None or moment == "step" or moment in m}, **whole}
 
     during, outside, at_step = _grad_bytes_by_moment(states, profile, strategy, stage, gpus_per_node)
-    moments = [(moment, acts, during if moment in ("grads", "step") else outside, live_at(moment))
+    moments = [(moment, acts, during if moment in ("grads", "stem_grads", "step") else outside, live_at(moment))
                for moment, acts in activation_moments(profile, strategy, stage=stage).items()]
     if _deepspeed_partitions_grads(strategy):
         # the end of backward (independent_gradient_partition_epilogue): the averaged 1/N partition is built

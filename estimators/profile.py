@@ -10,16 +10,25 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-ActivationPrecision = Literal["fp32", "bf16"]
+ActivationPrecision = Literal["fp32", "bf16", "bf16-weights"]
+"""How a profiled step ran: ``fp32`` weights and math; ``bf16`` autocast over fp32 weights (AMP: the weights,
+their gradients and the loss stay fp32, autocast caches bf16 copies of the weights); ``bf16-weights`` the
+model held in bf16 (parameters, gradients and buffers) with floating inputs cast to bf16 and no autocast:
+what a model ``.to(bf16)``, DeepSpeed's bf16/fp16 engines and FSDP2's ``MixedPrecisionPolicy(param_dtype)``
+run, where every gradient temporary (a tied weight's two gradients and their sum) and the loss's own
+tensors are 16-bit too."""
+WEIGHTS_16BIT: ActivationPrecision = "bf16-weights"
 CheckpointMode = Literal["none", "full"]
-StepPhase = Literal["forward", "loss", "backward", "grads"]
-STEP_PHASES: tuple[StepPhase, ...] = ("forward", "loss", "backward", "grads")
+StepPhase = Literal["forward", "loss", "backward", "grads", "stem_grads"]
+STEP_PHASES: tuple[StepPhase, ...] = ("forward", "loss", "backward", "grads", "stem_grads")
 """The moments of a training step that decide which engine buffers are alive beside the activations:
 ``forward`` the model's forward (its parameters are in use), ``loss`` from the model's output to the
 gradient of that output (the loss function's forward and backward, outside the model: FSDP has
 resharded every unit, no parameter gradient exists yet), ``backward`` the model's backward until the
-first parameter gradient is accumulated, ``grads`` the rest of backward (gradient buckets, partitions
-and reduce-scatters are alive)."""
+first parameter gradient is accumulated, ``grads`` the rest of the repeated blocks' backward (gradient
+buckets, partitions and reduce-scatters are alive), ``stem_grads`` the backward before the first block
+(the embedding or stem, once every block's gradient exists: FSDP has resharded the block units). Profiles
+made before ``stem_grads`` existed count that part in ``grads``."""
 
 
 class _Frozen(BaseModel):
@@ -237,6 +246,11 @@ class ModelProfile(_Frozen):
             if fit.precision == precision and fit.checkpointing == "none":
                 return fit
         raise KeyError(f"profile has no activation fit for {precision}/{checkpointing}")
+
+    def has_activation(self, precision: ActivationPrecision) -> bool:
+        """True when the profile measured ``precision`` (``bf16-weights`` is missing from older profiles and
+        from models that do not run with 16-bit weights)."""
+        return any(fit.precision == precision for fit in self.activations)
 
     @property
     def supports_checkpointing(self) -> bool:

@@ -66,12 +66,13 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
 from optplan.estimators.profile import (
     SMALL_PARAM_LIMIT,
+    WEIGHTS_16BIT,
     ActivationFit,
     ActivationPrecision,
     CheckpointMode,
@@ -119,6 +120,10 @@ except ImportError:  # pragma: no cover
     _FAKE_LIMITS = ()
 
 PRECISIONS: tuple[ActivationPrecision, ...] = ("fp32", "bf16")
+"""The precisions measured on the model as built (fp32 weights), with and without autocast."""
+PRECISION_ORDER: tuple[ActivationPrecision, ...] = (*PRECISIONS, WEIGHTS_16BIT)
+"""Every measured precision, in the profile's order; ``bf16-weights`` is measured last, on the model cast to
+bf16 (:func:`measure_16bit_weights`)."""
 MIN_BLOCKS_FOR_REDUCTION = 3
 REAL_RUN_MAX_BYTES = 1 << 28
 """Largest model (parameter and buffer bytes: 256 MiB, ~64 M fp32 parameters) profiled by a real CPU run
@@ -426,7 +431,7 @@ following a single phase's peak as it moves between points that grow differently
 
 STEP_PHASE_OF = {"stem": "forward", "forward": "forward", "loss": "loss", "loss_backward": "loss",
                  "backward": "backward",
-                 "backward_grads": "grads", "stem_backward": "grads"}
+                 "backward_grads": "grads", "stem_backward": "stem_grads"}
 """The moment of the step (``optplan.estimators.profile.STEP_PHASES``) each timeline phase belongs to."""
 
 PhaseLines = dict[str, tuple[Line, ...]]
@@ -575,9 +580,10 @@ def activation_fit(precision: ActivationPrecision, checkpointing: CheckpointMode
     depends on the micro-batch: under checkpointing, for one, the forward peak holds every cached
     weight copy but the backward peak, which takes over at large micro-batches, only a block's).
     """
-    total, bare = envelope.lines(), envelope.lines(bare=True)
+    weights16 = precision == WEIGHTS_16BIT  # its casts of weights are the model's own (e.g. a norm in fp32)
+    total, bare = envelope.lines(), envelope.lines(bare=not weights16)
     rounded = tuple((round(a), round(c)) for a, c in total)
-    by_step_total, by_step_bare = envelope.step_phase_lines(), envelope.step_phase_lines(bare=True)
+    by_step_total, by_step_bare = envelope.step_phase_lines(), envelope.step_phase_lines(bare=not weights16)
     fixed, per_sample = rounded[-1] if rounded else (0, 0)
     copies = value_at(total, 1) - value_at(bare, 1)
     return ActivationFit(precision=precision, checkpointing=checkpointing, fixed_bytes=fixed,
@@ -614,6 +620,8 @@ class StepRunner:
     blocks: list[nn.Module] = field(default_factory=list)
     loss_note: str | None = None
     batch_info: BatchInfo | None = None
+    input_dtype: torch.dtype | None = None
+    """Floating tensors of the batch are cast to it (the model held in 16 bits); None keeps them."""
 
     # -- pieces of a step -------------------------------------------------------------------------
     def make_batch(self, b: int) -> Any:
@@ -631,6 +639,10 @@ class StepRunner:
                 self.batch_info = BatchInfo("tokens", int(t.shape[1]))
             else:
                 self.batch_info = BatchInfo("other", None)
+        if self.input_dtype is not None:
+            dtype = self.input_dtype
+            batch = tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
+                             batch)
         return batch
 
     def forward(self, batch: Any, b: int) -> Any:
@@ -830,11 +842,16 @@ class Measurement:
     batch_info: BatchInfo
     loss_note: str | None
     first_block_input_grad: bool | None = None
+    weights_16bit_note: str | None = None
+
+
+def checkpoint_modes(has_blocks: bool) -> tuple[CheckpointMode, ...]:
+    """No checkpointing, and every repeated block checkpointed when the model has them."""
+    return ("none", "full") if has_blocks else ("none",)
 
 
 def modes_for(has_blocks: bool) -> list[tuple[ActivationPrecision, CheckpointMode]]:
-    ckpts: tuple[CheckpointMode, ...] = ("none", "full") if has_blocks else ("none",)
-    return [(p, c) for p in PRECISIONS for c in ckpts]
+    return [(p, c) for p in PRECISIONS for c in checkpoint_modes(has_blocks)]
 
 
 def measure(runner: StepRunner, batch_sizes: tuple[int, int], *, flops: bool = True) -> Measurement:
@@ -846,8 +863,59 @@ def measure(runner: StepRunner, batch_sizes: tuple[int, int], *, flops: bool = T
     for precision, ckpt in modes_for(bool(runner.blocks)):
         t0, t1 = (runner.activation_timeline(b, precision, ckpt) for b in batch_sizes)
         envelopes[(precision, ckpt)] = StepEnvelope.from_timelines(t0, t1, batch_sizes)
+    sixteen, note = measure_16bit_weights(runner, batch_sizes)
+    envelopes.update(sixteen)
     assert runner.batch_info is not None
-    return Measurement(fwd, bwd, envelopes, runner.batch_info, runner.loss_note, input_grad)
+    return Measurement(fwd, bwd, envelopes, runner.batch_info, runner.loss_note, input_grad, note)
+
+
+def measure_16bit_weights(runner: StepRunner, batch_sizes: tuple[int, int]
+                          ) -> tuple[dict[tuple[ActivationPrecision, CheckpointMode], StepEnvelope], str | None]:
+    """The ``bf16-weights`` envelopes: the model's floating parameters and buffers cast to bf16 (tied weights
+    kept tied), floating inputs cast, no autocast, one warm-up step (bf16 gradients), then the same
+    timelines as the other modes; the model is cast back afterwards. A model that fails to run in bf16
+    (an op without a bf16 kernel, a tensor the model creates in fp32 and mixes with its weights) gets no
+    such envelopes, and a note: its 16-bit recipes are then priced from the autocast fit without its
+    weight copies."""
+    model = runner.model
+    dtypes = {name: t.dtype for name, t in (*model.named_parameters(remove_duplicate=False),
+                                             *model.named_buffers(remove_duplicate=False))}
+    envelopes: dict[tuple[ActivationPrecision, CheckpointMode], StepEnvelope] = {}
+    note = None
+    try:
+        _cast_floating(model, lambda _name: torch.bfloat16)
+        runner.input_dtype = torch.bfloat16
+        runner.warm_up(batch_sizes[0])
+        for ckpt in checkpoint_modes(bool(runner.blocks)):
+            t0, t1 = (runner.activation_timeline(b, WEIGHTS_16BIT, ckpt) for b in batch_sizes)
+            envelopes[(WEIGHTS_16BIT, ckpt)] = StepEnvelope.from_timelines(t0, t1, batch_sizes)
+    except ModelFileError as exc:
+        envelopes = {}
+        note = (f"the model does not train with bf16 weights ({exc.problem}): its 16-bit-weight recipes are "
+                "priced from the autocast profile without autocast's weight copies")
+    finally:
+        runner.input_dtype = None
+        _cast_floating(model, lambda name: dtypes.get(name))
+    return envelopes, note
+
+
+def _cast_floating(model: nn.Module, dtype_of: Callable[[str], torch.dtype | None]) -> None:
+    """Replace each floating parameter and buffer of ``model`` by a copy in ``dtype_of(its dotted name)``
+    (None or its own dtype: left as it is), keeping tied ones tied. New Parameters, not ``Module.to``:
+    fake tensors cannot be swapped in place across dtypes."""
+    def cast(root: nn.Module) -> None:
+        with torch.no_grad():
+            for prefix, mod in root.named_modules(remove_duplicate=False):
+                for store in ("_parameters", "_buffers"):
+                    table = getattr(mod, store)
+                    for name, t in list(table.items()):
+                        want = dtype_of(f"{prefix}.{name}" if prefix else name)
+                        if t is None or not t.is_floating_point() or want is None or t.dtype == want:
+                            continue
+                        table[name] = (nn.Parameter(t.detach().to(want), requires_grad=t.requires_grad)
+                                       if store == "_parameters" else t.to(want))
+
+    apply_keeping_ties(model, cast)
 
 
 def blocks_of(model: nn.Module, cls: type | None) -> list[nn.Module]:
@@ -881,7 +949,7 @@ def extrapolate(one: float, two: float, layers: int, base: int = 1) -> float:
 def fit_activations(envelopes: Mapping[tuple[ActivationPrecision, CheckpointMode], StepEnvelope]
                     ) -> tuple[ActivationFit, ...]:
     """One :class:`ActivationFit` per (precision, checkpointing), fp32 first, no checkpointing first."""
-    modes = sorted(envelopes, key=lambda m: (PRECISIONS.index(m[0]), m[1] != "none"))
+    modes = sorted(envelopes, key=lambda m: (PRECISION_ORDER.index(m[0]), m[1] != "none"))
     return tuple(activation_fit(precision, ckpt, envelopes[(precision, ckpt)]) for precision, ckpt in modes)
 
 
@@ -943,11 +1011,12 @@ def _measure_reduced(contract: ModelContract, meta: nn.Module, block: BlockInfo,
             return m3, sizes, None
         lo, hi, base = m2, m3, 2
     extra = layers - (base + 1)
-    envelopes = {k: hi.envelopes[k].deeper(lo.envelopes[k], extra) for k in hi.envelopes}
+    envelopes = {k: hi.envelopes[k].deeper(lo.envelopes[k], extra) for k in hi.envelopes if k in lo.envelopes}
     measurement = Measurement(
         fwd_flops=round(extrapolate(lo.fwd_flops, hi.fwd_flops, layers, base)),
         bwd_flops=round(extrapolate(lo.bwd_flops, hi.bwd_flops, layers, base)),
-        envelopes=envelopes, batch_info=m1.batch_info, loss_note=m1.loss_note)
+        envelopes=envelopes, batch_info=m1.batch_info, loss_note=m1.loss_note,
+        weights_16bit_note=lo.weights_16bit_note or hi.weights_16bit_note)
     notes.append(f"profiled {base + 1} of {layers} blocks and scaled by layers")
     return measurement, sizes, base + 1
 
@@ -1029,6 +1098,8 @@ def profile_contract(contract: ModelContract, *, seq_len: int | None = None,
         notes.append(batch_note)
     if measurement.loss_note:
         notes.append(measurement.loss_note)
+    if measurement.weights_16bit_note:
+        notes.append(measurement.weights_16bit_note)
     if info.input_kind == "tokens":
         profile_seq = info.tokens_per_sample
         if explicit_seq is None:

@@ -64,6 +64,7 @@ def profile_table(p: ModelProfile) -> Group:
 
 MOMENTS = {"forward": "the model's forward", "loss": "the loss (forward and backward)",
            "backward": "backward, before the first gradient", "grads": "backward, after the first gradient",
+           "stem_grads": "backward of the embedding or stem, after the blocks'",
            "backward_end": "the end of backward", "optimizer_step": "the optimizer step"}
 """How the estimate's ``memory.moment`` reads in the tables."""
 

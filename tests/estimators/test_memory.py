@@ -117,7 +117,7 @@ def test_zero3_prefetch_buffer_is_the_next_bucket() -> None:
     tiny = make_profile(params=800_000, layers=2, hidden=64)  # one bucket holds it all: nothing in flight
     assert zero3_prefetch_params(tiny, s)[0] == 0
     big = make_profile(params=20_000_000_000, layers=40, hidden=8192)
-    assert zero3_prefetch_params(big, s)[1] == frozenset({"forward", "backward", "grads"})  # backward fetches
+    assert zero3_prefetch_params(big, s)[1] == frozenset({"forward", "backward", "grads", "stem_grads"})  # backward fetches
 
 
 def test_zero3_keeps_the_last_half_reuse_distance_gathered() -> None:

@@ -46,7 +46,7 @@ def test_deepspeed_gradient_partition_lives_only_from_the_first_gradient() -> No
     late = phased_profile(forward=10**8, loss=10**8, backward=10**8, grads=5 * 10**8)
     m = memory_breakdown(late, s, CAP, gpus_per_node=2)
     assert m.moment == "grads" and m.grads_bytes > 0 and "deepspeed_reduce_buckets" in m.detail_bytes
-    assert buffer_moments(late, s, gpus_per_node=2)["deepspeed_reduce_buckets"] == frozenset({"grads"})
+    assert buffer_moments(late, s, gpus_per_node=2)["deepspeed_reduce_buckets"] == frozenset({"grads", "stem_grads"})
 
 
 def test_fsdp_units_are_not_gathered_during_the_loss() -> None:
@@ -80,3 +80,69 @@ def test_phases_never_exceed_the_summed_estimate() -> None:
         s = Strategy(precision="fp32", engine="torch", fsdp=fsdp, dp=4)  # type: ignore[arg-type]
         assert (memory_breakdown(prof, s, CAP, gpus_per_node=4).total_bytes
                 <= memory_breakdown(flat, s, CAP, gpus_per_node=4).total_bytes)
+
+
+def test_fsdp_block_units_are_resharded_by_the_stems_backward() -> None:
+    """FULL_SHARD: at the embedding's backward (stem_grads) the root unit and the last fp32 reduce-scatter
+    input are alive, the two gathered block units are not (measured: benchmarks/fidelity_train.py)."""
+    s = Strategy(precision="fp32", engine="torch", fsdp="full", dp=2)
+    prof = phased_profile(forward=10**7, loss=10**7, backward=10**7, grads=10**7, stem_grads=10**9)
+    m = memory_breakdown(prof, s, CAP, gpus_per_node=2)
+    assert m.moment == "stem_grads"
+    assert {"fsdp_root_unit", "fsdp_reduce_scatter_unit"} <= set(m.detail_bytes)
+    assert "fsdp_unsharded_units" not in m.detail_bytes
+    # SHARD_GRAD_OP has reduced every block by then (measured free)
+    grad_op = memory_breakdown(prof, Strategy(precision="fp32", engine="torch", fsdp="grad_op", dp=2), CAP,
+                               gpus_per_node=2)
+    assert grad_op.moment == "stem_grads" and "fsdp_reduce_scatter_unit" not in grad_op.detail_bytes
+
+
+def test_hsdp_keeps_every_blocks_all_reduce_output_and_gloo_its_copy() -> None:
+    prof = phased_profile(forward=10**7, loss=10**7, backward=10**7, grads=10**7, stem_grads=10**9)
+    blocks = prof.repeated_block.count * prof.repeated_block.params_per_block  # type: ignore[union-attr]
+    # 2 replicas of a 2-way shard group (one node of 2 GPUs each)
+    hybrid = Strategy(precision="fp32", engine="torch", fsdp="hybrid", dp=4)
+    items = buffer_items(prof, hybrid, gpus_per_node=2)
+    assert items["hsdp_all_reduce_outputs"] == round(blocks / 2 * 4)  # fp32, 1/shard of every block
+    assert "hsdp_all_reduce_outputs" not in buffer_items(prof, hybrid, gpus_per_node=4)  # one replica
+    # the CPU accounting adds gloo's fp32 copy of the reduce-scatter input; a GPU rank has none
+    cpu = memory_breakdown(prof, hybrid, CAP, gpus_per_node=2, device="cpu")
+    gpu = memory_breakdown(prof, hybrid, CAP, gpus_per_node=2)
+    assert cpu.detail_bytes["gloo_reduce_scatter_copy"] == cpu.detail_bytes["fsdp_reduce_scatter_unit"]
+    assert "gloo_reduce_scatter_copy" not in gpu.detail_bytes
+
+
+def test_torch_master_weights_make_fp32_gradients_at_the_step() -> None:
+    """torch without FSDP, bf16 weights: train.py's MasterWeights makes an fp32 gradient per master at step()."""
+    from optplan.estimators.memory import optimizer_step_scratch_bytes
+
+    prof = make_profile(params=10_000_000, hidden=256)
+    bf16 = optimizer_step_scratch_bytes(prof, Strategy(precision="bf16", engine="torch", dp=2), adam_impl="fused")
+    assert bf16 == 4 * prof.trainable_params
+    # bf16-pure has no master, FSDP steps its fp32 sharded parameters, DeepSpeed has its own conversion
+    assert optimizer_step_scratch_bytes(prof, Strategy(precision="bf16-pure", engine="torch", dp=2),
+                                        adam_impl="fused") == 0
+    assert optimizer_step_scratch_bytes(prof, Strategy(precision="bf16", engine="torch", fsdp="full", dp=2),
+                                        adam_impl="fused") == 0
+
+
+def test_16bit_weights_use_the_profiles_bf16_weights_fit() -> None:
+    from optplan.estimators.memory import activation_bytes, measured_fit
+
+    prof = make_profile(params=10_000_000, hidden=256)
+    autocast = ActivationFit(precision="bf16", checkpointing="none", fixed_bytes=6 * 10**7, per_sample_bytes=10**7,
+                             param_copy_bytes=2 * 10**7)
+    weights = ActivationFit(precision="bf16-weights", checkpointing="none", fixed_bytes=2 * 10**7,
+                            per_sample_bytes=5 * 10**6)
+    fp32 = prof.activation("fp32", "none")
+    with16 = prof.model_copy(update={"activations": (fp32, autocast, weights)})
+    without = prof.model_copy(update={"activations": (fp32, autocast)})
+    for engine in ("torch", "deepspeed"):
+        s = Strategy(precision="bf16", engine=engine, dp=2)  # type: ignore[arg-type]
+        assert measured_fit(with16, s)[0] is weights
+        assert activation_bytes(with16, s) == 2 * 10**7 + 5 * 10**6 * s.mbs
+        # without the fit (older profiles, models that fail in bf16): the autocast fit less its weight copies
+        assert activation_bytes(without, s) == 6 * 10**7 - 2 * 10**7 + 10**7 * s.mbs
+    # AMP holds fp32 weights under autocast; Megatron upcasts its logits: both keep the autocast fit
+    assert measured_fit(with16, Strategy(precision="amp-bf16", engine="torch", dp=2))[0] is autocast
+    assert measured_fit(with16, Strategy(precision="bf16", engine="megatron", dp=2))[0] is autocast

@@ -116,16 +116,16 @@ def test_a_plan_without_a_model_file_has_no_train_py() -> None:
 # --------------------------------------------------------------------------------------------------
 # real runs: torchrun, 2 gloo ranks, train.py's own loop under optplan's live-tensor tracker
 # --------------------------------------------------------------------------------------------------
-MEMORY_TOLERANCE = {"ddp": 0.02, "hsdp": 0.02, "fsdp-grad_op": 0.02, "fsdp-full": 0.10,
+MEMORY_TOLERANCE = {"ddp": 0.02, "hsdp": 0.02, "fsdp-grad_op": 0.02, "fsdp-full": 0.06,
                     "zero1": 0.02, "zero2": 0.02, "zero3": 0.02}
-"""fp32 peak live bytes vs the plan's CPU prediction. FSDP2 full sharding: on this 3.7M-parameter model the
-root unit (the 8192 x 256 tied embedding, 8 MiB fp32) is as large as a block's activations, and the order in
-which its all-gathers land moves the measured peak (benchmarks/fidelity.py: within 1 % on the examples)."""
-BF16_TOLERANCE = 0.30
-"""16-bit weights (bf16 with fp32 masters, FSDP2's bf16 MixedPrecisionPolicy, DeepSpeed bf16): the profile
-measures 16-bit activations under autocast on fp32 weights, which keeps more in fp32 than a model held in
-bf16 does; these predictions are over by up to ~25 % on this model (see the issue note). Asserted loosely so
-that a regression beyond today's gap fails."""
+"""fp32 peak live bytes vs the plan's CPU prediction. FSDP2 full sharding: the measured peak moves by up to
+~3 MiB (5 %) between identical runs on gloo (when its reduce-scatter copy and the held reduce-scatter input are
+released depends on the ranks' timing; benchmarks/fidelity_train.py saw 63.6 and 66.6 MiB for one case)."""
+BF16_TOLERANCE = {**MEMORY_TOLERANCE, "zero3": 0.10}
+"""16-bit weights (bf16 with fp32 masters, FSDP2's bf16 MixedPrecisionPolicy, DeepSpeed bf16), priced from the
+profile's ``bf16-weights`` fit. DeepSpeed ZeRO-3 bf16 is over by up to ~9 % on this model (its step holds less
+than the estimate's working set and conversion buffers; see the issue note): asserted loosely so that a
+regression beyond today's gap fails."""
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +155,7 @@ def test_train_py_runs_every_engine_and_matches_the_prediction(matrix: dict[str,
     assert m["cluster"]["world_size"] == 2 and m["measured"]["data"] == "synthetic example_batch"
     want = "full" if "ckpt-full" in recipe else "none"
     assert m["measured"]["checkpointing_applied"] == want
-    tolerance = MEMORY_TOLERANCE[engine] if recipe.startswith("fp32") else BF16_TOLERANCE
+    tolerance = (MEMORY_TOLERANCE if recipe.startswith("fp32") else BF16_TOLERANCE)[engine]
     assert abs(o.error_pct) <= 100 * tolerance, f"{engine} {recipe}: {o.error_pct:+.2f}%"  # type: ignore[attr-defined]
 
 

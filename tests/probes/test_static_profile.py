@@ -64,11 +64,17 @@ def test_fake_profile_matches_a_real_cpu_step_small_gpt(small_gpt_file):
     real, real_m = real_fits(contract, 64)
     fake, fake_m = fake_full_depth_fits(contract, 64)
     extrapolated = {(f.precision, f.checkpointing): f for f in profile.activations}
-    assert set(real) == {("fp32", "none"), ("fp32", "full"), ("bf16", "none"), ("bf16", "full")}
+    assert set(real) == {("fp32", "none"), ("fp32", "full"), ("bf16", "none"), ("bf16", "full"),
+                         ("bf16-weights", "none"), ("bf16-weights", "full")}
     assert_fits_close(fake, real)  # fake tensors == real tensors (full depth)
     assert_fits_close(extrapolated, real)  # depth-reduced profile == real full depth
     assert real[("bf16", "none")].param_copy_bytes > 0 and real[("fp32", "none")].param_copy_bytes == 0
     assert real[("fp32", "full")].per_sample_bytes < real[("fp32", "none")].per_sample_bytes
+    # the model held in bf16: its activations and gradient temporaries are 16-bit, no autocast copies
+    weights16 = real[("bf16-weights", "none")]
+    assert weights16.param_copy_bytes == 0
+    assert weights16.per_sample_bytes < real[("bf16", "none")].per_sample_bytes
+    assert weights16.bytes_at(1) < real[("bf16", "none")].bytes_at(1, param_copies=False)
     assert (fake_m.fwd_flops, fake_m.bwd_flops) == (real_m.fwd_flops, real_m.bwd_flops)
     assert profile.fwd_flops_per_sample == pytest.approx(real_m.fwd_flops, rel=1e-9)
     assert profile.bwd_flops_per_sample == pytest.approx(real_m.bwd_flops, rel=1e-9)
@@ -127,7 +133,7 @@ def test_gpt2_small_profile_and_speed(gpt2_small_run):
     assert profile.input_kind == "tokens" and profile.seq_len == profile.tokens_per_sample == 1024
     assert profile.profiled_blocks == 2 and profile.torch_version == torch.__version__
     assert profile.defaults.precision == "amp-bf16"
-    assert profile.supports_checkpointing and len(profile.activations) == 4
+    assert profile.supports_checkpointing and len(profile.activations) == 6  # fp32, autocast, bf16 weights
 
 
 def test_gpt2_small_flops_match_the_formula(gpt2_small_run):
@@ -458,3 +464,31 @@ def test_gpt2_small_param_numels_tie_once(gpt2_small_run):
     profile, _ = gpt2_small_run
     assert len(profile.param_numels) == 148 and sum(profile.param_numels) == 124_439_808
     assert profile.param_numels[0] == 50257 * 768  # wte, tied with lm_head: once
+
+
+def test_a_model_that_fails_in_bf16_gets_a_note_and_no_16bit_fit(write_model):
+    """A model that cannot train in bf16 (here it refuses, as a model with an fp32-only kernel would): its
+    profile says so and its 16-bit recipes fall back to the autocast fit (estimators.memory.measured_fit)."""
+    path = write_model("""
+        import torch, torch.nn as nn
+
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(16, 16)
+            def forward(self, x):
+                if self.fc.weight.dtype != torch.float32:
+                    raise TypeError("this kernel is fp32 only")
+                return self.fc(x)
+
+        def build_model():
+            return Net()
+
+        def example_batch(batch_size, seq_len):
+            return torch.randn(batch_size, 16)
+        """)
+    profile = profile_contract(load_contract(path))
+    assert {f.precision for f in profile.activations} == {"fp32", "bf16"}
+    assert not profile.has_activation("bf16-weights")
+    assert any("does not train with bf16 weights" in n for n in profile.notes)
+    assert profile.activation("fp32", "none").per_sample_bytes > 0  # the rest of the profile is intact
