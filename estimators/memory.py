@@ -476,7 +476,8 @@ def buffer_items(profile: ModelProfile, strategy: Strategy, *, stage: int = 0,
     ``FSDPCommContext.reduce_scatter_states``, torch 2.13 ``_fsdp_param_group.post_backward``); HSDP with
     more than one replica also keeps every block unit's fp32 all-reduce output until the end of backward
     (``FSDPParamGroup._all_reduce_state``, cleared in ``finalize_backward``); on CPU ranks gloo's reduce-scatter
-    holds an fp32 copy of its input (measured by benchmarks/fidelity_train.py on torch 2.13). Megatron: its gradient buffer is the
+    holds an fp32 copy of its input into the stem's backward (measured by benchmarks/fidelity_train.py on
+    torch 2.13). Megatron: its gradient buffer is the
     fp32 main_grad already counted in grads_bytes. Pipeline and context parallelism add their send/receive
     tensors.
     """
@@ -519,7 +520,8 @@ def _buffers(profile: ModelProfile, strategy: Strategy, stage: int,
             items["deepspeed_reduce_bucket"] = (round(bucket), None)
         if strategy.zero == 3:
             live = zero3_gathered_params(profile, strategy)
-            items["zero3_working_set"] = (round(live * weight), None)
+            # released by the end of backward: not alive at the optimizer step (measured, fidelity_train.py)
+            items["zero3_working_set"] = (round(live * weight), THROUGH_BACKWARD)
             inflight, moments = zero3_prefetch_params(profile, strategy)
             items["zero3_prefetch_buffer"] = (round(inflight * weight), moments)
             persistent = persistent_params(profile, buckets.stage3_param_persistence_threshold)
@@ -550,8 +552,10 @@ def _buffers(profile: ModelProfile, strategy: Strategy, stage: int,
             if strategy.fsdp == "hybrid" and block and dpcp > shard:
                 blocks_params = stage_params(profile, strategy, stage) - _root_unit_params(profile, strategy, stage)
                 items["hsdp_all_reduce_outputs"] = (round(blocks_params / shard * FSDP_REDUCE_BYTES), WHILE_GRADS)
-            if device == "cpu" and shard > 1:
-                items["gloo_reduce_scatter_copy"] = (round(reduced * FSDP_REDUCE_BYTES), reducing)
+            if device == "cpu" and shard > 1 and strategy.fsdp in ("full", "hybrid"):
+                # measured alive at the stem's backward (GPT-2, fidelity_train.py), not within the blocks'
+                # backward (examples/mlp.py, benchmarks/fidelity.py)
+                items["gloo_reduce_scatter_copy"] = (round(reduced * FSDP_REDUCE_BYTES), frozenset({"stem_grads"}))
     if strategy.pp > 1 or strategy.cp > 1:
         scale = 2 if recipe.activation_precision == "fp32" else 1
         seq = profile.tokens_per_sample or 1
@@ -628,8 +632,9 @@ gradient to fp32 and flattens the copies at ``step()`` (deepspeed/runtime/fp16/f
 
 DEEPSPEED_ZERO12_STEP_FP32_BYTES = 4
 """DeepSpeed ZeRO-1/2/3 with 16-bit weights and fp32 master weights, at ``step()``: the averaged 16-bit
-gradient partition is flattened into a new 16-bit buffer and converted to an fp32 gradient for the fp32
-master partition, all three alive at once (deepspeed/runtime/zero/stage_1_and_2.py,
+gradient partition is flattened into a new 16-bit buffer (ZeRO-1/2; ZeRO-3's partition is one flat tensor,
+which flattening returns as is) and converted to an fp32 gradient for the fp32
+master partition, all alive at once (deepspeed/runtime/zero/stage_1_and_2.py,
 ``DeepSpeedZeroOptimizer.step``: ``flatten_dense_tensors_aligned(...)``, ``.to(single_partition_of_fp32_groups
 [i].dtype)``; stage3.py ``_prepare_fp32_grad_for_sub_group``, one sub-group of at most
 ``DEEPSPEED_SUB_GROUP_ELEMENTS`` at a time): above the averaged partition already counted, grad bytes + this
@@ -673,13 +678,16 @@ def optimizer_step_scratch_bytes(profile: ModelProfile, strategy: Strategy, *, s
     """Transient bytes the optimizer step allocates on the device, after backward (bytes).
 
     DeepSpeed ZeRO-0 with 16-bit weights: the fp32 gradient flattening (DEEPSPEED_STEP_FLATTEN_BYTES per
-    parameter; its FusedAdam then updates in place). DeepSpeed ZeRO-1/2/3 with 16-bit weights: the flat
-    16-bit copy and the fp32 gradient of the rank's partition (DEEPSPEED_ZERO12_STEP_FP32_BYTES; ZeRO-3 one
-    sub-group at a time). torch without FSDP with 16-bit weights and fp32 masters: the fp32 gradients the
+    parameter; its FusedAdam then updates in place). DeepSpeed ZeRO-1/2/3 with 16-bit weights: the fp32
+    gradient of the rank's partition (DEEPSPEED_ZERO12_STEP_FP32_BYTES; ZeRO-3 one sub-group at a time),
+    made from a flat 16-bit copy in ZeRO-1/2, which then free the 16-bit gradients before the optimizer
+    steps (stage_1_and_2.py ``step``: ``free_grad_in_param_list``, ``averaged_gradients[i] = None``): the
+    larger of the conversion and the optimizer's own scratch on the fp32 gradient less the freed 16-bit
+    partition. torch without FSDP with 16-bit weights and fp32 masters: the fp32 gradients the
     master-weight step makes from the 16-bit ones, all before the inner optimizer steps
-    (TORCH_MASTER_GRAD_BYTES). AdamW otherwise, over this rank's (sharded)
-    parameter tensors: nothing for fused kernels (DeepSpeed, Megatron), Σ n_i · moment bytes for torch's
-    foreach default on CUDA, max(2·n_i + n_{i−1}) · moment bytes for its CPU loop (temporaries.py).
+    (TORCH_MASTER_GRAD_BYTES). AdamW, over this rank's (sharded) parameter tensors (DeepSpeed ZeRO >= 1:
+    one flat partition): nothing for fused kernels (DeepSpeed and Megatron on GPUs), Σ n_i · moment bytes for
+    torch's foreach default on CUDA, max(2·n_i + n_{i−1}) · moment bytes for its CPU loop (temporaries.py).
     Offloaded optimizers step on the host: nothing on the device.
     """
     recipe = get_recipe(strategy.precision)
@@ -687,23 +695,34 @@ def optimizer_step_scratch_bytes(profile: ModelProfile, strategy: Strategy, *, s
     trainable = profile.trainable_params * share
     if _deepspeed_flattens(strategy):
         return round(DEEPSPEED_STEP_FLATTEN_BYTES * trainable)
-    convert = 0
+    fp32_grad = flat_copy = freed = 0.0
     if _deepspeed_zero12_converts(strategy):
         elements = trainable / placement(strategy, gpus_per_node).shard.ranks
-        if strategy.zero == 3:
+        if strategy.zero == 3:  # the partition is already one flat tensor, kept through the step
             elements = min(elements, DEEPSPEED_SUB_GROUP_ELEMENTS)
-        convert = round((recipe.grad_bytes + DEEPSPEED_ZERO12_STEP_FP32_BYTES) * elements)
+        else:
+            flat_copy = freed = recipe.grad_bytes * elements
+        fp32_grad = DEEPSPEED_ZERO12_STEP_FP32_BYTES * elements
     if _torch_master_weights(strategy):
-        convert = round(TORCH_MASTER_GRAD_BYTES * trainable)
+        fp32_grad = TORCH_MASTER_GRAD_BYTES * trainable
+    adam = _adam_step_scratch(profile, strategy, share, gpus_per_node, adam_impl, device)
+    return round(max(flat_copy + fp32_grad, fp32_grad + adam - freed))
+
+
+def _adam_step_scratch(profile: ModelProfile, strategy: Strategy, share: float, gpus_per_node: int,
+                       adam_impl: AdamImpl | None, device: DeviceKind) -> int:
+    """AdamW's own step temporaries on the device (bytes; 0 for other optimizers, offload, fused kernels)."""
     if strategy.optimizer != "adamw" or strategy.offload_optimizer != "none" or strategy.offload_params != "none":
-        return convert
+        return 0
     impl = adam_impl or engine_adam_impl(strategy.engine, device)
     if impl == "fused":  # no scratch: skip the per-tensor sizes (the search's hot path, deep models)
-        return convert
+        return 0
     if strategy.shard_stage >= 1:
         share /= placement(strategy, gpus_per_node).shard.ranks
-    return convert + _adamw_scratch(tuple(profile.param_numels), round(profile.trainable_params * share), share,
-                                    impl, recipe.state_bytes)
+    # DeepSpeed ZeRO >= 1 hands the optimizer one flat fp32 partition: a single tensor of the rank's share
+    numels = () if optimizer_sees_flat_params(strategy) else tuple(profile.param_numels)
+    recipe = get_recipe(strategy.precision)
+    return _adamw_scratch(numels, round(profile.trainable_params * share), share, impl, recipe.state_bytes)
 
 
 @lru_cache(maxsize=1024)

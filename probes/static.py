@@ -16,7 +16,13 @@ Definitions the estimators rely on:
   activations, temporaries and the gradients' transient copies before accumulation; under bf16
   autocast it also includes autocast's bf16 copies of the weights. The default SDPA kernel is used
   (no s x s attention matrix is stored). Measured for fp32 and bf16 autocast, with no checkpointing
-  and with every repeated block checkpointed (``torch.utils.checkpoint``, non-reentrant).
+  and with every repeated block checkpointed (``torch.utils.checkpoint``, non-reentrant); then, last, with
+  the model cast to bf16 (``bf16-weights``: parameters, gradients and buffers in bf16, floating inputs cast,
+  no autocast), what recipes with 16-bit weights run: there every gradient temporary (a tied embedding's
+  two gradients and their sum) and the loss's own tensors are 16-bit, where autocast keeps them fp32 (2x
+  the bytes: the CPU run of the generated train.py, benchmarks/fidelity_train.py, measured 12 MiB less than
+  the autocast fit without its weight copies on a 3.7M-parameter GPT-2 with an 8192-token vocabulary). A
+  model that does not run in bf16 has no such fit (a note says so).
 * Micro-batch: the tracker records the live bytes after every allocation of the step, at micro-batch
   1 and 2 (2 and 4 for a model that cannot run one sample). Both runs execute the same operators, so
   their timelines line up allocation by allocation, and each allocation's live bytes are a line

@@ -175,16 +175,32 @@ def test_autocast_weight_copies_only_count_for_amp() -> None:
 
 @pytest.mark.parametrize("zero", [1, 2, 3])
 def test_deepspeed_16_bit_zero_step_converts_the_gradient_partition_to_fp32(zero: int) -> None:
-    # stage_1_and_2.py / stage3.py step(): a flat 16-bit copy of the rank's averaged gradient partition and its
-    # fp32 conversion, alive together: (2 + 4) bytes per parameter of the partition (fused Adam adds nothing)
+    # stage_1_and_2.py step(): a flat 16-bit copy of the rank's averaged gradient partition and its fp32
+    # conversion, alive together: (2 + 4) bytes per parameter of the partition (fused Adam adds nothing);
+    # stage3.py: the partition is already one flat tensor, only its fp32 conversion is new (4 bytes)
     from optplan.estimators.memory import DEEPSPEED_SUB_GROUP_ELEMENTS, optimizer_step_scratch_bytes
 
+    per_param = 4 if zero == 3 else 6
     prof = make_profile(params=100_000_000, hidden=2048)
     bf16 = Strategy(precision="bf16", engine="deepspeed", zero=zero, dp=8)
-    assert optimizer_step_scratch_bytes(prof, bf16, gpus_per_node=8, adam_impl="fused") == 6 * 100_000_000 // 8
+    assert optimizer_step_scratch_bytes(prof, bf16, gpus_per_node=8, adam_impl="fused") == per_param * 100_000_000 // 8
     fp32 = bf16.model_copy(update={"precision": "fp32"})  # fp32 gradients need no conversion
     assert optimizer_step_scratch_bytes(prof, fp32, gpus_per_node=8, adam_impl="fused") == 0
     big = make_profile(params=40_000_000_000, hidden=8192)
     capped = optimizer_step_scratch_bytes(big, bf16, gpus_per_node=8, adam_impl="fused")
-    per_rank = 6 * 40_000_000_000 // 8
-    assert capped == (6 * DEEPSPEED_SUB_GROUP_ELEMENTS if zero == 3 else per_rank)  # ZeRO-3: one sub-group
+    per_rank = per_param * 40_000_000_000 // 8
+    assert capped == (4 * DEEPSPEED_SUB_GROUP_ELEMENTS if zero == 3 else per_rank)  # ZeRO-3: one sub-group
+
+
+def test_deepspeed_zero12_frees_16bit_gradients_before_a_cpu_adam_step() -> None:
+    """ZeRO-1/2 on CPU ranks (torch AdamW's loop over the one flat fp32 partition): the step's peak is the larger
+    of the conversion (16-bit flat copy + fp32 gradient) and the fp32 gradient + Adam's 2 partition-sized
+    temporaries less the freed 16-bit partition (stage_1_and_2.py ``step``; measured, fidelity_train.py)."""
+    from optplan.estimators.memory import optimizer_step_scratch_bytes
+
+    prof = make_profile(params=100_000_000, hidden=2048)
+    e = 100_000_000 // 8
+    bf16 = Strategy(precision="bf16", engine="deepspeed", zero=2, dp=8)
+    assert optimizer_step_scratch_bytes(prof, bf16, gpus_per_node=8, adam_impl="single_tensor") == max(6 * e, 4 * e + 8 * e - 2 * e)
+    z3 = bf16.model_copy(update={"zero": 3})
+    assert optimizer_step_scratch_bytes(prof, z3, gpus_per_node=8, adam_impl="single_tensor") == 4 * e + 8 * e

@@ -108,6 +108,7 @@ def test_hsdp_keeps_every_blocks_all_reduce_output_and_gloo_its_copy() -> None:
     # the CPU accounting adds gloo's fp32 copy of the reduce-scatter input; a GPU rank has none
     cpu = memory_breakdown(prof, hybrid, CAP, gpus_per_node=2, device="cpu")
     gpu = memory_breakdown(prof, hybrid, CAP, gpus_per_node=2)
+    assert cpu.moment == "stem_grads"
     assert cpu.detail_bytes["gloo_reduce_scatter_copy"] == cpu.detail_bytes["fsdp_reduce_scatter_unit"]
     assert "gloo_reduce_scatter_copy" not in gpu.detail_bytes
 
