@@ -219,6 +219,7 @@ def test_dict_batch_is_passed_as_keywords(write_model):
         """)
     profile = profile_contract(load_contract(path))
     assert profile.params == 5 and profile.repeated_block is None
-    assert [(f.precision, f.checkpointing) for f in profile.activations] == [("fp32", "none"), ("bf16", "none")]
+    assert [(f.precision, f.checkpointing) for f in profile.activations] == [("fp32", "none"), ("bf16", "none"),
+                                                                            ("bf16-weights", "none")]
     assert any("scalar tensor" in n for n in profile.notes)
     assert profile.fwd_flops_per_sample == 2 * 4  # one [1,4]x[4,1] matmul
