@@ -412,6 +412,13 @@ class Trainer:
             from accelerate import Accelerator
 
             self.accelerator = Accelerator()  # accumulation is this loop's own (loss / grad_accum)
+            if self.accelerator.num_processes != self.world:
+                # e.g. a MULTI_GPU accelerate.yaml where no GPU is visible: accelerate falls back to one
+                # process per rank, which would train unsynchronised copies
+                raise TrainFailure("error", f"accelerate set up {self.accelerator.num_processes} process(es) "
+                                            f"({self.accelerator.distributed_type}) but {self.world} were started: "
+                                            "run where the accelerate.yaml's devices are visible, or start "
+                                            "launch.sh (torchrun) instead")
             self.dist_on = self.world > 1
             return
         if not (self.world > 1 or self.engine == "deepspeed" or self.fsdp != "none"):
