@@ -7,7 +7,7 @@ fp32 and bf16; checkpointing none and full), it
    ``estimators.estimate`` on a 2-GPU H100 cluster (one GPU per node for HSDP) and writes the plan's exports
    with ``planner.export.registry.render_targets`` (train.py, and ds_config.json for DeepSpeed);
 2. runs ``torchrun --nproc-per-node 2 -m optplan.probes.runtime_child --train-script train.py -- --steps 3
-   --device cpu`` (gloo): train.py's own loop, with optplan's live-tensor tracker around its second step,
+   --device cpu`` (gloo): train.py's own loop, with optplan's live-tensor tracker around every step from the second,
    which puts the peak (max over ranks) into the measurements.json train.py writes;
 3. compares that peak with the plan's ``prediction.cpu_allocated_bytes`` (memory.py's CPU accounting of the
    same run, bytes).

@@ -582,33 +582,39 @@ class Probe(Trainer):
 
 
 class ScriptHooks:
-    """Hooks for a generated train.py run by the probe (``--train-script``): on CPU its second step runs
-    under the live-tensor tracker, and the peak goes into its measurements.json as
-    ``peak_allocated_bytes`` (what a GPU's ``max_memory_allocated`` would say)."""
+    """Hooks for a generated train.py run by the probe (``--train-script``): on CPU every step from the second
+    on runs under the live-tensor tracker, and the largest peak goes into its measurements.json as
+    ``peak_allocated_bytes`` (what a GPU's ``max_memory_allocated`` says of the whole run). Some buffers are
+    freed by a communication thread (gloo's reduce-scatter copy under FSDP2), so one step's peak depends on
+    timing; the maximum over steps is the figure a GPU run reports."""
 
     TRACKED_STEP = 1
-    """The step index tracked (DDP rebuilds its gradient buckets in the second step)."""
+    """The first step index tracked (DDP rebuilds its gradient buckets in the second step)."""
 
     def __init__(self, cap_bytes: int | None) -> None:
         self.cap_bytes = cap_bytes
         self.peak: int | None = None
         self.by_category: dict[str, int] = {}
+        self.tracked_steps = 0
 
     def run_step(self, trainer: Any, index: int, step: Callable[[], torch.Tensor]) -> torch.Tensor:
-        if trainer.device_type != "cpu" or index != self.TRACKED_STEP:
+        if trainer.device_type != "cpu" or index < self.TRACKED_STEP:
             return step()
         trainer.track_ddp_buckets = True
         loss, tracker = tracked_call(trainer, step, self.cap_bytes, [])
         peak, = trainer.reduce_max([float(tracker.peak_bytes)])
-        self.peak = int(peak)
-        self.by_category = {k: int(v) for k, v in tracker.peak_by_category.items() if v > 0}
+        self.tracked_steps += 1
+        if self.peak is None or int(peak) > self.peak:
+            self.peak = int(peak)
+            self.by_category = {k: int(v) for k, v in tracker.peak_by_category.items() if v > 0}
         return loss
 
     def measured(self) -> dict[str, Any]:
         if self.peak is None:
             return {}
         return {"peak_allocated_bytes": self.peak, "peak_by_category_bytes": self.by_category,
-                "memory_source": "optplan's live-tensor tracker (CPU): peak live tensor bytes of step 2, max over ranks"}
+                "memory_source": f"optplan's live-tensor tracker (CPU): peak live tensor bytes of steps 2 to "
+                                 f"{self.tracked_steps + 1}, max over steps and ranks"}
 
 
 def run_train_script(path: str, cap_bytes: int | None, argv: list[str]) -> int:
