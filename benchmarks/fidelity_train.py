@@ -6,7 +6,7 @@ fp32 and bf16; checkpointing none and full), it
 1. profiles the model file (``optplan.probes.loader.profile_model_file``) once, prices the case with
    ``estimators.estimate`` on a 2-GPU H100 cluster (one GPU per node for HSDP) and writes the plan's exports
    with ``planner.export.registry.render_targets`` (train.py, and ds_config.json for DeepSpeed);
-2. runs ``torchrun --nproc-per-node 2 -m optplan.probes.runtime_child --train-script train.py -- --steps 3
+2. runs ``torchrun --nproc-per-node 2 -m optplan.probes.runtime_child --train-script train.py -- --steps 4
    --device cpu`` (gloo): train.py's own loop, with optplan's live-tensor tracker around every step from the second,
    which puts the peak (max over ranks) into the measurements.json train.py writes;
 3. compares that peak with the plan's ``prediction.cpu_allocated_bytes`` (memory.py's CPU accounting of the
@@ -142,7 +142,7 @@ def _run_case(case: Case, profile: ModelProfile, folder: Path, *, timeout_s: flo
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run(torchrun_command(script, "--steps", "3", "--device", "cpu", "--measurements", str(out),
+        proc = subprocess.run(torchrun_command(script, "--steps", "4", "--device", "cpu", "--measurements", str(out),
                                                "--log-every", "1"),
                               cwd=folder, env=env, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:

@@ -545,16 +545,14 @@ def _buffers(profile: ModelProfile, strategy: Strategy, stage: int,
                 items["fsdp_unsharded_params"] = (round(stage_params(profile, strategy, stage) * weight),
                                                   THROUGH_BACKWARD)
             reduced = unit if block else psi_train
-            # SHARD_GRAD_OP: measured free by the stem's backward (benchmarks/fidelity_train.py)
-            reducing = WHILE_GRADS if strategy.fsdp in ("full", "hybrid") else frozenset({"grads"})
-            items["fsdp_reduce_scatter_unit"] = (round(reduced * FSDP_REDUCE_BYTES), reducing)
+            items["fsdp_reduce_scatter_unit"] = (round(reduced * FSDP_REDUCE_BYTES), WHILE_GRADS)
             shard = placement(strategy, gpus_per_node).shard.ranks
             if strategy.fsdp == "hybrid" and block and dpcp > shard:
                 blocks_params = stage_params(profile, strategy, stage) - _root_unit_params(profile, strategy, stage)
                 items["hsdp_all_reduce_outputs"] = (round(blocks_params / shard * FSDP_REDUCE_BYTES), WHILE_GRADS)
             if device == "cpu" and shard > 1 and strategy.fsdp in ("full", "hybrid"):
-                # measured alive at the stem's backward (GPT-2, fidelity_train.py), not within the blocks'
-                # backward (examples/mlp.py, benchmarks/fidelity.py)
+                # measured alive at the stem's backward (GPT-2, fidelity_train.py: the max over 3 steps), not
+                # within the blocks' backward (examples/mlp.py, benchmarks/fidelity.py), nor under SHARD_GRAD_OP
                 items["gloo_reduce_scatter_copy"] = (round(reduced * FSDP_REDUCE_BYTES), frozenset({"stem_grads"}))
     if strategy.pp > 1 or strategy.cp > 1:
         scale = 2 if recipe.activation_precision == "fp32" else 1

@@ -116,11 +116,13 @@ def test_a_plan_without_a_model_file_has_no_train_py() -> None:
 # --------------------------------------------------------------------------------------------------
 # real runs: torchrun, 2 gloo ranks, train.py's own loop under optplan's live-tensor tracker
 # --------------------------------------------------------------------------------------------------
-MEMORY_TOLERANCE = {"ddp": 0.02, "hsdp": 0.02, "fsdp-grad_op": 0.02, "fsdp-full": 0.06,
+MEMORY_TOLERANCE = {"ddp": 0.02, "hsdp": 0.02, "fsdp-grad_op": 0.05, "fsdp-full": 0.05,
                     "zero1": 0.02, "zero2": 0.02, "zero3": 0.02}
-"""fp32 peak live bytes vs the plan's CPU prediction. FSDP2 full sharding: the measured peak moves by up to
-~3 MiB (5 %) between identical runs on gloo (when its reduce-scatter copy and the held reduce-scatter input are
-released depends on the ranks' timing; benchmarks/fidelity_train.py saw 63.6 and 66.6 MiB for one case)."""
+"""Peak live bytes (max over steps 2-4 and ranks) vs the plan's CPU prediction. FSDP2 FULL_SHARD and
+SHARD_GRAD_OP on gloo: whether the last block's fp32 reduce-scatter input (and gloo's copy of it) is still
+alive during the embedding's backward depends on when gloo's worker thread drops it, so identical runs
+measure one fp32 unit (3 MiB, 4-6 % of this 3.7M-parameter model) apart; the estimate counts it
+(benchmarks/results/fidelity_train_cpu.txt). No such thread holds NCCL buffers on a GPU."""
 BF16_TOLERANCE = MEMORY_TOLERANCE
 """16-bit weights (bf16 with fp32 masters, FSDP2's bf16 MixedPrecisionPolicy, DeepSpeed bf16), priced from the
 profile's ``bf16-weights`` fit: the same targets as fp32 (they were over by 9-25 % when 16-bit weights were
@@ -149,8 +151,8 @@ def test_train_py_runs_every_engine_and_matches_the_prediction(matrix: dict[str,
     o = matrix[f"{engine} {recipe}"]
     assert o.ok, o.reason  # type: ignore[attr-defined]
     m = o.measurements  # type: ignore[attr-defined]
-    assert m["format"] == "optplan-measurements/1" and m["measured"]["steps"] == 3
-    assert len(m["measured"]["losses"]) == 3 and all(x == x for x in m["measured"]["losses"])
+    assert m["format"] == "optplan-measurements/1" and m["measured"]["steps"] == 4
+    assert len(m["measured"]["losses"]) == 4 and all(x == x for x in m["measured"]["losses"])
     assert m["cluster"]["world_size"] == 2 and m["measured"]["data"] == "synthetic example_batch"
     want = "full" if "ckpt-full" in recipe else "none"
     assert m["measured"]["checkpointing_applied"] == want
