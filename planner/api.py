@@ -47,19 +47,27 @@ def load_profile(path: Path | str, *, seq_len: int | None = None, model_name: st
 
 
 def resolve_model(path: Path | str | None, *, arch: str | None = None, seq_len: int | None = None,
-                  model_name: str | None = None, params: float | None = None,
-                  cancelled: Callable[[], bool] | None = None) -> ModelProfile:
-    """The profile of a model file (profiled in a child process), of an ``--arch`` shape (by formula), or of
-    a bare parameter count (``--params``: model states only). ``cancelled``: see :func:`load_profile`."""
-    given = [name for name, v in (("a model FILE", path), ("--arch", arch), ("--params", params)) if v is not None]
+                  model_name: str | None = None, params: float | None = None, hf: str | None = None,
+                  hf_class: str | None = None, cancelled: Callable[[], bool] | None = None) -> ModelProfile:
+    """The profile of a model file (profiled in a child process), of a Hugging Face config (``hf``: the model file
+    :mod:`optplan.planner.hf_source` writes for it, profiled the same way), of an ``--arch`` shape (by formula),
+    or of a bare parameter count (``--params``: model states only). ``cancelled``: see :func:`load_profile`."""
+    given = [name for name, v in (("a model FILE", path), ("--hf", hf), ("--arch", arch), ("--params", params))
+             if v is not None]
     if len(given) != 1:
         what = f"not both: got {' and '.join(given)}" if given else "got none"
-        raise OptplanError(f"give exactly one of a model FILE, --arch layers=L,hidden=H,heads=A or --params N "
-                           f"({what})")
+        raise OptplanError(f"give exactly one of a model FILE, --hf CONFIG, --arch layers=L,hidden=H,heads=A or "
+                           f"--params N ({what})")
+    if hf_class is not None and hf is None:
+        raise OptplanError("--hf-class picks the class of an --hf model: add --hf CONFIG or drop --hf-class")
     if params is not None:
         return profile_from_params(params)
     if arch is not None:
         return profile_from_arch(parse_arch(arch, seq_len=seq_len))
+    if hf is not None:
+        from optplan.planner.hf_source import hf_model_file
+
+        path = hf_model_file(hf, hf_class)
     return load_profile(path, seq_len=seq_len, model_name=model_name, cancelled=cancelled)  # type: ignore[arg-type]
 
 
@@ -150,6 +158,12 @@ def render_exports(rec: Recommendation, targets: Sequence[str] = ("all",),
     if rec.plan is None or rec.export is None:
         raise OptplanError("no plan fits, so there is nothing to export: follow the suggestions first")
     files, skipped = render_targets(rec.export, targets, options=options)
+    if FILE_NAMES["train"] in files:  # an --hf model's generated file travels with the train.py that builds it
+        from optplan.planner.hf_source import generated_model_file
+
+        generated = generated_model_file(rec.export.model_path)
+        if generated is not None:
+            files[generated[0]] = generated[1]
     return {FILE_NAMES["plan"]: plan_json_text(rec), FILE_NAMES["report"]: render_plan_md(rec), **files}, skipped
 
 

@@ -419,6 +419,9 @@ def build_meta(builder: Callable[[], Any], source: str, display: str) -> nn.Modu
                                  "large to build here, even on the meta device",
                                  f"create no tensors with an explicit device='cpu' in {source} (optplan builds on "
                                  "the meta device), or pass --arch/--params to plan it by shape") from None
+        fix = getattr(exc, "fix", None)
+        if isinstance(fix, str) and fix:  # the file says what to do (e.g. the model file --hf writes)
+            raise ModelFileError(display, f"{source} raised {exc_text(exc)}", fix) from None
         raise ModelFileError(display, f"{source} raised {exc_text(exc)}",
                              f"make {source} run with no arguments; optplan calls it under "
                              "`with torch.device('meta')`, so it must not need real weights or values "

@@ -899,11 +899,15 @@ def parse_args(argv: list[str] | None, plan: Mapping[str, Any]) -> argparse.Name
 
 
 def _resolve(path: str) -> str:
-    """``path`` as given when it exists from the working folder, else beside this file."""
+    """``path`` as given when it exists from the working folder, else beside this file (as given, then by its
+    name: the exports copied to another machine)."""
     if not path or os.path.exists(path):
         return path
-    here = Path(__file__).resolve().parent / path
-    return str(here) if here.exists() else path
+    folder = Path(__file__).resolve().parent
+    for here in (folder / path, folder / Path(path).name):
+        if here.exists():
+            return str(here)
+    return path
 
 
 def run_training(plan: Mapping[str, Any], args: argparse.Namespace, hooks: Hooks | None = None) -> dict[str, Any]:

@@ -48,8 +48,11 @@ app = typer.Typer(
     help="Plan how to train a PyTorch model fast without running out of memory.",
 )
 
-OptModelFile = Annotated[Path | None, typer.Argument(help="the model file (or give --arch instead)",
+OptModelFile = Annotated[Path | None, typer.Argument(help="the model file (or give --hf or --arch instead)",
                                                      show_default=False)]
+HfOpt = Annotated[str | None, typer.Option(
+    "--hf", help="a Hugging Face model instead of a file: a config.json, a model folder or a hub id in the local cache (never downloaded)")]
+HfClassOpt = Annotated[str | None, typer.Option("--hf-class", help="the transformers class for --hf (default: the config's architectures[0])")]
 ArchOpt = Annotated[str | None, typer.Option(
     "--arch", help="a decoder by shape instead of a file: layers=L,hidden=H,heads=A[,kv_heads=K][,ffn=F][,vocab=V][,seq=S][,gated=1][,tied=0]")]
 GpuOpt = Annotated[str | None, typer.Option("--gpu", help="GPU to plan for (default: detected, else H100-SXM)")]
@@ -117,15 +120,15 @@ def _main(ctx: typer.Context,
 
 
 @app.command()
-def profile(ctx: typer.Context, model: OptModelFile = None, arch: ArchOpt = None, seq_len: SeqOpt = None,
-            model_name: NameOpt = None, as_json: JsonOpt = False) -> None:
+def profile(ctx: typer.Context, model: OptModelFile = None, hf: HfOpt = None, hf_class: HfClassOpt = None,
+            arch: ArchOpt = None, seq_len: SeqOpt = None, model_name: NameOpt = None, as_json: JsonOpt = False) -> None:
     """Profile a model file on the meta/fake device (or an --arch shape): parameters, FLOPs, activations."""
     from optplan.planner.api import resolve_model
     from optplan.tui.render import profile_table
 
     def body() -> None:
         with _stderr().status("profiling the model in a child process..."):
-            prof = resolve_model(model, arch=arch, seq_len=seq_len, model_name=model_name)
+            prof = resolve_model(model, arch=arch, seq_len=seq_len, model_name=model_name, hf=hf, hf_class=hf_class)
         if as_json:
             typer.echo(prof.model_dump_json(indent=2))
         else:
@@ -193,7 +196,7 @@ def _print_microbench(out: Console, bench: Any, report: Any) -> None:
 
 @app.command()
 def estimate(
-    ctx: typer.Context, model: OptModelFile = None, arch: ArchOpt = None,
+    ctx: typer.Context, model: OptModelFile = None, hf: HfOpt = None, hf_class: HfClassOpt = None, arch: ArchOpt = None,
     params: Annotated[float | None, typer.Option("--params", help="a parameter count instead of a model: model states only, e.g. 7e9")] = None,
     dp: Annotated[int | None, typer.Option("--dp", help="data-parallel degree (default: gpus / (tp*pp*cp))")] = None,
     tp: Annotated[int | None, typer.Option("--tp", help="tensor-parallel degree (default 1)")] = None,
@@ -243,8 +246,8 @@ def estimate(
                 _check_choice(flag, value, choices)
         if zero is not None and not 0 <= zero <= 3:
             raise OptplanError(f"--zero must be 0, 1, 2 or 3 (got {zero})")
-        if params is not None and (arch is not None or model is not None):
-            raise OptplanError("give exactly one of a model FILE, --arch or --params")
+        if params is not None and (arch is not None or model is not None or hf is not None):
+            raise OptplanError("give exactly one of a model FILE, --hf, --arch or --params")
         target, notes = resolve_cluster(gpu=gpu, gpus=gpus, gpus_per_node=gpus_per_node, cluster_file=cluster)
         chosen = precision or ("bf16" if target.gpu.supports_bf16 else "fp16")
         if precision is None and chosen != "bf16":
@@ -261,7 +264,8 @@ def estimate(
         if tokens is not None and not tokens > 0:
             raise OptplanError(f"--tokens must be positive (got {tokens:g})")
         with _stderr().status("profiling the model in a child process..."):
-            prof = resolve_model(model, arch=arch, seq_len=seq_len, model_name=model_name, params=params)
+            prof = resolve_model(model, arch=arch, seq_len=seq_len, model_name=model_name, params=params, hf=hf,
+                                 hf_class=hf_class)
         if optimizer is None and prof.defaults.optimizer:
             strategy = derive_strategy(flags.model_copy(update={"optimizer": prof.defaults.optimizer}), target)
         est = estimate_strategy(prof, target, strategy, tokens=tokens, price_per_gpu_hour=price)
@@ -307,7 +311,7 @@ def chinchilla(
 
 @app.command()
 def recommend(
-    ctx: typer.Context, model: OptModelFile = None, arch: ArchOpt = None,
+    ctx: typer.Context, model: OptModelFile = None, hf: HfOpt = None, hf_class: HfClassOpt = None, arch: ArchOpt = None,
     params: Annotated[float | None, typer.Option("--params", help="a parameter count instead of a model: model states only, e.g. 7e9")] = None,
     gpu: GpuOpt = None, gpus: GpusOpt = None, gpus_per_node: GpnOpt = None, cluster: ClusterOpt = None,
     gpus_range: Annotated[str | None, typer.Option("--gpus-range", help="plan the GPU count too, LO:HI (e.g. 8:1024)")] = None,

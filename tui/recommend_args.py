@@ -56,6 +56,8 @@ class RecommendArgs(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     model: Path | None = None
+    hf: str | None = None
+    hf_class: str | None = None
     arch: str | None = None
     params: float | None = None
     gpu: str | None = None
@@ -89,3 +91,8 @@ class RecommendArgs(BaseModel):
     probe_nproc: int | None = None
     calibration: bool = True
     model_name: str | None = None
+
+    @property
+    def runs_a_model(self) -> bool:
+        """A model that runs for real (a model file, or the one ``--hf`` writes), not a formula shape."""
+        return self.model is not None or self.hf is not None

@@ -78,8 +78,8 @@ def prepare_recommend(args: RecommendArgs, *, check_out: bool = True) -> Prepare
     for flag, count in (("probe-top-k", a.probe_top_k), ("probe-steps", a.probe_steps), ("probe-nproc", a.probe_nproc)):
         if count is not None and count < 1:
             raise OptplanError(f"--{flag} must be >= 1 (got {count})")
-    if a.probe and a.model is None:
-        raise OptplanError("--probe runs the model FILE for real: give a model file (not --arch/--params) "
+    if a.probe and not a.runs_a_model:
+        raise OptplanError("--probe runs the model FILE for real: give a model file or --hf (not --arch/--params) "
                            "or drop --probe")
     if a.global_batch is not None and a.global_batch_tokens is not None:
         raise OptplanError("give --global-batch (samples) or --global-batch-tokens, not both")
@@ -96,7 +96,7 @@ def prepare_recommend(args: RecommendArgs, *, check_out: bool = True) -> Prepare
         counts = parse_gpus_range(a.gpus_range, target.gpus_per_node)
         target = target.model_copy(update={"gpus": max(counts)})
     check_search_options(target, global_batch=a.global_batch, precisions=a.precision)
-    if a.global_batch is not None and a.model is not None and "megatron" not in (a.engine or ()):
+    if a.global_batch is not None and a.runs_a_model and "megatron" not in (a.engine or ()):
         # a model file trains data-parallel (DeepSpeed/torch): dp is the GPU count, known before profiling
         if not any(a.global_batch % n == 0 for n in (counts or (target.gpus,))):
             n = min(counts or (target.gpus,))
@@ -124,7 +124,7 @@ def profile_for(prepared: PreparedRecommend, *, cancelled: Callable[[], bool] | 
 
     a = prepared.args
     return resolve_model(a.model, arch=a.arch, seq_len=a.seq_len, model_name=a.model_name, params=a.params,
-                         cancelled=cancelled)
+                         hf=a.hf, hf_class=a.hf_class, cancelled=cancelled)
 
 
 def global_batch_for(prepared: PreparedRecommend, prof: ModelProfile) -> int | None:
@@ -165,12 +165,12 @@ def run_recommend(prepared: PreparedRecommend, prof: ModelProfile, *,
         except OSError as exc:
             raise OptplanError(f"cannot create --out {a.out} ({exc.strerror or exc}): choose a writable directory") from None
     probe_options = None
-    if a.model is not None and (a.probe or (a.probe is None and gpu_here())):
+    if a.runs_a_model and (a.probe or (a.probe is None and gpu_here())):
         from optplan.planner.probe_stage import ProbeOptions
         probe_options = ProbeOptions(top_k=a.probe_top_k, budget_s=a.probe_budget, timeout_s=a.probe_timeout,
                                      timed_steps=a.probe_steps, nproc=a.probe_nproc, model_name=a.model_name)
     cal = None
-    if a.calibration and a.model is not None:
+    if a.calibration and a.runs_a_model:
         from optplan.planner.probe_stage import cached_calibration
         cal = cached_calibration(prof, prepared.cluster)
     return recommend(prof, prepared.cluster, global_batch=gb, precisions=a.precision, optimizers=a.optimizer,

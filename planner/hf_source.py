@@ -1,0 +1,234 @@
+"""Hugging Face models without a model file (``--hf``): find the config, write the model file optplan profiles.
+
+``--hf`` takes a ``config.json``, a model folder holding one, or a hub id ``org/name`` found in the local
+Hugging Face cache. optplan never downloads: the cache is read as huggingface_hub lays it out
+(``$HF_HUB_CACHE``, else ``$HF_HOME/hub``, else ``~/.cache/huggingface/hub``; a repository is
+``models--org--name`` with ``snapshots/<revision>/config.json``, the revision named by ``refs/main`` tried
+first: huggingface_hub's "Understand caching" guide).
+
+The config is read here as JSON (transformers is not imported in this process). The model is built by a
+generated model file: ``build_model()`` instantiates the config's architecture (``architectures[0]``, or
+``--hf-class``) from transformers over ``AutoConfig.from_pretrained(config.json)``, with random weights;
+causal and masked language models get an ``example_batch`` of token ids with ``labels`` and a ``loss_fn``
+returning the model's own loss. It is written once to the optplan cache (``hf/<name>-<hash>.py``, atomic),
+so profiling, probes, exports and train.py treat it as any model file. Its ``OPTPLAN["seq_len"]`` is the
+config's maximum positions capped at :data:`DEFAULT_HF_SEQ_LEN` (``--seq-len`` overrides).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
+
+from optplan.estimators.errors import OptplanError
+from optplan.planner.calibrate import cache_dir
+
+DEFAULT_HF_SEQ_LEN = 4096
+"""The sequence length a ``--hf`` model is profiled at when ``--seq-len`` is not given: its maximum positions,
+at most this many tokens (long-context models list 128k positions; fine-tuning runs mostly use 2-8k)."""
+MAX_POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
+LABELLED_SUFFIXES = ("ForCausalLM", "LMHeadModel", "ForMaskedLM", "ForConditionalGeneration")
+"""Model classes whose forward takes ``labels`` and returns the loss (token models)."""
+DOWNLOAD_FIX = ("download its config first (huggingface-cli download {id} config.json), or pass the path of a "
+                "config.json or model folder")
+
+
+class HfSource(BaseModel):
+    """A Hugging Face model config found for ``--hf`` (read as JSON, never executed)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    spec: str
+    config_path: str
+    name: str
+    model_type: str
+    model_class: str
+    vocab_size: int | None = None
+    max_positions: int | None = None
+
+
+def hub_cache_dir() -> Path:
+    """huggingface_hub's cache folder: ``$HF_HUB_CACHE``, else ``$HF_HOME/hub``, else ``~/.cache/huggingface/hub``."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or str(Path.home() / ".cache" / "huggingface")
+    return Path(home).expanduser() / "hub"
+
+
+def _cached_config(repo_id: str) -> Path | None:
+    """``config.json`` of ``repo_id`` in the local hub cache: the ``refs/main`` snapshot, else the newest one."""
+    repo = hub_cache_dir() / ("models--" + repo_id.replace("/", "--"))
+    snapshots = repo / "snapshots"
+    if not snapshots.is_dir():
+        return None
+    ref = repo / "refs" / "main"
+    if ref.is_file():
+        pinned = snapshots / ref.read_text(encoding="utf-8").strip() / "config.json"
+        if pinned.is_file():
+            return pinned
+    found = sorted((p for p in snapshots.glob("*/config.json") if p.is_file()), key=lambda p: p.stat().st_mtime)
+    return found[-1] if found else None
+
+
+def find_hf_config(spec: str, hf_class: str | None = None) -> HfSource:
+    """The :class:`HfSource` of ``--hf spec`` (a config.json, a folder holding one, or a cached hub id);
+    one-line :class:`OptplanError` with the fix for anything missing or not a model config."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        config, name = path / "config.json", path.resolve().name
+        if not config.is_file():
+            raise OptplanError(f"--hf {spec}: the folder has no config.json: pass a Hugging Face model folder or the "
+                               "path of its config.json")
+    elif path.is_file():
+        config, name = path, path.resolve().parent.name if path.name == "config.json" else path.stem
+    elif re.fullmatch(r"[\w.-]+/[\w.-]+", spec) and not spec.endswith(".json"):
+        cached = _cached_config(spec)
+        if cached is None:
+            raise OptplanError(f"--hf {spec}: not a file or folder, and not in the local Hugging Face cache "
+                               f"({hub_cache_dir()}); optplan never downloads: {DOWNLOAD_FIX.format(id=spec)}")
+        config, name = cached, spec.split("/")[-1]
+    else:
+        raise OptplanError(f"--hf {spec}: no such file or folder: pass a config.json, a model folder or a hub id "
+                           "org/name that is in the local Hugging Face cache")
+    return _read_config(spec, config, name, hf_class)
+
+
+def _read_config(spec: str, config: Path, name: str, hf_class: str | None) -> HfSource:
+    try:
+        doc = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise OptplanError(f"--hf {spec}: {config} is not readable JSON ({type(exc).__name__}: "
+                           f"{str(exc).splitlines()[0][:120]}): pass a Hugging Face config.json") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("model_type"), str) or not doc["model_type"]:
+        raise OptplanError(f"--hf {spec}: {config} is not a Hugging Face model config (no \"model_type\"): pass the "
+                           "config.json of a model (the one beside its weights)")
+    architectures = doc.get("architectures")
+    if hf_class is not None:
+        if not re.fullmatch(r"[A-Za-z_]\w*", hf_class):
+            raise OptplanError(f"--hf-class {hf_class!r} is not a class name: give a transformers class such as "
+                               "LlamaForCausalLM or AutoModelForCausalLM")
+        model_class = hf_class
+    elif isinstance(architectures, list) and architectures and isinstance(architectures[0], str):
+        model_class = architectures[0]
+    else:
+        model_class = "AutoModelForCausalLM"
+    text = doc.get("text_config") if isinstance(doc.get("text_config"), dict) else doc
+    vocab = text.get("vocab_size") if isinstance(text.get("vocab_size"), int) else None
+    positions = next((text[k] for k in MAX_POSITION_KEYS if isinstance(text.get(k), int) and text[k] > 0), None)
+    return HfSource(spec=spec, config_path=str(config.resolve()), name=name, model_type=doc["model_type"],
+                    model_class=model_class, vocab_size=vocab, max_positions=positions)
+
+
+GENERATED_MARK = "Generated by optplan from the Hugging Face config"
+"""The first words of every generated model file (how exports recognise one to copy beside train.py)."""
+
+
+def hf_model_file_text(source: HfSource) -> str:
+    """The generated model file of ``source`` (Python source; needs torch and transformers, not optplan)."""
+    labelled = source.model_class.endswith(LABELLED_SUFFIXES) or source.model_class == "AutoModelForCausalLM"
+    seq = min(source.max_positions, DEFAULT_HF_SEQ_LEN) if source.max_positions else DEFAULT_HF_SEQ_LEN
+    defaults = {"name": source.name, "seq_len": seq}
+    lines = [
+        f'"""{GENERATED_MARK} {source.spec} (optplan --hf): {source.model_class}',
+        "built from config.json with transformers and random weights (no weights are read). Edit freely: it is a",
+        'model file like any other (build_model, example_batch, loss_fn, OPTPLAN)."""',
+        "",
+        "import torch",
+        "import transformers",
+        "",
+        f"CONFIG_PATH = {source.config_path!r}",
+        f"MODEL_CLASS = {source.model_class!r}",
+        f"OPTPLAN = {defaults!r}",
+        "",
+        "",
+        "class HfModelError(ValueError):",
+        '    """The config or class cannot be built; ``fix`` says what to do (optplan prints it)."""',
+        "",
+        "    def __init__(self, problem, fix):",
+        "        super().__init__(problem)",
+        "        self.fix = fix",
+        "",
+        "",
+        "def build_model():",
+        "    version = transformers.__version__",
+        "    try:",
+        "        config = transformers.AutoConfig.from_pretrained(CONFIG_PATH)",
+        "    except (ValueError, KeyError) as exc:",
+        "        first = str(exc).split(\". \")[0]",
+        "        raise HfModelError(f\"transformers {version} cannot read {CONFIG_PATH}: {first}\",",
+        "                           \"upgrade transformers (pip install -U transformers), or write a model file for this \"",
+        "                           \"architecture\") from None",
+        "    cls = getattr(transformers, MODEL_CLASS, None)",
+        "    if cls is None:",
+        "        raise HfModelError(f\"transformers {version} has no class {MODEL_CLASS}\",",
+        "                           \"pass --hf-class with a class it has (e.g. AutoModelForCausalLM), or upgrade transformers\")",
+        "    return cls.from_config(config) if MODEL_CLASS.startswith(\"Auto\") else cls(config)",
+    ]
+    if labelled and source.vocab_size:
+        lines += [
+            "",
+            "",
+            "def example_batch(batch_size, seq_len):",
+            f"    ids = torch.randint(0, {source.vocab_size}, (batch_size, seq_len))",
+            "    return {\"input_ids\": ids, \"labels\": ids}",
+            "",
+            "",
+            "def loss_fn(output, batch):",
+            "    return output.loss",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def write_hf_model_file(source: HfSource, folder: Path | None = None) -> Path:
+    """Write :func:`hf_model_file_text` to ``folder`` (default ``<optplan cache>/hf``) as
+    ``<name>-<hash of the text>.py`` (atomic; an existing identical file is kept) and return its path."""
+    text = hf_model_file_text(source)
+    digest = hashlib.sha256(text.encode()).hexdigest()[:10]
+    safe = re.sub(r"[^A-Za-z0-9_]+", "_", source.name).strip("_") or "model"
+    target = (folder or cache_dir() / "hf") / f"{safe}_{digest}.py"
+    if target.is_file() and target.read_text(encoding="utf-8") == text:
+        return target
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{safe}-", suffix=".tmp", dir=target.parent)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                fh.write(text)
+            os.replace(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    except OSError as exc:
+        raise OptplanError(f"--hf: cannot write the generated model file to {target.parent} ({exc.strerror or exc}): "
+                           "set OPTPLAN_CACHE_DIR to a writable folder") from None
+    return target
+
+
+def require_transformers() -> None:
+    """One-line OptplanError when transformers cannot be imported (``--hf`` builds models with it)."""
+    if importlib.util.find_spec("transformers") is None:
+        raise OptplanError("--hf builds the model with transformers, which is not installed: pip install transformers")
+
+
+def hf_model_file(spec: str, hf_class: str | None = None) -> Path:
+    """The generated model file for ``--hf spec`` (found, checked and written; see the module docstring)."""
+    source = find_hf_config(spec, hf_class)
+    require_transformers()
+    return write_hf_model_file(source)
+
+
+def generated_model_file(path: str | Path) -> tuple[str, str] | None:
+    """``(file name, text)`` of ``path`` when it is a model file :func:`write_hf_model_file` wrote, else None:
+    the exports put it beside train.py (which finds it there by name), so the plan folder is self-contained."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+    return (Path(path).name, text) if text.startswith(f'"""{GENERATED_MARK} ') else None
