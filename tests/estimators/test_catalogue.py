@@ -20,8 +20,8 @@ from optplan.estimators.hardware import (
 )
 
 EXPECTED = {"A100-40GB", "A100-80GB", "H100-SXM", "H100-PCIe", "H200", "B200", "L40S", "L4", "A10G",
-            "RTX-4090", "V100"}
-FP8_GPUS = {"H100-SXM", "H100-PCIe", "H200", "B200", "L40S", "L4", "RTX-4090"}
+            "RTX-3090", "RTX-4090", "RTX-5090", "RTX-A6000", "T4", "V100"}
+FP8_GPUS = {"H100-SXM", "H100-PCIe", "H200", "B200", "L40S", "L4", "RTX-4090", "RTX-5090"}
 GiB = 2**30
 
 
@@ -57,7 +57,7 @@ def test_every_entry_is_complete_and_plausible(name: str) -> None:
 def test_dtype_support_matches_the_hardware() -> None:
     catalogue = gpu_catalogue()
     assert {n for n, s in catalogue.items() if s.supports_fp8} == FP8_GPUS
-    assert {n for n, s in catalogue.items() if not s.supports_bf16} == {"V100"}
+    assert {n for n, s in catalogue.items() if not s.supports_bf16} == {"V100", "T4"}
     v100 = catalogue["V100"]
     assert v100.peak_flops_for("tf32") == 0 and v100.peak_flops_for("fp8") == 0
     assert v100.peak_flops_for("fp16") == 125e12 and v100.memory_bytes == 32 * GiB
@@ -96,6 +96,7 @@ def test_large_hbm_parts_use_the_binary_convention() -> None:
     ("h100 pcie", "H100-PCIe"), ("A100", "A100-80GB"), ("a100-40gb", "A100-40GB"), ("A100_80GB", "A100-80GB"),
     ("V100-32GB", "V100"), ("v100", "V100"), ("4090", "RTX-4090"), ("RTX 4090", "RTX-4090"),
     ("h200", "H200"), ("B200", "B200"), ("l40s", "L40S"), ("L4", "L4"), ("a10g", "A10G"),
+    ("3090", "RTX-3090"), ("rtx 5090", "RTX-5090"), ("A6000", "RTX-A6000"), ("t4", "T4"),
 ])
 def test_user_aliases(typed: str, expected: str) -> None:
     assert find_gpu(typed).name == expected
@@ -115,6 +116,10 @@ def test_user_aliases(typed: str, expected: str) -> None:
     ("NVIDIA L40S", "L40S"),
     ("NVIDIA H200", "H200"),
     ("NVIDIA B200", "B200"),
+    ("NVIDIA GeForce RTX 3090", "RTX-3090"),
+    ("NVIDIA GeForce RTX 5090", "RTX-5090"),
+    ("NVIDIA RTX A6000", "RTX-A6000"),
+    ("Tesla T4", "T4"),
 ])
 def test_driver_names_map_to_entries(driver_name: str, expected: str) -> None:
     spec = match_device_name(driver_name)
@@ -122,7 +127,7 @@ def test_driver_names_map_to_entries(driver_name: str, expected: str) -> None:
 
 
 def test_unknown_driver_name_maps_to_nothing() -> None:
-    assert match_device_name("Tesla T4") is None
+    assert match_device_name("Tesla P100-PCIE-16GB") is None
     assert match_device_name("AMD Instinct MI300X") is None
 
 
@@ -154,7 +159,7 @@ def test_unknown_gpu_error_lists_the_known_gpus() -> None:
 @pytest.mark.parametrize(("typed", "close"), [
     ("H10", ["H100-SXM", "H100-PCIe"]),
     ("V10", ["V100"]),
-    ("rtx 3090", ["RTX-4090"]),
+    ("rtx 3080", ["RTX-3090", "RTX-4090", "RTX-5090"]),
     ("l40", ["L40S", "L4"]),
     ("NVIDIA H100 80GB HBM3e", ["H100-SXM"]),
 ])
@@ -174,7 +179,7 @@ def test_unknown_gpu_error_for_h10_reads_exactly() -> None:
     assert str(info.value) == f"unknown GPU 'H10': did you mean H100-SXM, H100-PCIe? (use --gpu with one of {known})"
 
 
-@pytest.mark.parametrize("typed", ["TPU v5p", "MI300X", "x", "", "!!"])
+@pytest.mark.parametrize("typed", ["TPU v5p", "MI250", "x", "", "!!"])
 def test_unknown_gpu_with_nothing_close_keeps_the_plain_message(typed: str) -> None:
     assert close_gpu_names(typed) == []
     with pytest.raises(OptplanError) as info:
