@@ -515,14 +515,16 @@ class Probe(Trainer):
                               "step times are of the compiled model")
 
     # -- steps --------------------------------------------------------------------------------------
-    FSDP_TRACKED_STEPS = 3
-    """Extra tracked steps under FSDP2 on gloo, whose worker thread frees a reduce-scatter buffer early or late
-    from one step to the next: the largest peak is kept (a GPU's max_memory_allocated is the whole run's)."""
+    DISTRIBUTED_TRACKED_STEPS = 3
+    """Extra tracked steps of a run with several ranks: gloo's worker thread frees a buffer (FSDP2's reduce-scatter
+    input, say) early or late from one step to the next, so the largest peak is kept (a GPU's
+    max_memory_allocated is the whole run's). Every engine does as many, so that their runs stay step for
+    step the same computation."""
 
     def tracked_step(self, after: int) -> None:
         """Extra steps under a ProbeTracker with everything alive registered (CPU memory figures): one, or
-        :data:`FSDP_TRACKED_STEPS` under FSDP; the largest peak is kept."""
-        for _ in range(self.FSDP_TRACKED_STEPS if self.fsdp != "none" else 1):
+        :data:`DISTRIBUTED_TRACKED_STEPS` with several ranks; the largest peak is kept."""
+        for _ in range(self.DISTRIBUTED_TRACKED_STEPS if self.world > 1 else 1):
             loss, tracker = tracked_call(self, lambda: self.one_step(self.batch_for),
                                          self.spec.get("memory_cap_bytes"), self.batches)
             if not math.isfinite(float(loss)):
