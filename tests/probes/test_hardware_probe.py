@@ -119,7 +119,8 @@ def test_eight_h100s_map_to_h100_sxm() -> None:
     ("NVIDIA L40S", 46068 * 2**20, "L40S"),
     ("NVIDIA H200", 143771 * 2**20, "H200"),
     ("NVIDIA B200", 183359 * 2**20, "B200"),
-    ("Tesla T4", 15360 * 2**20, None),
+    ("Tesla T4", 15360 * 2**20, "T4"),
+    ("Tesla P100-PCIE-16GB", 16280 * 2**20, None),
 ])
 def test_driver_names_are_mapped_through_the_fake(name: str, memory: int, expected: str | None) -> None:
     (device,) = detect_gpus(FakeNvml([(name, memory)])).devices
@@ -296,11 +297,11 @@ def test_more_gpus_than_detected_scale_out_nodes_like_this_one() -> None:
 
 
 def test_unknown_detected_gpu_falls_back_with_a_note() -> None:
-    report = detect_gpus(FakeNvml([("Tesla T4", 15360 * 2**20)] * 2))
+    report = detect_gpus(FakeNvml([("Tesla P100-PCIE-16GB", 16280 * 2**20)] * 2))
     cluster, notes = cluster_from(report, gpu=None, gpus=None, gpus_per_node=None)
     assert cluster.gpu.name == "H100-SXM" and cluster.gpus == 2 and not cluster.detected
-    assert notes == ["detected 2 x Tesla T4, which is not in the GPU catalogue: planning for 2 x H100-SXM; "
-                     "pass --gpu to choose"]
+    assert notes == ["detected 2 x Tesla P100-PCIE-16GB, which is not in the GPU catalogue: planning for 2 x "
+                     "H100-SXM; pass --gpu to choose"]
 
 
 def test_detected_memory_replaces_the_catalogue_size_when_far_off() -> None:
