@@ -472,17 +472,14 @@ def test_a_model_that_fails_in_bf16_gets_a_note_and_no_16bit_fit(write_model):
     path = write_model("""
         import torch, torch.nn as nn
 
-        class Net(nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.fc = nn.Linear(16, 16)
+        class Fp32OnlyLinear(nn.Linear):
             def forward(self, x):
-                if self.fc.weight.dtype != torch.float32:
+                if self.weight.dtype != torch.float32:
                     raise TypeError("this kernel is fp32 only")
-                return self.fc(x)
+                return super().forward(x)
 
         def build_model():
-            return Net()
+            return Fp32OnlyLinear(16, 16)
 
         def example_batch(batch_size, seq_len):
             return torch.randn(batch_size, 16)
