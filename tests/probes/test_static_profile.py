@@ -356,7 +356,7 @@ def test_gpt2_small_factored_state_elements(gpt2_small_run):
 
 
 def test_upper_envelope_keeps_the_lines_that_are_the_maximum_somewhere():
-    from optplan.probes.static import upper_envelope, value_at
+    from optplan.probes.envelope import upper_envelope, value_at
 
     lines = [(100, 0), (60, 20), (0, 40), (10, 10), (-500, 60), (90, 0), (40, 20)]
     env = upper_envelope(lines)
@@ -375,7 +375,7 @@ def test_upper_envelope_keeps_the_lines_that_are_the_maximum_somewhere():
 
 
 def test_step_envelope_from_timelines_and_depth():
-    from optplan.probes.static import StepEnvelope
+    from optplan.probes.envelope import StepEnvelope
 
     # per phase, (live, live without copies) after each allocation at micro-batch 1 and 2
     t1 = {"stem": [(10, 10)], "forward": [(100, 60), (130, 90)], "backward": [(150, 110), (120, 120)],
@@ -429,7 +429,7 @@ def test_a_model_branching_on_the_batch_size_gets_a_note(write_model):
 
 def test_activation_fit_lines_and_their_summary():
     from optplan.estimators.profile import ActivationFit, ModelProfile
-    from optplan.probes.static import StepEnvelope, activation_fit
+    from optplan.probes.envelope import StepEnvelope, activation_fit
 
     env = StepEnvelope((1, 2), {"forward": ((500, 10),), "backward": ((0, 100),)},
                        {"forward": ((100, 10),), "backward": ((0, 90),)})
