@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from optplan.estimators.calibration import Calibration, calibrate_memory, calibrate_time
 from optplan.estimators.cost import CostEstimate
 from optplan.estimators.efficiency import derivation_for, fitted_gpus
+from optplan.estimators.finetune import finetune_note
 from optplan.estimators.hardware import Cluster
 from optplan.estimators.memory import MemoryBreakdown, memory_breakdown, usable_capacity_bytes
 from optplan.estimators.optimizers import optimizer_sees_flat_params, optimizer_state_note
@@ -100,6 +101,8 @@ def estimate_notes(profile: ModelProfile, strategy: Strategy, cluster: Cluster) 
         notes.append(f"time: {cluster.gpu.name} has no fitted efficiencies; the A100 fit's GEMM, memory and host "
                      "fractions are applied to its datasheet peaks, so throughput and MFU may be optimistic "
                      "until probe runs calibrate them")
+    if profile.adapter is not None:
+        notes.append(finetune_note(profile.adapter, strategy))
     if not strategy.flash and profile.activation_source == "measured":
         notes.append("--no-flash changes the time only: a model file's activations are measured with its own "
                      "attention code")

@@ -69,11 +69,12 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
 
 from optplan.estimators.buckets import deepspeed_buckets
+from optplan.estimators.finetune import dequantized_weight_bytes, frozen_weight_bytes
 from optplan.estimators.optimizers import optimizer_sees_flat_params, optimizer_state_bytes_per_param
 from optplan.estimators.parallel import layers_per_stage, placement
 from optplan.estimators.pipeline import in_flight_microbatches
 from optplan.estimators.precision import Recipe, get_recipe
-from optplan.estimators.profile import STEP_PHASES, WEIGHTS_16BIT, ActivationFit, ModelProfile
+from optplan.estimators.profile import FROZEN_16BIT, STEP_PHASES, WEIGHTS_16BIT, ActivationFit, ModelProfile
 from optplan.estimators.strategy import Strategy
 from optplan.estimators.temporaries import (
     AdamImpl,
@@ -302,6 +303,9 @@ def model_states(profile: ModelProfile, strategy: Strategy, *, stage: int = 0,
         strategy.optimizer, recipe, profile, flat_params=optimizer_sees_flat_params(strategy))
     shard = strategy.shard_stage
     weights = psi * recipe.weight_bytes
+    if profile.adapter is not None:  # LoRA: trainable adapters per the recipe, the frozen base 16-bit or quantised
+        weights = psi_train * recipe.weight_bytes + _frozen_base_bytes(profile, strategy) * (
+            psi / profile.params if profile.params else 0.0)
     grads = psi_train * _grad_bytes(recipe, strategy)
     if (strategy.engine == "deepspeed" and strategy.zero > 0 and recipe.master_bytes == 0
             and recipe.weight_bytes == 4):
@@ -330,6 +334,14 @@ def model_states(profile: ModelProfile, strategy: Strategy, *, stage: int = 0,
             weights = 0.0
     return ModelStates(params_bytes=round(weights), grads_bytes=round(grads), optimizer_bytes=round(optim),
                        host_bytes=round(off["cpu"]), nvme_bytes=round(off["nvme"]))
+
+
+def _frozen_base_bytes(profile: ModelProfile, strategy: Strategy) -> float:
+    """The whole model's frozen base weights of a LoRA profile (bytes; finetune.frozen_weight_bytes)."""
+    assert profile.adapter is not None
+    recipe = get_recipe(strategy.precision)
+    frozen = max(0, profile.params - profile.trainable_params)
+    return frozen_weight_bytes(profile.adapter, frozen, strategy.quant, fp32_base=recipe.compute_dtype == "fp32")
 
 
 def in_flight_micro_batches(strategy: Strategy, stage: int = 0) -> float:
@@ -365,10 +377,14 @@ def measured_fit(profile: ModelProfile, strategy: Strategy) -> tuple[ActivationF
     the ``bf16-weights`` fit (the model held in bf16, measured: its gradient temporaries and the loss's tensors
     are 16-bit) on the engines of :data:`WEIGHTS_16BIT_ENGINES`; else (Megatron, or a profile without
     that fit: older, or a model that does not run in bf16) the autocast fit less autocast's weight copies.
+    LoRA profiles under AMP recipes: the ``bf16-frozen`` fit (a bf16 base, fp32 adapters, autocast).
     """
     recipe = get_recipe(strategy.precision)
     mode = strategy.checkpointing if profile.supports_checkpointing else "none"
     fit_mode = "full" if mode == "full" else "none"
+    if (profile.adapter is not None and recipe.weight_bytes == 4 and recipe.compute_dtype != "fp32"
+            and profile.has_activation(FROZEN_16BIT)):
+        return profile.activation(FROZEN_16BIT, fit_mode), True
     if (recipe.weight_bytes == 2 and strategy.engine in WEIGHTS_16BIT_ENGINES
             and profile.has_activation(WEIGHTS_16BIT)):
         return profile.activation(WEIGHTS_16BIT, fit_mode), True
@@ -554,6 +570,9 @@ def _buffers(profile: ModelProfile, strategy: Strategy, stage: int,
                 # measured alive at the stem's backward (GPT-2, fidelity_train.py: the max over 3 steps), not
                 # within the blocks' backward (examples/mlp.py, benchmarks/fidelity.py), nor under SHARD_GRAD_OP
                 items["gloo_reduce_scatter_copy"] = (round(reduced * FSDP_REDUCE_BYTES), frozenset({"stem_grads"}))
+    dequantized = dequantized_weight_bytes(profile.adapter, strategy.quant)
+    if dequantized:
+        items["bnb_dequantized_weight"] = (dequantized, WHILE_MODEL_RUNS)
     if strategy.pp > 1 or strategy.cp > 1:
         scale = 2 if recipe.activation_precision == "fp32" else 1
         seq = profile.tokens_per_sample or 1

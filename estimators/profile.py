@@ -10,14 +10,19 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-ActivationPrecision = Literal["fp32", "bf16", "bf16-weights"]
+from optplan.estimators.finetune import AdapterProfile
+
+ActivationPrecision = Literal["fp32", "bf16", "bf16-weights", "bf16-frozen"]
 """How a profiled step ran: ``fp32`` weights and math; ``bf16`` autocast over fp32 weights (AMP: the weights,
 their gradients and the loss stay fp32, autocast caches bf16 copies of the weights); ``bf16-weights`` the
 model held in bf16 (parameters, gradients and buffers) with floating inputs cast to bf16 and no autocast:
 what a model ``.to(bf16)``, DeepSpeed's bf16/fp16 engines and FSDP2's ``MixedPrecisionPolicy(param_dtype)``
 run, where every gradient temporary (a tied weight's two gradients and their sum) and the loss's own
-tensors are 16-bit too."""
+tensors are 16-bit too; ``bf16-frozen`` (profiles with LoRA adapters only) the frozen weights held in bf16, the
+trainable adapters in fp32, under bf16 autocast: what peft (``autocast_adapter_dtype=True``) and a Hugging Face
+``Trainer(bf16=True)`` run on a base loaded in bf16."""
 WEIGHTS_16BIT: ActivationPrecision = "bf16-weights"
+FROZEN_16BIT: ActivationPrecision = "bf16-frozen"
 CheckpointMode = Literal["none", "full"]
 StepPhase = Literal["forward", "loss", "backward", "grads", "stem_grads"]
 STEP_PHASES: tuple[StepPhase, ...] = ("forward", "loss", "backward", "grads", "stem_grads")
@@ -225,6 +230,9 @@ class ModelProfile(_Frozen):
         default=None, description="when set, the profile ran this many blocks and scaled by layers"
     )
     defaults: ModelDefaults = Field(default_factory=ModelDefaults)
+    adapter: AdapterProfile | None = Field(
+        default=None, description="the LoRA adapters the model was profiled with (--finetune lora|qlora); "
+                                  "None: full training")
     activation_source: Literal["measured", "formula"] = Field(
         default="measured", description="measured: fits from a fake-tensor step; formula: Korthikanti et al. 2022 "
                                         "Table 2 from the shape (--arch), so the strategy's flash/selective apply")

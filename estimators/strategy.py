@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from optplan.estimators.finetune import QuantName
+
 PrecisionName = Literal["fp32", "amp-bf16", "amp-fp16", "bf16", "fp16", "bf16-pure", "fp8"]
 OptimizerName = Literal["adamw", "adamw8bit", "adafactor", "sgd"]
 OffloadTarget = Literal["none", "cpu", "nvme"]
@@ -53,6 +55,8 @@ class Strategy(BaseModel):
     offload_optimizer: OffloadTarget = "none"
     offload_params: OffloadTarget = "none"
     engine: EngineName = "deepspeed"
+    quant: QuantName = Field(default="none", description="frozen base weights of a LoRA fine-tune: 16-bit (none), "
+                                                         "int8, nf4 or nf4-dq (bitsandbytes, QLoRA)")
 
     @model_validator(mode="before")
     @classmethod
@@ -91,6 +95,11 @@ class Strategy(BaseModel):
                 raise ValueError("parameter offload needs ZeRO stage 3 (--zero 3)")
             if self.offload_optimizer != "none" and self.zero == 0:
                 raise ValueError("optimizer offload needs ZeRO stage 1, 2 or 3 (--zero 1..3)")
+        if self.quant != "none":
+            if self.engine == "megatron":
+                raise ValueError("a quantised base (QLoRA) runs on the torch or deepspeed engine: use --engine torch")
+            if self.offload_optimizer != "none" or self.offload_params != "none":
+                raise ValueError("offload is not modelled with a quantised base: drop --offload or --quant")
         if self.sp and self.tp == 1:
             raise ValueError("sequence parallelism needs tensor parallelism: set --tp > 1 or --no-sp")
         if self.vpp > 1 and self.pp == 1:
@@ -142,6 +151,8 @@ class Strategy(BaseModel):
             parts.append(f"opt->{self.offload_optimizer}")
         if self.offload_params != "none":
             parts.append(f"params->{self.offload_params}")
+        if self.quant != "none":
+            parts.append(f"base-{self.quant}")
         if self.engine != "deepspeed":
             parts.append(f"[{self.engine}]")
         return " ".join(parts)

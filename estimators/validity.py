@@ -51,6 +51,12 @@ def check_strategy(profile: ModelProfile, cluster: Cluster, strategy: Strategy) 
         if seq % (2 * s.cp):
             raise OptplanError(f"--cp {s.cp} needs the sequence length {seq} divisible by 2·cp = {2 * s.cp}: "
                                "change --seq-len or --cp")
+    if s.quant != "none" and profile.adapter is None:
+        raise OptplanError(f"--quant {s.quant} quantises the frozen base of a LoRA fine-tune, and {profile.name} was "
+                           "profiled for full training: add --finetune qlora (or lora), or drop --quant")
+    if profile.adapter is not None and s.engine == "megatron":
+        raise OptplanError("LoRA adapters (peft) run on the torch or deepspeed engine, not Megatron-LM: use "
+                           "--engine torch")
     if s.world_size > cluster.gpus:
         raise OptplanError(f"the strategy needs dp·tp·pp·cp = {s.dp}·{s.tp}·{s.pp}·{s.cp} = {s.world_size} GPUs "
                            f"which exceeds the {cluster.gpus} GPUs given: lower the degrees or raise --gpus")

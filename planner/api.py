@@ -13,6 +13,7 @@ from optplan.estimators.arch import parse_arch, profile_from_arch
 from optplan.estimators.cost import training_cost
 from optplan.estimators.errors import OptplanError
 from optplan.estimators.estimate import Estimate, StatesEstimate, estimate, estimate_states
+from optplan.estimators.finetune import LoraRequest
 from optplan.estimators.hardware import Cluster
 from optplan.estimators.params_only import is_params_only, profile_from_params
 from optplan.estimators.profile import ModelProfile
@@ -38,20 +39,22 @@ EXPORT_TARGETS: tuple[str, ...] = tuple(TARGETS)
 
 
 def load_profile(path: Path | str, *, seq_len: int | None = None, model_name: str | None = None,
-                 cancelled: Callable[[], bool] | None = None) -> ModelProfile:
+                 cancelled: Callable[[], bool] | None = None, lora: LoraRequest | None = None) -> ModelProfile:
     """Profile a model file in a child process (the file is user code: it never runs in this process);
-    ``cancelled()`` turning true kills the child and raises Cancelled."""
+    ``cancelled()`` turning true kills the child and raises Cancelled; ``lora``: with LoRA adapters."""
     if seq_len is not None and seq_len < 1:
         raise OptplanError(f"--seq-len must be >= 1 (got {seq_len})")
-    return profile_model_file(path, seq_len=seq_len, model_name=model_name, cancelled=cancelled)
+    return profile_model_file(path, seq_len=seq_len, model_name=model_name, cancelled=cancelled, lora=lora)
 
 
 def resolve_model(path: Path | str | None, *, arch: str | None = None, seq_len: int | None = None,
                   model_name: str | None = None, params: float | None = None, hf: str | None = None,
-                  hf_class: str | None = None, cancelled: Callable[[], bool] | None = None) -> ModelProfile:
+                  hf_class: str | None = None, cancelled: Callable[[], bool] | None = None,
+                  lora: LoraRequest | None = None) -> ModelProfile:
     """The profile of a model file (profiled in a child process), of a Hugging Face config (``hf``: the model file
     :mod:`optplan.planner.hf_source` writes for it, profiled the same way), of an ``--arch`` shape (by formula),
-    or of a bare parameter count (``--params``: model states only). ``cancelled``: see :func:`load_profile`."""
+    or of a bare parameter count (``--params``: model states only). ``cancelled``: see :func:`load_profile`;
+    ``lora``: profile the model with LoRA adapters (a model file or ``--hf`` only)."""
     given = [name for name, v in (("a model FILE", path), ("--hf", hf), ("--arch", arch), ("--params", params))
              if v is not None]
     if len(given) != 1:
@@ -60,6 +63,9 @@ def resolve_model(path: Path | str | None, *, arch: str | None = None, seq_len: 
                            f"--params N ({what})")
     if hf_class is not None and hf is None:
         raise OptplanError("--hf-class picks the class of an --hf model: add --hf CONFIG or drop --hf-class")
+    if lora is not None and (params is not None or arch is not None):
+        raise OptplanError("--finetune lora|qlora adds adapters to a real model: give a model FILE or --hf "
+                           "(not --arch/--params)")
     if params is not None:
         return profile_from_params(params)
     if arch is not None:
@@ -68,7 +74,8 @@ def resolve_model(path: Path | str | None, *, arch: str | None = None, seq_len: 
         from optplan.planner.hf_source import hf_model_file
 
         path = hf_model_file(hf, hf_class)
-    return load_profile(path, seq_len=seq_len, model_name=model_name, cancelled=cancelled)  # type: ignore[arg-type]
+    return load_profile(path, seq_len=seq_len, model_name=model_name, cancelled=cancelled,  # type: ignore[arg-type]
+                        lora=lora)
 
 
 def detect_hardware() -> HardwareReport:

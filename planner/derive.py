@@ -38,6 +38,7 @@ class StrategyFlags(BaseModel):
     checkpointing: str = "none"
     flash: bool = True
     engine: str | None = None
+    quant: str = "none"
 
 
 def _positive(name: str, value: int | None) -> None:
@@ -111,6 +112,6 @@ def derive_strategy(flags: StrategyFlags, cluster: Cluster, *, gpus_given: bool 
         "fsdp": flags.fsdp or "none", "mbs": flags.mbs, "grad_accum": gas or 1,
         "checkpointing": flags.checkpointing, "dp": dp, "tp": tp, "pp": pp, "vpp": flags.vpp or 1, "cp": cp,
         "sp": flags.sp, "flash": flags.flash, "offload_optimizer": offload_optimizer,
-        "offload_params": offload_params, "engine": engine,
+        "offload_params": offload_params, "engine": engine, "quant": flags.quant,
     }
     return Strategy.model_validate(data)

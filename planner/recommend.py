@@ -133,7 +133,7 @@ def recommend(profile: ModelProfile, cluster: Cluster, *, global_batch: int | No
               probe_local: LocalDevices | None = None, probe_runner: Runner | None = None,
               probe_bench: Callable[..., Any] | None = None,
               on_trial: Callable[[Estimate], None] | None = None,
-              cancelled: Callable[[], bool] | None = None) -> Recommendation:
+              cancelled: Callable[[], bool] | None = None, quant: str = "none") -> Recommendation:
     """Search the space of ``profile`` on ``cluster`` (or on each of ``gpu_counts``) and explain the pick.
 
     ``global_batch`` (samples) defaults to the model file's OPTPLAN value; None leaves it free. For a model
@@ -148,6 +148,9 @@ def recommend(profile: ModelProfile, cluster: Cluster, *, global_batch: int | No
     ``on_trial`` receives each candidate's Estimate as the search prices it (see ``search``): the
     dashboard's live table of trials. ``cancelled`` stops the microbenchmarks and the probe stage (their
     running child processes included) when it turns true, raising :class:`~optplan.estimators.errors.Cancelled`.
+
+    ``quant`` holds the frozen base of a LoRA profile (finetune.QuantName); LoRA plans are not probed yet (the
+    probe child trains the model as built), which a note says.
     """
     goal = goal or Goal()
     goal.check()
@@ -160,12 +163,17 @@ def recommend(profile: ModelProfile, cluster: Cluster, *, global_batch: int | No
     if engines is None and _is_model_file(profile):
         engines = ("deepspeed", "torch")
     ceiling_notes: list[str] = []
+    lora_notes: list[str] = []
+    if probe is not None and profile.adapter is not None:
+        probe = None
+        lora_notes.append("not probed: the probe runs train the model as built, without LoRA adapters, so the LoRA "
+                          "plan's figures are predictions only")
     if probe is not None and _is_model_file(profile) and probe.microbench:
         from optplan.planner.probe_stage import local_devices, measured_cluster
         probe_local = probe_local or local_devices(probe.nproc)
         cluster, ceiling_notes = measured_cluster(cluster, probe_local, bench=probe_bench, cancelled=cancelled)
     space = build_space(profile, cluster, global_batch=gb, precisions=precisions, optimizers=optimizers,
-                        engines=engines, gpu_counts=gpu_counts, offload=offload)
+                        engines=engines, gpu_counts=gpu_counts, offload=offload, quant=quant)
     if not space.layouts:
         raise OptplanError(f"no parallel layout uses {cluster.gpus} GPUs for {profile.name}: change --gpus")
     if gb is not None and not any(gb % lay.dp == 0 for lay in space.layouts):
@@ -190,7 +198,8 @@ def recommend(profile: ModelProfile, cluster: Cluster, *, global_batch: int | No
     feasible = tuple(e for e in ranked if e.fits)
     pricer = Pricer(profile, cluster, calibration)
     pricer.priced.update({e.strategy: e for e in ranked})
-    all_notes = list(notes) + list(profile.notes) + [MODEL_SCOPE_NOTE] + [f"measured: {n}" for n in ceiling_notes]
+    all_notes = (list(notes) + list(profile.notes) + [MODEL_SCOPE_NOTE] + [f"measured: {n}" for n in ceiling_notes]
+                 + lora_notes)
     if gb is not None and profile.defaults.global_batch == gb and global_batch is None:
         all_notes.append(f"global batch {gb} from the model file's OPTPLAN")
     summary = SearchSummary(method=result.method, space_size=result.space_size, evaluated=result.evaluated,

@@ -89,6 +89,7 @@ class Group(NamedTuple):
     precision: str
     optimizer: str
     checkpointing: CheckpointMode
+    quant: str = "none"
 
 
 class SearchSpace(BaseModel):
@@ -104,6 +105,7 @@ class SearchSpace(BaseModel):
     checkpointing: tuple[CheckpointMode, ...]
     global_batch: int | None = None
     max_micro_batch: int = MAX_MICRO_BATCH
+    quant: str = "none"
 
     @property
     def gpu_counts(self) -> tuple[int, ...]:
@@ -146,7 +148,7 @@ class SearchSpace(BaseModel):
                         if sharding.offload_optimizer != "none" and optimizer != "adamw":
                             continue  # DeepSpeed's CPU optimizer is Adam/AdamW only
                         for ckpt in self.checkpointing:
-                            yield Group(layout, sharding, precision, optimizer, ckpt)
+                            yield Group(layout, sharding, precision, optimizer, ckpt, self.quant)
 
     def micro_batches(self, layout: Layout) -> tuple[int, ...]:
         """Micro-batches per GPU, ascending: divisors of the per-replica batch when it is fixed, else powers
@@ -184,7 +186,8 @@ def strategy_of(group: Group, mbs: int, grad_accum: int) -> Strategy | None:
                         fsdp=sh.fsdp, mbs=mbs, grad_accum=grad_accum,  # type: ignore[arg-type]
                         checkpointing=group.checkpointing, dp=lay.dp, tp=lay.tp, pp=lay.pp, vpp=lay.vpp,
                         cp=lay.cp, offload_optimizer=sh.offload_optimizer,  # type: ignore[arg-type]
-                        offload_params=sh.offload_params, engine=sh.engine)  # type: ignore[arg-type]
+                        offload_params=sh.offload_params, engine=sh.engine,  # type: ignore[arg-type]
+                        quant=group.quant)  # type: ignore[arg-type]
     except ValueError:
         return None
 
@@ -285,12 +288,15 @@ def build_space(profile: ModelProfile, cluster: Cluster, *, global_batch: int | 
                 precisions: Sequence[str] | None = None, optimizers: Sequence[str] | str | None = None,
                 engines: Sequence[str] | None = None, gpu_counts: Sequence[int] | None = None,
                 offload: bool = True, checkpointing: Sequence[str] | None = None,
-                max_micro_batch: int = MAX_MICRO_BATCH) -> SearchSpace:
+                max_micro_batch: int = MAX_MICRO_BATCH, quant: str = "none") -> SearchSpace:
     """The space for ``profile`` on ``cluster`` (at ``gpu_counts``, default the cluster's GPUs).
 
     Megatron (tensor/pipeline/context parallelism) is searched for transformers (the profile has a shape);
     the engines can be limited with ``engines``. Precisions default to bf16, AMP bf16 and fp32 (fp16 and
     AMP fp16 on GPUs without bf16); fp8 and bf16-pure change numerics and are searched only when named.
+
+    A LoRA profile (``profile.adapter``) runs on torch or DeepSpeed (peft has no Megatron path) without
+    offload (its optimizer states are the adapters'); a quantised base (``quant``, bitsandbytes) on torch only.
     """
     check_global_batch(global_batch, cluster.gpus)
     counts = tuple(gpu_counts) if gpu_counts else (cluster.gpus,)
@@ -308,6 +314,10 @@ def build_space(profile: ModelProfile, cluster: Cluster, *, global_batch: int | 
             raise OptplanError(f"unknown --engine {e!r}: use one of {', '.join(ENGINES)}")
     if profile.transformer is None:
         chosen_engines = tuple(e for e in chosen_engines if e != "megatron") or chosen_engines
+    if profile.adapter is not None:
+        allowed = ("torch",) if quant != "none" else ("deepspeed", "torch")
+        chosen_engines = tuple(e for e in chosen_engines if e in allowed) or allowed
+        offload = False
     model_parallel = "megatron" in chosen_engines and profile.transformer is not None
     layouts: list[Layout] = []
     for n in counts:
@@ -323,4 +333,5 @@ def build_space(profile: ModelProfile, cluster: Cluster, *, global_batch: int | 
         gpus_per_node=cluster.gpus_per_node, layouts=tuple(layouts),
         shardings=_shardings(chosen_engines, multi_node, offload), precisions=usable, optimizers=opts,
         checkpointing=ckpt, global_batch=global_batch, max_micro_batch=max_micro_batch,  # type: ignore[arg-type]
+        quant=quant,
     )

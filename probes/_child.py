@@ -37,6 +37,10 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("path")
     parser.add_argument("--seq-len", type=int, default=None)
     parser.add_argument("--model-name", default=None)
+    parser.add_argument("--lora", action="store_true", help="profile with LoRA adapters")
+    parser.add_argument("--lora-rank", type=int, default=16)
+    parser.add_argument("--lora-alpha", type=float, default=None)
+    parser.add_argument("--lora-targets", default=None, help="comma-separated module names")
     return parser.parse_args(argv)
 
 
@@ -64,12 +68,13 @@ def _run(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
 
     try:
         _check_syntax(args.path)  # before importing torch: a syntax error is reported in a blink
+        from optplan.probes.adapters import lora_request_from
         from optplan.probes.contract import load_contract
         from optplan.probes.static import profile_contract
 
         sys.argv = [args.path]  # as if the user ran `python FILE`
         contract = load_contract(args.path, model_name=args.model_name)
-        profile = profile_contract(contract, seq_len=args.seq_len, started=_STARTED)
+        profile = profile_contract(contract, seq_len=args.seq_len, started=_STARTED, lora=lora_request_from(args))
         return profile.model_dump(mode="json"), EXIT_OK
     except ModelFileError as exc:
         root: BaseException = exc

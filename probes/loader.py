@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
@@ -29,6 +29,9 @@ from optplan.estimators.profile import ModelProfile
 from optplan.probes._pdeathsig import guarded
 from optplan.probes.model_errors import ModelFileError, check_model_path, one_line
 from optplan.probes.waiting import communicate_until
+
+if TYPE_CHECKING:
+    from optplan.estimators.finetune import LoraRequest
 
 CHILD_MODULE = "optplan.probes._child"
 EXIT_OK = 0
@@ -42,13 +45,19 @@ __all__ = [
 
 
 def child_command(path: str | os.PathLike[str], *, seq_len: int | None = None,
-                  model_name: str | None = None) -> list[str]:
+                  model_name: str | None = None, lora: LoraRequest | None = None) -> list[str]:
     """The command line that profiles ``path`` in a child process (``sys.executable -m ...``)."""
     cmd = [sys.executable, "-m", CHILD_MODULE, str(path)]
     if seq_len is not None:
         cmd += ["--seq-len", str(int(seq_len))]
     if model_name is not None:
         cmd += ["--model-name", model_name]
+    if lora is not None:
+        cmd += ["--lora", "--lora-rank", str(int(lora.rank))]
+        if lora.alpha is not None:
+            cmd += ["--lora-alpha", repr(float(lora.alpha))]
+        if lora.targets:
+            cmd += ["--lora-targets", ",".join(lora.targets)]
     return cmd
 
 
@@ -100,12 +109,13 @@ def parse_child_output(path: str | os.PathLike[str], returncode: int, stdout: st
 
 def profile_model_file(path: str | os.PathLike[str], *, seq_len: int | None = None,
                        model_name: str | None = None, timeout_s: float = 600.0,
-                       cancelled: Callable[[], bool] | None = None) -> ModelProfile:
+                       cancelled: Callable[[], bool] | None = None, lora: LoraRequest | None = None) -> ModelProfile:
     """Profile the model file at ``path`` in a child process and return its ModelProfile.
 
     ``seq_len`` overrides the file's ``OPTPLAN["seq_len"]`` and the model's own maximum length;
     ``model_name`` picks one model when the file defines several. The child runs with
     ``sys.executable`` and the current environment (so ``OPTPLAN_*`` variables reach the file).
+    ``lora`` profiles the model with LoRA adapters (:mod:`optplan.probes.adapters`).
     Raises :class:`ModelFileError` (one line: file, problem, fix) for anything that goes wrong,
     including a crash or a timeout of the child. ``cancelled`` is asked every ``POLL_S`` s while the child
     runs: when it turns true the child is killed and :class:`~optplan.estimators.errors.Cancelled` raised;
@@ -114,7 +124,7 @@ def profile_model_file(path: str | os.PathLike[str], *, seq_len: int | None = No
     check_model_path(path)
     if seq_len is not None and int(seq_len) < 1:
         raise ModelFileError(path, f"sequence length must be >= 1 (got {seq_len})", "pass --seq-len 1 or more")
-    cmd = child_command(path, seq_len=seq_len, model_name=model_name)
+    cmd = child_command(path, seq_len=seq_len, model_name=model_name, lora=lora)
     cache = tempfile.mkdtemp(prefix="optplan-profile-")  # torch's compile cache: removed here, whatever happens
     try:
         env = child_process_env()

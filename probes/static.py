@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
@@ -77,6 +78,7 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
 from optplan.estimators.profile import (
+    FROZEN_16BIT,
     SMALL_PARAM_LIMIT,
     WEIGHTS_16BIT,
     ActivationFit,
@@ -86,6 +88,7 @@ from optplan.estimators.profile import (
     RepeatedBlock,
     TransformerShape,
 )
+from optplan.probes.adapters import LORA_MARK, LoraRequest, adapter_profile, apply_lora, resolve_targets
 from optplan.probes.contract import (
     BATCH_FIX,
     DEFAULT_TOKEN_SEQ_LEN,
@@ -128,9 +131,10 @@ except ImportError:  # pragma: no cover
 
 PRECISIONS: tuple[ActivationPrecision, ...] = ("fp32", "bf16")
 """The precisions measured on the model as built (fp32 weights), with and without autocast."""
-PRECISION_ORDER: tuple[ActivationPrecision, ...] = (*PRECISIONS, WEIGHTS_16BIT)
-"""Every measured precision, in the profile's order; ``bf16-weights`` is measured last, on the model cast to
-bf16 (:func:`measure_16bit_weights`)."""
+PRECISION_ORDER: tuple[ActivationPrecision, ...] = (*PRECISIONS, WEIGHTS_16BIT, FROZEN_16BIT)
+"""Every measured precision, in the profile's order; ``bf16-weights`` is measured on the model cast to
+bf16 (:func:`measure_16bit_weights`), ``bf16-frozen`` (LoRA profiles) on its frozen weights cast to bf16
+(:func:`measure_frozen_16bit`)."""
 MIN_BLOCKS_FOR_REDUCTION = 3
 REAL_RUN_MAX_BYTES = 1 << 28
 """Largest model (parameter and buffer bytes: 256 MiB, ~64 M fp32 parameters) profiled by a real CPU run
@@ -409,7 +413,7 @@ def _checkpoint_call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
 
 def _autocast(precision: ActivationPrecision) -> contextlib.AbstractContextManager[Any]:
-    if precision == "bf16":
+    if precision in ("bf16", FROZEN_16BIT):
         return torch.autocast("cpu", dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
@@ -521,7 +525,7 @@ class StepRunner:
         self.backward(loss)
 
     # -- measurements -----------------------------------------------------------------------------
-    def warm_up(self, b: int) -> bool | None:
+    def warm_up(self, b: int, precision: ActivationPrecision = "fp32") -> bool | None:
         """One step (allocates the gradients), then zero them in place. Returns whether the first
         repeated block's tensor inputs require grad (None without blocks)."""
         self.model.train()
@@ -534,7 +538,7 @@ class StepRunner:
 
         handle = self.blocks[0].register_forward_pre_hook(pre_hook, with_kwargs=True) if self.blocks else None
         try:
-            self.step(b)
+            self.step(b, precision)
         finally:
             if handle is not None:
                 handle.remove()
@@ -682,6 +686,8 @@ def measure(runner: StepRunner, batch_sizes: tuple[int, int], *, flops: bool = T
         envelopes[(precision, ckpt)] = StepEnvelope.from_timelines(t0, t1, batch_sizes)
     sixteen, note = measure_16bit_weights(runner, batch_sizes)
     envelopes.update(sixteen)
+    if any(LORA_MARK in name for name, _ in runner.model.named_parameters()):
+        envelopes.update(measure_frozen_16bit(runner, batch_sizes))
     assert runner.batch_info is not None
     return Measurement(fwd, bwd, envelopes, runner.batch_info, runner.loss_note, input_grad, note)
 
@@ -714,6 +720,29 @@ def measure_16bit_weights(runner: StepRunner, batch_sizes: tuple[int, int]
         runner.input_dtype = None
         _cast_floating(model, lambda name: dtypes.get(name))
     return envelopes, note
+
+
+def measure_frozen_16bit(runner: StepRunner, batch_sizes: tuple[int, int]
+                         ) -> dict[tuple[ActivationPrecision, CheckpointMode], StepEnvelope]:
+    """The ``bf16-frozen`` envelopes of a LoRA model: its frozen parameters cast to bf16, the trainable adapters
+    kept in fp32, steps under bf16 autocast (peft's default on a base loaded in bf16, with a Hugging Face
+    ``Trainer(bf16=True)``): one warm-up step, then the timelines of the other modes; the model is cast back
+    afterwards. A model that fails so gets none (its AMP recipes then use the autocast fit)."""
+    model = runner.model
+    frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    dtypes = {name: p.dtype for name, p in model.named_parameters(remove_duplicate=False)}
+    envelopes: dict[tuple[ActivationPrecision, CheckpointMode], StepEnvelope] = {}
+    try:
+        _cast_floating(model, lambda name: torch.bfloat16 if name in frozen else None)
+        runner.warm_up(batch_sizes[0], FROZEN_16BIT)
+        for ckpt in checkpoint_modes(bool(runner.blocks)):
+            t0, t1 = (runner.activation_timeline(b, FROZEN_16BIT, ckpt) for b in batch_sizes)
+            envelopes[(FROZEN_16BIT, ckpt)] = StepEnvelope.from_timelines(t0, t1, batch_sizes)
+    except ModelFileError:
+        envelopes = {}
+    finally:
+        _cast_floating(model, lambda name: dtypes.get(name))
+    return envelopes
 
 
 def _cast_floating(model: nn.Module, dtype_of: Callable[[str], torch.dtype | None]) -> None:
@@ -869,11 +898,16 @@ def measure_real(contract: ModelContract, meta: nn.Module, spec: BatchSpec, bloc
 
 
 def profile_contract(contract: ModelContract, *, seq_len: int | None = None,
-                     started: float | None = None) -> ModelProfile:
-    """Profile the model of ``contract`` (see the module docstring); ``started`` is a perf_counter()."""
+                     started: float | None = None, lora: LoraRequest | None = None) -> ModelProfile:
+    """Profile the model of ``contract`` (see the module docstring); ``started`` is a perf_counter(); ``lora``:
+    profile it with LoRA adapters (probes/adapters.py) on every build."""
     t0 = time.perf_counter() if started is None else started
     notes = list(contract.notes)
     meta = contract.build_meta()
+    adapter = None
+    if lora is not None:
+        contract, meta, lora = _with_lora(contract, meta, lora)
+        adapter = adapter_profile(meta, lora)
     params, trainable, by_module, dtype = count_params(meta)
     block = find_repeated_block(meta)
     shape = read_transformer_shape(meta, block)
@@ -951,7 +985,25 @@ def profile_contract(contract: ModelContract, *, seq_len: int | None = None,
         transformer=shape,
         profiled_blocks=profiled_blocks,
         defaults=contract.defaults,
+        adapter=adapter,
         notes=tuple(notes),
         torch_version=torch.__version__,
         profile_s=round(time.perf_counter() - t0, 3),
     )
+
+
+def _with_lora(contract: ModelContract, meta: nn.Module, lora: LoraRequest
+               ) -> tuple[ModelContract, nn.Module, LoraRequest]:
+    """The contract whose every build carries the LoRA adapters, the adapted meta model, and the request with
+    its targets resolved (the default targets come from the repeated blocks of the model as built)."""
+    block = find_repeated_block(meta)
+    targets = resolve_targets(meta, lora, block.blocks if block else [])
+    lora = lora.model_copy(update={"targets": targets})
+    build = contract.builder
+    display = contract.display
+
+    def builder() -> Any:
+        model = build()
+        return apply_lora(model, lora, display) if isinstance(model, nn.Module) else model
+
+    return dataclasses.replace(contract, builder=builder), apply_lora(meta, lora, display), lora

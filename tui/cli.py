@@ -55,6 +55,11 @@ HfOpt = Annotated[str | None, typer.Option(
 HfClassOpt = Annotated[str | None, typer.Option("--hf-class", help="the transformers class for --hf (default: the config's architectures[0])")]
 ArchOpt = Annotated[str | None, typer.Option(
     "--arch", help="a decoder by shape instead of a file: layers=L,hidden=H,heads=A[,kv_heads=K][,ffn=F][,vocab=V][,seq=S][,gated=1][,tied=0]")]
+FinetuneOpt = Annotated[str, typer.Option("--finetune", help="full (every parameter trains), lora (adapters on a 16-bit base) or qlora (adapters on a 4-bit NF4 base)")]
+LoraRankOpt = Annotated[int | None, typer.Option("--lora-rank", help="LoRA rank r (default 16)")]
+LoraAlphaOpt = Annotated[float | None, typer.Option("--lora-alpha", help="LoRA alpha (default 2 x rank)")]
+LoraTargetsOpt = Annotated[str | None, typer.Option("--lora-targets", help="comma-separated layer names to adapt (default: the linear layers of the repeated blocks, e.g. q_proj,...,down_proj)")]
+QuantOpt = Annotated[str | None, typer.Option("--quant", help="frozen base of a LoRA run: none, int8, nf4 or nf4-dq (default: nf4-dq for qlora, none for lora)")]
 GpuOpt = Annotated[str | None, typer.Option("--gpu", help="GPU to plan for (default: detected, else H100-SXM)")]
 GpusOpt = Annotated[int | None, typer.Option("--gpus", help="number of GPUs (default: detected, else 8)")]
 GpnOpt = Annotated[int | None, typer.Option("--gpus-per-node", help="GPUs per node (default: min(gpus, 8))")]
@@ -121,14 +126,20 @@ def _main(ctx: typer.Context,
 
 @app.command()
 def profile(ctx: typer.Context, model: OptModelFile = None, hf: HfOpt = None, hf_class: HfClassOpt = None,
-            arch: ArchOpt = None, seq_len: SeqOpt = None, model_name: NameOpt = None, as_json: JsonOpt = False) -> None:
+            arch: ArchOpt = None, seq_len: SeqOpt = None, model_name: NameOpt = None,
+            finetune: FinetuneOpt = "full", lora_rank: LoraRankOpt = None, lora_alpha: LoraAlphaOpt = None,
+            lora_targets: LoraTargetsOpt = None, as_json: JsonOpt = False) -> None:
     """Profile a model file on the meta/fake device (or an --arch shape): parameters, FLOPs, activations."""
     from optplan.planner.api import resolve_model
+    from optplan.planner.finetune import FinetuneChoice
     from optplan.tui.render import profile_table
 
     def body() -> None:
+        choice = FinetuneChoice(finetune=finetune, lora_rank=lora_rank, lora_alpha=lora_alpha, lora_targets=lora_targets)
+        choice.check(runs_a_model=model is not None or hf is not None)
         with _stderr().status("profiling the model in a child process..."):
-            prof = resolve_model(model, arch=arch, seq_len=seq_len, model_name=model_name, hf=hf, hf_class=hf_class)
+            prof = resolve_model(model, arch=arch, seq_len=seq_len, model_name=model_name, hf=hf, hf_class=hf_class,
+                                 lora=choice.lora_request())
         if as_json:
             typer.echo(prof.model_dump_json(indent=2))
         else:
@@ -221,14 +232,20 @@ def estimate(
     seq_len: SeqOpt = None,
     tokens: Annotated[float | None, typer.Option("--tokens", help="token budget: adds time, GPU-hours, energy")] = None,
     price: Annotated[float | None, typer.Option("--price", help="price per GPU-hour (USD), with --tokens")] = None,
-    model_name: NameOpt = None, as_json: JsonOpt = False,
+    model_name: NameOpt = None, finetune: FinetuneOpt = "full", lora_rank: LoraRankOpt = None,
+    lora_alpha: LoraAlphaOpt = None, lora_targets: LoraTargetsOpt = None, quant: QuantOpt = None,
+    as_json: JsonOpt = False,
 ) -> None:
     """Memory (worst rank) and time breakdown of one configuration, and whether (and why) it fits."""
     from optplan.planner.api import check_search_options, estimate_strategy, resolve_cluster, resolve_model
     from optplan.planner.derive import StrategyFlags, derive_strategy
+    from optplan.planner.finetune import FinetuneChoice
     from optplan.tui.render import estimate_table
 
     def body() -> None:
+        choice = FinetuneChoice(finetune=finetune, lora_rank=lora_rank, lora_alpha=lora_alpha,
+                                lora_targets=lora_targets, quant=quant)
+        choice.check(runs_a_model=model is not None or hf is not None)
         if precision is not None:
             _check_choice("--precision", precision, PRECISIONS)
         _check_choice("--checkpointing", checkpointing, ("none", "selective", "full"))
@@ -249,13 +266,17 @@ def estimate(
         if params is not None and (arch is not None or model is not None or hf is not None):
             raise OptplanError("give exactly one of a model FILE, --hf, --arch or --params")
         target, notes = resolve_cluster(gpu=gpu, gpus=gpus, gpus_per_node=gpus_per_node, cluster_file=cluster)
-        chosen = precision or ("bf16" if target.gpu.supports_bf16 else "fp16")
-        if precision is None and chosen != "bf16":
+        adapter_precisions = choice.precisions(target.gpu.supports_bf16)
+        chosen = precision or (adapter_precisions[0] if adapter_precisions else
+                               "bf16" if target.gpu.supports_bf16 else "fp16")
+        if precision is None and chosen != "bf16" and not choice.adapters:
             notes.append(f"{target.gpu.name} has no bf16 math: precision fp16 (pass --precision to choose)")
         flags = StrategyFlags(dp=dp, tp=tp, pp=pp, vpp=vpp, cp=cp, sp=sp, zero=zero, fsdp=fsdp, offload=offload,
                               offload_optimizer=offload_optimizer, offload_params=offload_params,
                               precision=chosen, optimizer=optimizer, mbs=mbs, gas=grad_accum,
-                              global_batch=global_batch, checkpointing=checkpointing, flash=flash, engine=engine)
+                              global_batch=global_batch, checkpointing=checkpointing, flash=flash,
+                              engine=engine or ("torch" if choice.adapters and not zero else None),
+                              quant=choice.quant_name())
         # validated before the (slow) profile so a bad flag fails at once
         strategy = derive_strategy(flags, target, gpus_given=gpus is not None or cluster is not None)
         check_search_options(target, global_batch=None, precisions=[chosen])
@@ -265,7 +286,7 @@ def estimate(
             raise OptplanError(f"--tokens must be positive (got {tokens:g})")
         with _stderr().status("profiling the model in a child process..."):
             prof = resolve_model(model, arch=arch, seq_len=seq_len, model_name=model_name, params=params, hf=hf,
-                                 hf_class=hf_class)
+                                 hf_class=hf_class, lora=choice.lora_request())
         if optimizer is None and prof.defaults.optimizer:
             strategy = derive_strategy(flags.model_copy(update={"optimizer": prof.defaults.optimizer}), target)
         est = estimate_strategy(prof, target, strategy, tokens=tokens, price_per_gpu_hour=price)
@@ -340,7 +361,9 @@ def recommend(
     probe_steps: Annotated[int, typer.Option("--probe-steps", help="timed steps per probe (after 2 warm-up steps)")] = 5,
     probe_nproc: Annotated[int | None, typer.Option("--probe-nproc", help="local processes per probe (default: local GPUs, 1 on CPU)")] = None,
     calibration: Annotated[bool, typer.Option("--calibration/--no-calibration", help="start from the calibration an earlier probe run stored for this GPU, model and torch")] = True,
-    model_name: NameOpt = None, as_json: JsonOpt = False,
+    model_name: NameOpt = None, finetune: FinetuneOpt = "full", lora_rank: LoraRankOpt = None,
+    lora_alpha: LoraAlphaOpt = None, lora_targets: LoraTargetsOpt = None, quant: QuantOpt = None,
+    as_json: JsonOpt = False,
 ) -> None:
     """Search parallel layout, engine, sharding, offload, precision, micro-batch and checkpointing; print the best plan."""
     args = RecommendArgs.model_validate({k: v for k, v in locals().items() if k in RecommendArgs.model_fields})

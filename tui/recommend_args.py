@@ -91,6 +91,11 @@ class RecommendArgs(BaseModel):
     probe_nproc: int | None = None
     calibration: bool = True
     model_name: str | None = None
+    finetune: str = "full"
+    lora_rank: int | None = None
+    lora_alpha: float | None = None
+    lora_targets: str | None = None
+    quant: str | None = None
 
     @property
     def runs_a_model(self) -> bool:

@@ -18,6 +18,7 @@ from optplan.estimators.hardware import Cluster
 from optplan.estimators.profile import ModelProfile
 from optplan.planner.events import ProgressEvent
 from optplan.planner.export.registry import ExportOptions
+from optplan.planner.finetune import FinetuneChoice
 from optplan.planner.recommend import Recommendation
 from optplan.planner.search import Goal
 from optplan.tui.recommend_args import (
@@ -59,6 +60,7 @@ def prepare_recommend(args: RecommendArgs, *, check_out: bool = True) -> Prepare
     from optplan.planner.space import parse_gpus_range
 
     a = args
+    finetune_choice(a).check(runs_a_model=a.runs_a_model)
     check_choice("--objective", a.objective, OBJECTIVES)
     check_choice("--method", a.method, METHODS)
     check_choice("--launcher", a.launcher, LAUNCHERS)
@@ -124,7 +126,13 @@ def profile_for(prepared: PreparedRecommend, *, cancelled: Callable[[], bool] | 
 
     a = prepared.args
     return resolve_model(a.model, arch=a.arch, seq_len=a.seq_len, model_name=a.model_name, params=a.params,
-                         hf=a.hf, hf_class=a.hf_class, cancelled=cancelled)
+                         hf=a.hf, hf_class=a.hf_class, cancelled=cancelled, lora=finetune_choice(a).lora_request())
+
+
+def finetune_choice(args: RecommendArgs) -> FinetuneChoice:
+    """The fine-tuning flags of ``args``."""
+    return FinetuneChoice(finetune=args.finetune, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
+                          lora_targets=args.lora_targets, quant=args.quant)
 
 
 def global_batch_for(prepared: PreparedRecommend, prof: ModelProfile) -> int | None:
@@ -173,8 +181,10 @@ def run_recommend(prepared: PreparedRecommend, prof: ModelProfile, *,
     if a.calibration and a.runs_a_model:
         from optplan.planner.probe_stage import cached_calibration
         cal = cached_calibration(prof, prepared.cluster)
-    return recommend(prof, prepared.cluster, global_batch=gb, precisions=a.precision, optimizers=a.optimizer,
+    choice = finetune_choice(a)
+    precisions = a.precision or choice.precisions(prepared.cluster.gpu.supports_bf16)
+    return recommend(prof, prepared.cluster, global_batch=gb, precisions=precisions, optimizers=a.optimizer,
                      engines=a.engine, gpu_counts=prepared.gpu_counts, goal=prepared.goal, offload=a.offload,
                      method=a.method, seed=a.seed, n_trials=a.trials,  # type: ignore[arg-type]
                      storage=prepared.storage, notes=prepared.notes, calibration=cal, probe=probe_options,
-                     on_progress=on_progress, on_trial=on_trial, cancelled=cancelled)
+                     on_progress=on_progress, on_trial=on_trial, cancelled=cancelled, quant=choice.quant_name())

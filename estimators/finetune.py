@@ -1,0 +1,147 @@
+"""Fine-tuning with adapters: LoRA adapters on a frozen base, the base optionally quantised (QLoRA).
+
+What a LoRA run holds (bytes):
+- LoRA (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models", arXiv 2106.09685 §4.1):
+  every adapted ``d_out × d_in`` weight ``W`` stays frozen and gains two trainable matrices ``A`` (r × d_in)
+  and ``B`` (d_out × r): r·(d_in + d_out) trainable parameters per adapted layer (peft ``lora.Linear``;
+  the counts come from the profile, which builds the adapters with peft). Only these have gradients and
+  optimizer states; they follow the precision recipe like any trainable parameter (``amp-bf16``: fp32
+  adapters under autocast, what peft's ``autocast_adapter_dtype=True`` default keeps; ``bf16-pure``: bf16
+  adapters and bf16 AdamW moments, what TRL's ``SFTTrainer`` makes of a quantised model's adapters).
+- The frozen base in 16 bits (the Hugging Face ``torch_dtype=bfloat16`` load; fp32 under the fp32 recipe):
+  :data:`FROZEN_16BIT_BYTES` per parameter, no gradient, no optimizer state.
+- A quantised base (bitsandbytes through ``transformers.BitsAndBytesConfig``) replaces the weight of every
+  ``nn.Linear`` except the output head (transformers ``get_keys_to_not_convert``); biases, norms and
+  embeddings stay 16-bit:
+  - ``int8``: LLM.int8() (Dettmers et al. 2022, arXiv 2208.07339 §3; bitsandbytes ``Int8Params``): one byte per
+    weight plus one fp32 scale per output row (``SCB``).
+  - ``nf4``: 4-bit NormalFloat (Dettmers et al. 2023, "QLoRA", arXiv 2305.14314 §3): half a byte per weight
+    plus one fp32 absmax per block of 64 (32/64 = 0.5 bits per parameter).
+  - ``nf4-dq``: NF4 with double quantisation (QLoRA §3, "Double Quantization"): the absmax constants are
+    themselves quantised to 8 bits in blocks of 256 with one fp32 constant each: 8/64 + 32/(64·256) =
+    0.127 bits per parameter instead of 0.5.
+  Checked against bitsandbytes 0.50 on the CPU (tests/estimators/test_finetune.py): the bytes of the
+  quantised weight and its quant state match these formulas.
+- While a quantised layer computes, bitsandbytes dequantises its weight to the compute dtype (``MatMul4Bit``
+  and ``MatMul8bitLt`` in forward and again for the input gradient in backward): one 16-bit copy of the
+  largest quantised weight is alive at a time (:func:`dequantized_weight_bytes`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    from optplan.estimators.strategy import Strategy
+
+FinetuneMethod = Literal["full", "lora", "qlora"]
+QuantName = Literal["none", "int8", "nf4", "nf4-dq"]
+QUANT_NAMES: tuple[QuantName, ...] = ("none", "int8", "nf4", "nf4-dq")
+QLORA_DEFAULT_QUANT: QuantName = "nf4-dq"
+"""QLoRA's recipe (arXiv 2305.14314 §3): NF4 weights with double quantisation."""
+
+LORA_DEFAULT_RANK = 16
+
+
+class LoraRequest(BaseModel):
+    """The adapters asked for: rank, alpha (None: 2·rank) and target module names (None: the model's default)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    rank: int = Field(default=LORA_DEFAULT_RANK, ge=1)
+    alpha: float | None = Field(default=None, gt=0)
+    targets: tuple[str, ...] | None = None
+
+    @property
+    def scale_alpha(self) -> float:
+        """alpha, or 2·rank when not given (a common default; peft's own is 8)."""
+        return float(self.alpha) if self.alpha is not None else 2.0 * self.rank
+
+
+FROZEN_16BIT_BYTES = 2
+"""Bytes of a frozen base weight held in bf16/fp16, per parameter."""
+INT8_ROW_SCALE_BYTES = 4
+"""LLM.int8(): one fp32 scale per output row of each quantised weight (bitsandbytes ``Int8Params.SCB``)."""
+NF4_BLOCK = 64
+"""Weights per 4-bit quantisation block (QLoRA §3; bitsandbytes ``blocksize=64``)."""
+NF4_ABSMAX_BYTES = 4
+"""One fp32 absmax per 4-bit block without double quantisation."""
+DQ_BLOCK = 256
+"""Absmax constants per block of the second quantisation (QLoRA §3; bitsandbytes ``compress_statistics``)."""
+DQ_ABSMAX_BYTES = 1
+"""Each 4-bit block's absmax, quantised to 8 bits under double quantisation."""
+DQ_SECOND_BYTES = 4
+"""One fp32 constant per block of 256 quantised absmax values."""
+DEQUANT_BYTES = 2
+"""A dequantised weight in the 16-bit compute dtype, bytes per element."""
+
+
+class AdapterProfile(BaseModel):
+    """The LoRA adapters the profile was built with, and what a quantiser would replace in the base."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    method: Literal["lora"] = "lora"
+    rank: int = Field(ge=1, description="LoRA rank r")
+    alpha: float = Field(gt=0, description="LoRA scaling numerator (scale alpha / r)")
+    targets: tuple[str, ...] = Field(description="the module names given to peft's target_modules")
+    adapted_modules: int = Field(ge=1, description="layers that carry an adapter")
+    adapter_params: int = Field(ge=0, description="trainable adapter parameters, r·(d_in + d_out) each")
+    quantizable_params: int = Field(
+        ge=0, description="weights of the base's nn.Linear layers a bitsandbytes quantiser replaces (every "
+                          "Linear but the output head), elements")
+    quantizable_rows: int = Field(ge=0, description="output rows of those weights (LLM.int8's row scales), count")
+    quantizable_tensors: int = Field(default=0, ge=0, description="those weights, count")
+    largest_quantizable_params: int = Field(ge=0, description="the largest of those weights, elements")
+
+
+def quantized_weight_bytes(quant: QuantName, elements: int, rows: int, tensors: int = 0) -> float:
+    """Bytes of ``elements`` quantised weights in ``rows`` output rows over ``tensors`` tensors (module
+    docstring: LLM.int8 §3, QLoRA §3); ``none`` keeps them 16-bit. Block counts round up per tensor, which
+    the aggregate figure approximates by adding half a block per tensor."""
+    if quant == "none":
+        return float(FROZEN_16BIT_BYTES * elements)
+    if quant == "int8":
+        return float(elements + INT8_ROW_SCALE_BYTES * rows)
+    blocks = elements / NF4_BLOCK + 0.5 * tensors
+    data = elements / 2
+    if quant == "nf4":
+        return data + NF4_ABSMAX_BYTES * blocks
+    return data + DQ_ABSMAX_BYTES * blocks + DQ_SECOND_BYTES * (blocks / DQ_BLOCK + 0.5 * tensors)
+
+
+def frozen_weight_bytes(adapter: AdapterProfile, frozen_params: int, quant: QuantName, *,
+                        fp32_base: bool = False) -> float:
+    """Bytes of the frozen base (``frozen_params`` parameters, adapters excluded): the quantised Linear
+    weights at :func:`quantized_weight_bytes`, the rest in 16 bits (fp32 with ``fp32_base``, the fp32
+    recipe; a quantised base keeps its other weights 16-bit)."""
+    rest_bytes = 4 if fp32_base and quant == "none" else FROZEN_16BIT_BYTES
+    if quant == "none":
+        return float(frozen_params * rest_bytes)
+    quantized = min(adapter.quantizable_params, frozen_params)
+    return (quantized_weight_bytes(quant, quantized, adapter.quantizable_rows, adapter.quantizable_tensors)
+            + (frozen_params - quantized) * rest_bytes)
+
+
+def dequantized_weight_bytes(adapter: AdapterProfile | None, quant: QuantName) -> int:
+    """The 16-bit copy of the largest quantised weight that bitsandbytes makes while a layer computes (bytes;
+    0 without quantisation)."""
+    if adapter is None or quant == "none":
+        return 0
+    return DEQUANT_BYTES * adapter.largest_quantizable_params
+
+
+def quant_label(quant: QuantName) -> str:
+    """Human name: 'NF4 + double quantisation', 'int8 (LLM.int8)'..."""
+    return {"none": "16-bit", "int8": "int8 (LLM.int8)", "nf4": "NF4",
+            "nf4-dq": "NF4 + double quantisation"}[quant]
+
+
+def finetune_note(adapter: AdapterProfile, strategy: Strategy) -> str:
+    """One line for the estimate's notes: what is trained and how the base is held."""
+    return (f"LoRA fine-tune: rank {adapter.rank}, alpha {adapter.alpha:g}, {adapter.adapted_modules} adapted layers "
+            f"({adapter.adapter_params:,} trainable parameters); frozen base {quant_label(strategy.quant)}"
+            + ("; bitsandbytes dequantises one weight at a time to the compute dtype (bnb_dequantized_weight). "
+               "Time: the dequantisation's memory traffic is not priced yet" if strategy.quant != "none" else ""))

@@ -1,0 +1,91 @@
+"""``--finetune full|lora|qlora`` and its flags, checked together: what to profile and how to hold the base.
+
+- ``full``: every parameter trains (the default; the model as built).
+- ``lora``: LoRA adapters (``--lora-rank``, default 16; ``--lora-alpha``, default 2·rank; ``--lora-targets``,
+  default the linear layers of the repeated blocks) on a frozen base held in 16 bits, or in 8 bits with
+  ``--quant int8``; adapters in fp32 under bf16 autocast (``amp-bf16``, peft's default).
+- ``qlora``: the same adapters on a 4-bit base (``--quant nf4-dq`` by default, QLoRA's NF4 with double
+  quantisation; ``nf4`` without it, ``int8``); adapters in bf16 with bf16 AdamW moments (``bf16-pure``: what
+  TRL's SFTTrainer makes of a quantised model's adapters, following QLoRA §3).
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+from optplan.estimators.errors import OptplanError
+from optplan.estimators.finetune import (
+    LORA_DEFAULT_RANK,
+    QLORA_DEFAULT_QUANT,
+    QUANT_NAMES,
+    FinetuneMethod,
+    LoraRequest,
+    QuantName,
+)
+
+FINETUNE_METHODS: tuple[FinetuneMethod, ...] = ("full", "lora", "qlora")
+LORA_PRECISIONS_BF16 = ("amp-bf16",)
+LORA_PRECISIONS_NO_BF16 = ("amp-fp16",)
+QLORA_PRECISIONS_BF16 = ("bf16-pure",)
+
+
+class FinetuneChoice(BaseModel):
+    """The fine-tuning flags as given (None: not given)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    finetune: str = "full"
+    lora_rank: int | None = None
+    lora_alpha: float | None = None
+    lora_targets: str | None = None
+    quant: str | None = None
+
+    @property
+    def adapters(self) -> bool:
+        return self.finetune in ("lora", "qlora")
+
+    def check(self, *, runs_a_model: bool) -> None:
+        """One OptplanError line per inconsistent flag, before anything is profiled."""
+        if self.finetune not in FINETUNE_METHODS:
+            raise OptplanError(f"unknown --finetune {self.finetune!r}: use one of {', '.join(FINETUNE_METHODS)}")
+        if self.quant is not None and self.quant not in QUANT_NAMES:
+            raise OptplanError(f"unknown --quant {self.quant!r}: use one of {', '.join(QUANT_NAMES)}")
+        if not self.adapters:
+            given = [flag for flag, v in (("--lora-rank", self.lora_rank), ("--lora-alpha", self.lora_alpha),
+                                          ("--lora-targets", self.lora_targets), ("--quant", self.quant)) if v is not None]
+            if given:
+                raise OptplanError(f"{', '.join(given)} apply to LoRA fine-tuning: add --finetune lora (or qlora), "
+                                   f"or drop {given[0]}")
+            return
+        if not runs_a_model:
+            raise OptplanError(f"--finetune {self.finetune} adds adapters to a real model: give a model FILE or --hf "
+                               "(not --arch/--params)")
+        if self.lora_rank is not None and self.lora_rank < 1:
+            raise OptplanError(f"--lora-rank must be >= 1 (got {self.lora_rank})")
+        if self.lora_alpha is not None and not self.lora_alpha > 0:
+            raise OptplanError(f"--lora-alpha must be > 0 (got {self.lora_alpha:g})")
+        if self.lora_targets is not None and not [t for t in self.lora_targets.split(",") if t.strip()]:
+            raise OptplanError("--lora-targets is empty: name the layers, e.g. q_proj,v_proj")
+        if self.finetune == "qlora" and self.quant == "none":
+            raise OptplanError("--finetune qlora quantises the base: use --quant nf4-dq, nf4 or int8, or --finetune lora")
+
+    def lora_request(self) -> LoraRequest | None:
+        """What the profile builds: the adapters, or None for full training."""
+        if not self.adapters:
+            return None
+        targets = tuple(t.strip() for t in self.lora_targets.split(",") if t.strip()) if self.lora_targets else None
+        return LoraRequest(rank=self.lora_rank or LORA_DEFAULT_RANK, alpha=self.lora_alpha, targets=targets)
+
+    def quant_name(self) -> QuantName:
+        """How the frozen base is held: --quant, else NF4 with double quantisation for qlora, else 16-bit."""
+        if self.quant is not None:
+            return self.quant  # type: ignore[return-value]
+        return QLORA_DEFAULT_QUANT if self.finetune == "qlora" else "none"
+
+    def precisions(self, supports_bf16: bool) -> tuple[str, ...] | None:
+        """The recipes searched when --precision is not given (None: the full-training defaults)."""
+        if not self.adapters:
+            return None
+        if not supports_bf16:
+            return LORA_PRECISIONS_NO_BF16
+        return QLORA_PRECISIONS_BF16 if self.finetune == "qlora" else LORA_PRECISIONS_BF16
