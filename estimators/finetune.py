@@ -22,6 +22,12 @@ What a LoRA run holds (bytes):
     0.127 bits per parameter instead of 0.5.
   Checked against bitsandbytes 0.50 on the CPU (tests/estimators/test_finetune.py): the bytes of the
   quantised weight and its quant state match these formulas.
+- bitsandbytes' 8-bit matmul (``MatMul8bitLt`` on GPUs, ``MatMul8bitFp`` on CPUs) keeps its input as an attribute
+  of the autograd context (``ctx.A``, ``ctx.tensors``), not through ``save_for_backward``, so non-reentrant
+  activation checkpointing cannot drop it: under full checkpointing an int8 base keeps, per block, the inputs
+  of its quantised layers (attention in, attention out, MLP in: h each; MLP out: F) in the compute dtype
+  (:func:`int8_checkpoint_kept_bytes`). Measured on the CPU (benchmarks/fidelity_finetune_cpu.py): without this
+  term an int8 base under checkpointing was under-predicted by 7-9 %.
 - While a quantised layer computes, bitsandbytes dequantises its weight to the compute dtype (``MatMul4Bit``
   and ``MatMul8bitLt`` in forward and again for the input gradient in backward): one 16-bit copy of the
   largest quantised weight is alive at a time (:func:`dequantized_weight_bytes`).
@@ -131,6 +137,12 @@ def dequantized_weight_bytes(adapter: AdapterProfile | None, quant: QuantName) -
     if adapter is None or quant == "none":
         return 0
     return DEQUANT_BYTES * adapter.largest_quantizable_params
+
+
+def int8_checkpoint_kept_bytes(hidden: int, ffn: int, layers: int, tokens: int, micro_batch: int) -> int:
+    """Inputs of the int8 layers that full checkpointing cannot free (module docstring): (3·h + F) elements per
+    token per block, 2 bytes each, for ``layers`` blocks of ``micro_batch`` × ``tokens`` tokens (bytes)."""
+    return DEQUANT_BYTES * (3 * hidden + ffn) * tokens * micro_batch * layers
 
 
 def quant_label(quant: QuantName) -> str:

@@ -69,7 +69,11 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
 
 from optplan.estimators.buckets import deepspeed_buckets
-from optplan.estimators.finetune import dequantized_weight_bytes, frozen_weight_bytes
+from optplan.estimators.finetune import (
+    dequantized_weight_bytes,
+    frozen_weight_bytes,
+    int8_checkpoint_kept_bytes,
+)
 from optplan.estimators.optimizers import optimizer_sees_flat_params, optimizer_state_bytes_per_param
 from optplan.estimators.parallel import layers_per_stage, placement
 from optplan.estimators.pipeline import in_flight_microbatches
@@ -572,7 +576,15 @@ def _buffers(profile: ModelProfile, strategy: Strategy, stage: int,
                 items["gloo_reduce_scatter_copy"] = (round(reduced * FSDP_REDUCE_BYTES), frozenset({"stem_grads"}))
     dequantized = dequantized_weight_bytes(profile.adapter, strategy.quant)
     if dequantized:
-        items["bnb_dequantized_weight"] = (dequantized, WHILE_MODEL_RUNS)
+        # made while a quantised block layer computes (forward on GPUs, the input gradient in backward): not while
+        # the unquantised head and loss run, where the step's peak may be
+        items["bnb_dequantized_weight"] = (dequantized, frozenset({"forward", "grads"}))
+    shape = profile.transformer
+    if strategy.quant == "int8" and strategy.checkpointing == "full" and shape is not None and block is not None:
+        layers = layers_per_stage(block.count, strategy.pp)
+        kept = int8_checkpoint_kept_bytes(shape.hidden // strategy.tp, (shape.ffn or 4 * shape.hidden) // strategy.tp,
+                                          layers, profile.tokens_per_sample or 1, strategy.mbs)
+        items["bnb_int8_checkpoint_inputs"] = (kept, frozenset({"forward", "loss", "backward", "grads"}))
     if strategy.pp > 1 or strategy.cp > 1:
         scale = 2 if recipe.activation_precision == "fp32" else 1
         seq = profile.tokens_per_sample or 1

@@ -295,8 +295,8 @@ def build_space(profile: ModelProfile, cluster: Cluster, *, global_batch: int | 
     the engines can be limited with ``engines``. Precisions default to bf16, AMP bf16 and fp32 (fp16 and
     AMP fp16 on GPUs without bf16); fp8 and bf16-pure change numerics and are searched only when named.
 
-    A LoRA profile (``profile.adapter``) runs on torch or DeepSpeed (peft has no Megatron path) without
-    offload (its optimizer states are the adapters'); a quantised base (``quant``, bitsandbytes) on torch only.
+    A LoRA profile (``profile.adapter``) runs on the torch engine (DDP or FSDP, what TRL's SFTTrainer launches:
+    finetune.py) without offload (its optimizer states are the adapters').
     """
     check_global_batch(global_batch, cluster.gpus)
     counts = tuple(gpu_counts) if gpu_counts else (cluster.gpus,)
@@ -315,8 +315,7 @@ def build_space(profile: ModelProfile, cluster: Cluster, *, global_batch: int | 
     if profile.transformer is None:
         chosen_engines = tuple(e for e in chosen_engines if e != "megatron") or chosen_engines
     if profile.adapter is not None:
-        allowed = ("torch",) if quant != "none" else ("deepspeed", "torch")
-        chosen_engines = tuple(e for e in chosen_engines if e in allowed) or allowed
+        chosen_engines = ("torch",)
         offload = False
     model_parallel = "megatron" in chosen_engines and profile.transformer is not None
     layouts: list[Layout] = []

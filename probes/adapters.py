@@ -29,7 +29,10 @@ def _is_linear(module: nn.Module) -> bool:
 
 
 def _in_out(module: nn.Module) -> tuple[int, int]:
-    """(in features, out features) of a linear layer (Conv1D keeps its weight as in x out)."""
+    """(in features, out features) of a linear layer (Conv1D keeps its weight as in x out; a quantised
+    bitsandbytes Linear packs its weight, but keeps ``in_features``/``out_features``)."""
+    if isinstance(getattr(module, "in_features", None), int) and isinstance(getattr(module, "out_features", None), int):
+        return int(module.in_features), int(module.out_features)
     w = module.weight
     if isinstance(module, nn.Linear):
         return int(w.shape[1]), int(w.shape[0])

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from optplan.estimators.buckets import DeepSpeedBuckets, deepspeed_buckets
 from optplan.estimators.errors import OptplanError
 from optplan.estimators.estimate import Estimate
+from optplan.estimators.finetune import AdapterProfile
 from optplan.estimators.hardware import Cluster
 from optplan.estimators.profile import ModelProfile, TransformerShape
 from optplan.estimators.strategy import Strategy
@@ -27,6 +28,8 @@ FILE_NAMES: dict[str, str] = {
     "hf": "hf_training_args.json",
     "lightning": "lightning.json",
     "train": "train.py",
+    "finetune": "finetune.json",
+    "finetune_script": "finetune.py",
 }
 """The file each target writes (stable names: users' scripts refer to them)."""
 
@@ -86,6 +89,8 @@ class ExportPlan(BaseModel):
     tokens_per_sample: int | None = None
     prediction: TrainPrediction | None = Field(default=None, description="what the plan predicts (train.py "
                                                "prints its measurements beside it); None for --params plans")
+    adapter: AdapterProfile | None = Field(default=None, description="the LoRA adapters of a --finetune lora|qlora "
+                                                                     "plan; None for full training")
 
     @property
     def world_size(self) -> int:
@@ -125,7 +130,7 @@ def export_plan_for(strategy: Strategy, profile: ModelProfile, cluster: Cluster,
         block_class=block.class_name if block is not None else None, params=profile.params,
         transformer=profile.transformer, seq_len=profile.seq_len, buckets=deepspeed_buckets(profile),
         gpu=cluster.gpu.name, gpus_per_node=cluster.gpus_per_node, tokens_per_sample=profile.tokens_per_sample,
-        prediction=prediction,
+        prediction=prediction, adapter=profile.adapter,
     )
 
 

@@ -1,6 +1,6 @@
 """The export targets: ``name -> builder`` (each renders its files and checks them with the target's own loader).
 
-``optplan export plan.json --to deepspeed|accelerate|torchrun|slurm|hf|lightning|train|all`` and
+``optplan export plan.json --to deepspeed|accelerate|torchrun|slurm|hf|lightning|train|finetune|all`` and
 ``optplan recommend --out DIR`` both go through ``render_targets``. A target that cannot express a plan
 (ds_config.json for a Megatron plan, say) raises an OptplanError naming the target that can; under
 ``all`` it is skipped and the reason is returned, under an explicit ``--to`` it is the error.
@@ -19,7 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from optplan.estimators.errors import OptplanError
-from optplan.planner.export.context import FILE_NAMES, ExportPlan
+from optplan.planner.export.context import FILE_NAMES, ExportPlan, NotExportable
 
 Launcher = Literal["torchrun", "deepspeed"]
 Builder = Callable[[ExportPlan, "ExportOptions"], dict[str, str]]
@@ -93,14 +93,32 @@ def _train(plan: ExportPlan, opts: ExportOptions) -> dict[str, str]:
     return {FILE_NAMES["train"]: text}
 
 
+def _finetune(plan: ExportPlan, opts: ExportOptions) -> dict[str, str]:
+    from optplan.planner.export.finetune import render_finetune_json, render_finetune_py, validate_finetune
+    config, script = render_finetune_json(plan), render_finetune_py(plan)
+    validate_finetune(config, script, plan)
+    return {FILE_NAMES["finetune"]: config, FILE_NAMES["finetune_script"]: script}
+
+
+def _full_training_only(builder: Builder, name: str) -> Builder:
+    """``builder``, refusing LoRA plans: its script or config trains every parameter of the model as built."""
+    def build(plan: ExportPlan, opts: ExportOptions) -> dict[str, str]:
+        if plan.adapter is not None:
+            raise NotExportable(f"the {name} export trains every parameter, and this is a LoRA plan: use finetune.py "
+                                "(--to finetune)")
+        return builder(plan, opts)
+    return build
+
+
 TARGETS: dict[str, Builder] = {
-    "deepspeed": _deepspeed,
-    "accelerate": _accelerate,
-    "torchrun": _torchrun,
-    "slurm": _slurm,
-    "hf": _hf,
-    "lightning": _lightning,
-    "train": _train,
+    "deepspeed": _full_training_only(_deepspeed, "ds_config.json"),
+    "accelerate": _full_training_only(_accelerate, "accelerate.yaml"),
+    "torchrun": _full_training_only(_torchrun, "launch.sh"),
+    "slurm": _full_training_only(_slurm, "slurm.sbatch"),
+    "hf": _full_training_only(_hf, "hf_training_args.json"),
+    "lightning": _full_training_only(_lightning, "lightning.json"),
+    "train": _full_training_only(_train, "train.py"),
+    "finetune": _finetune,
 }
 """Every export target by its ``--to`` name."""
 
