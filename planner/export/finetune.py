@@ -12,7 +12,8 @@ The mapping (peft 0.21, transformers 5.24, TRL 1.16):
 - ``model``: ``from_pretrained`` of the --hf config's folder (where the weights go) in the recipe's 16-bit dtype.
 - ``sft``: batch and accumulation of the plan, ``bf16``/``fp16`` (autocast: ``amp-bf16`` keeps fp32 adapters, peft's
   ``autocast_adapter_dtype`` default; a quantised model's adapters are cast to bf16 by SFTTrainer, QLoRA §3:
-  the plan's ``bf16-pure``), ``gradient_checkpointing`` as planned (SFTConfig's default is on) with
+  the plan's ``bf16-pure``), ``activation_checkpointing`` (transformers 5's name for ``gradient_checkpointing``) as
+  planned (SFTConfig's default is on) with
   non-reentrant checkpointing (what the profile measured), ``optim``, ``max_length`` = the plan's sequence length,
   FSDP2 (``fsdp``/``fsdp_config``, as the hf export writes them) for sharded plans.
 
@@ -99,10 +100,10 @@ def finetune_config(plan: ExportPlan) -> dict[str, Any]:
         "output_dir": "out", "per_device_train_batch_size": s.mbs, "gradient_accumulation_steps": s.grad_accum,
         "bf16": s.precision in ("amp-bf16", "bf16-pure"), "fp16": s.precision == "amp-fp16",
         "optim": OPTIM_NAMES[s.optimizer], "learning_rate": QLORA_LEARNING_RATE, "report_to": "none",
-        "gradient_checkpointing": s.checkpointing == "full" and s.fsdp == "none",
+        "activation_checkpointing": s.checkpointing == "full" and s.fsdp == "none",
     }
-    if sft["gradient_checkpointing"]:
-        sft["gradient_checkpointing_kwargs"] = {"use_reentrant": False}
+    if sft["activation_checkpointing"]:
+        sft["activation_checkpointing_kwargs"] = {"use_reentrant": False}
     if plan.seq_len:
         sft["max_length"] = plan.seq_len
     if s.fsdp != "none":

@@ -174,6 +174,8 @@ def render_targets(plan: ExportPlan, names: Sequence[str], *, options: ExportOpt
             for name in targets_for(names):
                 if lenient and name == "slurm" and not plan.multi_node and "slurm" not in names:
                     continue
+                if lenient and name == "finetune" and plan.adapter is None and "finetune" not in names:
+                    continue  # full training: nothing to say about the LoRA export
                 try:
                     files.update(TARGETS[name](plan, opts))
                 except ExportValidationError:

@@ -105,7 +105,7 @@ def test_export_command_writes_refuses_and_forces(ds_rec, tmp_path: Path) -> Non
 
 
 def test_every_target_is_registered() -> None:
-    assert set(TARGETS) == {"deepspeed", "accelerate", "torchrun", "slurm", "hf", "lightning", "train"}
+    assert set(TARGETS) == {"deepspeed", "accelerate", "torchrun", "slurm", "hf", "lightning", "train", "finetune"}
     assert ExportOptions().launcher == "torchrun"
 
 

@@ -28,7 +28,8 @@ from optplan.tui.screens.confirm import ConfirmScreen
 LEXERS = {".json": "json", ".yaml": "yaml", ".yml": "yaml", ".sh": "bash", ".sbatch": "bash", ".md": "markdown"}
 TARGET_LABELS = {"deepspeed": "DeepSpeed ds_config.json", "accelerate": "accelerate.yaml",
                  "torchrun": "launch.sh", "slurm": "slurm.sbatch", "hf": "HF TrainingArguments",
-                 "lightning": "Lightning Trainer", "train": "train.py (the training loop)"}
+                 "lightning": "Lightning Trainer", "train": "train.py (the training loop)",
+                 "finetune": "finetune.py (LoRA with TRL)"}
 DEFAULT_OUT = "plan"
 
 

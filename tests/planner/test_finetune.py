@@ -1,0 +1,94 @@
+"""``--finetune lora|qlora`` end to end: flag checks (one line each, before profiling), the single-GPU QLoRA plan of
+an --hf model, its finetune.json/finetune.py exports built and checked, and finetune.py training on the CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from optplan.tui.cli import app
+
+runner = CliRunner()
+LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 160,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 300,
+         "max_position_embeddings": 128, "tie_word_embeddings": False}
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["estimate", "--arch", "layers=2,hidden=64,heads=4", "--finetune", "lora"], "adds adapters to a real model"),
+    (["estimate", "examples/mlp.py", "--lora-rank", "8"], "add --finetune lora"),
+    (["estimate", "examples/mlp.py", "--finetune", "qlora", "--quant", "none"], "--finetune qlora quantises"),
+    (["estimate", "examples/mlp.py", "--finetune", "lora", "--quant", "fp3"], "unknown --quant 'fp3'"),
+    (["recommend", "examples/mlp.py", "--finetune", "adapter"], "unknown --finetune 'adapter'"),
+    (["recommend", "examples/mlp.py", "--finetune", "lora", "--lora-rank", "0"], "--lora-rank must be >= 1"),
+    (["profile", "examples/mlp.py", "--finetune", "lora", "--lora-targets", " , "], "--lora-targets is empty"),
+    (["estimate", "examples/mlp.py", "--quant", "nf4"], "apply to LoRA fine-tuning"),
+])
+def test_bad_finetune_flags_are_one_line(argv: list[str], message: str) -> None:
+    r = runner.invoke(app, argv)
+    assert r.exit_code == 2 and message in r.output, r.output
+    assert "Traceback" not in r.output
+
+
+def test_lora_targets_that_match_nothing(tmp_path: Path) -> None:
+    pytest.importorskip("peft")
+    r = runner.invoke(app, ["profile", "examples/mlp.py", "--finetune", "lora", "--lora-targets", "q_proj"])
+    assert r.exit_code == 2 and "match no linear layer" in r.output and "name some of its linear layers" in r.output
+
+
+@pytest.fixture(scope="module")
+def hf_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer Llama saved with random weights and a word-level tokenizer, and a 16-line jsonl dataset."""
+    pytest.importorskip("peft")
+    pytest.importorskip("trl")
+    transformers = pytest.importorskip("transformers")
+    tokenizers = pytest.importorskip("tokenizers")
+    root = tmp_path_factory.mktemp("ft")
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA))
+    model.save_pretrained(root / "model")
+    vocab = {f"w{i}": i for i in range(298)} | {"<unk>": 298, "<eos>": 299}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>",
+                                         pad_token="<eos>").save_pretrained(root / "model")
+    lines = [json.dumps({"text": " ".join(f"w{(i * 7 + j) % 298}" for j in range(40))}) for i in range(16)]
+    (root / "data.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return root
+
+
+@pytest.mark.parametrize("method,quant,precision", [("qlora", "nf4-dq", "bf16-pure"), ("lora", "none", "amp-bf16")])
+def test_single_gpu_plan_exports_and_trains(hf_model: Path, tmp_path: Path, method: str, quant: str,
+                                            precision: str) -> None:
+    out = tmp_path / "plan"
+    env = {"OPTPLAN_CACHE_DIR": str(tmp_path / "cache")}
+    r = runner.invoke(app, ["recommend", "--hf", str(hf_model / "model"), "--finetune", method, "--gpu", "RTX-4090",
+                            "--gpus", "1", "--seq-len", "64", "--no-probe", "--out", str(out), "--json"], env=env)
+    assert r.exit_code == 0, r.output
+    rec = json.loads(r.output[r.output.index("{"):])
+    plan = rec["plan"]["strategy"] if "strategy" in rec["plan"] else rec["plan"]
+    assert (plan["quant"], plan["precision"], plan["engine"], plan["dp"]) == (quant, precision, "torch", 1)
+    cfg = json.loads((out / "finetune.json").read_text())
+    assert cfg["lora"]["r"] == 16 and cfg["lora"]["target_modules"][0] == "q_proj"
+    assert (cfg["bnb"] or {}).get("bnb_4bit_use_double_quant", False) is (quant == "nf4-dq")
+    assert cfg["sft"]["per_device_train_batch_size"] == plan["mbs"] and cfg["sft"]["max_length"] == 64
+    assert not (out / "train.py").exists() and not (out / "ds_config.json").exists()  # they train every parameter
+    run = subprocess.run([sys.executable, "finetune.py", "--dataset", str(hf_model / "data.jsonl"), "--max-steps", "2",
+                          "--cpu"], cwd=out, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert (out / "out" / "adapter_model.safetensors").is_file()
+
+
+def test_export_refuses_full_training_plans_for_finetune(tmp_path: Path) -> None:
+    r = runner.invoke(app, ["recommend", "examples/mlp.py", "--gpu", "H100-SXM", "--gpus", "1", "--no-probe",
+                            "--out", str(tmp_path / "p")])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(app, ["export", str(tmp_path / "p" / "plan.json"), "--to", "finetune", "--out",
+                            str(tmp_path / "q")])
+    assert r.exit_code == 2 and "finetune.py is for --finetune lora|qlora plans" in r.output
