@@ -9,9 +9,10 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import ConfigDict
 
 from optplan.estimators.errors import OptplanError
+from optplan.planner.finetune import FinetuneChoice
 
 PRECISIONS = ("fp32", "amp-bf16", "amp-fp16", "bf16", "fp16", "bf16-pure", "fp8")
 OPTIMIZERS = ("adamw", "adamw8bit", "adamw-8bit", "adafactor", "sgd")
@@ -50,8 +51,9 @@ def parse_duration_s(text: str, flag: str = "--deadline") -> float:
     return value
 
 
-class RecommendArgs(BaseModel):
-    """The options of ``optplan recommend`` (and ``dashboard``) as given, before any check."""
+class RecommendArgs(FinetuneChoice):
+    """The options of ``optplan recommend`` (and ``dashboard``) as given, before any check; the fine-tuning flags
+    (``--finetune``, ``--lora-*``, ``--quant``) are :class:`~optplan.planner.finetune.FinetuneChoice`'s."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -91,11 +93,6 @@ class RecommendArgs(BaseModel):
     probe_nproc: int | None = None
     calibration: bool = True
     model_name: str | None = None
-    finetune: str = "full"
-    lora_rank: int | None = None
-    lora_alpha: float | None = None
-    lora_targets: str | None = None
-    quant: str | None = None
 
     @property
     def runs_a_model(self) -> bool:

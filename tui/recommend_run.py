@@ -130,9 +130,8 @@ def profile_for(prepared: PreparedRecommend, *, cancelled: Callable[[], bool] | 
 
 
 def finetune_choice(args: RecommendArgs) -> FinetuneChoice:
-    """The fine-tuning flags of ``args``."""
-    return FinetuneChoice(finetune=args.finetune, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
-                          lora_targets=args.lora_targets, quant=args.quant)
+    """The fine-tuning flags of ``args`` (RecommendArgs carries them as a FinetuneChoice)."""
+    return args
 
 
 def global_batch_for(prepared: PreparedRecommend, prof: ModelProfile) -> int | None:
