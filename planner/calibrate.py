@@ -81,8 +81,10 @@ class ProbeComparison(BaseModel):
 
 
 def profile_hash(profile: ModelProfile) -> str:
-    """16 hex digits of SHA-256 over the profile (timings and notes left out): same model, same hash."""
-    doc = profile.model_dump(mode="json", exclude={"profile_s", "notes"})
+    """16 hex digits of SHA-256 over the profile (timings and notes left out): same model, same hash. A full-training
+    profile leaves out ``adapter`` (None), so hashes from before LoRA profiles existed still match."""
+    skip = {"profile_s", "notes"} | ({"adapter"} if profile.adapter is None else set())
+    doc = profile.model_dump(mode="json", exclude=skip)
     return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

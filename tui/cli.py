@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
+import logging
 import signal
 import sys
 from collections.abc import Callable, Iterator
@@ -595,6 +596,9 @@ def _usage_message(err: Exception) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: usage errors become one line on stderr and exit code 2."""
+    # bitsandbytes (imported by the exporters' checks through peft/transformers) warns on import about optional
+    # CPU kernels; with no handler Python prints it to stderr, which must hold only optplan's own lines
+    logging.getLogger("bitsandbytes").addHandler(logging.NullHandler())
     usage_error = _usage_error_type()
     previous = None
     with contextlib.suppress(ValueError):  # not the main thread (an embedding caller): leave SIGTERM alone
