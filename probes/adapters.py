@@ -136,6 +136,5 @@ def lora_request_from(args: Any) -> LoraRequest | None:
     """A LoraRequest from parsed child arguments (``--lora-rank``...), None without ``--lora``."""
     if not getattr(args, "lora", False):
         return None
-    targets = tuple(t for t in (args.lora_targets or "").split(",") if t.strip()) or None
-    return LoraRequest(rank=args.lora_rank, alpha=args.lora_alpha,
-                       targets=tuple(t.strip() for t in targets) if targets else None)
+    targets = tuple(t.strip() for t in (args.lora_targets or "").split(",") if t.strip())
+    return LoraRequest(rank=args.lora_rank, alpha=args.lora_alpha, targets=targets or None)

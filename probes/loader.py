@@ -21,17 +21,15 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import ValidationError
 
+from optplan.estimators.finetune import LoraRequest
 from optplan.estimators.profile import ModelProfile
 from optplan.probes._pdeathsig import guarded
 from optplan.probes.model_errors import ModelFileError, check_model_path, one_line
 from optplan.probes.waiting import communicate_until
-
-if TYPE_CHECKING:
-    from optplan.estimators.finetune import LoraRequest
 
 CHILD_MODULE = "optplan.probes._child"
 EXIT_OK = 0
