@@ -38,14 +38,23 @@ def setup() -> tuple:
     return prof, cluster, space
 
 
-def _run_child(prof, cluster: Cluster, space: SearchSpace, store: str) -> int:  # noqa: ANN001
-    """Fork a child that runs the search into ``store`` and exits; returns its pid."""
+def _run_child(prof, cluster: Cluster, space: SearchSpace, store: str,  # noqa: ANN001
+               chunk_times: str | None = None) -> int:
+    """Fork a child that runs the search into ``store`` and exits; returns its pid. With ``chunk_times``
+    the child appends the monotonic time (``time.perf_counter``, one clock for every process) at which
+    each chunk was recorded."""
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
         code = 0
         try:
             search_module.CHUNK_GROUPS = CHUNK
-            search(prof, cluster, space, storage=store)
+
+            def stamp(event) -> None:  # noqa: ANN001
+                if chunk_times is not None and event.stage == "search":
+                    with open(chunk_times, "a") as f:
+                        f.write(f"{time.perf_counter()}\n")
+
+            search(prof, cluster, space, storage=store, on_progress=stamp)
         except BaseException:  # noqa: BLE001
             code = 1
         os._exit(code)
@@ -71,16 +80,21 @@ def _top(result: SearchResult, k: int = 5) -> list[Strategy]:
 def test_sigkill_at_random_points_loses_and_repeats_nothing(setup, tmp_path: Path) -> None:  # noqa: ANN001
     prof, cluster, space = setup
     reference = search(prof, cluster, space)
+    times = tmp_path / "chunk_times.txt"
     started = time.perf_counter()
-    pid = _run_child(prof, cluster, space, str(tmp_path / "timing.log"))
+    pid = _run_child(prof, cluster, space, str(tmp_path / "timing.log"), str(times))
     assert os.waitpid(pid, 0)[1] == 0
-    full_s = time.perf_counter() - started
+    stamps = [float(x) - started for x in times.read_text().split()]
+    assert len(stamps) >= 4, "the timing run recorded too few chunks to kill between"
+    # kill between the first chunk's record and the last one's: every kill lands mid-search unless
+    # the machine's speed changes between runs (a kill anywhere else tests little: nothing or all recorded)
+    first_s, last_s = stamps[0], stamps[-1]
     rng = random.Random(2026)
     landed = 0
     for i in range(KILLS):
         store = str(tmp_path / f"study{i}.log")
         pid = _run_child(prof, cluster, space, store)
-        time.sleep(rng.uniform(0.0, full_s))
+        time.sleep(rng.uniform(first_s, last_s))
         os.kill(pid, signal.SIGKILL)
         _, status = os.waitpid(pid, 0)
         before = _completed(store)
