@@ -88,6 +88,7 @@ from optplan.estimators.temporaries import (
     engine_adam_impl,
     optimizer_temp_excess_bytes,
 )
+from optplan.estimators.tensor_plan import gathers_logits, params_per_tp_rank, uses_model_tp_plan
 from optplan.estimators.units import GIB_BYTES
 
 CUDA_CONTEXT_BYTES = 1 * GIB_BYTES
@@ -214,6 +215,8 @@ def stage_params(profile: ModelProfile, strategy: Strategy, stage: int = 0) -> f
     """Parameters held by one rank of pipeline ``stage`` after tensor parallelism (count, before ZeRO)."""
     split = param_split(profile)
     t, p = strategy.tp, strategy.pp
+    if uses_model_tp_plan(profile, strategy) and p == 1:
+        return params_per_tp_rank(profile.params, profile.tensor_plan, t)  # type: ignore[arg-type]
     if p == 1:
         return (split.layers * split.per_block + split.embed + split.head) / t + split.other
     n = layers_per_stage(split.layers, p) * split.per_block / t
@@ -459,7 +462,7 @@ def _per_sample_stage_bytes(profile: ModelProfile, strategy: Strategy, mode: str
     else:
         per_sample = on_stage * layer_tp * held
     if last:
-        per_sample += ends / t
+        per_sample += ends / (1 if gathers_logits(profile, strategy) else t)
     return per_sample / cp
 
 

@@ -11,6 +11,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from optplan.estimators.finetune import AdapterProfile
+from optplan.estimators.tensor_plan import TensorPlan
 
 ActivationPrecision = Literal["fp32", "bf16", "bf16-weights", "bf16-frozen"]
 """How a profiled step ran: ``fp32`` weights and math; ``bf16`` autocast over fp32 weights (AMP: the weights,
@@ -233,6 +234,9 @@ class ModelProfile(_Frozen):
     adapter: AdapterProfile | None = Field(
         default=None, description="the LoRA adapters the model was profiled with (--finetune lora|qlora); "
                                   "None: full training")
+    tensor_plan: TensorPlan | None = Field(
+        default=None, description="the model's own tensor-parallel plan (a Hugging Face tp_plan), which the torch "
+                                  "engine's tensor parallelism follows; None: the model has none")
     activation_source: Literal["measured", "formula"] = Field(
         default="measured", description="measured: fits from a fake-tensor step; formula: Korthikanti et al. 2022 "
                                         "Table 2 from the shape (--arch), so the strategy's flash/selective apply")

@@ -67,7 +67,9 @@ class Strategy(BaseModel):
             if isinstance(opt, str) and opt in OPTIMIZER_ALIASES:
                 data["optimizer"] = OPTIMIZER_ALIASES[opt]
             if data.get("sp") is None:
-                data["sp"] = int(data.get("tp") or 1) > 1  # Megatron's recommended default with TP
+                # Megatron's recommended default with TP; the torch engine follows the model's own tp_plan, and
+                # transformers has no sequence parallelism (estimators/tensor_plan.py)
+                data["sp"] = int(data.get("tp") or 1) > 1 and data.get("engine") != "torch"
         return data
 
     @model_validator(mode="after")

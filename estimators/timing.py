@@ -87,6 +87,7 @@ from optplan.estimators.pipeline import pipeline_time_s
 from optplan.estimators.precision import get_recipe
 from optplan.estimators.profile import ModelProfile
 from optplan.estimators.strategy import Strategy
+from optplan.estimators.tensor_plan import gathers_logits
 
 
 class TimeBreakdown(BaseModel):
@@ -332,6 +333,13 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
     if t > 1:  # vocabulary-parallel embedding / logits: one activation collective + 3 tiny CE all-reduces
         tp_small = tp_one
     ce_allreduce = 3 * ring_all_reduce_s(tokens * 4, t, links["tp"].bandwidth_bytes_per_s, links["tp"].alpha_s)
+    if gathers_logits(profile, s_):
+        # the model's own plan gathers the logits to every rank (estimators/tensor_plan.py): one ring all-gather
+        # of tokens x vocab in forward, and every rank runs the whole cross-entropy, (t - 1)/t of it on top of
+        # the vocabulary slice head_time priced
+        ce_allreduce = ring_all_gather_s(tokens * dims.vocab * elem, t, links["tp"].bandwidth_bytes_per_s,
+                                         links["tp"].alpha_s)
+        ce_allreduce += (t - 1) * eff.logits_bytes_per_element * tokens * dims.vocab / t / hbm
 
     stages = [0] if p == 1 else ([0, p - 1] if p == 2 else [0, 1, p - 1])
     stage_info: list[dict[str, float]] = []

@@ -31,6 +31,10 @@ def check_strategy(profile: ModelProfile, cluster: Cluster, strategy: Strategy) 
         if shape.kv_heads and shape.kv_heads % s.tp:
             raise OptplanError(f"--tp {s.tp} does not divide the {shape.kv_heads} key-value heads: use a "
                                f"divisor of {shape.kv_heads}")
+    plan = profile.tensor_plan
+    if s.tp > 1 and s.sp and s.engine == "torch" and plan is not None and not plan.sequence_parallel:
+        raise OptplanError(f"the torch engine splits {profile.name} by its own tp_plan, which has no sequence "
+                           "parallelism (transformers does not wire it up): use --no-sp, or --engine megatron")
     if s.pp > 1:
         if profile.repeated_block is None:
             raise OptplanError(f"--pp {s.pp} needs repeated blocks to split into stages, and {profile.name} "

@@ -82,8 +82,9 @@ class ProbeComparison(BaseModel):
 
 def profile_hash(profile: ModelProfile) -> str:
     """16 hex digits of SHA-256 over the profile (timings and notes left out): same model, same hash. A full-training
-    profile leaves out ``adapter`` (None), so hashes from before LoRA profiles existed still match."""
-    skip = {"profile_s", "notes"} | ({"adapter"} if profile.adapter is None else set())
+    profile leaves out ``adapter`` (None) and a model without a tensor-parallel plan ``tensor_plan`` (None), so hashes
+    from before those fields existed still match."""
+    skip = {"profile_s", "notes"} | {name for name in ("adapter", "tensor_plan") if getattr(profile, name) is None}
     doc = profile.model_dump(mode="json", exclude=skip)
     return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:16]
 

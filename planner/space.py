@@ -13,7 +13,10 @@ which layout:
   (DDP, FSDP FULL_SHARD / SHARD_GRAD_OP / HYBRID_SHARD across nodes, FSDP CPU offload) run data-parallel
   layouts: these are the plans a ``ds_config.json`` / ``accelerate.yaml`` launches as they are;
 - Megatron-LM (ZeRO-0, or its distributed optimizer = ZeRO-1) runs every layout of a transformer, and is
-  the engine for tensor, pipeline and context parallelism.
+  the engine for pipeline and context parallelism;
+- plain torch also runs tensor parallelism for a model that carries its own plan (a Hugging Face ``tp_plan``,
+  estimators/tensor_plan.py): tp alone, FSDP2 over the data-parallel ranks (or no data parallelism), which
+  ``from_pretrained(tp_plan="auto")`` / accelerate's ParallelismConfig launch.
 
 A *group* is a point of every axis except the micro-batch: per-GPU memory grows with the micro-batch, so
 the search prices a group's micro-batches in ascending order and stops at the first that does not fit.
@@ -106,6 +109,8 @@ class SearchSpace(BaseModel):
     global_batch: int | None = None
     max_micro_batch: int = MAX_MICRO_BATCH
     quant: str = "none"
+    torch_tp: bool = Field(default=False, description="the torch engine also runs tensor-parallel layouts, split by "
+                                                      "the model's own tp_plan (FSDP2 over the data-parallel ranks)")
 
     @property
     def gpu_counts(self) -> tuple[int, ...]:
@@ -124,7 +129,7 @@ class SearchSpace(BaseModel):
         """The engine/sharding choices that can run ``layout``."""
         out = []
         for sh in self.shardings:
-            if layout.model_parallel and sh.engine != "megatron":
+            if layout.model_parallel and sh.engine != "megatron" and not self._torch_tp_runs(layout, sh):
                 continue
             if sh.fsdp == "hybrid" and layout.dp <= self.gpus_per_node:
                 continue  # HSDP replicates across nodes: one node is plain FULL_SHARD
@@ -133,6 +138,15 @@ class SearchSpace(BaseModel):
                 continue  # sharding over one rank is the unsharded plan with extra bookkeeping
             out.append(sh)
         return tuple(out)
+
+    def _torch_tp_runs(self, layout: Layout, sharding: Sharding) -> bool:
+        """The torch engine runs tensor parallelism alone (no pipeline or context split) by the model's tp_plan,
+        as transformers' ``DistributedConfig`` launches it: FSDP2 FULL_SHARD (HSDP across nodes) over the
+        data-parallel ranks, or no data parallelism at all. It has no SHARD_GRAD_OP (``fully_shard`` with
+        ``reshard_after_forward=True``) and no DDP beside TP (nor has accelerate's ParallelismConfig)."""
+        if not self.torch_tp or sharding.engine != "torch" or layout.pp > 1 or layout.cp > 1:
+            return False
+        return sharding.fsdp in ("full", "hybrid") if layout.dp > 1 else sharding.fsdp == "none"
 
     def precisions_for(self, sharding: Sharding) -> tuple[str, ...]:
         if sharding.engine == "megatron":
@@ -239,13 +253,15 @@ def parse_gpus_range(text: str, gpus_per_node: int) -> tuple[int, ...]:
     return tuple(sorted(counts))
 
 
-def _layouts(profile: ModelProfile, gpus: int, gpus_per_node: int, model_parallel: bool) -> list[Layout]:
+def _layouts(profile: ModelProfile, gpus: int, gpus_per_node: int, model_parallel: bool,
+             torch_tp: bool = False) -> list[Layout]:
     shape = profile.transformer
     block = profile.repeated_block
     tps, pps, cps = [1], [1], [1]
-    if model_parallel and shape is not None:
+    if (model_parallel or torch_tp) and shape is not None:
         heads = gcd(shape.heads, shape.kv_heads or shape.heads)
         tps = [t for t in _powers_of_two_upto(gpus_per_node) if heads % t == 0]
+    if model_parallel and shape is not None:
         seq = profile.tokens_per_sample or 0
         cps = [c for c in _powers_of_two_upto(MAX_CP) if c == 1 or (seq % (2 * c) == 0
                                                                    and seq // c >= MIN_TOKENS_PER_CP_RANK)]
@@ -318,9 +334,11 @@ def build_space(profile: ModelProfile, cluster: Cluster, *, global_batch: int | 
         chosen_engines = ("torch",)
         offload = False
     model_parallel = "megatron" in chosen_engines and profile.transformer is not None
+    torch_tp = ("torch" in chosen_engines and profile.tensor_plan is not None and profile.transformer is not None
+                and profile.adapter is None)
     layouts: list[Layout] = []
     for n in counts:
-        layouts += _layouts(profile, n, cluster.gpus_per_node, model_parallel)
+        layouts += _layouts(profile, n, cluster.gpus_per_node, model_parallel, torch_tp)
     if checkpointing is not None:
         ckpt = tuple(dict.fromkeys(checkpointing))
     elif profile.supports_checkpointing or profile.transformer is not None:
@@ -332,5 +350,5 @@ def build_space(profile: ModelProfile, cluster: Cluster, *, global_batch: int | 
         gpus_per_node=cluster.gpus_per_node, layouts=tuple(layouts),
         shardings=_shardings(chosen_engines, multi_node, offload), precisions=usable, optimizers=opts,
         checkpointing=ckpt, global_batch=global_batch, max_micro_batch=max_micro_batch,  # type: ignore[arg-type]
-        quant=quant,
+        quant=quant, torch_tp=torch_tp,
     )

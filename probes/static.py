@@ -104,6 +104,7 @@ from optplan.probes.contract import (
 from optplan.probes.envelope import PHASES, StepEnvelope, Timeline, activation_fit
 from optplan.probes.loader import ModelFileError
 from optplan.probes.memtrack import MemTracker
+from optplan.probes.tensor_plan import read_tensor_plan
 
 try:  # torch >= 2.3
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -905,6 +906,7 @@ def profile_contract(contract: ModelContract, *, seq_len: int | None = None,
     notes = list(contract.notes)
     meta = contract.build_meta()
     adapter = None
+    tensor_plan = read_tensor_plan(meta) if lora is None else None  # LoRA plans run without tensor parallelism
     if lora is not None:
         contract, meta, lora = _with_lora(contract, meta, lora)
         adapter = adapter_profile(meta, lora)
@@ -986,6 +988,7 @@ def profile_contract(contract: ModelContract, *, seq_len: int | None = None,
         profiled_blocks=profiled_blocks,
         defaults=contract.defaults,
         adapter=adapter,
+        tensor_plan=tensor_plan,
         notes=tuple(notes),
         torch_version=torch.__version__,
         profile_s=round(time.perf_counter() - t0, 3),

@@ -215,7 +215,7 @@ def estimate(
     pp: Annotated[int | None, typer.Option("--pp", help="pipeline stages (default 1)")] = None,
     vpp: Annotated[int | None, typer.Option("--vpp", help="virtual stages per pipeline rank (interleaved 1F1B)")] = None,
     cp: Annotated[int | None, typer.Option("--cp", help="context-parallel degree (default 1)")] = None,
-    sp: Annotated[bool | None, typer.Option("--sp/--no-sp", help="sequence parallelism (default: on when tp > 1)", show_default=False)] = None,
+    sp: Annotated[bool | None, typer.Option("--sp/--no-sp", help="sequence parallelism (default: on when tp > 1, except on the torch engine)", show_default=False)] = None,
     zero: Annotated[int | None, typer.Option("--zero", help="DeepSpeed ZeRO stage 0-3")] = None,
     fsdp: Annotated[str | None, typer.Option("--fsdp", help="torch FSDP: full, grad_op or hybrid (HSDP)")] = None,
     offload: Annotated[str | None, typer.Option("--offload", help="none, optimizer or params (CPU)")] = None,
@@ -548,7 +548,7 @@ def calibrate_cmd(
 def export_cmd(
     ctx: typer.Context,
     plan_file: Annotated[Path, typer.Argument(help="plan.json written by optplan recommend --out", show_default=False)],
-    to: Annotated[list[str], typer.Option("--to", help="deepspeed, accelerate, torchrun, slurm, hf, lightning, train or all (repeatable)")],
+    to: Annotated[list[str], typer.Option("--to", help="deepspeed, accelerate, torchrun, slurm, hf, lightning, train, finetune or all (repeatable)")],
     out: Annotated[Path, typer.Option("--out", help="folder to write the files to")],
     launcher: Annotated[str, typer.Option("--launcher", help="launch.sh starts torchrun or the deepspeed launcher")] = "torchrun",
     fsdp_version: Annotated[int, typer.Option("--fsdp-version", help="accelerate FSDP config version (1 or 2)")] = 2,

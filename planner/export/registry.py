@@ -163,6 +163,7 @@ def render_targets(plan: ExportPlan, names: Sequence[str], *, options: ExportOpt
     is written for multi-node plans only; an explicitly named target that cannot is an OptplanError.
     Validation failures are always errors: nothing is returned to write.
     """
+    from optplan.planner.export.finetune import hf_model_folder
     from optplan.planner.validate import ExportValidationError
 
     opts = options or ExportOptions()
@@ -174,8 +175,9 @@ def render_targets(plan: ExportPlan, names: Sequence[str], *, options: ExportOpt
             for name in targets_for(names):
                 if lenient and name == "slurm" and not plan.multi_node and "slurm" not in names:
                     continue
-                if lenient and name == "finetune" and plan.adapter is None and "finetune" not in names:
-                    continue  # full training: nothing to say about the LoRA export
+                if lenient and name == "finetune" and plan.adapter is None and "finetune" not in names \
+                        and hf_model_folder(plan.model_path) is None:
+                    continue  # full training of a model file: finetune.py needs a Hugging Face model
                 try:
                     files.update(TARGETS[name](plan, opts))
                 except ExportValidationError:

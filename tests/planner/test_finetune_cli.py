@@ -10,14 +10,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from hf_models import save_tiny_llama
 from typer.testing import CliRunner
 
 from optplan.tui.cli import app
 
 runner = CliRunner()
-LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 160,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 300,
-         "max_position_embeddings": 128, "tie_word_embeddings": False}
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -47,19 +45,9 @@ def hf_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-layer Llama saved with random weights and a word-level tokenizer, and a 16-line jsonl dataset."""
     pytest.importorskip("peft")
     pytest.importorskip("trl")
-    transformers = pytest.importorskip("transformers")
-    tokenizers = pytest.importorskip("tokenizers")
-    root = tmp_path_factory.mktemp("ft")
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA))
-    model.save_pretrained(root / "model")
-    vocab = {f"w{i}": i for i in range(298)} | {"<unk>": 298, "<eos>": 299}
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>",
-                                         pad_token="<eos>").save_pretrained(root / "model")
-    lines = [json.dumps({"text": " ".join(f"w{(i * 7 + j) % 298}" for j in range(40))}) for i in range(16)]
-    (root / "data.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return root
+    pytest.importorskip("transformers")
+    pytest.importorskip("tokenizers")
+    return save_tiny_llama(tmp_path_factory.mktemp("ft"))
 
 
 @pytest.mark.parametrize("method,quant,precision", [("qlora", "nf4-dq", "bf16-pure"), ("lora", "none", "amp-bf16")])
@@ -91,4 +79,4 @@ def test_export_refuses_full_training_plans_for_finetune(tmp_path: Path) -> None
     assert r.exit_code == 0, r.output
     r = runner.invoke(app, ["export", str(tmp_path / "p" / "plan.json"), "--to", "finetune", "--out",
                             str(tmp_path / "q")])
-    assert r.exit_code == 2 and "finetune.py is for --finetune lora|qlora plans" in r.output
+    assert r.exit_code == 2 and "needs a Hugging Face model" in r.output and "--hf" in r.output
