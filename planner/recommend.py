@@ -164,6 +164,12 @@ def recommend(profile: ModelProfile, cluster: Cluster, *, global_batch: int | No
         engines = ("deepspeed", "torch")
     ceiling_notes: list[str] = []
     lora_notes: list[str] = []
+    if quant != "none":
+        from optplan.probes.adapters import quantisation_missing
+
+        missing = quantisation_missing(quant)
+        if missing:
+            lora_notes.append(missing)
     if probe is not None and profile.adapter is not None:
         probe = None
         lora_notes.append("not probed: the probe runs train the model as built, without LoRA adapters, so the LoRA "

@@ -138,3 +138,20 @@ def lora_request_from(args: Any) -> LoraRequest | None:
         return None
     targets = tuple(t.strip() for t in (args.lora_targets or "").split(",") if t.strip())
     return LoraRequest(rank=args.lora_rank, alpha=args.lora_alpha, targets=targets or None)
+
+
+def quantisation_missing(quant: str) -> str | None:
+    """None when bitsandbytes imports here (or ``quant`` is ``none``); else a one-line note: the plan is priced
+    from the formulas (estimators/finetune.py), which need no bitsandbytes, but the launch needs it."""
+    if quant == "none":
+        return None
+    import logging
+
+    logging.getLogger("bitsandbytes").addHandler(logging.NullHandler())
+    try:
+        import bitsandbytes  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - a broken install raises anything, not only ImportError
+        return (f"bitsandbytes cannot be imported here ({type(exc).__name__}): the {quant} base is priced from "
+                "bitsandbytes' formats without it, but finetune.py loads the model with it: pip install "
+                "bitsandbytes where you train")
+    return None
