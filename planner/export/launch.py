@@ -257,6 +257,9 @@ def launched_command(plan: ExportPlan, *, train_script: str = "train.py",
         if s.model_parallel:
             notes.append(f"tp {s.tp} / pp {s.pp} / cp {s.cp} on the deepspeed engine: the training script builds "
                          "the model-parallel groups itself (Megatron-DeepSpeed); ds_config.json covers ZeRO only.")
+    elif train_script == "finetune.py":
+        notes = ["finetune.py (--to finetune) applies every setting of the plan from finetune.json beside it; the "
+                 "arguments given to this script go to it: --dataset DATA (and --dry-run to check the fit first)."]
     else:
         notes = _torch_notes(plan)
     checks = (  # the train.py exported beside this script, when the working folder has none of that name

@@ -100,6 +100,15 @@ def _finetune(plan: ExportPlan, opts: ExportOptions) -> dict[str, str]:
     return {FILE_NAMES["finetune"]: config, FILE_NAMES["finetune_script"]: script}
 
 
+def _launches_finetune_py(builder: Builder) -> Builder:
+    """``builder`` (launch.sh, slurm.sbatch), starting finetune.py for LoRA plans: train.py trains every parameter."""
+    def build(plan: ExportPlan, opts: ExportOptions) -> dict[str, str]:
+        if plan.adapter is not None and opts.train_script == ExportOptions().train_script:
+            opts = opts.model_copy(update={"train_script": FILE_NAMES["finetune_script"]})
+        return builder(plan, opts)
+    return build
+
+
 def _full_training_only(builder: Builder, name: str) -> Builder:
     """``builder``, refusing LoRA plans: its script or config trains every parameter of the model as built."""
     def build(plan: ExportPlan, opts: ExportOptions) -> dict[str, str]:
@@ -113,8 +122,8 @@ def _full_training_only(builder: Builder, name: str) -> Builder:
 TARGETS: dict[str, Builder] = {
     "deepspeed": _full_training_only(_deepspeed, "ds_config.json"),
     "accelerate": _full_training_only(_accelerate, "accelerate.yaml"),
-    "torchrun": _full_training_only(_torchrun, "launch.sh"),
-    "slurm": _full_training_only(_slurm, "slurm.sbatch"),
+    "torchrun": _launches_finetune_py(_torchrun),
+    "slurm": _launches_finetune_py(_slurm),
     "hf": _full_training_only(_hf, "hf_training_args.json"),
     "lightning": _full_training_only(_lightning, "lightning.json"),
     "train": _full_training_only(_train, "train.py"),

@@ -95,3 +95,19 @@ def test_qlora_plans_without_bitsandbytes_and_says_the_launch_needs_it(hf_model:
     assert "bitsandbytes cannot be imported here" in run.stdout and "pip install bitsandbytes" in run.stdout
     assert "Traceback" not in run.stdout + run.stderr
     assert json.loads((tmp_path / "o" / "finetune.json").read_text())["bnb"]["load_in_4bit"] is True
+
+
+def test_two_gpu_lora_plan_launches_finetune_py(hf_model: Path, tmp_path: Path) -> None:
+    """launch.sh of a LoRA plan starts finetune.py (train.py trains every parameter): two DDP processes on the CPU."""
+    out = tmp_path / "plan"
+    r = runner.invoke(app, ["recommend", "--hf", str(hf_model / "model"), "--finetune", "lora", "--gpu", "RTX-4090",
+                            "--gpus", "2", "--seq-len", "64", "--global-batch", "8", "--no-probe", "--out", str(out)],
+                      env={"OPTPLAN_CACHE_DIR": str(tmp_path / "cache")})
+    assert r.exit_code == 0, r.output
+    launch = (out / "launch.sh").read_text()
+    assert "DEFAULT_TRAIN_SCRIPT=finetune.py" in launch and "--nproc-per-node 2" in launch
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    run = subprocess.run(["bash", "launch.sh", "--dataset", str(hf_model / "data.jsonl"), "--cpu", "--max-steps", "1"],
+                         cwd=out, capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert (out / "out" / "adapter_model.safetensors").is_file()
