@@ -40,13 +40,15 @@ import re
 from pathlib import Path
 from typing import Any
 
-from optplan.planner.export.context import ExportPlan, NotExportable
+from optplan.planner.export.context import FILE_NAMES, ExportPlan, NotExportable
 from optplan.planner.export.hf import FSDP_RESHARD, OPTIM_NAMES
 
 FINETUNE_JSON = "finetune.json"
 FINETUNE_PY = "finetune.py"
 QLORA_LEARNING_RATE = 2e-4
 """QLoRA's learning rate for 7B-13B models (arXiv 2305.14314, Appendix B.2 / Table 9)."""
+DS_CONFIG_NAME = FILE_NAMES["deepspeed"]
+"""The DeepSpeed config a deepspeed-engine plan's ``sft.deepspeed`` names, beside finetune.py (written with it)."""
 FULL_LEARNING_RATE = 2e-5
 """A full fine-tune's learning rate (stated default: Alpaca's full fine-tune of LLaMA-7B, Taori et al. 2023)."""
 _DTYPES = {"amp-bf16": "bfloat16", "bf16-pure": "bfloat16", "bf16": "bfloat16", "amp-fp16": "float16",
@@ -66,8 +68,11 @@ def hf_model_folder(model_path: str) -> str | None:
 
 def _check_exportable(plan: ExportPlan) -> str:
     s, adapter = plan.strategy, plan.adapter
-    if s.engine != "torch":
-        raise NotExportable(f"finetune.py runs TRL's SFTTrainer on the torch engine, and this plan runs on {s.engine}: "
+    if s.engine == "megatron":
+        raise NotExportable("finetune.py runs TRL's SFTTrainer, which cannot launch Megatron-LM: plan with --engine "
+                            "torch or deepspeed")
+    if s.engine != "torch" and adapter is not None:
+        raise NotExportable(f"finetune.py runs LoRA plans on the torch engine, and this plan runs on {s.engine}: "
                             "plan with --engine torch")
     if s.pp > 1 or s.cp > 1:
         raise NotExportable("finetune.py runs tensor and data parallelism, and this plan splits the "
@@ -89,7 +94,11 @@ def _check_exportable(plan: ExportPlan) -> str:
     if s.precision == "fp8":
         raise NotExportable("SFTConfig has no fp8 switch: plan with --precision amp-bf16")
     if adapter is None:
-        if s.precision == "fp16":
+        if s.tp == 1:
+            from optplan.planner.export.hf import hf_training_args
+
+            hf_training_args(plan)  # NotExportable for what TrainingArguments cannot express (its message)
+        elif s.precision == "fp16":
             raise NotExportable("SFTConfig's fp16 switch is autocast over fp32 weights: plan with --precision "
                                 "amp-fp16")
         return _hf_folder(plan)
@@ -164,7 +173,15 @@ def finetune_config(plan: ExportPlan) -> dict[str, Any]:
         sft["activation_checkpointing_kwargs"] = {"use_reentrant": False}
     if plan.seq_len:
         sft["max_length"] = plan.seq_len
-    if s.fsdp != "none" and dist is None:
+    if adapter is None and dist is None:  # a full fine-tune on DDP, FSDP or DeepSpeed: the hf export's arguments
+        from optplan.planner.export.hf import hf_training_args
+
+        sft = {**hf_training_args(plan, ds_config_name=DS_CONFIG_NAME), "report_to": "none"}
+        if s.engine != "deepspeed":  # DeepSpeed's optimizer section names its own (HF compares the two)
+            sft["learning_rate"] = FULL_LEARNING_RATE
+        if plan.seq_len:
+            sft["max_length"] = plan.seq_len
+    elif s.fsdp != "none" and dist is None:
         sft["fsdp"] = "full_shard auto_wrap" if s.fsdp == "full" else "shard_grad_op auto_wrap"
         sft["fsdp_config"] = {"version": 2, "reshard_after_forward": FSDP_RESHARD[s.fsdp],
                               "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
@@ -277,7 +294,10 @@ def main():
         from peft import LoraConfig
 
         peft_config = LoraConfig(**cfg["lora"])
-    trainer = SFTTrainer(model=model, args=SFTConfig(**cfg["sft"], max_steps=args.max_steps, use_cpu=args.cpu),
+    sft = dict(cfg["sft"])
+    if sft.get("deepspeed") and not Path(sft["deepspeed"]).is_file():
+        sft["deepspeed"] = str(HERE / sft["deepspeed"])  # the ds_config.json written beside this script
+    trainer = SFTTrainer(model=model, args=SFTConfig(**sft, max_steps=args.max_steps, use_cpu=args.cpu),
                          train_dataset=data, peft_config=peft_config)
     trainer.train()
     trainer.save_model()
@@ -331,6 +351,17 @@ def validate_finetune(config_text: str, script_text: str, plan: ExportPlan) -> N
             raise ExportValidationError(f"finetune.json's quantisation is not the plan's {s.quant}: re-export")
     elif s.quant != "none":
         raise ExportValidationError(f"finetune.json has no quantisation for the plan's {s.quant} base: re-export")
+    full_hf = adapter is None and s.tp == 1  # the hf export's arguments: checked as hf_training_args.json is
+    if full_hf:
+        from optplan.planner.export.hf import validate_hf_training_args
+
+        ds = None
+        if s.engine == "deepspeed":
+            from optplan.planner.export.deepspeed import render_ds_config
+
+            ds = render_ds_config(s, plan.buckets)
+        trainer_part = {k: v for k, v in cfg["sft"].items() if k != "max_length"}
+        validate_hf_training_args(json.dumps(trainer_part), plan, ds_config=ds)
     try:
         from trl import SFTConfig as ArgsClass
     except ImportError:  # check the TrainingArguments part only
@@ -338,6 +369,7 @@ def validate_finetune(config_text: str, script_text: str, plan: ExportPlan) -> N
         sft = {k: v for k, v in cfg["sft"].items() if k not in ("max_length",)}
     else:
         sft = dict(cfg["sft"])
+    sft.pop("deepspeed", None)  # the ds_config file: checked above with HF's own DeepSpeed integration
     try:
         args = ArgsClass(**sft, use_cpu=True)
     except Exception as exc:
@@ -347,6 +379,9 @@ def validate_finetune(config_text: str, script_text: str, plan: ExportPlan) -> N
     got = (args.per_device_train_batch_size, args.gradient_accumulation_steps, bool(args.bf16), checkpointing)
     want_args = (s.mbs, s.grad_accum, s.precision in ("amp-bf16", "bf16-pure", "bf16"),
                  s.checkpointing == "full" and (s.fsdp == "none" or s.tp > 1))
+    if full_hf:
+        want_args = (*want_args[:2], got[2], want_args[3])  # bf16 follows ds_config under DeepSpeed: checked above
+        want_args = (*want_args[:3], s.checkpointing == "full" and s.fsdp == "none")
     if got != want_args:
         raise ExportValidationError(f"{ArgsClass.__name__} from finetune.json has (mbs, accumulation, bf16, "
                                     f"checkpointing) {got}, the plan {want_args}: re-export")

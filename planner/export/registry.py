@@ -97,7 +97,10 @@ def _finetune(plan: ExportPlan, opts: ExportOptions) -> dict[str, str]:
     from optplan.planner.export.finetune import render_finetune_json, render_finetune_py, validate_finetune
     config, script = render_finetune_json(plan), render_finetune_py(plan)
     validate_finetune(config, script, plan)
-    return {FILE_NAMES["finetune"]: config, FILE_NAMES["finetune_script"]: script}
+    files = {FILE_NAMES["finetune"]: config, FILE_NAMES["finetune_script"]: script}
+    if plan.strategy.engine == "deepspeed":  # finetune.json's sft.deepspeed names it
+        files.update(_deepspeed(plan, opts))
+    return files
 
 
 def _launches_finetune_py(builder: Builder) -> Builder:

@@ -134,3 +134,24 @@ def test_validator_catches_a_mesh_that_is_not_the_plans(model_file: Path) -> Non
     del cfg["model"]["distributed_config"]
     with pytest.raises(ExportValidationError, match="no distributed_config"):
         validate_finetune(json.dumps(cfg), render_finetune_py(plan), plan)
+
+
+def test_deepspeed_full_plan_writes_its_ds_config(model_file: Path) -> None:
+    """A full fine-tune on DeepSpeed ZeRO: finetune.json's SFTConfig names ds_config.json (written with it), checked
+    with HF's own DeepSpeed integration, as hf_training_args.json is."""
+    pytest.importorskip("deepspeed")
+    from optplan.planner.export.registry import render_targets
+
+    plan = _plan(model_file, engine="deepspeed", zero=2, dp=8, precision="bf16", grad_accum=2)
+    files, skipped = render_targets(plan, ["finetune"])
+    assert skipped == [] and set(files) == {"finetune.json", "finetune.py", "ds_config.json"}
+    cfg = json.loads(files["finetune.json"])
+    ds = json.loads(files["ds_config.json"])
+    assert cfg["sft"]["deepspeed"] == "ds_config.json" and cfg["sft"]["bf16"] is True
+    assert ds["zero_optimization"]["stage"] == 2 and ds["gradient_accumulation_steps"] == 2
+    assert cfg["sft"]["learning_rate"] == ds["optimizer"]["params"]["lr"]  # HF compares the two
+    cfg["sft"]["gradient_accumulation_steps"] = 4
+    with pytest.raises(ExportValidationError):
+        validate_finetune(json.dumps(cfg), files["finetune.py"], plan)
+    with pytest.raises(NotExportable, match="Megatron-LM"):
+        render_finetune_json(_plan(model_file, engine="megatron", zero=1, dp=8, precision="bf16"))
