@@ -111,11 +111,22 @@ def _check_exportable(plan: ExportPlan) -> str:
     return _hf_folder(plan)
 
 
+CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")
+
+
 def _hf_folder(plan: ExportPlan) -> str:
+    from optplan.planner.hf_source import generated_model_file
+
     folder = hf_model_folder(plan.model_path)
     if folder is None:
         raise NotExportable("finetune.py loads the weights with from_pretrained, which needs a Hugging Face model: "
                             "plan with --hf CONFIG_OR_ID")
+    generated = generated_model_file(plan.model_path)
+    match = re.search(r"^MODEL_CLASS = (['\"])(.+?)\1$", generated[1], re.MULTILINE) if generated else None
+    cls = match.group(2) if match else "AutoModelForCausalLM"
+    if not (cls.endswith(CAUSAL_LM_SUFFIXES) or cls == "AutoModelForCausalLM"):
+        raise NotExportable(f"finetune.py trains causal language models with TRL's SFTTrainer, and this model is a "
+                            f"{cls}: export train.py (--to train) for a full fine-tune")
     return folder
 
 

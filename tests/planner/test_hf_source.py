@@ -158,3 +158,36 @@ def test_recommend_out_is_self_contained_and_train_py_matches_the_prediction(tmp
     doc = json.loads((out / "m.json").read_text())
     measured, predicted = doc["measured"]["peak_allocated_bytes"], doc["plan"]["prediction"]["cpu_allocated_bytes"]
     assert measured == pytest.approx(predicted, rel=0.02)
+
+
+TINY_VIT = {"architectures": ["ViTForImageClassification"], "model_type": "vit", "hidden_size": 32,
+            "intermediate_size": 64, "num_attention_heads": 2, "num_hidden_layers": 2, "image_size": 32,
+            "patch_size": 8, "num_channels": 3, "id2label": {str(i): f"c{i}" for i in range(5)}}
+
+
+def test_an_image_classifier_gets_pixels_and_labels(tmp_path: Path) -> None:
+    """Vision configs take the same path: random pixel_values at the config's size and class labels; the model's own
+    loss; no sequence length."""
+    transformers = pytest.importorskip("transformers")
+    source = find_hf_config(str(_folder(tmp_path, "vit", TINY_VIT)))
+    assert (source.image_size, source.num_channels, source.num_labels) == (32, 3, 5)
+    text = hf_model_file_text(source)
+    assert "seq_len" not in text.split("OPTPLAN = ")[1].splitlines()[0]
+    namespace: dict = {}
+    exec(compile(text, "vit.py", "exec"), namespace)  # noqa: S102 - our own generated file
+    model = namespace["build_model"]()
+    assert isinstance(model, transformers.ViTForImageClassification)
+    batch = namespace["example_batch"](2, 0)
+    assert tuple(batch["pixel_values"].shape) == (2, 3, 32, 32) and int(batch["labels"].max()) < 5
+    loss = namespace["loss_fn"](model(**batch), batch)
+    assert loss.ndim == 0 and bool(loss.isfinite())
+
+
+def test_an_image_classifier_profiles_and_plans(tmp_path: Path, hub: Path) -> None:
+    pytest.importorskip("transformers")
+    folder = _folder(tmp_path, "vit", TINY_VIT)
+    r = runner.invoke(app, ["estimate", "--hf", str(folder), "--gpu", "RTX-4090", "--gpus", "1", "--mbs", "4",
+                            "--json"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.output)
+    assert doc["memory"]["fits"] and doc["memory"]["activations_bytes"] > 0
