@@ -1,0 +1,80 @@
+"""benchmarks/data/finetune_memory_published.json (issue 18): every row is complete and cited, and the benchmark's
+prediction path (config.json -> generated --hf model file -> LoRA profile -> estimate) runs on a small model."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "benchmarks" / "fidelity_finetune_published.py"
+
+
+def _bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("fidelity_finetune_published", BENCH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _bench()
+SOURCES, ROWS = bench.load_rows()
+
+
+def test_every_row_is_complete_and_cited() -> None:
+    bad = {row.get("id", "?"): bench.check_row(row, SOURCES) for row in ROWS}
+    assert not {k: v for k, v in bad.items() if v}
+    ids = [row["id"] for row in ROWS]
+    assert len(ids) == len(set(ids))
+    for name, source in SOURCES.items():
+        for key in ("title", "url", "licence", "quantity", "unit"):
+            assert source.get(key), f"source {name} has no {key}"
+
+
+def test_enough_scored_rows_from_independent_sources() -> None:
+    scored = [row for row in ROWS if row["status"] == "scored"]
+    assert len(scored) >= 12
+    assert len({row["source"] for row in scored}) >= 3
+    assert {row["method"] for row in scored} >= {"full", "lora", "qlora"}
+
+
+def test_rows_build_valid_strategies() -> None:
+    for row in ROWS:
+        if row["status"] == "scored":
+            strategy = bench.strategy_for(row)
+            assert strategy.world_size == row["gpus"]
+            assert strategy.quant == row["quant"]
+
+
+def test_unit_conversion() -> None:
+    row = {"measured_value": 1.5, "measured_unit": "GB"}
+    assert bench.measured_bytes(row) == 1.5e9
+    assert bench.measured_bytes({**row, "measured_unit": "GiB"}) == 1.5 * 2**30
+
+
+@pytest.mark.slow
+def test_prediction_path_on_a_small_llama(tmp_path: Path) -> None:
+    """A synthetic row (a 4-block Llama with LoRA on q/v) through the benchmark's own profile and estimate."""
+    row = {
+        "id": "synthetic", "model": "tiny", "architecture": "LlamaForCausalLM", "model_type": "llama", "hidden": 128,
+        "intermediate": 344, "layers": 4, "heads": 4, "kv_heads": 2, "vocab": 1024, "tie_word_embeddings": False,
+        "extra_config": {"max_position_embeddings": 256}, "method": "qlora", "lora_rank": 4, "lora_alpha": 8,
+        "hf_lora_targets": ["q_proj", "v_proj"], "quant": "nf4", "optplan_precision": "bf16-pure",
+        "optplan_optimizer": "adamw", "micro_batch": 2, "grad_accum": 1, "seq_len": 64, "checkpointing": False,
+        "parallelism": "single", "gpu": "A10G", "gpus": 1, "compare": "allocated",
+    }
+    profile = bench.profile_row(row, tmp_path / "m")
+    assert profile.adapter is not None and profile.adapter.rank == 4
+    assert profile.trainable_params == 4 * 4 * (128 + 128) + 4 * 4 * (128 + 64)  # r·(in+out) on q and v, 4 blocks
+    predicted, memory = bench.predict(row, profile)
+    assert predicted == memory.total_bytes - memory.overhead_bytes > 0
+    assert bench.compared_bytes(memory, "device") == memory.total_bytes
+    assert bench.compared_bytes(memory, "reserved") == memory.total_bytes - memory.detail_bytes["cuda_context"]
+    result = bench.Result(row, predicted, 1.1 * predicted, memory)
+    assert result.error_pct == pytest.approx(100 * (1 / 1.1 - 1))
