@@ -23,6 +23,7 @@ import math
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from optplan.estimators.errors import OptplanError
+from optplan.estimators.moe import MoeShape, mean_active_ffn, routed_expert_params
 from optplan.estimators.profile import (
     SMALL_PARAM_LIMIT,
     ActivationFit,
@@ -43,6 +44,8 @@ MAX_WIDTH = 2**24
 (parameters, FLOPs, bytes) stays a finite float."""
 MAX_VOCAB = 2**30
 MAX_SEQ = 2**30
+MAX_EXPERTS = 2**16
+"""Far above any trained MoE (DeepSeek-V3 routes over 256 experts)."""
 
 
 class ArchSpec(BaseModel):
@@ -62,6 +65,17 @@ class ArchSpec(BaseModel):
     gated: bool = False
     tied: bool = True
     flash: bool = True
+    kv_lora: int | None = Field(default=None, ge=1, le=MAX_WIDTH)
+    q_lora: int | None = Field(default=None, ge=1, le=MAX_WIDTH)
+    rope_dim: int = Field(default=64, ge=0, le=MAX_WIDTH)
+    nope_dim: int | None = Field(default=None, ge=1, le=MAX_WIDTH)
+    v_dim: int | None = Field(default=None, ge=1, le=MAX_WIDTH)
+    experts: int | None = Field(default=None, ge=2, le=MAX_EXPERTS)
+    topk: int | None = Field(default=None, ge=1, le=MAX_EXPERTS)
+    moe_ffn: int | None = Field(default=None, ge=1, le=MAX_WIDTH)
+    shared_experts: int = Field(default=0, ge=0, le=MAX_EXPERTS)
+    moe_every: int = Field(default=1, ge=1, le=MAX_LAYERS)
+    first_dense: int = Field(default=0, ge=0, le=MAX_LAYERS)
 
     @model_validator(mode="after")
     def _check(self) -> ArchSpec:
@@ -69,7 +83,34 @@ class ArchSpec(BaseModel):
             raise ValueError(f"hidden {self.hidden} is not divisible by heads {self.heads}")
         if self.kv_heads is not None and self.heads % self.kv_heads:
             raise ValueError(f"heads {self.heads} is not divisible by kv_heads {self.kv_heads}")
+        mla_keys = [k for k in ("q_lora", "nope_dim", "v_dim") if getattr(self, k) is not None]
+        if mla_keys and self.kv_lora is None:
+            raise ValueError(f"{mla_keys[0]} describes multi-head latent attention: add kv_lora=R")
+        if self.kv_lora is not None and not self.gated:
+            raise ValueError("kv_lora (multi-head latent attention, DeepSeek-V2) is modelled on gated decoders: "
+                             "add gated=1")
+        moe_keys = [k for k in ("topk", "moe_ffn") if getattr(self, k) is not None] + \
+            [k for k, d in (("shared_experts", 0), ("moe_every", 1), ("first_dense", 0)) if getattr(self, k) != d]
+        if self.experts is None:
+            if moe_keys:
+                raise ValueError(f"{moe_keys[0]} describes MoE layers: add experts=E and topk=K")
+            return self
+        if self.topk is None:
+            raise ValueError(f"experts={self.experts} needs topk=K (the experts each token is routed to)")
+        if self.topk > self.experts:
+            raise ValueError(f"topk {self.topk} is more than the {self.experts} experts: use topk <= experts")
+        if self.moe.moe_layers(self.layers) == 0:
+            raise ValueError(f"no layer is sparse with first_dense={self.first_dense} and moe_every={self.moe_every} "
+                             f"of {self.layers} layers: lower them")
         return self
+
+    @property
+    def moe(self) -> MoeShape | None:
+        """The MoE layers (``moe_ffn`` defaults to ``ffn``), or None for a dense decoder."""
+        if self.experts is None or self.topk is None:
+            return None
+        return MoeShape(experts=self.experts, topk=self.topk, moe_ffn=self.moe_ffn or self.ffn or 4 * self.hidden,
+                        shared_experts=self.shared_experts, moe_every=self.moe_every, first_dense=self.first_dense)
 
 
 def parse_arch(text: str, *, seq_len: int | None = None) -> ArchSpec:
@@ -116,58 +157,109 @@ def parse_arch(text: str, *, seq_len: int | None = None) -> ArchSpec:
         raise OptplanError(f"invalid {where}: {str(first['msg']).removeprefix('Value error, ')}") from None
 
 
-def _layer_tensors(spec: ArchSpec) -> list[tuple[int, int]]:
-    """(numel, count) of one layer's parameter tensors."""
-    h, ffn = spec.hidden, spec.ffn or 4 * spec.hidden
-    kv = h * (spec.kv_heads or spec.heads) // spec.heads
-    if spec.gated:  # q, o, k, v, gate, up, down, two RMSNorm weights; no biases
-        return [(h * h, 2), (kv * h, 2), (h * ffn, 3), (h, 2)]
-    # q, o, k, v weights and biases, two MLP matrices and biases, two LayerNorms' weight and bias
-    return [(h * h, 2), (h, 2), (kv * h, 2), (kv, 2), (h * ffn, 2), (ffn, 1), (h, 1), (h, 4)]
+Tensor = tuple[int, int, int]
+"""(rows, cols, count) of parameter tensors; cols 0 for a 1-D tensor (a bias or norm weight)."""
 
 
-def _outer_tensors(spec: ArchSpec) -> list[tuple[int, int]]:
-    """(numel, count) of the embedding, untied head, position table and final norm."""
+def _numel(t: Tensor) -> int:
+    return t[0] * (t[1] or 1)
+
+
+def _attention_tensors(spec: ArchSpec) -> list[Tensor]:
     h = spec.hidden
-    out = [(spec.vocab * h, 1 if spec.tied else 2), (h, 1 if spec.gated else 2)]
+    if spec.kv_lora is not None:
+        return _mla_tensors(spec)
+    kv = h * (spec.kv_heads or spec.heads) // spec.heads
+    if spec.gated:  # q, o, k, v; no biases
+        return [(h, h, 2), (kv, h, 2)]
+    return [(h, h, 2), (h, 0, 2), (kv, h, 2), (kv, 0, 2)]  # q, o, k, v weights and biases
+
+
+def _mla_tensors(spec: ArchSpec) -> list[Tensor]:
+    """Multi-head latent attention (DeepSeek-V2, arXiv 2405.04434 §2.1; transformers ``DeepseekV2Attention``):
+    queries straight from h (or through a rank-``q_lora`` bottleneck with its RMSNorm), keys and values from a
+    shared rank-``kv_lora`` latent (plus one ``rope_dim`` rotary key) with its RMSNorm, per head ``nope_dim`` +
+    ``rope_dim`` query/key and ``v_dim`` value dimensions, output heads·v_dim -> h. No biases."""
+    h, a = spec.hidden, spec.heads
+    nope, v = spec.nope_dim or h // a, spec.v_dim or h // a
+    kv_lora = spec.kv_lora or 0
+    q_width = a * (nope + spec.rope_dim)
+    query = [(q_width, h, 1)] if spec.q_lora is None else \
+        [(spec.q_lora, h, 1), (spec.q_lora, 0, 1), (q_width, spec.q_lora, 1)]
+    return query + [(kv_lora + spec.rope_dim, h, 1), (kv_lora, 0, 1), (a * (nope + v), kv_lora, 1), (h, a * v, 1)]
+
+
+def _mlp_tensors(spec: ArchSpec, width: int, count: int = 1) -> list[Tensor]:
+    h = spec.hidden
+    if spec.gated:  # gate, up (F x h) and down (h x F)
+        return [(width, h, 2 * count), (h, width, count)]
+    return [(width, h, count), (h, width, count), (width, 0, count), (h, 0, count)]  # two matrices, two biases
+
+
+def _norm_tensors(spec: ArchSpec) -> list[Tensor]:
+    return [(spec.hidden, 0, 2 if spec.gated else 4)]  # two RMSNorm weights, or two LayerNorms' weight and bias
+
+
+def _is_moe_layer(spec: ArchSpec, index: int) -> bool:
+    """Layer ``index`` (0-based) is sparse: past the ``first_dense`` ones, the last of each ``moe_every``."""
+    return spec.experts is not None and index >= spec.first_dense and \
+        (index - spec.first_dense + 1) % spec.moe_every == 0
+
+
+def _layer_tensors(spec: ArchSpec, index: int = 0) -> list[Tensor]:
+    """(rows, cols, count) of layer ``index``'s parameter tensors: attention, MLP (or router + experts), norms."""
+    if _is_moe_layer(spec, index):
+        moe = spec.moe
+        assert moe is not None
+        experts = _mlp_tensors(spec, moe.moe_ffn, moe.experts + moe.shared_experts)
+        return _attention_tensors(spec) + [(moe.experts, spec.hidden, 1)] + experts + _norm_tensors(spec)
+    return _attention_tensors(spec) + _mlp_tensors(spec, spec.ffn or 4 * spec.hidden) + _norm_tensors(spec)
+
+
+def _outer_tensors(spec: ArchSpec) -> list[Tensor]:
+    """(rows, cols, count) of the embedding, untied head, position table and final norm."""
+    h = spec.hidden
+    out = [(spec.vocab, h, 1 if spec.tied else 2), (h, 0, 1 if spec.gated else 2)]
     if spec.seq and not spec.gated:
-        out.append((spec.seq * h, 1))
+        out.append((spec.seq, h, 1))
+    return out
+
+
+def _layers(spec: ArchSpec) -> list[list[Tensor]]:
+    """Every layer's tensors (dense layers share one list, MoE layers another)."""
+    dense, sparse = _layer_tensors(spec, -1), None
+    out = []
+    for i in range(spec.layers):
+        if _is_moe_layer(spec, i):
+            sparse = sparse or _layer_tensors(spec, i)
+            out.append(sparse)
+        else:
+            out.append(dense)
     return out
 
 
 def arch_params(spec: ArchSpec) -> tuple[int, int]:
-    """(total parameters, parameters per layer) under the module docstring's conventions."""
-    per_layer = sum(size * n for size, n in _layer_tensors(spec))
-    return spec.layers * per_layer + sum(size * n for size, n in _outer_tensors(spec)), per_layer
+    """(total parameters, parameters per layer) under the module docstring's conventions; with MoE layers the
+    per-layer figure is the mean over the layers, rounded down."""
+    layers = sum(sum(_numel(t) * t[2] for t in layer) for layer in _layers(spec))
+    return layers + sum(_numel(t) * t[2] for t in _outer_tensors(spec)), layers // spec.layers
 
 
 def arch_factored_state_elements(spec: ArchSpec) -> int:
     """Adafactor second-moment elements (Shazeer & Stern 2018, arXiv 1804.04235) of the ``arch_params``
-    model: rows + cols for each weight matrix, numel for biases and norms.
-
-    GPT per layer: q and o (h×h) 2·2h, k and v (kv×h) 2·(h + kv), their biases 2h + 2kv, the MLP's two
-    h×F matrices 2·(h + F) and biases F + h, two layer norms 4h: 15h + 4kv + 3F. Plus the tied
-    embedding V×h (V + h), the positions s×h (s + h) and the final norm (2h). Gated: q, o 4h, k, v
-    2(h + kv), three MLP matrices 3(h + F), two norms 2h; the embedding (and an untied head) V + h, the
-    final norm h.
-    """
-    h, ffn = spec.hidden, spec.ffn or 4 * spec.hidden
-    kv = h * (spec.kv_heads or spec.heads) // spec.heads
-    if spec.gated:
-        per_layer = 4 * h + 2 * (h + kv) + 3 * (h + ffn) + 2 * h
-        return spec.layers * per_layer + (spec.vocab + h) * (1 if spec.tied else 2) + h
-    per_layer = 4 * h + 2 * (h + kv) + 2 * h + 2 * kv + 2 * (h + ffn) + ffn + h + 4 * h
-    positions = spec.seq + h if spec.seq else 0
-    return spec.layers * per_layer + (spec.vocab + h) * (1 if spec.tied else 2) + positions + 2 * h
+    model: rows + cols for each weight matrix, numel for biases and norms (GPT per layer: 15h + 4kv + 3F; gated:
+    10h + 2kv + 3(h + F); the embedding and an untied head V + h each, positions s + h, the final norm)."""
+    def factored(tensors: list[Tensor]) -> int:
+        return sum((t[0] + t[1] if t[1] else t[0]) * t[2] for t in tensors)
+    return sum(factored(layer) for layer in _layers(spec)) + factored(_outer_tensors(spec))
 
 
 def arch_small_param_counts(spec: ArchSpec) -> dict[int, int]:
     """Sizes of the ``arch_params`` model's tensors of at most SMALL_PARAM_LIMIT elements (numel -> count)."""
     counts: dict[int, int] = {}
-    for size, n in _layer_tensors(spec):
-        counts[size] = counts.get(size, 0) + n * spec.layers
-    for size, n in _outer_tensors(spec):
-        counts[size] = counts.get(size, 0) + n
+    for tensors in [*_layers(spec), _outer_tensors(spec)]:
+        for t in tensors:
+            counts[_numel(t)] = counts.get(_numel(t), 0) + t[2]
     return {k: v for k, v in sorted(counts.items()) if k <= SMALL_PARAM_LIMIT}
 
 
@@ -177,9 +269,9 @@ def arch_param_numels(spec: ArchSpec) -> tuple[int, ...]:
     h = spec.hidden
     head = () if spec.tied else (spec.vocab * h,)
     positions = (spec.seq * h,) if spec.seq and not spec.gated else ()
-    layer = tuple(size for size, n in _layer_tensors(spec) for _ in range(n))
+    layers = tuple(_numel(t) for layer in _layers(spec) for t in layer for _ in range(t[2]))
     norm = (h,) if spec.gated else (h, h)
-    return (spec.vocab * h, *positions, *(layer * spec.layers), *norm, *head)
+    return (spec.vocab * h, *positions, *layers, *norm, *head)
 
 
 def profile_from_arch(spec: ArchSpec, *, name: str | None = None) -> ModelProfile:
@@ -188,10 +280,16 @@ def profile_from_arch(spec: ArchSpec, *, name: str | None = None) -> ModelProfil
         raise OptplanError("--arch needs a sequence length: add seq=S or pass --seq-len")
     s, h, a, v, L = spec.seq, spec.hidden, spec.heads, spec.vocab, spec.layers
     params, per_layer = arch_params(spec)
+    moe = spec.moe
+    ffn = spec.ffn
+    idle = 0  # routed experts a token does not visit: parameters that compute nothing for it
+    if moe is not None:
+        ffn = round(mean_active_ffn(moe, spec.ffn or 4 * h, L))
+        idle = routed_expert_params(moe, h, spec.gated, L) * (moe.experts - moe.topk) // moe.experts
     shape = TransformerShape(hidden=h, layers=L, heads=a, kv_heads=spec.kv_heads, vocab=v, max_seq_len=s,
-                             ffn=spec.ffn, gated=spec.gated)
+                             ffn=ffn, gated=spec.gated, moe=moe)
     # embedding lookups are not matmuls: drop the position table and, when untied, the input embedding
-    matmul_params = params - (0 if spec.gated else s * h) - (0 if spec.tied else v * h)
+    matmul_params = params - (0 if spec.gated else s * h) - (0 if spec.tied else v * h) - idle
     fwd = (2 * matmul_params + 4 * L * h * s) * s
     attn_term = 0 if spec.flash else 5 * a * s * s
     layer_bytes = s * shape.layer_bytes_per_token() + attn_term
@@ -208,10 +306,18 @@ def profile_from_arch(spec: ArchSpec, *, name: str | None = None) -> ModelProfil
         factored_state_elements=arch_factored_state_elements(spec),
         small_param_counts=arch_small_param_counts(spec),
         param_numels=arch_param_numels(spec),
-        repeated_block=RepeatedBlock(class_name="DecoderLayer", count=L, params_per_block=per_layer),
+        repeated_block=RepeatedBlock(class_name="DecoderLayer", count=L, params_per_block=per_layer),  # MoE: mean
         input_kind="tokens", seq_len=s, tokens_per_sample=s, fwd_flops_per_sample=fwd, bwd_flops_per_sample=2 * fwd,
         activations=tuple(fits), activation_source="formula",
         transformer=shape,
         notes=(f"profile from --arch by formula (Korthikanti et al. 2022 activations"
-               f"{', flash attention' if spec.flash else ''}; PaLM FLOPs), not measured",),
+               f"{', flash attention' if spec.flash else ''}; PaLM FLOPs), not measured",
+               *((_moe_note(moe, L),) if moe is not None else ())),
     )
+
+
+def _moe_note(moe: MoeShape, layers: int) -> str:
+    return (f"MoE: {moe.moe_layers(layers)} of {layers} layers route each token to {moe.topk} of {moe.experts} experts "
+            f"(width {moe.moe_ffn}{f', + {moe.shared_experts} shared' if moe.shared_experts else ''}); FLOPs and "
+            f"activations by the tokens routed (balanced router), every expert's parameters held; expert "
+            "parallelism and the all-to-all are not priced yet")

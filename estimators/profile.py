@@ -11,6 +11,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from optplan.estimators.finetune import AdapterProfile
+from optplan.estimators.moe import MoeShape, moe_extra_bytes_per_token
 from optplan.estimators.tensor_plan import TensorPlan
 
 ActivationPrecision = Literal["fp32", "bf16", "bf16-weights", "bf16-frozen"]
@@ -150,6 +151,9 @@ class TransformerShape(_Frozen):
     max_seq_len: int | None = None
     ffn: int | None = None
     gated: bool = False
+    moe: MoeShape | None = Field(default=None, description="the sparse (Mixture-of-Experts) layers; ``ffn`` is then "
+                                                          "the per-layer mean width a token computes through "
+                                                          "(estimators/moe.py mean_active_ffn)")
 
     @property
     def kv_dim(self) -> int:
@@ -163,10 +167,17 @@ class TransformerShape(_Frozen):
         input 2h, Q and K 4h, V 2h, projection input 2h, dropout mask h), MLP 19·h (input 2h, two 4h-wide
         outputs 8h each, dropout mask h) and two layer-norm inputs 4h. Generalised to key-value width kv
         and MLP width F: GPT 14·h + 4·kv + 4·F; gated (Llama: SwiGLU's gate, up, activation and product
-        outputs 2F each, no dropout masks) 12·h + 4·kv + 8·F. Bytes per token.
+        outputs 2F each, no dropout masks) 12·h + 4·kv + 8·F. Bytes per token. An MoE shape adds its
+        router and dispatch bytes (estimators/moe.py ``moe_extra_bytes_per_token``) averaged over the layers.
         """
         h, kv, ffn = self.hidden, self.kv_dim, self.ffn or 4 * self.hidden
-        return 12 * h + 4 * kv + 8 * ffn if self.gated else 14 * h + 4 * kv + 4 * ffn
+        dense = 12 * h + 4 * kv + 8 * ffn if self.gated else 14 * h + 4 * kv + 4 * ffn
+        if self.moe is None:
+            return dense
+        # MoE layers also keep router logits/probabilities and the dispatched token copies (estimators/moe.py),
+        # spread over every layer like the mean active width
+        share = self.moe.moe_layers(self.layers) / self.layers
+        return dense + round(share * moe_extra_bytes_per_token(self.moe, h, 2))
 
     def replicated_bytes_per_token(self) -> int:
         """Of :meth:`layer_bytes_per_token`, what tensor parallelism alone does not split (Korthikanti
