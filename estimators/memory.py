@@ -351,6 +351,15 @@ def _frozen_base_bytes(profile: ModelProfile, strategy: Strategy) -> float:
     return frozen_weight_bytes(profile.adapter, frozen, strategy.quant, fp32_base=recipe.compute_dtype == "fp32")
 
 
+def _mean_gathered_weight_bytes(profile: ModelProfile, strategy: Strategy) -> float:
+    """Bytes per parameter of what FSDP/ZeRO-3 gathers for a LoRA model: the frozen base as held (16-bit, or the
+    quantised formats of estimators/finetune.py, which FSDP flattens as they are: transformers' FSDP-QLoRA guide,
+    ``bnb_4bit_quant_storage``) and the adapters at the recipe's weight bytes, averaged over the parameters."""
+    recipe = get_recipe(strategy.precision)
+    adapters = profile.trainable_params * recipe.weight_bytes
+    return (_frozen_base_bytes(profile, strategy) + adapters) / profile.params
+
+
 def in_flight_micro_batches(strategy: Strategy, stage: int = 0) -> float:
     """Micro-batches whose activations pipeline ``stage`` holds at its peak (count, may be fractional).
 
@@ -530,6 +539,11 @@ def _buffers(profile: ModelProfile, strategy: Strategy, stage: int,
     block = profile.repeated_block
     unit = (block.params_per_block if block else profile.params) / strategy.tp
     weight = recipe.weight_bytes + _fp8_cache_bytes(recipe)
+    trainable_share = 1.0
+    if profile.adapter is not None and profile.params:
+        # a LoRA model gathers mostly frozen (16-bit or quantised) weights and reduces the adapters' gradients only
+        weight = _mean_gathered_weight_bytes(profile, strategy)
+        trainable_share = profile.trainable_params / profile.params
     if strategy.engine == "deepspeed":
         buckets = deepspeed_buckets(profile)
         # ZeRO 1-3 allocate whole reduce buckets (torch.empty(reduce_bucket_size)); ZeRO-0 flattens what is there,
@@ -567,7 +581,7 @@ def _buffers(profile: ModelProfile, strategy: Strategy, stage: int,
             else:
                 items["fsdp_unsharded_params"] = (round(stage_params(profile, strategy, stage) * weight),
                                                   THROUGH_BACKWARD)
-            reduced = unit if block else psi_train
+            reduced = unit * trainable_share if block else psi_train
             items["fsdp_reduce_scatter_unit"] = (round(reduced * FSDP_REDUCE_BYTES), WHILE_GRADS)
             shard = placement(strategy, gpus_per_node).shard.ranks
             if strategy.fsdp == "hybrid" and block and dpcp > shard:

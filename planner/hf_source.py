@@ -186,6 +186,8 @@ def hf_model_file_text(source: HfSource) -> str:
         "        raise HfModelError(f\"transformers {version} cannot read {CONFIG_PATH}: {first}\",",
         "                           \"upgrade transformers (pip install -U transformers), or write a model file for this \"",
         "                           \"architecture\") from None",
+        "    if hasattr(config, \"use_cache\"):",
+        "        config.use_cache = False  # training keeps no generation cache (Falcon and Gemma 2 fail backward with it)",
         "    cls = getattr(transformers, MODEL_CLASS, None)",
         "    if cls is None:",
         "        raise HfModelError(f\"transformers {version} has no class {MODEL_CLASS}\",",

@@ -117,3 +117,19 @@ def test_quantised_strategy_checks() -> None:
     with pytest.raises(ValueError, match="offload"):
         Strategy(precision="bf16", zero=2, offload_optimizer="cpu", quant="nf4")
     assert "base-nf4-dq" in Strategy(precision="bf16-pure", engine="torch", quant="nf4-dq").label()
+
+
+def test_fsdp_gathers_a_quantised_base_as_held_and_reduces_adapter_gradients_only() -> None:
+    """FSDP flattens the NF4 weights as they are (transformers' FSDP-QLoRA guide): a gathered unit is priced at the
+    frozen base's mean bytes per parameter, not the recipe's 2, and the reduce-scatter at the adapters' share."""
+    p = _lora_profile()
+    s = Strategy(precision="bf16-pure", engine="torch", fsdp="full", dp=2, quant="nf4-dq")
+    items = buffer_items(p, s)
+    mean = (quantized_weight_bytes("nf4-dq", 640_000, 2_000, 4) + 360_000 * 2 + 1_000 * 2) / 1_001_000
+    unit = p.repeated_block.params_per_block  # type: ignore[union-attr]
+    assert items["fsdp_unsharded_units"] == round(2 * unit * mean)
+    assert mean < 0.6 * 2  # 64 % of the weights 4-bit: well under the 16-bit recipe's 2 bytes
+    assert items["fsdp_reduce_scatter_unit"] == round(unit * 1_000 / 1_001_000 * 4)
+    full = buffer_items(p.model_copy(update={"adapter": None, "trainable_params": p.params}),
+                        s.model_copy(update={"quant": "none"}))
+    assert full["fsdp_unsharded_units"] == round(2 * unit * 2)  # full training keeps the recipe's bytes

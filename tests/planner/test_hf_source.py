@@ -191,3 +191,15 @@ def test_an_image_classifier_profiles_and_plans(tmp_path: Path, hub: Path) -> No
     assert r.exit_code == 0, r.output
     doc = json.loads(r.output)
     assert doc["memory"]["fits"] and doc["memory"]["activations_bytes"] > 0
+
+
+def test_a_sliding_window_model_profiles_without_a_generation_cache(tmp_path: Path, hub: Path) -> None:
+    """Gemma 2 past its sliding window: with transformers' generation cache on, backward fails on a broadcast of the
+    cached keys; the generated model file turns the cache off, as training does."""
+    pytest.importorskip("transformers")
+    doc = {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidden_size": 64, "intermediate_size": 128,
+           "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "num_hidden_layers": 2,
+           "vocab_size": 500, "max_position_embeddings": 512, "sliding_window": 128}
+    r = runner.invoke(app, ["profile", "--hf", str(_folder(tmp_path, "gemma2", doc)), "--seq-len", "256", "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["model_class"] == "Gemma2ForCausalLM"
