@@ -183,7 +183,8 @@ def transformer_dims(profile: ModelProfile) -> TransformerDims | None:
     """The shape of a transformer profile, or None (no shape or no sequence length).
 
     The MLP width is what the repeated block's parameters leave after attention (2·h² + 2·h·k·d weights):
-    2·h·4h for a GPT block, 3·h·F for a gated (SwiGLU) one; 8·h² when the block is unknown.
+    2·h·4h for a GPT block, 3·h·F for a gated (SwiGLU) one; 8·h² when the block is unknown; an MoE shape's
+    active width (its ``ffn``) and router.
     """
     shape = profile.transformer
     seq = profile.tokens_per_sample or profile.seq_len or (shape.max_seq_len if shape else None)
@@ -197,6 +198,11 @@ def transformer_dims(profile: ModelProfile) -> TransformerDims | None:
     mlp = max(0.0, per_layer - attn - 13.0 * h)
     if mlp < 0.5 * h * h:  # not a standard block: price the MLP as 8h²
         mlp = 8.0 * h * h
+    if shape.moe is not None and shape.ffn:
+        # MoE: a token multiplies by its routed and shared experts only (the active width, estimators/moe.py) and
+        # the router, not by every expert the block holds
+        router = h * shape.moe.experts * shape.moe.moe_layers(shape.layers) / shape.layers
+        mlp = (3.0 if shape.gated else 2.0) * h * shape.ffn + router
     return TransformerDims.model_construct(hidden=h, layers=shape.layers, heads=a, kv_heads=kv, seq=int(seq),
                            vocab=shape.vocab or 0, mlp_params=mlp, per_layer_params=per_layer)
 

@@ -69,6 +69,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
 
 from optplan.estimators.buckets import deepspeed_buckets
+from optplan.estimators.expert_parallel import expert_params_not_held
 from optplan.estimators.finetune import (
     dequantized_weight_bytes,
     frozen_weight_bytes,
@@ -212,7 +213,17 @@ def param_split(profile: ModelProfile) -> ParamSplit:
 
 
 def stage_params(profile: ModelProfile, strategy: Strategy, stage: int = 0) -> float:
-    """Parameters held by one rank of pipeline ``stage`` after tensor parallelism (count, before ZeRO)."""
+    """Parameters held by one rank of pipeline ``stage`` after tensor and expert parallelism (count, before
+    ZeRO): with ep > 1 the routed experts of the stage's MoE layers are 1/ep of them (estimators/expert_parallel.py)."""
+    held = _stage_params_all_experts(profile, strategy, stage)
+    if strategy.ep == 1:
+        return held
+    block = profile.repeated_block
+    share = layers_per_stage(block.count, strategy.pp) / block.count if block and strategy.pp > 1 else 1.0
+    return held - expert_params_not_held(profile, strategy, share)
+
+
+def _stage_params_all_experts(profile: ModelProfile, strategy: Strategy, stage: int = 0) -> float:
     split = param_split(profile)
     t, p = strategy.tp, strategy.pp
     if uses_model_tp_plan(profile, strategy) and p == 1:
@@ -304,7 +315,10 @@ def model_states(profile: ModelProfile, strategy: Strategy, *, stage: int = 0,
     """
     recipe = get_recipe(strategy.precision)
     psi = stage_params(profile, strategy, stage)
-    psi_train = psi * (profile.trainable_params / profile.params if profile.params else 0.0)
+    train_share = profile.trainable_params / profile.params if profile.params else 0.0
+    psi_train = psi * train_share
+    # what sharding divides: every expert over the dp·cp ranks (expert_parallel.py); = psi without experts
+    psi_sharded = _stage_params_all_experts(profile, strategy, stage)
     n_d = placement(strategy, gpus_per_node).shard.ranks
     k = recipe.master_bytes + optimizer_state_bytes_per_param(
         strategy.optimizer, recipe, profile, flat_params=optimizer_sees_flat_params(strategy))
@@ -319,13 +333,13 @@ def model_states(profile: ModelProfile, strategy: Strategy, *, stage: int = 0,
         k += DEEPSPEED_FP32_PARTITION_BYTES  # its fp32 partition, kept beside fp32 weights too
     optim = psi_train * k
     if shard >= 1:
-        optim = optim / n_d
+        optim = psi_sharded * train_share * k / n_d
     if _deepspeed_partitions_grads(strategy):
         grads = _deepspeed_grad_partition_bytes(profile, strategy, stage, gpus_per_node)
     elif shard >= 2:
-        grads = grads / n_d
+        grads = grads * psi_sharded / psi / n_d if psi else 0.0
     if shard >= 3 or (strategy.engine == "torch" and strategy.fsdp == "grad_op"):
-        weights = weights / n_d  # FSDP SHARD_GRAD_OP keeps sharded weights (and gathers them for the step)
+        weights = weights * psi_sharded / psi / n_d if psi else 0.0  # FSDP SHARD_GRAD_OP keeps sharded weights
     if shard < 3:
         weights += psi * _fp8_cache_bytes(recipe)
     off: dict[str, float] = {"cpu": 0.0, "nvme": 0.0}
@@ -602,6 +616,15 @@ def _buffers(profile: ModelProfile, strategy: Strategy, stage: int,
         kept = int8_checkpoint_kept_bytes(shape.hidden // strategy.tp, (shape.ffn or 4 * shape.hidden) // strategy.tp,
                                           layers, profile.tokens_per_sample or 1, strategy.mbs)
         items["bnb_int8_checkpoint_inputs"] = (kept, frozenset({"forward", "loss", "backward", "grads"}))
+    moe = profile.transformer.moe if profile.transformer is not None else None
+    if moe is not None and strategy.ep > 1:
+        # the all-to-all's receive buffer of one MoE layer: the token copies routed here (Megatron-Core
+        # MoEAlltoAllTokenDispatcher; the send side is the permuted copies the activations count), the busiest
+        # rank's share by the stated imbalance
+        scale = 2 if recipe.activation_precision == "fp32" else 1
+        tokens = strategy.mbs * (profile.tokens_per_sample or 1) / strategy.cp / (strategy.tp if strategy.sp else 1)
+        received = tokens * moe.topk * profile.transformer.hidden * 2 * scale * moe.imbalance  # type: ignore[union-attr]
+        items["moe_all_to_all_receive"] = (round(received), frozenset({"forward", "backward", "grads"}))
     if strategy.pp > 1 or strategy.cp > 1:
         scale = 2 if recipe.activation_precision == "fp32" else 1
         seq = profile.tokens_per_sample or 1

@@ -44,6 +44,9 @@ class Placement(BaseModel):
     grad_reduce: GroupPlacement = Field(description="the gradient-reduction group (dp·cp)")
     pp: GroupPlacement
     gpus_per_node: int = Field(ge=1)
+    ep: GroupPlacement = Field(default=GroupPlacement(ranks=1, nodes=1),
+                               description="the expert-parallel group: ep consecutive data-parallel ranks (stride tp, "
+                                           "Megatron-Core's expert rank order with expert-tp = tp)")
 
 
 def group_nodes(ranks: int, stride: int, gpus_per_node: int) -> int:
@@ -67,7 +70,7 @@ def placement(strategy: Strategy, gpus_per_node: int) -> Placement:
     if s.fsdp == "hybrid" and dpcp.nodes > 1:
         shard = GroupPlacement(ranks=max(1, dpcp.ranks // dpcp.nodes), nodes=1)
     return Placement(tp=grp(s.tp, 1), cp=grp(s.cp, s.tp), dp=grp(s.dp, s.tp * s.cp), shard=shard,
-                     grad_reduce=dpcp, pp=grp(s.pp, s.tp * s.cp * s.dp), gpus_per_node=g)
+                     grad_reduce=dpcp, pp=grp(s.pp, s.tp * s.cp * s.dp), gpus_per_node=g, ep=grp(s.ep, s.tp))
 
 
 def placement_notes(strategy: Strategy, cluster: Cluster) -> tuple[str, ...]:

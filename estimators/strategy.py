@@ -50,6 +50,8 @@ class Strategy(BaseModel):
     pp: int = Field(default=1, ge=1, description="pipeline-parallel stages")
     vpp: int = Field(default=1, ge=1, description="virtual pipeline stages per rank (interleaved 1F1B when > 1)")
     cp: int = Field(default=1, ge=1, description="context-parallel degree (sequence split over ranks)")
+    ep: int = Field(default=1, ge=1, description="expert-parallel degree: the routed experts of each MoE layer split "
+                                                 "over ep ranks of the data-parallel (x context) group")
     sp: bool = Field(default=False, description="sequence parallelism inside the tensor-parallel group")
     flash: bool = Field(default=True, description="memory-efficient (flash) attention: no s x s scores stored")
     offload_optimizer: OffloadTarget = "none"
@@ -109,6 +111,12 @@ class Strategy(BaseModel):
         if self.vpp > 1 and self.grad_accum % self.pp:
             raise ValueError(f"the interleaved schedule needs micro-batches ({self.grad_accum}) divisible by "
                              f"--pp {self.pp}: change --gas/--global-batch or use --vpp 1")
+        if self.ep > 1 and self.engine != "megatron":
+            raise ValueError("expert parallelism is modelled on Megatron-LM (--expert-model-parallel-size): use "
+                             "--engine megatron, or --ep 1")
+        if self.ep > 1 and (self.dp * self.cp) % self.ep:
+            raise ValueError(f"--ep {self.ep} must divide the data-parallel x context-parallel ranks "
+                             f"{self.dp * self.cp} (Megatron-Core carves the expert group out of them): change --ep")
         if self.pp > 1 and self.engine == "deepspeed" and self.zero >= 2:
             raise ValueError("DeepSpeed's pipeline engine supports ZeRO-1 at most: use --zero 0|1 with --pp > 1")
         return self
@@ -131,12 +139,12 @@ class Strategy(BaseModel):
     @property
     def model_parallel(self) -> bool:
         """True when tensor, pipeline or context parallelism is used."""
-        return self.tp > 1 or self.pp > 1 or self.cp > 1
+        return self.tp > 1 or self.pp > 1 or self.cp > 1 or self.ep > 1
 
     def label(self) -> str:
         """Short human label, e.g. 'bf16 ZeRO-2 mbs8x4 ckpt' or 'bf16 tp4 pp2 ZeRO-1 mbs1x16'."""
         parts = [self.precision]
-        for name in ("tp", "pp", "cp"):
+        for name in ("tp", "pp", "cp", "ep"):
             if getattr(self, name) > 1:
                 parts.append(f"{name}{getattr(self, name)}")
         if self.vpp > 1:

@@ -52,9 +52,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from optplan.estimators.comm import (
     DDP_BUCKET_BYTES,
+    INTER_NODE_ALPHA_S,
     TP_COLLECTIVES_PER_PASS,
     Link,
     all_reduce_s,
+    all_to_all_s,
     cp_ring_exchange_s,
     exposed_s,
     link_for,
@@ -79,9 +81,10 @@ from optplan.estimators.compute import (
     optimizer_step_s,
     transformer_dims,
 )
-from optplan.estimators.efficiency import EngineEfficiency, engine_efficiency
+from optplan.estimators.efficiency import LINK_EFFICIENCY, EngineEfficiency, engine_efficiency
 from optplan.estimators.hardware import Cluster, GPUSpec
 from optplan.estimators.memory import param_split, stage_params
+from optplan.estimators.moe import expert_mlp_params
 from optplan.estimators.parallel import Placement, layers_per_stage, placement
 from optplan.estimators.pipeline import pipeline_time_s
 from optplan.estimators.precision import get_recipe
@@ -99,13 +102,14 @@ class TimeBreakdown(BaseModel):
     recompute_s: float = Field(ge=0, description="forward re-run under activation checkpointing")
     memory_bound_s: float = Field(ge=0, description="bandwidth-bound elementwise work (roofline)")
     optimizer_s: float = Field(ge=0, description="optimizer step (memory-bound, or on the host)")
-    comm_s: float = Field(ge=0, description="all communication: tp + cp + pp + dp (incl. offload transfers)")
+    comm_s: float = Field(ge=0, description="all communication: tp + cp + pp + dp + ep (incl. offload transfers)")
     exposed_comm_s: float = Field(ge=0, description="communication not hidden behind compute")
     bubble_s: float = Field(default=0.0, ge=0, description="pipeline fill and drain (0 without pipeline parallelism)")
     host_overhead_s: float = Field(default=0.0, ge=0, description="GPU idle waiting for the host to launch work")
     tp_comm_s: float = Field(default=0.0, ge=0, description="tensor-parallel collectives (exposed)")
     cp_comm_s: float = Field(default=0.0, ge=0, description="context-parallel K/V ring (partly overlapped)")
     pp_comm_s: float = Field(default=0.0, ge=0, description="pipeline point-to-point sends (exposed)")
+    ep_comm_s: float = Field(default=0.0, ge=0, description="MoE dispatch/combine all-to-alls (exposed)")
     dp_comm_s: float = Field(default=0.0, ge=0, description="data-parallel / ZeRO / FSDP collectives, tied "
                                                             "embedding all-reduce and offload transfers")
     exposed_dp_comm_s: float = Field(default=0.0, ge=0, description="the part of dp_comm_s not overlapped")
@@ -278,6 +282,45 @@ def _flops_only_step(profile: ModelProfile, strategy: Strategy, cluster: Cluster
     return tb.model_copy(update={"efficiency": ct.efficiency})
 
 
+MOE_A2A_PER_PASS = 2
+"""All-to-alls per MoE layer and pass (forward, backward, recomputed forward): dispatch and combine
+(Megatron-Core ``MoEAlltoAllTokenDispatcher``; Lepikhin et al. 2020 GShard, arXiv 2006.16668 §2.2)."""
+
+
+def _moe_layer_s(profile: ModelProfile, s_: Strategy, cluster: Cluster, eff: GpuEfficiency, pl: Placement,
+                 tokens: float, elem: int, hbm: float) -> tuple[float, float]:
+    """(all-to-all, expert-weight reads) seconds per layer and micro-batch, the MoE layers' share spread over every
+    layer as the profile spreads their width (estimators/moe.py).
+
+    - Dispatch and combine (:data:`MOE_A2A_PER_PASS` per pass) of the tokens' topk copies of h, when the experts
+      are split (ep > 1), priced by ``comm.all_to_all_s`` over the expert-parallel group and not overlapped
+      (Megatron-Core's default: no all-to-all overlap without ``--overlap-moe-expert-parallel-comm``), times the
+      stated imbalance (the busiest rank receives more).
+    - Grouped GEMMs: every local expert's weights are read in each pass, however few tokens it gets; the dense
+      roofline of the profile's active width reads only topk + shared experts' worth, so the rest of the local
+      experts' weights are added as memory time (small per-expert GEMMs are bound by their weight reads:
+      Megatron-Core's grouped GEMM runs every local expert in one kernel, the roofline's memory side).
+    """
+    shape = profile.transformer
+    if shape is None or shape.moe is None:
+        return 0.0, 0.0
+    moe = shape.moe
+    share = moe.moe_layers(shape.layers) / shape.layers
+    passes = 3 if s_.checkpointing == "full" else 2
+    a2a = 0.0
+    if s_.ep > 1:
+        size = tokens * moe.topk * shape.hidden * elem / (s_.tp if s_.sp else 1) * moe.imbalance
+        per_node = min(pl.ep.ranks, max(1, cluster.gpus_per_node // s_.tp)) if pl.ep.nodes > 1 else pl.ep.ranks
+        one = all_to_all_s(size, s_.ep, per_node, cluster.gpu.intra_node_bandwidth_bytes_per_s *
+                           eff.intra_node_link_fraction, cluster.inter_node_bandwidth_bytes_per_s * LINK_EFFICIENCY,
+                           INTER_NODE_ALPHA_S if pl.ep.nodes > 1 else eff.intra_node_alpha_s)
+        a2a = share * MOE_A2A_PER_PASS * passes * one
+    local = moe.experts / s_.ep
+    idle = max(0.0, local - moe.topk)
+    weight_bytes = idle * expert_mlp_params(shape.hidden, moe.moe_ffn, shape.gated) / s_.tp * elem
+    return a2a, share * passes * weight_bytes / hbm
+
+
 def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: Strategy, cluster: Cluster,
                       eff: GpuEfficiency, engine: EngineEfficiency) -> TimeBreakdown:
     """Transformer profiles: per-stage roofline by op class, collectives by placement, 1F1B pipeline."""
@@ -310,7 +353,9 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
     layer_cp = cp_fwd + cp_bwd + (cp_fwd if full else 0.0)
     layer_cp_exposed = (exposed_s(cp_fwd, core_fwd) + exposed_s(cp_bwd, core_bwd)
                         + (exposed_s(cp_fwd, core_fwd) if full else 0.0))
-    layer_device = layer_compute + layer_mem + layer_recompute + layer_tp + layer_cp_exposed
+    layer_ep, layer_expert_weights = _moe_layer_s(profile, s_, cluster, eff, pl, tokens, elem, hbm)
+    layer_mem += layer_expert_weights
+    layer_device = layer_compute + layer_mem + layer_recompute + layer_tp + layer_cp_exposed + layer_ep
     host_layer = eff.host_layer_pass_s * host_layer_passes(s_)
     host_sync = 2 * (t - 1) * eff.host_collective_step_s  # per tensor-parallel collective
     host_layer += TP_COLLECTIVES_PER_PASS * (3 if full else 2) * host_sync
@@ -366,7 +411,7 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
         stage_info.append({
             "time": layers_time + head_time_s + p2p, "params": params_local,
             "compute": layers * layer_compute + head_compute, "mem": layers * layer_mem + head_mem,
-            "recompute": layers * layer_recompute, "tp": layers * layer_tp + head_tp,
+            "recompute": layers * layer_recompute, "tp": layers * layer_tp + head_tp, "ep": layers * layer_ep,
             "cp": layers * layer_cp, "cp_exposed": layers * layer_cp_exposed, "pp": p2p,
             "host": (layers_time - layers_dev) + (head_time_s - head_dev),
             "bwd": layers * (lt.bwd_gemm_s + lt.bwd_elementwise_s), "layers": layers,
@@ -398,21 +443,21 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
     assert post_best is not None
     _, dpc, tied, opt = post_best
 
-    tp_s, cp_s, pp_s = m * slow["tp"], m * slow["cp"], m * slow["pp"]
+    tp_s, cp_s, pp_s, ep_s = m * slow["tp"], m * slow["cp"], m * slow["pp"], m * slow["ep"]
     cp_exposed = m * slow["cp_exposed"]
     dp_total = dpc.total_s + tied
     dp_exposed = dpc.exposed_s + tied
-    exposed = tp_s + cp_exposed + pp_s + dp_exposed
+    exposed = tp_s + cp_exposed + pp_s + dp_exposed + ep_s
     hw_per_sample = profile.train_flops_per_sample
     recompute_flops = (lt.fwd_flops if full else lt.attention_core_fwd_flops if selective else 0.0)
     hw_per_sample += dims.layers * recompute_flops * t * c / s_.mbs
     parts = {
         "compute_s": m * slow["compute"], "recompute_s": m * slow["recompute"],
         "memory_bound_s": m * slow["mem"], "optimizer_s": opt,
-        "comm_s": tp_s + cp_s + pp_s + dp_total, "exposed_comm_s": exposed, "bubble_s": pipe.bubble_s,
+        "comm_s": tp_s + cp_s + pp_s + dp_total + ep_s, "exposed_comm_s": exposed, "bubble_s": pipe.bubble_s,
         "host_overhead_s": m * slow["host"] + eff.host_step_s,
         "tp_comm_s": tp_s, "cp_comm_s": cp_s, "pp_comm_s": pp_s, "dp_comm_s": dp_total,
-        "exposed_dp_comm_s": dp_exposed,
+        "exposed_dp_comm_s": dp_exposed, "ep_comm_s": ep_s,
     }
     return _finish(profile, s_, cluster, parts=parts,
                    efficiency_peak=gpu.peak_flops_for(recipe.compute_dtype), hardware_flops_per_sample=hw_per_sample)

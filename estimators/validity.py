@@ -31,6 +31,12 @@ def check_strategy(profile: ModelProfile, cluster: Cluster, strategy: Strategy) 
         if shape.kv_heads and shape.kv_heads % s.tp:
             raise OptplanError(f"--tp {s.tp} does not divide the {shape.kv_heads} key-value heads: use a "
                                f"divisor of {shape.kv_heads}")
+    if s.ep > 1:
+        moe = shape.moe if shape is not None else None
+        if moe is None:
+            raise OptplanError(f"--ep {s.ep} splits the experts of MoE layers, and {profile.name} has none: use --ep 1")
+        if moe.experts % s.ep:
+            raise OptplanError(f"--ep {s.ep} does not divide the {moe.experts} experts: use a divisor of {moe.experts}")
     plan = profile.tensor_plan
     if s.tp > 1 and s.sp and s.engine == "torch" and plan is not None and not plan.sequence_parallel:
         raise OptplanError(f"the torch engine splits {profile.name} by its own tp_plan, which has no sequence "

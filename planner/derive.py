@@ -24,6 +24,7 @@ class StrategyFlags(BaseModel):
     pp: int | None = None
     vpp: int | None = None
     cp: int | None = None
+    ep: int | None = None
     sp: bool | None = None
     zero: int | None = None
     fsdp: str | None = None
@@ -78,7 +79,7 @@ def derive_strategy(flags: StrategyFlags, cluster: Cluster, *, gpus_given: bool 
     """The Strategy for ``flags`` on ``cluster`` (degrees and accumulation derived), or OptplanError.
 
     ``gpus_given`` False says the GPU count is a default (no --gpus), which the messages then say."""
-    for name in ("dp", "tp", "pp", "vpp", "cp", "mbs", "gas", "global_batch"):
+    for name in ("dp", "tp", "pp", "vpp", "cp", "ep", "mbs", "gas", "global_batch"):
         _positive(name.replace("_", "-"), getattr(flags, name))
     tp, pp, cp = flags.tp or 1, flags.pp or 1, flags.cp or 1
     model = tp * pp * cp
@@ -105,12 +106,12 @@ def derive_strategy(flags: StrategyFlags, cluster: Cluster, *, gpus_given: bool 
             raise OptplanError(f"--gas {gas} contradicts --global-batch {flags.global_batch} = mbs {flags.mbs} x "
                                f"dp {dp} x gas {derived}: drop one of them")
         gas = derived
-    engine = _engine(flags, model > 1)
+    engine = _engine(flags, model > 1 or (flags.ep or 1) > 1)
     offload_optimizer, offload_params = _offload_targets(flags, engine)
     data: dict[str, object] = {
         "precision": flags.precision, "optimizer": flags.optimizer or "adamw", "zero": flags.zero or 0,
         "fsdp": flags.fsdp or "none", "mbs": flags.mbs, "grad_accum": gas or 1,
-        "checkpointing": flags.checkpointing, "dp": dp, "tp": tp, "pp": pp, "vpp": flags.vpp or 1, "cp": cp,
+        "checkpointing": flags.checkpointing, "dp": dp, "tp": tp, "pp": pp, "vpp": flags.vpp or 1, "cp": cp, "ep": flags.ep or 1,
         "sp": flags.sp, "flash": flags.flash, "offload_optimizer": offload_optimizer,
         "offload_params": offload_params, "engine": engine, "quant": flags.quant,
     }
