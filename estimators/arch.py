@@ -22,6 +22,7 @@ import math
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from optplan.estimators.attention import MlaShape
 from optplan.estimators.errors import OptplanError
 from optplan.estimators.moe import MoeShape, mean_active_ffn, routed_expert_params
 from optplan.estimators.profile import (
@@ -110,7 +111,16 @@ class ArchSpec(BaseModel):
         if self.experts is None or self.topk is None:
             return None
         return MoeShape(experts=self.experts, topk=self.topk, moe_ffn=self.moe_ffn or self.ffn or 4 * self.hidden,
-                        shared_experts=self.shared_experts, moe_every=self.moe_every, first_dense=self.first_dense)
+                        shared_experts=self.shared_experts, moe_every=self.moe_every, first_dense=self.first_dense,
+                        dense_ffn=self.ffn or 4 * self.hidden)
+
+    @property
+    def mla(self) -> MlaShape | None:
+        """The multi-head latent attention widths, or None for multi-head / grouped-query attention."""
+        if self.kv_lora is None:
+            return None
+        return MlaShape(kv_lora=self.kv_lora, q_lora=self.q_lora, rope_dim=self.rope_dim,
+                        nope_dim=self.nope_dim or self.hidden // self.heads, v_dim=self.v_dim or self.hidden // self.heads)
 
 
 def parse_arch(text: str, *, seq_len: int | None = None) -> ArchSpec:
@@ -287,7 +297,7 @@ def profile_from_arch(spec: ArchSpec, *, name: str | None = None) -> ModelProfil
         ffn = round(mean_active_ffn(moe, spec.ffn or 4 * h, L))
         idle = routed_expert_params(moe, h, spec.gated, L) * (moe.experts - moe.topk) // moe.experts
     shape = TransformerShape(hidden=h, layers=L, heads=a, kv_heads=spec.kv_heads, vocab=v, max_seq_len=s,
-                             ffn=ffn, gated=spec.gated, moe=moe)
+                             ffn=ffn, gated=spec.gated, moe=moe, mla=spec.mla)
     # embedding lookups are not matmuls: drop the position table and, when untied, the input embedding
     matmul_params = params - (0 if spec.gated else s * h) - (0 if spec.tied else v * h) - idle
     fwd = (2 * matmul_params + 4 * L * h * s) * s
@@ -319,5 +329,6 @@ def profile_from_arch(spec: ArchSpec, *, name: str | None = None) -> ModelProfil
 def _moe_note(moe: MoeShape, layers: int) -> str:
     return (f"MoE: {moe.moe_layers(layers)} of {layers} layers route each token to {moe.topk} of {moe.experts} experts "
             f"(width {moe.moe_ffn}{f', + {moe.shared_experts} shared' if moe.shared_experts else ''}); FLOPs and "
-            f"activations by the tokens routed (balanced router), every expert's parameters held; expert "
-            "parallelism and the all-to-all are not priced yet")
+            f"activations by the tokens routed (balanced router: imbalance {moe.imbalance:g} stated, not measured); "
+            "expert parallelism (--ep, Megatron) divides the routed experts, its all-to-all priced from the links; "
+            "grouped-GEMM efficiency as weight reads")

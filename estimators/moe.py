@@ -45,6 +45,8 @@ class MoeShape(BaseModel):
     shared_experts: int = Field(default=0, ge=0, description="experts every token passes through (DeepSeekMoE)")
     moe_every: int = Field(default=1, ge=1, description="every N-th layer is sparse")
     first_dense: int = Field(default=0, ge=0, description="leading layers kept dense")
+    dense_ffn: int | None = Field(default=None, ge=1, description="MLP width of the dense layers (None: no dense "
+                                                                 "layer, or unknown)")
     imbalance: float = Field(default=DEFAULT_IMBALANCE, ge=1.0, description="busiest expert's tokens ÷ the mean")
 
     @model_validator(mode="after")

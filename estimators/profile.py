@@ -10,6 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from optplan.estimators.attention import MlaShape
 from optplan.estimators.finetune import AdapterProfile
 from optplan.estimators.moe import MoeShape, moe_extra_bytes_per_token
 from optplan.estimators.tensor_plan import TensorPlan
@@ -154,6 +155,8 @@ class TransformerShape(_Frozen):
     moe: MoeShape | None = Field(default=None, description="the sparse (Mixture-of-Experts) layers; ``ffn`` is then "
                                                           "the per-layer mean width a token computes through "
                                                           "(estimators/moe.py mean_active_ffn)")
+    mla: MlaShape | None = Field(default=None, description="multi-head latent attention (DeepSeek-V2), or None for "
+                                                          "multi-head / grouped-query attention")
 
     @property
     def kv_dim(self) -> int:

@@ -310,7 +310,23 @@ def _mbs_line(pick: Estimate, price: Price, space: SearchSpace) -> str:
 
 
 def _layout_of(s: Strategy) -> Layout:
-    return Layout(s.world_size, s.dp, s.tp, s.pp, s.vpp, s.cp)
+    return Layout(s.world_size, s.dp, s.tp, s.pp, s.vpp, s.cp, s.ep)
+
+
+def _ep_line(pick: Estimate, price: Price, ranked: Sequence[Estimate]) -> str | None:
+    """Why this expert-parallel degree: what the next smaller one needs (memory, or its speed), and the
+    all-to-all it costs."""
+    s = pick.strategy
+    if s.ep == 1:
+        more = _best(ranked, lambda o: o.ep > 1 and o.world_size == s.world_size)
+        return None if more is None else (f"expert parallelism off (ep 1): every expert local; the best ep plan "
+                                          f"({more.strategy.label()}) {_vs(pick, more)}")
+    line = (f"expert parallelism ep {s.ep}: {s.ep} ranks share each layer's experts (dispatch/combine all-to-all "
+            f"{pick.time.ep_comm_s * 1e3:.0f} ms per step)")
+    smaller = _neighbour(price, s, ep=s.ep // 2)
+    if smaller is not None:
+        line += f"; ep {s.ep // 2} {_vs(pick, smaller)}"
+    return line
 
 
 def _checkpointing_line(pick: Estimate, price: Price, space: SearchSpace) -> str:
@@ -364,7 +380,7 @@ def rationale(pick: Estimate, ranked: Sequence[Estimate], price: Price, space: S
     """The chosen plan's decisions, one line each, with the numbers behind them."""
     ties = _ties_line(pick, ranked, goal)
     lines = [_headline(pick, evaluated, goal, simplest=ties is not None), ties, _envelope_line(pick),
-             _gpus_line(pick, ranked, space, goal), _layout_line(pick, ranked),
+             _gpus_line(pick, ranked, space, goal), _layout_line(pick, ranked), _ep_line(pick, price, ranked),
              _sharding_line(pick, price, ranked, goal), _offload_line(pick, price), _precision_line(pick, price, space),
              _optimizer_line(pick, price, space), _mbs_line(pick, price, space),
              _checkpointing_line(pick, price, space), _batch_line(pick, space)]

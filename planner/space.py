@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from optplan.estimators.errors import OptplanError
 from optplan.estimators.hardware import Cluster
 from optplan.estimators.precision import require_precision
-from optplan.estimators.profile import ModelProfile
+from optplan.estimators.profile import ModelProfile, TransformerShape
 from optplan.estimators.strategy import CheckpointName as CheckpointMode
 from optplan.estimators.strategy import EngineName, Strategy
 
@@ -62,10 +62,11 @@ class Layout(NamedTuple):
     pp: int
     vpp: int
     cp: int
+    ep: int = 1
 
     @property
     def model_parallel(self) -> bool:
-        return self.tp > 1 or self.pp > 1 or self.cp > 1
+        return self.tp > 1 or self.pp > 1 or self.cp > 1 or self.ep > 1
 
 
 class Sharding(NamedTuple):
@@ -199,7 +200,7 @@ def strategy_of(group: Group, mbs: int, grad_accum: int) -> Strategy | None:
         return Strategy(precision=group.precision, optimizer=group.optimizer, zero=sh.zero,  # type: ignore[arg-type]
                         fsdp=sh.fsdp, mbs=mbs, grad_accum=grad_accum,  # type: ignore[arg-type]
                         checkpointing=group.checkpointing, dp=lay.dp, tp=lay.tp, pp=lay.pp, vpp=lay.vpp,
-                        cp=lay.cp, offload_optimizer=sh.offload_optimizer,  # type: ignore[arg-type]
+                        cp=lay.cp, ep=lay.ep, offload_optimizer=sh.offload_optimizer,  # type: ignore[arg-type]
                         offload_params=sh.offload_params, engine=sh.engine,  # type: ignore[arg-type]
                         quant=group.quant)  # type: ignore[arg-type]
     except ValueError:
@@ -277,8 +278,17 @@ def _layouts(profile: ModelProfile, gpus: int, gpus_per_node: int, model_paralle
                 vpps = [1]
                 if pp > 1 and block is not None:
                     vpps += [v for v in range(2, MAX_VPP + 1) if block.count % (pp * v) == 0]
-                out.extend(Layout(gpus, dp, tp, pp, v, cp) for v in vpps)
+                out.extend(Layout(gpus, dp, tp, pp, v, cp, ep) for v in vpps for ep in _eps(shape, dp * cp,
+                                                                                             model_parallel))
     return out
+
+
+def _eps(shape: TransformerShape | None, dpcp: int, model_parallel: bool) -> list[int]:
+    """Expert-parallel degrees for an MoE shape on Megatron: powers of two dividing the experts and dp·cp
+    (Megatron-Core carves the expert group out of them), 1 for dense models."""
+    if not model_parallel or shape is None or shape.moe is None:
+        return [1]
+    return [e for e in _powers_of_two_upto(shape.moe.experts) if shape.moe.experts % e == 0 and dpcp % e == 0]
 
 
 def _shardings(engines: Sequence[EngineName], multi_node: bool, offload: bool) -> tuple[Sharding, ...]:

@@ -160,6 +160,11 @@ def _deepspeed_layout(plan: ExportPlan) -> _Layout:
 
 def _megatron_layout(plan: ExportPlan) -> _Layout:
     strategy = plan.strategy
+    if plan.transformer is not None and (plan.transformer.moe is not None or plan.transformer.mla is not None):
+        raise NotExportable(
+            "accelerate's Megatron-LM plugin has no keys for experts, expert parallelism or latent attention "
+            "(MegatronLMPlugin builds a dense GPT): launch it with Megatron-LM's launch.sh"
+        )
     if strategy.vpp > 1:
         raise NotExportable(
             f"accelerate's Megatron-LM plugin has no launch key for interleaved pipelines (vpp={strategy.vpp}; "

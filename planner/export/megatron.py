@@ -22,6 +22,9 @@ commit 000c4ac2, 2025) and the Megatron-Core classes it hands them to:
   --untie-embeddings-and-output-weights --attention-dropout 0 --hidden-dropout 0`` (Llama 2/3 keep input
   and output embeddings separate and use no dropout); a GPT block keeps Megatron's GPT defaults
   (LayerNorm, learned absolute positions, biases, tied embeddings).
+- Mixture-of-Experts and multi-head latent attention: :mod:`optplan.planner.export.megatron_moe` (experts,
+  top-k, expert width and layer pattern, ``--expert-model-parallel-size``, grouped GEMM, all-to-all dispatcher;
+  MLA ranks and head dimensions), with Megatron's MoE rules.
 - Precision (``_add_mixed_precision_args`` / ``_add_transformer_engine_args``): ``--bf16``, ``--fp16``,
   fp8 as ``--bf16 --fp8-format hybrid`` (Transformer Engine, the default ``--transformer-impl``); fp32 is
   Megatron's default. Megatron casts the model (no autocast mode) and keeps fp32 main parameters, so the
@@ -53,6 +56,7 @@ from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 
 from optplan.planner.export.context import ExportPlan, NotExportable
+from optplan.planner.export.megatron_moe import add_moe_flags, dense_ffn, moe_args, moe_rule_violation
 from optplan.planner.validate import ExportValidationError
 
 PRETRAIN_SCRIPT = "pretrain_gpt.py"
@@ -142,11 +146,12 @@ def megatron_args(plan: ExportPlan) -> list[str]:
         "--max-position-embeddings", str(max(seq, shape.max_seq_len or 0)),
         "--num-layers", str(shape.layers),
         "--hidden-size", str(shape.hidden),
-        "--ffn-hidden-size", str(shape.ffn or 4 * shape.hidden),
+        "--ffn-hidden-size", str(dense_ffn(shape)),
         "--num-attention-heads", str(shape.heads),
     ]
     if shape.kv_heads is not None and shape.kv_heads < shape.heads:
         args += ["--group-query-attention", "--num-query-groups", str(shape.kv_heads)]
+    args += moe_args(shape, s)
     if shape.gated:
         args += [
             "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
@@ -170,6 +175,9 @@ def megatron_args(plan: ExportPlan) -> list[str]:
     else:
         args += ["--optimizer", "sgd", "--sgd-momentum", _fmt(SGD_MOMENTUM), "--weight-decay", "0.0"]
     args += ["--lr", _fmt(LEARNING_RATE), "--clip-grad", _fmt(CLIP_GRAD)]
+    moe_problem = moe_rule_violation(parse_megatron_args(args), plan.world_size)
+    if moe_problem:
+        raise NotExportable(moe_problem)
     return args
 
 
@@ -218,7 +226,7 @@ class _PlanView:
         assert shape is not None
         return cls(world=plan.world_size, tp=s.tp, pp=s.pp, cp=s.cp, vpp=s.vpp, sp=s.sp, layers=shape.layers,
                    heads=shape.heads, query_groups=shape.kv_heads or shape.heads, hidden=shape.hidden,
-                   ffn=shape.ffn or 4 * shape.hidden, mbs=s.mbs, gbs=s.global_batch, seq=seq,
+                   ffn=dense_ffn(shape), mbs=s.mbs, gbs=s.global_batch, seq=seq,
                    max_pos=max(seq, shape.max_seq_len or 0), interleave_ok=True)
 
 
@@ -339,6 +347,7 @@ def _parser() -> _RaisingParser:
     add("--weight-decay", type=float, default=0.01)
     add("--lr", type=float, default=None)
     add("--clip-grad", type=float, default=1.0)
+    add_moe_flags(add)
     return p
 
 
@@ -405,7 +414,7 @@ def validate_megatron_args(argv: list[str], plan: ExportPlan) -> None:
         raise ExportValidationError("Megatron-LM needs --seq-length for GPT pretraining: add it")
     if ns.group_query_attention and ns.num_query_groups < 1:
         raise ExportValidationError("--num-query-groups must be >= 1: fix it")
-    problem = _rule_violation(view)
+    problem = _rule_violation(view) or moe_rule_violation(ns, plan.world_size)
     if problem:
         raise ExportValidationError(f"Megatron-LM would reject the arguments: {problem}")
 

@@ -1,0 +1,114 @@
+"""Megatron-LM arguments for Mixture-of-Experts and multi-head-latent-attention models (the part of
+``pretrain_gpt.py``'s argv that megatron.py leaves to this module), their flag definitions and their rules.
+
+Flags follow Megatron-LM's ``megatron/training/arguments.py`` ``_add_moe_args`` and ``_add_mla_args`` (commit
+000c4ac2, 2025) and the Megatron-Core MoE guide (``megatron/core/transformer/moe/README.md``):
+
+- ``--num-experts E --moe-router-topk K --moe-ffn-hidden-size F`` (the expert width; ``--ffn-hidden-size`` stays
+  the dense layers' width), ``--moe-shared-expert-intermediate-size S·F`` for shared experts,
+  ``--moe-layer-freq`` as a Python list of 0/1 per layer when some layers are dense (first_dense, moe_every),
+  else 1;
+- ``--expert-model-parallel-size ep``, ``--moe-grouped-gemm`` (one grouped GEMM over the local experts, what the
+  time model assumes) and ``--moe-token-dispatcher-type alltoall`` (the dispatcher the all-to-all is priced for);
+- ``--moe-router-load-balancing-type aux_loss`` (Megatron's default, the balanced routing the plan assumes);
+- MLA: ``--multi-latent-attention --kv-lora-rank --q-lora-rank --qk-head-dim --qk-pos-emb-head-dim
+  --v-head-dim``.
+
+Rules (``validate_args`` and ``TransformerConfig.__post_init__``): experts divisible by ep; the world divisible by
+tp·pp·cp and dp·cp by ep (the expert group is carved out of dp·cp with expert-tp = tp); expert tensor parallelism
+splits the expert width (``moe_ffn_hidden_size % tp``); "when using MoE and tensor parallelism, sequence
+parallelism must be used" (``validate_args``; ``TransformerConfig`` says it for ep > 1 with tp > 1); top-k <=
+experts.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+from optplan.estimators.profile import TransformerShape
+from optplan.estimators.strategy import Strategy
+
+
+def layer_pattern(shape: TransformerShape) -> list[int]:
+    """1 for each MoE layer, 0 for each dense one (estimators/moe.py counting)."""
+    moe = shape.moe
+    assert moe is not None
+    return [int(i >= moe.first_dense and (i - moe.first_dense + 1) % moe.moe_every == 0) for i in range(shape.layers)]
+
+
+def moe_args(shape: TransformerShape, s: Strategy) -> list[str]:
+    """The MoE and MLA arguments of a plan (empty for a dense multi-head model)."""
+    args: list[str] = []
+    moe = shape.moe
+    if moe is not None:
+        pattern = layer_pattern(shape)
+        freq = "1" if all(pattern) else "[" + ",".join(map(str, pattern)) + "]"
+        args += ["--num-experts", str(moe.experts), "--moe-router-topk", str(moe.topk),
+                 "--moe-ffn-hidden-size", str(moe.moe_ffn), "--moe-layer-freq", freq,
+                 "--expert-model-parallel-size", str(s.ep), "--moe-grouped-gemm",
+                 "--moe-token-dispatcher-type", "alltoall", "--moe-router-load-balancing-type", "aux_loss"]
+        if moe.shared_experts:
+            args += ["--moe-shared-expert-intermediate-size", str(moe.shared_experts * moe.moe_ffn)]
+    mla = shape.mla
+    if mla is not None:
+        args += ["--multi-latent-attention", "--kv-lora-rank", str(mla.kv_lora), "--qk-head-dim", str(mla.nope_dim),
+                 "--qk-pos-emb-head-dim", str(mla.rope_dim), "--v-head-dim", str(mla.v_dim)]
+        if mla.q_lora is not None:
+            args += ["--q-lora-rank", str(mla.q_lora)]
+    return args
+
+
+def dense_ffn(shape: TransformerShape) -> int:
+    """``--ffn-hidden-size``: the dense layers' MLP width (an MoE shape's ``ffn`` is its mean active width)."""
+    if shape.moe is not None:
+        return shape.moe.dense_ffn or shape.moe.moe_ffn
+    return shape.ffn or 4 * shape.hidden
+
+
+def add_moe_flags(add: Callable[..., Any]) -> None:
+    """Megatron-LM's definitions (names, types, defaults, choices) of the flags :func:`moe_args` writes."""
+    add("--num-experts", type=int, default=None)
+    add("--moe-router-topk", type=int, default=2)
+    add("--moe-ffn-hidden-size", type=int, default=None)
+    add("--moe-layer-freq", type=str, default="1")
+    add("--expert-model-parallel-size", type=int, default=1)
+    add("--moe-grouped-gemm", action="store_true")
+    add("--moe-token-dispatcher-type", default="allgather", choices=["allgather", "alltoall", "flex"])
+    add("--moe-router-load-balancing-type", default="aux_loss",
+        choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"])
+    add("--moe-shared-expert-intermediate-size", type=int, default=None)
+    add("--multi-latent-attention", action="store_true")
+    add("--kv-lora-rank", type=int, default=32)
+    add("--q-lora-rank", type=int, default=None)
+    add("--qk-head-dim", type=int, default=128)
+    add("--qk-pos-emb-head-dim", type=int, default=64)
+    add("--v-head-dim", type=int, default=128)
+
+
+def moe_rule_violation(ns: argparse.Namespace, world: int) -> str | None:
+    """The first of Megatron's MoE rules ``ns`` (parsed arguments) breaks at ``world`` GPUs, else None."""
+    ep = ns.expert_model_parallel_size
+    experts = ns.num_experts
+    tp, pp, cp = ns.tensor_model_parallel_size, ns.pipeline_model_parallel_size, ns.context_parallel_size
+    if ep < 1:
+        return "--expert-model-parallel-size must be >= 1"
+    if experts is None:
+        return None if ep == 1 else "--expert-model-parallel-size > 1 needs --num-experts: add it, or use ep 1"
+    if experts % ep:
+        return (f"num_experts ({experts}) must be divisible by expert_model_parallel_size ({ep}): choose an ep that "
+                "divides the experts")
+    if ns.moe_router_topk > experts:
+        return f"--moe-router-topk {ns.moe_router_topk} is more than the {experts} experts: lower it"
+    model = tp * pp * cp
+    if world % model or (world // model * cp) % ep:
+        return (f"the expert-parallel size {ep} must divide dp x cp = {world // max(1, model) * cp} (Megatron-Core "
+                "carves the expert group out of them): choose an ep that divides it")
+    width = ns.moe_ffn_hidden_size or ns.ffn_hidden_size
+    if width and width % tp:
+        return f"the expert width {width} is not divisible by tp {tp} (expert tensor parallelism splits it)"
+    if tp > 1 and not ns.sequence_parallel:
+        return ("when using MoE and tensor parallelism, sequence parallelism must be used (validate_args; "
+                "TransformerConfig for ep > 1): add --sequence-parallel")
+    return None
