@@ -10,7 +10,8 @@ precision and checkpointing lie within what the set measured; outside it the ban
 - by ``WIDEN_PER_OCTAVE`` of the log step time per doubling beyond a measured range (parameters, GPUs,
   sequence, tokens per micro-batch, tensor/pipeline/context degrees);
 - by ``WIDEN_UNMEASURED`` for each thing the set never measured (an engine or a GPU without a set: the
-  nearest set stands in; offload; a precision or checkpointing mode not in the set);
+  nearest set stands in; offload; a precision or checkpointing mode not in the set; MoE layers, twice with
+  expert parallelism: no measured set has any);
 - and when the predicted MFU is above the best MFU ever measured on that GPU and precision (the
   envelope), the slow end is at least the time at the envelope: step × predicted MFU ÷ envelope MFU.
 
@@ -199,6 +200,9 @@ def time_band(profile: ModelProfile, strategy: Strategy, cluster: Cluster, *, mf
     if s.offload_optimizer != "none" or s.offload_params != "none":
         widen += WIDEN_UNMEASURED
         outside.append("offload was never measured")
+    if profile.transformer is not None and profile.transformer.moe is not None:
+        widen += WIDEN_UNMEASURED * (2 if s.ep > 1 else 1)  # the experts' GEMMs, and their all-to-all
+        outside.append("MoE layers were never measured" + (" (nor expert parallelism's all-to-all)" if s.ep > 1 else ""))
     low = ms.ratio_low * math.exp(-widen)
     high = ms.ratio_high * math.exp(widen)
     envelope = mfu_envelope(gpu, s.precision, dom)

@@ -99,3 +99,14 @@ def test_the_all_to_all_receive_buffer_is_named(mixtral) -> None:  # type: ignor
     # one layer's routed copies: 4096 tokens / tp 2 (sequence parallel) x top-2 x h x 2 bytes
     assert items["moe_all_to_all_receive"] == 4096 // 2 * 2 * 4096 * 2
     assert "moe_all_to_all_receive" not in buffer_items(mixtral, _s())
+
+
+def test_moe_step_times_say_they_were_never_measured(mixtral) -> None:  # type: ignore[no-untyped-def]
+    cluster = Cluster(gpu=find_gpu("H100-SXM"), gpus=64, gpus_per_node=8)
+    est = estimate(mixtral, cluster, _s(ep=4))
+    assert any("MoE layers were never measured" in n and "all-to-all" in n for n in est.notes)
+    dense = profile_from_arch(parse_arch(MIXTRAL.replace(",experts=8,topk=2", "")))
+    d = estimate(dense, cluster, _s())
+    assert not any("MoE" in n for n in d.notes)
+    # wider than the same plan of the dense model: two unmeasured things more
+    assert est.time.step_s_high / est.time.step_s > d.time.step_s_high / d.time.step_s
