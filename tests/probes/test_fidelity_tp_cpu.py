@@ -1,6 +1,7 @@
 """benchmarks/fidelity_tp_cpu.py --quick: real CPU steps of a 2-layer Llama split by its own tp_plan (transformers'
 DistributedConfig under torchrun, gloo: tp2 and tp2 x FSDP2 dp2, fp32 / amp-bf16 / bf16, checkpointing none and
-full) against optplan's memory prediction. One quick run (8 cases, about 90 s on 2 cores with the prototype's extra profile) serves every test here.
+full) against optplan's memory prediction. One quick run (8 cases, about 90 s on 2 cores with the prototype's
+extra profile) serves every test here.
 
 The bounds come from that benchmark's measurements (benchmarks/results/fidelity_tp_cpu.txt):
 
