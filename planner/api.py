@@ -74,8 +74,32 @@ def resolve_model(path: Path | str | None, *, arch: str | None = None, seq_len: 
         from optplan.planner.hf_source import hf_model_file
 
         path = hf_model_file(hf, hf_class)
+        moe = _hf_moe_profile(hf, hf_class, path, seq_len, model_name, lora)
+        if moe is not None:
+            return moe
     return load_profile(path, seq_len=seq_len, model_name=model_name, cancelled=cancelled,  # type: ignore[arg-type]
                         lora=lora)
+
+
+def _hf_moe_profile(hf: str, hf_class: str | None, path: Path, seq_len: int | None, model_name: str | None,
+                    lora: LoraRequest | None) -> ModelProfile | None:
+    """The formula profile of an MoE config (planner/hf_moe.py), or None for a dense model."""
+    from optplan.planner.hf_moe import is_moe_config, moe_arch, read_config
+    from optplan.planner.hf_source import DEFAULT_HF_SEQ_LEN, find_hf_config
+
+    source = find_hf_config(hf, hf_class)
+    doc = read_config(source.config_path)
+    if not is_moe_config(doc):
+        return None
+    if lora is not None:
+        raise OptplanError(f"--hf {hf} is a Mixture-of-Experts model, and LoRA on MoE models is not planned yet: "
+                           "plan full training (drop --finetune)")
+    seq = seq_len or min(source.max_positions or DEFAULT_HF_SEQ_LEN, DEFAULT_HF_SEQ_LEN)
+    prof = profile_from_arch(moe_arch(doc, seq, hf), name=model_name or source.name)
+    note = (f"{source.model_class} is a Mixture-of-Experts model: profiled by formula from its config (its expert "
+            "kernels run in 16-bit only and route by data, which a fake-tensor run cannot measure)")
+    return prof.model_copy(update={"path": str(path), "model_class": source.model_class,
+                                   "notes": (*prof.notes, note)})
 
 
 def detect_hardware() -> HardwareReport:

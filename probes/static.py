@@ -479,6 +479,12 @@ class StepRunner:
                 "avoid .item(), .tolist(), data-dependent shapes and Python branches on tensor values in "
                 "forward") from None
         except Exception as exc:
+            if _is_grouped_gemm_dtype_error(exc):
+                raise ModelFileError(
+                    self.display, f"the model's grouped-GEMM expert kernel (torch._grouped_mm, a Mixture-of-Experts "
+                    f"layer) takes 16-bit inputs only and routes tokens by their values ({exc_text(exc)})",
+                    "MoE models are planned from their shape: use --hf CONFIG (Mixtral, DeepSeek-V2/V3) or --arch "
+                    "...,experts=E,topk=K,moe_ffn=F") from None
             raise ModelFileError(self.display, f"the model rejected {self.spec.describe(b)}: forward raised "
                                  f"{exc_text(exc)}", self.spec.fix) from None
 
@@ -896,6 +902,12 @@ def measure_real(contract: ModelContract, meta: nn.Module, spec: BatchSpec, bloc
     notes.append(f"{limit.problem}: profiled by a real CPU run of the whole model at micro-batch {sizes[0]} "
                  f"and {sizes[1]}; memory that depends on the data (e.g. routing) is what these batches produced")
     return measurement, sizes
+
+
+def _is_grouped_gemm_dtype_error(exc: BaseException) -> bool:
+    """torch._grouped_mm's refusal of fp32 inputs (transformers 5's default experts implementation)."""
+    text = str(exc)
+    return "Expected inputs of BF16 type" in text or "grouped_mm" in text
 
 
 def profile_contract(contract: ModelContract, *, seq_len: int | None = None,
