@@ -40,6 +40,11 @@ LABELLED_SUFFIXES = ("ForCausalLM", "LMHeadModel", "ForMaskedLM", "ForConditiona
 IMAGE_SUFFIXES = ("ForImageClassification",)
 """Vision classes whose forward takes ``pixel_values`` and ``labels`` and returns the loss (transformers' ViT,
 DeiT, Swin, ConvNeXt, ResNet... image classification heads)."""
+NO_CACHE_MODEL_TYPES = ("falcon", "gemma2", "gemma3", "gemma3_text")
+"""Model types whose generated file turns the generation cache off: with it on, their fake-tensor profile fails in
+backward (keys grown to twice the sequence). Not for every model: with the cache off, transformers materialises the
+causal mask on fake tensors (it cannot check the mask's values), which over-counts a Llama's activations by ~2 %
+(benchmarks/fidelity_finetune_cpu.py), while a real step holds the same bytes either way."""
 DEFAULT_IMAGE_SIZE = 224
 """The input side of a vision config that names none (ImageNet's 224 x 224, the transformers configs' default)."""
 DOWNLOAD_FIX = ("download its config first (huggingface-cli download {id} config.json), or pass the path of a "
@@ -186,8 +191,8 @@ def hf_model_file_text(source: HfSource) -> str:
         "        raise HfModelError(f\"transformers {version} cannot read {CONFIG_PATH}: {first}\",",
         "                           \"upgrade transformers (pip install -U transformers), or write a model file for this \"",
         "                           \"architecture\") from None",
-        "    if hasattr(config, \"use_cache\"):",
-        "        config.use_cache = False  # training keeps no generation cache (Falcon and Gemma 2 fail backward with it)",
+        *(["    config.use_cache = False  # with its generation cache on, this model's fake-tensor backward fails"]
+          if source.model_type in NO_CACHE_MODEL_TYPES else []),
         "    cls = getattr(transformers, MODEL_CLASS, None)",
         "    if cls is None:",
         "        raise HfModelError(f\"transformers {version} has no class {MODEL_CLASS}\",",
