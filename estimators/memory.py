@@ -89,7 +89,12 @@ from optplan.estimators.temporaries import (
     engine_adam_impl,
     optimizer_temp_excess_bytes,
 )
-from optplan.estimators.tensor_plan import gathers_logits, params_per_tp_rank, uses_model_tp_plan
+from optplan.estimators.tensor_plan import (
+    gathers_logits,
+    params_per_tp_rank,
+    replicated_grad_bytes_per_rank,
+    uses_model_tp_plan,
+)
 from optplan.estimators.units import GIB_BYTES
 
 CUDA_CONTEXT_BYTES = 1 * GIB_BYTES
@@ -327,7 +332,8 @@ def model_states(profile: ModelProfile, strategy: Strategy, *, stage: int = 0,
     if profile.adapter is not None:  # LoRA: trainable adapters per the recipe, the frozen base 16-bit or quantised
         weights = psi_train * recipe.weight_bytes + _frozen_base_bytes(profile, strategy) * (
             psi / profile.params if profile.params else 0.0)
-    grads = psi_train * _grad_bytes(recipe, strategy)
+    grads = psi_train * _grad_bytes(recipe, strategy) + replicated_grad_bytes_per_rank(
+        profile, strategy, _grad_bytes(recipe, strategy))
     if (strategy.engine == "deepspeed" and strategy.zero > 0 and recipe.master_bytes == 0
             and recipe.weight_bytes == 4):
         k += DEEPSPEED_FP32_PARTITION_BYTES  # its fp32 partition, kept beside fp32 weights too
@@ -480,12 +486,14 @@ def _per_sample_stage_bytes(profile: ModelProfile, strategy: Strategy, mode: str
     if profile.activation_source == "formula" and not strategy.flash and mode == "none":
         layer_tp += ATTENTION_SCORE_COEFF * a * s * s * scale / t
     layer_input = 2 * s * h * scale / (t if strategy.sp else 1)
+    ends_here = ends / (1 if gathers_logits(profile, strategy) else t) if last else 0.0
     if mode == "full":
-        per_sample = on_stage * layer_input * held + layer_tp
+        # the recomputed layer's working set exists only in a layer's backward, after the logits and the loss
+        # (and their gradient) are freed: the larger of the two beside the kept layer inputs, not their sum
+        # (measured on CPU under tensor parallelism, benchmarks/fidelity_tp_cpu.py: the sum was 5-11 % over)
+        per_sample = on_stage * layer_input * held + max(layer_tp, ends_here)
     else:
-        per_sample = on_stage * layer_tp * held
-    if last:
-        per_sample += ends / (1 if gathers_logits(profile, strategy) else t)
+        per_sample = on_stage * layer_tp * held + ends_here
     return per_sample / cp
 
 

@@ -55,6 +55,9 @@ class TensorPlan(BaseModel):
                                                   "(count; tied weights once)")
     gathers_logits: bool = Field(description="the output head's result is gathered to every rank (whole logits "
                                              "and cross-entropy on each)")
+    replicated_grad_params: int = Field(default=0, ge=0, description="split parameters whose gradient stays whole "
+                                                                     "on every rank (vocab-parallel embeddings: "
+                                                                     "DTensor gives them a Replicate() gradient)")
     source: str = Field(description="where the plan came from, e.g. 'transformers LlamaForCausalLM.tp_plan'")
 
     @property
@@ -68,6 +71,22 @@ def params_per_tp_rank(params: float, plan: TensorPlan, tp: int) -> float:
     (count). Source: the styles' placements (module docstring; ``transformers/distributed/tensor_parallel.py``)."""
     sharded = min(float(plan.sharded_params), params)
     return sharded / tp + (params - sharded)
+
+
+EMBEDDING_STYLES = frozenset({"embedding_rowwise", "embedding_colwise"})
+"""Vocab/hidden-parallel embeddings: their weight is split but the gradient DTensor computes for it is replicated
+(measured on CPU under torchrun, benchmarks/fidelity_tp_cpu.py: a (V, h) gradient beside a (V/tp, h) weight), kept
+as ``.grad`` unless FSDP reduce-scatters it."""
+
+
+def replicated_grad_bytes_per_rank(profile: ModelProfile, strategy: Strategy, grad_bytes: float) -> float:
+    """Gradient bytes a tensor-parallel rank holds beyond its share of the split parameters: the replicated
+    gradients of vocab-parallel embeddings, (1 - 1/tp) of their whole size, when no FSDP shards them (bytes)."""
+    if not uses_model_tp_plan(profile, strategy) or strategy.fsdp != "none":
+        return 0.0
+    plan = profile.tensor_plan
+    assert plan is not None
+    return plan.replicated_grad_params * (1 - 1 / strategy.tp) * grad_bytes
 
 
 def uses_model_tp_plan(profile: ModelProfile, strategy: Strategy) -> bool:

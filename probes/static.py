@@ -148,6 +148,9 @@ LAYER_NAMES = ("n_layer", "num_hidden_layers", "n_layers", "num_layers")
 HEAD_NAMES = ("n_head", "num_attention_heads", "n_heads", "num_heads")
 KV_HEAD_NAMES = ("n_kv_heads", "num_key_value_heads", "n_kv_head", "num_kv_heads")
 VOCAB_NAMES = ("vocab_size", "n_vocab", "padded_vocab_size")
+FFN_NAMES = ("intermediate_size", "ffn_dim", "n_inner", "ffn_hidden_size", "d_ff")
+GATE_NAMES = ("gate_proj", "w3", "gate_up_proj", "w13")
+"""Names of the gate projection of a gated (SwiGLU/GeGLU) MLP: Llama/Mistral/Qwen (transformers), Meta's Llama."""
 MAX_LEN_NAMES = ("block_size", "max_position_embeddings", "max_seq_len", "n_positions", "n_ctx",
                  "max_seq_length", "context_length", "max_len")
 
@@ -298,16 +301,20 @@ def max_positions(model: nn.Module) -> int | None:
 
 
 def read_transformer_shape(model: nn.Module, block: BlockInfo | None) -> TransformerShape | None:
-    """TransformerShape from common config attribute names (on ``model.config`` etc. or the model)."""
+    """TransformerShape from common config attribute names (on ``model.config`` etc. or the model); the MLP is
+    gated when a block has a gate projection (:data:`GATE_NAMES`)."""
     sources = _config_sources(model)
     hidden = _read_int(sources, HIDDEN_NAMES)
     heads = _read_int(sources, HEAD_NAMES)
     layers = _read_int(sources, LAYER_NAMES) or (len(block.blocks) if block else None)
     if hidden is None or heads is None or layers is None:
         return None
+    gated = block is not None and bool(block.blocks) and any(
+        name.rpartition(".")[2] in GATE_NAMES for name, _ in block.blocks[0].named_modules())
     return TransformerShape(hidden=hidden, layers=layers, heads=heads,
                             kv_heads=_read_int(sources, KV_HEAD_NAMES), vocab=_read_int(sources, VOCAB_NAMES),
-                            max_seq_len=_read_int(sources, MAX_LEN_NAMES))
+                            max_seq_len=_read_int(sources, MAX_LEN_NAMES), ffn=_read_int(sources, FFN_NAMES),
+                            gated=gated)
 
 
 def _cut(container: nn.Module, keep: int) -> nn.Module:

@@ -13,7 +13,13 @@ import re
 
 from torch import nn
 
-from optplan.estimators.tensor_plan import GATHERED_OUTPUT_STYLES, ROW_STYLES, SHARDING_STYLES, TensorPlan
+from optplan.estimators.tensor_plan import (
+    EMBEDDING_STYLES,
+    GATHERED_OUTPUT_STYLES,
+    ROW_STYLES,
+    SHARDING_STYLES,
+    TensorPlan,
+)
 
 
 def model_tp_plan(model: nn.Module) -> dict[str, str] | None:
@@ -41,7 +47,7 @@ def read_tensor_plan(model: nn.Module) -> TensorPlan | None:
         return None
     rules = sorted(((key, style, _pattern(key)) for key, style in plan.items()), key=lambda r: -len(r[0]))
     seen: set[int] = set()
-    sharded = 0
+    sharded = replicated_grad = 0
     matched = False
     gathers = False
     for name, module in model.named_modules():
@@ -58,9 +64,11 @@ def read_tensor_plan(model: nn.Module) -> TensorPlan | None:
                 continue
             seen.add(id(param))
             sharded += param.numel()
+            if style in EMBEDDING_STYLES and param.requires_grad:
+                replicated_grad += param.numel()
     if not matched:
         return None
-    return TensorPlan(styles=plan, sharded_params=sharded, gathers_logits=gathers,
+    return TensorPlan(styles=plan, sharded_params=sharded, gathers_logits=gathers, replicated_grad_params=replicated_grad,
                       source=f"transformers {type(model).__name__}.tp_plan")
 
 

@@ -58,7 +58,10 @@ def test_table2_tensor_parallel_rows(gpt, t: int) -> None:  # noqa: ANN001
 def test_full_recompute_keeps_layer_inputs_and_one_layer(gpt) -> None:  # noqa: ANN001
     t = 4
     full = activation_bytes(gpt, Strategy(tp=t, sp=True, checkpointing="full"))
-    assert full == pytest.approx(L * 2 * S * H / t + S * H * 34 / t + logits() / t, abs=2)
+    # the layer inputs, plus the larger of the recomputed layer and the logits/loss: they are never alive together
+    # (the loss's tensors are freed before the first layer's backward recomputes it; measured under tensor
+    # parallelism on CPU, benchmarks/fidelity_tp_cpu.py)
+    assert full == pytest.approx(L * 2 * S * H / t + max(S * H * 34, logits()) / t, abs=2)
 
 
 def test_pipeline_first_stage_holds_p_micro_batches(gpt) -> None:  # noqa: ANN001

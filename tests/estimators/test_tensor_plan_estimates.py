@@ -84,3 +84,18 @@ def test_sequence_parallel_refused_where_the_plan_has_none() -> None:
     with_sp = planned.model_copy(update={"tensor_plan": planned.tensor_plan.model_copy(  # type: ignore[union-attr]
         update={"styles": {**LLAMA_PLAN, "model.norm": "sequence_parallel"}})})
     check_strategy(with_sp, cluster, Strategy(engine="torch", fsdp="full", tp=2, dp=4, sp=True))
+
+
+def test_a_vocab_parallel_embedding_keeps_a_whole_gradient_without_fsdp() -> None:
+    """DTensor gives the vocab-split embedding a replicated gradient (measured, benchmarks/fidelity_tp_cpu.py):
+    (1 - 1/tp) of V x h more gradient bytes per rank, unless FSDP reduce-scatters it."""
+    from optplan.estimators.memory import model_states
+
+    _, planned = _profiles()
+    with_grad = planned.model_copy(update={"tensor_plan": planned.tensor_plan.model_copy(  # type: ignore[union-attr]
+        update={"replicated_grad_params": 32000 * 1024})})
+    s = Strategy(engine="torch", precision="fp32", tp=4, dp=1)
+    extra = model_states(with_grad, s).grads_bytes - model_states(planned, s).grads_bytes
+    assert extra == round(32000 * 1024 * (1 - 1 / 4) * 4)
+    fsdp = Strategy(engine="torch", precision="fp32", tp=4, dp=2, fsdp="full")
+    assert model_states(with_grad, fsdp).grads_bytes == model_states(planned, fsdp).grads_bytes

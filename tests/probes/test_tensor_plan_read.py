@@ -29,6 +29,7 @@ def test_llama_plan_splits_everything_but_the_norms(tie: bool) -> None:
     assert norms == (2 * 2 + 1) * 256
     assert plan.sharded_params == total - norms
     assert plan.gathers_logits  # lm_head: colwise_gather_output (every rank gets the whole logits)
+    assert plan.replicated_grad_params == 1000 * 256  # the vocab-parallel embedding's gradient stays whole
     assert not plan.sequence_parallel
     assert plan.styles == dict(model.tp_plan)
     assert "LlamaForCausalLM" in plan.source
