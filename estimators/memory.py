@@ -829,7 +829,13 @@ def activation_moments(profile: ModelProfile, strategy: Strategy, *, stage: int 
         phases = fit.phases_at(strategy.mbs, param_copies=copies)
         if phases:
             return dict(phases)
-    return {"step": activation_bytes(profile, strategy, stage=stage)}
+    peak = activation_bytes(profile, strategy, stage=stage)
+    if strategy.model_parallel and strategy.engine == "torch" and strategy.fsdp != "none":
+        # the formula gives one peak, taken at every moment: each FSDP buffer then counts at its own moments only
+        # (unit gathers while blocks run, the reduce-scatter while gradients are made), not all at once
+        # (benchmarks/fidelity_tp_cpu.py: tp x FSDP2 was 25-37 % over with every buffer at one moment)
+        return {phase: peak for phase in STEP_PHASES}
+    return {"step": peak}
 
 
 def _grad_bytes_by_moment(states: ModelStates, profile: ModelProfile, strategy: Strategy, stage: int,
