@@ -206,11 +206,13 @@ def measured_tokens_per_s_per_gpu(row: dict[str, Any]) -> float:
 
 # ------------------------------------------------------------------------------------------------ the closest plan
 def arch_text(shape: dict[str, Any]) -> str:
-    """The shape as ``--arch`` keys (head_dim and the MTP module have none)."""
+    """The shape as ``--arch`` keys (the MTP module has none)."""
     keys: dict[str, Any] = {k: shape[k] for k in ("layers", "hidden", "heads", "ffn", "vocab", "experts", "topk",
                                                   "moe_ffn", "shared_experts", "first_dense", "moe_every")}
     if shape["kv_heads"] and not shape["mla"]:
         keys["kv_heads"] = shape["kv_heads"]
+    if shape["head_dim"] and not shape["mla"] and shape["heads"] * shape["head_dim"] != shape["hidden"]:
+        keys["head_dim"] = shape["head_dim"]  # --arch head_dim (Qwen3: 64 heads of 128 on hidden 4096)
     keys["gated"], keys["tied"] = int(shape["gated"]), int(shape["tied"])
     if shape["mla"]:
         keys.update({k: v for k, v in shape["mla"].items() if v is not None})
@@ -264,8 +266,6 @@ def plan(row: dict[str, Any]) -> Plan:
     profile = profile_from_arch(parse_arch(arch_text(shape), seq_len=row["seq"]), name=row["model"])
     if shape["mla"]:
         flags.append("mla")
-    elif shape["head_dim"] and shape["heads"] * shape["head_dim"] != shape["hidden"]:
-        flags.append("hd")
     tp, pp, cp, mbs = row["tp"], row["pp"], row["cp"], row["mbs"]
     dp = row["gpus"] // (tp * pp * cp)
     grad_accum = row["global_batch"] // (dp * mbs)

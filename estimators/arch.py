@@ -66,6 +66,7 @@ class ArchSpec(BaseModel):
     gated: bool = False
     tied: bool = True
     flash: bool = True
+    head_dim: int | None = Field(default=None, ge=1, le=MAX_WIDTH)
     kv_lora: int | None = Field(default=None, ge=1, le=MAX_WIDTH)
     q_lora: int | None = Field(default=None, ge=1, le=MAX_WIDTH)
     rope_dim: int = Field(default=64, ge=0, le=MAX_WIDTH)
@@ -80,8 +81,8 @@ class ArchSpec(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> ArchSpec:
-        if self.hidden % self.heads:
-            raise ValueError(f"hidden {self.hidden} is not divisible by heads {self.heads}")
+        if self.hidden % self.heads and self.head_dim is None:
+            raise ValueError(f"hidden {self.hidden} is not divisible by heads {self.heads}: give head_dim=D")
         if self.kv_heads is not None and self.heads % self.kv_heads:
             raise ValueError(f"heads {self.heads} is not divisible by kv_heads {self.kv_heads}")
         mla_keys = [k for k in ("q_lora", "nope_dim", "v_dim") if getattr(self, k) is not None]
@@ -179,6 +180,11 @@ def _attention_tensors(spec: ArchSpec) -> list[Tensor]:
     h = spec.hidden
     if spec.kv_lora is not None:
         return _mla_tensors(spec)
+    if spec.head_dim is not None:  # q (a·d x h), o (h x a·d), k and v (K·d x h); biases of those widths
+        q, kv = spec.heads * spec.head_dim, (spec.kv_heads or spec.heads) * spec.head_dim
+        if spec.gated:
+            return [(q, h, 1), (h, q, 1), (kv, h, 2)]
+        return [(q, h, 1), (h, q, 1), (q, 0, 1), (h, 0, 1), (kv, h, 2), (kv, 0, 2)]
     kv = h * (spec.kv_heads or spec.heads) // spec.heads
     if spec.gated:  # q, o, k, v; no biases
         return [(h, h, 2), (kv, h, 2)]
@@ -297,10 +303,11 @@ def profile_from_arch(spec: ArchSpec, *, name: str | None = None) -> ModelProfil
         ffn = round(mean_active_ffn(moe, spec.ffn or 4 * h, L))
         idle = routed_expert_params(moe, h, spec.gated, L) * (moe.experts - moe.topk) // moe.experts
     shape = TransformerShape(hidden=h, layers=L, heads=a, kv_heads=spec.kv_heads, vocab=v, max_seq_len=s,
-                             ffn=ffn, gated=spec.gated, moe=moe, mla=spec.mla)
+                             ffn=ffn, gated=spec.gated, head_dim=spec.head_dim, moe=moe, mla=spec.mla)
     # embedding lookups are not matmuls: drop the position table and, when untied, the input embedding
     matmul_params = params - (0 if spec.gated else s * h) - (0 if spec.tied else v * h) - idle
-    fwd = (2 * matmul_params + 4 * L * h * s) * s
+    qk_d, v_d = shape.core_head_dims()  # QK^T and AV: 2·s·a·(d_qk + d_v) per token (4·h·s at d = h / heads)
+    fwd = (2 * matmul_params + 2 * L * a * (qk_d + v_d) * s) * s
     attn_term = 0 if spec.flash else 5 * a * s * s
     layer_bytes = s * shape.layer_bytes_per_token() + attn_term
     fits = []

@@ -177,6 +177,10 @@ class TransformerDims(BaseModel):
     vocab: int = Field(description="0 when the profile does not know it (no logits priced)")
     mlp_params: float = Field(description="MLP weight parameters per layer (2·h·F, or 3·h·F when gated)")
     per_layer_params: float
+    attn_params: float = Field(default=0.0, description="attention projection weights per layer; 0: the standard "
+                                                         "2·h² + 2·h·kv of head width h / heads")
+    qk_head_dim: float = Field(default=0.0, description="per-head query/key width of the core; 0: h / heads")
+    v_head_dim: float = Field(default=0.0, description="per-head value width of the core; 0: h / heads")
 
 
 def transformer_dims(profile: ModelProfile) -> TransformerDims | None:
@@ -193,6 +197,9 @@ def transformer_dims(profile: ModelProfile) -> TransformerDims | None:
     h, a = shape.hidden, shape.heads
     kv = shape.kv_heads or a
     attn = 2.0 * h * h + 2.0 * h * (h * kv // a)
+    standard = shape.head_dim is None and shape.mla is None
+    if not standard:
+        attn = float(shape.attention_params())
     block = profile.repeated_block
     per_layer = float(block.params_per_block) if block and block.params_per_block else attn + 8.0 * h * h + 13 * h
     mlp = max(0.0, per_layer - attn - 13.0 * h)
@@ -203,8 +210,10 @@ def transformer_dims(profile: ModelProfile) -> TransformerDims | None:
         # the router, not by every expert the block holds
         router = h * shape.moe.experts * shape.moe.moe_layers(shape.layers) / shape.layers
         mlp = (3.0 if shape.gated else 2.0) * h * shape.ffn + router
+    qk, v = (0.0, 0.0) if standard else shape.core_head_dims()
     return TransformerDims.model_construct(hidden=h, layers=shape.layers, heads=a, kv_heads=kv, seq=int(seq),
-                           vocab=shape.vocab or 0, mlp_params=mlp, per_layer_params=per_layer)
+                           vocab=shape.vocab or 0, mlp_params=mlp, per_layer_params=per_layer,
+                           attn_params=0.0 if standard else attn, qk_head_dim=qk, v_head_dim=v)
 
 
 class LayerTime(BaseModel):
@@ -264,14 +273,20 @@ def layer_time(dims: TransformerDims, strategy: Strategy, gpu: GPUSpec, eff: Gpu
           "fraction": _fraction(eff, dtype)}
     ffn = dims.mlp_params / (2.0 * h)
     fwd = bwd = 0.0
-    for m_, n_, k_ in ((tokens, (h + 2 * kvd) / t, h), (tokens, h, h / t), (tokens, ffn / t, h),
+    qkv_n, o_k, attn = (h + 2 * kvd), h, h * (h + 2 * kvd) + h * h
+    if dims.attn_params:  # head width other than h / heads, or latent attention: its own projection sizes
+        o_k = a * (dims.v_head_dim or d)
+        qkv_n, attn = (dims.attn_params - h * o_k) / h, dims.attn_params
+    for m_, n_, k_ in ((tokens, qkv_n / t, h), (tokens, h, o_k / t), (tokens, ffn / t, h),
                        (tokens, h, ffn / t)):
         f_, b_ = gemm_train_time_s(m_, n_, k_, **kw)
         fwd += f_
         bwd += b_
-    fwd_flops = 2.0 * tokens * (h * (h + 2 * kvd) + h * h + dims.mlp_params) / t
+    fwd_flops = 2.0 * tokens * (attn + dims.mlp_params) / t
     heads = b * a / t
-    core_flops = 4.0 * heads * (s / c) * s * d
+    qk_d, v_d = (dims.qk_head_dim or d), (dims.v_head_dim or d)
+    core_flops = 2.0 * heads * (s / c) * s * (qk_d + v_d)
+    d = (qk_d + v_d) / 2  # the unfused core's GEMMs below
     if strategy.flash:
         core_fwd = CAUSAL_FLASH_FRACTION * core_flops / (other_peak * eff.flash_attention_fraction)
         core_bwd = FLASH_BACKWARD_FACTOR * CAUSAL_FLASH_FRACTION * core_flops / (other_peak * eff.flash_backward)

@@ -152,6 +152,8 @@ class TransformerShape(_Frozen):
     max_seq_len: int | None = None
     ffn: int | None = None
     gated: bool = False
+    head_dim: int | None = Field(default=None, description="per-head query/key/value width when it is not "
+                                                          "hidden / heads (Qwen3, Gemma); None: hidden / heads")
     moe: MoeShape | None = Field(default=None, description="the sparse (Mixture-of-Experts) layers; ``ffn`` is then "
                                                           "the per-layer mean width a token computes through "
                                                           "(estimators/moe.py mean_active_ffn)")
@@ -160,8 +162,29 @@ class TransformerShape(_Frozen):
 
     @property
     def kv_dim(self) -> int:
-        """Width of the key (or value) projection: hidden · kv_heads / heads."""
+        """Width of the key (or value) projection: kv_heads · head_dim (hidden · kv_heads / heads by default)."""
+        if self.head_dim is not None:
+            return (self.kv_heads or self.heads) * self.head_dim
         return self.hidden * (self.kv_heads or self.heads) // self.heads
+
+    def attention_params(self) -> int:
+        """Weights of one layer's attention projections (count): q, k, v, o for multi-head / grouped-query
+        attention at ``head_dim``; the latent projections of multi-head latent attention (estimators/attention.py)."""
+        h, a = self.hidden, self.heads
+        if self.mla is not None:
+            m = self.mla
+            q = a * (m.nope_dim + m.rope_dim)
+            query = q * h if m.q_lora is None else m.q_lora * h + q * m.q_lora
+            return query + (m.kv_lora + m.rope_dim) * h + a * (m.nope_dim + m.v_dim) * m.kv_lora + h * a * m.v_dim
+        d = self.head_dim or h / a
+        return round(2 * h * a * d + 2 * h * self.kv_dim)
+
+    def core_head_dims(self) -> tuple[float, float]:
+        """(query/key, value) widths per head that the attention core multiplies by (elements)."""
+        if self.mla is not None:
+            return float(self.mla.nope_dim + self.mla.rope_dim), float(self.mla.v_dim)
+        d = float(self.head_dim or self.hidden / self.heads)
+        return d, d
 
     def layer_bytes_per_token(self) -> int:
         """Activation bytes one layer stores per token with 16-bit activations and no s×s scores.

@@ -51,6 +51,8 @@ def moe_args(shape: TransformerShape, s: Strategy) -> list[str]:
                  "--moe-token-dispatcher-type", "alltoall", "--moe-router-load-balancing-type", "aux_loss"]
         if moe.shared_experts:
             args += ["--moe-shared-expert-intermediate-size", str(moe.shared_experts * moe.moe_ffn)]
+    if shape.head_dim is not None and shape.mla is None:
+        args += ["--kv-channels", str(shape.head_dim)]  # the per-head width (Megatron's default: hidden / heads)
     mla = shape.mla
     if mla is not None:
         args += ["--multi-latent-attention", "--kv-lora-rank", str(mla.kv_lora), "--qk-head-dim", str(mla.nope_dim),
@@ -79,6 +81,7 @@ def add_moe_flags(add: Callable[..., Any]) -> None:
     add("--moe-router-load-balancing-type", default="aux_loss",
         choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"])
     add("--moe-shared-expert-intermediate-size", type=int, default=None)
+    add("--kv-channels", type=int, default=None)
     add("--multi-latent-attention", action="store_true")
     add("--kv-lora-rank", type=int, default=32)
     add("--q-lora-rank", type=int, default=None)

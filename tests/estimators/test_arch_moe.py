@@ -78,3 +78,15 @@ def test_bad_moe_shapes_are_one_line(text: str, message: str) -> None:
     with pytest.raises(OptplanError, match=message) as info:
         parse_arch(text)
     assert "\n" not in str(info.value)
+
+
+def test_attention_core_flops_follow_the_head_widths() -> None:
+    """QK^T and AV cost 2·s·a·(d_qk + d_v) per token forward: 4·h·s at d = h / heads; Qwen3-style 64 heads of 128
+    on hidden 4096 doubles it; MLA uses its (nope + rope) and v widths."""
+    base = "layers=2,hidden=4096,heads=64,kv_heads=4,ffn=1536,vocab=1000,gated=1,tied=0,seq=4096"
+    plain, wide = profile_from_arch(parse_arch(base)), profile_from_arch(parse_arch(base + ",head_dim=128"))
+    extra_params = arch_params(parse_arch(base + ",head_dim=128"))[0] - arch_params(parse_arch(base))[0]
+    core = 2 * 2 * 64 * (128 + 128) * 4096 - 2 * 2 * 64 * (64 + 64) * 4096  # per token, both layers
+    assert wide.fwd_flops_per_sample - plain.fwd_flops_per_sample == (2 * extra_params + core) * 4096
+    mla = profile_from_arch(parse_arch(DEEPSEEK_V2_LITE))
+    assert mla.transformer is not None and mla.transformer.core_head_dims() == (192.0, 128.0)

@@ -55,3 +55,11 @@ def test_q_lora_matches_transformers() -> None:
     spec = parse_arch("layers=3,hidden=128,heads=4,ffn=256,vocab=500,gated=1,tied=0,kv_lora=32,q_lora=48,rope_dim=16,"
                       "nope_dim=32,v_dim=32,experts=8,topk=2,moe_ffn=64,shared_experts=1,first_dense=1")
     assert arch_params(spec)[0] == _count(cfg)[0]
+
+
+def test_head_dim_matches_transformers() -> None:
+    """A head width other than hidden / heads (Gemma: 4 heads of 64 on hidden 128, one key-value head)."""
+    cfg = transformers.GemmaConfig(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=1,
+                                   head_dim=64, num_hidden_layers=2, vocab_size=500)
+    spec = parse_arch("layers=2,hidden=128,heads=4,kv_heads=1,head_dim=64,ffn=256,vocab=500,gated=1,tied=1")
+    assert arch_params(spec)[0] == _count(cfg)[0]
