@@ -223,7 +223,9 @@ def prototype(profile: Any, local: Any, launch: Launch, checkpointing: str, mbs:
     recipe = get_recipe(launch.precision)
     shape = profile.transformer
     grads = m.grads_bytes
-    if launch.dp == 1:
+    plan = profile.tensor_plan
+    if launch.dp == 1 and not (plan is not None and plan.replicated_grad_params):
+        # optplan counts it itself since estimators/tensor_plan.replicated_grad_bytes_per_rank
         grads += round(shape.vocab * shape.hidden * (1 - 1 / TP) * recipe.grad_bytes)
     one_rank = Strategy(engine="torch", precision=launch.precision, checkpointing=checkpointing, mbs=mbs)  # type: ignore[arg-type]
     acts = activation_moments(local, one_rank)
