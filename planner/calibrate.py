@@ -82,9 +82,15 @@ class ProbeComparison(BaseModel):
 
 def profile_hash(profile: ModelProfile) -> str:
     """16 hex digits of SHA-256 over the profile (timings and notes left out): same model, same hash. A full-training
-    profile leaves out ``adapter`` (None) and a model without a tensor-parallel plan ``tensor_plan`` (None), so hashes
-    from before those fields existed still match."""
-    skip = {"profile_s", "notes"} | {name for name in ("adapter", "tensor_plan") if getattr(profile, name) is None}
+    profile leaves out ``adapter`` (None), a model without a tensor-parallel plan ``tensor_plan`` (None), and a
+    transformer shape's unset ``head_dim``/``moe``/``mla``, so hashes from before those fields existed still match."""
+    skip: dict[str, object] = {name: True for name in ("profile_s", "notes")}
+    skip.update({name: True for name in ("adapter", "tensor_plan") if getattr(profile, name) is None})
+    shape = profile.transformer
+    if shape is not None:  # shape fields added later (head width, MoE, latent attention) count only when set
+        unset = {name for name in ("head_dim", "moe", "mla") if getattr(shape, name) is None}
+        if unset:
+            skip["transformer"] = unset
     doc = profile.model_dump(mode="json", exclude=skip)
     return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
