@@ -3,27 +3,12 @@ prediction path (config.json -> generated --hf model file -> LoRA profile -> est
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-BENCH = ROOT / "benchmarks" / "fidelity_finetune_published.py"
+from benchmarks import fidelity_finetune_published as bench
 
-
-def _bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("fidelity_finetune_published", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _bench()
 SOURCES, ROWS = bench.load_rows()
 
 

@@ -4,26 +4,10 @@ Megatron plan -> estimate) runs on a row."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
-from types import ModuleType
 
-ROOT = Path(__file__).resolve().parents[2]
-BENCH = ROOT / "benchmarks" / "fidelity_moe.py"
+from benchmarks import fidelity_moe as bench
 
-
-def _bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("fidelity_moe", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _bench()
 SOURCES, ROWS, EXCLUDED = bench.load()
 
 
