@@ -11,6 +11,8 @@ Prediction, through optplan's own pipeline, for every ``scored`` row:
 * the profile: ``probes.loader.profile_model_file(path, seq_len=..., lora=LoraRequest(rank, alpha, targets))``
   (LoRA adapters built by peft on the row's ``hf_lora_targets``; no adapters for full fine-tuning), cached per
   distinct model, adapter and sequence length, two profiles at a time;
+* the row's software (:func:`runtime_for`): a bitsandbytes before 0.43.2 keeps each 4-bit layer's input, and
+  LitGPT's loop holds the last step's graph into the next forward (estimators/finetune.py);
 * the estimate: ``estimators.estimate.estimate(profile, Cluster(gpu, gpus), Strategy(...))`` with the row's
   precision recipe, optimizer, micro-batch, gradient accumulation, checkpointing, quantised base and parallelism
   (``single``: torch, one GPU; ``fsdp-full``: torch FSDP FULL_SHARD over the GPUs; ``deepspeed-zero3``);
@@ -44,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from optplan.estimators.estimate import estimate
-from optplan.estimators.finetune import LoraRequest
+from optplan.estimators.finetune import LoraRequest, bnb_version_keeps_4bit_inputs
 from optplan.estimators.hardware import Cluster, find_gpu
 from optplan.estimators.memory import MemoryBreakdown
 from optplan.estimators.profile import ModelProfile
@@ -64,6 +66,8 @@ REQUIRED = ("id", "source", "source_detail", "status", "model", "architecture", 
             "precision", "optplan_precision", "optimizer", "optplan_optimizer", "micro_batch", "grad_accum", "seq_len",
             "checkpointing", "parallelism", "gpu", "gpus", "measured_value", "measured_unit", "measured_quantity",
             "compare", "notes")
+RUNTIME_FIELDS = ("bnb_version", "loop_holds_last_loss", "checkpoint_reentrant")
+"""Software facts of each row (``bnb_version`` may be empty: no bitsandbytes, or its version does not matter)."""
 LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "hf_lora_targets")
 STATUSES = ("scored", "excluded", "unpriceable")
 COMPARES = ("allocated", "reserved", "device")
@@ -82,6 +86,7 @@ def load_rows(path: Path = DATA) -> tuple[dict[str, Any], list[dict[str, Any]]]:
 def check_row(row: dict[str, Any], sources: dict[str, Any]) -> list[str]:
     """What is missing or malformed in ``row`` (empty when it is complete)."""
     problems = [f"no {k}" for k in REQUIRED if row.get(k) in (None, "")]
+    problems += [f"no {k}" for k in RUNTIME_FIELDS if k not in row]
     if row.get("method") in ("lora", "qlora"):
         problems += [f"no {k}" for k in LORA_FIELDS if row.get(k) in (None, "", [])]
     if row.get("source") not in sources:
@@ -120,7 +125,8 @@ def lora_request(row: dict[str, Any]) -> LoraRequest | None:
     """The adapters of a LoRA/QLoRA row (None for full fine-tuning)."""
     if row["method"] == "full":
         return None
-    return LoraRequest(rank=row["lora_rank"], alpha=row["lora_alpha"], targets=tuple(row["hf_lora_targets"]))
+    return LoraRequest(rank=row["lora_rank"], alpha=row["lora_alpha"], targets=tuple(row["hf_lora_targets"]),
+                       dropout=row["lora_dropout"])
 
 
 def profile_key(row: dict[str, Any]) -> str:
@@ -212,8 +218,23 @@ def compared_bytes(memory: MemoryBreakdown, compare: str) -> int:
     return memory.total_bytes
 
 
+def runtime_for(row: dict[str, Any], profile: ModelProfile) -> ModelProfile:
+    """The profile with the row's software facts, which the profile reads from this machine otherwise
+    (estimators/finetune.py): whether its bitsandbytes keeps each 4-bit layer's input (``bnb_version`` before
+    0.43.2, unless reentrant checkpointing runs the forward without autograd nodes), and whether its training loop
+    holds the last step's loss into the next forward (``loop_holds_last_loss``)."""
+    if profile.adapter is None:
+        return profile
+    keeps = (bool(row["bnb_version"]) and bnb_version_keeps_4bit_inputs(row["bnb_version"])
+             and not (row["checkpointing"] and row["checkpoint_reentrant"]))
+    adapter = profile.adapter.model_copy(update={"bnb_4bit_keeps_inputs": keeps,
+                                                 "graph_held_steps": 2 if row["loop_holds_last_loss"] else 1})
+    return profile.model_copy(update={"adapter": adapter})
+
+
 def predict(row: dict[str, Any], profile: ModelProfile) -> tuple[int, MemoryBreakdown]:
     """(predicted bytes in the row's compared quantity, the memory breakdown) of one row."""
+    profile = runtime_for(row, profile)
     gpus = int(row["gpus"])
     cluster = Cluster(gpu=find_gpu(row["gpu"]), gpus=gpus, gpus_per_node=min(gpus, 8))
     est = estimate(profile, cluster, strategy_for(row))

@@ -28,6 +28,20 @@ What a LoRA run holds (bytes):
   of its quantised layers (attention in, attention out, MLP in: h each; MLP out: F) in the compute dtype
   (:func:`int8_checkpoint_kept_bytes`). Measured on the CPU (benchmarks/fidelity_finetune_cpu.py): without this
   term an int8 base under checkpointing was under-predicted by 7-9 %.
+- bitsandbytes' 4-bit matmul before 0.43.2 (``MatMul4Bit`` at 0.42.0: ``ctx.tensors = (A, B)``; dropped by
+  bitsandbytes PR #1270, commit 9e753741, "fix QLoRA mem bug: delete useless buffered activation", first in 0.43.2)
+  kept its input the same way although backward never reads it. An attribute of the autograd node lives as long
+  as the node: through the whole backward, and past it while anything still references the graph. A loop that
+  keeps the last step's loss or logits into the next forward (LitGPT's ``fit``: ``logits``/``loss`` are reassigned
+  only by the next forward) holds the previous step's inputs at the next forward's peak too; transformers'
+  ``Trainer`` returns ``loss.detach()`` and drops the graph with the step. :func:`bnb_kept_input_bytes` counts
+  the current step's inputs that autograd does not keep anyway (all of them under non-reentrant checkpointing),
+  plus every input of an earlier step the loop still holds (``AdapterProfile.graph_held_steps``). Measured: LitGPT's
+  published QLoRA peaks (bitsandbytes 0.42.0; benchmarks/fidelity_finetune_published.py) exceed its LoRA peaks by
+  4 bytes per element of these inputs per token and block in five models (2 bytes of this step, 2 of the last).
+- LoRA dropout (peft ``lora_dropout`` > 0): each adapted layer draws its own mask and keeps the dropped input for
+  its ``lora_A`` gradient, where without dropout ``lora_A`` keeps the layer's input itself (shared by the layers
+  that read it). The profile builds the adapters with the requested dropout, so these bytes are measured.
 - While a quantised layer computes, bitsandbytes dequantises its weight to the compute dtype (``MatMul4Bit``
   and ``MatMul8bitLt`` in forward and again for the input gradient in backward): one 16-bit copy of the
   largest quantised weight is alive at a time (:func:`dequantized_weight_bytes`).
@@ -59,6 +73,7 @@ class LoraRequest(BaseModel):
     rank: int = Field(default=LORA_DEFAULT_RANK, ge=1)
     alpha: float | None = Field(default=None, gt=0)
     targets: tuple[str, ...] | None = None
+    dropout: float = Field(default=0.0, ge=0.0, lt=1.0, description="peft lora_dropout, probability")
 
     @property
     def scale_alpha(self) -> float:
@@ -82,6 +97,8 @@ DQ_SECOND_BYTES = 4
 """One fp32 constant per block of 256 quantised absmax values."""
 DEQUANT_BYTES = 2
 """A dequantised weight in the 16-bit compute dtype, bytes per element."""
+BNB_4BIT_KEEPS_INPUT_BEFORE = (0, 43, 2)
+"""bitsandbytes versions below this keep every 4-bit layer's input on its autograd node (module docstring)."""
 
 
 class AdapterProfile(BaseModel):
@@ -101,6 +118,21 @@ class AdapterProfile(BaseModel):
     quantizable_rows: int = Field(ge=0, description="output rows of those weights (LLM.int8's row scales), count")
     quantizable_tensors: int = Field(default=0, ge=0, description="those weights, count")
     largest_quantizable_params: int = Field(ge=0, description="the largest of those weights, elements")
+    dropout: float = Field(default=0.0, ge=0.0, lt=1.0, description="peft lora_dropout the adapters were built with")
+    quant_input_elements: int = Field(
+        default=0, ge=0, description="distinct inputs of the quantisable layers of one repeated block, elements per "
+                                     "token (layers reading one tensor count it once; measured by the profiler)")
+    quant_input_unkept_elements: int = Field(
+        default=0, ge=0, description="of those, the elements autograd does not keep for backward without "
+                                     "checkpointing (elements per token; measured by the profiler)")
+    bnb_4bit_keeps_inputs: bool = Field(
+        default=False, description="the bitsandbytes where the profile ran keeps each 4-bit layer's input on its "
+                                   "autograd node (a version before 0.43.2; module docstring)")
+    graph_held_steps: int = Field(
+        default=1, ge=1, le=2, description="steps whose autograd graph is alive at a forward's peak: 1 when the "
+                                           "training loop drops each step's graph with the step (transformers' "
+                                           "Trainer, optplan's exports), 2 when it holds the last step's loss into "
+                                           "the next forward (LitGPT's fit loop; module docstring)")
 
 
 def quantized_weight_bytes(quant: QuantName, elements: int, rows: int, tensors: int = 0) -> float:
@@ -143,6 +175,36 @@ def int8_checkpoint_kept_bytes(hidden: int, ffn: int, layers: int, tokens: int, 
     """Inputs of the int8 layers that full checkpointing cannot free (module docstring): (3·h + F) elements per
     token per block, 2 bytes each, for ``layers`` blocks of ``micro_batch`` × ``tokens`` tokens (bytes)."""
     return DEQUANT_BYTES * (3 * hidden + ffn) * tokens * micro_batch * layers
+
+
+def bnb_version_keeps_4bit_inputs(version: str) -> bool:
+    """Whether bitsandbytes ``version`` (a version string: '0.42.0', '0.43.2.dev0') keeps each 4-bit layer's input
+    (below :data:`BNB_4BIT_KEEPS_INPUT_BEFORE`; module docstring). An unreadable version counts as current."""
+    parts: list[int] = []
+    for piece in version.split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit()) if piece[:1].isdigit() else ""
+        if not digits:
+            break
+        parts.append(int(digits))
+    if not parts:
+        return False
+    return tuple(parts + [0] * (3 - len(parts))) < BNB_4BIT_KEEPS_INPUT_BEFORE
+
+
+def bnb_kept_input_bytes(adapter: AdapterProfile | None, quant: QuantName, *, checkpointing: bool, tokens: int,
+                         micro_batch: int, layers: int, tp: int = 1) -> int:
+    """Bytes of quantised-layer inputs bitsandbytes keeps on autograd nodes beyond the profiled activations
+    (module docstring), 16-bit elements, for ``layers`` blocks of ``micro_batch`` × ``tokens`` tokens.
+
+    The current step keeps the inputs autograd does not keep anyway (``quant_input_unkept_elements``; under
+    checkpointing all of them, ``quant_input_elements``); each earlier step the loop still holds
+    (``graph_held_steps`` - 1) keeps all of its inputs (its saved activations were freed, the node attributes were
+    not). ``int8`` keeps them with every bitsandbytes, ``nf4``/``nf4-dq`` only with ``bnb_4bit_keeps_inputs``."""
+    if adapter is None or quant == "none" or (quant != "int8" and not adapter.bnb_4bit_keeps_inputs):
+        return 0
+    current = adapter.quant_input_elements if checkpointing else adapter.quant_input_unkept_elements
+    elements = current + (adapter.graph_held_steps - 1) * adapter.quant_input_elements
+    return DEQUANT_BYTES * elements * tokens * micro_batch * layers // tp
 
 
 def quant_label(quant: QuantName) -> str:

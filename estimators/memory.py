@@ -71,6 +71,7 @@ from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validat
 from optplan.estimators.buckets import deepspeed_buckets
 from optplan.estimators.expert_parallel import expert_params_not_held
 from optplan.estimators.finetune import (
+    bnb_kept_input_bytes,
     dequantized_weight_bytes,
     frozen_weight_bytes,
     int8_checkpoint_kept_bytes,
@@ -619,11 +620,21 @@ def _buffers(profile: ModelProfile, strategy: Strategy, stage: int,
         # the unquantised head and loss run, where the step's peak may be
         items["bnb_dequantized_weight"] = (dequantized, frozenset({"forward", "grads"}))
     shape = profile.transformer
-    if strategy.quant == "int8" and strategy.checkpointing == "full" and shape is not None and block is not None:
+    adapter = profile.adapter
+    ckpt = strategy.checkpointing == "full"
+    kept_phases = frozenset({"forward", "loss", "backward", "grads"})
+    if adapter is not None and adapter.quant_input_elements and block is not None:
+        kept = bnb_kept_input_bytes(adapter, strategy.quant, checkpointing=ckpt, tokens=profile.tokens_per_sample or 1,
+                                    micro_batch=strategy.mbs, layers=layers_per_stage(block.count, strategy.pp),
+                                    tp=strategy.tp)
+        name = "bnb_int8_checkpoint_inputs" if strategy.quant == "int8" and ckpt else "bnb_kept_inputs"
+        items[name] = (kept, kept_phases)
+    elif strategy.quant == "int8" and ckpt and shape is not None and block is not None:
+        # a profile from before the quantised layers' inputs were measured: the transformer block's four inputs
         layers = layers_per_stage(block.count, strategy.pp)
         kept = int8_checkpoint_kept_bytes(shape.hidden // strategy.tp, (shape.ffn or 4 * shape.hidden) // strategy.tp,
                                           layers, profile.tokens_per_sample or 1, strategy.mbs)
-        items["bnb_int8_checkpoint_inputs"] = (kept, frozenset({"forward", "loss", "backward", "grads"}))
+        items["bnb_int8_checkpoint_inputs"] = (kept, kept_phases)
     moe = profile.transformer.moe if profile.transformer is not None else None
     if moe is not None and strategy.ep > 1:
         # the all-to-all's receive buffer of one MoE layer: the token copies routed here (Megatron-Core

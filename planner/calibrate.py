@@ -80,10 +80,16 @@ class ProbeComparison(BaseModel):
         return self.result.peak_allocated_bytes / self.predicted_allocated_bytes
 
 
+ADAPTER_LATER_FIELDS = ("dropout", "quant_input_elements", "quant_input_unkept_elements", "bnb_4bit_keeps_inputs",
+                        "graph_held_steps")
+"""AdapterProfile fields added after calibrations were first keyed by profile hash."""
+
+
 def profile_hash(profile: ModelProfile) -> str:
     """16 hex digits of SHA-256 over the profile (timings and notes left out): same model, same hash. A full-training
     profile leaves out ``adapter`` (None), a model without a tensor-parallel plan ``tensor_plan`` (None), and a
-    transformer shape's unset ``head_dim``/``moe``/``mla``, so hashes from before those fields existed still match."""
+    transformer shape's unset ``head_dim``/``moe``/``mla`` and an adapter's
+    :data:`ADAPTER_LATER_FIELDS` at their defaults, so hashes from before those fields existed still match."""
     skip: dict[str, object] = {name: True for name in ("profile_s", "notes")}
     skip.update({name: True for name in ("adapter", "tensor_plan") if getattr(profile, name) is None})
     shape = profile.transformer
@@ -91,6 +97,12 @@ def profile_hash(profile: ModelProfile) -> str:
         unset = {name for name in ("head_dim", "moe", "mla") if getattr(shape, name) is None}
         if unset:
             skip["transformer"] = unset
+    adapter = profile.adapter
+    if adapter is not None:  # adapter fields added later (dropout, quantised layers' inputs) count only when set
+        unset = {name for name in ADAPTER_LATER_FIELDS
+                 if getattr(adapter, name) == type(adapter).model_fields[name].default}
+        if unset:
+            skip["adapter"] = unset
     doc = profile.model_dump(mode="json", exclude=skip)
     return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:16]
 

@@ -2,7 +2,7 @@
 
 - ``full``: every parameter trains (the default; the model as built).
 - ``lora``: LoRA adapters (``--lora-rank``, default 16; ``--lora-alpha``, default 2·rank; ``--lora-targets``,
-  default the linear layers of the repeated blocks) on a frozen base held in 16 bits, or in 8 bits with
+  default the linear layers of the repeated blocks; ``--lora-dropout``, default 0) on a frozen base held in 16 bits, or in 8 bits with
   ``--quant int8``; adapters in fp32 under bf16 autocast (``amp-bf16``, peft's default).
 - ``qlora``: the same adapters on a 4-bit base (``--quant nf4-dq`` by default, QLoRA's NF4 with double
   quantisation; ``nf4`` without it, ``int8``); adapters in bf16 with bf16 AdamW moments (``bf16-pure``: what
@@ -38,6 +38,7 @@ class FinetuneChoice(BaseModel):
     lora_rank: int | None = None
     lora_alpha: float | None = None
     lora_targets: str | None = None
+    lora_dropout: float | None = None
     quant: str | None = None
 
     @property
@@ -52,7 +53,8 @@ class FinetuneChoice(BaseModel):
             raise OptplanError(f"unknown --quant {self.quant!r}: use one of {', '.join(QUANT_NAMES)}")
         if not self.adapters:
             given = [flag for flag, v in (("--lora-rank", self.lora_rank), ("--lora-alpha", self.lora_alpha),
-                                          ("--lora-targets", self.lora_targets), ("--quant", self.quant)) if v is not None]
+                                          ("--lora-targets", self.lora_targets), ("--lora-dropout", self.lora_dropout),
+                                          ("--quant", self.quant)) if v is not None]
             if given:
                 raise OptplanError(f"{', '.join(given)} apply to LoRA fine-tuning: add --finetune lora (or qlora), "
                                    f"or drop {given[0]}")
@@ -64,6 +66,8 @@ class FinetuneChoice(BaseModel):
             raise OptplanError(f"--lora-rank must be >= 1 (got {self.lora_rank})")
         if self.lora_alpha is not None and not self.lora_alpha > 0:
             raise OptplanError(f"--lora-alpha must be > 0 (got {self.lora_alpha:g})")
+        if self.lora_dropout is not None and not 0 <= self.lora_dropout < 1:
+            raise OptplanError(f"--lora-dropout is a probability: give 0 <= p < 1, e.g. 0.05 (got {self.lora_dropout:g})")
         if self.lora_targets is not None and not [t for t in self.lora_targets.split(",") if t.strip()]:
             raise OptplanError("--lora-targets is empty: name the layers, e.g. q_proj,v_proj")
         if self.finetune == "qlora" and self.quant == "none":
@@ -74,7 +78,8 @@ class FinetuneChoice(BaseModel):
         if not self.adapters:
             return None
         targets = tuple(t.strip() for t in self.lora_targets.split(",") if t.strip()) if self.lora_targets else None
-        return LoraRequest(rank=self.lora_rank or LORA_DEFAULT_RANK, alpha=self.lora_alpha, targets=targets)
+        return LoraRequest(rank=self.lora_rank or LORA_DEFAULT_RANK, alpha=self.lora_alpha, targets=targets,
+                           dropout=self.lora_dropout or 0.0)
 
     def quant_name(self) -> QuantName:
         """How the frozen base is held: --quant, else NF4 with double quantisation for qlora, else 16-bit."""

@@ -41,6 +41,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument("--lora-alpha", type=float, default=None)
     parser.add_argument("--lora-targets", default=None, help="comma-separated module names")
+    parser.add_argument("--lora-dropout", type=float, default=0.0, help="peft lora_dropout")
     return parser.parse_args(argv)
 
 

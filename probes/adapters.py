@@ -17,13 +17,13 @@ from torch import nn
 from optplan.estimators.finetune import LORA_DEFAULT_RANK, AdapterProfile, LoraRequest
 from optplan.probes.model_errors import ModelFileError
 
-__all__ = ["LORA_DEFAULT_RANK", "LoraRequest", "adapter_profile", "apply_lora", "resolve_targets"]
+__all__ = ["LORA_DEFAULT_RANK", "LoraRequest", "adapter_profile", "apply_lora", "is_linear", "resolve_targets"]
 
 LORA_MARK = "lora_"
 """peft names every adapter parameter ``...lora_A.<adapter>.weight`` / ``lora_B``."""
 
 
-def _is_linear(module: nn.Module) -> bool:
+def is_linear(module: nn.Module) -> bool:
     """nn.Linear or transformers' Conv1D (GPT-2's projections), which peft and bitsandbytes both handle."""
     return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
 
@@ -41,7 +41,7 @@ def _in_out(module: nn.Module) -> tuple[int, int]:
 
 def linear_names(model: nn.Module) -> list[str]:
     """Dotted names of the model's linear layers (adapter layers excluded)."""
-    return [n for n, m in model.named_modules() if _is_linear(m) and LORA_MARK not in n]
+    return [n for n, m in model.named_modules() if is_linear(m) and LORA_MARK not in n]
 
 
 def default_targets(model: nn.Module, blocks: list[nn.Module]) -> tuple[str, ...] | None:
@@ -50,7 +50,7 @@ def default_targets(model: nn.Module, blocks: list[nn.Module]) -> tuple[str, ...
     names: dict[str, None] = {}
     for block in blocks:
         for name, mod in block.named_modules():
-            if name and _is_linear(mod):
+            if name and is_linear(mod):
                 names.setdefault(name.rsplit(".", 1)[-1], None)
     return tuple(names) or None
 
@@ -74,7 +74,7 @@ def resolve_targets(model: nn.Module, request: LoraRequest, blocks: list[nn.Modu
         return found
     head = _output_head(model)
     return tuple(dict.fromkeys(n.rsplit(".", 1)[-1] for n, m in model.named_modules()
-                               if _is_linear(m) and m is not head))
+                               if is_linear(m) and m is not head))
 
 
 def apply_lora(model: nn.Module, request: LoraRequest, display: str) -> nn.Module:
@@ -90,7 +90,7 @@ def apply_lora(model: nn.Module, request: LoraRequest, display: str) -> nn.Modul
         raise ModelFileError(display, f"--lora-rank must be >= 1 (got {request.rank})", "pass --lora-rank 8 or 16")
     targets = request.targets
     head = _output_head(model)
-    chosen = [n for n, m in model.named_modules() if _is_linear(m) and m is not head
+    chosen = [n for n, m in model.named_modules() if is_linear(m) and m is not head
               and (targets is None or any(n == t or n.endswith("." + t) for t in targets))]
     available = sorted({n.rsplit(".", 1)[-1] for n in linear_names(model)})
     if not chosen:
@@ -103,7 +103,8 @@ def apply_lora(model: nn.Module, request: LoraRequest, display: str) -> nn.Modul
             raise ModelFileError(display, f"--lora-rank {request.rank} is larger than layer {name} ({d_in} -> {d_out} "
                                  f"features)", f"use --lora-rank {min(d_in, d_out)} or less, or leave that layer out "
                                  "of --lora-targets")
-    config = LoraConfig(r=request.rank, lora_alpha=request.scale_alpha, lora_dropout=0.0, bias="none",
+    config = LoraConfig(r=request.rank, lora_alpha=request.scale_alpha, lora_dropout=request.dropout,
+                        bias="none",
                         target_modules=chosen)
     try:
         model = inject_adapter_in_model(config, model)
@@ -122,14 +123,14 @@ def adapter_profile(model: nn.Module, request: LoraRequest) -> AdapterProfile:
     head = _output_head(model)
     weights: list[tuple[int, int]] = []  # (elements, rows) of each quantisable weight
     for name, mod in model.named_modules():
-        if _is_linear(mod) and LORA_MARK not in name and mod is not head:
+        if is_linear(mod) and LORA_MARK not in name and mod is not head:
             d_in, d_out = _in_out(mod)
             weights.append((d_in * d_out, d_out))
     return AdapterProfile(
         rank=request.rank, alpha=request.scale_alpha, targets=tuple(request.targets or ()), adapted_modules=len(adapted),
         adapter_params=adapter_params, quantizable_params=sum(e for e, _ in weights),
         quantizable_rows=sum(r for _, r in weights), quantizable_tensors=len(weights),
-        largest_quantizable_params=max((e for e, _ in weights), default=0))
+        largest_quantizable_params=max((e for e, _ in weights), default=0), dropout=request.dropout)
 
 
 def lora_request_from(args: Any) -> LoraRequest | None:
@@ -137,7 +138,8 @@ def lora_request_from(args: Any) -> LoraRequest | None:
     if not getattr(args, "lora", False):
         return None
     targets = tuple(t.strip() for t in (args.lora_targets or "").split(",") if t.strip())
-    return LoraRequest(rank=args.lora_rank, alpha=args.lora_alpha, targets=targets or None)
+    return LoraRequest(rank=args.lora_rank, alpha=args.lora_alpha, targets=targets or None,
+                       dropout=getattr(args, "lora_dropout", 0.0) or 0.0)
 
 
 def quantisation_missing(quant: str) -> str | None:

@@ -56,6 +56,8 @@ def child_command(path: str | os.PathLike[str], *, seq_len: int | None = None,
             cmd += ["--lora-alpha", repr(float(lora.alpha))]
         if lora.targets:
             cmd += ["--lora-targets", ",".join(lora.targets)]
+        if lora.dropout:
+            cmd += ["--lora-dropout", repr(float(lora.dropout))]
     return cmd
 
 

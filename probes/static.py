@@ -101,9 +101,11 @@ from optplan.probes.contract import (
     first_param_module,
     first_tensor,
 )
+from optplan.probes.dropout import gpu_dropout
 from optplan.probes.envelope import PHASES, StepEnvelope, Timeline, activation_fit
 from optplan.probes.loader import ModelFileError
 from optplan.probes.memtrack import MemTracker
+from optplan.probes.quant_inputs import bnb_keeps_4bit_inputs_here, quant_input_elements
 from optplan.probes.tensor_plan import read_tensor_plan
 
 try:  # torch >= 2.3
@@ -920,7 +922,13 @@ def _is_grouped_gemm_dtype_error(exc: BaseException) -> bool:
 def profile_contract(contract: ModelContract, *, seq_len: int | None = None,
                      started: float | None = None, lora: LoraRequest | None = None) -> ModelProfile:
     """Profile the model of ``contract`` (see the module docstring); ``started`` is a perf_counter(); ``lora``:
-    profile it with LoRA adapters (probes/adapters.py) on every build."""
+    profile it with LoRA adapters (probes/adapters.py) on every build. Dropout runs as on a GPU (probes/dropout.py)."""
+    with gpu_dropout():
+        return _profile_contract(contract, seq_len=seq_len, started=started, lora=lora)
+
+
+def _profile_contract(contract: ModelContract, *, seq_len: int | None, started: float | None,
+                      lora: LoraRequest | None) -> ModelProfile:
     t0 = time.perf_counter() if started is None else started
     notes = list(contract.notes)
     meta = contract.build_meta()
@@ -943,6 +951,8 @@ def profile_contract(contract: ModelContract, *, seq_len: int | None = None,
     spec, batch_note = batch_spec(contract, meta, used_seq)
     block_cls = block.cls if block else None
 
+    if adapter is not None and block is not None and block.reducible and block.path is not None:
+        adapter = adapter.model_copy(update=_quant_inputs(contract, meta, block, spec, notes))
     measurement: Measurement | None = None
     profiled_blocks: int | None = None
     if block is not None and block.reducible and block.path is not None:
@@ -1012,6 +1022,37 @@ def profile_contract(contract: ModelContract, *, seq_len: int | None = None,
         torch_version=torch.__version__,
         profile_s=round(time.perf_counter() - t0, 3),
     )
+
+
+def _quant_inputs(contract: ModelContract, meta: nn.Module, block: BlockInfo, spec: BatchSpec,
+                  notes: list[str]) -> dict[str, int | bool]:
+    """AdapterProfile fields for a quantised base (probes/quant_inputs.py): the inputs of the quantisable layers of
+    a block, measured in one fake forward of the model cut to two blocks, and what the installed bitsandbytes
+    keeps of them. An empty dict (a note says why) when the cut model cannot run on fake tensors."""
+    assert block.path is not None
+    keeps = bnb_keeps_4bit_inputs_here()
+    cut = _fresh(contract, meta, block.path, min(2, len(block.blocks)))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = materialize_fake(cut)
+        blocks = blocks_of(model, block.cls)
+        if not blocks:
+            return {}
+        runner = StepRunner(model=model, spec=spec, loss_fn=contract.loss_fn, display=contract.display, blocks=blocks)
+        model.train()
+
+        def run_step() -> int:
+            batch = runner.make_batch(1)
+            runner.loss(runner.forward(batch, 1), batch)
+            assert runner.batch_info is not None
+            return runner.batch_info.tokens_per_sample or 1
+
+        try:
+            every, unkept = quant_input_elements(blocks[-1], run_step)
+        except (ModelFileError, FakeTensorLimit) as exc:
+            notes.append(f"the inputs of the quantisable layers were not measured ({exc.problem}): a quantised base's "
+                         "kept inputs are not counted")
+            return {}
+    return {"quant_input_elements": every, "quant_input_unkept_elements": unkept, "bnb_4bit_keeps_inputs": keeps}
 
 
 def _with_lora(contract: ModelContract, meta: nn.Module, lora: LoraRequest

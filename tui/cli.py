@@ -59,6 +59,7 @@ ArchOpt = Annotated[str | None, typer.Option(
 FinetuneOpt = Annotated[str, typer.Option("--finetune", help="full (every parameter trains), lora (adapters on a 16-bit base) or qlora (adapters on a 4-bit NF4 base)")]
 LoraRankOpt = Annotated[int | None, typer.Option("--lora-rank", help="LoRA rank r (default 16)")]
 LoraAlphaOpt = Annotated[float | None, typer.Option("--lora-alpha", help="LoRA alpha (default 2 x rank)")]
+LoraDropoutOpt = Annotated[float | None, typer.Option("--lora-dropout", help="peft lora_dropout of the adapters, 0 <= p < 1 (default 0; a dropout keeps a mask and a dropped copy of each adapted layer's input)")]
 LoraTargetsOpt = Annotated[str | None, typer.Option("--lora-targets", help="comma-separated layer names to adapt (default: the linear layers of the repeated blocks, e.g. q_proj,...,down_proj)")]
 QuantOpt = Annotated[str | None, typer.Option("--quant", help="frozen base of a LoRA run: none, int8, nf4 or nf4-dq (default: nf4-dq for qlora, none for lora)")]
 GpuOpt = Annotated[str | None, typer.Option("--gpu", help="GPU to plan for (default: detected, else H100-SXM)")]
@@ -129,14 +130,15 @@ def _main(ctx: typer.Context,
 def profile(ctx: typer.Context, model: OptModelFile = None, hf: HfOpt = None, hf_class: HfClassOpt = None,
             arch: ArchOpt = None, seq_len: SeqOpt = None, model_name: NameOpt = None,
             finetune: FinetuneOpt = "full", lora_rank: LoraRankOpt = None, lora_alpha: LoraAlphaOpt = None,
-            lora_targets: LoraTargetsOpt = None, as_json: JsonOpt = False) -> None:
+            lora_targets: LoraTargetsOpt = None, lora_dropout: LoraDropoutOpt = None, as_json: JsonOpt = False) -> None:
     """Profile a model file on the meta/fake device (or an --arch shape): parameters, FLOPs, activations."""
     from optplan.planner.api import resolve_model
     from optplan.planner.finetune import FinetuneChoice
     from optplan.tui.render import profile_table
 
     def body() -> None:
-        choice = FinetuneChoice(finetune=finetune, lora_rank=lora_rank, lora_alpha=lora_alpha, lora_targets=lora_targets)
+        choice = FinetuneChoice(finetune=finetune, lora_rank=lora_rank, lora_alpha=lora_alpha, lora_targets=lora_targets,
+                                lora_dropout=lora_dropout)
         choice.check(runs_a_model=model is not None or hf is not None)
         with _stderr().status("profiling the model in a child process..."):
             prof = resolve_model(model, arch=arch, seq_len=seq_len, model_name=model_name, hf=hf, hf_class=hf_class,
@@ -235,8 +237,8 @@ def estimate(
     tokens: Annotated[float | None, typer.Option("--tokens", help="token budget: adds time, GPU-hours, energy")] = None,
     price: Annotated[float | None, typer.Option("--price", help="price per GPU-hour (USD), with --tokens")] = None,
     model_name: NameOpt = None, finetune: FinetuneOpt = "full", lora_rank: LoraRankOpt = None,
-    lora_alpha: LoraAlphaOpt = None, lora_targets: LoraTargetsOpt = None, quant: QuantOpt = None,
-    as_json: JsonOpt = False,
+    lora_alpha: LoraAlphaOpt = None, lora_targets: LoraTargetsOpt = None, lora_dropout: LoraDropoutOpt = None,
+    quant: QuantOpt = None, as_json: JsonOpt = False,
 ) -> None:
     """Memory (worst rank) and time breakdown of one configuration, and whether (and why) it fits."""
     from optplan.planner.api import check_search_options, estimate_strategy, resolve_cluster, resolve_model
@@ -246,7 +248,7 @@ def estimate(
 
     def body() -> None:
         choice = FinetuneChoice(finetune=finetune, lora_rank=lora_rank, lora_alpha=lora_alpha,
-                                lora_targets=lora_targets, quant=quant)
+                                lora_targets=lora_targets, lora_dropout=lora_dropout, quant=quant)
         choice.check(runs_a_model=model is not None or hf is not None)
         if precision is not None:
             _check_choice("--precision", precision, PRECISIONS)
@@ -364,8 +366,8 @@ def recommend(
     probe_nproc: Annotated[int | None, typer.Option("--probe-nproc", help="local processes per probe (default: local GPUs, 1 on CPU)")] = None,
     calibration: Annotated[bool, typer.Option("--calibration/--no-calibration", help="start from the calibration an earlier probe run stored for this GPU, model and torch")] = True,
     model_name: NameOpt = None, finetune: FinetuneOpt = "full", lora_rank: LoraRankOpt = None,
-    lora_alpha: LoraAlphaOpt = None, lora_targets: LoraTargetsOpt = None, quant: QuantOpt = None,
-    as_json: JsonOpt = False,
+    lora_alpha: LoraAlphaOpt = None, lora_targets: LoraTargetsOpt = None, lora_dropout: LoraDropoutOpt = None,
+    quant: QuantOpt = None, as_json: JsonOpt = False,
 ) -> None:
     """Search parallel layout, engine, sharding, offload, precision, micro-batch and checkpointing; print the best plan."""
     args = RecommendArgs.model_validate({k: v for k, v in locals().items() if k in RecommendArgs.model_fields})

@@ -4,7 +4,7 @@ launch script that builds them and trains with TRL's ``SFTTrainer``), each check
 LoRA/QLoRA plans and full fine-tuning plans (``--finetune full``, or any full-training plan of an ``--hf`` model).
 
 The mapping (peft 0.21, transformers 5.24, TRL 1.16):
-- ``lora``: ``LoraConfig(r, lora_alpha, target_modules, lora_dropout=0, bias="none", task_type="CAUSAL_LM")``, the
+- ``lora``: ``LoraConfig(r, lora_alpha, target_modules, lora_dropout (the profiled --lora-dropout), bias="none", task_type="CAUSAL_LM")``, the
   adapters the profile was built with.
 - ``bnb``: the quantised base (QLoRA §3, transformers' bitsandbytes integration): ``nf4``/``nf4-dq`` ->
   ``load_in_4bit`` with ``bnb_4bit_quant_type="nf4"``, ``bnb_4bit_use_double_quant`` for ``nf4-dq`` and the bf16
@@ -162,7 +162,7 @@ def finetune_config(plan: ExportPlan) -> dict[str, Any]:
     folder = _check_exportable(plan)
     s, adapter = plan.strategy, plan.adapter
     lora = None if adapter is None else {
-        "r": adapter.rank, "lora_alpha": adapter.alpha, "lora_dropout": 0.0, "bias": "none",
+        "r": adapter.rank, "lora_alpha": adapter.alpha, "lora_dropout": adapter.dropout, "bias": "none",
         "target_modules": list(adapter.targets), "task_type": "CAUSAL_LM"}
     dist = distributed_config(plan)
     bnb: dict[str, Any] | None = None
@@ -410,8 +410,10 @@ def _check_lora(doc: Any, adapter: Any) -> None:
         lora = LoraConfig(**doc)
     except Exception as exc:
         raise ExportValidationError(f"peft LoraConfig rejects finetune.json: {exc}") from exc
-    if (lora.r, lora.lora_alpha, set(lora.target_modules)) != (adapter.rank, adapter.alpha, set(adapter.targets)):
-        raise ExportValidationError("finetune.json's LoRA rank, alpha or targets differ from the plan's: re-export")
+    if ((lora.r, lora.lora_alpha, set(lora.target_modules), lora.lora_dropout)
+            != (adapter.rank, adapter.alpha, set(adapter.targets), adapter.dropout)):
+        raise ExportValidationError("finetune.json's LoRA rank, alpha, targets or dropout differ from the plan's: "
+                                    "re-export")
 
 
 def _check_distributed(doc: Any, plan: ExportPlan) -> None:
