@@ -27,6 +27,8 @@ runner = CliRunner()
     (["recommend", "examples/mlp.py", "--finetune", "lora", "--lora-rank", "0"], "--lora-rank must be >= 1"),
     (["profile", "examples/mlp.py", "--finetune", "lora", "--lora-targets", " , "], "--lora-targets is empty"),
     (["estimate", "examples/mlp.py", "--quant", "nf4"], "apply to LoRA fine-tuning"),
+    (["estimate", "examples/mlp.py", "--lora-dropout", "0.1"], "apply to LoRA fine-tuning"),
+    (["estimate", "examples/mlp.py", "--finetune", "lora", "--lora-dropout", "1.5"], "--lora-dropout is a probability"),
 ])
 def test_bad_finetune_flags_are_one_line(argv: list[str], message: str) -> None:
     r = runner.invoke(app, argv)
@@ -50,19 +52,23 @@ def hf_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny_llama(tmp_path_factory.mktemp("ft"))
 
 
-@pytest.mark.parametrize("method,quant,precision", [("qlora", "nf4-dq", "bf16-pure"), ("lora", "none", "amp-bf16")])
+@pytest.mark.parametrize("method,quant,precision,dropout", [("qlora", "nf4-dq", "bf16-pure", 0.05),
+                                                            ("lora", "none", "amp-bf16", None)])
 def test_single_gpu_plan_exports_and_trains(hf_model: Path, tmp_path: Path, method: str, quant: str,
-                                            precision: str) -> None:
+                                            precision: str, dropout: float | None) -> None:
     out = tmp_path / "plan"
     env = {"OPTPLAN_CACHE_DIR": str(tmp_path / "cache")}
+    extra = ["--lora-dropout", str(dropout)] if dropout is not None else []
     r = runner.invoke(app, ["recommend", "--hf", str(hf_model / "model"), "--finetune", method, "--gpu", "RTX-4090",
-                            "--gpus", "1", "--seq-len", "64", "--no-probe", "--out", str(out), "--json"], env=env)
+                            "--gpus", "1", "--seq-len", "64", "--no-probe", "--out", str(out), "--json", *extra],
+                      env=env)
     assert r.exit_code == 0, r.output
     rec = json.loads(r.output[r.output.index("{"):])
     plan = rec["plan"]["strategy"] if "strategy" in rec["plan"] else rec["plan"]
     assert (plan["quant"], plan["precision"], plan["engine"], plan["dp"]) == (quant, precision, "torch", 1)
     cfg = json.loads((out / "finetune.json").read_text())
     assert cfg["lora"]["r"] == 16 and cfg["lora"]["target_modules"][0] == "q_proj"
+    assert cfg["lora"]["lora_dropout"] == (dropout or 0.0)  # the dropout the memory was profiled with
     assert (cfg["bnb"] or {}).get("bnb_4bit_use_double_quant", False) is (quant == "nf4-dq")
     assert cfg["sft"]["per_device_train_batch_size"] == plan["mbs"] and cfg["sft"]["max_length"] == 64
     assert not (out / "train.py").exists() and not (out / "ds_config.json").exists()  # they train every parameter
