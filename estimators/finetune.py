@@ -45,6 +45,13 @@ What a LoRA run holds (bytes):
 - While a quantised layer computes, bitsandbytes dequantises its weight to the compute dtype (``MatMul4Bit``
   and ``MatMul8bitLt`` in forward and again for the input gradient in backward): one 16-bit copy of the
   largest quantised weight is alive at a time (:func:`dequantized_weight_bytes`).
+- Time of that dequantisation (4-bit bases; :func:`dequant_bytes_per_layer`): each pass over a quantised layer
+  (forward, the input gradient in backward, the recomputed forward under full checkpointing) reads the packed
+  weight with its constants and writes the 16-bit copy; the GEMM then reads that copy where a 16-bit base's GEMM
+  reads the weight itself, so the GEMM costs the same. The traffic runs at :data:`DEQUANT_BANDWIDTH_FRACTION` of
+  the datasheet HBM bandwidth, fitted on LitGPT's published LoRA and QLoRA runtimes of the same runs
+  (benchmarks/fidelity_qlora_time.py). An int8 base multiplies int8 matrices in forward (LLM.int8) and is not
+  priced this way.
 """
 
 from __future__ import annotations
@@ -97,6 +104,11 @@ DQ_SECOND_BYTES = 4
 """One fp32 constant per block of 256 quantised absmax values."""
 DEQUANT_BYTES = 2
 """A dequantised weight in the 16-bit compute dtype, bytes per element."""
+DEQUANT_BANDWIDTH_FRACTION = 0.25
+"""Achieved ÷ datasheet HBM bandwidth of bitsandbytes' 4-bit dequantisation passes (dimensionless): the median of
+LitGPT's nine published LoRA/QLoRA runtime pairs on one A10G (bitsandbytes 0.42.0; config_hub/finetune/README.md
+at commit 03ffc551), their QLoRA-minus-LoRA time per micro-batch ÷ the bytes of :func:`dequant_bytes_per_layer`
+(0.15-0.28; 7B models 0.25-0.28, gemma-2b and TinyLlama 0.15-0.16, whose LitGPT head is quantised too)."""
 BNB_4BIT_KEEPS_INPUT_BEFORE = (0, 43, 2)
 """bitsandbytes versions below this keep every 4-bit layer's input on its autograd node (module docstring)."""
 
@@ -171,6 +183,20 @@ def dequantized_weight_bytes(adapter: AdapterProfile | None, quant: QuantName) -
     return DEQUANT_BYTES * adapter.largest_quantizable_params
 
 
+def dequant_bytes_per_layer(adapter: AdapterProfile | None, quant: QuantName, layers: int, *,
+                            full_checkpointing: bool, tp: int = 1) -> float:
+    """Bytes bitsandbytes' 4-bit dequantisation moves per block and micro-batch (module docstring): per pass the
+    packed weights and constants read (:func:`quantized_weight_bytes`) plus their 16-bit copy written
+    (:data:`DEQUANT_BYTES` per element); 2 passes, 3 under full checkpointing; the quantisable weights spread
+    evenly over ``layers`` blocks and split over ``tp`` ranks. 0 for a 16-bit or int8 base."""
+    if adapter is None or quant not in ("nf4", "nf4-dq") or layers < 1:
+        return 0.0
+    elements = adapter.quantizable_params
+    per_pass = (quantized_weight_bytes(quant, elements, adapter.quantizable_rows, adapter.quantizable_tensors)
+                + DEQUANT_BYTES * elements)
+    return (3 if full_checkpointing else 2) * per_pass / layers / tp
+
+
 def int8_checkpoint_kept_bytes(hidden: int, ffn: int, layers: int, tokens: int, micro_batch: int) -> int:
     """Inputs of the int8 layers that full checkpointing cannot free (module docstring): (3·h + F) elements per
     token per block, 2 bytes each, for ``layers`` blocks of ``micro_batch`` × ``tokens`` tokens (bytes)."""
@@ -217,5 +243,7 @@ def finetune_note(adapter: AdapterProfile, strategy: Strategy) -> str:
     """One line for the estimate's notes: what is trained and how the base is held."""
     return (f"LoRA fine-tune: rank {adapter.rank}, alpha {adapter.alpha:g}, {adapter.adapted_modules} adapted layers "
             f"({adapter.adapter_params:,} trainable parameters); frozen base {quant_label(strategy.quant)}"
-            + ("; bitsandbytes dequantises one weight at a time to the compute dtype (bnb_dequantized_weight). "
-               "Time: the dequantisation's memory traffic is not priced yet" if strategy.quant != "none" else ""))
+            + ("; bitsandbytes dequantises one weight at a time to the compute dtype (bnb_dequantized_weight)"
+               + (", its memory traffic priced in memory_bound_s" if strategy.quant in ("nf4", "nf4-dq") else
+                  ". Time: the int8 matmul's own cost is not priced (priced as a 16-bit base)")
+               if strategy.quant != "none" else ""))

@@ -82,6 +82,7 @@ from optplan.estimators.compute import (
     transformer_dims,
 )
 from optplan.estimators.efficiency import LINK_EFFICIENCY, EngineEfficiency, engine_efficiency
+from optplan.estimators.finetune import DEQUANT_BANDWIDTH_FRACTION, dequant_bytes_per_layer
 from optplan.estimators.hardware import Cluster, GPUSpec
 from optplan.estimators.memory import param_split, stage_params
 from optplan.estimators.moe import expert_mlp_params
@@ -355,6 +356,9 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
                         + (exposed_s(cp_fwd, core_fwd) if full else 0.0))
     layer_ep, layer_expert_weights = _moe_layer_s(profile, s_, cluster, eff, pl, tokens, elem, hbm)
     layer_mem += layer_expert_weights
+    # a 4-bit base is dequantised in every pass (estimators/finetune.py): memory traffic per layer
+    layer_mem += (dequant_bytes_per_layer(profile.adapter, s_.quant, dims.layers, full_checkpointing=full, tp=t)
+                  / (gpu.memory_bandwidth_bytes_per_s * DEQUANT_BANDWIDTH_FRACTION))
     layer_device = layer_compute + layer_mem + layer_recompute + layer_tp + layer_cp_exposed + layer_ep
     host_layer = eff.host_layer_pass_s * host_layer_passes(s_)
     host_sync = 2 * (t - 1) * eff.host_collective_step_s  # per tensor-parallel collective

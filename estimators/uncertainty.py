@@ -203,6 +203,11 @@ def time_band(profile: ModelProfile, strategy: Strategy, cluster: Cluster, *, mf
     if profile.transformer is not None and profile.transformer.moe is not None:
         widen += WIDEN_UNMEASURED * (2 if s.ep > 1 else 1)  # the experts' GEMMs, and their all-to-all
         outside.append("MoE layers were never measured" + (" (nor expert parallelism's all-to-all)" if s.ep > 1 else ""))
+    if profile.adapter is not None:
+        widen += WIDEN_UNMEASURED
+        outside.append("no LoRA step time was measured here" + (
+            " (the 4-bit dequantisation's pace rests on LitGPT's A10G runtimes, bitsandbytes 0.42)"
+            if s.quant in ("nf4", "nf4-dq") else ""))
     low = ms.ratio_low * math.exp(-widen)
     high = ms.ratio_high * math.exp(widen)
     envelope = mfu_envelope(gpu, s.precision, dom)

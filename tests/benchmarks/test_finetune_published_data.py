@@ -52,13 +52,20 @@ def test_prediction_path_on_a_small_llama(tmp_path: Path) -> None:
         "extra_config": {"max_position_embeddings": 256}, "method": "qlora", "lora_rank": 4, "lora_alpha": 8,
         "hf_lora_targets": ["q_proj", "v_proj"], "quant": "nf4", "optplan_precision": "bf16-pure",
         "optplan_optimizer": "adamw", "micro_batch": 2, "grad_accum": 1, "seq_len": 64, "checkpointing": False,
-        "parallelism": "single", "gpu": "A10G", "gpus": 1, "compare": "allocated",
+        "parallelism": "single", "gpu": "A10G", "gpus": 1, "compare": "allocated", "lora_dropout": 0.05,
+        "bnb_version": "0.42.0", "loop_holds_last_loss": True, "checkpoint_reentrant": False,
     }
     profile = bench.profile_row(row, tmp_path / "m")
     assert profile.adapter is not None and profile.adapter.rank == 4
     assert profile.trainable_params == 4 * 4 * (128 + 128) + 4 * 4 * (128 + 64)  # r·(in+out) on q and v, 4 blocks
     predicted, memory = bench.predict(row, profile)
     assert predicted == memory.total_bytes - memory.overhead_bytes > 0
+    # bitsandbytes 0.42 under LitGPT's loop: this step's unkept inputs and the last step's (estimators/finetune.py)
+    adapter = profile.adapter
+    per_token = adapter.quant_input_unkept_elements + adapter.quant_input_elements
+    assert memory.detail_bytes["bnb_kept_inputs"] == 2 * per_token * 64 * 2 * 4
+    _, current = bench.predict({**row, "bnb_version": "0.43.2"}, profile)
+    assert "bnb_kept_inputs" not in current.detail_bytes
     assert bench.compared_bytes(memory, "device") == memory.total_bytes
     assert bench.compared_bytes(memory, "reserved") == memory.total_bytes - memory.detail_bytes["cuda_context"]
     result = bench.Result(row, predicted, 1.1 * predicted, memory)

@@ -64,3 +64,35 @@ def test_profile_hash_counts_the_new_adapter_fields_when_set() -> None:
     for update in ({"dropout": 0.05}, {"graph_held_steps": 2}, {"bnb_4bit_keeps_inputs": True},
                    {"quant_input_elements": 448}):
         assert profile_hash(profile.model_copy(update={"adapter": BASE.model_copy(update=update)})) != old_hash
+
+
+def test_dequant_bytes_by_hand() -> None:
+    from optplan.estimators.finetune import dequant_bytes_per_layer, quantized_weight_bytes
+
+    nf4 = quantized_weight_bytes("nf4", 640_000, 2_000, 4)
+    # per pass: the packed weight read + its 16-bit copy written; forward and input gradient, + recompute
+    assert dequant_bytes_per_layer(BASE, "nf4", 4, full_checkpointing=False) == pytest.approx(2 * (nf4 + 2 * 640_000) / 4)
+    assert dequant_bytes_per_layer(BASE, "nf4", 4, full_checkpointing=True, tp=2) == pytest.approx(
+        3 * (nf4 + 2 * 640_000) / 4 / 2)
+    assert dequant_bytes_per_layer(BASE, "int8", 4, full_checkpointing=False) == 0  # LLM.int8 is not priced so
+    assert dequant_bytes_per_layer(BASE, "none", 4, full_checkpointing=False) == 0
+    assert dequant_bytes_per_layer(None, "nf4", 4, full_checkpointing=False) == 0
+
+
+def test_step_time_prices_the_dequantisation_as_memory_traffic() -> None:
+    from optplan.estimators.finetune import DEQUANT_BANDWIDTH_FRACTION, dequant_bytes_per_layer
+    from optplan.estimators.hardware import Cluster
+    from optplan.estimators.timing import step_time
+    from tests.factories import make_gpu
+
+    profile = make_profile(params=1_001_000, trainable=1_000, layers=4, hidden=64, seq=128)
+    profile = profile.model_copy(update={"adapter": MEASURED})
+    cluster = Cluster(gpu=make_gpu(24), gpus=1, gpus_per_node=1)
+    base = Strategy(precision="bf16-pure", engine="torch", mbs=2, grad_accum=3)
+    plain = step_time(profile, base, cluster)
+    quant = step_time(profile, base.model_copy(update={"quant": "nf4"}), cluster)
+    per_mb = 4 * dequant_bytes_per_layer(MEASURED, "nf4", 4, full_checkpointing=False)
+    expected = 3 * per_mb / (cluster.gpu.memory_bandwidth_bytes_per_s * DEQUANT_BANDWIDTH_FRACTION)
+    assert quant.memory_bound_s - plain.memory_bound_s == pytest.approx(expected, rel=1e-9)
+    assert quant.compute_s == plain.compute_s
+    assert quant.step_s > plain.step_s
