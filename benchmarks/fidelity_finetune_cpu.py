@@ -39,6 +39,7 @@ from optplan.estimators.strategy import Strategy
 from optplan.planner.hf_source import find_hf_config, write_hf_model_file
 from optplan.probes.adapters import apply_lora, resolve_targets
 from optplan.probes.contract import load_contract
+from optplan.probes.dropout import gpu_dropout
 from optplan.probes.loader import profile_model_file
 from optplan.probes.memtrack import MemTracker
 from optplan.probes.static import (
@@ -61,6 +62,12 @@ LLAMA_QUICK = {**LLAMA, "hidden_size": 128, "intermediate_size": 344, "num_atten
 RUNS: tuple[tuple[str, str], ...] = (("amp-bf16", "none"), ("bf16-pure", "none"), ("fp32", "none"),
                                      ("bf16-pure", "nf4-dq"), ("bf16-pure", "nf4"), ("bf16-pure", "int8"))
 """(recipe, quantised base): LoRA on a 16-bit (or fp32) base, and on bitsandbytes' 4-bit and 8-bit bases."""
+DROPOUT = 0.1
+DROPOUT_RUNS: tuple[tuple[str, str], ...] = (("bf16-pure", "none"), ("amp-bf16", "none"), ("bf16-pure", "nf4-dq"),
+                                             ("bf16-pure", "int8"))
+"""The same with LoRA dropout: each adapted layer keeps a mask and a dropped input, and the int8 base's kept inputs
+are no longer the adapters' (the profiler measures which are not); the steps run dropout as a GPU does
+(probes/dropout.py)."""
 
 
 @dataclass
@@ -71,6 +78,7 @@ class Row:
     mbs: int
     predicted: int
     measured: int
+    dropout: float = 0.0
 
     @property
     def error_pct(self) -> float:
@@ -118,7 +126,7 @@ class LoraTrainer:
 
     def step(self, mbs: int, checkpointing: str, tracker: MemTracker | None = None) -> None:
         runner = self.runner
-        with checkpointed(runner.blocks, checkpointing == "full"):
+        with checkpointed(runner.blocks, checkpointing == "full"), gpu_dropout():
             batch = runner.make_batch(mbs)
             with _autocast(self.precision):  # type: ignore[arg-type]
                 out = runner.forward(batch, mbs)
@@ -188,15 +196,19 @@ def run(quick: bool, log: Any = print) -> list[Row]:
         profile = profile_model_file(path, seq_len=seq, lora=request)
         log(f"model: {profile.model_class} {profile.params:,} parameters ({profile.trainable_params:,} LoRA, rank "
             f"{request.rank}, targets {','.join(profile.adapter.targets if profile.adapter else ())}), seq {seq}")
-        log(f"{'recipe':<10}{'base':<7}{'ckpt':<6}{'mbs':>4} | {'predicted':>10}{'measured':>10}{'err':>9}   (MiB)")
-        for recipe, quant in RUNS:
-            trainer = LoraTrainer(path, seq, request, recipe, quant)
+        log(f"{'recipe':<10}{'base':<7}{'ckpt':<6}{'mbs':>4}{'drop':>6} | {'predicted':>10}{'measured':>10}{'err':>9}"
+            "   (MiB)")
+        dropped = profile_model_file(path, seq_len=seq, lora=request.model_copy(update={"dropout": DROPOUT}))
+        plan = [(r, q, request, profile) for r, q in RUNS]
+        plan += [(r, q, request.model_copy(update={"dropout": DROPOUT}), dropped) for r, q in DROPOUT_RUNS]
+        for recipe, quant, req, prof in plan:
+            trainer = LoraTrainer(path, seq, req, recipe, quant)
             for ckpt in ("none", "full"):
                 for mbs in ((1, 2) if quick else (1, 4)):
-                    row = Row(recipe, quant, ckpt, mbs, predict(profile, recipe, quant, ckpt, mbs),
-                              trainer.measure(mbs, ckpt))
+                    row = Row(recipe, quant, ckpt, mbs, predict(prof, recipe, quant, ckpt, mbs),
+                              trainer.measure(mbs, ckpt), req.dropout)
                     rows.append(row)
-                    log(f"{row.recipe:<10}{row.quant:<7}{row.checkpointing:<6}{row.mbs:>4} | "
+                    log(f"{row.recipe:<10}{row.quant:<7}{row.checkpointing:<6}{row.mbs:>4}{row.dropout:>6g} | "
                         f"{row.predicted / MIB:>10.2f}{row.measured / MIB:>10.2f}{row.error_pct:>+8.2f}%")
             del trainer
             gc.collect()

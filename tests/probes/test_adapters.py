@@ -84,14 +84,13 @@ def test_peft_missing_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_real_lora_steps_match_the_prediction() -> None:
     """benchmarks/fidelity_finetune_cpu.py --quick: real CPU steps of a 3-layer Llama with rank-8 adapters on a 16-bit,
-    fp32, NF4(-DQ) and int8 base against the prediction. Within 2 %, but an int8 base under full checkpointing
-    (whose kept layer inputs are priced by a formula, estimators/finetune.py) within 3 %, on the safe side."""
+    fp32, NF4(-DQ) and int8 base, without and with LoRA dropout (run as a GPU runs it), against the prediction.
+    Within 1 %; the int8 base's kept layer inputs (measured per block by the profiler) never under."""
     from benchmarks.fidelity_finetune_cpu import run
 
     rows = run(quick=True, log=lambda _line: None)
-    assert len(rows) == 24
+    assert len(rows) == 40 and {row.dropout for row in rows} == {0.0, 0.1}
     for row in rows:
-        limit = 3.0 if (row.quant, row.checkpointing) == ("int8", "full") else 2.0
-        assert abs(row.error_pct) <= limit, row
-        if row.quant == "int8" and row.checkpointing == "full":
+        assert abs(row.error_pct) <= 1.0, row
+        if row.quant == "int8" and (row.checkpointing == "full" or row.dropout):
             assert row.error_pct >= 0  # the kept inputs are counted: never under
