@@ -541,9 +541,16 @@ def render_accelerate_yaml(plan: ExportPlan, *, fsdp_version: int = 2, ds_config
 
     script: list[str] = []
     if layout.distributed_type not in ("DEEPSPEED", "MEGATRON_LM") and strategy.grad_accum > 1:
-        script.append(f"gradient accumulation: Accelerator(gradient_accumulation_steps={strategy.grad_accum}) "
-                      "(accelerate.yaml has no key for it outside DeepSpeed/Megatron-LM), and step inside "
-                      "accelerator.accumulate(model)")
+        if strategy.fsdp != "none":
+            script.append("gradient accumulation: Accelerator(gradient_accumulation_plugin=GradientAccumulationPlugin("
+                          f"num_steps={strategy.grad_accum}, sync_each_batch=True)) (accelerate.yaml has no key for "
+                          "it outside DeepSpeed/Megatron-LM), and step inside accelerator.accumulate(model); "
+                          "sync_each_batch keeps FSDP's gradients sharded (without it accumulate() holds them "
+                          "unsharded until the last micro-batch, more memory than the plan's)")
+        else:
+            script.append(f"gradient accumulation: Accelerator(gradient_accumulation_steps={strategy.grad_accum}) "
+                          "(accelerate.yaml has no key for it outside DeepSpeed/Megatron-LM), and step inside "
+                          "accelerator.accumulate(model)")
     if layout.distributed_type in ("NO", "MULTI_GPU") and strategy.checkpointing == "full":
         script.append("full activation checkpointing: wrap each repeated block in torch.utils.checkpoint "
                       "(transformers: model.gradient_checkpointing_enable()); accelerate.yaml has no key for it")

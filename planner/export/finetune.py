@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from optplan.planner.export.context import FILE_NAMES, ExportPlan, NotExportable
-from optplan.planner.export.hf import FSDP_RESHARD, OPTIM_NAMES
+from optplan.planner.export.hf import FSDP_RESHARD, OPTIM_NAMES, fsdp_accumulation_args
 
 FINETUNE_JSON = "finetune.json"
 FINETUNE_PY = "finetune.py"
@@ -202,6 +202,10 @@ def finetune_config(plan: ExportPlan) -> dict[str, Any]:
             sft["fsdp_config"]["cpu_offload"] = True
     elif plan.world_size > 1 and dist is None:
         sft["ddp_find_unused_parameters"] = False
+    if dist is not None and s.dp > 1 and s.grad_accum > 1:  # torch TP with FSDP2 over the data-parallel ranks
+        sft.update(fsdp_accumulation_args(s.model_copy(update={"fsdp": "full"}) if s.fsdp == "none" else s))
+    else:
+        sft.update(fsdp_accumulation_args(s))
     model: dict[str, Any] = {"name_or_path": folder, "dtype": _model_dtype(plan)}
     if dist is not None:
         model["distributed_config"] = dist

@@ -224,7 +224,19 @@ def hf_training_args(plan: ExportPlan, *, ds_config_name: str = "ds_config.json"
         }
     elif plan.world_size > 1:
         args["ddp_find_unused_parameters"] = False
+    args.update(fsdp_accumulation_args(s))
     return args
+
+
+def fsdp_accumulation_args(s: Strategy) -> dict[str, Any]:
+    """TrainingArguments that keep FSDP's gradients sharded through gradient accumulation (empty when the plan has
+    no FSDP or no accumulation). Without them transformers' Trainer runs every micro-batch but the last under
+    ``accelerator.no_sync`` (FSDP2: ``set_requires_gradient_sync(False)``), which holds each unit's gradient
+    unsharded until the last micro-batch: the whole model's gradients on every rank, where optplan's memory and
+    time price a reduce-scatter per micro-batch (what ``sync_each_batch`` makes the Trainer do)."""
+    if s.fsdp == "none" or s.engine != "torch" or s.grad_accum <= 1:
+        return {}
+    return {"accelerator_config": {"gradient_accumulation_kwargs": {"sync_each_batch": True}}}
 
 
 def render_hf_training_args(plan: ExportPlan, *, ds_config_name: str = "ds_config.json", output_dir: str = "out",
@@ -588,6 +600,13 @@ def validate_hf_training_args(text: str, plan: ExportPlan, *, ds_config: dict | 
             raise ExportValidationError(f"TrainingArguments rejects hf_training_args.json: {one_line(exc)}") from exc
         if ds_config is not None:
             _check_ds_config(training_args, ds_config, plan)
+    if fsdp_accumulation_args(plan.strategy):
+        sync = (training_args.accelerator_config.gradient_accumulation_kwargs or {}).get("sync_each_batch", False)
+        if not sync:
+            raise ExportValidationError(
+                "hf_training_args.json lets the Trainer accumulate FSDP gradients unsharded (no_sync on all but the "
+                "last micro-batch), which the plan's memory does not hold: set accelerator_config."
+                "gradient_accumulation_kwargs.sync_each_batch to true, or re-export")
     for record in captured.records:
         message = record.getMessage()
         if any(marker in message.lower() for marker in _DEPRECATED_MARKERS) and \

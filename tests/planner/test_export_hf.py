@@ -507,3 +507,18 @@ def test_json_value_fits() -> None:
     assert not json_value_fits("bf16", Literal["x"])
     assert json_value_fits([2, 8], tuple[int, int]) and not json_value_fits([2], tuple[int, int])
     assert json_value_fits("anything", "ForwardRef") and not json_value_fits("x", type[int])
+
+
+def test_fsdp_accumulation_keeps_gradients_sharded() -> None:
+    """transformers' Trainer runs FSDP micro-batches under no_sync unless sync_each_batch: unsharded gradients."""
+    from optplan.planner.validate import ExportValidationError
+
+    plan = make_plan(engine="torch", fsdp="full", dp=8, mbs=2, grad_accum=4)
+    args = check(plan)
+    assert args["accelerator_config"] == {"gradient_accumulation_kwargs": {"sync_each_batch": True}}
+    del args["accelerator_config"]
+    with pytest.raises(ExportValidationError, match="sync_each_batch"):
+        validate_hf_training_args(text_of(args), plan)
+    # no accumulation, or DDP (whose gradients are whole anyway): nothing to add
+    assert "accelerator_config" not in check(make_plan(engine="torch", fsdp="full", dp=8, mbs=2, grad_accum=1))
+    assert "accelerator_config" not in check(make_plan(engine="torch", dp=8, mbs=2, grad_accum=4))
