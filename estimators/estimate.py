@@ -17,8 +17,8 @@ from optplan.estimators.memory import MemoryBreakdown, memory_breakdown, usable_
 from optplan.estimators.optimizers import optimizer_sees_flat_params, optimizer_state_note
 from optplan.estimators.parallel import placement_notes
 from optplan.estimators.profile import ModelProfile
-from optplan.estimators.strategy import Strategy
-from optplan.estimators.timing import TimeBreakdown, comm_time_s, mfu_peak_flops, step_time
+from optplan.estimators.strategy import PAGED_OPTIMIZERS, Strategy
+from optplan.estimators.timing import TimeBreakdown, comm_time_s, mfu_peak_flops, step_time, with_paging
 from optplan.estimators.uncertainty import TimeBand, time_band
 from optplan.estimators.units import gib
 from optplan.estimators.validity import check_strategy
@@ -109,6 +109,19 @@ def estimate_notes(profile: ModelProfile, strategy: Strategy, cluster: Cluster) 
     return tuple(notes)
 
 
+def paging_notes(memory: MemoryBreakdown, strategy: Strategy) -> tuple[str, ...]:
+    """One note for a paged optimizer (optimizers.py): where its state sits at the forward/backward peak."""
+    if strategy.optimizer not in PAGED_OPTIMIZERS:
+        return ()
+    out = memory.detail_bytes.get("paged_optimizer_state_off_gpu", 0)
+    if not out:
+        return (f"{strategy.optimizer}: its state stays on the GPU (it fits beside the forward/backward peak); "
+                "unified memory pages it out only when the GPU runs short",)
+    return (f"{strategy.optimizer}: {out / 2**30:.2f} GiB of optimizer state pages out to host memory at the "
+            "forward/backward peak and back for the optimizer step (CUDA unified memory); the page traffic is "
+            "priced in optimizer_s at PCIe speed",)
+
+
 def with_band(time: TimeBreakdown, band: TimeBand) -> TimeBreakdown:
     """``time`` with its band (uncertainty.py): ``step_s_low``/``step_s_high`` in seconds, basis and reasons."""
     return time.model_copy(update={"step_s_low": time.step_s * band.low, "step_s_high": time.step_s * band.high,
@@ -152,10 +165,12 @@ def estimate(profile: ModelProfile, cluster: Cluster, strategy: Strategy, *,
     check_strategy(profile, cluster, strategy)
     memory = memory_breakdown(profile, strategy, usable_capacity_bytes(cluster.gpu.memory_bytes),
                               gpus_per_node=cluster.gpus_per_node)
-    time = step_time(profile, strategy, cluster)
+    time = with_paging(step_time(profile, strategy, cluster),
+                       memory.detail_bytes.get("paged_optimizer_state_off_gpu", 0))
     band = time_band(profile, strategy, cluster, mfu=time.mfu)
     time = with_band(time, band)
-    notes = estimate_notes(profile, strategy, cluster) + placement_notes(strategy, cluster) + band_notes(band)
+    notes = (estimate_notes(profile, strategy, cluster) + placement_notes(strategy, cluster) + band_notes(band)
+             + paging_notes(memory, strategy))
     result = Estimate(notes=notes,
         strategy=strategy, gpu=cluster.gpu.name, gpus=strategy.world_size, memory=memory, time=time,
         global_batch=strategy.global_batch, samples_per_s=time.samples_per_s, tokens_per_s=time.tokens_per_s,

@@ -81,7 +81,7 @@ from optplan.estimators.parallel import layers_per_stage, placement
 from optplan.estimators.pipeline import in_flight_microbatches
 from optplan.estimators.precision import Recipe, get_recipe
 from optplan.estimators.profile import FROZEN_16BIT, STEP_PHASES, WEIGHTS_16BIT, ActivationFit, ModelProfile
-from optplan.estimators.strategy import Strategy
+from optplan.estimators.strategy import PAGED_OPTIMIZERS, Strategy
 from optplan.estimators.temporaries import (
     AdamImpl,
     DeviceKind,
@@ -894,17 +894,29 @@ def _stage_breakdown(profile: ModelProfile, strategy: Strategy, capacity_bytes: 
     scratch = optimizer_step_scratch_bytes(profile, strategy, stage=stage, gpus_per_node=gpus_per_node,
                                            adam_impl=adam_impl, device=device)
     step_grads, step_items = at_step, live_at("optimizer_step")
-    if step_grads + sum(step_items.values()) + scratch > grads + acts + sum(items.values()):
+    optimizer_bytes, paged_out = states.optimizer_bytes, 0
+    run_total = grads + acts + sum(items.values())
+    if strategy.optimizer in PAGED_OPTIMIZERS and not _fits_beside(states.params_bytes + run_total + optimizer_bytes,
+                                                                    capacity_bytes):
+        # paged state (optimizers.py): pushed to the host by the forward/backward peak, back for the step
+        optimizer_bytes, paged_out = 0, states.optimizer_bytes
+        scratch += states.optimizer_bytes  # what the step holds on top of its gradients and buffers
+    if step_grads + sum(step_items.values()) + scratch > run_total:
         # the optimizer step is the worst moment: report the activation peak (what a user reads as "the
         # activations") and what the step's scratch adds above it, so the categories still sum to the peak
         moment, grads, items = "optimizer_step", step_grads, dict(step_items)
         acts = min(peak_acts, scratch)
+        if paged_out:  # the paged state is back on the GPU for the step
+            optimizer_bytes, scratch = paged_out, scratch - paged_out
+            acts = min(peak_acts, scratch)
         name = "deepspeed_step_fp32_grad_flatten" if _deepspeed_flattens(strategy) else "optimizer_step_scratch"
         if scratch > acts:
             items[name] = scratch - acts
-    allocated = states.params_bytes + grads + states.optimizer_bytes + acts + sum(items.values())
+    allocated = states.params_bytes + grads + optimizer_bytes + acts + sum(items.values())
     fragmentation = round(FRAGMENTATION_FRACTION * allocated)
     detail = {**items, "cuda_context": CUDA_CONTEXT_BYTES, "fragmentation_margin": fragmentation}
+    if paged_out:
+        detail["paged_optimizer_state_off_gpu"] = paged_out  # at the forward/backward peak: held by the host
     p = strategy.pp
     if p == 1:
         rank = "every rank"
@@ -914,14 +926,21 @@ def _stage_breakdown(profile: ModelProfile, strategy: Strategy, capacity_bytes: 
     else:
         rank = f"pipeline stage {stage} of {p} (output head and loss)"
     ranks_per_node = min(gpus_per_node, strategy.world_size)
+    host = states.host_bytes + paged_out
     return MemoryBreakdown(
         params_bytes=states.params_bytes, grads_bytes=grads,
-        optimizer_bytes=states.optimizer_bytes, activations_bytes=acts, buffers_bytes=sum(items.values()),
+        optimizer_bytes=optimizer_bytes, activations_bytes=acts, buffers_bytes=sum(items.values()),
         overhead_bytes=CUDA_CONTEXT_BYTES + fragmentation, capacity_bytes=capacity_bytes,
-        host_bytes=states.host_bytes, nvme_bytes=states.nvme_bytes,
-        host_bytes_per_node=states.host_bytes * ranks_per_node, detail_bytes=detail, rank=rank,
+        host_bytes=host, nvme_bytes=states.nvme_bytes,
+        host_bytes_per_node=host * ranks_per_node, detail_bytes=detail, rank=rank,
         moment="" if moment == "step" else moment,
     )
+
+
+def _fits_beside(allocated_bytes: int, capacity_bytes: int) -> bool:
+    """Whether ``allocated_bytes`` of tensors, with the fragmentation margin and the CUDA context, fit
+    ``capacity_bytes``: a paged optimizer's state stays on the GPU then (optimizers.py)."""
+    return allocated_bytes * (1 + FRAGMENTATION_FRACTION) + CUDA_CONTEXT_BYTES <= capacity_bytes
 
 
 def memory_breakdown(profile: ModelProfile, strategy: Strategy, capacity_bytes: int, *,

@@ -39,6 +39,15 @@ Sources
   and 808 at ZeRO-1, 2 and 3.
 - SGD with momentum (``torch.optim.SGD``, ``momentum > 0``): one momentum buffer per parameter,
   ``state_bytes`` (4 bytes in fp32).
+- Paged AdamW (``paged_adamw``, ``paged_adamw8bit``; Dettmers et al. 2023, "QLoRA", arXiv 2305.14314 §3, "Paged
+  Optimizers"; bitsandbytes ``PagedAdamW`` / ``PagedAdamW8bit``): the same state as AdamW (32-bit moments,
+  ``state_bytes`` each; bitsandbytes' paged 32-bit optimizer keeps fp32 moments whatever the weights' dtype, so
+  bf16-pure's 2-byte moments do not apply) and 8-bit AdamW, allocated in CUDA unified memory
+  (``cudaMallocManaged``), outside torch's caching allocator: the driver moves their pages to the host when the
+  GPU runs out of memory and back when the optimizer step touches them. memory.py counts them on the GPU only
+  at the optimizer step (the forward/backward peak can push them out: host memory holds them then), and
+  timing.py prices a round trip of the state over the host link per step whenever they do not fit beside the
+  forward/backward peak.
 """
 
 from __future__ import annotations
@@ -67,6 +76,10 @@ def _adamw_8bit(recipe: Recipe, profile: ModelProfile | None) -> float:
     return 2 * 1 + BLOCKWISE_8BIT_OVERHEAD_BYTES_PER_PARAM
 
 
+def _paged_adamw(recipe: Recipe, profile: ModelProfile | None) -> float:
+    return 2 * 4.0  # fp32 moments (module docstring)
+
+
 def _adafactor(recipe: Recipe, profile: ModelProfile | None) -> float:
     if not adafactor_uses_shapes(profile):
         return float(recipe.state_bytes)
@@ -85,6 +98,8 @@ OPTIMIZER_STATE_BYTES: dict[str, Callable[[Recipe, ModelProfile | None], float]]
     "adamw8bit": _adamw_8bit,
     "adafactor": _adafactor,
     "sgd": _sgd,
+    "paged_adamw": _paged_adamw,
+    "paged_adamw8bit": _adamw_8bit,
 }
 
 

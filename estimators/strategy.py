@@ -16,13 +16,20 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from optplan.estimators.finetune import QuantName
 
 PrecisionName = Literal["fp32", "amp-bf16", "amp-fp16", "bf16", "fp16", "bf16-pure", "fp8"]
-OptimizerName = Literal["adamw", "adamw8bit", "adafactor", "sgd"]
+OptimizerName = Literal["adamw", "adamw8bit", "adafactor", "sgd", "paged_adamw", "paged_adamw8bit"]
 OffloadTarget = Literal["none", "cpu", "nvme"]
 EngineName = Literal["torch", "deepspeed", "megatron"]
 FsdpName = Literal["none", "full", "grad_op", "hybrid"]
 CheckpointName = Literal["none", "selective", "full"]
 
-OPTIMIZER_ALIASES: dict[str, str] = {"adamw-8bit": "adamw8bit", "adam8bit": "adamw8bit", "adamw_8bit": "adamw8bit"}
+OPTIMIZER_ALIASES: dict[str, str] = {
+    "adamw-8bit": "adamw8bit", "adam8bit": "adamw8bit", "adamw_8bit": "adamw8bit",
+    "paged-adamw": "paged_adamw", "paged_adamw_32bit": "paged_adamw", "paged-adamw8bit": "paged_adamw8bit",
+    "paged_adamw_8bit": "paged_adamw8bit",
+}
+PAGED_OPTIMIZERS = ("paged_adamw", "paged_adamw8bit")
+"""bitsandbytes' paged optimizers (``PagedAdamW``, ``PagedAdamW8bit``): their state lives in CUDA unified memory
+(estimators/optimizers.py)."""
 FSDP_STAGE: dict[str, int] = {"none": 0, "grad_op": 2, "full": 3, "hybrid": 3}
 """The ZeRO stage an FSDP sharding strategy equals (PyTorch FSDP docs: SHARD_GRAD_OP shards gradients
 and optimizer states like ZeRO-2, FULL_SHARD also parameters like ZeRO-3; HYBRID_SHARD is FULL_SHARD
@@ -104,6 +111,12 @@ class Strategy(BaseModel):
                 raise ValueError("a quantised base (QLoRA) runs on the torch or deepspeed engine: use --engine torch")
             if self.offload_optimizer != "none" or self.offload_params != "none":
                 raise ValueError("offload is not modelled with a quantised base: drop --offload or --quant")
+        if self.optimizer in PAGED_OPTIMIZERS:
+            if self.engine != "torch":
+                raise ValueError(f"--optimizer {self.optimizer} (bitsandbytes' paged optimizer) runs in a torch "
+                                 "training loop: use --engine torch, or --optimizer adamw/adamw8bit")
+            if self.offload_params != "none":
+                raise ValueError(f"--optimizer {self.optimizer} pages its state itself: drop --offload params")
         if self.sp and self.tp == 1:
             raise ValueError("sequence parallelism needs tensor parallelism: set --tp > 1 or --no-sp")
         if self.vpp > 1 and self.pp == 1:

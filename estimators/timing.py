@@ -467,6 +467,29 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
                    efficiency_peak=gpu.peak_flops_for(recipe.compute_dtype), hardware_flops_per_sample=hw_per_sample)
 
 
+PAGING_ROUND_TRIPS = 2
+"""A paged optimizer's state crosses the host link twice per step when it does not fit beside the forward/backward
+peak: out to make room for the activations, back for the optimizer step (optimizers.py)."""
+
+
+def with_paging(time: TimeBreakdown, paged_out_bytes: int) -> TimeBreakdown:
+    """``time`` with a paged optimizer's page traffic (``paged_out_bytes`` of state off the GPU at the
+    forward/backward peak, memory.py) added to ``optimizer_s``: :data:`PAGING_ROUND_TRIPS` transfers at
+    ``PCIE_BYTES_PER_S``, not overlapped (the driver migrates pages on fault, as the step touches them);
+    throughput, MFU and HFU scale with the longer step."""
+    if paged_out_bytes <= 0:
+        return time
+    extra = PAGING_ROUND_TRIPS * paged_out_bytes / PCIE_BYTES_PER_S
+    scale = time.step_s / (time.step_s + extra)
+    return time.model_copy(update={
+        "optimizer_s": time.optimizer_s + extra, "step_s": time.step_s + extra,
+        "samples_per_s": time.samples_per_s * scale,
+        "tokens_per_s": time.tokens_per_s * scale if time.tokens_per_s is not None else None,
+        "model_tflops_per_gpu": time.model_tflops_per_gpu * scale,
+        "hardware_tflops_per_gpu": time.hardware_tflops_per_gpu * scale, "mfu": time.mfu * scale,
+        "hfu": time.hfu * scale, "efficiency": max(1e-9, time.efficiency * scale)})
+
+
 def step_time(profile: ModelProfile, strategy: Strategy, cluster: Cluster, *,
               efficiency: GpuEfficiency | None = None, engine: EngineEfficiency | None = None) -> TimeBreakdown:
     """Time of one optimizer step of ``strategy`` on ``cluster`` with throughput, MFU and HFU.
@@ -482,4 +505,4 @@ def step_time(profile: ModelProfile, strategy: Strategy, cluster: Cluster, *,
 
 
 __all__ = ["TimeBreakdown", "comm_time_s", "data_parallel_comm", "mfu_peak_flops",
-           "step_time"]
+           "step_time", "with_paging"]

@@ -130,7 +130,7 @@ def import_model_file(path: str | Path, display: str | None = None) -> ModuleTyp
 # ---------------------------------------------------------------------------------------------------
 _SCALARS = (str, int, float, bool, type(None))
 OPTPLAN_NAMES: dict[str, tuple[str, ...]] = {
-    "optimizer": ("adamw", "adamw8bit", "adafactor", "sgd"),
+    "optimizer": ("adamw", "adamw8bit", "adafactor", "sgd", "paged_adamw", "paged_adamw8bit"),
     "precision": ("fp32", "amp-bf16", "amp-fp16", "bf16", "fp16", "bf16-pure", "fp8"),
 }
 """The names ``OPTPLAN["optimizer"]``/``["precision"]`` may take: ``estimators.strategy``'s OptimizerName and

@@ -167,12 +167,14 @@ def make_optimizer(name: str, params: list[torch.Tensor]) -> Any:
             raise TrainFailure("error", f"optimizer adafactor needs torch.optim.Adafactor (torch >= 2.5); this "
                                         f"is torch {torch.__version__}", everywhere=True)
         return torch.optim.Adafactor(params, **ADAFACTOR_KW)
-    if name == "adamw8bit":
+    if name in ("adamw8bit", "paged_adamw", "paged_adamw8bit"):
         try:
             import bitsandbytes as bnb  # type: ignore[import-not-found]
         except Exception as exc:  # noqa: BLE001 - missing, or broken on this platform
-            raise TrainFailure("error", f"{BNB_MISSING} ({exc_text(exc)})", everywhere=True) from None
-        return bnb.optim.AdamW8bit(params, **ADAMW_KW)
+            raise TrainFailure("error", f"{BNB_MISSING.replace('adamw8bit', name)} ({exc_text(exc)})",
+                               everywhere=True) from None
+        cls = {"adamw8bit": "AdamW8bit", "paged_adamw": "PagedAdamW", "paged_adamw8bit": "PagedAdamW8bit"}[name]
+        return getattr(bnb.optim, cls)(params, **ADAMW_KW)
     raise TrainFailure("error", f"unknown optimizer {name!r}", everywhere=True)
 
 

@@ -226,7 +226,7 @@ def estimate(
     grad_accum: Annotated[int | None, typer.Option("--gas", "--grad-accum", help="gradient-accumulation steps")] = None,
     global_batch: Annotated[int | None, typer.Option("--global-batch", help="samples per step (derives --gas)")] = None,
     precision: Annotated[str | None, typer.Option("--precision", help="fp32, amp-bf16, amp-fp16, bf16, fp16, bf16-pure, fp8 (default: bf16, or fp16 on GPUs without bf16)")] = None,
-    optimizer: Annotated[str | None, typer.Option("--optimizer", help="adamw, adamw8bit, adafactor, sgd")] = None,
+    optimizer: Annotated[str | None, typer.Option("--optimizer", help="adamw, adamw8bit, adafactor, sgd, paged_adamw, paged_adamw8bit")] = None,
     checkpointing: Annotated[str, typer.Option("--checkpointing", help="none, selective or full")] = "none",
     flash: Annotated[bool, typer.Option("--flash/--no-flash", help="memory-efficient attention (no s x s scores)")] = True,
     engine: Annotated[str | None, typer.Option("--engine", help="torch, deepspeed or megatron (default: torch with --fsdp, megatron with tp/pp/cp, else deepspeed)")] = None,

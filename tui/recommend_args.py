@@ -15,7 +15,8 @@ from optplan.estimators.errors import OptplanError
 from optplan.planner.finetune import FinetuneChoice
 
 PRECISIONS = ("fp32", "amp-bf16", "amp-fp16", "bf16", "fp16", "bf16-pure", "fp8")
-OPTIMIZERS = ("adamw", "adamw8bit", "adamw-8bit", "adafactor", "sgd")
+OPTIMIZERS = ("adamw", "adamw8bit", "adamw-8bit", "adafactor", "sgd", "paged_adamw", "paged_adamw8bit",
+              "paged_adamw_32bit", "paged_adamw_8bit")
 ENGINES = ("deepspeed", "torch", "megatron")
 METHODS = ("auto", "enumerate", "nsga2", "tpe")
 LAUNCHERS = ("torchrun", "deepspeed")

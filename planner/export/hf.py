@@ -92,6 +92,8 @@ OPTIM_NAMES: dict[str, str] = {
     "adamw8bit": "adamw_bnb_8bit",
     "adafactor": "adafactor",
     "sgd": "sgd",
+    "paged_adamw": "paged_adamw_32bit",
+    "paged_adamw8bit": "paged_adamw_8bit",
 }
 """optplan optimizer -> ``TrainingArguments.optim`` (``OptimizerNames`` values, transformers 5.23)."""
 
@@ -170,7 +172,7 @@ def _precision_args(s: Strategy) -> dict[str, bool]:
 
 def _optimizer_args(s: Strategy) -> dict[str, Any]:
     out: dict[str, Any] = {"optim": OPTIM_NAMES[s.optimizer]}
-    if s.optimizer in ("adamw", "adamw8bit"):
+    if s.optimizer in ("adamw", "adamw8bit", "paged_adamw", "paged_adamw8bit"):
         betas = ADAMW_PARAMS["betas"]
         out.update(learning_rate=float(ADAMW_PARAMS["lr"]), weight_decay=float(ADAMW_PARAMS["weight_decay"]),
                    adam_beta1=float(betas[0]), adam_beta2=float(betas[1]), adam_epsilon=float(ADAMW_PARAMS["eps"]))
@@ -266,8 +268,8 @@ def hf_notes(plan: ExportPlan) -> tuple[str, ...]:
         if s.optimizer in ("adamw8bit", "adafactor"):
             notes.append(f"{s.optimizer}: ds_config.json has no optimizer section, so the Trainer builds "
                          f"optim={OPTIM_NAMES[s.optimizer]} itself and hands it to DeepSpeed")
-    if s.optimizer == "adamw8bit":
-        notes.append("adamw_bnb_8bit needs bitsandbytes installed (pip install bitsandbytes)")
+    if s.optimizer in ("adamw8bit", "paged_adamw", "paged_adamw8bit"):
+        notes.append(f"{OPTIM_NAMES[s.optimizer]} needs bitsandbytes installed (pip install bitsandbytes)")
     if s.checkpointing == "full" and s.fsdp == "none":
         notes.append("activation checkpointing: the Trainer calls model.activation_checkpointing_enable() "
                      "(PreTrainedModel); a model without it must checkpoint its blocks itself "

@@ -193,6 +193,9 @@ def _torch_notes(plan: ExportPlan) -> list[str]:
         "adamw8bit": "bitsandbytes.optim.AdamW8bit(params, lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)",
         "adafactor": "torch.optim.Adafactor(params, lr=1e-2)",
         "sgd": "torch.optim.SGD(params, lr=3e-4, momentum=0.9)",
+        "paged_adamw": "bitsandbytes.optim.PagedAdamW(params, lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)",
+        "paged_adamw8bit": "bitsandbytes.optim.PagedAdamW8bit(params, lr=3e-4, betas=(0.9, 0.95), eps=1e-8, "
+                           "weight_decay=0.1)",
     }[s.optimizer]
     notes.append(f"optimizer: {optimizer}, built after wrapping; micro-batch {s.mbs} per rank, step every "
                  f"{s.grad_accum} micro-batch(es).")

@@ -199,6 +199,12 @@ def _strategy(plan: ExportPlan, nvme_path: str) -> tuple[str, dict[str, Any] | N
     return "auto", None, "lightning.pytorch.strategies.SingleDeviceStrategy"
 
 
+BNB_OPTIMIZERS: dict[str, str] = {"adamw8bit": "bitsandbytes.optim.AdamW8bit",
+                                  "paged_adamw": "bitsandbytes.optim.PagedAdamW",
+                                  "paged_adamw8bit": "bitsandbytes.optim.PagedAdamW8bit"}
+"""The bitsandbytes optimizer class configure_optimizers returns, by optplan optimizer."""
+
+
 def _optimizer(s: Strategy) -> dict[str, Any]:
     betas = list(ADAMW_PARAMS["betas"])
     adamw = {"lr": ADAMW_PARAMS["lr"], "betas": betas, "eps": ADAMW_PARAMS["eps"],
@@ -210,8 +216,8 @@ def _optimizer(s: Strategy) -> dict[str, Any]:
         return {"built_by": "deepspeed", "config_section": "_strategy_kwargs.config.optimizer", "class": cls}
     if s.optimizer == "adamw":
         return {"built_by": "configure_optimizers", "class": "torch.optim.AdamW", "kwargs": dict(adamw, fused=True)}
-    if s.optimizer == "adamw8bit":
-        return {"built_by": "configure_optimizers", "class": "bitsandbytes.optim.AdamW8bit", "kwargs": adamw}
+    if s.optimizer in BNB_OPTIMIZERS:
+        return {"built_by": "configure_optimizers", "class": BNB_OPTIMIZERS[s.optimizer], "kwargs": adamw}
     if s.optimizer == "adafactor":
         return {"built_by": "configure_optimizers", "class": "torch.optim.Adafactor",
                 "kwargs": {"lr": TORCH_ADAFACTOR_LR}}
@@ -250,8 +256,8 @@ def lightning_notes(plan: ExportPlan) -> tuple[str, ...]:
     if s.precision == "fp8":
         notes.append("fp8: precision 'transformer-engine' needs transformer_engine installed; Lightning swaps "
                      "nn.Linear/LayerNorm for TE layers and keeps bf16 weights without an fp32 master copy")
-    if s.optimizer == "adamw8bit":
-        notes.append("adamw8bit: configure_optimizers returns bitsandbytes.optim.AdamW8bit "
+    if s.optimizer in BNB_OPTIMIZERS:
+        notes.append(f"{s.optimizer}: configure_optimizers returns {BNB_OPTIMIZERS[s.optimizer]} "
                      "(pip install bitsandbytes)")
     return tuple(notes)
 

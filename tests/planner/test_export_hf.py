@@ -522,3 +522,11 @@ def test_fsdp_accumulation_keeps_gradients_sharded() -> None:
     # no accumulation, or DDP (whose gradients are whole anyway): nothing to add
     assert "accelerator_config" not in check(make_plan(engine="torch", fsdp="full", dp=8, mbs=2, grad_accum=1))
     assert "accelerator_config" not in check(make_plan(engine="torch", dp=8, mbs=2, grad_accum=4))
+
+
+@pytest.mark.parametrize("optimizer,name", [("paged_adamw", "paged_adamw_32bit"), ("paged_adamw8bit", "paged_adamw_8bit")])
+def test_paged_optimizers_export_as_transformers_names(optimizer: str, name: str) -> None:
+    plan = make_plan(engine="torch", dp=1, mbs=2, optimizer=optimizer)
+    args = check(plan)  # TrainingArguments built for real
+    assert args["optim"] == name and args["adam_beta2"] == 0.95
+    assert any("needs bitsandbytes" in note for note in hf_notes(plan))
