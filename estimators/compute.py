@@ -65,6 +65,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from optplan.estimators.attention_kernels import flash_speedups
 from optplan.estimators.efficiency import (
     EngineEfficiency,
     GpuEfficiency,
@@ -288,8 +289,11 @@ def layer_time(dims: TransformerDims, strategy: Strategy, gpu: GPUSpec, eff: Gpu
     core_flops = 2.0 * heads * (s / c) * s * (qk_d + v_d)
     d = (qk_d + v_d) / 2  # the unfused core's GEMMs below
     if strategy.flash:
-        core_fwd = CAUSAL_FLASH_FRACTION * core_flops / (other_peak * eff.flash_attention_fraction)
-        core_bwd = FLASH_BACKWARD_FACTOR * CAUSAL_FLASH_FRACTION * core_flops / (other_peak * eff.flash_backward)
+        # the engine's own kernel may outrun the fitted (FlashAttention-2-class) fractions: attention_kernels.py
+        fwd_x, bwd_x = flash_speedups(strategy.engine, gpu.name)
+        core_fwd = CAUSAL_FLASH_FRACTION * core_flops / (other_peak * eff.flash_attention_fraction * fwd_x)
+        core_bwd = (FLASH_BACKWARD_FACTOR * CAUSAL_FLASH_FRACTION * core_flops
+                    / (other_peak * eff.flash_backward * bwd_x))
     else:
         akw = dict(kw, peak_flops=other_peak, fraction=_fraction(eff, "bf16" if dtype == "fp8" else dtype))
         q = s / c

@@ -84,7 +84,17 @@ TOTALS = {
     ("fp8", "adamw8bit"): 2 + 2 + 4 + EIGHT_BIT + 2,
     ("fp8", "adafactor"): 2 + 2 + 4 + ADAFACTOR_32 + 2,
     ("fp8", "sgd"): 2 + 2 + 4 + 4 + 2,
+    # bitsandbytes' paged 32-bit AdamW keeps fp32 moments whatever the weights (8 bytes), bf16-pure included
+    ("fp32", "paged_adamw"): 4 + 4 + 8,
+    ("amp-bf16", "paged_adamw"): 4 + 4 + 8,
+    ("amp-fp16", "paged_adamw"): 4 + 4 + 8,
+    ("bf16", "paged_adamw"): 2 + 2 + 4 + 8,
+    ("fp16", "paged_adamw"): 2 + 2 + 4 + 8,
+    ("bf16-pure", "paged_adamw"): 2 + 2 + 8,
+    ("fp8", "paged_adamw"): 2 + 2 + 4 + 8 + 2,
 }
+# the paged 8-bit AdamW keeps AdamW8bit's state
+TOTALS.update({(p, "paged_adamw8bit"): TOTALS[(p, "adamw8bit")] for p in RECIPES})
 
 
 def total_bytes_per_param(precision: str, optimizer: str, profile: ModelProfile = PROFILE) -> float:
@@ -95,7 +105,7 @@ def total_bytes_per_param(precision: str, optimizer: str, profile: ModelProfile 
 
 def test_every_recipe_and_optimizer_is_covered():
     assert set(RECIPES) == set(RECIPE_TABLE)
-    assert set(OPTIMIZER_STATE_BYTES) == {"adamw", "adamw8bit", "adafactor", "sgd"}
+    assert set(OPTIMIZER_STATE_BYTES) == {"adamw", "adamw8bit", "adafactor", "sgd", "paged_adamw", "paged_adamw8bit"}
     assert set(TOTALS) == {(p, o) for p in RECIPES for o in OPTIMIZER_STATE_BYTES}
 
 
@@ -124,7 +134,8 @@ def test_zero_paper_numbers():
 def test_memory_estimator_uses_the_same_bytes(precision, optimizer):
     """ZeRO-0, one GPU: weights (all parameters) + grads and optimizer (trainable only), via memory.py."""
     profile = make_profile(frozen=FROZEN)
-    states = model_states(profile, Strategy(precision=precision, optimizer=optimizer, zero=0, dp=1))
+    engine = "torch" if optimizer.startswith("paged") else "deepspeed"  # the paged ones run in a torch loop
+    states = model_states(profile, Strategy(precision=precision, optimizer=optimizer, zero=0, dp=1, engine=engine))
     r = get_recipe(precision)
     per_trainable = TOTALS[(precision, optimizer)] - r.weight_bytes
     expected = (SHAPE_NUMEL + FROZEN) * r.weight_bytes + SHAPE_NUMEL * per_trainable
