@@ -10,7 +10,8 @@ Prediction, through optplan's own pipeline, for every row, with no per-row const
 * the profile: ``estimators.arch.parse_arch`` + ``profile_from_arch`` on the row's shape (``--arch`` keys; MLA widths
   when the model has them);
 * the plan: ``Strategy(engine="megatron", ...)`` with the row's tp/pp/vpp/cp/mbs/global batch, ``zero=1`` (Megatron's
-  distributed optimizer) and the closest supported settings where optplan lacks the source's (``plan``: every
+  distributed optimizer), ``dispatcher="deepep"`` where the source dispatches with DeepEP/HybridEP on a GPU optplan's
+  deepep dispatcher covers, and the closest supported settings where optplan lacks the source's (``plan``: every
   substitution is flagged on the row's line, legend at the end);
 * the cluster: ``Cluster(gpu=find_gpu(...), gpus, gpus_per_node, inter_node_bandwidth_bytes_per_s)`` (H800: the H100
   SXM entry with its datasheet NVLink of 400 GB/s, 200 GB/s each way);
@@ -49,6 +50,7 @@ from typing import Any
 from optplan.estimators.arch import parse_arch, profile_from_arch
 from optplan.estimators.efficiency import efficiency_for
 from optplan.estimators.estimate import Estimate, estimate
+from optplan.estimators.expert_parallel import DEEPEP_GPUS
 from optplan.estimators.hardware import Cluster, GPUSpec, find_gpu
 from optplan.estimators.parallel import placement
 from optplan.estimators.profile import ModelProfile
@@ -92,7 +94,8 @@ FLAGS = {
     "vpp": "layers not divisible by pp·vpp (Megatron's layout counts embedding/loss/MTP as slots): vpp 1 (1F1B)",
     "rc": "Megatron --recompute-modules mapped to optplan's selective or full recomputation",
     "fp8": "fp8 recipe (MXFP8 / blockwise) priced as Transformer Engine per-tensor fp8",
-    "dd": "node-deduplicating dispatcher (DeepEP/HybridEP) across nodes: optplan prices topk copies per token",
+    "dd": "node-deduplicating dispatcher (DeepEP/HybridEP) across nodes on a GPU optplan's deepep dispatcher does not "
+          "cover: optplan prices topk copies per token",
     "ov": "all-to-all overlapped with compute (1F1B A2A overlap or DualPipe): optplan exposes it",
     "dual": "DualPipe schedule: priced as 1F1B",
     "mtp": "multi-token-prediction module not in the profile",
@@ -284,8 +287,11 @@ def plan(row: dict[str, Any]) -> Plan:
                         dp=dp, mbs=mbs, grad_accum=grad_accum, zero=1, checkpointing=checkpointing)
     cluster = Cluster(gpu=_gpu(row), gpus=row["gpus"], gpus_per_node=row["gpus_per_node"],
                       inter_node_bandwidth_bytes_per_s=row["inter_node_gbit_per_gpu"] * 1e9 / 8)
-    if row["dispatcher"].split(" ")[0] in NODE_DEDUP_DISPATCHERS and _ep_nodes(strategy, cluster) > 1:
-        flags.append("dd")
+    if row["dispatcher"].split(" ")[0] in NODE_DEDUP_DISPATCHERS and ep > 1:
+        if cluster.gpu.name in DEEPEP_GPUS:  # optplan's deepep dispatcher: one copy per remote node
+            strategy = strategy.model_copy(update={"dispatcher": "deepep"})
+        elif _ep_nodes(strategy, cluster) > 1:
+            flags.append("dd")
     if any(f.startswith("a2a-overlap") for f in features):
         flags.append("ov")
     if "dualpipe" in features:

@@ -12,6 +12,8 @@ Units: parameter counts.
 
 from __future__ import annotations
 
+from math import comb
+
 from optplan.estimators.moe import routed_expert_params
 from optplan.estimators.profile import ModelProfile
 from optplan.estimators.strategy import Strategy
@@ -31,3 +33,27 @@ def expert_params_not_held(profile: ModelProfile, strategy: Strategy, stage_shar
     if strategy.ep == 1:
         return 0.0
     return routed_params(profile) * stage_share / strategy.tp * (1 - 1 / strategy.ep)
+
+
+DEEPEP_GPUS = ("H100-SXM", "H200", "B200")
+"""GPUs DeepEP's internode kernels run on: Hopper (DeepEP README: NVLink + RDMA, SM90 features) and Blackwell
+(HybridEP, Megatron-Core's flex dispatcher backend for it); the PCIe H100 has no NVLink domain to forward over."""
+
+
+def node_dedup_factor(experts: int, topk: int, nodes: int) -> float:
+    """Bytes a node-deduplicating dispatcher sends across nodes ÷ what an all-to-all of every routed copy sends
+    (dimensionless; 1 inside one node).
+
+    DeepEP (DeepSeek-V3 report, arXiv 2412.19437 §3.2.2: "each token is dispatched to at most 4 nodes ... once
+    it reaches the target node, ... instantly forwarded via NVLink"; DeepEP's internode kernels) sends a token
+    once to each remote node that holds any of its top-k experts. With the experts spread evenly over the expert
+    group's n nodes (E/n each) and routing uniform (balanced), a given remote node holds none of a token's k
+    experts with probability C(E - E/n, k) / C(E, k), so E[remote nodes] = (n - 1)·(1 - C(E - E/n, k)/C(E, k)),
+    against k·(n - 1)/n copies leaving the node under an all-to-all of every copy. Node-limited routing (a
+    router that caps the nodes per token) would cut it further; it is not modelled."""
+    if nodes <= 1 or topk < 1 or experts < topk:
+        return 1.0
+    per_node = experts // nodes
+    miss = comb(experts - per_node, topk) / comb(experts, topk)
+    remote_nodes = (nodes - 1) * (1 - miss)
+    return remote_nodes / (topk * (nodes - 1) / nodes)

@@ -21,6 +21,7 @@ OffloadTarget = Literal["none", "cpu", "nvme"]
 EngineName = Literal["torch", "deepspeed", "megatron"]
 FsdpName = Literal["none", "full", "grad_op", "hybrid"]
 CheckpointName = Literal["none", "selective", "full"]
+DispatcherName = Literal["alltoall", "deepep"]
 
 OPTIMIZER_ALIASES: dict[str, str] = {
     "adamw-8bit": "adamw8bit", "adam8bit": "adamw8bit", "adamw_8bit": "adamw8bit",
@@ -59,6 +60,10 @@ class Strategy(BaseModel):
     cp: int = Field(default=1, ge=1, description="context-parallel degree (sequence split over ranks)")
     ep: int = Field(default=1, ge=1, description="expert-parallel degree: the routed experts of each MoE layer split "
                                                  "over ep ranks of the data-parallel (x context) group")
+    dispatcher: DispatcherName = Field(
+        default="alltoall", description="MoE token dispatcher: alltoall (Megatron-Core's NCCL all-to-all: every "
+                                        "routed copy of a token travels) or deepep (DeepEP through Megatron's flex "
+                                        "dispatcher: a token crosses to each remote node once, then NVLink)")
     sp: bool = Field(default=False, description="sequence parallelism inside the tensor-parallel group")
     flash: bool = Field(default=True, description="memory-efficient (flash) attention: no s x s scores stored")
     offload_optimizer: OffloadTarget = "none"
@@ -127,6 +132,9 @@ class Strategy(BaseModel):
         if self.ep > 1 and self.engine != "megatron":
             raise ValueError("expert parallelism is modelled on Megatron-LM (--expert-model-parallel-size): use "
                              "--engine megatron, or --ep 1")
+        if self.dispatcher != "alltoall" and (self.ep == 1 or self.engine != "megatron"):
+            raise ValueError(f"--dispatcher {self.dispatcher} dispatches the tokens of expert parallelism on Megatron-LM: "
+                             "use --ep > 1 with --engine megatron, or --dispatcher alltoall")
         if self.ep > 1 and (self.dp * self.cp) % self.ep:
             raise ValueError(f"--ep {self.ep} must divide the data-parallel x context-parallel ranks "
                              f"{self.dp * self.cp} (Megatron-Core carves the expert group out of them): change --ep")
@@ -176,6 +184,8 @@ class Strategy(BaseModel):
             parts.append(f"params->{self.offload_params}")
         if self.quant != "none":
             parts.append(f"base-{self.quant}")
+        if self.dispatcher != "alltoall":
+            parts.append(self.dispatcher)
         if self.engine != "deepspeed":
             parts.append(f"[{self.engine}]")
         return " ".join(parts)

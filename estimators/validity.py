@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from optplan.estimators.errors import OptplanError
+from optplan.estimators.expert_parallel import DEEPEP_GPUS
 from optplan.estimators.hardware import Cluster
 from optplan.estimators.precision import require_precision
 from optplan.estimators.profile import ModelProfile
@@ -37,6 +38,9 @@ def check_strategy(profile: ModelProfile, cluster: Cluster, strategy: Strategy) 
             raise OptplanError(f"--ep {s.ep} splits the experts of MoE layers, and {profile.name} has none: use --ep 1")
         if moe.experts % s.ep:
             raise OptplanError(f"--ep {s.ep} does not divide the {moe.experts} experts: use a divisor of {moe.experts}")
+    if s.dispatcher == "deepep" and cluster.gpu.name not in DEEPEP_GPUS:
+        raise OptplanError(f"--dispatcher deepep runs on {', '.join(DEEPEP_GPUS)} (NVLink with RDMA; DeepEP/HybridEP), "
+                           f"not on {cluster.gpu.name}: use --dispatcher alltoall")
     plan = profile.tensor_plan
     if s.tp > 1 and s.sp and s.engine == "torch" and plan is not None and not plan.sequence_parallel:
         raise OptplanError(f"the torch engine splits {profile.name} by its own tp_plan, which has no sequence "

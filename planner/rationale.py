@@ -310,7 +310,7 @@ def _mbs_line(pick: Estimate, price: Price, space: SearchSpace) -> str:
 
 
 def _layout_of(s: Strategy) -> Layout:
-    return Layout(s.world_size, s.dp, s.tp, s.pp, s.vpp, s.cp, s.ep)
+    return Layout(s.world_size, s.dp, s.tp, s.pp, s.vpp, s.cp, s.ep, s.dispatcher)
 
 
 def _ep_line(pick: Estimate, price: Price, ranked: Sequence[Estimate]) -> str | None:
@@ -323,9 +323,14 @@ def _ep_line(pick: Estimate, price: Price, ranked: Sequence[Estimate]) -> str | 
                                           f"({more.strategy.label()}) {_vs(pick, more)}")
     line = (f"expert parallelism ep {s.ep}: {s.ep} ranks share each layer's experts (dispatch/combine all-to-all "
             f"{pick.time.ep_comm_s * 1e3:.0f} ms per step)")
-    smaller = _neighbour(price, s, ep=s.ep // 2)
+    smaller = _neighbour(price, s, ep=s.ep // 2, dispatcher="alltoall" if s.ep // 2 == 1 else s.dispatcher)
     if smaller is not None:
         line += f"; ep {s.ep // 2} {_vs(pick, smaller)}"
+    if s.dispatcher == "deepep":
+        line += "; DeepEP dispatcher: a token crosses to each remote node holding its experts once, then NVLink"
+        nccl = _neighbour(price, s, dispatcher="alltoall")
+        if nccl is not None:
+            line += f" (NCCL all-to-all of every copy: {_vs(pick, nccl)})"
     return line
 
 

@@ -31,7 +31,9 @@ from typing import NamedTuple
 from pydantic import BaseModel, ConfigDict, Field
 
 from optplan.estimators.errors import OptplanError
+from optplan.estimators.expert_parallel import DEEPEP_GPUS
 from optplan.estimators.hardware import Cluster
+from optplan.estimators.parallel import group_nodes
 from optplan.estimators.precision import require_precision
 from optplan.estimators.profile import ModelProfile, TransformerShape
 from optplan.estimators.strategy import CheckpointName as CheckpointMode
@@ -63,6 +65,7 @@ class Layout(NamedTuple):
     vpp: int
     cp: int
     ep: int = 1
+    dispatcher: str = "alltoall"
 
     @property
     def model_parallel(self) -> bool:
@@ -200,7 +203,8 @@ def strategy_of(group: Group, mbs: int, grad_accum: int) -> Strategy | None:
         return Strategy(precision=group.precision, optimizer=group.optimizer, zero=sh.zero,  # type: ignore[arg-type]
                         fsdp=sh.fsdp, mbs=mbs, grad_accum=grad_accum,  # type: ignore[arg-type]
                         checkpointing=group.checkpointing, dp=lay.dp, tp=lay.tp, pp=lay.pp, vpp=lay.vpp,
-                        cp=lay.cp, ep=lay.ep, offload_optimizer=sh.offload_optimizer,  # type: ignore[arg-type]
+                        cp=lay.cp, ep=lay.ep, dispatcher=lay.dispatcher,  # type: ignore[arg-type]
+                        offload_optimizer=sh.offload_optimizer,  # type: ignore[arg-type]
                         offload_params=sh.offload_params, engine=sh.engine,  # type: ignore[arg-type]
                         quant=group.quant)  # type: ignore[arg-type]
     except ValueError:
@@ -255,7 +259,7 @@ def parse_gpus_range(text: str, gpus_per_node: int) -> tuple[int, ...]:
 
 
 def _layouts(profile: ModelProfile, gpus: int, gpus_per_node: int, model_parallel: bool,
-             torch_tp: bool = False) -> list[Layout]:
+             torch_tp: bool = False, *, deepep: bool = False) -> list[Layout]:
     shape = profile.transformer
     block = profile.repeated_block
     tps, pps, cps = [1], [1], [1]
@@ -278,8 +282,11 @@ def _layouts(profile: ModelProfile, gpus: int, gpus_per_node: int, model_paralle
                 vpps = [1]
                 if pp > 1 and block is not None:
                     vpps += [v for v in range(2, MAX_VPP + 1) if block.count % (pp * v) == 0]
-                out.extend(Layout(gpus, dp, tp, pp, v, cp, ep) for v in vpps for ep in _eps(shape, dp * cp,
-                                                                                             model_parallel))
+                for ep in _eps(shape, dp * cp, model_parallel):
+                    # DeepEP pays only where the expert group leaves the node (a token crosses to each node once)
+                    spans = ep > 1 and group_nodes(ep, tp, gpus_per_node) > 1
+                    dispatchers = ("alltoall", "deepep") if spans and deepep else ("alltoall",)
+                    out.extend(Layout(gpus, dp, tp, pp, v, cp, ep, d) for v in vpps for d in dispatchers)
     return out
 
 
@@ -348,7 +355,8 @@ def build_space(profile: ModelProfile, cluster: Cluster, *, global_batch: int | 
                 and profile.adapter is None)
     layouts: list[Layout] = []
     for n in counts:
-        layouts += _layouts(profile, n, cluster.gpus_per_node, model_parallel, torch_tp)
+        layouts += _layouts(profile, n, cluster.gpus_per_node, model_parallel, torch_tp,
+                            deepep=cluster.gpu.name in DEEPEP_GPUS)
     if checkpointing is not None:
         ckpt = tuple(dict.fromkeys(checkpointing))
     elif profile.supports_checkpointing or profile.transformer is not None:

@@ -218,6 +218,7 @@ def estimate(
     vpp: Annotated[int | None, typer.Option("--vpp", help="virtual stages per pipeline rank (interleaved 1F1B)")] = None,
     cp: Annotated[int | None, typer.Option("--cp", help="context-parallel degree (default 1)")] = None,
     ep: Annotated[int | None, typer.Option("--ep", help="expert-parallel degree of MoE layers, out of dp x cp (default 1; Megatron)")] = None,
+    dispatcher: Annotated[str, typer.Option("--dispatcher", help="MoE token dispatcher with --ep: alltoall (NCCL) or deepep (DeepEP, Megatron's flex dispatcher)")] = "alltoall",
     sp: Annotated[bool | None, typer.Option("--sp/--no-sp", help="sequence parallelism (default: on when tp > 1, except on the torch engine)", show_default=False)] = None,
     zero: Annotated[int | None, typer.Option("--zero", help="DeepSpeed ZeRO stage 0-3")] = None,
     fsdp: Annotated[str | None, typer.Option("--fsdp", help="torch FSDP: full, grad_op or hybrid (HSDP)")] = None,
@@ -275,7 +276,9 @@ def estimate(
                                "bf16" if target.gpu.supports_bf16 else "fp16")
         if precision is None and chosen != "bf16" and not choice.adapters:
             notes.append(f"{target.gpu.name} has no bf16 math: precision fp16 (pass --precision to choose)")
-        flags = StrategyFlags(dp=dp, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, sp=sp, zero=zero, fsdp=fsdp, offload=offload,
+        _check_choice("--dispatcher", dispatcher, ("alltoall", "deepep"))
+        flags = StrategyFlags(dp=dp, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, dispatcher=dispatcher, sp=sp, zero=zero,
+                              fsdp=fsdp, offload=offload,
                               offload_optimizer=offload_optimizer, offload_params=offload_params,
                               precision=chosen, optimizer=optimizer, mbs=mbs, gas=grad_accum,
                               global_batch=global_batch, checkpointing=checkpointing, flash=flash,

@@ -9,7 +9,9 @@ Flags follow Megatron-LM's ``megatron/training/arguments.py`` ``_add_moe_args`` 
   ``--moe-layer-freq`` as a Python list of 0/1 per layer when some layers are dense (first_dense, moe_every),
   else 1;
 - ``--expert-model-parallel-size ep``, ``--moe-grouped-gemm`` (one grouped GEMM over the local experts, what the
-  time model assumes) and ``--moe-token-dispatcher-type alltoall`` (the dispatcher the all-to-all is priced for);
+  time model assumes) and ``--moe-token-dispatcher-type alltoall`` (the dispatcher the all-to-all is priced for),
+  or ``--moe-token-dispatcher-type flex --moe-enable-deepep`` for plans with ``dispatcher=deepep`` (DeepEP: the
+  Megatron-Core MoE guide, "set --moe-token-dispatcher-type=flex and --moe-enable-deepep");
 - ``--moe-router-load-balancing-type aux_loss`` (Megatron's default, the balanced routing the plan assumes);
 - MLA: ``--multi-latent-attention --kv-lora-rank --q-lora-rank --qk-head-dim --qk-pos-emb-head-dim
   --v-head-dim``.
@@ -18,7 +20,8 @@ Rules (``validate_args`` and ``TransformerConfig.__post_init__``): experts divis
 tp·pp·cp and dp·cp by ep (the expert group is carved out of dp·cp with expert-tp = tp); expert tensor parallelism
 splits the expert width (``moe_ffn_hidden_size % tp``); "when using MoE and tensor parallelism, sequence
 parallelism must be used" (``validate_args``; ``TransformerConfig`` says it for ep > 1 with tp > 1); top-k <=
-experts.
+experts; DeepEP only with the flex dispatcher, the flex dispatcher only with DeepEP and TP x EP > 1
+(``MoEFlexTokenDispatcher``).
 """
 
 from __future__ import annotations
@@ -47,8 +50,10 @@ def moe_args(shape: TransformerShape, s: Strategy) -> list[str]:
         freq = "1" if all(pattern) else "[" + ",".join(map(str, pattern)) + "]"
         args += ["--num-experts", str(moe.experts), "--moe-router-topk", str(moe.topk),
                  "--moe-ffn-hidden-size", str(moe.moe_ffn), "--moe-layer-freq", freq,
-                 "--expert-model-parallel-size", str(s.ep), "--moe-grouped-gemm",
-                 "--moe-token-dispatcher-type", "alltoall", "--moe-router-load-balancing-type", "aux_loss"]
+                 "--expert-model-parallel-size", str(s.ep), "--moe-grouped-gemm"]
+        args += (["--moe-token-dispatcher-type", "flex", "--moe-enable-deepep"] if s.dispatcher == "deepep"
+                 else ["--moe-token-dispatcher-type", "alltoall"])
+        args += ["--moe-router-load-balancing-type", "aux_loss"]
         if moe.shared_experts:
             args += ["--moe-shared-expert-intermediate-size", str(moe.shared_experts * moe.moe_ffn)]
     if shape.head_dim is not None and shape.mla is None:
@@ -78,6 +83,7 @@ def add_moe_flags(add: Callable[..., Any]) -> None:
     add("--expert-model-parallel-size", type=int, default=1)
     add("--moe-grouped-gemm", action="store_true")
     add("--moe-token-dispatcher-type", default="allgather", choices=["allgather", "alltoall", "flex"])
+    add("--moe-enable-deepep", action="store_true")
     add("--moe-router-load-balancing-type", default="aux_loss",
         choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"])
     add("--moe-shared-expert-intermediate-size", type=int, default=None)
@@ -102,6 +108,14 @@ def moe_rule_violation(ns: argparse.Namespace, world: int) -> str | None:
     if experts % ep:
         return (f"num_experts ({experts}) must be divisible by expert_model_parallel_size ({ep}): choose an ep that "
                 "divides the experts")
+    if ns.moe_enable_deepep and ns.moe_token_dispatcher_type != "flex":
+        return ("DeepEP backend is only supported with flex token dispatcher (TransformerConfig): add "
+                "--moe-token-dispatcher-type flex")
+    if ns.moe_token_dispatcher_type == "flex" and not ns.moe_enable_deepep:
+        return ("the flex token dispatcher runs DeepEP (MoEFlexTokenDispatcher: 'Please set --moe-enable-deepep'): "
+                "add --moe-enable-deepep")
+    if ns.moe_token_dispatcher_type == "flex" and tp * ep <= 1:
+        return "Flex token dispatcher requires TPxEP > 1: raise --expert-model-parallel-size"
     if ns.moe_router_topk > experts:
         return f"--moe-router-topk {ns.moe_router_topk} is more than the {experts} experts: lower it"
     model = tp * pp * cp
