@@ -393,7 +393,8 @@ class Result:
 
     @property
     def attention_x2(self) -> float:
-        """The ratio with the flash-attention fractions doubled (a probe, never scored)."""
+        """The ratio with the GPU's fitted flash-attention fractions doubled (a probe, never scored; an engine whose
+        kernel has measured fractions, estimators/attention_kernels.py, keeps them)."""
         return self.attention_x2_step_s / self.measured_step_s
 
 
@@ -474,7 +475,9 @@ def report(results: list[Result], excluded: list[dict[str, Any]]) -> None:
     print("Counterfactual median ratios (never scored; Result.counterfactual): fc = compute + recompute scaled by the "
           "FLOP deficit; +dd = and the all-to-all cut to a node-deduplicating dispatch where the source uses one; "
           "+ov = and only its excess over compute exposed where the source overlaps it; proto = and the bubble of "
-          "the source's interleaving; attn2 = optplan's plan with the flash-attention fractions doubled (alone).")
+          "the source's interleaving; attn2 = optplan's plan with the GPU's fitted flash-attention fractions doubled "
+          "(alone; Megatron on Hopper runs its kernel's measured fractions, estimators/attention_kernels.py, which "
+          "this probe leaves as they are).")
 
     print("\nflags:")
     for key, text in FLAGS.items():

@@ -1,11 +1,13 @@
-"""Which attention kernel an engine runs on a GPU, and how much faster it is than the fitted flash fractions.
+"""Which attention kernel an engine runs on a GPU where it is not the one the per-GPU flash fractions were fitted on.
 
 The per-GPU flash-attention fractions (efficiency.py, ``flash_attention_fraction`` / ``flash_backward_fraction``) are
-fitted on runs whose attention was FlashAttention-2 (H100: llm-foundry's MPT runs). Megatron-Core on Hopper runs
-Transformer Engine's cuDNN fused attention instead, which FlashAttention-3's paper measured at about 1.6x
-FlashAttention-2's throughput, forward and backward, at sequence 2k-16k (data/attention_kernels.yaml has the
-figures and the source). torch's ``scaled_dot_product_attention`` and DeepSpeed run FlashAttention-2-class kernels:
-no speed-up. Blackwell kernels were not measured against the fit: no speed-up is claimed there.
+fitted on runs whose attention was FlashAttention-2 (H100: llm-foundry's MPT runs, where they came out at 0.25 and
+0.15 of peak: effective figures that also carry that stack's other sequence-dependent costs). Megatron-Core on
+Hopper runs Transformer Engine's cuDNN fused attention instead, a different kernel measured on its own by
+FlashAttention-3's paper at 0.49-0.54 (forward) and 0.47-0.52 (backward) of the H100's BF16 peak at sequence
+2k-16k (data/attention_kernels.yaml has the figures and the source): those fractions replace the fitted ones.
+torch's ``scaled_dot_product_attention`` and DeepSpeed run FlashAttention-2-class kernels: the fit stands.
+Blackwell's kernels were not measured here: nothing is claimed for them.
 
 Dimensionless; pure data and a lookup, no torch.
 """
@@ -27,8 +29,8 @@ class AttentionKernel(BaseModel):
     engine: str
     gpus: tuple[str, ...]
     kernel: str
-    forward_speedup: float = Field(gt=0, description="achieved forward TFLOP/s ÷ FlashAttention-2's")
-    backward_speedup: float = Field(gt=0, description="achieved backward TFLOP/s ÷ FlashAttention-2's")
+    forward_fraction: float = Field(gt=0, le=1, description="forward TFLOP/s ÷ the dense 16-bit peak (causal half)")
+    backward_fraction: float = Field(gt=0, le=1, description="backward TFLOP/s ÷ the dense 16-bit peak")
     source: str
 
 
@@ -52,10 +54,11 @@ def attention_kernel(engine: str, gpu: str) -> AttentionKernel | None:
     return next((k for k in attention_kernel_table().kernels if k.engine == engine and gpu in k.gpus), None)
 
 
-def flash_speedups(engine: str, gpu: str) -> tuple[float, float]:
-    """(forward, backward) speed-up of the engine's attention kernel over the fitted flash fractions."""
+def flash_fractions(engine: str, gpu: str, fitted_forward: float, fitted_backward: float) -> tuple[float, float]:
+    """(forward, backward) flash-attention fractions of peak ``engine`` reaches on ``gpu``: its kernel's measured
+    ones (module docstring), else the GPU's fitted ones."""
     kernel = attention_kernel(engine, gpu)
-    return (1.0, 1.0) if kernel is None else (kernel.forward_speedup, kernel.backward_speedup)
+    return (fitted_forward, fitted_backward) if kernel is None else (kernel.forward_fraction, kernel.backward_fraction)
 
 
-__all__ = ["AttentionKernel", "AttentionKernelTable", "attention_kernel", "attention_kernel_table", "flash_speedups"]
+__all__ = ["AttentionKernel", "AttentionKernelTable", "attention_kernel", "attention_kernel_table", "flash_fractions"]

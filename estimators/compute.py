@@ -65,7 +65,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from optplan.estimators.attention_kernels import flash_speedups
+from optplan.estimators.attention_kernels import flash_fractions
 from optplan.estimators.efficiency import (
     EngineEfficiency,
     GpuEfficiency,
@@ -289,11 +289,10 @@ def layer_time(dims: TransformerDims, strategy: Strategy, gpu: GPUSpec, eff: Gpu
     core_flops = 2.0 * heads * (s / c) * s * (qk_d + v_d)
     d = (qk_d + v_d) / 2  # the unfused core's GEMMs below
     if strategy.flash:
-        # the engine's own kernel may outrun the fitted (FlashAttention-2-class) fractions: attention_kernels.py
-        fwd_x, bwd_x = flash_speedups(strategy.engine, gpu.name)
-        core_fwd = CAUSAL_FLASH_FRACTION * core_flops / (other_peak * eff.flash_attention_fraction * fwd_x)
-        core_bwd = (FLASH_BACKWARD_FACTOR * CAUSAL_FLASH_FRACTION * core_flops
-                    / (other_peak * eff.flash_backward * bwd_x))
+        # the engine's own kernel where it is not the fit's FlashAttention-2 class: attention_kernels.py
+        f_fwd, f_bwd = flash_fractions(strategy.engine, gpu.name, eff.flash_attention_fraction, eff.flash_backward)
+        core_fwd = CAUSAL_FLASH_FRACTION * core_flops / (other_peak * f_fwd)
+        core_bwd = FLASH_BACKWARD_FACTOR * CAUSAL_FLASH_FRACTION * core_flops / (other_peak * f_bwd)
     else:
         akw = dict(kw, peak_flops=other_peak, fraction=_fraction(eff, "bf16" if dtype == "fp8" else dtype))
         q = s / c

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from optplan.estimators.attention_kernels import flash_speedups
+from optplan.estimators.attention_kernels import flash_fractions
 from optplan.estimators.comm import (
     DDP_BUCKET_BYTES,
     INTER_NODE_ALPHA_S,
@@ -352,9 +352,8 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
     kv_local = dims.kv_heads * (h / dims.heads) / t
     cp_fwd, cp_bwd = cp_ring_exchange_s(tokens, kv_local, elem, c, links["cp"])
     core_fwd = lt.attention_core_fwd_s
-    fwd_x, bwd_x = flash_speedups(s_.engine, gpu.name)
-    core_bwd = core_fwd * (FLASH_BACKWARD_FACTOR * eff.flash_attention_fraction * fwd_x / (eff.flash_backward * bwd_x)
-                           if s_.flash else 2.0)
+    f_fwd, f_bwd = flash_fractions(s_.engine, gpu.name, eff.flash_attention_fraction, eff.flash_backward)
+    core_bwd = core_fwd * (FLASH_BACKWARD_FACTOR * f_fwd / f_bwd if s_.flash else 2.0)
     layer_cp = cp_fwd + cp_bwd + (cp_fwd if full else 0.0)
     layer_cp_exposed = (exposed_s(cp_fwd, core_fwd) + exposed_s(cp_bwd, core_bwd)
                         + (exposed_s(cp_fwd, core_fwd) if full else 0.0))
