@@ -174,3 +174,22 @@ def tiny_lm_module_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("tiny_lm") / "tiny_lm.py"
     path.write_text(textwrap.dedent(TINY_TOKEN_MODEL))
     return path
+
+
+TINY_HF_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+                 "intermediate_size": 160, "num_attention_heads": 4, "num_key_value_heads": 2,
+                 "num_hidden_layers": 3, "vocab_size": 500, "max_position_embeddings": 128,
+                 "tie_word_embeddings": False}
+"""A 3-layer Llama config (hidden 64, MLP 160, GQA 4/2) for the LoRA and quantised-base profile tests."""
+
+
+@pytest.fixture(scope="module")
+def tiny_hf_llama_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The model file ``optplan --hf`` writes for :data:`TINY_HF_LLAMA` (needs transformers)."""
+    import json
+
+    from optplan.planner.hf_source import find_hf_config, write_hf_model_file
+
+    folder = tmp_path_factory.mktemp("tiny-hf-llama")
+    (folder / "config.json").write_text(json.dumps(TINY_HF_LLAMA), encoding="utf-8")
+    return write_hf_model_file(find_hf_config(str(folder)), folder)

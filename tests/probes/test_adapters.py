@@ -4,7 +4,6 @@ the prediction, and the one-line errors for targets that match nothing, a rank t
 from __future__ import annotations
 
 import builtins
-import json
 from pathlib import Path
 from typing import Any
 
@@ -14,25 +13,13 @@ pytest.importorskip("peft")
 pytest.importorskip("transformers")
 
 from optplan.estimators.finetune import LoraRequest  # noqa: E402
-from optplan.planner.hf_source import find_hf_config, write_hf_model_file  # noqa: E402
 from optplan.probes.adapters import apply_lora  # noqa: E402
 from optplan.probes.loader import ModelFileError, profile_model_file  # noqa: E402
 
-LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 160,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 3, "vocab_size": 500,
-         "max_position_embeddings": 128, "tie_word_embeddings": False}
 
-
-@pytest.fixture(scope="module")
-def llama_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("lora-llama")
-    (folder / "config.json").write_text(json.dumps(LLAMA), encoding="utf-8")
-    return write_hf_model_file(find_hf_config(str(folder)), folder)
-
-
-def test_lora_profile_counts_are_exact(llama_file: Path) -> None:
-    prof = profile_model_file(llama_file, seq_len=32, lora=LoraRequest(rank=4))
-    full = profile_model_file(llama_file, seq_len=32)
+def test_lora_profile_counts_are_exact(tiny_hf_llama_file: Path) -> None:
+    prof = profile_model_file(tiny_hf_llama_file, seq_len=32, lora=LoraRequest(rank=4))
+    full = profile_model_file(tiny_hf_llama_file, seq_len=32)
     h, f, kv, r, layers = 64, 160, 64 * 2 // 4, 4, 3
     # q, o: h -> h; k, v: h -> kv; gate, up: h -> f; down: f -> h; r (d_in + d_out) each
     per_layer = r * (2 * (h + h) + 2 * (h + kv) + 2 * (h + f) + (f + h))
@@ -50,19 +37,19 @@ def test_lora_profile_counts_are_exact(llama_file: Path) -> None:
     assert full.bwd_flops_per_sample > 1.9 * full.fwd_flops_per_sample
 
 
-def test_named_targets_and_rank(llama_file: Path) -> None:
-    prof = profile_model_file(llama_file, seq_len=32, lora=LoraRequest(rank=2, alpha=8, targets=("q_proj", "v_proj")))
+def test_named_targets_and_rank(tiny_hf_llama_file: Path) -> None:
+    prof = profile_model_file(tiny_hf_llama_file, seq_len=32, lora=LoraRequest(rank=2, alpha=8, targets=("q_proj", "v_proj")))
     assert prof.adapter is not None
     assert (prof.adapter.rank, prof.adapter.alpha, prof.adapter.adapted_modules) == (2, 8.0, 6)
     assert prof.trainable_params == 3 * 2 * ((64 + 64) + (64 + 32))
 
 
-def test_bad_lora_requests_are_one_line(llama_file: Path) -> None:
+def test_bad_lora_requests_are_one_line(tiny_hf_llama_file: Path) -> None:
     with pytest.raises(ModelFileError) as none:
-        profile_model_file(llama_file, seq_len=32, lora=LoraRequest(targets=("attn_qkv",)))
+        profile_model_file(tiny_hf_llama_file, seq_len=32, lora=LoraRequest(targets=("attn_qkv",)))
     assert "match no linear layer" in none.value.problem and "q_proj" in none.value.fix
     with pytest.raises(ModelFileError) as big:
-        profile_model_file(llama_file, seq_len=32, lora=LoraRequest(rank=100, targets=("k_proj",)))
+        profile_model_file(tiny_hf_llama_file, seq_len=32, lora=LoraRequest(rank=100, targets=("k_proj",)))
     assert "larger than layer" in big.value.problem and "--lora-rank 32" in big.value.fix
 
 

@@ -3,7 +3,6 @@ profile, and dropout profiled with CUDA's bool mask."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -14,33 +13,20 @@ pytest.importorskip("transformers")
 import torch  # noqa: E402
 
 from optplan.estimators.finetune import LoraRequest  # noqa: E402
-from optplan.planner.hf_source import find_hf_config, write_hf_model_file  # noqa: E402
 from optplan.probes.dropout import gpu_dropout  # noqa: E402
 from optplan.probes.loader import profile_model_file  # noqa: E402
 from optplan.probes.quant_inputs import bnb_keeps_4bit_inputs_here  # noqa: E402
 
-H, F, LAYERS, SEQ = 64, 160, 3, 32
-LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": H, "intermediate_size": F,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": LAYERS, "vocab_size": 500,
-         "max_position_embeddings": 128, "tie_word_embeddings": False}
-
-
-@pytest.fixture(scope="module")
-def llama_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("quant-inputs-llama")
-    (folder / "config.json").write_text(json.dumps(LLAMA), encoding="utf-8")
-    return write_hf_model_file(find_hf_config(str(folder)), folder)
-
-
+H, F, LAYERS, SEQ = 64, 160, 3, 32  # conftest.TINY_HF_LLAMA
 def _bf16_per_sample(prof) -> float:  # type: ignore[no-untyped-def]
     return next(a.per_sample_bytes for a in prof.activations
                 if a.precision == "bf16-weights" and a.checkpointing == "none")
 
 
-def test_quant_inputs_and_dropout_in_the_profile(llama_file: Path) -> None:
-    plain = profile_model_file(llama_file, seq_len=SEQ, lora=LoraRequest(rank=4))
-    dropped = profile_model_file(llama_file, seq_len=SEQ, lora=LoraRequest(rank=4, dropout=0.05))
-    qv = profile_model_file(llama_file, seq_len=SEQ, lora=LoraRequest(rank=4, targets=("q_proj", "v_proj")))
+def test_quant_inputs_and_dropout_in_the_profile(tiny_hf_llama_file: Path) -> None:
+    plain = profile_model_file(tiny_hf_llama_file, seq_len=SEQ, lora=LoraRequest(rank=4))
+    dropped = profile_model_file(tiny_hf_llama_file, seq_len=SEQ, lora=LoraRequest(rank=4, dropout=0.05))
+    qv = profile_model_file(tiny_hf_llama_file, seq_len=SEQ, lora=LoraRequest(rank=4, targets=("q_proj", "v_proj")))
     for prof in (plain, dropped, qv):
         assert prof.adapter is not None
         # attention in, attention out, MLP in (h each: q/k/v and gate/up read one tensor) and MLP out (F)
