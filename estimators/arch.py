@@ -67,6 +67,7 @@ class ArchSpec(BaseModel):
     tied: bool = True
     flash: bool = True
     head_dim: int | None = Field(default=None, ge=1, le=MAX_WIDTH)
+    qk_norm: bool = Field(default=False, description="an RMSNorm of head width on queries and keys (Qwen3, OLMo 2)")
     kv_lora: int | None = Field(default=None, ge=1, le=MAX_WIDTH)
     q_lora: int | None = Field(default=None, ge=1, le=MAX_WIDTH)
     rope_dim: int = Field(default=64, ge=0, le=MAX_WIDTH)
@@ -85,6 +86,9 @@ class ArchSpec(BaseModel):
             raise ValueError(f"hidden {self.hidden} is not divisible by heads {self.heads}: give head_dim=D")
         if self.kv_heads is not None and self.heads % self.kv_heads:
             raise ValueError(f"heads {self.heads} is not divisible by kv_heads {self.kv_heads}")
+        if self.qk_norm and self.kv_lora is not None:
+            raise ValueError("qk_norm describes per-head query/key norms of multi-head attention; latent attention "
+                             "(kv_lora) has its own: drop qk_norm")
         mla_keys = [k for k in ("q_lora", "nope_dim", "v_dim") if getattr(self, k) is not None]
         if mla_keys and self.kv_lora is None:
             raise ValueError(f"{mla_keys[0]} describes multi-head latent attention: add kv_lora=R")
@@ -177,6 +181,12 @@ def _numel(t: Tensor) -> int:
 
 
 def _attention_tensors(spec: ArchSpec) -> list[Tensor]:
+    if spec.qk_norm and spec.kv_lora is None:  # Qwen3's q_norm and k_norm: one weight of head width each
+        return _projection_tensors(spec) + [(spec.head_dim or spec.hidden // spec.heads, 0, 2)]
+    return _projection_tensors(spec)
+
+
+def _projection_tensors(spec: ArchSpec) -> list[Tensor]:
     h = spec.hidden
     if spec.kv_lora is not None:
         return _mla_tensors(spec)

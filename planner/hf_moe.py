@@ -6,11 +6,14 @@ data to route by). The formula profile (estimators/arch.py, estimators/moe.py) p
 balanced router exactly for the families whose layouts it knows; its parameter counts are checked against the
 models transformers builds from the same configs (tests/probes/test_moe_arch_hf.py, test_hf_moe.py).
 
-Config keys read (transformers' ``MixtralConfig``, ``DeepseekV2Config``, ``DeepseekV3Config``): layers, hidden,
+Config keys read (transformers' ``MixtralConfig``, ``DeepseekV2Config``, ``DeepseekV3Config``, ``Qwen3MoeConfig``):
+layers, hidden,
 heads, kv heads, ``intermediate_size`` (the dense MLP; Mixtral's expert width), ``vocab_size``,
 ``tie_word_embeddings``; experts ``num_local_experts`` / ``n_routed_experts``, ``num_experts_per_tok``,
 ``moe_intermediate_size``, ``n_shared_experts``, ``first_k_dense_replace``, ``moe_layer_freq``; multi-head
-latent attention ``kv_lora_rank``, ``q_lora_rank``, ``qk_rope_head_dim``, ``qk_nope_head_dim``, ``v_head_dim``.
+latent attention ``kv_lora_rank``, ``q_lora_rank``, ``qk_rope_head_dim``, ``qk_nope_head_dim``, ``v_head_dim``;
+Qwen3-MoE ``head_dim``, ``decoder_sparse_step`` (every n-th layer sparse), ``mlp_only_layers`` (dense layers: only
+a leading run of them, which is ``first_dense``) and its per-head query/key RMSNorms (``qk_norm``).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from optplan.estimators.errors import OptplanError
 
 EXPERT_KEYS = ("num_local_experts", "n_routed_experts", "num_experts", "moe_num_experts")
 """Config keys that mark an MoE model (any of them set above 1)."""
-SUPPORTED_MOE_TYPES = ("mixtral", "deepseek_v2", "deepseek_v3")
+SUPPORTED_MOE_TYPES = ("mixtral", "deepseek_v2", "deepseek_v3", "qwen3_moe")
 """model_type values whose layout the formula knows exactly."""
 
 
@@ -54,6 +57,16 @@ def moe_arch(doc: dict[str, Any], seq_len: int | None, spec: str) -> ArchSpec:
     }
     if kind == "mixtral":
         fields["moe_ffn"] = get("intermediate_size")
+    elif kind == "qwen3_moe":
+        dense = sorted(get("mlp_only_layers") or [])
+        if dense != list(range(len(dense))):
+            raise OptplanError(f"--hf {spec}: mlp_only_layers {dense} are not the first layers, which is the only dense "
+                               "layout optplan knows (first_dense): describe the model with --arch")
+        if get("attention_bias"):
+            raise OptplanError(f"--hf {spec}: attention_bias=true (biases on q/k/v/o) is not in optplan's Qwen3-MoE "
+                               "layout: describe the model with --arch")
+        fields.update(moe_ffn=get("moe_intermediate_size"), head_dim=get("head_dim"), qk_norm=1,
+                      moe_every=get("decoder_sparse_step") or 1, first_dense=len(dense))
     else:
         fields.update(moe_ffn=get("moe_intermediate_size"), shared_experts=get("n_shared_experts") or 0,
                       first_dense=get("first_k_dense_replace") or 0, moe_every=get("moe_layer_freq") or 1,

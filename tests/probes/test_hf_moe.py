@@ -27,6 +27,12 @@ DEEPSEEK = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_
             "v_head_dim": 32, "qk_nope_head_dim": 32, "vocab_size": 500, "max_position_embeddings": 1024,
             "tie_word_embeddings": False, "n_group": 1, "topk_group": 1}
 
+QWEN3_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 128,
+             "intermediate_size": 256, "moe_intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "head_dim": 48, "num_experts": 8, "num_experts_per_tok": 2,
+             "decoder_sparse_step": 1, "mlp_only_layers": [], "vocab_size": 500, "max_position_embeddings": 1024,
+             "tie_word_embeddings": False}
+
 
 def _folder(tmp_path: Path, name: str, doc: dict) -> Path:
     folder = tmp_path / name
@@ -42,7 +48,7 @@ def _hf_count(doc: dict) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-@pytest.mark.parametrize("doc", [MIXTRAL, DEEPSEEK], ids=["mixtral", "deepseek_v3"])
+@pytest.mark.parametrize("doc", [MIXTRAL, DEEPSEEK, QWEN3_MOE], ids=["mixtral", "deepseek_v3", "qwen3_moe"])
 def test_moe_configs_profile_with_transformers_parameter_count(tmp_path: Path, doc: dict,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OPTPLAN_CACHE_DIR", str(tmp_path / "cache"))

@@ -63,3 +63,35 @@ def test_head_dim_matches_transformers() -> None:
                                    head_dim=64, num_hidden_layers=2, vocab_size=500)
     spec = parse_arch("layers=2,hidden=128,heads=4,kv_heads=1,head_dim=64,ffn=256,vocab=500,gated=1,tied=1")
     assert arch_params(spec)[0] == _count(cfg)[0]
+
+
+def test_qwen3_moe_matches_transformers() -> None:
+    """Qwen3-MoE: per-head query/key RMSNorms (qk_norm), its own head width, experts without shared ones; read from
+    the config as --hf does (planner/hf_moe.py)."""
+    from optplan.planner.hf_moe import moe_arch
+
+    cfg = transformers.Qwen3MoeConfig(hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+                                      num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=48,
+                                      vocab_size=500, num_experts=8, num_experts_per_tok=2, tie_word_embeddings=False)
+    spec = moe_arch(cfg.to_dict(), None, "qwen3-moe")
+    assert (spec.qk_norm, spec.head_dim, spec.experts, spec.topk, spec.moe_ffn) == (True, 48, 8, 2, 64)
+    total, _ = _count(cfg)
+    assert arch_params(spec)[0] == total == 943_264
+    # the published Qwen3-30B-A3B shape (config.json: 48 layers, hidden 2048, 32/4 heads of 128, 128 experts of
+    # 768, top-8, vocab 151,936, untied): 30,532,122,624 parameters
+    big = transformers.Qwen3MoeConfig(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                                      num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                                      head_dim=128, vocab_size=151936, num_experts=128, num_experts_per_tok=8,
+                                      tie_word_embeddings=False)
+    assert arch_params(moe_arch(big.to_dict(), None, "qwen3-30b-a3b"))[0] == _count(big)[0] == 30_532_122_624
+
+
+def test_qwen3_moe_layouts_optplan_does_not_know_are_one_line() -> None:
+    from optplan.estimators.errors import OptplanError
+    from optplan.planner.hf_moe import moe_arch
+
+    doc = transformers.Qwen3MoeConfig(num_hidden_layers=4, mlp_only_layers=[1, 3]).to_dict()
+    with pytest.raises(OptplanError, match="not the first layers"):
+        moe_arch(doc, None, "odd")
+    leading = moe_arch(transformers.Qwen3MoeConfig(num_hidden_layers=4, mlp_only_layers=[0]).to_dict(), None, "ok")
+    assert leading.first_dense == 1
