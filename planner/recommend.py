@@ -122,6 +122,12 @@ def _is_model_file(profile: ModelProfile) -> bool:
     return profile.path not in ("--arch", "--params", "")
 
 
+def _moe_by_formula(profile: ModelProfile) -> bool:
+    """An MoE profile: always made from the shape (an --hf MoE config, planner/hf_moe.py), never by running a
+    file, so Megatron-LM's expert parallelism is searched beside DeepSpeed and torch, as for --arch."""
+    return profile.transformer is not None and profile.transformer.moe is not None
+
+
 def recommend(profile: ModelProfile, cluster: Cluster, *, global_batch: int | None = None,
               precisions: Sequence[str] | None = None, optimizers: Sequence[str] | None = None,
               engines: Sequence[str] | None = None, gpu_counts: Sequence[int] | None = None,
@@ -137,8 +143,9 @@ def recommend(profile: ModelProfile, cluster: Cluster, *, global_batch: int | No
     """Search the space of ``profile`` on ``cluster`` (or on each of ``gpu_counts``) and explain the pick.
 
     ``global_batch`` (samples) defaults to the model file's OPTPLAN value; None leaves it free. For a model
-    file the engines default to DeepSpeed and torch (they run the file); Megatron-LM (tensor, pipeline and
-    context parallelism) joins for ``--arch`` shapes or when named in ``engines``.
+    file the engines default to DeepSpeed and torch (they run the file); Megatron-LM (tensor, pipeline, context and
+    expert parallelism) joins for ``--arch`` shapes, MoE configs (profiled from their shape) or when named in
+    ``engines``.
 
     ``calibration`` (e.g. from the cache of an earlier probe run) corrects every estimate. ``probe`` runs the
     probe stage (``planner.probe_stage``) on a model file: the top candidates run for real on
@@ -160,7 +167,7 @@ def recommend(profile: ModelProfile, cluster: Cluster, *, global_batch: int | No
     if is_params_only(profile):
         return _recommend_states(profile, cluster, global_batch=gb, precisions=precisions, engines=engines,
                                  offload=offload, alternatives=alternatives, notes=notes, goal=goal)
-    if engines is None and _is_model_file(profile):
+    if engines is None and _is_model_file(profile) and not _moe_by_formula(profile):
         engines = ("deepspeed", "torch")
     ceiling_notes: list[str] = []
     lora_notes: list[str] = []
