@@ -202,10 +202,7 @@ def finetune_config(plan: ExportPlan) -> dict[str, Any]:
             sft["fsdp_config"]["cpu_offload"] = True
     elif plan.world_size > 1 and dist is None:
         sft["ddp_find_unused_parameters"] = False
-    if dist is not None and s.dp > 1 and s.grad_accum > 1:  # torch TP with FSDP2 over the data-parallel ranks
-        sft.update(fsdp_accumulation_args(s.model_copy(update={"fsdp": "full"}) if s.fsdp == "none" else s))
-    else:
-        sft.update(fsdp_accumulation_args(s))
+    sft.update(fsdp_accumulation_args(s))  # torch TP over dp > 1 is FULL_SHARD too (distributed_config checks)
     model: dict[str, Any] = {"name_or_path": folder, "dtype": _model_dtype(plan)}
     if dist is not None:
         model["distributed_config"] = dist

@@ -8,18 +8,13 @@ from pathlib import Path
 import pytest
 
 from benchmarks import fidelity_finetune_published as bench
+from tests.published_data import citation_problems
 
 SOURCES, ROWS = bench.load_rows()
 
 
 def test_every_row_is_complete_and_cited() -> None:
-    bad = {row.get("id", "?"): bench.check_row(row, SOURCES) for row in ROWS}
-    assert not {k: v for k, v in bad.items() if v}
-    ids = [row["id"] for row in ROWS]
-    assert len(ids) == len(set(ids))
-    for name, source in SOURCES.items():
-        for key in ("title", "url", "licence", "quantity", "unit"):
-            assert source.get(key), f"source {name} has no {key}"
+    assert citation_problems(ROWS, SOURCES, bench.check_row, ("title", "url", "licence", "quantity", "unit")) == []
 
 
 def test_enough_scored_rows_from_independent_sources() -> None:

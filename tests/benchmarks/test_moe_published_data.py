@@ -7,18 +7,13 @@ from __future__ import annotations
 import math
 
 from benchmarks import fidelity_moe as bench
+from tests.published_data import citation_problems
 
 SOURCES, ROWS, EXCLUDED = bench.load()
 
 
 def test_every_row_is_complete_and_cited() -> None:
-    bad = {row.get("id", "?"): bench.check_row(row, SOURCES) for row in ROWS}
-    assert not {k: v for k, v in bad.items() if v}
-    ids = [row["id"] for row in ROWS]
-    assert len(ids) == len(set(ids))
-    for name, source in SOURCES.items():
-        for key in ("title", "url", "licence", "quantity", "unit", "detail"):
-            assert source.get(key), f"source {name} has no {key}"
+    assert citation_problems(ROWS, SOURCES, bench.check_row, ("title", "url", "licence", "quantity", "unit", "detail")) == []
     for row in ROWS:
         assert row["source"]["where"] and row["notes"]
         assert row["shape"]["shape_source"].startswith("https://")
