@@ -21,7 +21,8 @@ The mapping (peft 0.21, transformers 5.24, TRL 1.16):
   ``ParallelismConfig(tp_size, dp_shard_size)`` from it (``trainer.py``).
 - ``sft``: batch and accumulation of the plan, ``bf16``/``fp16`` (autocast: ``amp-bf16`` keeps fp32 adapters, peft's
   ``autocast_adapter_dtype`` default; a quantised model's adapters are cast to bf16 by SFTTrainer, QLoRA §3:
-  the plan's ``bf16-pure``), ``activation_checkpointing`` (transformers 5's name for ``gradient_checkpointing``) as
+  the plan's ``bf16-pure``), ``activation_checkpointing`` (transformers 5's name for ``gradient_checkpointing``,
+  which older releases such as 5.17 need: the installed TrainingArguments decides, hf.py ``checkpointing_field``) as
   planned (SFTConfig's default is on) with
   non-reentrant checkpointing (what the profile measured), ``optim``, ``max_length`` = the plan's sequence length,
   FSDP2 (``fsdp``/``fsdp_config``, as the hf export writes them) for sharded plans.
@@ -41,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from optplan.planner.export.context import FILE_NAMES, ExportPlan, NotExportable
-from optplan.planner.export.hf import FSDP_RESHARD, OPTIM_NAMES, fsdp_accumulation_args
+from optplan.planner.export.hf import FSDP_RESHARD, OPTIM_NAMES, checkpointing_field, fsdp_accumulation_args
 
 FINETUNE_JSON = "finetune.json"
 FINETUNE_PY = "finetune.py"
@@ -178,10 +179,11 @@ def finetune_config(plan: ExportPlan) -> dict[str, Any]:
         "bf16": s.precision in ("amp-bf16", "bf16-pure", "bf16"), "fp16": s.precision == "amp-fp16",
         "optim": OPTIM_NAMES[s.optimizer], "report_to": "none",
         "learning_rate": QLORA_LEARNING_RATE if adapter is not None else FULL_LEARNING_RATE,
-        "activation_checkpointing": s.checkpointing == "full" and (s.fsdp == "none" or dist is not None),
     }
-    if sft["activation_checkpointing"]:
-        sft["activation_checkpointing_kwargs"] = {"use_reentrant": False}
+    field = checkpointing_field()  # TrainingArguments' name in the installed transformers (hf.py)
+    sft[field] = s.checkpointing == "full" and (s.fsdp == "none" or dist is not None)
+    if sft[field]:
+        sft[f"{field}_kwargs"] = {"use_reentrant": False}
     if plan.seq_len:
         sft["max_length"] = plan.seq_len
     if adapter is None and dist is None:  # a full fine-tune on DDP, FSDP or DeepSpeed: the hf export's arguments
@@ -264,7 +266,7 @@ def dry_run(model, data, cfg, name_or_path):
         from peft import LoraConfig, get_peft_model
 
         model = get_peft_model(model, LoraConfig(**cfg["lora"]))
-    if sft.get("activation_checkpointing"):
+    if sft.get("activation_checkpointing") or sft.get("gradient_checkpointing"):
         model.gradient_checkpointing_enable({{"use_reentrant": False}})
     device = next(model.parameters()).device
     batch = {{k: v.to(device) for k, v in batch.items()}}

@@ -31,8 +31,10 @@ transformers 5.23 (``training_args.py``, ``trainer.py``, ``trainer_optimizer.py`
   (``deepspeed_optim_sched``); the scheduler is HF's (cosine, 1 % warmup: ``warmup_steps`` < 1 is a ratio).
 - Clipping: ``max_grad_norm`` = ds_config's ``gradient_clipping`` (1.0 unless changed; compared by HF).
 - Activation checkpointing: transformers 5.x renamed ``gradient_checkpointing[_kwargs]`` to
-  ``activation_checkpointing[_kwargs]`` (the old names are deprecated aliases, removed in v6), so the file
-  uses the new names with ``{"use_reentrant": false}``. Under FSDP the Trainer refuses both FSDP's and its own
+  ``activation_checkpointing[_kwargs]`` (the old names are deprecated aliases, removed in v6; 5.17 has only
+  the old names, 5.24 both), so the file uses the names the installed TrainingArguments has
+  (:func:`checkpointing_field`; the old ones when transformers is not installed: every 4.x and 5.x takes
+  them) with ``{"use_reentrant": false}``. Under FSDP the Trainer refuses both FSDP's and its own
   checkpointing (``trainer.py``), and FSDP's is preferred (no redundant all-gather), so FSDP plans set
   ``fsdp_config.activation_checkpointing`` instead. Selective recompute has no TrainingArguments switch
   (a note says to do it in the model).
@@ -65,10 +67,12 @@ import json
 import logging
 import math
 import os
+import re
 import types
 import typing
 import warnings
 from collections.abc import Iterator
+from importlib import metadata
 from typing import Any
 
 from optplan.estimators.errors import OptplanError
@@ -184,6 +188,35 @@ def _optimizer_args(s: Strategy) -> dict[str, Any]:
     return out
 
 
+NEW_CHECKPOINTING_FIELD = "activation_checkpointing"
+OLD_CHECKPOINTING_FIELD = "gradient_checkpointing"
+
+
+CHECKPOINTING_RENAMED_IN = (5, 23)
+"""The transformers release whose TrainingArguments first has ``activation_checkpointing[_kwargs]`` (checked on the
+wheels: 5.22.0's training_args.py has only ``gradient_checkpointing``, 5.23.0 both)."""
+
+
+def installed_transformers_version() -> tuple[int, int] | None:
+    """(major, minor) of the installed transformers, read from its metadata (no import: the renderers stay
+    fast), or None when it is not installed or its version does not parse."""
+    try:
+        text = metadata.version("transformers")
+    except metadata.PackageNotFoundError:
+        return None
+    match = re.match(r"(\d+)\.(\d+)", text)
+    return (int(match[1]), int(match[2])) if match else None
+
+
+def checkpointing_field(version: tuple[int, int] | None = None) -> str:
+    """TrainingArguments' name for activation checkpointing: ``activation_checkpointing`` from transformers 5.23
+    (:data:`CHECKPOINTING_RENAMED_IN`), else ``gradient_checkpointing``: 5.17, the GPU machine's release in
+    benchmarks/results/2026-11-26-H200, rejects the new name, and every 4.x and 5.x release takes the old one
+    (also chosen when transformers is not installed). ``version`` defaults to the installed one."""
+    have = installed_transformers_version() if version is None else version
+    return NEW_CHECKPOINTING_FIELD if have is not None and have >= CHECKPOINTING_RENAMED_IN else OLD_CHECKPOINTING_FIELD
+
+
 def hf_training_args(plan: ExportPlan, *, ds_config_name: str = "ds_config.json", output_dir: str = "out",
                      max_grad_norm: float = MAX_GRAD_NORM) -> dict[str, Any]:
     """The TrainingArguments fields for ``plan`` (a fresh, JSON-serialisable dict).
@@ -209,9 +242,10 @@ def hf_training_args(plan: ExportPlan, *, ds_config_name: str = "ds_config.json"
     args.update(lr_scheduler_type=LR_SCHEDULER, warmup_steps=WARMUP_RATIO, max_grad_norm=float(max_grad_norm))
     args.update(_precision_args(s))
     own_checkpointing = s.checkpointing == "full" and s.fsdp == "none"
-    args["activation_checkpointing"] = own_checkpointing
+    field = checkpointing_field()
+    args[field] = own_checkpointing
     if own_checkpointing:
-        args["activation_checkpointing_kwargs"] = {"use_reentrant": False}
+        args[f"{field}_kwargs"] = {"use_reentrant": False}
     if s.engine == "deepspeed":
         args["deepspeed"] = ds_config_name
     elif s.fsdp != "none":
@@ -464,12 +498,16 @@ def _check_plan(args: dict[str, Any], plan: ExportPlan, training_args_cls: type)
         raise ExportValidationError(f"the plan has no TrainingArguments export: {exc}") from exc
     s = plan.strategy
     defaults = {f.name: f.default for f in dataclasses.fields(training_args_cls)}
+    field = checkpointing_field()
     for key in _PLAN_KEYS:
-        got = args.get(key, defaults[key])
-        if key == "activation_checkpointing" and got is None:
-            got = bool(args.get("gradient_checkpointing"))  # the deprecated alias, used when the new name is unset
-        if got != expected[key]:
-            raise ExportValidationError(f"hf_training_args.json: {key}={got!r} but the plan needs {expected[key]!r} "
+        if key == "activation_checkpointing":  # either name (the old one is the new one's deprecated alias)
+            got = next((args[k] for k in (NEW_CHECKPOINTING_FIELD, OLD_CHECKPOINTING_FIELD)
+                        if args.get(k) is not None), False)
+            want = expected[field]
+        else:
+            got, want = args.get(key, defaults[key]), expected[key]
+        if got != want:
+            raise ExportValidationError(f"hf_training_args.json: {key}={got!r} but the plan needs {want!r} "
                                         f"({s.label()})")
     if args.get("use_cpu"):
         raise ExportValidationError("hf_training_args.json: use_cpu=true but the plan trains on GPUs")
@@ -500,7 +538,8 @@ def _check_plan(args: dict[str, Any], plan: ExportPlan, training_args_cls: type)
             if got != want:
                 raise ExportValidationError(f"hf_training_args.json: fsdp_config.{key}={got!r} but the plan needs "
                                             f"{want!r} ({s.label()})")
-        if config.get("activation_checkpointing") and args.get("activation_checkpointing"):
+        if config.get("activation_checkpointing") and (args.get(NEW_CHECKPOINTING_FIELD)
+                                                       or args.get(OLD_CHECKPOINTING_FIELD)):
             raise ExportValidationError(
                 "hf_training_args.json sets both fsdp_config.activation_checkpointing and activation_checkpointing; "
                 "the Trainer refuses that (transformers trainer.py): keep FSDP's"

@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -530,3 +531,35 @@ def test_paged_optimizers_export_as_transformers_names(optimizer: str, name: str
     args = check(plan)  # TrainingArguments built for real
     assert args["optim"] == name and args["adam_beta2"] == 0.95
     assert any("needs bitsandbytes" in note for note in hf_notes(plan))
+
+
+def test_checkpointing_field_follows_the_installed_transformers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers 5.17 (the GPU machine's, benchmarks/results/2026-11-26-H200) has only the old
+    ``gradient_checkpointing`` names; the export must write what the installed release takes, and the plan
+    check must read either name."""
+    from transformers import TrainingArguments
+
+    from optplan.planner.export import hf
+
+    assert hf.checkpointing_field((5, 17)) == hf.checkpointing_field((5, 22)) == "gradient_checkpointing"
+    assert hf.checkpointing_field((5, 23)) == hf.checkpointing_field((6, 0)) == "activation_checkpointing"
+    new = {"activation_checkpointing", "activation_checkpointing_kwargs"}
+    hints = typing.get_type_hints(TrainingArguments)
+    old_fields = [(f.name, hints[f.name], f) for f in dataclasses.fields(TrainingArguments)
+                  if f.init and f.name not in new]
+    assert len(old_fields) > 50
+    OldArgs = dataclasses.make_dataclass("OldArgs", old_fields)  # 5.17's field set, as far as the export goes
+    monkeypatch.setattr(hf, "installed_transformers_version", lambda: (5, 17))
+    plan = make_plan(engine="torch", precision="amp-bf16", checkpointing="full")
+    args = args_of(plan)
+    assert args["gradient_checkpointing"] is True
+    assert args["gradient_checkpointing_kwargs"] == {"use_reentrant": False}
+    assert not new & set(args)
+    hf._check_fields(args, OldArgs)
+    hf._check_plan(args, plan, OldArgs)
+    with pytest.raises(ExportValidationError, match="gradient_checkpointing|activation_checkpointing"):
+        hf._check_plan({**args, "gradient_checkpointing": False}, plan, OldArgs)
+    # the same plan under the installed release: the new names, and the old file is still read as planned
+    monkeypatch.undo()
+    assert "activation_checkpointing" in args_of(plan)
+    hf._check_plan(args, plan, TrainingArguments)
