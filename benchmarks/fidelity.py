@@ -324,12 +324,12 @@ def ds_config(strategy: Strategy, profile: ModelProfile, torch_optimizer: bool) 
 
 
 def predict_memory(profile: ModelProfile, strategy: Strategy, device: str, nproc: int,
-                   ds_torch_optimizer: bool) -> MemoryBreakdown:
+                   ds_torch_optimizer: bool, gpu: str | None = None) -> MemoryBreakdown:
     """memory.py's breakdown for the probed run. DeepSpeed with a torch client optimizer on CUDA runs
     torch's foreach AdamW, not the fused kernel memory.py assumes for the engine by default."""
     impl = "foreach" if (device == "cuda" and strategy.engine == "deepspeed" and ds_torch_optimizer) else None
     return memory_breakdown(profile, strategy, CAPACITY, gpus_per_node=nproc, adam_impl=impl,  # type: ignore[arg-type]
-                            device=device)  # type: ignore[arg-type]
+                            device=device, gpu=gpu)  # type: ignore[arg-type]
 
 
 @dataclass
@@ -357,7 +357,8 @@ class Runner:
             warmup_steps=(0 if case.nproc == 1 else 1) if self.device == "cpu" else 2,
             timed_steps=1 if self.device == "cpu" else 5)
         result = run_probe(spec, timeout_s=self.timeout_s, env=model.env or None)
-        memory = predict_memory(profile, strategy, self.device, case.nproc, self.ds_torch_optimizer)
+        memory = predict_memory(profile, strategy, self.device, case.nproc, self.ds_torch_optimizer,
+                                self.gpu.name if self.gpu is not None else None)
         row = Row(model.key, label, case.nproc, result, memory=memory,
                   pred_bytes=memory.total_bytes - memory.overhead_bytes)
         on_device = comm = None

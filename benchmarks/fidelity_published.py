@@ -100,7 +100,9 @@ def _domain_entry(name: str, rows: list[Row], judged: list[Row]) -> dict[str, ob
 
     return {
         "name": name, "gpu": first.gpu, "engine": first.strategy.engine,
-        "source": "; ".join(sorted({r.set for r in rows})) + " (benchmarks/published_sets.py)",
+        "source": "; ".join(sorted({r.set for r in rows})) + (
+            " (benchmarks/results, benchmarks/fidelity_gpu_results.py)" if first.set == "gpu-campaign"
+            else " (benchmarks/published_sets.py)"),
         "runs": len(rows), "mape": round(_mape([1.0 / x for x in measured_over_predicted]), 4),
         "ratio_low": round(_quantile(measured_over_predicted, 0.05), 4),
         "ratio_high": round(_quantile(measured_over_predicted, 0.95), 4),
@@ -121,14 +123,22 @@ def write_domain(rows: list[Row]) -> None:
 
     _, held = split(rows)
     held_ids = {id(r) for r in held}
-    groups: dict[tuple[str, str], list[Row]] = defaultdict(list)
+    from fidelity_gpu_results import campaign_rows
+
+    rows = [*rows, *campaign_rows()]  # the GPU campaign's runs (benchmarks/results): never fitted, all judged
+    groups: dict[tuple[str, str, str], list[Row]] = defaultdict(list)
     for r in rows:
-        groups[(r.gpu, r.strategy.engine)].append(r)
+        kind = "transformer" if r.profile.transformer is not None else "flops_only"
+        groups[(r.gpu, r.strategy.engine, kind)].append(r)
     sets = []
-    for (gpu, engine), rs in sorted(groups.items()):
+    for (gpu, engine, kind), rs in sorted(groups.items()):
         judged = [r for r in rs if r.set not in FITTED_SETS or id(r) in held_ids]
         names = ", ".join(sorted({r.set for r in rs}))
-        sets.append(_domain_entry(f"{gpu} {engine}: {names}", rs, judged))
+        entry = _domain_entry(f"{gpu} {engine}{' FLOPs-only models' if kind == 'flops_only' else ''}: {names}",
+                              rs, judged)
+        if kind != "transformer":
+            entry["kind"] = kind
+        sets.append(entry)
     widen = {"H200": 0.05, "B200": 0.15}
     derived = [{"gpu": g, "from_gpu": d.from_gpu, "widen": widen.get(g, 0.10), "reason": d.reason}
                for g, d in efficiency_table().derived.items()]

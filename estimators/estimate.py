@@ -69,7 +69,7 @@ def estimate_states(profile: ModelProfile, cluster: Cluster, strategy: Strategy)
     """Model states (ZeRO §5 per recipe and sharding), buffers and overhead of ``strategy``; no activations."""
     check_strategy(profile, cluster, strategy)
     memory = memory_breakdown(profile, strategy, usable_capacity_bytes(cluster.gpu.memory_bytes),
-                              gpus_per_node=cluster.gpus_per_node)
+                              gpus_per_node=cluster.gpus_per_node, gpu=cluster.gpu.name)
     return StatesEstimate(strategy=strategy, gpu=cluster.gpu.name, gpus=strategy.world_size, memory=memory,
                           global_batch=strategy.global_batch, fits=memory.fits, reason=estimate_reason(memory),
                           notes=profile.notes)
@@ -164,7 +164,7 @@ def estimate(profile: ModelProfile, cluster: Cluster, strategy: Strategy, *,
     ``calibration`` (from probe runs, see calibration.py) corrects memory and time when given."""
     check_strategy(profile, cluster, strategy)
     memory = memory_breakdown(profile, strategy, usable_capacity_bytes(cluster.gpu.memory_bytes),
-                              gpus_per_node=cluster.gpus_per_node)
+                              gpus_per_node=cluster.gpus_per_node, gpu=cluster.gpu.name)
     time = with_paging(step_time(profile, strategy, cluster),
                        memory.detail_bytes.get("paged_optimizer_state_off_gpu", 0))
     band = time_band(profile, strategy, cluster, mfu=time.mfu)

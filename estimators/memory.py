@@ -76,6 +76,7 @@ from optplan.estimators.finetune import (
     frozen_weight_bytes,
     int8_checkpoint_kept_bytes,
 )
+from optplan.estimators.library_workspaces import cublas_workspace_bytes
 from optplan.estimators.optimizers import optimizer_sees_flat_params, optimizer_state_bytes_per_param
 from optplan.estimators.parallel import layers_per_stage, placement
 from optplan.estimators.pipeline import in_flight_microbatches
@@ -866,7 +867,8 @@ def _grad_bytes_by_moment(states: ModelStates, profile: ModelProfile, strategy: 
 
 
 def _stage_breakdown(profile: ModelProfile, strategy: Strategy, capacity_bytes: int, gpus_per_node: int,
-                     stage: int, adam_impl: AdamImpl | None, device: DeviceKind) -> MemoryBreakdown:
+                     stage: int, adam_impl: AdamImpl | None, device: DeviceKind,
+                     gpu: str | None = None) -> MemoryBreakdown:
     """The rank's memory at the worst moment of the step (module docstring, "When")."""
     states = model_states(profile, strategy, stage=stage, gpus_per_node=gpus_per_node)
     buffers = _buffers(profile, strategy, stage, gpus_per_node, device)
@@ -878,6 +880,8 @@ def _stage_breakdown(profile: ModelProfile, strategy: Strategy, capacity_bytes: 
             whole["adam_step_counters"] = counters
     if profile.buffer_bytes:
         whole["model_buffers"] = profile.buffer_bytes
+    if device == "cuda":  # cuBLAS's workspaces, from the first matrix product on (library_workspaces.py)
+        whole["cublas_workspaces"] = cublas_workspace_bytes(gpu)
 
     def live_at(moment: str) -> dict[str, int]:
         return {**{k: v for k, (v, m) in buffers.items() if m is None or moment == "step" or moment in m}, **whole}
@@ -945,12 +949,13 @@ def _fits_beside(allocated_bytes: int, capacity_bytes: int) -> bool:
 
 def memory_breakdown(profile: ModelProfile, strategy: Strategy, capacity_bytes: int, *,
                      gpus_per_node: int = 8, adam_impl: AdamImpl | None = None,
-                     device: DeviceKind = "cuda") -> MemoryBreakdown:
+                     device: DeviceKind = "cuda", gpu: str | None = None) -> MemoryBreakdown:
     """Per-GPU memory of ``strategy`` on its worst rank (the first or last pipeline stage), bytes.
 
     ``adam_impl`` overrides the engine's default AdamW implementation and ``device`` says where the step
-    runs ("cpu" for a real CPU step, e.g. the exact-accounting benchmark)."""
+    runs ("cpu" for a real CPU step, e.g. the exact-accounting benchmark). ``gpu`` (a catalogue name) sizes
+    the CUDA libraries' workspaces (library_workspaces.py; None: their default size)."""
     stages = (0,) if strategy.pp == 1 else (0, strategy.pp - 1)
-    worst = [_stage_breakdown(profile, strategy, capacity_bytes, gpus_per_node, s, adam_impl, device)
+    worst = [_stage_breakdown(profile, strategy, capacity_bytes, gpus_per_node, s, adam_impl, device, gpu)
              for s in stages]
     return max(worst, key=lambda m: m.total_bytes)

@@ -2,8 +2,11 @@
 
 Every time estimate carries ``step_s_low``/``step_s_high`` (seconds). The band comes from the runs the
 time model was checked against (``data/time_domain.yaml``, written by
-``benchmarks/fidelity_published.py --write-domain``): for each measured set (one GPU, one engine family)
-the 5th and 95th percentiles of measured ÷ predicted step time over its runs. A strategy is *inside*
+``benchmarks/fidelity_published.py --write-domain``, from the published tables and the GPU runs committed under
+``benchmarks/results``): for each measured set (one GPU, one engine family, one kind of model: transformer
+shapes, or the models the FLOPs-only path prices) the 5th and 95th percentiles of measured ÷ predicted step
+time over its runs. A GPU's own sets and those of the GPU its figures derive from are both candidates; the
+band rests on the one whose domain covers the strategy best (the least widening below). A strategy is *inside*
 the set's domain when its model size, GPU count, sequence length, micro-batch tokens, parallel degrees,
 precision and checkpointing lie within what the set measured; outside it the band widens:
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 import math
 from functools import cache
 from importlib import resources
+from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
@@ -65,6 +69,9 @@ class MeasuredSet(BaseModel):
     precisions: tuple[str, ...]
     checkpointing: tuple[str, ...]
     max_mfu: dict[str, float] = Field(description="best measured MFU (PaLM definition) by precision class")
+    kind: Literal["transformer", "flops_only"] = Field(
+        default="transformer", description="which time path priced its runs: transformer shapes, or the FLOPs-only "
+                                           "path of models without one (timing.py)")
 
 
 class Derivation(BaseModel):
@@ -112,13 +119,23 @@ def precision_class(precision: str) -> str:
 
 
 def mfu_envelope(gpu: str, precision: str, domain: TimeDomain | None = None) -> float | None:
-    """The best MFU ever measured on ``gpu`` (or the GPU its figures derive from) in ``precision``'s class,
-    over every measured set; None when nothing was measured there."""
+    """The best MFU ever measured on ``gpu`` or the GPU its figures derive from, in ``precision``'s class, over
+    every measured set of transformer runs; None when nothing was measured there."""
     dom = domain or time_domain()
-    name = measured_gpu(gpu, dom)[0]
+    names = _measured_names(gpu, dom)
     cls = precision_class(precision)
-    found = [s.max_mfu[cls] for s in dom.sets if s.gpu == name and cls in s.max_mfu]
+    found = [s.max_mfu[cls] for s in dom.sets if s.gpu in names and s.kind == "transformer" and cls in s.max_mfu]
     return max(found) if found else None
+
+
+def _derivation(gpu: str, dom: TimeDomain) -> Derivation | None:
+    return next((d for d in dom.derived if d.gpu == gpu), None)
+
+
+def _measured_names(gpu: str, dom: TimeDomain) -> set[str]:
+    """``gpu`` and the GPU its figures derive from (its own runs and the borrowed ones both stand for it)."""
+    d = _derivation(gpu, dom)
+    return {gpu} | ({d.from_gpu} if d is not None else set())
 
 
 def measured_gpu(gpu: str, domain: TimeDomain | None = None) -> tuple[str, Derivation | None]:
@@ -157,22 +174,53 @@ def _pick_set(sets: list[MeasuredSet], engine: str) -> tuple[MeasuredSet, bool]:
 
 def time_band(profile: ModelProfile, strategy: Strategy, cluster: Cluster, *, mfu: float,
               domain: TimeDomain | None = None) -> TimeBand:
-    """The band around a predicted step time of ``strategy`` (module docstring); ``mfu`` is the prediction's."""
+    """The band around a predicted step time of ``strategy`` (module docstring); ``mfu`` is the prediction's.
+
+    The GPU's own measured sets and those of the GPU its figures derive from are both candidates (an H200 has
+    its own single-GPU runs and borrows the H100's multi-GPU ones): the band rests on the one that covers the
+    strategy best (the least widening; then the narrower band). Models without a transformer shape are judged by sets of such
+    models (``kind: flops_only``), others by transformer sets."""
     dom = domain or time_domain()
     gpu = cluster.gpu.name
-    name, derived = measured_gpu(gpu, dom)
-    sets = [s for s in dom.sets if s.gpu == name]
-    if not sets:
+    kind = "transformer" if profile.transformer is not None else "flops_only"
+    derivation = _derivation(gpu, dom)
+    groups: list[tuple[list[MeasuredSet], Derivation | None]] = []
+    own = [s for s in dom.sets if s.gpu == gpu]
+    if own:
+        groups.append((own, None))
+    if derivation is not None:
+        borrowed = [s for s in dom.sets if s.gpu == derivation.from_gpu]
+        if borrowed:
+            groups.append((borrowed, derivation))
+    if not groups:
         return TimeBand(low=math.exp(-UNMEASURED_GPU_BAND), high=math.exp(UNMEASURED_GPU_BAND),
                         basis=f"no measured runs on {gpu} or a GPU its figures derive from",
                         outside=(f"no step time was ever measured on {gpu}",))
-    engine = strategy.engine
-    ms, same_engine = _pick_set(sets, engine)
+    bands = [_band_from(profile, strategy, gpu, mfu, dom, sets, d, kind, own_measured=bool(own))
+             for sets, d in groups]
+    # the set whose domain covers the strategy best (least widening), then the narrower band
+    return min(bands, key=lambda bw: (round(bw[1], 9), math.log(bw[0].high / bw[0].low)))[0]
+
+
+def _band_from(profile: ModelProfile, strategy: Strategy, gpu: str, mfu: float, dom: TimeDomain,
+               sets: list[MeasuredSet], derived: Derivation | None, kind: str, *,
+               own_measured: bool = False) -> tuple[TimeBand, float]:
+    """The band that one GPU's measured sets give (``derived``: borrowed from the GPU ``gpu`` derives from) and
+    its widening (the log half-width added for what lies outside the set's domain)."""
+    name = sets[0].gpu
     outside: list[str] = []
     widen = 0.0
+    same_kind = [s for s in sets if s.kind == kind]
+    if not same_kind:
+        widen += WIDEN_UNMEASURED
+        outside.append("no model without a transformer shape was measured on " + name if kind == "flops_only"
+                       else "no transformer was measured on " + name)
+    engine = strategy.engine
+    ms, same_engine = _pick_set(same_kind or sets, engine)
     if derived is not None:
         widen += derived.widen
-        outside.append(f"{gpu} was never measured: {derived.reason}")
+        outside.append(f"{gpu}'s own measured runs cover this plan less than {name}'s, which its figures derive "
+                       f"from" if own_measured else f"{gpu} was never measured: {derived.reason}")
     if not same_engine:
         widen += WIDEN_UNMEASURED
         outside.append(f"engine {engine} was never measured on {name}: the {ms.engine} set stands in")
@@ -216,7 +264,7 @@ def time_band(profile: ModelProfile, strategy: Strategy, cluster: Cluster, *, mf
         outside.append(f"predicted MFU {mfu:.0%} is above the best measured on {name} ({envelope:.0%})")
     basis = (f"{ms.name}: {ms.runs} measured runs, {ms.mape:.1%} MAPE, measured/predicted "
              f"{ms.ratio_low:.2f}-{ms.ratio_high:.2f} (5th-95th percentile)")
-    return TimeBand(low=min(low, 1.0), high=max(high, 1.0), basis=basis, outside=tuple(outside))
+    return TimeBand(low=min(low, 1.0), high=max(high, 1.0), basis=basis, outside=tuple(outside)), widen
 
 
 __all__ = ["MeasuredSet", "TimeBand", "TimeDomain", "measured_gpu", "mfu_envelope", "precision_class",

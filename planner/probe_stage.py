@@ -167,7 +167,7 @@ def compare_spec(profile: ModelProfile, cluster: Cluster, candidate: Strategy, p
     small = _probe_cluster(cluster, probed)
     cap = usable_capacity_bytes(cluster.gpu.memory_bytes)
     memory = memory_breakdown(profile, probed, cap, gpus_per_node=small.gpus_per_node, device=local.device,
-                              adam_impl=adam_impl)
+                              adam_impl=adam_impl, gpu=cluster.gpu.name)
     allocated = memory.total_bytes - memory.overhead_bytes
     step = on_device = comm = None
     if time_comparable:

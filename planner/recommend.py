@@ -266,6 +266,11 @@ def _recommend_states(profile: ModelProfile, cluster: Cluster, *, global_batch: 
                            "--tokens need a model FILE or --arch")
     space, ranked = search_states(profile, cluster, global_batch=global_batch, precisions=precisions,
                                   engines=engines, offload=offload)
+    if not ranked:  # e.g. a global batch that no data-parallel degree of these GPUs divides
+        fix = (f"use a --global-batch divisible by the data-parallel degree (at most {cluster.gpus})"
+               if global_batch is not None else "change --gpus")
+        raise OptplanError(f"no plan of {profile.name}'s model states on {cluster.gpus} GPUs"
+                           + (f" at global batch {global_batch}" if global_batch is not None else "") + f": {fix}")
     feasible = [e for e in ranked if e.fits]
     summary = SearchSummary(method="enumerate", space_size=len(ranked), evaluated=len(ranked),
                             feasible=len(feasible), objective="states")

@@ -107,6 +107,7 @@ from optplan.probes.loader import ModelFileError
 from optplan.probes.memtrack import MemTracker
 from optplan.probes.quant_inputs import bnb_keeps_4bit_inputs_here, quant_input_elements
 from optplan.probes.tensor_plan import read_tensor_plan
+from optplan.probes.trainloop import CudaAutocastLoss
 
 try:  # torch >= 2.3
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -422,10 +423,15 @@ def _checkpoint_call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return checkpoint(fn, *args, use_reentrant=False, **kwargs)
 
 
-def _autocast(precision: ActivationPrecision) -> contextlib.AbstractContextManager[Any]:
-    if precision in ("bf16", FROZEN_16BIT):
-        return torch.autocast("cpu", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+@contextlib.contextmanager
+def _autocast(precision: ActivationPrecision) -> Iterator[None]:
+    """bf16 autocast as it runs on a GPU: the CPU's, with the loss's cross entropy as CUDA autocast runs it
+    (trainloop.CudaAutocastLoss: the profile predicts GPU memory)."""
+    if precision not in ("bf16", FROZEN_16BIT):
+        yield
+        return
+    with torch.autocast("cpu", dtype=torch.bfloat16), CudaAutocastLoss():
+        yield
 
 
 class FakeTensorLimit(ModelFileError):

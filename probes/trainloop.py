@@ -298,6 +298,48 @@ def first_tensor(obj: Any) -> torch.Tensor | None:
     return None
 
 
+def _autocast_on_cpu() -> bool:
+    try:
+        return torch.is_autocast_enabled("cpu")
+    except TypeError:  # torch < 2.4 takes no device type
+        return torch.is_autocast_cpu_enabled()
+
+
+def _cuda_cross_entropy(input: Any, target: Any, weight: Any = None, size_average: Any = None,
+                        ignore_index: int = -100, reduce: Any = None, reduction: str = "mean",
+                        label_smoothing: float = 0.0) -> torch.Tensor | None:
+    """CUDA autocast's cross entropy of a 16-bit input with class-index targets, or None where it is not that."""
+    if (not isinstance(input, torch.Tensor) or input.dtype not in (torch.bfloat16, torch.float16)
+            or not isinstance(target, torch.Tensor) or target.is_floating_point() or label_smoothing
+            or size_average is not None or reduce is not None):
+        return None
+    log_probs = torch.log_softmax(input, 0 if input.dim() == 1 else 1, dtype=input.dtype)
+    return torch.nn.functional.nll_loss(log_probs, target, weight, ignore_index=ignore_index, reduction=reduction)
+
+
+class CudaAutocastLoss(torch.overrides.TorchFunctionMode):
+    """Cross entropy of a 16-bit input as CUDA autocast runs it, for CPU runs that stand in for a GPU (optplan's
+    probes and profile; on a GPU the loop does not use it).
+
+    CPU autocast lists ``cross_entropy_loss`` among its fp32 ops: it upcasts a 16-bit input first (an fp32 copy,
+    then an fp32 log-softmax kept for backward). CUDA autocast does not list it, so the composite runs there:
+    ``log_softmax(x, class_dim, dtype=x.dtype)`` stays 16-bit (an explicit dtype is kept under its
+    fp32_set_opt_dtype policy) and ``nll_loss`` (an fp32 op) upcasts only its input. PyTorch
+    aten/src/ATen/autocast_mode.cpp (the CUDA and CPU lists) and aten/src/ATen/native/LossNLL.cpp
+    (``cross_entropy_loss_symint``). Measured: GPT-2 small under AMP on an H200 held one 16-bit logits tensor less
+    than the CPU policy (benchmarks/results/2026-11-26-H200). Only 16-bit inputs with class-index targets and no
+    label smoothing are rewritten; everything else runs as called."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.cross_entropy and _autocast_on_cpu():
+            out = _cuda_cross_entropy(*args, **kwargs)
+            if out is not None:
+                return out
+        return func(*args, **kwargs)
+
+
 def call_model(model: nn.Module, batch: Any) -> Any:
     """``model(x)`` for a tensor, ``model(*x)`` for a tuple/list, ``model(**x)`` for a dict."""
     if isinstance(batch, Mapping):
@@ -630,6 +672,11 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(self.device_type, dtype=self.autocast_dtype)
 
+    def _loss_policy(self) -> contextlib.AbstractContextManager[Any]:
+        """On the CPU, a 16-bit cross entropy as CUDA autocast runs it (:class:`CudaAutocastLoss`), whoever turned
+        autocast on (this loop, accelerate or DeepSpeed): the CPU run stands in for the GPU."""
+        return CudaAutocastLoss() if self.device_type == "cpu" else contextlib.nullcontext()
+
     def _no_sync(self, last: bool) -> contextlib.AbstractContextManager[Any]:
         no_sync = getattr(self.runner, "no_sync", None)
         if last or self.engine == "deepspeed" or no_sync is None or self.fsdp != "none":
@@ -644,7 +691,7 @@ class Trainer:
             batch = batch_for(i)
             with self._no_sync(i == self.grad_accum - 1):
                 self.phase = "forward"
-                with self._autocast():
+                with self._autocast(), self._loss_policy():
                     out = call_model(self.runner, batch)
                     loss = self.compute_loss(out, batch)
                 del out

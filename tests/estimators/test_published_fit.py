@@ -88,7 +88,8 @@ def test_the_committed_domain_is_what_the_benchmark_writes(sets) -> None:  # noq
     bench = _load("fidelity_published")
     rows = sets.all_rows()
     committed = yaml.safe_load((ROOT / "estimators" / "data" / "time_domain.yaml").read_text())["sets"]
-    by_key = {(s["gpu"], s["engine"]): s for s in committed}
+    # the GPU campaign's sets (benchmarks/results) need torch to re-profile: tests/benchmarks/test_gpu_results.py
+    by_key = {(s["gpu"], s["engine"]): s for s in committed if "published_sets.py" in s["source"]}
     _, held = sets.split(rows)
     held_ids = {id(r) for r in held}
     groups: dict[tuple[str, str], list] = {}

@@ -178,6 +178,9 @@ CASES: dict[str, Case] = {
     "non-numeric-params": Case(lambda m, w: ["estimate", "--params", "7B"], ("invalid --params '7B'", "expected a valid number"), ("--help",)),
     "global-batch-not-divisible": Case(_rec("good.py", "--global-batch", "12"), ("not divisible",),
                                        ("multiple of 8",)),
+    "params-global-batch-not-divisible": Case(
+        lambda m, w: ["recommend", "--params", "1e6", "--gpus", "64", "--global-batch", "8", "--no-probe"],
+        ("no plan", "global batch 8"), ("--global-batch divisible",)),
     # files
     "out-is-a-file": Case(_rec("good.py"), ("is a file",), ("choose a directory",),
                           setup=_write("out", "x")),
