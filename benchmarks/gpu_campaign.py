@@ -15,6 +15,10 @@ measurement is scripted here and every result is written as JSON under ``--out``
   the uncalibrated and the calibrated prediction. Then ``calibration``: the results are fitted into a
   calibration cache (``planner/results.py``, what ``optplan calibrate fidelity.json`` does), read back and
   used for an estimate, and the step-time error before and after is recorded.
+* ``trace.json`` (part 1): where the step time goes: a few runs (those the first H200 visit's time errors were
+  largest on) with two extra steps under ``torch.profiler`` (``ProbeSpec.trace_steps``, probes/step_trace.py),
+  their kernel time per step by category (GEMM, attention, optimizer, communication, other) beside the
+  predicted step's parts (compute, memory-bound, optimizer, host).
 * ``exports.json`` (part 2): ``optplan recommend --out`` for a DeepSpeed and a torch plan of a model file
   on this one GPU, then ``optplan validate`` on what was written: ``ds_config.json`` through
   ``deepspeed.initialize``, ``launch.sh`` through torchrun, ``accelerate.yaml`` through
@@ -453,6 +457,55 @@ def calibration_round_trip(c: Campaign, results: Path, rows: list[fidelity.Row],
 
 
 # ---------------------------------------------------------------------------------------------------
+# part 1: trace.json (where the step time goes)
+# ---------------------------------------------------------------------------------------------------
+def trace_cases(device: str, tmp: Path) -> list[tuple[str, Path, int | None, Strategy]]:
+    """The runs the H200 visit's time errors were largest on (benchmarks/results/2026-11-26-H200): GPT-2 small
+    at micro-batch 4 (28-54 % slower predicted than measured) and 16, the Llama-3 1B layout at 2 and 4 with
+    checkpointing (23-38 % faster predicted); on the CPU one small MLP run."""
+    if device == "cpu":
+        return [("mlp", EXAMPLES / "mlp.py", None, Strategy(precision="fp32", optimizer="adamw", mbs=16,
+                                                            engine="torch"))]
+    llama = fidelity.llama_wrapper(tmp, None, 1024)
+    return [("gpt2", EXAMPLES / "gpt2.py", 1024, Strategy(precision="bf16", mbs=b, engine="torch")) for b in (4, 16)] + [
+        ("llama1b", llama, 1024, Strategy(precision="bf16", mbs=2, engine="torch")),
+        ("llama1b", llama, 1024, Strategy(precision="bf16", mbs=4, checkpointing="full", engine="torch"))]
+
+
+def part_trace(c: Campaign) -> dict[str, Any]:
+    """Kernel time by category (probes/step_trace.py) beside the predicted step's parts, for a few runs."""
+    path = c.out / "trace.json"
+    doc = c.doc("trace", gpu=c.gpu_name, time_comparable=c.time_comparable, runs=[])
+    profiles: dict[str, ModelProfile] = {}
+    with tempfile.TemporaryDirectory(prefix="optplan_campaign_trace_") as tmp:
+        for key, model_path, seq, strategy in trace_cases(c.device, Path(tmp)):
+            if c.left_s() < 30:
+                doc["runs"].append({"model": key, "strategy": strategy.label(), "skipped": "out of time"})
+                continue
+            if key not in profiles:
+                profiles[key] = profile_model_file(model_path, seq_len=seq)
+            profile = profiles[key]
+            block = profile.repeated_block.class_name if profile.repeated_block else None
+            spec = ProbeSpec(model_path=str(model_path), seq_len=seq, strategy=strategy, block_class=block,
+                             device=c.device, warmup_steps=2 if c.device == "cuda" else 1,  # type: ignore[arg-type]
+                             timed_steps=3 if c.device == "cuda" else 1, trace_steps=2 if c.device == "cuda" else 1)
+            result = run_probe(spec, timeout_s=max(30.0, min(240.0, c.left_s())))
+            t = estimate(profile, c.cluster(1), strategy).time
+            predicted = {"step_s": t.step_s, "compute_s": t.compute_s, "recompute_s": t.recompute_s,
+                         "memory_bound_s": t.memory_bound_s, "optimizer_s": t.optimizer_s,
+                         "host_overhead_s": t.host_overhead_s}
+            doc["runs"].append({"model": key, "strategy": strategy.label(), "status": result.status,
+                                "reason": result.reason, "measured_step_s": result.step_s,
+                                "trace": result.step_trace, "predicted": predicted if c.time_comparable else None})
+            busy = (result.step_trace or {}).get("busy_s")
+            c.log(f"trace: {key} {strategy.label()}: {result.status}"
+                  + (f", step {result.step_s * 1e3:.1f} ms, busy {busy * 1e3:.1f} ms" if result.step_s and busy else ""))
+            write_json(path, doc)
+    write_json(path, doc)
+    return doc
+
+
+# ---------------------------------------------------------------------------------------------------
 # part 2: exports.json
 # ---------------------------------------------------------------------------------------------------
 def _optplan(args: list[str], timeout_s: float) -> tuple[int, str, str]:
@@ -730,7 +783,7 @@ def part_grid(c: Campaign) -> dict[str, Any]:
 # main
 # ---------------------------------------------------------------------------------------------------
 PARTS: dict[str, tuple[tuple[str, Callable[[Campaign], dict[str, Any]]], ...]] = {
-    "1": (("probes", part_probes), ("fidelity", part_fidelity), ("gpu_tests", part_gpu_tests)),
+    "1": (("probes", part_probes), ("fidelity", part_fidelity), ("trace", part_trace), ("gpu_tests", part_gpu_tests)),
     "2": (("exports", part_exports), ("grid", part_grid)),
 }
 

@@ -10,12 +10,17 @@ from optplan.estimators.errors import OptplanError
 from optplan.estimators.profile import ActivationFit, ModelProfile
 
 PARAMS_ONLY_CLASS = "ParametersOnly"
+MAX_PARAMS = 10**15
+"""The largest ``--params`` accepted (a thousand times the largest models trained; beyond it byte counts
+overflow the float arithmetic of the estimators)."""
 
 
 def profile_from_params(params: float) -> ModelProfile:
     """A profile of ``params`` parameters (all trainable) with zero activations and zero FLOPs."""
     if not params == params or params < 1 or params != int(params):  # NaN, zero, negative, fractional
         raise OptplanError(f"--params must be a whole number of parameters >= 1 (got {params:g}): e.g. --params 7e9")
+    if params > MAX_PARAMS:
+        raise OptplanError(f"--params {params:.3g} is beyond any model (at most {MAX_PARAMS:.0e}): e.g. --params 7e9")
     n = int(params)
     zero = tuple(ActivationFit(precision=p, checkpointing=c, fixed_bytes=0, per_sample_bytes=0)
                  for p in ("fp32", "bf16") for c in ("none", "full"))

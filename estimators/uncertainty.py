@@ -128,13 +128,16 @@ def mfu_envelope(gpu: str, precision: str, domain: TimeDomain | None = None) -> 
     return max(found) if found else None
 
 
-def _derivation(gpu: str, dom: TimeDomain) -> Derivation | None:
+def derived_from(gpu: str, domain: TimeDomain | None = None) -> Derivation | None:
+    """The GPU whose measured figures ``gpu``'s derive from (its efficiency constants), whether or not ``gpu`` has
+    measured runs of its own; None when it derives from none."""
+    dom = domain or time_domain()
     return next((d for d in dom.derived if d.gpu == gpu), None)
 
 
 def _measured_names(gpu: str, dom: TimeDomain) -> set[str]:
     """``gpu`` and the GPU its figures derive from (its own runs and the borrowed ones both stand for it)."""
-    d = _derivation(gpu, dom)
+    d = derived_from(gpu, dom)
     return {gpu} | ({d.from_gpu} if d is not None else set())
 
 
@@ -183,7 +186,7 @@ def time_band(profile: ModelProfile, strategy: Strategy, cluster: Cluster, *, mf
     dom = domain or time_domain()
     gpu = cluster.gpu.name
     kind = "transformer" if profile.transformer is not None else "flops_only"
-    derivation = _derivation(gpu, dom)
+    derivation = derived_from(gpu, dom)
     groups: list[tuple[list[MeasuredSet], Derivation | None]] = []
     own = [s for s in dom.sets if s.gpu == gpu]
     if own:
@@ -267,5 +270,5 @@ def _band_from(profile: ModelProfile, strategy: Strategy, gpu: str, mfu: float, 
     return TimeBand(low=min(low, 1.0), high=max(high, 1.0), basis=basis, outside=tuple(outside)), widen
 
 
-__all__ = ["MeasuredSet", "TimeBand", "TimeDomain", "measured_gpu", "mfu_envelope", "precision_class",
+__all__ = ["MeasuredSet", "TimeBand", "TimeDomain", "derived_from", "measured_gpu", "mfu_envelope", "precision_class",
            "time_band", "time_domain"]

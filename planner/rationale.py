@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from optplan.estimators.estimate import Estimate
 from optplan.estimators.precision import get_recipe
 from optplan.estimators.strategy import Strategy
-from optplan.estimators.uncertainty import measured_gpu, mfu_envelope, precision_class
+from optplan.estimators.uncertainty import derived_from, mfu_envelope, precision_class
 from optplan.estimators.units import gib
 from optplan.planner.search import TIE_TOLERANCE, Goal, band_factor, rank_by_figure
 from optplan.planner.simplicity import CRITERIA, simplicity_key, tie_break
@@ -129,7 +129,7 @@ def _envelope_line(pick: Estimate) -> str:
     precision class; unmeasured ones are said to be so."""
     cls = precision_class(pick.strategy.precision)
     envelope = mfu_envelope(pick.gpu, pick.strategy.precision)
-    derivation = measured_gpu(pick.gpu)[1]
+    derivation = derived_from(pick.gpu)
     source = derivation.from_gpu if derivation is not None else None
     where = f"{pick.gpu}" + (f" (figures derived from {source})" if source else "")
     if envelope is None:

@@ -38,8 +38,10 @@ from optplan.planner.suggest import what_would_fit
 DEFAULT_ALTERNATIVES = 4
 MODEL_SCOPE_NOTE = ("time model fitted on measured runs: A100 Megatron (vTrain; Narayanan et al. 2021 and Korthikanti "
                     "et al. 2022 tables), A100 and H100 torch FSDP (llm-foundry, torchtitan); H200 and B200 derived "
-                    "from H100; other GPUs use their datasheet peaks with default efficiencies and a wide band until "
-                    "probes calibrate them; each estimate's band (time.step_s_low-step_s_high) says how sure it is")
+                    "from H100, the H200 also measured on one GPU by optplan's GPU campaign (torch and DeepSpeed at "
+                    "world size 1, models up to 1.2B: benchmarks/results); other GPUs use their datasheet peaks with "
+                    "default efficiencies and a wide band until probes calibrate them; each estimate's band "
+                    "(time.step_s_low-step_s_high) says how sure it is")
 """What the time model rests on: the measured sets and derived GPUs of estimators/data/time_domain.yaml and
 the fitted GPUs of estimators/data/efficiency.yaml (a test keeps this in step with both)."""
 MEGATRON_FILE_NOTE = ("a Megatron-LM plan runs Megatron's own GPT implementation with this model's shape (layers, "

@@ -78,6 +78,8 @@ class ProbeSpec(BaseModel):
     stop_if_step_slower_than_s: float | None = Field(
         default=None, gt=0, description="pruning: stop with status 'pruned' when the first timed step takes longer (s)")
     compile: bool = Field(default=False, description="torch.compile the model (engine.compile() under DeepSpeed)")
+    trace_steps: int = Field(default=0, ge=0, description="extra optimizer steps after the timed ones under "
+                                                          "torch.profiler (probes/step_trace.py); 0: none")
     seed: int = 0
     accelerate_config: str | None = Field(
         default=None, description="an accelerate.yaml: start the child with `accelerate launch --config_file` and "
@@ -124,6 +126,9 @@ class ProbeResult(BaseModel):
     notes: tuple[str, ...] = Field(default=(), description="what the probe did differently from the plan, and why")
     failed_rank: int | None = Field(default=None, description="the rank whose failure decided the status")
     exit_code: int | None = Field(default=None, description="the child's (torchrun's) exit code; negative: a signal")
+    step_trace: dict[str, Any] | None = Field(
+        default=None, description="rank 0's traced steps (spec.trace_steps): seconds per step by category "
+                                  "(time_by_category_s), busy_s, step_wall_s, kernels per step (probes/step_trace.py)")
     setup_s: float | None = Field(default=None, description="child start to the first step: imports, model build, "
                                                             "wrapping, deepspeed.initialize (s, max over ranks)")
     checkpointing_applied: str | None = Field(default=None, description="checkpointing the child applied "
@@ -258,6 +263,8 @@ def _merge(spec: ProbeSpec, docs: dict[int, dict[str, Any]], code: int | None, l
     if with_peak:
         top = max(with_peak, key=lambda d: d["peak_allocated_bytes"])
         out["peak_by_category_bytes"] = {str(k): int(v) for k, v in (top.get("peak_by_category_bytes") or {}).items()}
+    if isinstance(first.get("step_trace"), dict):
+        out["step_trace"] = first["step_trace"]
     setups = [d.get("setup_s") for d in docs.values() if isinstance(d.get("setup_s"), (int, float))]
     out["setup_s"] = max(setups) if setups else None
 

@@ -568,6 +568,13 @@ class Probe(Trainer):
             if k == warmup and limit is not None and dt > float(limit):
                 raise ProbeFailure("pruned", f"the first timed step took {dt:.3g} s, slower than the limit of "
                                              f"{float(limit):g} s")
+        traced = int(self.spec.get("trace_steps") or 0)
+        if traced:  # after the timed steps: the profiler's overhead stays out of the step time
+            from optplan.probes.step_trace import trace_steps
+
+            self.phase = "traced steps"
+            self.result["step_trace"] = trace_steps(lambda: self.one_step(self.batch_for), traced,
+                                                    cuda=self.device_type == "cuda", sync=self.sync)
 
     # -- the whole run ------------------------------------------------------------------------------
     def run(self) -> None:

@@ -31,7 +31,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
     proc = _campaign("--device", "cpu", "--quick", "--out", str(out))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1].startswith(
-        "campaign: probes, fidelity, gpu_tests, exports, grid written to")
+        "campaign: probes, fidelity, trace, gpu_tests, exports, grid written to")
     return out
 
 
@@ -40,7 +40,7 @@ def _load(out: Path, name: str) -> dict:
 
 
 def test_every_file_carries_the_environment_record(results: Path) -> None:
-    for name in ("probes", "fidelity", "exports", "grid"):
+    for name in ("probes", "fidelity", "trace", "exports", "grid"):
         doc = _load(results, name)
         assert doc["format"] == RESULTS_FORMAT and doc["section"] == name
         env = doc["env"]
@@ -57,6 +57,19 @@ def test_probe_paths_oom_is_data_and_microbench_runs(results: Path) -> None:
     tests = doc["gpu_tests"]
     assert tests["ok"] and tests["counts"]["skipped"] >= 3 and tests["counts"]["failed"] == 0  # no CUDA here
     assert any("hung" in name for name in tests["tests"])
+
+
+def test_trace_says_where_the_step_time_went(results: Path) -> None:
+    """A traced run's per-category operator time (probes/step_trace.py) adds up to most of its traced step."""
+    doc = _load(results, "trace")
+    run = doc["runs"][0]
+    assert run["status"] == "ok" and run["measured_step_s"] > 0
+    trace = run["trace"]
+    cats = trace["time_by_category_s"]
+    assert set(cats) == {"gemm", "attention", "optimizer", "communication", "other"}
+    assert cats["gemm"] > 0 and cats["optimizer"] > 0 and trace["kernels"] > 10
+    assert trace["busy_s"] == pytest.approx(sum(cats.values()))
+    assert 0.3 * trace["step_wall_s"] < trace["busy_s"] <= 1.05 * trace["step_wall_s"]
 
 
 def test_fidelity_memory_and_the_calibration_round_trip(results: Path) -> None:

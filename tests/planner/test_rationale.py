@@ -121,7 +121,12 @@ def test_model_scope_note_names_what_the_time_model_rests_on() -> None:
     for d in dom.derived:
         assert f"{d.gpu}" in MODEL_SCOPE_NOTE and f"derived from {d.from_gpu.split('-')[0]}" in MODEL_SCOPE_NOTE
     for s in dom.sets:
-        assert f"{s.engine.replace('torch', 'torch FSDP').replace('megatron', 'Megatron')}" in MODEL_SCOPE_NOTE
+        engine = s.engine.replace("torch", "torch FSDP").replace("megatron", "Megatron").replace("deepspeed",
+                                                                                                 "DeepSpeed")
+        if "benchmarks/results" in s.source:  # the GPU campaign's single-GPU runs
+            assert f"{s.gpu} also measured on one GPU by optplan's GPU campaign" in MODEL_SCOPE_NOTE
+            engine = engine.replace("torch FSDP", "torch")
+        assert engine in MODEL_SCOPE_NOTE, engine
         for source in s.source.split(" (")[0].split("; "):
-            name = source.split("-")[0].replace("llmfoundry", "llm-foundry")
+            name = source.split("-")[0].replace("llmfoundry", "llm-foundry").replace("gpu", "GPU campaign")
             assert name.lower() in MODEL_SCOPE_NOTE.lower(), name

@@ -175,6 +175,8 @@ CASES: dict[str, Case] = {
                                       "--out", str(w / "out")], ("z80",), ("H100",)),
     "non-numeric-gpus": Case(lambda m, w: ["recommend", str(m / "good.py"), "--gpus", "eight",
                                            "--out", str(w / "out")], ("invalid --gpus 'eight'", "expected a valid integer"), ("--help",)),
+    "params-beyond-any-model": Case(lambda m, w: ["estimate", "--params", "1.5e307"], ("beyond any model",),
+                                    ("--params 7e9",)),
     "non-numeric-params": Case(lambda m, w: ["estimate", "--params", "7B"], ("invalid --params '7B'", "expected a valid number"), ("--help",)),
     "global-batch-not-divisible": Case(_rec("good.py", "--global-batch", "12"), ("not divisible",),
                                        ("multiple of 8",)),

@@ -1,0 +1,92 @@
+"""Where a training step's time goes: a few optimizer steps under ``torch.profiler``, their kernel time (CUDA)
+or ATen operator time (CPU) summed by category, per step (seconds).
+
+The step-time model prices a step as GEMMs (compute.py), attention, memory-bound elementwise work, the optimizer
+step and the host's launch time (timing.py). A measured step only says the total; these sums say which part was
+off (issue 16: "fix what they show"). Categories come from kernel and operator names (stated heuristics):
+
+* ``gemm``: cuBLAS/cuBLASLt/CUTLASS kernels (``gemm``, ``xmma``, ``cutlass``, ``nvjet``, ``sm90_``, ``sm80_``
+  and ``ampere_``/``hopper_`` prefixed kernels) and, on the CPU, ``aten::mm``/``addmm``/``bmm``/``baddbmm``/
+  ``linear``/``convolution`` operators;
+* ``attention``: flash / memory-efficient / cuDNN attention kernels (``flash``, ``fmha``, ``attention``,
+  ``attn``), ``aten::_scaled_dot_product*`` on the CPU;
+* ``optimizer``: ``multi_tensor_apply`` kernels and fused/foreach Adam (``adam``, ``_foreach_``); on the CPU the
+  time inside torch's ``Optimizer.step#...`` annotation (its operators are plain elementwise ones), taken from
+  ``other``;
+* ``communication``: NCCL kernels (``nccl``);
+* ``other``: everything else (elementwise, reductions, copies, normalisation, the loss).
+
+``busy_s`` is the sum over categories; ``step_wall_s`` the traced steps' wall time each (the profiler adds
+overhead: the timed steps, not these, are the probe's step time); ``kernels`` the kernels (CUDA) or operators
+(CPU) per step. CUDA kernel events are read from ``profile().events()`` (Kineto's device events, device type
+CUDA); the CPU's from the operators' self time (exclusive, so nothing counts twice).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+CATEGORIES = ("gemm", "attention", "optimizer", "communication", "other")
+
+_GEMM_KERNEL = ("gemm", "xmma", "cutlass", "nvjet", "sm90_", "sm80_", "sm100_", "ampere_", "hopper_", "cublas")
+_GEMM_OP = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_convolution", "aten::convolution",
+            "aten::mkldnn_convolution", "aten::_mm", "aten::_addmm_activation", "aten::_scaled_mm")
+_ATTENTION = ("flash", "fmha", "attention", "attn", "scaled_dot_product")
+_OPTIMIZER = ("multi_tensor", "adam", "_foreach_", "sgd")
+
+
+def category(name: str) -> str:
+    """The category of a kernel or ATen operator name (module docstring)."""
+    low = name.lower()
+    if "nccl" in low:
+        return "communication"
+    if any(k in low for k in _ATTENTION):
+        return "attention"
+    if any(k in low for k in _OPTIMIZER):
+        return "optimizer"
+    if low.startswith("aten::"):
+        return "gemm" if low.split(".")[0] in _GEMM_OP else "other"
+    if any(k in low for k in _GEMM_KERNEL):
+        return "gemm"
+    return "other"
+
+
+def trace_steps(step: Callable[[], Any], steps: int, *, cuda: bool, sync: Callable[[], None]) -> dict[str, Any]:
+    """Run ``step`` ``steps`` times under the profiler; per-step seconds by category (module docstring)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sync()
+    t0 = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        sync()
+    wall = (time.perf_counter() - t0) / steps
+    sums = dict.fromkeys(CATEGORIES, 0.0)
+    count = 0
+    for evt in prof.events():
+        if cuda:
+            if evt.device_type != DeviceType.CUDA:
+                continue
+            duration_us = evt.time_range.end - evt.time_range.start
+        else:
+            if evt.device_type != DeviceType.CPU or not evt.name.startswith("aten::"):
+                continue
+            duration_us = evt.self_cpu_time_total
+        sums[category(evt.name)] += duration_us * 1e-6
+        count += 1
+    if not cuda:  # CPU optimizers run plain operators: their step is the optimizer's own annotation, inclusive
+        opt_us = sum(evt.cpu_time_total for evt in prof.events() if evt.name.startswith("Optimizer.step#"))
+        moved = min(opt_us * 1e-6, sums["other"])
+        sums["optimizer"] += moved
+        sums["other"] -= moved
+    per_step = {k: v / steps for k, v in sums.items()}
+    return {"time_by_category_s": per_step, "busy_s": sum(per_step.values()), "step_wall_s": wall,
+            "kernels": count / steps, "what": "CUDA kernels" if cuda else "ATen operators (self CPU time)"}
+
+
+__all__ = ["CATEGORIES", "category", "trace_steps"]
