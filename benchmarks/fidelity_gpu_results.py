@@ -75,25 +75,28 @@ def results_files(dirs: list[Path]) -> list[Path]:
 
 
 def latest_cases(files: list[Path]) -> list[tuple[MeasuredCase, str]]:
-    """Measured cases on a GPU, one per (GPU, model, strategy): the last file's (folders sort by date/call)."""
+    """Measured cases on a GPU, one per (GPU, model, strategy): the last file's (folders sort by date/call). Each
+    case's ``model`` is the fidelity model key (grid.json's names mapped through :data:`GRID_ALIASES`)."""
     seen: dict[tuple[str, str, str], tuple[MeasuredCase, str]] = {}
     for path in files:
         for case in read_results(path):
             if not case.gpu or case.gpu == "cpu" or not case.comparison.result.ok:
                 continue
-            model = GRID_ALIASES.get(case.model, case.model)
-            key = (case.gpu, model, case.comparison.probed.model_dump_json())
+            case = case.model_copy(update={"model": GRID_ALIASES.get(case.model, case.model)})
+            key = (case.gpu, case.model, case.comparison.probed.model_dump_json())
             seen[key] = (case, str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path))
     return list(seen.values())
 
 
-def profiles(keys: set[str], tmp: Path) -> dict[str, ModelProfile]:
-    defs = fidelity.models("cuda", tmp)
-    out = {}
-    for key in sorted(keys):
-        model = defs[key]
-        with fidelity.environment(model.env):
-            out[key] = profile_model_file(model.path, seq_len=model.seq_len)
+def profiles(cases: list[tuple[MeasuredCase, str]]) -> dict[str, ModelProfile]:
+    """Today's profile of every model the cases ran, by model key (the campaign's own model definitions)."""
+    with tempfile.TemporaryDirectory(prefix="optplan_gpu_results_") as tmp:
+        defs = fidelity.models("cuda", Path(tmp))
+        out = {}
+        for key in sorted({c.model for c, _ in cases}):
+            model = defs[key]
+            with fidelity.environment(model.env):
+                out[key] = profile_model_file(model.path, seq_len=model.seq_len)
     return out
 
 
@@ -103,8 +106,7 @@ def campaign_rows(dirs: list[Path] | None = None) -> list[Any]:
     from published_sets import Row
 
     cases = latest_cases(results_files(dirs or [RESULTS]))
-    with tempfile.TemporaryDirectory(prefix="optplan_gpu_results_") as tmp:
-        profs = profiles({GRID_ALIASES.get(c.model, c.model) for c, _ in cases}, Path(tmp))
+    profs = profiles(cases)
     rows = []
     for case, source in cases:
         strategy, result = case.comparison.probed, case.comparison.result
@@ -112,7 +114,7 @@ def campaign_rows(dirs: list[Path] | None = None) -> list[Any]:
             continue
         cluster = Cluster(gpu=find_gpu(case.gpu), gpus=strategy.world_size, gpus_per_node=strategy.world_size)
         rows.append(Row(set="gpu-campaign", label=f"{case.model} {strategy.label()}",
-                        profile=profs[GRID_ALIASES.get(case.model, case.model)], cluster=cluster, strategy=strategy,
+                        profile=profs[case.model], cluster=cluster, strategy=strategy,
                         measured_s=result.step_s, extra={"source": source}))
     return rows
 
@@ -136,8 +138,7 @@ def compare(case: MeasuredCase, source: str, profile: ModelProfile) -> Compared:
                  strategy).time
     step_s = t.step_s
     in_band = (t.step_s_low <= result.step_s <= t.step_s_high) if result.step_s else None
-    model = GRID_ALIASES.get(case.model, case.model)
-    return Compared(model=model, label=strategy.label(), gpu=case.gpu, source=source,
+    return Compared(model=case.model, label=strategy.label(), gpu=case.gpu, source=source,
                     memory_pct=pct(allocated, result.peak_allocated_bytes), time_pct=pct(step_s, result.step_s),
                     predicted_step_s=step_s, measured_step_s=result.step_s, predicted_bytes=allocated,
                     measured_bytes=result.peak_allocated_bytes, in_band=in_band)
@@ -159,14 +160,13 @@ def main(argv: list[str] | None = None) -> int:
     wanted = set(args.models.split(",")) if args.models else None
     if wanted is not None:
         wanted = {GRID_ALIASES.get(m, m) for m in wanted}
-        cases = [(c, s) for c, s in cases if GRID_ALIASES.get(c.model, c.model) in wanted]
+        cases = [(c, s) for c, s in cases if c.model in wanted]
     if not cases:
         print(f"error: no GPU runs in {', '.join(str(d) for d in (args.dirs or [RESULTS]))}: run "
               "benchmarks/gpu_campaign.py on a GPU and commit its results", file=sys.stderr)
         return 2
-    with tempfile.TemporaryDirectory(prefix="optplan_gpu_results_") as tmp:
-        profs = profiles({GRID_ALIASES.get(c.model, c.model) for c, _ in cases}, Path(tmp))
-    rows = [compare(c, s, profs[GRID_ALIASES.get(c.model, c.model)]) for c, s in cases]
+    profs = profiles(cases)
+    rows = [compare(c, s, profs[c.model]) for c, s in cases]
     rows.sort(key=lambda r: (r.gpu, r.model, r.label))
     print(f"{len(files)} results files, {len(rows)} distinct GPU runs; predicted vs measured "
           "(allocated MiB, step ms; + = over)")

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from published_sets import Row, all_rows, split  # noqa: E402
 
-from optplan.estimators.uncertainty import precision_class  # noqa: E402
+from optplan.estimators.uncertainty import model_kind, precision_class  # noqa: E402
 
 DOMAIN_FILE = Path(__file__).resolve().parents[1] / "estimators" / "data" / "time_domain.yaml"
 FITTED_SETS = ("vtrain", "llmfoundry-H100-SXM", "llmfoundry-A100-80GB", "llmfoundry-A100-40GB")
@@ -128,8 +128,7 @@ def write_domain(rows: list[Row]) -> None:
     rows = [*rows, *campaign_rows()]  # the GPU campaign's runs (benchmarks/results): never fitted, all judged
     groups: dict[tuple[str, str, str], list[Row]] = defaultdict(list)
     for r in rows:
-        kind = "transformer" if r.profile.transformer is not None else "flops_only"
-        groups[(r.gpu, r.strategy.engine, kind)].append(r)
+        groups[(r.gpu, r.strategy.engine, model_kind(r.profile))].append(r)
     sets = []
     for (gpu, engine, kind), rs in sorted(groups.items()):
         judged = [r for r in rs if r.set not in FITTED_SETS or id(r) in held_ids]

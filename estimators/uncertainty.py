@@ -122,9 +122,9 @@ def mfu_envelope(gpu: str, precision: str, domain: TimeDomain | None = None) -> 
     """The best MFU ever measured on ``gpu`` or the GPU its figures derive from, in ``precision``'s class, over
     every measured set of transformer runs; None when nothing was measured there."""
     dom = domain or time_domain()
-    names = _measured_names(gpu, dom)
     cls = precision_class(precision)
-    found = [s.max_mfu[cls] for s in dom.sets if s.gpu in names and s.kind == "transformer" and cls in s.max_mfu]
+    found = [s.max_mfu[cls] for sets, _ in _candidate_groups(gpu, dom) for s in sets
+             if s.kind == "transformer" and cls in s.max_mfu]
     return max(found) if found else None
 
 
@@ -135,22 +135,19 @@ def derived_from(gpu: str, domain: TimeDomain | None = None) -> Derivation | Non
     return next((d for d in dom.derived if d.gpu == gpu), None)
 
 
-def _measured_names(gpu: str, dom: TimeDomain) -> set[str]:
-    """``gpu`` and the GPU its figures derive from (its own runs and the borrowed ones both stand for it)."""
+def _candidate_groups(gpu: str, dom: TimeDomain) -> list[tuple[list[MeasuredSet], Derivation | None]]:
+    """The measured sets that stand for ``gpu``: its own (derivation None) and those of the GPU its figures
+    derive from (with that derivation); empty groups are left out."""
     d = derived_from(gpu, dom)
-    return {gpu} | ({d.from_gpu} if d is not None else set())
+    groups = [([s for s in dom.sets if s.gpu == gpu], None)]
+    if d is not None:
+        groups.append(([s for s in dom.sets if s.gpu == d.from_gpu], d))
+    return [(sets, derivation) for sets, derivation in groups if sets]
 
 
-def measured_gpu(gpu: str, domain: TimeDomain | None = None) -> tuple[str, Derivation | None]:
-    """The GPU whose measured sets stand for ``gpu`` (itself, or the GPU its figures derive from) and the
-    derivation, None when ``gpu`` itself was measured or nothing stands for it."""
-    dom = domain or time_domain()
-    if any(s.gpu == gpu for s in dom.sets):
-        return gpu, None
-    for d in dom.derived:
-        if d.gpu == gpu:
-            return d.from_gpu, d
-    return gpu, None
+def model_kind(profile: ModelProfile) -> Literal["transformer", "flops_only"]:
+    """Which time path prices ``profile``, and so which measured sets judge it (:attr:`MeasuredSet.kind`)."""
+    return "transformer" if profile.transformer is not None else "flops_only"
 
 
 def _octaves(value: float, lo: float, hi: float) -> float:
@@ -185,21 +182,13 @@ def time_band(profile: ModelProfile, strategy: Strategy, cluster: Cluster, *, mf
     models (``kind: flops_only``), others by transformer sets."""
     dom = domain or time_domain()
     gpu = cluster.gpu.name
-    kind = "transformer" if profile.transformer is not None else "flops_only"
-    derivation = derived_from(gpu, dom)
-    groups: list[tuple[list[MeasuredSet], Derivation | None]] = []
-    own = [s for s in dom.sets if s.gpu == gpu]
-    if own:
-        groups.append((own, None))
-    if derivation is not None:
-        borrowed = [s for s in dom.sets if s.gpu == derivation.from_gpu]
-        if borrowed:
-            groups.append((borrowed, derivation))
+    groups = _candidate_groups(gpu, dom)
     if not groups:
         return TimeBand(low=math.exp(-UNMEASURED_GPU_BAND), high=math.exp(UNMEASURED_GPU_BAND),
                         basis=f"no measured runs on {gpu} or a GPU its figures derive from",
                         outside=(f"no step time was ever measured on {gpu}",))
-    bands = [_band_from(profile, strategy, gpu, mfu, dom, sets, d, kind, own_measured=bool(own))
+    own_measured = groups[0][1] is None
+    bands = [_band_from(profile, strategy, gpu, mfu, dom, sets, d, model_kind(profile), own_measured=own_measured)
              for sets, d in groups]
     # the set whose domain covers the strategy best (least widening), then the narrower band
     return min(bands, key=lambda bw: (round(bw[1], 9), math.log(bw[0].high / bw[0].low)))[0]
@@ -270,5 +259,5 @@ def _band_from(profile: ModelProfile, strategy: Strategy, gpu: str, mfu: float, 
     return TimeBand(low=min(low, 1.0), high=max(high, 1.0), basis=basis, outside=tuple(outside)), widen
 
 
-__all__ = ["MeasuredSet", "TimeBand", "TimeDomain", "derived_from", "measured_gpu", "mfu_envelope", "precision_class",
+__all__ = ["MeasuredSet", "TimeBand", "TimeDomain", "derived_from", "mfu_envelope", "model_kind", "precision_class",
            "time_band", "time_domain"]

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from optplan.estimators.uncertainty import model_kind
 from optplan.planner.results import read_results
 from optplan.tui.cli import app
 
@@ -65,8 +66,7 @@ def test_the_committed_domain_holds_the_campaigns_sets_as_the_benchmark_writes_t
                  if "benchmarks/results" in s["source"]]
     groups: dict[tuple[str, str, str], list] = {}
     for r in rows:
-        kind = "transformer" if r.profile.transformer is not None else "flops_only"
-        groups.setdefault((r.gpu, r.strategy.engine, kind), []).append(r)
+        groups.setdefault((r.gpu, r.strategy.engine, model_kind(r.profile)), []).append(r)
     by_key = {(s["gpu"], s["engine"], s.get("kind", "transformer")): s for s in committed}
     assert set(groups) == set(by_key) and ("H200", "torch", "transformer") in by_key
     for key, rs in groups.items():
