@@ -39,6 +39,12 @@ Run (``--device`` defaults to cuda when torch sees a GPU):
     python benchmarks/gpu_campaign.py --part 1 --out DIR          # probes + fidelity + calibration
     python benchmarks/gpu_campaign.py --part 2 --out DIR          # exports + recommendation grid
     python benchmarks/gpu_campaign.py --device cpu --quick --out DIR   # the CPU path CI runs
+    python benchmarks/gpu_campaign.py --sections exports,trace,grid --out DIR   # chosen sections, in order
+    python benchmarks/gpu_campaign.py --sections fidelity --models resnet --out DIR   # one model's runs
+
+``--sections`` (probes, fidelity, trace, gpu_tests, exports, grid) replaces ``--part``'s list, so that a visit
+spends its minutes on what earlier visits left unmeasured; ``--models`` (mlp, gpt2, llama, resnet) keeps only
+those models in fidelity, trace and grid.
 
 ``--budget-s`` (default 540) bounds one call: runs not started in time are recorded as "out of time".
 On the CPU the step times are measured but not compared (no CPU in the catalogue: predictions are for
@@ -191,6 +197,11 @@ class Campaign:
     quick: bool
     gpu: GPUSpec | None
     log: Callable[[str], None] = print
+    models: frozenset[str] | None = None  # --models: fidelity, trace and grid keep only these
+
+    def wants(self, key: str) -> bool:
+        """Whether --models keeps the model ``key`` (the grid's and trace's 'llama1b' answers to 'llama')."""
+        return self.models is None or key in self.models or key.removesuffix("1b") in self.models
 
     def left_s(self) -> float:
         return self.deadline - time.perf_counter()
@@ -390,8 +401,9 @@ def part_fidelity(c: Campaign) -> dict[str, Any]:
     ds_error = c.deepspeed_error
     doc["deepspeed_optimizer"] = ("torch AdamW (foreach) as the client optimizer: no fused-Adam JIT build "
                                   "(no nvcc or time for it on a visit); the prediction follows")
-    fidelity.run_suite(c.device, quick=c.quick, timeout_s=300.0, deadline=c.deadline, ds_torch_optimizer=True,
-                       on_model=on_model, on_row=on_row,
+    wanted = None if c.models is None else {case.model for case in fidelity.SUITE if c.wants(case.model)}
+    fidelity.run_suite(c.device, quick=c.quick, wanted=wanted, timeout_s=300.0, deadline=c.deadline,
+                       ds_torch_optimizer=True, on_model=on_model, on_row=on_row,
                        skip=(lambda case: ds_error if ds_error and case.mode.startswith("zero") else None))
     doc["summary"] = fidelity_summary(doc["cases"])
     write_json(path, doc)
@@ -459,17 +471,37 @@ def calibration_round_trip(c: Campaign, results: Path, rows: list[fidelity.Row],
 # ---------------------------------------------------------------------------------------------------
 # part 1: trace.json (where the step time goes)
 # ---------------------------------------------------------------------------------------------------
-def trace_cases(device: str, tmp: Path) -> list[tuple[str, Path, int | None, Strategy]]:
+@dataclass(frozen=True)
+class TraceCase:
+    key: str
+    path: Path
+    seq_len: int | None
+    strategy: Strategy
+
+
+def trace_cases(device: str, tmp: Path) -> list[TraceCase]:
     """The runs the H200 visit's time errors were largest on (benchmarks/results/2026-11-26-H200): GPT-2 small
     at micro-batch 4 (28-54 % slower predicted than measured) and 16, the Llama-3 1B layout at 2 and 4 with
-    checkpointing (23-38 % faster predicted); on the CPU one small MLP run."""
+    checkpointing (23-38 % faster predicted), DeepSpeed ZeRO-1 and ZeRO-3 at world size 1 (1.6-5.8x slower
+    measured than predicted), ResNet-50 and the MLP (the FLOPs-only path: 8-90x); on the CPU one small MLP run.
+    --quick on a GPU keeps the first GPT-2 and the first Llama run."""
     if device == "cpu":
-        return [("mlp", EXAMPLES / "mlp.py", None, Strategy(precision="fp32", optimizer="adamw", mbs=16,
-                                                            engine="torch"))]
+        return [TraceCase("mlp", EXAMPLES / "mlp.py", None, Strategy(precision="fp32", optimizer="adamw", mbs=16,
+                                                                     engine="torch"))]
     llama = fidelity.llama_wrapper(tmp, None, 1024)
-    return [("gpt2", EXAMPLES / "gpt2.py", 1024, Strategy(precision="bf16", mbs=b, engine="torch")) for b in (4, 16)] + [
-        ("llama1b", llama, 1024, Strategy(precision="bf16", mbs=2, engine="torch")),
-        ("llama1b", llama, 1024, Strategy(precision="bf16", mbs=4, checkpointing="full", engine="torch"))]
+    return [
+        *(TraceCase("gpt2", EXAMPLES / "gpt2.py", 1024, Strategy(precision="bf16", mbs=b, engine="torch"))
+          for b in (4, 16)),
+        TraceCase("llama1b", llama, 1024, Strategy(precision="bf16", mbs=2, engine="torch")),
+        TraceCase("llama1b", llama, 1024, Strategy(precision="bf16", mbs=4, checkpointing="full", engine="torch")),
+        TraceCase("llama1b", llama, 1024, Strategy(precision="bf16", mbs=2, engine="deepspeed", zero=1)),
+        TraceCase("llama1b", llama, 1024, Strategy(precision="bf16", mbs=2, checkpointing="full",
+                                                   engine="deepspeed", zero=3)),
+        TraceCase("resnet", EXAMPLES / "resnet.py", None, Strategy(precision="bf16", optimizer="sgd", mbs=32,
+                                                                  engine="torch")),
+        TraceCase("mlp", EXAMPLES / "mlp.py", None, Strategy(precision="fp32", optimizer="adamw", mbs=1024,
+                                                             engine="torch")),
+    ]
 
 
 def part_trace(c: Campaign) -> dict[str, Any]:
@@ -481,7 +513,13 @@ def part_trace(c: Campaign) -> dict[str, Any]:
         cases = trace_cases(c.device, Path(tmp))
         if c.quick and c.device == "cuda":  # one run per model: GPT-2 at micro-batch 4, the Llama layout at 2
             cases = [cases[0], cases[2]]
-        for key, model_path, seq, strategy in cases:
+        for case in cases:
+            key, model_path, seq, strategy = case.key, case.path, case.seq_len, case.strategy
+            if not c.wants(key):
+                continue
+            if strategy.engine == "deepspeed" and c.deepspeed_error:
+                doc["runs"].append({"model": key, "strategy": strategy.label(), "skipped": c.deepspeed_error})
+                continue
             if c.left_s() < 30:
                 doc["runs"].append({"model": key, "strategy": strategy.label(), "skipped": "out of time"})
                 continue
@@ -490,7 +528,8 @@ def part_trace(c: Campaign) -> dict[str, Any]:
             profile = profiles[key]
             block = profile.repeated_block.class_name if profile.repeated_block else None
             spec = ProbeSpec(model_path=str(model_path), seq_len=seq, strategy=strategy, block_class=block,
-                             device=c.device, warmup_steps=2 if c.device == "cuda" else 1,  # type: ignore[arg-type]
+                             ds_config=_ds_config(profile, strategy), device=c.device,  # type: ignore[arg-type]
+                             warmup_steps=2 if c.device == "cuda" else 1,
                              timed_steps=3 if c.device == "cuda" else 1, trace_steps=2 if c.device == "cuda" else 1)
             result = run_probe(spec, timeout_s=max(30.0, min(240.0, c.left_s())))
             t = estimate(profile, c.cluster(1), strategy).time
@@ -609,9 +648,10 @@ def grid_models(device: str, quick: bool, tmp: Path) -> list[GridModel]:
         return [GridModel("gpt2", EXAMPLES / "gpt2.py", 1024, ("amp-bf16", "bf16"), ("none", "full"), (4, 16),
                           ("torch",)),
                 GridModel("llama1b", llama1b, 1024, ("bf16",), ("none", "full"), (2, 4), ("torch",))]
-    return [GridModel("gpt2", EXAMPLES / "gpt2.py", 1024, ("amp-bf16", "bf16"), ("none", "full"), (4, 8, 16),
+    # 16 runs per model (about 10 s each on an H200): fits one 10-minute call with the exports and the traces
+    return [GridModel("gpt2", EXAMPLES / "gpt2.py", 1024, ("amp-bf16", "bf16"), ("none", "full"), (4, 16),
                       ("torch", "deepspeed-zero1")),
-            GridModel("llama1b", llama1b, 1024, ("amp-bf16", "bf16"), ("none", "full"), (1, 2, 4),
+            GridModel("llama1b", llama1b, 1024, ("amp-bf16", "bf16"), ("none", "full"), (2, 4),
                       ("torch", "deepspeed-zero1"))]
 
 
@@ -651,13 +691,20 @@ def spearman(x: Sequence[float], y: Sequence[float]) -> float | None:
     return sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True)) / (sx * sy)
 
 
-def _measure(c: Campaign, model: GridModel, profile: ModelProfile, strategy: Strategy) -> ProbeResult:
+def _ds_config(profile: ModelProfile, strategy: Strategy) -> dict[str, Any] | None:
+    """The exported ds_config.json for a DeepSpeed strategy, less its optimizer: a torch AdamW client optimizer
+    (no fused-Adam JIT build, as in fidelity); None for other engines."""
     from optplan.planner.export.deepspeed import render_ds_config
 
-    ds = None
-    if strategy.engine == "deepspeed":
-        ds = render_ds_config(strategy, profile)
-        ds.pop("optimizer", None)  # a torch AdamW client optimizer: no fused-Adam JIT build (as in fidelity)
+    if strategy.engine != "deepspeed":
+        return None
+    ds = render_ds_config(strategy, profile)
+    ds.pop("optimizer", None)
+    return ds
+
+
+def _measure(c: Campaign, model: GridModel, profile: ModelProfile, strategy: Strategy) -> ProbeResult:
+    ds = _ds_config(profile, strategy)
     block = profile.repeated_block.class_name if profile.repeated_block else None
     spec = ProbeSpec(model_path=str(model.path), seq_len=model.seq_len, strategy=strategy, block_class=block,
                      ds_config=ds, device=c.device, warmup_steps=1 if c.device == "cpu" else 2,  # type: ignore[arg-type]
@@ -766,6 +813,8 @@ def part_grid(c: Campaign) -> dict[str, Any]:
 
     with tempfile.TemporaryDirectory(prefix="optplan_campaign_grid_") as tmp:
         for model in grid_models(c.device, c.quick, Path(tmp)):
+            if not c.wants(model.key):
+                continue
             if c.left_s() < 30:
                 doc["models"].append({"model": model.key, "skipped": "out of time"})
                 continue
@@ -789,6 +838,8 @@ PARTS: dict[str, tuple[tuple[str, Callable[[Campaign], dict[str, Any]]], ...]] =
     "1": (("probes", part_probes), ("fidelity", part_fidelity), ("trace", part_trace), ("gpu_tests", part_gpu_tests)),
     "2": (("exports", part_exports), ("grid", part_grid)),
 }
+SECTIONS: dict[str, Callable[[Campaign], dict[str, Any]]] = {n: fn for part in PARTS.values() for n, fn in part}
+MODEL_KEYS = ("mlp", "gpt2", "llama", "resnet")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -798,6 +849,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small subsets of every section: one 10-minute call")
     parser.add_argument("--part", choices=("1", "2", "all"), default="all",
                         help="1: probes + fidelity + calibration; 2: exports + grid; all: both (default)")
+    parser.add_argument("--sections", default=None,
+                        help="comma-separated sections to run, in this order, instead of --part's: "
+                             + ", ".join(SECTIONS) + " (a GPU visit spends its minutes on what is not yet measured)")
+    parser.add_argument("--models", default=None,
+                        help="comma-separated models that fidelity, trace and grid keep: mlp, gpt2, llama, resnet")
     parser.add_argument("--out", type=Path, required=True, help="folder for the JSON results (created)")
     parser.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
                         help="wall-clock budget of this call (s); runs not started in time are recorded as skipped")
@@ -810,6 +866,25 @@ def main(argv: list[str] | None = None) -> int:
     if args.budget_s <= 0:
         print("error: --budget-s must be > 0 (seconds)", file=sys.stderr)
         return 2
+    sections: list[tuple[str, Callable[[Campaign], dict[str, Any]]]]
+    if args.sections is not None:
+        names = [n.strip() for n in args.sections.split(",") if n.strip()]
+        unknown = [n for n in names if n not in SECTIONS]
+        if unknown or not names:
+            print(f"error: --sections {args.sections!r}: unknown {', '.join(unknown) or '(empty)'}; "
+                  f"choose from {', '.join(SECTIONS)}", file=sys.stderr)
+            return 2
+        sections = [(n, SECTIONS[n]) for n in dict.fromkeys(names)]
+    else:
+        sections = [s for part in (("1", "2") if args.part == "all" else (args.part,)) for s in PARTS[part]]
+    models = None
+    if args.models is not None:
+        models = frozenset(m.strip() for m in args.models.split(",") if m.strip())
+        unknown = sorted(models - set(MODEL_KEYS))
+        if unknown or not models:
+            print(f"error: --models {args.models!r}: unknown {', '.join(unknown) or '(empty)'}; "
+                  f"choose from {', '.join(MODEL_KEYS)}", file=sys.stderr)
+            return 2
     if args.out.exists() and not args.out.is_dir():
         print(f"error: --out {args.out} is a file: give a folder", file=sys.stderr)
         return 2
@@ -825,30 +900,28 @@ def main(argv: list[str] | None = None) -> int:
 
     args.out.mkdir(parents=True, exist_ok=True)
     c = Campaign(device=device, out=args.out, env=env_record(device), deadline=started + args.budget_s,
-                 quick=args.quick, gpu=gpu, log=log)
+                 quick=args.quick, gpu=gpu, log=log, models=models)
     log(f"campaign: {device} {c.env['device_name']}; torch {c.env['torch']}, CUDA {c.env['cuda']}, driver "
         f"{c.env['driver']}; commit {c.env['commit']}; budget {args.budget_s:.0f} s"
         + (f"; {gpu_note}" if gpu_note else ""))
-    parts = ("1", "2") if args.part == "all" else (args.part,)
     written = []
-    for part in parts:
-        for name, fn in PARTS[part]:
-            t0 = time.perf_counter()
-            try:
-                fn(c)
-                written.append(name)
-            except Exception as exc:  # noqa: BLE001 - a section's crash is reported; the others still run
-                log(f"{name}: failed: {type(exc).__name__}: {exc}")
-                target = args.out / ("probes.json" if name == "gpu_tests" else f"{name}.json")
-                try:  # keep what the section wrote before it crashed
-                    doc = json.loads(target.read_text())
-                except (OSError, json.JSONDecodeError):
-                    doc = c.doc(name)
-                doc["error"] = f"{type(exc).__name__}: {exc}"
-                write_json(target, doc)
-            log(f"{name}: {time.perf_counter() - t0:.0f} s")
+    for name, fn in sections:
+        t0 = time.perf_counter()
+        try:
+            fn(c)
+            written.append(name)
+        except Exception as exc:  # noqa: BLE001 - a section's crash is reported; the others still run
+            log(f"{name}: failed: {type(exc).__name__}: {exc}")
+            target = args.out / ("probes.json" if name == "gpu_tests" else f"{name}.json")
+            try:  # keep what the section wrote before it crashed
+                doc = json.loads(target.read_text())
+            except (OSError, json.JSONDecodeError):
+                doc = c.doc(name)
+            doc["error"] = f"{type(exc).__name__}: {exc}"
+            write_json(target, doc)
+        log(f"{name}: {time.perf_counter() - t0:.0f} s")
     log(f"campaign: {', '.join(written) or 'nothing'} written to {args.out} in {time.perf_counter() - started:.0f} s")
-    return 0 if len(written) == sum(len(PARTS[p]) for p in parts) else 1
+    return 0 if len(written) == len(sections) else 1
 
 
 if __name__ == "__main__":

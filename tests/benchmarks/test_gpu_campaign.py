@@ -138,9 +138,26 @@ def test_a_spent_budget_still_writes_every_file(tmp_path: Path) -> None:
     assert all(m.get("skipped") == "out of time" for m in _load(tmp_path, "grid")["models"])
 
 
+def test_sections_run_in_the_order_given_and_models_filter_them(tmp_path: Path) -> None:
+    proc = _campaign("--device", "cpu", "--quick", "--sections", "grid,trace", "--models", "gpt2", "--out",
+                     str(tmp_path), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1].startswith("campaign: grid, trace written to")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["campaign.log", "grid.json", "trace.json"]
+    # the CPU's quick grid and trace hold the MLP alone: --models gpt2 leaves both empty, not skipped
+    assert _load(tmp_path, "grid")["models"] == [] and _load(tmp_path, "trace")["runs"] == []
+    proc = _campaign("--device", "cpu", "--quick", "--sections", "trace", "--models", "mlp", "--out",
+                     str(tmp_path / "mlp"), timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    runs = _load(tmp_path / "mlp", "trace")["runs"]
+    assert [r["model"] for r in runs] == ["mlp"] and runs[0]["status"] == "ok"
+
+
 @pytest.mark.parametrize(("args", "needle"), [
     (["--device", "cuda"], "sees no CUDA device"),
     (["--device", "cpu", "--budget-s", "0"], "--budget-s must be > 0"),
+    (["--device", "cpu", "--sections", "probes,grids"], "unknown grids; choose from probes"),
+    (["--device", "cpu", "--models", "gpt3"], "unknown gpt3; choose from mlp"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args: list[str], needle: str, tmp_path: Path) -> None:
     proc = _campaign(*args, "--out", str(tmp_path / "o"), timeout=120)
