@@ -19,7 +19,10 @@ off (issue 16: "fix what they show"). Categories come from kernel and operator n
 ``busy_s`` is the sum over categories; ``step_wall_s`` the traced steps' wall time each (the profiler adds
 overhead: the timed steps, not these, are the probe's step time); ``kernels`` the kernels (CUDA) or operators
 (CPU) per step. CUDA kernel events are read from ``profile().events()`` (Kineto's device events, device type
-CUDA); the CPU's from the operators' self time (exclusive, so nothing counts twice).
+CUDA); the CPU's from the operators' self time (exclusive, so nothing counts twice). Device-side copies of
+``record_function`` ranges (``gpu_user_annotation``: ``Optimizer.step#AdamW.step`` spans every AdamW kernel)
+are left out and counted in ``annotations_skipped``: the first H200 visit's trace.json (2026-11-26-H200-visit2)
+counted them, which doubled its ``optimizer`` figures.
 """
 
 from __future__ import annotations
@@ -55,7 +58,6 @@ def category(name: str) -> str:
 
 def trace_steps(step: Callable[[], Any], steps: int, *, cuda: bool, sync: Callable[[], None]) -> dict[str, Any]:
     """Run ``step`` ``steps`` times under the profiler; per-step seconds by category (module docstring)."""
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -66,11 +68,37 @@ def trace_steps(step: Callable[[], Any], steps: int, *, cuda: bool, sync: Callab
             step()
         sync()
     wall = (time.perf_counter() - t0) / steps
+    sums, count, skipped = sum_events(prof.events(), cuda=cuda)
+    per_step = {k: v / steps for k, v in sums.items()}
+    return {"time_by_category_s": per_step, "busy_s": sum(per_step.values()), "step_wall_s": wall,
+            "kernels": count / steps, "annotations_skipped": skipped / steps,
+            "what": "CUDA kernels" if cuda else "ATen operators (self CPU time)"}
+
+
+def _is_annotation(evt: Any) -> bool:
+    """A device-side copy of a ``record_function`` range (Kineto's ``gpu_user_annotation``, e.g.
+    ``Optimizer.step#AdamW.step``): a span over kernels already counted, not a kernel. torch's own tables
+    leave them out (torch/autograd/profiler_util.py ``_build_table``: ``not evt.is_user_annotation``); torch
+    builds without the flag name them after their CPU range, which holds a ``#`` or starts ``ProfilerStep``."""
+    flag = getattr(evt, "is_user_annotation", None)
+    if flag is not None:
+        return bool(flag)
+    return "#" in evt.name or evt.name.startswith("ProfilerStep")
+
+
+def sum_events(events: Any, *, cuda: bool) -> tuple[dict[str, float], int, int]:
+    """Seconds by category over profiler events, the kernels (or operators) counted, and the device-side
+    annotations left out (module docstring; CUDA kernels by their time range, CPU operators by self time)."""
+    from torch.autograd import DeviceType
+
     sums = dict.fromkeys(CATEGORIES, 0.0)
-    count = 0
-    for evt in prof.events():
+    count = skipped = 0
+    for evt in events:
         if cuda:
             if evt.device_type != DeviceType.CUDA:
+                continue
+            if _is_annotation(evt):  # the first H200 trace counted AdamW's step twice: kernels + this span
+                skipped += 1
                 continue
             duration_us = evt.time_range.end - evt.time_range.start
         else:
@@ -80,13 +108,11 @@ def trace_steps(step: Callable[[], Any], steps: int, *, cuda: bool, sync: Callab
         sums[category(evt.name)] += duration_us * 1e-6
         count += 1
     if not cuda:  # CPU optimizers run plain operators: their step is the optimizer's own annotation, inclusive
-        opt_us = sum(evt.cpu_time_total for evt in prof.events() if evt.name.startswith("Optimizer.step#"))
+        opt_us = sum(evt.cpu_time_total for evt in events if evt.name.startswith("Optimizer.step#"))
         moved = min(opt_us * 1e-6, sums["other"])
         sums["optimizer"] += moved
         sums["other"] -= moved
-    per_step = {k: v / steps for k, v in sums.items()}
-    return {"time_by_category_s": per_step, "busy_s": sum(per_step.values()), "step_wall_s": wall,
-            "kernels": count / steps, "what": "CUDA kernels" if cuda else "ATen operators (self CPU time)"}
+    return sums, count, skipped
 
 
-__all__ = ["CATEGORIES", "category", "trace_steps"]
+__all__ = ["CATEGORIES", "category", "sum_events", "trace_steps"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from optplan.probes.step_trace import category
+from optplan.probes.step_trace import category, sum_events
 
 
 @pytest.mark.parametrize(("name", "want"), [
@@ -25,3 +25,43 @@ from optplan.probes.step_trace import category
 ])
 def test_names_fall_in_the_right_part(name: str, want: str) -> None:
     assert category(name) == want
+
+
+class _Range:
+    def __init__(self, start: float, end: float) -> None:
+        self.start, self.end = start, end
+
+
+class _Event:
+    def __init__(self, name: str, device: str, us: float, *, annotation: bool | None = False) -> None:
+        from torch.autograd import DeviceType
+
+        self.name = name
+        self.device_type = DeviceType.CUDA if device == "cuda" else DeviceType.CPU
+        self.time_range = _Range(0.0, us)
+        self.self_cpu_time_total = us
+        self.cpu_time_total = us
+        if annotation is not None:
+            self.is_user_annotation = annotation
+
+
+def test_device_annotations_are_not_kernels() -> None:
+    """Kineto copies record_function ranges onto the GPU timeline; AdamW's step span covers its own kernels,
+    so counting it doubled the optimizer's time on the first H200 trace."""
+    kernels = [_Event("multi_tensor_apply_kernel<AdamFunctor>", "cuda", 300.0),
+               _Event("multi_tensor_apply_kernel<AdamFunctor>", "cuda", 200.0),
+               _Event("sm90_xmma_gemm_bf16", "cuda", 1000.0),
+               _Event("aten::mm", "cpu", 50.0)]
+    span = _Event("Optimizer.step#AdamW.step", "cuda", 520.0, annotation=True)
+    unflagged = _Event("ProfilerStep#3", "cuda", 2000.0, annotation=None)  # a torch without the flag
+    sums, count, skipped = sum_events([*kernels, span, unflagged], cuda=True)
+    assert sums["optimizer"] == pytest.approx(500e-6) and sums["gemm"] == pytest.approx(1000e-6)
+    assert (count, skipped) == (3, 2)
+
+
+def test_cpu_operators_use_self_time_and_the_optimizer_range() -> None:
+    events = [_Event("aten::mm", "cpu", 40.0), _Event("aten::mul_", "cpu", 30.0),
+              _Event("Optimizer.step#AdamW.step", "cpu", 25.0), _Event("sm90_gemm", "cuda", 99.0)]
+    sums, count, skipped = sum_events(events, cuda=False)
+    assert sums["gemm"] == pytest.approx(40e-6) and sums["optimizer"] == pytest.approx(25e-6)
+    assert sums["other"] == pytest.approx(5e-6) and (count, skipped) == (2, 0)
