@@ -365,11 +365,13 @@ class Runner:
         if self.device == "cuda" and self.gpu is not None:
             cluster = Cluster(gpu=self.gpu, gpus=case.nproc, gpus_per_node=case.nproc)
             try:
-                t = estimate(profile, cluster, strategy).time
+                impl = "foreach" if strategy.engine == "deepspeed" and self.ds_torch_optimizer else None
+                t = estimate(profile, cluster, strategy, adam_impl=impl).time  # type: ignore[arg-type]
                 row.pred_step_s, comm = t.step_s, t.exposed_comm_s
                 on_device = t.step_s - t.exposed_comm_s
                 if cal is not None:
-                    row.cal_step_s = estimate(profile, cluster, strategy, calibration=cal).time.step_s
+                    row.cal_step_s = estimate(profile, cluster, strategy, calibration=cal,
+                                              adam_impl=impl).time.step_s  # type: ignore[arg-type]
             except Exception as exc:  # noqa: BLE001 - a strategy the estimator refuses is reported, not fatal
                 row.time_note = f"no time estimate: {type(exc).__name__}: {exc}"
         row.comparison = ProbeComparison(

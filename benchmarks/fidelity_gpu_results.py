@@ -14,7 +14,8 @@ today's (its hash differs from the recorded one wherever the torch version does:
 
 The last line reads ``gpu results: memory median X%, max Y% over N runs; step time median A%, max B% over
 M runs (GPUS)``. The memory figures leave out the ``mlp`` runs with ``--no-tiny`` (a 36 MB model whose
-peak is mostly library workspace).
+peak is mostly library workspace), and always the runs whose measured program optplan no longer launches
+(:func:`superseded`, marked in the table).
 """
 
 from __future__ import annotations
@@ -45,6 +46,12 @@ GRID_ALIASES = {"llama1b": "llama"}
 """grid.json's model keys that name a fidelity model (the same file, shape and sequence)."""
 TINY_MODELS = ("mlp",)
 
+LOSS_UNDER_ENGINE_AUTOCAST_SINCE = "2026-11-26T07:30:00+00:00"
+"""From then on the probe loop (and the exported train.py) takes the loss under DeepSpeed's and accelerate's
+autocast (probes/trainloop.py ``Trainer._loss_autocast``); AMP runs under those engines measured before it ran a
+bf16 cross entropy, a program optplan no longer launches: their memory figure is shown but left out of the summary
+(re-measure them). A rule on how a run was measured, not on its error."""
+
 
 @dataclass(frozen=True)
 class Compared:
@@ -59,6 +66,7 @@ class Compared:
     predicted_bytes: int
     measured_bytes: int | None
     in_band: bool | None = None
+    superseded: str | None = None
 
 
 def results_files(dirs: list[Path]) -> list[Path]:
@@ -135,13 +143,27 @@ def compare(case: MeasuredCase, source: str, profile: ModelProfile) -> Compared:
                               adam_impl=impl, device="cuda", gpu=gpu.name)  # type: ignore[arg-type]
     allocated = memory.total_bytes - memory.overhead_bytes
     t = estimate(profile, Cluster(gpu=gpu, gpus=strategy.world_size, gpus_per_node=strategy.world_size),
-                 strategy).time
+                 strategy, adam_impl=impl).time  # type: ignore[arg-type]
     step_s = t.step_s
     in_band = (t.step_s_low <= result.step_s <= t.step_s_high) if result.step_s else None
     return Compared(model=case.model, label=strategy.label(), gpu=case.gpu, source=source,
                     memory_pct=pct(allocated, result.peak_allocated_bytes), time_pct=pct(step_s, result.step_s),
                     predicted_step_s=step_s, measured_step_s=result.step_s, predicted_bytes=allocated,
-                    measured_bytes=result.peak_allocated_bytes, in_band=in_band)
+                    measured_bytes=result.peak_allocated_bytes, in_band=in_band,
+                    superseded=superseded(case, source))
+
+
+def superseded(case: MeasuredCase, source: str) -> str | None:
+    """Why a run's memory no longer describes what optplan launches (:data:`LOSS_UNDER_ENGINE_AUTOCAST_SINCE`),
+    or None."""
+    strategy = case.comparison.probed
+    if strategy.engine != "deepspeed" or not strategy.precision.startswith("amp-"):
+        return None
+    path = Path(source) if Path(source).is_absolute() else ROOT / source
+    started = str(json.loads(path.read_text()).get("env", {}).get("started_at") or "")
+    if started and started >= LOSS_UNDER_ENGINE_AUTOCAST_SINCE:
+        return None
+    return "loss outside DeepSpeed's autocast (before the loop took it under autocast): re-measure"
 
 
 def summary(values: list[float]) -> tuple[float, float]:
@@ -179,16 +201,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r.gpu:<6} {r.model:<7} {r.label[:36]:<36} "
               f"{r.predicted_bytes / 2**20:9.1f} {meas_mib} {mem:>8} | "
               f"{(r.predicted_step_s or 0) * 1e3:8.1f} {(r.measured_step_s or 0) * 1e3:8.1f} {tim:>8} "
-              f"{'in' if r.in_band else 'OUT' if r.in_band is not None else '-'}")
+              f"{'in' if r.in_band else 'OUT' if r.in_band is not None else '-'}"
+              + (" [memory superseded]" if r.superseded else ""))
     for model in sorted({r.model for r in rows}):
         mine = [r for r in rows if r.model == model]
-        m = [r.memory_pct for r in mine if r.memory_pct is not None]
+        m = [r.memory_pct for r in mine if r.memory_pct is not None and not r.superseded]
         t = [r.time_pct for r in mine if r.time_pct is not None]
         print(f"  {model}: memory median {summary(m)[0]:.2f}%, max {summary(m)[1]:.2f}% over {len(m)}; "
               f"step time median {summary(t)[0]:.1f}%, max {summary(t)[1]:.1f}% over {len(t)}"
               if m and t else f"  {model}: {len(mine)} runs")
     mem_rows = [r for r in rows if not (args.no_tiny and r.model in TINY_MODELS)]
-    mems = [r.memory_pct for r in mem_rows if r.memory_pct is not None]
+    mems = [r.memory_pct for r in mem_rows if r.memory_pct is not None and not r.superseded]
+    gone = [r for r in rows if r.superseded]
+    if gone:
+        print(f"  memory superseded (left out of the memory figures): {len(gone)} run(s), {gone[0].superseded}")
     times = [r.time_pct for r in rows if r.time_pct is not None]
     gpus = ", ".join(sorted({r.gpu for r in rows}))
     mm, mx = summary(mems)

@@ -75,10 +75,12 @@ from optplan.estimators.efficiency import (
     fitted_gpus,
 )
 from optplan.estimators.hardware import GPUSpec, find_gpu
+from optplan.estimators.optimizer_traffic import optimizer_step_bytes_per_param
 from optplan.estimators.optimizers import optimizer_state_bytes_per_param
 from optplan.estimators.precision import get_recipe
 from optplan.estimators.profile import ModelProfile
 from optplan.estimators.strategy import Strategy
+from optplan.estimators.temporaries import AdamImpl, engine_adam_impl
 
 MAX_EFFICIENCY: dict[str, float] = {"fp32": 0.80, "tf32": 0.55, "bf16": 0.55, "fp16": 0.55, "fp8": 0.45}
 """FLOPs-only model (profiles without a transformer shape): achievable fraction of dense datasheet peak
@@ -370,21 +372,27 @@ def blend_s(host_s: float, device_s: float, exponent: float) -> float:
 
 
 def optimizer_step_s(params_local: float, strategy: Strategy, gpu: GPUSpec, profile: ModelProfile, *,
-                     shard_ranks: int, ranks_per_node: int = 1) -> float:
-    """Optimizer step on this rank's shard (seconds): master weights and moments read and written,
-    gradients read, weights written, over the HBM bandwidth; under optimizer offload the host's Adam
-    (shared by ``ranks_per_node`` ranks) plus the PCIe transfers of gradients (every micro-step) and
-    updated weights (ZeRO-Offload, Ren et al. 2021 §4)."""
+                     shard_ranks: int, ranks_per_node: int = 1, hbm_fraction: float = 1.0,
+                     adam_impl: AdamImpl | None = None) -> float:
+    """Optimizer step on this rank's shard (seconds): the bytes the engine's optimizer implementation moves
+    per parameter (optimizer_traffic.py: 80 for torch's foreach AdamW, 28 for a fused kernel, plus the
+    master-weight copies) over the achieved HBM bandwidth (datasheet × ``hbm_fraction``); under optimizer
+    offload the host's Adam (shared by ``ranks_per_node`` ranks) plus the PCIe transfers of gradients (every
+    micro-step) and updated weights (ZeRO-Offload, Ren et al. 2021 §4). ``adam_impl`` overrides the engine's
+    own AdamW (temporaries.engine_adam_impl)."""
     recipe = get_recipe(strategy.precision)
-    k = recipe.master_bytes + optimizer_state_bytes_per_param(strategy.optimizer, recipe, profile)
+    state = optimizer_state_bytes_per_param(strategy.optimizer, recipe, profile)
     trainable = profile.trainable_params / profile.params if profile.params else 1.0
     shard = params_local * trainable / max(1, shard_ranks)
-    touched = shard * (2 * k + recipe.grad_bytes + recipe.weight_bytes)
     if strategy.offload_optimizer != "none":
+        k = recipe.master_bytes + state
+        touched = shard * (2 * k + recipe.grad_bytes + recipe.weight_bytes)
         host_s = touched * ranks_per_node / HOST_OPTIMIZER_BYTES_PER_S
         pcie_s = shard * (strategy.grad_accum * recipe.grad_bytes + recipe.weight_bytes) / PCIE_BYTES_PER_S
         return host_s + pcie_s
-    return touched / gpu.memory_bandwidth_bytes_per_s
+    impl = adam_impl or engine_adam_impl(strategy.engine)
+    per_param = optimizer_step_bytes_per_param(strategy.optimizer, recipe, state, impl)
+    return shard * per_param / (gpu.memory_bandwidth_bytes_per_s * hbm_fraction)
 
 
 class ComputeTime(BaseModel):
@@ -410,7 +418,8 @@ def matmul_efficiency(profile: ModelProfile, strategy: Strategy) -> float:
 
 
 def compute_time(profile: ModelProfile, strategy: Strategy, gpu: GPUSpec, *,
-                 ranks_per_node: int = 1) -> ComputeTime:
+                 ranks_per_node: int = 1, hbm_fraction: float = 1.0,
+                 adam_impl: AdamImpl | None = None) -> ComputeTime:
     """FLOPs-only model (profiles without a transformer shape): forward+backward, recompute, memory-bound
     and optimizer-step time of one step on one GPU without model parallelism (seconds).
 
@@ -430,6 +439,6 @@ def compute_time(profile: ModelProfile, strategy: Strategy, gpu: GPUSpec, *,
     memory_bound_s = strategy.grad_accum * passes * traffic / gpu.memory_bandwidth_bytes_per_s
     shard_ranks = strategy.dp if strategy.zero >= 1 else 1
     optimizer_s = optimizer_step_s(float(profile.params), strategy, gpu, profile, shard_ranks=shard_ranks,
-                                   ranks_per_node=ranks_per_node)
+                                   ranks_per_node=ranks_per_node, hbm_fraction=hbm_fraction, adam_impl=adam_impl)
     return ComputeTime(compute_s=compute_s, recompute_s=recompute_s, memory_bound_s=memory_bound_s,
                        optimizer_s=optimizer_s, efficiency=eff)

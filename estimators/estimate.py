@@ -18,6 +18,7 @@ from optplan.estimators.optimizers import optimizer_sees_flat_params, optimizer_
 from optplan.estimators.parallel import placement_notes
 from optplan.estimators.profile import ModelProfile
 from optplan.estimators.strategy import PAGED_OPTIMIZERS, Strategy
+from optplan.estimators.temporaries import AdamImpl
 from optplan.estimators.timing import TimeBreakdown, comm_time_s, mfu_peak_flops, step_time, with_paging
 from optplan.estimators.uncertainty import TimeBand, time_band
 from optplan.estimators.units import gib
@@ -158,14 +159,15 @@ def calibrate_estimate(estimate: Estimate, cal: Calibration | None) -> Estimate:
 
 
 def estimate(profile: ModelProfile, cluster: Cluster, strategy: Strategy, *,
-             calibration: Calibration | None = None) -> Estimate:
+             calibration: Calibration | None = None, adam_impl: AdamImpl | None = None) -> Estimate:
     """Predict memory per GPU (worst rank), step time, throughput, MFU/HFU and feasibility of ``strategy``.
 
-    ``calibration`` (from probe runs, see calibration.py) corrects memory and time when given."""
+    ``calibration`` (from probe runs, see calibration.py) corrects memory and time when given. ``adam_impl``
+    overrides the engine's own AdamW implementation (temporaries.py) in memory and time."""
     check_strategy(profile, cluster, strategy)
     memory = memory_breakdown(profile, strategy, usable_capacity_bytes(cluster.gpu.memory_bytes),
-                              gpus_per_node=cluster.gpus_per_node, gpu=cluster.gpu.name)
-    time = with_paging(step_time(profile, strategy, cluster),
+                              gpus_per_node=cluster.gpus_per_node, gpu=cluster.gpu.name, adam_impl=adam_impl)
+    time = with_paging(step_time(profile, strategy, cluster, adam_impl=adam_impl),
                        memory.detail_bytes.get("paged_optimizer_state_off_gpu", 0))
     band = time_band(profile, strategy, cluster, mfu=time.mfu)
     time = with_band(time, band)

@@ -93,6 +93,7 @@ from optplan.estimators.pipeline import pipeline_time_s
 from optplan.estimators.precision import get_recipe
 from optplan.estimators.profile import ModelProfile
 from optplan.estimators.strategy import Strategy
+from optplan.estimators.temporaries import AdamImpl
 from optplan.estimators.tensor_plan import gathers_logits
 
 
@@ -262,9 +263,10 @@ def _finish(profile: ModelProfile, strategy: Strategy, cluster: Cluster, *, part
 
 
 def _flops_only_step(profile: ModelProfile, strategy: Strategy, cluster: Cluster,
-                     eff: GpuEfficiency) -> TimeBreakdown:
+                     eff: GpuEfficiency, adam_impl: AdamImpl | None = None) -> TimeBreakdown:
     """Profiles without a transformer shape: compute.py's FLOPs-only model, p equal stages."""
-    ct = compute_time(profile, strategy, cluster.gpu, ranks_per_node=min(strategy.dp, cluster.gpus_per_node))
+    ct = compute_time(profile, strategy, cluster.gpu, ranks_per_node=min(strategy.dp, cluster.gpus_per_node),
+                      hbm_fraction=eff.hbm_fraction, adam_impl=adam_impl)
     pl = placement(strategy, cluster.gpus_per_node)
     links = _links(pl, cluster, eff)
     p, m = strategy.pp, strategy.grad_accum
@@ -326,7 +328,7 @@ def _moe_layer_s(profile: ModelProfile, s_: Strategy, cluster: Cluster, eff: Gpu
 
 
 def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: Strategy, cluster: Cluster,
-                      eff: GpuEfficiency, engine: EngineEfficiency) -> TimeBreakdown:
+                      eff: GpuEfficiency, engine: EngineEfficiency, adam_impl: AdamImpl | None = None) -> TimeBreakdown:
     """Transformer profiles: per-stage roofline by op class, collectives by placement, 1F1B pipeline."""
     gpu = cluster.gpu
     s_, t, c, p, v, m = strategy, strategy.tp, strategy.cp, strategy.pp, strategy.vpp, strategy.grad_accum
@@ -443,7 +445,8 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
             tied = ring_all_reduce_s(split.embed / t * grad_bytes * trainable, 2,
                                      links["pp"].bandwidth_bytes_per_s, links["pp"].alpha_s)
         opt = optimizer_step_s(info["params"], s_, gpu, profile, shard_ranks=shard_ranks,
-                               ranks_per_node=min(cluster.gpus_per_node, s_.world_size))
+                               ranks_per_node=min(cluster.gpus_per_node, s_.world_size),
+                               hbm_fraction=eff.hbm_fraction, adam_impl=adam_impl)
         post = dpc.exposed_s + tied + opt
         if post_best is None or post > post_best[0]:
             post_best = (post, dpc, tied, opt)
@@ -494,17 +497,20 @@ def with_paging(time: TimeBreakdown, paged_out_bytes: int) -> TimeBreakdown:
 
 
 def step_time(profile: ModelProfile, strategy: Strategy, cluster: Cluster, *,
-              efficiency: GpuEfficiency | None = None, engine: EngineEfficiency | None = None) -> TimeBreakdown:
+              efficiency: GpuEfficiency | None = None, engine: EngineEfficiency | None = None,
+              adam_impl: AdamImpl | None = None) -> TimeBreakdown:
     """Time of one optimizer step of ``strategy`` on ``cluster`` with throughput, MFU and HFU.
 
     ``efficiency`` overrides the GPU's constants and ``engine`` the engine family's (efficiency.py); the
-    fitting benchmarks (fidelity_vtrain.py, fit_time.py) fit them through these.
+    fitting benchmarks (fidelity_vtrain.py, fit_time.py) fit them through these. ``adam_impl`` overrides the
+    engine's own AdamW implementation (a torch client optimizer under DeepSpeed, as the probes run it).
     """
     eff = efficiency or efficiency_for(cluster.gpu)
     dims = transformer_dims(profile)
     if dims is None:
-        return _flops_only_step(profile, strategy, cluster, eff)
-    return _transformer_step(profile, dims, strategy, cluster, eff, engine or engine_efficiency(strategy.engine))
+        return _flops_only_step(profile, strategy, cluster, eff, adam_impl)
+    return _transformer_step(profile, dims, strategy, cluster, eff, engine or engine_efficiency(strategy.engine),
+                             adam_impl)
 
 
 __all__ = ["TimeBreakdown", "comm_time_s", "data_parallel_comm", "mfu_peak_flops",

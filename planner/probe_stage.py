@@ -171,7 +171,7 @@ def compare_spec(profile: ModelProfile, cluster: Cluster, candidate: Strategy, p
     allocated = memory.total_bytes - memory.overhead_bytes
     step = on_device = comm = None
     if time_comparable:
-        est = estimate(profile, small, probed)
+        est = estimate(profile, small, probed, adam_impl=adam_impl)
         step, comm = est.time.step_s, est.time.exposed_comm_s
         on_device = step - comm
     total = memory.total_bytes if local.device == "cuda" else allocated

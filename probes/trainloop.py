@@ -45,6 +45,7 @@ import json
 import math
 import os
 import platform
+import re
 import socket
 import statistics
 import sys
@@ -62,6 +63,8 @@ PLAN: dict[str, Any] = {}
 
 MEASUREMENTS_FORMAT = "optplan-measurements/1"
 EXIT_BAD_INPUT = 2
+AUTOCAST_DTYPES: dict[str, torch.dtype] = {"amp-bf16": torch.bfloat16, "amp-fp16": torch.float16}
+"""The autocast dtype of each AMP recipe (precision.py)."""
 ADAMW_KW: dict[str, Any] = {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 SGD_KW: dict[str, Any] = {"lr": 3e-4, "momentum": 0.9}
 ADAFACTOR_KW: dict[str, Any] = {"lr": 1e-2}
@@ -268,6 +271,19 @@ def to_device(obj: Any, device: torch.device, float_dtype: torch.dtype | None) -
     return obj
 
 
+def deepspeed_arch_list(value: str | None) -> str | None:
+    """``TORCH_CUDA_ARCH_LIST`` as DeepSpeed's op builder can parse it: arch-specific and family suffixes dropped
+    (``9.0a`` -> ``9.0``, ``10.0f+PTX`` -> ``10.0+PTX``), duplicates kept once; None when unset."""
+    if value is None:
+        return None
+    out: list[str] = []
+    for entry in value.replace(";", " ").split():
+        fixed = re.sub(r"^(\d+\.\d+)[a-zA-Z]+", r"\1", entry)
+        if fixed not in out:
+            out.append(fixed)
+    return ";".join(out) if ";" in value or len(out) == 1 else " ".join(out)
+
+
 def ds_config_recipe(config: Mapping[str, Any]) -> str:
     """The precision recipe a ds_config's ``bf16`` / ``fp16`` / ``torch_autocast`` sections select."""
     def on(name: str) -> bool:
@@ -424,6 +440,7 @@ class Trainer:
         self.model: nn.Module | None = None  # the module that owns the parameters (unwrapped)
         self.runner: Any = None  # what forward is called on (DDP / compiled / engine)
         self.autocast_dtype: torch.dtype | None = None
+        self.loss_autocast_dtype: torch.dtype | None = None  # the engine autocasts forward only: the loss too
         self.input_dtype: torch.dtype | None = None
         self.loss_fn: Callable[[Any, Any], Any] | None = None
         self.loss_note: str | None = None
@@ -453,6 +470,8 @@ class Trainer:
     def setup_distributed(self) -> None:
         if self.use_accelerate:
             self.phase = "accelerate.Accelerator() (reading the accelerate launch environment)"
+            if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
+                self._deepspeed_arch_list()
             from accelerate import Accelerator
 
             self.accelerator = Accelerator()  # accumulation is this loop's own (loss / grad_accum)
@@ -483,8 +502,21 @@ class Trainer:
             dist.init_process_group(backend=backend, **kwargs)
         self.dist_on = True
 
+    def _deepspeed_arch_list(self) -> None:
+        """Arch-specific TORCH_CUDA_ARCH_LIST entries (``9.0a``, set by some CUDA images) stop DeepSpeed's JIT op
+        builder (it reads ``X.Y[+PTX]``: "invalid literal for int() with base 10: '0a'", deepspeedai/DeepSpeed#7589,
+        met on the second H200 visit): the builder gets the plain ``9.0``, and rank 0 says so."""
+        before = os.environ.get("TORCH_CUDA_ARCH_LIST")
+        after = deepspeed_arch_list(before)
+        if after is not None and after != before:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = after
+            if self.rank == 0:
+                self.notes.append(f"TORCH_CUDA_ARCH_LIST {before!r} read as {after!r} for DeepSpeed's op builder "
+                                  "(it cannot parse arch-specific entries, deepspeedai/DeepSpeed#7589)")
+
     def import_deepspeed(self) -> Any:
         self.phase = "importing deepspeed"
+        self._deepspeed_arch_list()
         try:
             import deepspeed
         except Exception as exc:  # noqa: BLE001
@@ -505,10 +537,14 @@ class Trainer:
         if self.engine == "deepspeed":
             # the ds_config's sections decide; its bf16/fp16 engines hold the module in 16 bits and do not
             # cast the inputs, so float inputs are cast as a DeepSpeed training script does
-            self.input_dtype = low.get(ds_config_recipe(self.ds_config or {}))
+            recipe = ds_config_recipe(self.ds_config or {})
+            self.input_dtype = low.get(recipe)
+            self.loss_autocast_dtype = AUTOCAST_DTYPES.get(recipe)
             return
         if self.use_accelerate:
-            return  # accelerate's mixed_precision (autocast over fp32 weights) decides
+            # accelerate's mixed_precision (autocast over fp32 weights) decides
+            self.loss_autocast_dtype = AUTOCAST_DTYPES.get(self.precision)
+            return
         p = self.precision
         if p in ("amp-bf16", "amp-fp16"):
             self.autocast_dtype = torch.bfloat16 if p == "amp-bf16" else torch.float16
@@ -672,6 +708,15 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(self.device_type, dtype=self.autocast_dtype)
 
+    def _loss_autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """DeepSpeed's ``torch_autocast`` and accelerate's mixed precision autocast the module's forward only; the
+        loss is taken under the same autocast, as torch AMP takes it (so a 16-bit cross entropy upcasts where
+        autocast says: the first H200 visit measured DeepSpeed's GPT-2 AMP runs one fp32 logits tensor per
+        sample under the prediction while their loss ran in bf16, benchmarks/results/2026-11-26-H200-visit2)."""
+        if self.loss_autocast_dtype is None or self.autocast_dtype is not None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self.loss_autocast_dtype)
+
     def _loss_policy(self) -> contextlib.AbstractContextManager[Any]:
         """On the CPU, a 16-bit cross entropy as CUDA autocast runs it (:class:`CudaAutocastLoss`), whoever turned
         autocast on (this loop, accelerate or DeepSpeed): the CPU run stands in for the GPU."""
@@ -693,7 +738,8 @@ class Trainer:
                 self.phase = "forward"
                 with self._autocast(), self._loss_policy():
                     out = call_model(self.runner, batch)
-                    loss = self.compute_loss(out, batch)
+                    with self._loss_autocast():
+                        loss = self.compute_loss(out, batch)
                 del out
                 self.phase = "backward"
                 if self.engine_obj is not None:

@@ -205,6 +205,17 @@ def _torch_notes(plan: ExportPlan) -> list[str]:
     return notes
 
 
+DEEPSPEED_ARCH_LIST_FIX = (
+    "# DeepSpeed's JIT op builder reads TORCH_CUDA_ARCH_LIST as X.Y[+PTX]; an arch-specific entry such as 9.0a",
+    "# (set by some CUDA images) stops it: \"invalid literal for int() with base 10: '0a'\" (deepspeedai/DeepSpeed#7589)",
+    'if [[ -n "${TORCH_CUDA_ARCH_LIST:-}" ]]; then',
+    '  TORCH_CUDA_ARCH_LIST="$(printf \'%s\' "$TORCH_CUDA_ARCH_LIST" | sed -E \'s/([0-9]+[.][0-9]+)[A-Za-z]+/\\1/g\')"',
+    "  export TORCH_CUDA_ARCH_LIST",
+    "fi",
+)
+"""launch.sh lines for DeepSpeed plans: the arch list without suffixes (the exported train.py does the same)."""
+
+
 def launched_command(plan: ExportPlan, *, train_script: str = "train.py",
                      ds_config_name: str = "ds_config.json") -> LaunchedCommand:
     """What every rank runs for ``plan``'s engine (see the module docstring); shared by launch.sh and
@@ -265,11 +276,13 @@ def launched_command(plan: ExportPlan, *, train_script: str = "train.py",
                  "arguments given to this script go to it: --dataset DATA (and --dry-run to check the fit first)."]
     else:
         notes = _torch_notes(plan)
-    checks = (  # the train.py exported beside this script, when the working folder has none of that name
+    checks: tuple[str, ...] = (  # the train.py exported beside this script, when the working folder has none
         'if [[ ! -e "$TRAIN_SCRIPT" && -e "$SCRIPT_DIR/$TRAIN_SCRIPT" ]]; then',
         '  TRAIN_SCRIPT="$SCRIPT_DIR/$TRAIN_SCRIPT"',
         "fi",
     )
+    if s.engine == "deepspeed":
+        checks += DEEPSPEED_ARCH_LIST_FIX
     return LaunchedCommand(assignments=tuple(assignments), checks=checks, exports=(), words=tuple(words),
                            notes=tuple(notes), overrides=tuple(overrides))
 

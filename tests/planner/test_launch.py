@@ -118,9 +118,10 @@ FAKE_LAUNCHER = """#!/usr/bin/env bash
 : > "$ARGS_OUT"
 for a in "$@"; do printf '%s\\0' "$a" >> "$ARGS_OUT"; done
 printf '%s\\0' "CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-}" > "$ARGS_OUT.env"
+printf '%s\\0' "TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST-unset}" >> "$ARGS_OUT.env"
 """
 CLEAN_ENV = ("TRAIN_SCRIPT", "DS_CONFIG", "MASTER_ADDR", "MASTER_PORT", "RDZV_ID", "HOSTFILE", "MEGATRON_LM",
-             "CUDA_DEVICE_MAX_CONNECTIONS")
+             "CUDA_DEVICE_MAX_CONNECTIONS", "TORCH_CUDA_ARCH_LIST")
 
 
 def run_script(text: str, tmp_path: Path, *args: str, program: str = "torchrun", env: dict[str, str] | None = None,
@@ -177,6 +178,23 @@ def test_header_states_plan_and_batch_arithmetic():
     assert all(line.startswith("#") for line in header.strip().splitlines())
     assert "Global batch 128 samples = micro-batch 1 x accumulation 4 x dp 32" in header
     assert "4 node(s) x 8 process(es) = 32 = dp 32 x tp 1 x pp 1 x cp 1" in header
+
+
+@needs_bash
+@pytest.mark.parametrize(("given", "seen"), [
+    ("8.0;9.0a;10.0f+PTX", "8.0;9.0;10.0+PTX"), ("7.5 9.0a", "7.5 9.0"), ("9.0", "9.0"), (None, "unset"),
+])
+def test_deepspeed_plans_strip_arch_suffixes_deepspeed_cannot_parse(tmp_path, given, seen):
+    """The second H200 visit: that image's TORCH_CUDA_ARCH_LIST holds 9.0a, and DeepSpeed's JIT build of its
+    FusedAdam died on int('0a'); launch.sh hands DeepSpeed plans the plain arch list (torch plans are left be)."""
+    env = {"TORCH_CUDA_ARCH_LIST": given} if given is not None else {}
+    result, _, _ = run_script(render_launch_sh(ds_zero2_1node()), tmp_path, env=env)
+    assert result.returncode == 0, result.stderr
+    assert Path(f"{tmp_path / 'argv'}.env").read_bytes().split(b"\0")[1].decode() == f"TORCH_CUDA_ARCH_LIST={seen}"
+    if given is not None:
+        result, _, _ = run_script(render_launch_sh(fsdp_2nodes()), tmp_path, env=dict(env, MASTER_ADDR="n0"))
+        assert result.returncode == 0, result.stderr
+        assert Path(f"{tmp_path / 'argv'}.env").read_bytes().split(b"\0")[1].decode() == f"TORCH_CUDA_ARCH_LIST={given}"
 
 
 @needs_bash

@@ -22,7 +22,7 @@ def _cluster(gpu=None, gpus: int = 8) -> Cluster:  # type: ignore[no-untyped-def
 
 
 def test_a_tie_break_pick_says_which_plans_tied_and_which_criterion_decided() -> None:
-    rec = recommend(make_profile(), _cluster(), global_batch=64)
+    rec = recommend(make_profile(), _cluster(), global_batch=256)
     assert rec.estimate is not None and rec.alternatives
     ties = [r for r in rec.rationale if r.startswith("ties: ")]
     assert len(ties) == 1

@@ -20,6 +20,12 @@ MASTER_PORT="${MASTER_PORT:-29500}"
 if [[ ! -e "$TRAIN_SCRIPT" && -e "$SCRIPT_DIR/$TRAIN_SCRIPT" ]]; then
   TRAIN_SCRIPT="$SCRIPT_DIR/$TRAIN_SCRIPT"
 fi
+# DeepSpeed's JIT op builder reads TORCH_CUDA_ARCH_LIST as X.Y[+PTX]; an arch-specific entry such as 9.0a
+# (set by some CUDA images) stops it: "invalid literal for int() with base 10: '0a'" (deepspeedai/DeepSpeed#7589)
+if [[ -n "${TORCH_CUDA_ARCH_LIST:-}" ]]; then
+  TORCH_CUDA_ARCH_LIST="$(printf '%s' "$TORCH_CUDA_ARCH_LIST" | sed -E 's/([0-9]+[.][0-9]+)[A-Za-z]+/\1/g')"
+  export TORCH_CUDA_ARCH_LIST
+fi
 
 LAUNCH=(
   deepspeed
