@@ -66,6 +66,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from optplan.estimators.attention_kernels import flash_fractions
+from optplan.estimators.cast_traffic import autocast_cast_bytes_per_microbatch
 from optplan.estimators.efficiency import (
     EngineEfficiency,
     GpuEfficiency,
@@ -437,6 +438,10 @@ def compute_time(profile: ModelProfile, strategy: Strategy, gpu: GPUSpec, *,
         passes += 1
     traffic = profile.activation(recipe.activation_precision, "none").bytes_at(strategy.mbs)
     memory_bound_s = strategy.grad_accum * passes * traffic / gpu.memory_bandwidth_bytes_per_s
+    trained = profile.trainable_params / profile.params if profile.params else 1.0
+    casts = autocast_cast_bytes_per_microbatch(recipe, params=float(profile.params),
+                                               trainable=profile.params * trained, recompute=recompute_s > 0)
+    memory_bound_s += strategy.grad_accum * casts / (gpu.memory_bandwidth_bytes_per_s * hbm_fraction)
     shard_ranks = strategy.dp if strategy.zero >= 1 else 1
     optimizer_s = optimizer_step_s(float(profile.params), strategy, gpu, profile, shard_ranks=shard_ranks,
                                    ranks_per_node=ranks_per_node, hbm_fraction=hbm_fraction, adam_impl=adam_impl)

@@ -51,6 +51,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from optplan.estimators.attention_kernels import flash_fractions
+from optplan.estimators.cast_traffic import autocast_cast_bytes_per_microbatch
 from optplan.estimators.comm import (
     DDP_BUCKET_BYTES,
     INTER_NODE_ALPHA_S,
@@ -396,6 +397,7 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
         ce_allreduce += (t - 1) * eff.logits_bytes_per_element * tokens * dims.vocab / t / hbm
 
     stages = [0] if p == 1 else ([0, p - 1] if p == 2 else [0, 1, p - 1])
+    trained = profile.trainable_params / profile.params if profile.params else 1.0
     stage_info: list[dict[str, float]] = []
     for st in stages:
         first, last = st == 0, st == p - 1
@@ -411,6 +413,8 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
             head_tp += tp_small + ce_allreduce
         accum_mem = 3 * grad_bytes * params_local / hbm
         head_mem += accum_mem
+        head_mem += autocast_cast_bytes_per_microbatch(recipe, params=params_local, trainable=params_local * trained,
+                                                       recompute=full) / hbm
         head_dev = head_compute + head_mem + head_tp
         layers_dev = layers * layer_device
         layers_host = layers * host_layer
