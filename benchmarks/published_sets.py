@@ -36,6 +36,7 @@ from optplan.estimators.estimate import estimate
 from optplan.estimators.hardware import Cluster, find_gpu
 from optplan.estimators.profile import ModelProfile
 from optplan.estimators.strategy import Strategy
+from optplan.estimators.temporaries import AdamImpl
 from optplan.estimators.timing import TimeBreakdown, step_time
 
 HERE = Path(__file__).resolve().parent
@@ -55,6 +56,7 @@ class Row:
     strategy: Strategy
     measured_s: float
     extra: dict[str, str] = field(default_factory=dict)
+    adam_impl: AdamImpl | None = None  # the AdamW the run used when not its engine's own (temporaries.py)
 
     @property
     def gpu(self) -> str:
@@ -63,8 +65,9 @@ class Row:
     def time(self, eff: GpuEfficiency | None = None, engine: EngineEfficiency | None = None) -> TimeBreakdown:
         """The predicted step (committed constants through ``estimate``, else ``step_time`` with overrides)."""
         if eff is None and engine is None:
-            return estimate(self.profile, self.cluster, self.strategy).time
-        return step_time(self.profile, self.strategy, self.cluster, efficiency=eff, engine=engine)
+            return estimate(self.profile, self.cluster, self.strategy, adam_impl=self.adam_impl).time
+        return step_time(self.profile, self.strategy, self.cluster, efficiency=eff, engine=engine,
+                         adam_impl=self.adam_impl)
 
     def ratio(self, eff: GpuEfficiency | None = None, engine: EngineEfficiency | None = None) -> float:
         """Predicted ÷ measured step time."""

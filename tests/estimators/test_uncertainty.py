@@ -134,7 +134,7 @@ def test_the_h200_band_rests_on_its_own_runs_where_they_cover_the_plan_and_on_th
     assert any("own measured runs cover this plan less than H100-SXM's" in r for r in big.outside)
     # DeepSpeed at world size 1 measured 1.5-5.4x slower than predicted: its band says so
     ds = time_band(small, Strategy(precision="bf16", engine="deepspeed", zero=1, mbs=2), _cluster("H200", 1), mfu=0.0)
-    assert ds.basis.startswith(_h200_set("deepspeed").name) and ds.high > 2  # DeepSpeed at ws=1: 1.3-3.6x slower
+    assert ds.basis.startswith(_h200_set("deepspeed").name) and ds.high > 2  # DeepSpeed at ws=1: 1.3-3.1x slower
 
 
 def test_models_without_a_transformer_shape_are_judged_by_such_runs() -> None:
