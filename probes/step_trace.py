@@ -22,7 +22,8 @@ overhead: the timed steps, not these, are the probe's step time); ``kernels`` th
 CUDA); the CPU's from the operators' self time (exclusive, so nothing counts twice). Device-side copies of
 ``record_function`` ranges (``gpu_user_annotation``: ``Optimizer.step#AdamW.step`` spans every AdamW kernel)
 are left out and counted in ``annotations_skipped``: the first H200 visit's trace.json (2026-11-26-H200-visit2)
-counted them, which doubled its ``optimizer`` figures.
+counted them, which doubled its ``optimizer`` figures. ``host_per_step`` (:func:`host_time`) is the CPU side:
+operators' self time, CUDA runtime calls and synchronisation, per step.
 """
 
 from __future__ import annotations
@@ -68,11 +69,37 @@ def trace_steps(step: Callable[[], Any], steps: int, *, cuda: bool, sync: Callab
             step()
         sync()
     wall = (time.perf_counter() - t0) / steps
-    sums, count, skipped = sum_events(prof.events(), cuda=cuda)
+    events = prof.events()
+    sums, count, skipped = sum_events(events, cuda=cuda)
     per_step = {k: v / steps for k, v in sums.items()}
+    host = {k: v / steps for k, v in host_time(events).items()}
     return {"time_by_category_s": per_step, "busy_s": sum(per_step.values()), "step_wall_s": wall,
-            "kernels": count / steps, "annotations_skipped": skipped / steps,
+            "kernels": count / steps, "annotations_skipped": skipped / steps, "host_per_step": host,
             "what": "CUDA kernels" if cuda else "ATen operators (self CPU time)"}
+
+
+_RUNTIME = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cudaMemcpyAsync", "cudaMemsetAsync",
+            "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+def host_time(events: Any) -> dict[str, float]:
+    """The CPU side of the traced steps (seconds, or counts): ATen operators' self time on the host (dispatch,
+    Python-visible op overhead), CUDA runtime calls (launches, async copies) and the time blocked in
+    synchronising calls, and the operators run. Beside the kernels' time this says whether a step waited on
+    the host (the step-time model's host term, timing.py) or on the GPU."""
+    from torch.autograd import DeviceType
+
+    out = {"aten_self_s": 0.0, "cuda_runtime_s": 0.0, "sync_s": 0.0, "ops": 0.0}
+    for evt in events:
+        if evt.device_type != DeviceType.CPU:
+            continue
+        if evt.name.startswith("aten::"):
+            out["aten_self_s"] += evt.self_cpu_time_total * 1e-6
+            out["ops"] += 1
+        elif evt.name in _RUNTIME:
+            key = "sync_s" if "Synchronize" in evt.name else "cuda_runtime_s"
+            out[key] += evt.self_cpu_time_total * 1e-6
+    return out
 
 
 def _is_annotation(evt: Any) -> bool:
@@ -115,4 +142,4 @@ def sum_events(events: Any, *, cuda: bool) -> tuple[dict[str, float], int, int]:
     return sums, count, skipped
 
 
-__all__ = ["CATEGORIES", "category", "sum_events", "trace_steps"]
+__all__ = ["CATEGORIES", "category", "host_time", "sum_events", "trace_steps"]

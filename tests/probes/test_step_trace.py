@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from optplan.probes.step_trace import category, sum_events
+from optplan.probes.step_trace import category, host_time, sum_events
 
 
 @pytest.mark.parametrize(("name", "want"), [
@@ -65,3 +65,12 @@ def test_cpu_operators_use_self_time_and_the_optimizer_range() -> None:
     sums, count, skipped = sum_events(events, cuda=False)
     assert sums["gemm"] == pytest.approx(40e-6) and sums["optimizer"] == pytest.approx(25e-6)
     assert sums["other"] == pytest.approx(5e-6) and (count, skipped) == (2, 0)
+
+
+def test_host_side_sums_operators_launches_and_waits() -> None:
+    events = [_Event("aten::mm", "cpu", 12.0), _Event("aten::add_", "cpu", 8.0), _Event("cudaLaunchKernel", "cpu", 5.0),
+              _Event("cudaStreamSynchronize", "cpu", 300.0), _Event("sm90_gemm", "cuda", 99.0),
+              _Event("Optimizer.step#AdamW.step", "cpu", 400.0)]
+    host = host_time(events)
+    assert host["aten_self_s"] == pytest.approx(20e-6) and host["ops"] == 2
+    assert host["cuda_runtime_s"] == pytest.approx(5e-6) and host["sync_s"] == pytest.approx(300e-6)
