@@ -56,7 +56,8 @@ Sources and units (seconds, FLOPs, bytes, FLOP/s, bytes/s throughout)
 - Non-transformer profiles (no shape): FLOPs from the profile / (peak × eff), with
   eff(m) = eff_max(dtype) · m / (m + m_half) for m rows per micro-batch, and memory-bound traffic of
   ``ACTIVATION_TRAFFIC_PASSES`` × the measured activation bytes (stated defaults).
-- Optimizer step: memory-bound, bytes touched / HBM bandwidth (or the host's under CPU offload).
+- Optimizer step: memory-bound, the bytes its implementation moves (optimizer_traffic.py) / the achieved HBM
+  bandwidth (or the host's under CPU offload); autocast's weight casts per micro-batch: cast_traffic.py.
 
 The per-GPU constants are in ``EFFICIENCY`` (fitted; see ``A100_FIT``) and ``DEFAULT_EFFICIENCY``.
 """
