@@ -14,11 +14,17 @@ from optplan.estimators.efficiency import derivation_for, fitted_gpus
 from optplan.estimators.finetune import finetune_note
 from optplan.estimators.hardware import Cluster
 from optplan.estimators.memory import MemoryBreakdown, memory_breakdown, usable_capacity_bytes
-from optplan.estimators.optimizers import optimizer_sees_flat_params, optimizer_state_note
+from optplan.estimators.optimizer_traffic import unfused_step_note
+from optplan.estimators.optimizers import (
+    optimizer_sees_flat_params,
+    optimizer_state_bytes_per_param,
+    optimizer_state_note,
+)
 from optplan.estimators.parallel import placement_notes
+from optplan.estimators.precision import get_recipe
 from optplan.estimators.profile import ModelProfile
 from optplan.estimators.strategy import PAGED_OPTIMIZERS, Strategy
-from optplan.estimators.temporaries import AdamImpl
+from optplan.estimators.temporaries import AdamImpl, engine_adam_impl
 from optplan.estimators.timing import TimeBreakdown, comm_time_s, mfu_peak_flops, step_time, with_paging
 from optplan.estimators.uncertainty import TimeBand, time_band
 from optplan.estimators.units import gib
@@ -110,6 +116,18 @@ def estimate_notes(profile: ModelProfile, strategy: Strategy, cluster: Cluster) 
     return tuple(notes)
 
 
+def _optimizer_step_notes(profile: ModelProfile, strategy: Strategy, time: TimeBreakdown,
+                          adam_impl: AdamImpl | None) -> tuple[str, ...]:
+    """The unfused-AdamW note (optimizer_traffic.py) for an on-GPU optimizer step."""
+    if strategy.offload_optimizer != "none":
+        return ()
+    recipe = get_recipe(strategy.precision)
+    note = unfused_step_note(strategy.optimizer, recipe, optimizer_state_bytes_per_param(strategy.optimizer, recipe,
+                                                                                          profile),
+                             adam_impl or engine_adam_impl(strategy.engine), time.optimizer_s, time.step_s)
+    return (note,) if note else ()
+
+
 def paging_notes(memory: MemoryBreakdown, strategy: Strategy) -> tuple[str, ...]:
     """One note for a paged optimizer (optimizers.py): where its state sits at the forward/backward peak."""
     if strategy.optimizer not in PAGED_OPTIMIZERS:
@@ -172,7 +190,7 @@ def estimate(profile: ModelProfile, cluster: Cluster, strategy: Strategy, *,
     band = time_band(profile, strategy, cluster, mfu=time.mfu)
     time = with_band(time, band)
     notes = (estimate_notes(profile, strategy, cluster) + placement_notes(strategy, cluster) + band_notes(band)
-             + paging_notes(memory, strategy))
+             + paging_notes(memory, strategy) + _optimizer_step_notes(profile, strategy, time, adam_impl))
     result = Estimate(notes=notes,
         strategy=strategy, gpu=cluster.gpu.name, gpus=strategy.world_size, memory=memory, time=time,
         global_batch=strategy.global_batch, samples_per_s=time.samples_per_s, tokens_per_s=time.tokens_per_s,

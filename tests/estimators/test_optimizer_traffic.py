@@ -5,12 +5,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import make_profile
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from optplan.estimators.compute import optimizer_step_s
-from optplan.estimators.hardware import find_gpu
-from optplan.estimators.optimizer_traffic import master_handling_bytes, optimizer_step_bytes_per_param
+from optplan.estimators.estimate import estimate
+from optplan.estimators.hardware import Cluster, find_gpu
+from optplan.estimators.optimizer_traffic import (
+    master_handling_bytes,
+    optimizer_step_bytes_per_param,
+    unfused_step_note,
+)
 from optplan.estimators.precision import get_recipe
 from optplan.estimators.profile import ModelProfile
 from optplan.estimators.strategy import Strategy
@@ -98,3 +104,26 @@ def test_torch_engine_steps_slower_than_a_fused_engine(profile: ModelProfile) ->
     assert t / f == pytest.approx(80 / 28)
     assert optimizer_step_s(p, ds, gpu, profile, shard_ranks=1, hbm_fraction=0.8,
                             adam_impl="foreach") == pytest.approx(t)
+
+
+def test_an_expensive_unfused_step_is_said_with_the_fused_alternative() -> None:
+    bf16 = get_recipe("bf16")
+    note = unfused_step_note("adamw", bf16, 8, "foreach", optimizer_s=0.0289, step_s=0.0823)
+    assert note is not None and "92 B per parameter" in note and "35 % of the step" in note
+    assert "fused=True" in note and "40 B, about 12.6 ms" in note
+    assert unfused_step_note("adamw", bf16, 8, "fused", optimizer_s=0.0289, step_s=0.0823) is None
+    assert unfused_step_note("adamw", bf16, 8, "foreach", optimizer_s=0.001, step_s=0.0823) is None  # 1 %: quiet
+    assert unfused_step_note("sgd", bf16, 4, "foreach", optimizer_s=0.05, step_s=0.0823) is None
+
+
+def test_estimates_carry_the_note_for_torch_not_for_deepspeed() -> None:
+    """1B parameters at micro-batch 1: the foreach step is over a quarter of the step; at 64 it is a few %."""
+    big = make_profile(params=1_000_000_000, hidden=2048, layers=24)
+    cluster = Cluster(gpu=find_gpu("H200"), gpus=1, gpus_per_node=1)
+
+    def said(strategy: Strategy) -> list[str]:
+        return [n for n in estimate(big, cluster, strategy).notes if "AdamW's default" in n]
+
+    assert len(said(Strategy(precision="bf16", mbs=1, engine="torch"))) == 1
+    assert said(Strategy(precision="bf16", mbs=64, engine="torch")) == []
+    assert said(Strategy(precision="bf16", mbs=1, engine="deepspeed", zero=1)) == []
