@@ -69,6 +69,7 @@ from optplan.estimators.hardware import Cluster, GPUSpec, find_gpu
 from optplan.estimators.memory import MemoryBreakdown, memory_breakdown
 from optplan.estimators.profile import ModelProfile
 from optplan.estimators.strategy import Strategy
+from optplan.estimators.temporaries import AdamImpl
 from optplan.planner.calibrate import ProbeComparison, profile_hash
 from optplan.planner.export.deepspeed import render_ds_config
 from optplan.probes.loader import profile_model_file
@@ -323,12 +324,17 @@ def ds_config(strategy: Strategy, profile: ModelProfile, torch_optimizer: bool) 
     return config
 
 
+def probe_adam_impl(strategy: Strategy, device: str, ds_torch_optimizer: bool) -> AdamImpl | None:
+    """The AdamW a probed run used when it is not its engine's own: DeepSpeed handed a torch client optimizer
+    on CUDA runs torch's foreach AdamW, not the fused kernel the estimators assume for the engine."""
+    return "foreach" if device == "cuda" and strategy.engine == "deepspeed" and ds_torch_optimizer else None
+
+
 def predict_memory(profile: ModelProfile, strategy: Strategy, device: str, nproc: int,
                    ds_torch_optimizer: bool, gpu: str | None = None) -> MemoryBreakdown:
-    """memory.py's breakdown for the probed run. DeepSpeed with a torch client optimizer on CUDA runs
-    torch's foreach AdamW, not the fused kernel memory.py assumes for the engine by default."""
-    impl = "foreach" if (device == "cuda" and strategy.engine == "deepspeed" and ds_torch_optimizer) else None
-    return memory_breakdown(profile, strategy, CAPACITY, gpus_per_node=nproc, adam_impl=impl,  # type: ignore[arg-type]
+    """memory.py's breakdown for the probed run (:func:`probe_adam_impl`)."""
+    return memory_breakdown(profile, strategy, CAPACITY, gpus_per_node=nproc,
+                            adam_impl=probe_adam_impl(strategy, device, ds_torch_optimizer),
                             device=device, gpu=gpu)  # type: ignore[arg-type]
 
 
@@ -365,13 +371,13 @@ class Runner:
         if self.device == "cuda" and self.gpu is not None:
             cluster = Cluster(gpu=self.gpu, gpus=case.nproc, gpus_per_node=case.nproc)
             try:
-                impl = "foreach" if strategy.engine == "deepspeed" and self.ds_torch_optimizer else None
-                t = estimate(profile, cluster, strategy, adam_impl=impl).time  # type: ignore[arg-type]
+                impl = probe_adam_impl(strategy, self.device, self.ds_torch_optimizer)
+                t = estimate(profile, cluster, strategy, adam_impl=impl).time
                 row.pred_step_s, comm = t.step_s, t.exposed_comm_s
                 on_device = t.step_s - t.exposed_comm_s
                 if cal is not None:
                     row.cal_step_s = estimate(profile, cluster, strategy, calibration=cal,
-                                              adam_impl=impl).time.step_s  # type: ignore[arg-type]
+                                              adam_impl=impl).time.step_s
             except Exception as exc:  # noqa: BLE001 - a strategy the estimator refuses is reported, not fatal
                 row.time_note = f"no time estimate: {type(exc).__name__}: {exc}"
         row.comparison = ProbeComparison(

@@ -125,7 +125,7 @@ def campaign_rows(dirs: list[Path] | None = None) -> list[Any]:
                         profile=profs[case.model], cluster=cluster, strategy=strategy,
                         measured_s=result.step_s, extra={"source": source},
                         # the campaign hands DeepSpeed torch's foreach AdamW (no fused-Adam JIT build on a visit)
-                        adam_impl="foreach" if strategy.engine == "deepspeed" else None))
+                        adam_impl=fidelity.probe_adam_impl(strategy, "cuda", ds_torch_optimizer=True)))
     return rows
 
 
@@ -140,12 +140,12 @@ def compare(case: MeasuredCase, source: str, profile: ModelProfile) -> Compared:
     result = case.comparison.result
     gpu = find_gpu(case.gpu)
     # the campaign runs DeepSpeed with torch's foreach AdamW as its client optimizer (no fused-Adam JIT build)
-    impl = "foreach" if strategy.engine == "deepspeed" else None
+    impl = fidelity.probe_adam_impl(strategy, "cuda", ds_torch_optimizer=True)
     memory = memory_breakdown(profile, strategy, usable_capacity_bytes(gpu.memory_bytes), gpus_per_node=1,
-                              adam_impl=impl, device="cuda", gpu=gpu.name)  # type: ignore[arg-type]
+                              adam_impl=impl, device="cuda", gpu=gpu.name)
     allocated = memory.total_bytes - memory.overhead_bytes
     t = estimate(profile, Cluster(gpu=gpu, gpus=strategy.world_size, gpus_per_node=strategy.world_size),
-                 strategy, adam_impl=impl).time  # type: ignore[arg-type]
+                 strategy, adam_impl=impl).time
     step_s = t.step_s
     in_band = (t.step_s_low <= result.step_s <= t.step_s_high) if result.step_s else None
     return Compared(model=case.model, label=strategy.label(), gpu=case.gpu, source=source,

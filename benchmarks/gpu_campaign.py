@@ -528,11 +528,12 @@ def part_trace(c: Campaign) -> dict[str, Any]:
             profile = profiles[key]
             block = profile.repeated_block.class_name if profile.repeated_block else None
             spec = ProbeSpec(model_path=str(model_path), seq_len=seq, strategy=strategy, block_class=block,
-                             ds_config=_ds_config(profile, strategy), device=c.device,  # type: ignore[arg-type]
+                             ds_config=fidelity.ds_config(strategy, profile, torch_optimizer=True), device=c.device,  # type: ignore[arg-type]
                              warmup_steps=2 if c.device == "cuda" else 1,
                              timed_steps=3 if c.device == "cuda" else 1, trace_steps=2 if c.device == "cuda" else 1)
             result = run_probe(spec, timeout_s=max(30.0, min(240.0, c.left_s())))
-            t = estimate(profile, c.cluster(1), strategy).time
+            t = estimate(profile, c.cluster(1), strategy,
+                         adam_impl=fidelity.probe_adam_impl(strategy, c.device, ds_torch_optimizer=True)).time
             predicted = {"step_s": t.step_s, "compute_s": t.compute_s, "recompute_s": t.recompute_s,
                          "memory_bound_s": t.memory_bound_s, "optimizer_s": t.optimizer_s,
                          "host_overhead_s": t.host_overhead_s}
@@ -693,20 +694,8 @@ def spearman(x: Sequence[float], y: Sequence[float]) -> float | None:
     return sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True)) / (sx * sy)
 
 
-def _ds_config(profile: ModelProfile, strategy: Strategy) -> dict[str, Any] | None:
-    """The exported ds_config.json for a DeepSpeed strategy, less its optimizer: a torch AdamW client optimizer
-    (no fused-Adam JIT build, as in fidelity); None for other engines."""
-    from optplan.planner.export.deepspeed import render_ds_config
-
-    if strategy.engine != "deepspeed":
-        return None
-    ds = render_ds_config(strategy, profile)
-    ds.pop("optimizer", None)
-    return ds
-
-
 def _measure(c: Campaign, model: GridModel, profile: ModelProfile, strategy: Strategy) -> ProbeResult:
-    ds = _ds_config(profile, strategy)
+    ds = fidelity.ds_config(strategy, profile, torch_optimizer=True)  # no fused-Adam JIT build on a visit
     block = profile.repeated_block.class_name if profile.repeated_block else None
     spec = ProbeSpec(model_path=str(model.path), seq_len=model.seq_len, strategy=strategy, block_class=block,
                      ds_config=ds, device=c.device, warmup_steps=1 if c.device == "cpu" else 2,  # type: ignore[arg-type]
@@ -759,7 +748,7 @@ def grid_one(c: Campaign, model: GridModel, doc: dict[str, Any], save: Callable[
                      "measured_allocated_bytes": result.peak_allocated_bytes, "probe_wall_s": result.wall_s})
         if result.status in ("ok", "oom") and est is not None:
             # predicted as the probe ran it (CPU accounting on the CPU; DeepSpeed with torch's AdamW: _measure)
-            impl = "foreach" if strategy.engine == "deepspeed" and c.device == "cuda" else None
+            impl = fidelity.probe_adam_impl(strategy, c.device, ds_torch_optimizer=True)
             comp = compare_spec(profile, cluster, strategy, strategy, local, c.time_comparable, result,
                                 adam_impl=impl)
             doc["measured"].append(measured_case(c, model.key, profile, comp))
@@ -844,6 +833,17 @@ SECTIONS: dict[str, Callable[[Campaign], dict[str, Any]]] = {n: fn for part in P
 MODEL_KEYS = ("mlp", "gpt2", "llama", "resnet")
 
 
+def _listed(flag: str, value: str | None, allowed: Sequence[str]) -> tuple[str, ...] | str | None:
+    """A comma-separated option's names in order, once each (None when not given), or its one-line error."""
+    if value is None:
+        return None
+    names = tuple(dict.fromkeys(n.strip() for n in value.split(",") if n.strip()))
+    unknown = [n for n in names if n not in allowed]
+    if unknown or not names:
+        return f"error: {flag} {value!r}: unknown {', '.join(unknown) or '(empty)'}; choose from {', '.join(allowed)}"
+    return names
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
@@ -868,25 +868,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.budget_s <= 0:
         print("error: --budget-s must be > 0 (seconds)", file=sys.stderr)
         return 2
-    sections: list[tuple[str, Callable[[Campaign], dict[str, Any]]]]
-    if args.sections is not None:
-        names = [n.strip() for n in args.sections.split(",") if n.strip()]
-        unknown = [n for n in names if n not in SECTIONS]
-        if unknown or not names:
-            print(f"error: --sections {args.sections!r}: unknown {', '.join(unknown) or '(empty)'}; "
-                  f"choose from {', '.join(SECTIONS)}", file=sys.stderr)
-            return 2
-        sections = [(n, SECTIONS[n]) for n in dict.fromkeys(names)]
+    names = _listed("--sections", args.sections, tuple(SECTIONS))
+    wanted = _listed("--models", args.models, MODEL_KEYS)
+    if isinstance(names, str) or isinstance(wanted, str):
+        print(names if isinstance(names, str) else wanted, file=sys.stderr)
+        return 2
+    if names is not None:
+        sections = [(n, SECTIONS[n]) for n in names]
     else:
         sections = [s for part in (("1", "2") if args.part == "all" else (args.part,)) for s in PARTS[part]]
-    models = None
-    if args.models is not None:
-        models = frozenset(m.strip() for m in args.models.split(",") if m.strip())
-        unknown = sorted(models - set(MODEL_KEYS))
-        if unknown or not models:
-            print(f"error: --models {args.models!r}: unknown {', '.join(unknown) or '(empty)'}; "
-                  f"choose from {', '.join(MODEL_KEYS)}", file=sys.stderr)
-            return 2
+    models = frozenset(wanted) if wanted is not None else None
     if args.out.exists() and not args.out.is_dir():
         print(f"error: --out {args.out} is a file: give a folder", file=sys.stderr)
         return 2

@@ -439,9 +439,8 @@ def compute_time(profile: ModelProfile, strategy: Strategy, gpu: GPUSpec, *,
         passes += 1
     traffic = profile.activation(recipe.activation_precision, "none").bytes_at(strategy.mbs)
     memory_bound_s = strategy.grad_accum * passes * traffic / gpu.memory_bandwidth_bytes_per_s
-    trained = profile.trainable_params / profile.params if profile.params else 1.0
     casts = autocast_cast_bytes_per_microbatch(recipe, params=float(profile.params),
-                                               trainable=profile.params * trained, recompute=recompute_s > 0)
+                                               trainable=float(profile.trainable_params), recompute=recompute_s > 0)
     memory_bound_s += strategy.grad_accum * casts / (gpu.memory_bandwidth_bytes_per_s * hbm_fraction)
     shard_ranks = strategy.dp if strategy.zero >= 1 else 1
     optimizer_s = optimizer_step_s(float(profile.params), strategy, gpu, profile, shard_ranks=shard_ranks,

@@ -397,7 +397,7 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
         ce_allreduce += (t - 1) * eff.logits_bytes_per_element * tokens * dims.vocab / t / hbm
 
     stages = [0] if p == 1 else ([0, p - 1] if p == 2 else [0, 1, p - 1])
-    trained = profile.trainable_params / profile.params if profile.params else 1.0
+    trainable = profile.trainable_params / profile.params if profile.params else 1.0
     stage_info: list[dict[str, float]] = []
     for st in stages:
         first, last = st == 0, st == p - 1
@@ -413,7 +413,7 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
             head_tp += tp_small + ce_allreduce
         accum_mem = 3 * grad_bytes * params_local / hbm
         head_mem += accum_mem
-        head_mem += autocast_cast_bytes_per_microbatch(recipe, params=params_local, trainable=params_local * trained,
+        head_mem += autocast_cast_bytes_per_microbatch(recipe, params=params_local, trainable=params_local * trainable,
                                                        recompute=full) / hbm
         head_dev = head_compute + head_mem + head_tp
         layers_dev = layers * layer_device
@@ -437,7 +437,6 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
     slow = max(stage_info, key=lambda info: info["time"])
 
     # after the flush, per rank: DP sync, tied-embedding all-reduce, optimizer, host step overhead
-    trainable = profile.trainable_params / profile.params if profile.params else 1.0
     shard_ranks = pl.shard.ranks if s_.shard_stage >= 1 else 1
     post_best: tuple[float, DataParallelComm, float, float] | None = None
     for info in stage_info:

@@ -281,7 +281,7 @@ def deepspeed_arch_list(value: str | None) -> str | None:
         fixed = re.sub(r"^(\d+\.\d+)[a-zA-Z]+", r"\1", entry)
         if fixed not in out:
             out.append(fixed)
-    return ";".join(out) if ";" in value or len(out) == 1 else " ".join(out)
+    return (";" if ";" in value else " ").join(out)
 
 
 def ds_config_recipe(config: Mapping[str, Any]) -> str:
@@ -546,8 +546,8 @@ class Trainer:
             self.loss_autocast_dtype = AUTOCAST_DTYPES.get(self.precision)
             return
         p = self.precision
-        if p in ("amp-bf16", "amp-fp16"):
-            self.autocast_dtype = torch.bfloat16 if p == "amp-bf16" else torch.float16
+        if p in AUTOCAST_DTYPES:
+            self.autocast_dtype = AUTOCAST_DTYPES[p]
             return
         if p in low and not (self.fsdp != "none" and p in ("bf16", "fp16")):
             model.to(low[p])
