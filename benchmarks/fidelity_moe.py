@@ -91,7 +91,7 @@ FLAGS = {
     "etp": "expert-tp 1 with tp > 1: optplan splits experts over tp; ep = EP·ETP/tp keeps the expert sharding and the "
            "expert group's node span",
     "fold": "EP folded over tp beyond dp·cp: ep clipped to a divisor of dp·cp",
-    "vpp": "layers not divisible by pp·vpp (Megatron's layout counts embedding/loss/MTP as slots): vpp 1 (1F1B)",
+    "vpp": "micro-batches not divisible by pp (interleaving needs whole groups of pp): vpp 1 (1F1B)",
     "rc": "Megatron --recompute-modules mapped to optplan's selective or full recomputation",
     "fp8": "fp8 recipe (MXFP8 / blockwise) priced as Transformer Engine per-tensor fp8",
     "dd": "node-deduplicating dispatcher (DeepEP/HybridEP) across nodes on a GPU optplan's deepep dispatcher does not "
@@ -275,7 +275,7 @@ def plan(row: dict[str, Any]) -> Plan:
     ep, ep_flags = _expert_parallel(row, dp)
     flags += ep_flags
     vpp = row["vpp"]
-    if vpp > 1 and (shape["layers"] % (pp * vpp) or grad_accum % pp):
+    if vpp > 1 and grad_accum % pp:
         flags.append("vpp")
         vpp = 1
     checkpointing, rc_flags = _checkpointing(row)

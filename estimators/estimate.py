@@ -21,6 +21,7 @@ from optplan.estimators.optimizers import (
     optimizer_state_note,
 )
 from optplan.estimators.parallel import placement_notes
+from optplan.estimators.pipeline_layout import uneven_split_note
 from optplan.estimators.precision import get_recipe
 from optplan.estimators.profile import ModelProfile
 from optplan.estimators.strategy import PAGED_OPTIMIZERS, Strategy
@@ -110,6 +111,10 @@ def estimate_notes(profile: ModelProfile, strategy: Strategy, cluster: Cluster) 
                      "until probe runs calibrate them")
     if profile.adapter is not None:
         notes.append(finetune_note(profile.adapter, strategy))
+    block = profile.repeated_block
+    uneven = uneven_split_note(block.count, strategy.pp, strategy.vpp) if block is not None else None
+    if uneven:
+        notes.append(uneven)
     if not strategy.flash and profile.activation_source == "measured":
         notes.append("--no-flash changes the time only: a model file's activations are measured with its own "
                      "attention code")

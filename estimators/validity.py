@@ -5,6 +5,7 @@ from __future__ import annotations
 from optplan.estimators.errors import OptplanError
 from optplan.estimators.expert_parallel import DEEPEP_GPUS
 from optplan.estimators.hardware import Cluster
+from optplan.estimators.pipeline_layout import MAX_EXTRA_STAGES
 from optplan.estimators.precision import require_precision
 from optplan.estimators.profile import ModelProfile
 from optplan.estimators.strategy import Strategy
@@ -15,7 +16,9 @@ def check_strategy(profile: ModelProfile, cluster: Cluster, strategy: Strategy) 
 
     Rules (Megatron-LM's argument checks, ``megatron/training/arguments.py``): tp divides the attention
     heads and the key-value heads (a tp group larger than a node is allowed: it is priced over the
-    inter-node link, see ``parallel.placement_notes``; the search keeps tp inside a node); pp (× vpp) is at most the number of layers;
+    inter-node link, see ``parallel.placement_notes``; the search keeps tp inside a node); pp (× vpp) is at most the number of layers,
+    and interleaving needs the layers divisible by pp·vpp except on Megatron-LM, whose custom pipeline layout places
+    an uneven split (estimators/pipeline_layout.py);
     context parallelism splits the sequence into 2·cp chunks (load-balanced causal attention); the
     world size dp·tp·pp·cp fits the cluster.
     """
@@ -52,11 +55,14 @@ def check_strategy(profile: ModelProfile, cluster: Cluster, strategy: Strategy) 
         layers = profile.repeated_block.count
         if s.pp > layers:
             raise OptplanError(f"--pp {s.pp} is larger than the {layers} layers: use --pp <= {layers}")
-        if s.pp * s.vpp > layers:
-            raise OptplanError(f"--pp {s.pp} x --vpp {s.vpp} stages exceed the {layers} layers: lower --vpp")
-        if s.vpp > 1 and layers % (s.pp * s.vpp):
+        spare = MAX_EXTRA_STAGES if s.engine == "megatron" else 0  # stages of only the embedding / the loss
+        if s.pp * s.vpp > layers + spare:
+            raise OptplanError(f"--pp {s.pp} x --vpp {s.vpp} stages exceed the {layers} layers"
+                               + (" plus the embedding and the loss" if spare else "") + ": lower --vpp")
+        if s.vpp > 1 and layers % (s.pp * s.vpp) and s.engine != "megatron":
             raise OptplanError(f"the interleaved schedule needs the {layers} layers divisible by pp·vpp = "
-                               f"{s.pp * s.vpp}: change --vpp or --pp")
+                               f"{s.pp * s.vpp} (Megatron-LM places an uneven split with a custom pipeline layout, "
+                               "estimators/pipeline_layout.py): change --vpp or --pp, or use --engine megatron")
     if s.cp > 1:
         seq = profile.tokens_per_sample
         if not seq:

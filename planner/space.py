@@ -5,8 +5,9 @@ Axes (design.md "Strategy: what is searched"): GPU count (one, or a ``--gpus-ran
 recipe, the optimizer, activation checkpointing, the micro-batch and gradient accumulation.
 
 Legality follows Megatron-LM's argument checks (``megatron/training/arguments.py``): tp divides the
-attention and key-value heads and stays inside a node; pp divides the layers and, interleaved, the layers
-divide by pp·vpp and the micro-batches by pp; cp splits the sequence into 2·cp chunks. Which engine runs
+attention and key-value heads and stays inside a node; pp (x vpp) is at most the layer count, an uneven split
+placed by a custom pipeline layout (``--pipeline-model-parallel-layout``, estimators/pipeline_layout.py), and,
+interleaved, the micro-batches divide by pp; cp splits the sequence into 2·cp chunks. Which engine runs
 which layout:
 
 - DeepSpeed (ZeRO 0-3, CPU offload of the optimizer, and of the parameters under ZeRO-3) and plain torch
@@ -219,10 +220,6 @@ def _powers_of_two_upto(limit: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def check_global_batch(global_batch: int | None, gpus: int) -> None:
     """A fixed global batch must be positive."""
     if global_batch is not None and global_batch < 1:
@@ -271,7 +268,9 @@ def _layouts(profile: ModelProfile, gpus: int, gpus_per_node: int, model_paralle
         cps = [c for c in _powers_of_two_upto(MAX_CP) if c == 1 or (seq % (2 * c) == 0
                                                                    and seq // c >= MIN_TOKENS_PER_CP_RANK)]
     if model_parallel and block is not None and block.count > 1:
-        pps = _divisors(block.count)
+        # any pp up to the layer count: Megatron places a split that pp (x vpp) does not divide with a custom
+        # pipeline layout (estimators/pipeline_layout.py), priced at its busiest rank's ceil(L/pp) layers
+        pps = list(range(1, block.count + 1))
     out = []
     for tp in tps:
         for cp in cps:
@@ -281,7 +280,9 @@ def _layouts(profile: ModelProfile, gpus: int, gpus_per_node: int, model_paralle
                 dp = gpus // (tp * cp * pp)
                 vpps = [1]
                 if pp > 1 and block is not None:
-                    vpps += [v for v in range(2, MAX_VPP + 1) if block.count % (pp * v) == 0]
+                    # an even split where pp divides the layers (the plain flags); else any vpp, the layout's
+                    vpps += [v for v in range(2, MAX_VPP + 1) if pp * v <= block.count
+                             and (block.count % (pp * v) == 0 or block.count % pp)]
                 for ep in _eps(shape, dp * cp, model_parallel):
                     # DeepEP pays only where the expert group leaves the node (a token crosses to each node once)
                     spans = ep > 1 and group_nodes(ep, tp, gpus_per_node) > 1

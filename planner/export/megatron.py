@@ -11,6 +11,9 @@ commit 000c4ac2, 2025) and the Megatron-Core classes it hands them to:
   both this flag and the newer ``--num-virtual-stages-per-pipeline-rank`` (at most one of them may be set,
   ``validate_args``); the per-stage layer count is the one older releases also accept, and with an even
   split both give ``virtual_pipeline_model_parallel_size = vpp``. The validator accepts either.
+- Layers that pp (x vpp) does not divide (DeepSeek-V3's 61, Qwen3-235B's 94): ``--pipeline-model-parallel-layout``
+  with the balanced split the estimate priced (:mod:`optplan.planner.export.megatron_layout`; Megatron-Core 0.13
+  and later, MR 2795), instead of the virtual-stage flags (``validate_args`` allows one of the three).
 - ZeRO-1 is Megatron's distributed optimizer, ``--use-distributed-optimizer`` (optimizer states sharded
   over data-parallel ranks); the engine has no ZeRO-2/3 and no offload (``Strategy`` refuses those).
 - Batch: ``--micro-batch-size mbs`` and ``--global-batch-size mbs·grad_accum·dp``; Megatron runs
@@ -55,7 +58,9 @@ import argparse
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 
+from optplan.estimators.pipeline_layout import MAX_EXTRA_STAGES, is_even
 from optplan.planner.export.context import ExportPlan, NotExportable
+from optplan.planner.export.megatron_layout import layout_violation, megatron_layout, parse_megatron_layout
 from optplan.planner.export.megatron_moe import add_moe_flags, dense_ffn, moe_args, moe_rule_violation
 from optplan.planner.validate import ExportValidationError
 
@@ -132,7 +137,9 @@ def megatron_args(plan: ExportPlan) -> list[str]:
         "--tensor-model-parallel-size", str(s.tp),
         "--pipeline-model-parallel-size", str(s.pp),
     ]
-    if s.vpp > 1:
+    if s.pp > 1 and not is_even(shape.layers, s.pp, s.vpp):
+        args += ["--pipeline-model-parallel-layout", megatron_layout(shape.layers, s.pp, s.vpp)]
+    elif s.vpp > 1:
         args += ["--num-layers-per-virtual-pipeline-stage", str(shape.layers // (s.pp * s.vpp))]
     args += ["--context-parallel-size", str(s.cp)]
     if s.sp:
@@ -214,7 +221,7 @@ class _PlanView:
     """The numbers Megatron's rules are about, whether read from a plan or from parsed arguments."""
 
     __slots__ = ("world", "tp", "pp", "cp", "vpp", "sp", "layers", "heads", "query_groups", "hidden", "ffn",
-                 "mbs", "gbs", "seq", "max_pos", "interleave_ok")
+                 "mbs", "gbs", "seq", "max_pos", "interleave_ok", "layout")
 
     def __init__(self, **kw: object) -> None:
         for name in self.__slots__:
@@ -227,14 +234,16 @@ class _PlanView:
         return cls(world=plan.world_size, tp=s.tp, pp=s.pp, cp=s.cp, vpp=s.vpp, sp=s.sp, layers=shape.layers,
                    heads=shape.heads, query_groups=shape.kv_heads or shape.heads, hidden=shape.hidden,
                    ffn=dense_ffn(shape), mbs=s.mbs, gbs=s.global_batch, seq=seq,
-                   max_pos=max(seq, shape.max_seq_len or 0), interleave_ok=True)
+                   max_pos=max(seq, shape.max_seq_len or 0), interleave_ok=True,
+                   layout=s.pp > 1 and not is_even(shape.layers, s.pp, s.vpp))
 
 
 def _rule_violation(v: _PlanView) -> str | None:
     """The first of Megatron-LM's own rules the numbers break (one line naming the fix), else None.
 
     Sources (Megatron-LM 000c4ac2): ``megatron/training/arguments.py`` ``validate_args`` (world size
-    divisible by tp·pp·cp; layers divisible by pp, and per-stage layers by the virtual-stage size;
+    divisible by tp·pp·cp; layers divisible by pp, and per-stage layers by the virtual-stage size, unless a
+    custom ``--pipeline-model-parallel-layout`` places them (megatron_layout.py);
     interleaving needs pp > 1 with p2p overlap (the default) else pp > 2; hidden divisible by heads;
     seq divisible by 2·cp when cp > 1; max position embeddings >= seq; sequence parallelism is switched
     off at tp 1), ``megatron/core/transformer/transformer_config.py`` ``TransformerConfig.__post_init__``
@@ -250,11 +259,13 @@ def _rule_violation(v: _PlanView) -> str | None:
         return (f"world size {v.world} is not divisible by tp·pp·cp = {model} (Megatron derives dp = world / "
                 "(tp·pp·cp)): re-plan with a GPU count that is a multiple of it")
     dp = v.world // model
-    if v.layers % v.pp:
+    if v.layers % v.pp and not v.layout:
         return (f"{v.layers} layers are not divisible by --pp {v.pp} (Megatron splits layers evenly over "
-                "pipeline stages): choose a pp that divides the layer count")
+                "pipeline stages): choose a pp that divides the layer count, or give --pipeline-model-parallel-layout")
+    if v.pp * v.vpp > v.layers + (MAX_EXTRA_STAGES if v.layout else 0):
+        return (f"pp {v.pp} x vpp {v.vpp} virtual stages exceed the {v.layers} layers: lower --vpp or --pp")
     if v.vpp > 1:
-        if (v.layers // v.pp) % v.vpp:
+        if (v.layers // v.pp) % v.vpp and not v.layout:
             return (f"{v.layers // v.pp} layers per pipeline stage are not divisible by --vpp {v.vpp} (Megatron "
                     "needs whole layers per virtual stage): choose pp·vpp dividing the layer count")
         if v.pp < (2 if v.interleave_ok else 3):
@@ -310,6 +321,7 @@ def _parser() -> _RaisingParser:
         add(flag, type=int, default=default)
     add("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
     add("--num-virtual-stages-per-pipeline-rank", type=int, default=None)
+    add("--pipeline-model-parallel-layout", type=str, default=None)
     add("--no-overlap-p2p-communication", action="store_false", dest="overlap_p2p_comm")
     add("--sequence-parallel", action="store_true")
     add("--use-distributed-optimizer", action="store_true")
@@ -379,9 +391,11 @@ def validate_megatron_args(argv: list[str], plan: ExportPlan) -> None:
             raise ExportValidationError(f"Megatron-LM requires {flag} (validate_args): add it")
     if ns.fp16 and ns.bf16:
         raise ExportValidationError("--fp16 and --bf16 are exclusive in Megatron-LM: keep one")
-    if ns.num_layers_per_virtual_pipeline_stage is not None and ns.num_virtual_stages_per_pipeline_rank is not None:
-        raise ExportValidationError("Megatron-LM accepts only one of --num-layers-per-virtual-pipeline-stage and "
-                                    "--num-virtual-stages-per-pipeline-rank: drop one")
+    if sum(x is not None for x in (ns.num_layers_per_virtual_pipeline_stage, ns.num_virtual_stages_per_pipeline_rank,
+                                   ns.pipeline_model_parallel_layout)) > 1:
+        raise ExportValidationError("Megatron-LM accepts only one of --num-layers-per-virtual-pipeline-stage, "
+                                    "--num-virtual-stages-per-pipeline-rank and --pipeline-model-parallel-layout: "
+                                    "keep one")
     if ns.recompute_granularity == "selective" and ns.recompute_method is not None:
         raise ExportValidationError("Megatron-LM supports no --recompute-method with selective recompute: drop "
                                     "--recompute-method")
@@ -390,7 +404,17 @@ def validate_megatron_args(argv: list[str], plan: ExportPlan) -> None:
         raise ExportValidationError("parallel sizes must be >= 1: fix --tensor/--pipeline-model-parallel-size, "
                                     "--context-parallel-size")
     vpp = 1
-    if ns.num_layers_per_virtual_pipeline_stage is not None:
+    stages: list[str] | None = None
+    if ns.pipeline_model_parallel_layout is not None:
+        try:
+            stages = parse_megatron_layout(ns.pipeline_model_parallel_layout)
+        except ValueError as exc:
+            raise ExportValidationError(f"Megatron-LM would reject the arguments: {exc}") from exc
+        problem = layout_violation(stages, ns.num_layers, pp)
+        if problem:
+            raise ExportValidationError(f"Megatron-LM would reject the arguments: {problem}")
+        vpp = len(stages) // pp
+    elif ns.num_layers_per_virtual_pipeline_stage is not None:
         per_stage = ns.num_layers // pp if ns.num_layers % pp == 0 else None
         if per_stage is None or ns.num_layers_per_virtual_pipeline_stage < 1 or \
                 per_stage % ns.num_layers_per_virtual_pipeline_stage:
@@ -409,7 +433,8 @@ def validate_megatron_args(argv: list[str], plan: ExportPlan) -> None:
                      layers=ns.num_layers, heads=ns.num_attention_heads,
                      query_groups=ns.num_query_groups if ns.group_query_attention else ns.num_attention_heads,
                      hidden=ns.hidden_size, ffn=ns.ffn_hidden_size or 4 * ns.hidden_size, mbs=ns.micro_batch_size,
-                     gbs=gbs, seq=seq, max_pos=ns.max_position_embeddings, interleave_ok=ns.overlap_p2p_comm)
+                     gbs=gbs, seq=seq, max_pos=ns.max_position_embeddings, interleave_ok=ns.overlap_p2p_comm,
+                     layout=stages is not None)
     if seq < 1:
         raise ExportValidationError("Megatron-LM needs --seq-length for GPT pretraining: add it")
     if ns.group_query_attention and ns.num_query_groups < 1:
@@ -426,8 +451,14 @@ def validate_megatron_args(argv: list[str], plan: ExportPlan) -> None:
     if vpp != plan.strategy.vpp:
         raise ExportValidationError(f"the arguments give {vpp} virtual pipeline stage(s) per rank but the plan has "
                                     f"vpp {plan.strategy.vpp}: fix the virtual-pipeline flag")
+    want_layout = expected.pipeline_model_parallel_layout
+    if (stages is not None or want_layout is not None) and (
+            stages != (parse_megatron_layout(want_layout) if want_layout is not None else None)):
+        raise ExportValidationError("the pipeline layout in the arguments is not the one the plan priced"
+                                    + (f" ({want_layout})" if want_layout else " (an even split)")
+                                    + ": re-export the plan")
     skip = {"num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank", "overlap_p2p_comm",
-            "use_flash_attn"}
+            "use_flash_attn", "pipeline_model_parallel_layout"}
     flags = {a.dest: a.option_strings[0] for a in _parser()._actions if a.option_strings}
     for dest, want in vars(expected).items():
         if dest in skip:

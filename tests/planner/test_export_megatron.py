@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from optplan.estimators.buckets import DeepSpeedBuckets
+from optplan.estimators.pipeline_layout import stage_layers
 from optplan.estimators.profile import TransformerShape
 from optplan.estimators.strategy import Strategy
 from optplan.planner.export.context import ExportPlan, NotExportable
@@ -18,6 +19,7 @@ from optplan.planner.export.megatron import (
     parse_megatron_args,
     validate_megatron_args,
 )
+from optplan.planner.export.megatron_layout import megatron_layout, parse_megatron_layout
 from optplan.planner.validate import ExportValidationError
 
 GOLDEN = Path(__file__).parent / "golden" / "megatron"
@@ -51,6 +53,7 @@ GOLDEN_CASES = {
     "llama70b_tp8_pp4_vpp2_dp4.args": lambda: make_plan(),
     "llama70b_tp8_pp2_cp2_zero1_fp8_selective.args": lambda: make_plan(
         pp=2, vpp=1, cp=2, dp=4, zero=1, precision="fp8", checkpointing="selective", grad_accum=8, seq_len=32768),
+    "llama78_tp8_pp4_vpp2_layout.args": lambda: make_plan(LLAMA_70B.model_copy(update={"layers": 78})),
     "gpt2xl_tp1_dp8_fp16_full_sgd.args": lambda: make_plan(
         GPT2_XL, seq_len=1024, model="gpt2-xl", tp=1, pp=1, vpp=1, dp=8, precision="fp16", checkpointing="full",
         optimizer="sgd", flash=False, mbs=4, grad_accum=2),
@@ -135,8 +138,6 @@ def test_virtual_stages_per_rank_is_accepted():
     (lambda: make_plan(precision="bf16-pure"), "fp32 main parameters"),
     (lambda: make_plan(optimizer="adafactor"), "no adafactor optimizer"),
     (lambda: make_plan(optimizer="adamw8bit"), "no adamw8bit optimizer"),
-    (lambda: make_plan(LLAMA_70B.model_copy(update={"layers": 78}), pp=4, vpp=1), "not divisible by --pp 4"),
-    (lambda: make_plan(LLAMA_70B.model_copy(update={"layers": 84}), pp=4, vpp=2), "--vpp 2"),
     (lambda: make_plan(LLAMA_70B.model_copy(update={"heads": 60, "hidden": 7680})), "num_attention_heads"),
     (lambda: make_plan(LLAMA_70B.model_copy(update={"kv_heads": 4})), "num_query_groups"),
     (lambda: make_plan(seq_len=4095, pp=2, vpp=1, cp=2, dp=8), "2 \\* context-parallel-size"),
@@ -236,3 +237,72 @@ def test_validate_for_unexportable_plan():
 def test_validate_needs_a_list_of_strings():
     with pytest.raises(ExportValidationError, match="list of strings"):
         validate_megatron_args("--num-layers 80", make_plan())  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------------------------------
+# Uneven splits: Megatron's custom pipeline layout
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layers, pp, vpp", [(78, 4, 1), (84, 4, 2), (61, 8, 4), (94, 8, 4), (61, 16, 1)])
+def test_uneven_split_exports_a_layout_megatron_accepts(layers, pp, vpp):
+    """A split pp (x vpp) does not divide is written as --pipeline-model-parallel-layout (not a refusal), with the
+    layers the estimate priced, and passes the validator's parse of Megatron's grammar."""
+    shape = LLAMA_70B.model_copy(update={"layers": layers})
+    plan = make_plan(shape, pp=pp, vpp=vpp, tp=8 if pp <= 8 else 4, dp=4 if pp <= 8 else 2)
+    argv = megatron_args(plan)
+    assert "--num-layers-per-virtual-pipeline-stage" not in argv
+    layout = argv[argv.index("--pipeline-model-parallel-layout") + 1]
+    stages = parse_megatron_layout(layout)
+    assert len(stages) == pp * vpp
+    assert "".join(stages).count("t") == layers
+    assert tuple(stage.count("t") for stage in stages) == stage_layers(layers, pp, vpp)
+    # the busiest rank holds ceil(layers / pp): what timing and memory price
+    per_rank = [sum(stages[k].count("t") for k in range(j, pp * vpp, pp)) for j in range(pp)]
+    assert max(per_rank) == -(-layers // pp)
+    validate_megatron_args(argv, plan)
+
+
+def test_even_split_keeps_the_plain_flags():
+    argv = megatron_args(make_plan())
+    assert "--pipeline-model-parallel-layout" not in argv
+    assert argv[argv.index("--num-layers-per-virtual-pipeline-stage") + 1] == "10"
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda lay: lay.replace("E", "", 1), "start with the embedding E"),
+    (lambda lay: lay + "t", "the loss L|decoder layers"),
+    (lambda lay: lay.replace("|", "", 1), "not a multiple of --pipeline-model-parallel-size"),
+    (lambda lay: lay.replace("t", "x", 1), "invalid layer character 'x'"),
+    (lambda lay: lay.replace("L", "mL"), "MTP layers"),
+])
+def test_validate_rejects_bad_layouts(edit, match):
+    plan = make_plan(LLAMA_70B.model_copy(update={"layers": 78}))
+    argv = megatron_args(plan)
+    i = argv.index("--pipeline-model-parallel-layout") + 1
+    argv[i] = edit(argv[i])
+    with pytest.raises(ExportValidationError, match=match):
+        validate_megatron_args(argv, plan)
+
+
+def test_validate_rejects_a_layout_other_than_the_priced_one():
+    plan = make_plan(LLAMA_70B.model_copy(update={"layers": 78}), vpp=1)
+    argv = megatron_args(plan)
+    i = argv.index("--pipeline-model-parallel-layout") + 1
+    argv[i] = "E" + "t" * 21 + "|" + "t" * 19 + "|" + "t" * 19 + "|" + "t" * 19 + "L"  # 78, but not balanced
+    with pytest.raises(ExportValidationError, match="not the one the plan priced"):
+        validate_megatron_args(argv, plan)
+    argv_flags = megatron_args(plan) + ["--num-virtual-stages-per-pipeline-rank", "1"]
+    with pytest.raises(ExportValidationError, match="only one of"):
+        validate_megatron_args(argv_flags, plan)
+
+
+def test_layout_string_round_trips_megatron_examples():
+    """Megatron's own examples (pipeline_parallel_layer_layout.py docstrings, the model zoo's DeepSeek-V3 layout)
+    unroll as Megatron unrolls them."""
+    assert parse_megatron_layout("Ettt|(tt|)*29,m|L") == ["Ettt"] + ["tt"] * 29 + ["m", "L"]
+    assert parse_megatron_layout("E|(t|)*3,m|m||L") == ["E", "t", "t", "t", "m", "m", "", "L"]
+    assert parse_megatron_layout("Et|(tt|)*30mL") == ["Et"] + ["tt"] * 30 + ["mL"]
+    assert megatron_layout(61, 8, 4) == "Et|(tt|)*29t|tL"
+    assert megatron_layout(6, 2, 1) == "Et*3|t*3L"
+    assert parse_megatron_layout(megatron_layout(78, 4, 2)) == ["E" + "t" * 9] + ["t" * 10] * 6 + ["t" * 9 + "L"]

@@ -282,8 +282,10 @@ def test_estimate_reads_a_cluster_file(tmp_path: Path) -> None:
     (["--arch", "layers=4,hidden=256,heads=4,layers=8,seq=512"], "gives layers twice"),
     (["--arch", "layers=0,hidden=256,heads=4,seq=512"], "invalid --arch layers=0"),
     (["--arch", "layers=4,hidden=256,heads=4", "--seq-len", "0"], "--seq-len must be >= 1"),
-    (["--arch", "layers=12,hidden=256,heads=4,seq=512", "--pp", "4", "--vpp", "2", "--gas", "4"],
-     "divisible by pp·vpp = 8"),
+    (["--arch", "layers=12,hidden=256,heads=4,seq=512", "--pp", "4", "--vpp", "2", "--gas", "4", "--engine",
+      "deepspeed"], "divisible by pp·vpp = 8"),
+    (["--arch", "layers=12,hidden=256,heads=4,seq=512", "--pp", "8", "--vpp", "2", "--gas", "8", "--engine",
+      "megatron"], "exceed the 12 layers plus the embedding and the loss"),
     (["--tp", "3", "--gpus", "8"], "is not divisible by tp"),
 ])
 def test_estimate_bad_strategy_input_is_one_line_exit_2(args: list[str], needle: str) -> None:
