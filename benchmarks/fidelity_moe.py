@@ -96,7 +96,8 @@ FLAGS = {
     "fp8": "fp8 recipe (MXFP8 / blockwise) priced as Transformer Engine per-tensor fp8",
     "dd": "node-deduplicating dispatcher (DeepEP/HybridEP) across nodes on a GPU optplan's deepep dispatcher does not "
           "cover: optplan prices topk copies per token",
-    "ov": "all-to-all overlapped with compute (1F1B A2A overlap or DualPipe): optplan exposes it",
+    "ov": "all-to-all overlapped with compute where optplan's ep_overlap cannot express it (DualPipe, or Megatron's "
+          "overlap outside its rules as mapped): optplan exposes it",
     "dual": "DualPipe schedule: priced as 1F1B",
     "mtp": "multi-token-prediction module not in the profile",
     "fsdp": "FSDP (Megatron-FSDP / torch FSDP2) priced as Megatron's distributed optimizer (zero 1)",
@@ -292,7 +293,12 @@ def plan(row: dict[str, Any]) -> Plan:
             strategy = strategy.model_copy(update={"dispatcher": "deepep"})
         elif _ep_nodes(strategy, cluster) > 1:
             flags.append("dd")
-    if any(f.startswith("a2a-overlap") for f in features):
+    if "a2a-overlap-1f1b" in features:  # Megatron's batch-level overlap: optplan's ep_overlap where its rules allow
+        try:
+            strategy = Strategy(**{**strategy.model_dump(), "ep_overlap": True})
+        except ValueError:
+            flags.append("ov")
+    elif any(f.startswith("a2a-overlap") for f in features):
         flags.append("ov")
     if "dualpipe" in features:
         flags.append("dual")

@@ -64,6 +64,10 @@ class Strategy(BaseModel):
         default="alltoall", description="MoE token dispatcher: alltoall (Megatron-Core's NCCL all-to-all: every "
                                         "routed copy of a token travels) or deepep (DeepEP through Megatron's flex "
                                         "dispatcher: a token crosses to each remote node once, then NVLink)")
+    ep_overlap: bool = Field(default=False, description="Megatron-Core's batch-level expert-parallel all-to-all "
+                                                        "overlap (--overlap-moe-expert-parallel-comm): one micro-batch's "
+                                                        "dispatch/combine hidden behind another's forward or backward "
+                                                        "(estimators/ep_overlap.py)")
     sp: bool = Field(default=False, description="sequence parallelism inside the tensor-parallel group")
     flash: bool = Field(default=True, description="memory-efficient (flash) attention: no s x s scores stored")
     offload_optimizer: OffloadTarget = "none"
@@ -135,6 +139,19 @@ class Strategy(BaseModel):
         if self.dispatcher != "alltoall" and (self.ep == 1 or self.engine != "megatron"):
             raise ValueError(f"--dispatcher {self.dispatcher} dispatches the tokens of expert parallelism on Megatron-LM: "
                              "use --ep > 1 with --engine megatron, or --dispatcher alltoall")
+        if self.ep_overlap:
+            if self.ep == 1 or self.engine != "megatron":
+                raise ValueError("--ep-overlap hides the all-to-alls of expert parallelism on Megatron-LM: use --ep > 1 "
+                                 "with --engine megatron, or drop --ep-overlap")
+            if self.checkpointing == "full":
+                raise ValueError("Megatron-LM's all-to-all overlap excludes full recomputation: use --checkpointing "
+                                 "selective|none, or drop --ep-overlap")
+            if self.precision not in ("bf16", "fp16", "fp8"):
+                raise ValueError(f"Megatron-LM's all-to-all overlap needs a bf16 or fp16 model, not {self.precision}: "
+                                 "use --precision bf16, or drop --ep-overlap")
+            if self.pp > 1 and self.vpp == 1:
+                raise ValueError("Megatron-LM's all-to-all overlap needs virtual pipeline stages with --pp > 1: set "
+                                 "--vpp >= 2, or drop --ep-overlap")
         if self.ep > 1 and (self.dp * self.cp) % self.ep:
             raise ValueError(f"--ep {self.ep} must divide the data-parallel x context-parallel ranks "
                              f"{self.dp * self.cp} (Megatron-Core carves the expert group out of them): change --ep")
@@ -186,6 +203,8 @@ class Strategy(BaseModel):
             parts.append(f"base-{self.quant}")
         if self.dispatcher != "alltoall":
             parts.append(self.dispatcher)
+        if self.ep_overlap:
+            parts.append("a2a-overlap")
         if self.engine != "deepspeed":
             parts.append(f"[{self.engine}]")
         return " ".join(parts)

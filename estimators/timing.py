@@ -84,6 +84,7 @@ from optplan.estimators.compute import (
     transformer_dims,
 )
 from optplan.estimators.efficiency import LINK_EFFICIENCY, EngineEfficiency, engine_efficiency
+from optplan.estimators.ep_overlap import overlapped_a2a_s, solo_fraction
 from optplan.estimators.expert_parallel import node_dedup_factor
 from optplan.estimators.finetune import DEQUANT_BANDWIDTH_FRACTION, dequant_bytes_per_layer
 from optplan.estimators.hardware import Cluster, GPUSpec
@@ -295,13 +296,14 @@ MOE_A2A_PER_PASS = 2
 
 def _moe_layer_s(profile: ModelProfile, s_: Strategy, cluster: Cluster, eff: GpuEfficiency, pl: Placement,
                  tokens: float, elem: int, hbm: float) -> tuple[float, float]:
-    """(all-to-all, expert-weight reads) seconds per layer and micro-batch, the MoE layers' share spread over every
-    layer as the profile spreads their width (estimators/moe.py).
+    """(all-to-all of one pass, expert-weight reads) seconds per layer and micro-batch, the MoE layers' share spread
+    over every layer as the profile spreads their width (estimators/moe.py).
 
-    - Dispatch and combine (:data:`MOE_A2A_PER_PASS` per pass) of the tokens' topk copies of h, when the experts
-      are split (ep > 1), priced by ``comm.all_to_all_s`` over the expert-parallel group and not overlapped
-      (Megatron-Core's default: no all-to-all overlap without ``--overlap-moe-expert-parallel-comm``), times the
-      stated imbalance (the busiest rank receives more).
+    - Dispatch and combine (:data:`MOE_A2A_PER_PASS` per pass: forward, backward, recomputed forward) of the tokens'
+      topk copies of h, when the experts are split (ep > 1), priced by ``comm.all_to_all_s`` over the
+      expert-parallel group, times the stated imbalance (the busiest rank receives more). Exposed in full
+      (Megatron-Core's default) unless the plan overlaps them (``ep_overlap``: estimators/ep_overlap.py, priced by
+      the caller, which has the compute windows).
     - Grouped GEMMs: every local expert's weights are read in each pass, however few tokens it gets; the dense
       roofline of the profile's active width reads only topk + shared experts' worth, so the rest of the local
       experts' weights are added as memory time (small per-expert GEMMs are bound by their weight reads:
@@ -313,7 +315,7 @@ def _moe_layer_s(profile: ModelProfile, s_: Strategy, cluster: Cluster, eff: Gpu
     moe = shape.moe
     share = moe.moe_layers(shape.layers) / shape.layers
     passes = 3 if s_.checkpointing == "full" else 2
-    a2a = 0.0
+    a2a_pass = 0.0
     if s_.ep > 1:
         size = tokens * moe.topk * shape.hidden * elem / (s_.tp if s_.sp else 1) * moe.imbalance
         per_node = min(pl.ep.ranks, max(1, cluster.gpus_per_node // s_.tp)) if pl.ep.nodes > 1 else pl.ep.ranks
@@ -321,11 +323,11 @@ def _moe_layer_s(profile: ModelProfile, s_: Strategy, cluster: Cluster, eff: Gpu
         one = all_to_all_s(size, s_.ep, per_node, cluster.gpu.intra_node_bandwidth_bytes_per_s *
                            eff.intra_node_link_fraction, cluster.inter_node_bandwidth_bytes_per_s * LINK_EFFICIENCY,
                            INTER_NODE_ALPHA_S if pl.ep.nodes > 1 else eff.intra_node_alpha_s, inter_scale=dedup)
-        a2a = share * MOE_A2A_PER_PASS * passes * one
+        a2a_pass = share * MOE_A2A_PER_PASS * one
     local = moe.experts / s_.ep
     idle = max(0.0, local - moe.topk)
     weight_bytes = idle * expert_mlp_params(shape.hidden, moe.moe_ffn, shape.gated) / s_.tp * elem
-    return a2a, share * passes * weight_bytes / hbm
+    return a2a_pass, share * passes * weight_bytes / hbm
 
 
 def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: Strategy, cluster: Cluster,
@@ -360,11 +362,17 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
     layer_cp = cp_fwd + cp_bwd + (cp_fwd if full else 0.0)
     layer_cp_exposed = (exposed_s(cp_fwd, core_fwd) + exposed_s(cp_bwd, core_bwd)
                         + (exposed_s(cp_fwd, core_fwd) if full else 0.0))
-    layer_ep, layer_expert_weights = _moe_layer_s(profile, s_, cluster, eff, pl, tokens, elem, hbm)
+    a2a_pass, layer_expert_weights = _moe_layer_s(profile, s_, cluster, eff, pl, tokens, elem, hbm)
     layer_mem += layer_expert_weights
     # a 4-bit base is dequantised in every pass (estimators/finetune.py): memory traffic per layer
     layer_mem += (dequant_bytes_per_layer(profile.adapter, s_.quant, dims.layers, full_checkpointing=full, tp=t)
                   / (gpu.memory_bandwidth_bytes_per_s * DEQUANT_BANDWIDTH_FRACTION))
+    layer_ep_total = a2a_pass * (3 if full else 2)
+    layer_ep = layer_ep_total
+    if s_.ep_overlap:  # batch-level overlap (estimators/ep_overlap.py): windows of the partner micro-batch's passes
+        fwd_window = lt.fwd_gemm_s + lt.fwd_elementwise_s
+        bwd_window = lt.bwd_gemm_s + lt.bwd_elementwise_s + layer_recompute
+        layer_ep = overlapped_a2a_s(a2a_pass, a2a_pass, fwd_window, bwd_window, solo_fraction(p, v, m))
     layer_device = layer_compute + layer_mem + layer_recompute + layer_tp + layer_cp_exposed + layer_ep
     host_layer = eff.host_layer_pass_s * host_layer_passes(s_)
     host_sync = 2 * (t - 1) * eff.host_collective_step_s  # per tensor-parallel collective
@@ -425,6 +433,7 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
             "time": layers_time + head_time_s + p2p, "params": params_local,
             "compute": layers * layer_compute + head_compute, "mem": layers * layer_mem + head_mem,
             "recompute": layers * layer_recompute, "tp": layers * layer_tp + head_tp, "ep": layers * layer_ep,
+            "ep_total": layers * layer_ep_total,
             "cp": layers * layer_cp, "cp_exposed": layers * layer_cp_exposed, "pp": p2p,
             "host": (layers_time - layers_dev) + (head_time_s - head_dev),
             "bwd": layers * (lt.bwd_gemm_s + lt.bwd_elementwise_s), "layers": layers,
@@ -467,7 +476,8 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
     parts = {
         "compute_s": m * slow["compute"], "recompute_s": m * slow["recompute"],
         "memory_bound_s": m * slow["mem"], "optimizer_s": opt,
-        "comm_s": tp_s + cp_s + pp_s + dp_total + ep_s, "exposed_comm_s": exposed, "bubble_s": pipe.bubble_s,
+        "comm_s": tp_s + cp_s + pp_s + dp_total + m * slow["ep_total"], "exposed_comm_s": exposed,
+        "bubble_s": pipe.bubble_s,
         "host_overhead_s": m * slow["host"] + eff.host_step_s,
         "tp_comm_s": tp_s, "cp_comm_s": cp_s, "pp_comm_s": pp_s, "dp_comm_s": dp_total,
         "exposed_dp_comm_s": dp_exposed, "ep_comm_s": ep_s,

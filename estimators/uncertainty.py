@@ -243,6 +243,10 @@ def _band_from(profile: ModelProfile, strategy: Strategy, gpu: str, mfu: float, 
     if profile.transformer is not None and profile.transformer.moe is not None:
         widen += WIDEN_UNMEASURED * (2 if s.ep > 1 else 1)  # the experts' GEMMs, and their all-to-all
         outside.append("MoE layers were never measured" + (" (nor expert parallelism's all-to-all)" if s.ep > 1 else ""))
+    if s.ep_overlap:  # one published pair measured its gain (estimators/ep_overlap.py)
+        widen += WIDEN_UNMEASURED
+        outside.append("the all-to-all overlap's gain rests on one published pair, where it was over-predicted "
+                       "(benchmarks/fidelity_moe.py)")
     if profile.adapter is not None:
         widen += WIDEN_UNMEASURED
         outside.append("no LoRA step time was measured here" + (

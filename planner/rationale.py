@@ -310,7 +310,7 @@ def _mbs_line(pick: Estimate, price: Price, space: SearchSpace) -> str:
 
 
 def _layout_of(s: Strategy) -> Layout:
-    return Layout(s.world_size, s.dp, s.tp, s.pp, s.vpp, s.cp, s.ep, s.dispatcher)
+    return Layout(s.world_size, s.dp, s.tp, s.pp, s.vpp, s.cp, s.ep, s.dispatcher, s.ep_overlap)
 
 
 def _ep_line(pick: Estimate, price: Price, ranked: Sequence[Estimate]) -> str | None:
@@ -322,8 +322,9 @@ def _ep_line(pick: Estimate, price: Price, ranked: Sequence[Estimate]) -> str | 
         return None if more is None else (f"expert parallelism off (ep 1): every expert local; the best ep plan "
                                           f"({more.strategy.label()}) {_vs(pick, more)}")
     line = (f"expert parallelism ep {s.ep}: {s.ep} ranks share each layer's experts (dispatch/combine all-to-all "
-            f"{pick.time.ep_comm_s * 1e3:.0f} ms per step)")
-    smaller = _neighbour(price, s, ep=s.ep // 2, dispatcher="alltoall" if s.ep // 2 == 1 else s.dispatcher)
+            f"{pick.time.ep_comm_s * 1e3:.0f} ms per step{' left exposed' if s.ep_overlap else ''})")
+    smaller = _neighbour(price, s, ep=s.ep // 2, dispatcher="alltoall" if s.ep // 2 == 1 else s.dispatcher,
+                         ep_overlap=s.ep_overlap and s.ep // 2 > 1)
     if smaller is not None:
         line += f"; ep {s.ep // 2} {_vs(pick, smaller)}"
     if s.dispatcher == "deepep":
@@ -331,6 +332,11 @@ def _ep_line(pick: Estimate, price: Price, ranked: Sequence[Estimate]) -> str | 
         nccl = _neighbour(price, s, dispatcher="alltoall")
         if nccl is not None:
             line += f" (NCCL all-to-all of every copy: {_vs(pick, nccl)})"
+    if s.ep_overlap:
+        line += "; all-to-all overlapped with the other micro-batch's compute (--overlap-moe-expert-parallel-comm)"
+        plain = _neighbour(price, s, ep_overlap=False)
+        if plain is not None:
+            line += f", without the overlap {_vs(pick, plain)}"
     return line
 
 

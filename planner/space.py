@@ -67,6 +67,7 @@ class Layout(NamedTuple):
     cp: int
     ep: int = 1
     dispatcher: str = "alltoall"
+    ep_overlap: bool = False
 
     @property
     def model_parallel(self) -> bool:
@@ -198,13 +199,17 @@ class SearchSpace(BaseModel):
 
 
 def strategy_of(group: Group, mbs: int, grad_accum: int) -> Strategy | None:
-    """The Strategy at one point, or None when the combination is not legal (Strategy's own rules)."""
+    """The Strategy at one point, or None when the combination is not legal (Strategy's own rules). A layout's
+    all-to-all overlap is dropped where the group's recipe forbids it (full recomputation, fp32)."""
     lay, sh = group.layout, group.sharding
+    if lay.ep_overlap and (group.checkpointing == "full" or group.precision not in ("bf16", "fp16", "fp8")):
+        lay = lay._replace(ep_overlap=False)
     try:
         return Strategy(precision=group.precision, optimizer=group.optimizer, zero=sh.zero,  # type: ignore[arg-type]
                         fsdp=sh.fsdp, mbs=mbs, grad_accum=grad_accum,  # type: ignore[arg-type]
                         checkpointing=group.checkpointing, dp=lay.dp, tp=lay.tp, pp=lay.pp, vpp=lay.vpp,
                         cp=lay.cp, ep=lay.ep, dispatcher=lay.dispatcher,  # type: ignore[arg-type]
+                        ep_overlap=lay.ep_overlap,
                         offload_optimizer=sh.offload_optimizer,  # type: ignore[arg-type]
                         offload_params=sh.offload_params, engine=sh.engine,  # type: ignore[arg-type]
                         quant=group.quant)  # type: ignore[arg-type]
@@ -280,14 +285,20 @@ def _layouts(profile: ModelProfile, gpus: int, gpus_per_node: int, model_paralle
                 dp = gpus // (tp * cp * pp)
                 vpps = [1]
                 if pp > 1 and block is not None:
-                    # an even split where pp divides the layers (the plain flags); else any vpp, the layout's
+                    # an even split where pp divides the layers (the plain flags); else a custom layout, at powers of
+                    # two (the bubble shrinks as 1/vpp: 2, 4, 8 span the trade against memory without every step)
                     vpps += [v for v in range(2, MAX_VPP + 1) if pp * v <= block.count
-                             and (block.count % (pp * v) == 0 or block.count % pp)]
+                             and (block.count % (pp * v) == 0 if block.count % pp == 0 else v & (v - 1) == 0)]
                 for ep in _eps(shape, dp * cp, model_parallel):
                     # DeepEP pays only where the expert group leaves the node (a token crosses to each node once)
                     spans = ep > 1 and group_nodes(ep, tp, gpus_per_node) > 1
                     dispatchers = ("alltoall", "deepep") if spans and deepep else ("alltoall",)
-                    out.extend(Layout(gpus, dp, tp, pp, v, cp, ep, d) for v in vpps for d in dispatchers)
+                    for v in vpps:
+                        # Megatron's all-to-all overlap (estimators/ep_overlap.py) wherever its rules allow it: it
+                        # hides communication and the memory model charges it nothing, so the plan without it is
+                        # dominated and not searched (strategy_of drops it where the recipe forbids it)
+                        overlap = ep > 1 and (pp == 1 or v > 1)
+                        out.extend(Layout(gpus, dp, tp, pp, v, cp, ep, d, overlap) for d in dispatchers)
     return out
 
 

@@ -237,9 +237,13 @@ def launched_command(plan: ExportPlan, *, train_script: str = "train.py",
         exports = tuple(f"export {name}={shlex.quote(value)}" for name, value in env.items())
         notes = [f"Megatron-LM: runs pretrain_gpt.py from the Megatron-LM checkout in $MEGATRON_LM (default "
                  f"./{DEFAULT_MEGATRON_LM}); the arguments below come from the plan."]
-        if env:
+        if env.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
             notes.append("CUDA_DEVICE_MAX_CONNECTIONS=1 is exported: Megatron-LM asserts it with tensor or "
                          "context parallelism on GPUs before Blackwell.")
+        elif env:
+            notes.append("CUDA_DEVICE_MAX_CONNECTIONS=32 is exported: the expert-parallel all-to-all overlap runs "
+                         "concurrent streams (Megatron-LM's MoE guide asks for more than 1; with tensor or context "
+                         "parallelism it warns instead of asserting 1).")
         notes += megatron_notes(plan)
         checks = (
             'if [[ ! -f "$MEGATRON_LM/' + PRETRAIN_SCRIPT + '" ]]; then',

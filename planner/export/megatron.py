@@ -182,7 +182,7 @@ def megatron_args(plan: ExportPlan) -> list[str]:
     else:
         args += ["--optimizer", "sgd", "--sgd-momentum", _fmt(SGD_MOMENTUM), "--weight-decay", "0.0"]
     args += ["--lr", _fmt(LEARNING_RATE), "--clip-grad", _fmt(CLIP_GRAD)]
-    moe_problem = moe_rule_violation(parse_megatron_args(args), plan.world_size)
+    moe_problem = moe_rule_violation(parse_megatron_args(args), plan.world_size, s.vpp)
     if moe_problem:
         raise NotExportable(moe_problem)
     return args
@@ -193,9 +193,13 @@ def megatron_env(plan: ExportPlan) -> dict[str, str]:
 
     ``CUDA_DEVICE_MAX_CONNECTIONS=1`` with tp > 1 or cp > 1: ``validate_args`` asserts it on GPUs before
     Blackwell so that tensor/context-parallel communication kernels are scheduled before the compute
-    they overlap with.
+    they overlap with; a plan with the expert-parallel all-to-all overlap takes 32 instead (its streams must run
+    concurrently: the MoE guide asks for more than 1, and ``validate_args`` only warns then with tp or cp > 1,
+    naming "1 or 32" as the choice; the plan priced the all-to-all overlap, not the tensor-parallel one).
     """
     s = plan.strategy
+    if s.ep_overlap:  # the all-to-all overlap needs concurrent streams (MoE guide: "CUDA_DEVICE_MAX_CONNECTIONS > 1")
+        return {"CUDA_DEVICE_MAX_CONNECTIONS": "32"}
     return {"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if (s.tp > 1 or s.cp > 1) else {}
 
 
@@ -439,7 +443,7 @@ def validate_megatron_args(argv: list[str], plan: ExportPlan) -> None:
         raise ExportValidationError("Megatron-LM needs --seq-length for GPT pretraining: add it")
     if ns.group_query_attention and ns.num_query_groups < 1:
         raise ExportValidationError("--num-query-groups must be >= 1: fix it")
-    problem = _rule_violation(view) or moe_rule_violation(ns, plan.world_size)
+    problem = _rule_violation(view) or moe_rule_violation(ns, plan.world_size, vpp)
     if problem:
         raise ExportValidationError(f"Megatron-LM would reject the arguments: {problem}")
 

@@ -13,6 +13,9 @@ Flags follow Megatron-LM's ``megatron/training/arguments.py`` ``_add_moe_args`` 
   or ``--moe-token-dispatcher-type flex --moe-enable-deepep`` for plans with ``dispatcher=deepep`` (DeepEP: the
   Megatron-Core MoE guide, "set --moe-token-dispatcher-type=flex and --moe-enable-deepep");
 - ``--moe-router-load-balancing-type aux_loss`` (Megatron's default, the balanced routing the plan assumes);
+- ``--overlap-moe-expert-parallel-comm --delay-wgrad-compute`` for plans with ``ep_overlap`` (the MoE guide's
+  "EP A2A Overlap" pair; estimators/ep_overlap.py), with Megatron's rules for it: ep > 1, the alltoall or flex
+  dispatcher, no full recomputation, a bf16/fp16 model, an interleaved pipeline when pp > 1;
 - MLA: ``--multi-latent-attention --kv-lora-rank --q-lora-rank --qk-head-dim --qk-pos-emb-head-dim
   --v-head-dim``.
 
@@ -56,6 +59,8 @@ def moe_args(shape: TransformerShape, s: Strategy) -> list[str]:
         args += ["--moe-router-load-balancing-type", "aux_loss"]
         if moe.shared_experts:
             args += ["--moe-shared-expert-intermediate-size", str(moe.shared_experts * moe.moe_ffn)]
+        if s.ep_overlap:  # the MoE guide's pair for "EP A2A Overlap"
+            args += ["--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"]
     if shape.head_dim is not None and shape.mla is None:
         args += ["--kv-channels", str(shape.head_dim)]  # the per-head width (Megatron's default: hidden / heads)
     mla = shape.mla
@@ -87,6 +92,8 @@ def add_moe_flags(add: Callable[..., Any]) -> None:
     add("--moe-router-load-balancing-type", default="aux_loss",
         choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"])
     add("--moe-shared-expert-intermediate-size", type=int, default=None)
+    add("--overlap-moe-expert-parallel-comm", action="store_true")
+    add("--delay-wgrad-compute", action="store_true")
     add("--kv-channels", type=int, default=None)
     add("--multi-latent-attention", action="store_true")
     add("--kv-lora-rank", type=int, default=32)
@@ -96,8 +103,9 @@ def add_moe_flags(add: Callable[..., Any]) -> None:
     add("--v-head-dim", type=int, default=128)
 
 
-def moe_rule_violation(ns: argparse.Namespace, world: int) -> str | None:
-    """The first of Megatron's MoE rules ``ns`` (parsed arguments) breaks at ``world`` GPUs, else None."""
+def moe_rule_violation(ns: argparse.Namespace, world: int, vpp: int = 1) -> str | None:
+    """The first of Megatron's MoE rules ``ns`` (parsed arguments, ``vpp`` virtual stages per rank) breaks at
+    ``world`` GPUs, else None."""
     ep = ns.expert_model_parallel_size
     experts = ns.num_experts
     tp, pp, cp = ns.tensor_model_parallel_size, ns.pipeline_model_parallel_size, ns.context_parallel_size
@@ -128,4 +136,27 @@ def moe_rule_violation(ns: argparse.Namespace, world: int) -> str | None:
     if tp > 1 and not ns.sequence_parallel:
         return ("when using MoE and tensor parallelism, sequence parallelism must be used (validate_args; "
                 "TransformerConfig for ep > 1): add --sequence-parallel")
+    return _overlap_violation(ns, ep, pp, vpp)
+
+
+def _overlap_violation(ns: argparse.Namespace, ep: int, pp: int, vpp: int) -> str | None:
+    """Megatron's rules for ``--overlap-moe-expert-parallel-comm`` and ``--delay-wgrad-compute``
+    (``TransformerConfig.__post_init__``, Megatron-LM d98e8a64)."""
+    if ns.delay_wgrad_compute and not ns.overlap_moe_expert_parallel_comm:
+        return ("overlap_moe_expert_parallel_comm must be enabled when enabling delay_wgrad_compute: add "
+                "--overlap-moe-expert-parallel-comm or drop --delay-wgrad-compute")
+    if not ns.overlap_moe_expert_parallel_comm:
+        return None
+    if ep <= 1:
+        return ("overlap_moe_expert_parallel_comm is only supported with expert model parallelism: raise "
+                "--expert-model-parallel-size or drop the overlap")
+    if ns.moe_token_dispatcher_type not in ("alltoall", "flex"):
+        return "overlap_moe_expert_parallel_comm is supported with alltoall/flex token dispatcher: change the dispatcher"
+    if ns.recompute_granularity == "full" or ns.recompute_method is not None:
+        return "disable full recomputation when enabling overlap_moe_expert_parallel_comm: use selective or none"
+    if not (ns.bf16 or ns.fp16):
+        return "overlap_moe_expert_parallel_comm is only supported with bf16 or fp16 model: add --bf16"
+    if pp > 1 and vpp <= 1:
+        return ("If enabling EP A2A overlap, virtual_pipeline_model_parallel_size must be specified when "
+                "pipeline_model_parallel_size > 1: interleave the pipeline")
     return None

@@ -85,3 +85,26 @@ def test_estimate_prices_a_deepep_plan() -> None:
         assert est["strategy"]["dispatcher"] == d
         out[d] = est["time"]["ep_comm_s"]
     assert 0 < out["deepep"] < out["alltoall"]
+
+
+def test_search_plans_the_all_to_all_overlap_where_megatron_allows_it() -> None:
+    """ep layouts carry Megatron's all-to-all overlap when its rules allow it (pp 1, or interleaved), and the points
+    whose recipe forbids it (full recomputation, fp32) are priced without it rather than dropped."""
+    from optplan.planner.recommend import recommend
+    from optplan.planner.space import Group, strategy_of
+
+    prof = profile_from_arch(parse_arch(DSV3_LIKE))
+    cluster = Cluster(gpu=find_gpu("H100-SXM"), gpus=64, gpus_per_node=8)
+    space = build_space(prof, cluster, engines=("megatron",))
+    for lay in space.layouts:
+        assert lay.ep_overlap == (lay.ep > 1 and (lay.pp == 1 or lay.vpp > 1))
+    lay = next(lay for lay in space.layouts if lay.ep_overlap and lay.pp == 1)
+    sharding = next(sh for sh in space.shardings if sh.engine == "megatron")
+    full = strategy_of(Group(lay, sharding, "bf16", "adamw", "full"), 1, 1)
+    sel = strategy_of(Group(lay, sharding, "bf16", "adamw", "selective"), 1, 1)
+    assert full is not None and not full.ep_overlap
+    assert sel is not None and sel.ep_overlap
+    rec = recommend(prof, cluster, engines=("megatron",), global_batch=256)
+    assert rec.plan is not None and rec.plan.ep > 1 and rec.plan.ep_overlap
+    assert any("--overlap-moe-expert-parallel-comm" in line and "without the overlap" in line
+               for line in rec.rationale)

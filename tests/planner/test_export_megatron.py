@@ -306,3 +306,47 @@ def test_layout_string_round_trips_megatron_examples():
     assert megatron_layout(61, 8, 4) == "Et|(tt|)*29t|tL"
     assert megatron_layout(6, 2, 1) == "Et*3|t*3L"
     assert parse_megatron_layout(megatron_layout(78, 4, 2)) == ["E" + "t" * 9] + ["t" * 10] * 6 + ["t" * 9 + "L"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Expert-parallel all-to-all overlap
+# --------------------------------------------------------------------------------------------------
+
+MOE_SHAPE = TransformerShape.model_validate({**LLAMA_70B.model_dump(), "layers": 94, "hidden": 4096, "heads": 64,
+                                             "kv_heads": 4, "ffn": 12288,
+                                             "moe": {"experts": 128, "topk": 8, "moe_ffn": 1536}})
+
+
+def test_ep_overlap_exports_megatrons_pair_and_its_environment():
+    plan = make_plan(MOE_SHAPE, tp=2, pp=8, vpp=4, dp=16, ep=16, ep_overlap=True, checkpointing="selective",
+                     grad_accum=16)
+    argv = megatron_args(plan)
+    assert "--overlap-moe-expert-parallel-comm" in argv and "--delay-wgrad-compute" in argv
+    assert "--pipeline-model-parallel-layout" in argv  # 94 layers on pp 8 x vpp 4
+    validate_megatron_args(argv, plan)
+    assert megatron_env(plan) == {"CUDA_DEVICE_MAX_CONNECTIONS": "32"}
+    plain = make_plan(MOE_SHAPE, tp=2, pp=8, vpp=4, dp=16, ep=16, grad_accum=16)
+    assert "--overlap-moe-expert-parallel-comm" not in megatron_args(plain)
+    assert megatron_env(plain) == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda a: [x for x in a if x != "--overlap-moe-expert-parallel-comm"], "must be enabled when enabling delay"),
+    (lambda a: a + ["--recompute-granularity", "full"], "disable full recomputation"),
+    (lambda a: [x for x in a if x != "--bf16"], "bf16 or fp16"),
+])
+def test_validate_applies_megatrons_overlap_rules(edit, match):
+    plan = make_plan(MOE_SHAPE, tp=2, pp=1, vpp=1, dp=32, ep=16, ep_overlap=True, grad_accum=8)
+    argv = megatron_args(plan)
+    with pytest.raises(ExportValidationError, match=match):
+        validate_megatron_args(edit(argv), plan)
+
+
+def test_validate_rejects_overlap_without_interleaving():
+    plan = make_plan(MOE_SHAPE.model_copy(update={"layers": 96}), tp=2, pp=8, vpp=4, dp=16, ep=16, ep_overlap=True,
+                     grad_accum=16)
+    argv = megatron_args(plan)
+    i = argv.index("--num-layers-per-virtual-pipeline-stage")
+    del argv[i:i + 2]
+    with pytest.raises(ExportValidationError, match="virtual_pipeline_model_parallel_size must be specified"):
+        validate_megatron_args(argv, plan)
