@@ -11,6 +11,9 @@ Run: python benchmarks/bench_search_scale.py
    1,536, 300B tokens: the pick, its TFLOP/s per GPU and days, against Narayanan et al. 2021 (SC'21,
    arXiv 2104.04473, Table 1 / §5.1: tp 8, pp 16, mbs 1, full recomputation, 140 TFLOP/s per GPU counting
    recomputation; eq. 4 gives 34 days for 300B tokens), and the estimate at their exact setting.
+5. DeepSeek-V3 (671B, 61 layers, 256 experts top-8, MLA; ``--arch`` shape) on 2,048 H100, global batch 15,360 x
+   4,096 tokens (its report's): tp, pp with uneven layouts, vpp, cp, ep, DeepEP, the all-to-all overlap. The space
+   is ~0.5M points, so the search screens layouts (planner/search.py). Target (issue 19): under 10 s.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from optplan.planner.search import Goal  # noqa: E402
 
 LLAMA_70B = "layers=80,hidden=8192,heads=64,kv_heads=8,ffn=28672,vocab=128256,seq=4096,gated=1,tied=0"
 GPT3 = "layers=96,hidden=12288,heads=96,vocab=51200,seq=2048"
+DSV3 = ("layers=61,hidden=7168,heads=128,ffn=18432,vocab=129280,experts=256,topk=8,moe_ffn=2048,shared_experts=1,"
+        "first_dense=3,moe_every=1,gated=1,tied=0,kv_lora=512,q_lora=1536,rope_dim=64,nope_dim=128,v_dim=128,seq=4096")
 
 
 def _rss_gib() -> float:
@@ -62,6 +67,12 @@ def main() -> None:
     _timed("Llama 70B, 4,096 x H100, gb 1024", profile=llama, cluster=h100_4k, global_batch=1024)
     _timed("Llama 70B, 512-4,096 x H100, cost, 15T tokens", profile=llama, cluster=h100_4k, global_batch=1024,
            gpu_counts=(512, 1024, 2048, 4096), goal=Goal(objective="cost", tokens=15e12, price_per_gpu_hour=2.5))
+
+    dsv3 = profile_from_arch(parse_arch(DSV3))
+    h100_2k, _ = resolve_cluster(gpu="H100-SXM", gpus=2048, gpus_per_node=8)
+    rec = _timed("DeepSeek-V3 671B, 2,048 x H100, gb 15360", profile=dsv3, cluster=h100_2k, global_batch=15360)
+    s = rec.search  # type: ignore[attr-defined]
+    print(f"  ({s.method}: {s.layouts - s.layouts_screened_out:,} of {s.layouts:,} layouts enumerated in full)")
 
     gpt3 = profile_from_arch(parse_arch(GPT3))
     a100, _ = resolve_cluster(gpu="A100-80GB", gpus=1024, gpus_per_node=8)

@@ -65,6 +65,8 @@ class SearchSummary(BaseModel):
     evaluated: int
     feasible: int
     resumed: int = 0
+    layouts: int = Field(default=0, description="parallel layouts in the space")
+    layouts_screened_out: int = Field(default=0, description="layouts the screen priced only through their probe")
     objective: str = "throughput"
     study_name: str = ""
     storage: str | None = None
@@ -218,7 +220,8 @@ def recommend(profile: ModelProfile, cluster: Cluster, *, global_batch: int | No
     if gb is not None and profile.defaults.global_batch == gb and global_batch is None:
         all_notes.append(f"global batch {gb} from the model file's OPTPLAN")
     summary = SearchSummary(method=result.method, space_size=result.space_size, evaluated=result.evaluated,
-                            feasible=len(feasible), resumed=result.resumed, objective=goal.objective,
+                            feasible=len(feasible), resumed=result.resumed, layouts=len(space.layouts),
+                            layouts_screened_out=result.layouts_screened_out, objective=goal.objective,
                             study_name=result.study.study_name, storage=None if storage is None else str(storage))
     cluster_summary = ClusterSummary(gpu=cluster.gpu.name, gpus=max(space.gpu_counts),
                                      gpus_per_node=cluster.gpus_per_node, memory_bytes=cluster.gpu.memory_bytes,

@@ -7,6 +7,13 @@ Every candidate is priced by the analytic estimators (well under a millisecond e
   first that does not fit (per-GPU memory grows with the micro-batch). Each chunk of groups records its
   Pareto front and best candidates into the Optuna study as completed trials, with the study's
   ``groups_done`` mark, so a killed search resumes where it stopped and a finished one is not repeated.
+- ``screen``: spaces above :data:`ENUMERATE_LIMIT` points (pipeline-parallel MoE layouts on thousands of
+  GPUs: DeepSeek-V3 on 2,048 H100s has ~0.5M). A two-stage enumeration: every layout is first priced through
+  one probe group (the most sharded setting of each engine that runs it, the first precision and optimizer,
+  selective recomputation, or full where nothing else fits: its micro-batches ascending as above), the layouts
+  are ranked by their best probe, and the :func:`screen_keep` best are then enumerated over every group. What
+  was screened out is counted in the result; a layout that would win only under a setting its probe did not
+  try can be missed (the coarse-to-fine pruning of, e.g., Galvatron and Alpa's stage pruning).
 - ``nsga2`` / ``tpe``: Optuna's samplers over the same axes (layout, sharding, precision, optimizer,
   checkpointing, micro-batch, accumulation); ``trial.set_constraint`` carries the memory excess in GiB
   (> 0 = infeasible); illegal combinations are pruned. A study in shared storage can be optimised by
@@ -38,19 +45,20 @@ from optplan.estimators.errors import OptplanError
 from optplan.estimators.estimate import Estimate, estimate
 from optplan.estimators.hardware import Cluster
 from optplan.estimators.profile import ModelProfile
-from optplan.estimators.strategy import Strategy
+from optplan.estimators.strategy import FSDP_STAGE, Strategy
 from optplan.planner.events import ProgressEvent
 from optplan.planner.simplicity import prefer_simple
-from optplan.planner.space import Group, SearchSpace, strategy_of
+from optplan.planner.space import Group, Layout, SearchSpace, Sharding, strategy_of
 
-SearchMethod = Literal["auto", "enumerate", "nsga2", "tpe"]
+SearchMethod = Literal["auto", "enumerate", "screen", "nsga2", "tpe"]
 Objective = Literal["throughput", "time", "cost"]
 OBJECTIVES: tuple[str, ...] = ("throughput", "time", "cost")
-ENUMERATE_LIMIT = 600_000
-"""Spaces up to this many points are enumerated. The fit-pruned loop prices a fraction of them (DeepSeek-V3 on
-2,048 H100s: 516k points, ~95k priced); Optuna's samplers draw the axes independently, and on spaces this large
-most draws are illegal combinations (pruned trials count against the trial budget), so enumeration is preferred
-as long as it stays under a minute here."""
+ENUMERATE_LIMIT = 200_000
+"""Spaces up to this many points are enumerated; larger ones are screened (``auto``). Optuna's samplers draw the
+axes independently, and on spaces this large most draws are illegal combinations (pruned trials count against
+the trial budget: 16 legal plans of 3,000 trials on DeepSeek-V3 at 2,048 GPUs), so they are used only when asked."""
+SCREEN_KEEP_LAYOUTS = 96
+SCREEN_KEEP_SHARE = 0.04
 DEFAULT_TRIALS = 3000
 MEMORY_CONSTRAINT_KEY = "memory_excess_gib"
 RECORDED_TOP_K = 12
@@ -171,10 +179,11 @@ class SearchResult(BaseModel):
     model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True)
 
     ranked: tuple[Estimate, ...]
-    method: Literal["enumerate", "nsga2", "tpe"]
+    method: Literal["enumerate", "screen", "nsga2", "tpe"]
     space_size: int
     evaluated: int
     resumed: int = Field(default=0, description="candidates taken from an earlier run in the same study")
+    layouts_screened_out: int = Field(default=0, description="layouts the screen priced only through their probe")
     study: optuna.Study
     goal: Goal
 
@@ -442,6 +451,66 @@ def _enumerate(pricer: Pricer, space: SearchSpace, study: optuna.Study, goal: Go
     return evaluated, resumed
 
 
+def screen_keep(layouts: int) -> int:
+    """How many layouts the screen enumerates in full: :data:`SCREEN_KEEP_LAYOUTS`, or
+    :data:`SCREEN_KEEP_SHARE` of them when that is more (stated defaults: DeepSeek-V3 on 2,048 H100s keeps 96 of
+    2,382 layouts and its pick is the full enumeration's)."""
+    return max(SCREEN_KEEP_LAYOUTS, int(SCREEN_KEEP_SHARE * layouts))
+
+
+def _probe_groups(space: SearchSpace, layout: Layout) -> list[list[Group]]:
+    """The screen's probe of ``layout``: per engine that runs it, its most sharded setting without offload, the
+    first precision and optimizer, and the recomputation modes to try in order (selective, then full)."""
+    by_engine: dict[str, Sharding] = {}
+    for sh in space.shardings_for(layout):
+        if sh.offload_optimizer != "none" or sh.offload_params != "none":
+            continue
+        best = by_engine.get(sh.engine)
+        if best is None or (sh.zero, FSDP_STAGE[sh.fsdp]) > (best.zero, FSDP_STAGE[best.fsdp]):
+            by_engine[sh.engine] = sh
+    modes = [m for m in ("selective", "full", "none") if m in space.checkpointing]
+    out = []
+    for sh in by_engine.values():
+        precisions = space.precisions_for(sh)
+        if precisions:
+            out.append([Group(layout, sh, precisions[0], space.optimizer, m, space.quant)  # type: ignore[arg-type]
+                        for m in modes])
+    return out
+
+
+def _screen(pricer: Pricer, space: SearchSpace, goal: Goal,
+            notify: Callable[[ProgressEvent], None]) -> tuple[Layout, ...]:
+    """The layouts worth enumerating in full: each priced through its probe, ranked by its best probe
+    (``goal.rank_key``), the :func:`screen_keep` best kept in the space's order."""
+    best: dict[Layout, tuple[object, ...]] = {}
+    for i, layout in enumerate(space.layouts):
+        for tries in _probe_groups(space, layout):
+            for group in tries:
+                found = False
+                for mbs in space.micro_batches(layout):
+                    any_fits = False
+                    for gas in space.accumulations(layout, mbs):
+                        s = strategy_of(group, mbs, gas)
+                        est = pricer(s) if s is not None else None
+                        if est is None:
+                            continue
+                        key = (*goal.rank_key(est), est.strategy.label())
+                        if layout not in best or key < best[layout]:
+                            best[layout] = key
+                        any_fits = any_fits or est.fits
+                    found = found or any_fits
+                    if not any_fits:
+                        break
+                if found:
+                    break  # the lighter recomputation fits: the heavier would not rank above it
+        if (i + 1) % CHUNK_GROUPS == 0:
+            notify(ProgressEvent(stage="search", done=i + 1, total=len(space.layouts),
+                                 message=f"screening layouts ({i + 1} of {len(space.layouts)})"))
+    ranked = sorted(best, key=lambda lay: best[lay])[:screen_keep(len(space.layouts))]
+    keep = set(ranked)
+    return tuple(lay for lay in space.layouts if lay in keep)
+
+
 def _optimize(pricer: Pricer, space: SearchSpace, study: optuna.Study, goal: Goal, n_trials: int,
               notify: Callable[[ProgressEvent], None]) -> tuple[int, int]:
     dists = _distributions(space)
@@ -497,14 +566,23 @@ def search(profile: ModelProfile, cluster: Cluster, space: SearchSpace, *, goal:
     goal.check()
     notify = on_progress or (lambda _e: None)
     size = space.size
-    chosen: Literal["enumerate", "nsga2", "tpe"] = (
+    chosen: Literal["enumerate", "screen", "nsga2", "tpe"] = (
         "enumerate" if method == "enumerate" or (method == "auto" and size <= ENUMERATE_LIMIT)
-        else ("tpe" if method == "tpe" else "nsga2"))
+        else ("screen" if method in ("auto", "screen") else ("tpe" if method == "tpe" else "nsga2")))
     name = study_name or study_name_for(profile, cluster, space, goal, chosen, seed, calibration)
     pricer = Pricer(profile, cluster, calibration, on_priced=on_trial)
-    if chosen == "enumerate":
+    screened_out = 0
+    if chosen in ("enumerate", "screen"):
         study = _open_study(storage, name, goal, optuna.samplers.NSGAIISampler(seed=seed))
-        evaluated, resumed = _enumerate(pricer, space, study, goal, notify, storage)
+        full = space
+        probed = 0
+        if chosen == "screen":
+            before = len(pricer.priced)
+            full = space.model_copy(update={"layouts": _screen(pricer, space, goal, notify)})
+            probed = len(pricer.priced) - before
+            screened_out = len(space.layouts) - len(full.layouts)
+        evaluated, resumed = _enumerate(pricer, full, study, goal, notify, storage)
+        evaluated += probed
     else:
         sampler: optuna.samplers.BaseSampler = (
             optuna.samplers.TPESampler(seed=seed, multivariate=True)
@@ -513,5 +591,5 @@ def search(profile: ModelProfile, cluster: Cluster, space: SearchSpace, *, goal:
         evaluated, resumed = _optimize(pricer, space, study, goal, n_trials or min(size, DEFAULT_TRIALS), notify)
     ranked = rank(list(pricer.priced.values()), goal)
     return SearchResult(ranked=ranked, method=chosen, space_size=size, evaluated=evaluated, resumed=resumed,
-                        study=study, goal=goal)
+                        layouts_screened_out=screened_out, study=study, goal=goal)
 

@@ -18,7 +18,7 @@ PRECISIONS = ("fp32", "amp-bf16", "amp-fp16", "bf16", "fp16", "bf16-pure", "fp8"
 OPTIMIZERS = ("adamw", "adamw8bit", "adamw-8bit", "adafactor", "sgd", "paged_adamw", "paged_adamw8bit",
               "paged_adamw_32bit", "paged_adamw_8bit")
 ENGINES = ("deepspeed", "torch", "megatron")
-METHODS = ("auto", "enumerate", "nsga2", "tpe")
+METHODS = ("auto", "enumerate", "screen", "nsga2", "tpe")
 LAUNCHERS = ("torchrun", "deepspeed")
 
 

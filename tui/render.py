@@ -216,13 +216,21 @@ def probes_table(rec: Recommendation) -> Table | None:
     return table
 
 
+def _screen_text(rec: Recommendation) -> str:
+    """', 96 of 2,382 layouts in full' for a screened search (planner/search.py), else ''."""
+    s = rec.search
+    if s.method != "screen":
+        return ""
+    return f": {s.layouts - s.layouts_screened_out:,} of {s.layouts:,} layouts in full, the rest by a probe"
+
+
 def print_recommendation(console: Console, rec: Recommendation, profile: ModelProfile) -> None:
     """The full human report of a recommendation."""
     console.print(profile_summary(profile))
     c = rec.cluster
     console.print(f"cluster: {c.gpus} x {c.gpu} ({_g(c.memory_bytes)} GiB each, {c.gpus_per_node} per node"
                   f"{', detected' if c.detected else ''}); searched {rec.search.evaluated} plans "
-                  f"({rec.search.method}), {rec.search.feasible} fit")
+                  f"({rec.search.method}{_screen_text(rec)}), {rec.search.feasible} fit")
     for note in rec.notes:
         console.print(f"note: {note}", style="dim")
     probes = probes_table(rec)

@@ -384,3 +384,24 @@ def test_study_values_are_robust_and_an_older_format_is_not_resumed(tmp_path, mo
         e = by_label[t.user_attrs["label"]]
         assert t.values[0] == pytest.approx(e.samples_per_s * e.time.step_s / e.time.step_s_high)
         assert t.values[0] < e.samples_per_s  # the slow end of the band (the test GPU was never measured)
+
+
+def test_screen_enumerates_the_best_layouts_and_finds_the_enumerated_pick(monkeypatch) -> None:
+    """Above ENUMERATE_LIMIT the search screens layouts through one probe group each and enumerates the best in
+    full: on an MoE space its pick is the full enumeration's, with far fewer candidates priced."""
+    import optplan.planner.search as search_mod
+    from optplan.estimators.hardware import find_gpu
+
+    prof = profile_from_arch(parse_arch(
+        "layers=13,hidden=2048,heads=16,ffn=8192,vocab=32000,gated=1,tied=0,experts=64,topk=8,moe_ffn=512,seq=4096"))
+    cluster = Cluster(gpu=find_gpu("H100-SXM"), gpus=64, gpus_per_node=8)
+    space = build_space(prof, cluster, global_batch=512, engines=("megatron",))
+    full = search(prof, cluster, space, method="enumerate")
+    monkeypatch.setattr(search_mod, "SCREEN_KEEP_LAYOUTS", 12)
+    monkeypatch.setattr(search_mod, "ENUMERATE_LIMIT", space.size - 1)
+    screened = search(prof, cluster, space)  # auto: above the limit -> screen
+    assert screened.method == "screen"
+    kept = search_mod.screen_keep(len(space.layouts))
+    assert 12 <= kept < len(space.layouts) and screened.layouts_screened_out == len(space.layouts) - kept
+    assert screened.evaluated < full.evaluated
+    assert screened.ranked[0].strategy == full.ranked[0].strategy
