@@ -415,6 +415,19 @@ def predict(row: dict[str, Any]) -> Result:
                   measured_tps=measured_tokens_per_s_per_gpu(row), attention_x2_step_s=probe)
 
 
+def domain_rows() -> list[Any]:
+    """Every published MoE run as a ``published_sets.Row`` (the closest supported plan, the measured step time):
+    the MoE sets of the time model's measured domain (``fidelity_published.py --write-domain``)."""
+    from published_sets import Row
+
+    out = []
+    for row in load()[1]:
+        r = predict(row)
+        out.append(Row(set=f"moe:{row['set']}", label=row["id"], profile=r.plan.profile, cluster=r.plan.cluster,
+                       strategy=r.plan.strategy, measured_s=r.measured_step_s))
+    return out
+
+
 def _mape(ratios: list[float]) -> float:
     return statistics.fmean(abs(r - 1) for r in ratios)
 

@@ -102,6 +102,7 @@ def _domain_entry(name: str, rows: list[Row], judged: list[Row]) -> dict[str, ob
         "name": name, "gpu": first.gpu, "engine": first.strategy.engine,
         "source": "; ".join(sorted({r.set for r in rows})) + (
             " (benchmarks/results, benchmarks/fidelity_gpu_results.py)" if first.set == "gpu-campaign"
+            else " (benchmarks/fidelity_moe.py, benchmarks/data/moe_published.json)" if first.set.startswith("moe:")
             else " (benchmarks/published_sets.py)"),
         "runs": len(rows), "mape": round(_mape([1.0 / x for x in measured_over_predicted]), 4),
         "ratio_low": round(_quantile(measured_over_predicted, 0.05), 4),
@@ -124,8 +125,10 @@ def write_domain(rows: list[Row]) -> None:
     _, held = split(rows)
     held_ids = {id(r) for r in held}
     from fidelity_gpu_results import campaign_rows
+    from fidelity_moe import domain_rows
 
-    rows = [*rows, *campaign_rows()]  # the GPU campaign's runs (benchmarks/results): never fitted, all judged
+    # the GPU campaign's runs (benchmarks/results) and the published MoE runs: never fitted, all judged
+    rows = [*rows, *campaign_rows(), *domain_rows()]
     groups: dict[tuple[str, str, str], list[Row]] = defaultdict(list)
     for r in rows:
         groups[(r.gpu, r.strategy.engine, model_kind(r.profile))].append(r)
@@ -133,8 +136,8 @@ def write_domain(rows: list[Row]) -> None:
     for (gpu, engine, kind), rs in sorted(groups.items()):
         judged = [r for r in rs if r.set not in FITTED_SETS or id(r) in held_ids]
         names = ", ".join(sorted({r.set for r in rs}))
-        entry = _domain_entry(f"{gpu} {engine}{' FLOPs-only models' if kind == 'flops_only' else ''}: {names}",
-                              rs, judged)
+        what = {"flops_only": " FLOPs-only models", "moe": " MoE models"}.get(kind, "")
+        entry = _domain_entry(f"{gpu} {engine}{what}: {names}", rs, judged)
         if kind != "transformer":
             entry["kind"] = kind
         sets.append(entry)

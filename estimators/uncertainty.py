@@ -13,8 +13,9 @@ precision and checkpointing lie within what the set measured; outside it the ban
 - by ``WIDEN_PER_OCTAVE`` of the log step time per doubling beyond a measured range (parameters, GPUs,
   sequence, tokens per micro-batch, tensor/pipeline/context degrees);
 - by ``WIDEN_UNMEASURED`` for each thing the set never measured (an engine or a GPU without a set: the
-  nearest set stands in; offload; a precision or checkpointing mode not in the set; MoE layers, twice with
-  expert parallelism: no measured set has any);
+  nearest set stands in; offload; a precision or checkpointing mode not in the set; MoE layers on a GPU without
+  a measured MoE set, twice with expert parallelism; the published MoE runs, benchmarks/fidelity_moe.py, are
+  the MoE sets: kind ``moe``);
 - and when the predicted MFU is above the best MFU ever measured on that GPU and precision (the
   envelope), the slow end is at least the time at the envelope: step × predicted MFU ÷ envelope MFU.
 
@@ -69,9 +70,10 @@ class MeasuredSet(BaseModel):
     precisions: tuple[str, ...]
     checkpointing: tuple[str, ...]
     max_mfu: dict[str, float] = Field(description="best measured MFU (PaLM definition) by precision class")
-    kind: Literal["transformer", "flops_only"] = Field(
-        default="transformer", description="which time path priced its runs: transformer shapes, or the FLOPs-only "
-                                           "path of models without one (timing.py)")
+    kind: Literal["transformer", "flops_only", "moe"] = Field(
+        default="transformer", description="which time path priced its runs: transformer shapes, MoE transformer "
+                                           "shapes (experts, their all-to-all), or the FLOPs-only path of models "
+                                           "without a shape (timing.py)")
 
 
 class Derivation(BaseModel):
@@ -145,9 +147,11 @@ def _candidate_groups(gpu: str, dom: TimeDomain) -> list[tuple[list[MeasuredSet]
     return [(sets, derivation) for sets, derivation in groups if sets]
 
 
-def model_kind(profile: ModelProfile) -> Literal["transformer", "flops_only"]:
+def model_kind(profile: ModelProfile) -> Literal["transformer", "flops_only", "moe"]:
     """Which time path prices ``profile``, and so which measured sets judge it (:attr:`MeasuredSet.kind`)."""
-    return "transformer" if profile.transformer is not None else "flops_only"
+    if profile.transformer is None:
+        return "flops_only"
+    return "moe" if profile.transformer.moe is not None else "transformer"
 
 
 def _octaves(value: float, lo: float, hi: float) -> float:
@@ -203,7 +207,13 @@ def _band_from(profile: ModelProfile, strategy: Strategy, gpu: str, mfu: float, 
     outside: list[str] = []
     widen = 0.0
     same_kind = [s for s in sets if s.kind == kind]
-    if not same_kind:
+    if not same_kind and kind == "moe":
+        # the experts' GEMMs, and with ep their all-to-all: dense transformer sets stand in
+        widen += WIDEN_UNMEASURED * (2 if strategy.ep > 1 else 1)
+        outside.append(f"no MoE model was measured on {name}"
+                       + (" (nor expert parallelism's all-to-all)" if strategy.ep > 1 else ""))
+        same_kind = [s for s in sets if s.kind == "transformer"]
+    elif not same_kind:
         widen += WIDEN_UNMEASURED
         outside.append("no model without a transformer shape was measured on " + name if kind == "flops_only"
                        else "no transformer was measured on " + name)
@@ -240,9 +250,9 @@ def _band_from(profile: ModelProfile, strategy: Strategy, gpu: str, mfu: float, 
     if s.offload_optimizer != "none" or s.offload_params != "none":
         widen += WIDEN_UNMEASURED
         outside.append("offload was never measured")
-    if profile.transformer is not None and profile.transformer.moe is not None:
-        widen += WIDEN_UNMEASURED * (2 if s.ep > 1 else 1)  # the experts' GEMMs, and their all-to-all
-        outside.append("MoE layers were never measured" + (" (nor expert parallelism's all-to-all)" if s.ep > 1 else ""))
+    if kind == "moe" and ms.kind == "moe" and s.ep == 1:
+        widen += WIDEN_UNMEASURED  # every measured MoE run split its experts
+        outside.append("MoE without expert parallelism was not measured (every measured MoE run used ep > 1)")
     if s.ep_overlap:  # one published pair measured its gain (estimators/ep_overlap.py)
         widen += WIDEN_UNMEASURED
         outside.append("the all-to-all overlap's gain rests on one published pair, where it was over-predicted "

@@ -39,7 +39,9 @@ DEFAULT_ALTERNATIVES = 4
 MODEL_SCOPE_NOTE = ("time model fitted on measured runs: A100 Megatron (vTrain; Narayanan et al. 2021 and Korthikanti "
                     "et al. 2022 tables), A100 and H100 torch FSDP (llm-foundry, torchtitan); H200 and B200 derived "
                     "from H100, the H200 also measured on one GPU by optplan's GPU campaign (torch and DeepSpeed at "
-                    "world size 1, models up to 1.2B: benchmarks/results); other GPUs use their datasheet peaks with "
+                    "world size 1, models up to 1.2B: benchmarks/results); MoE models judged by 23 published Megatron-"
+                    "Core, NeMo and DeepSeek runs on H100 and B200 (benchmarks/fidelity_moe.py); other GPUs use their "
+                    "datasheet peaks with "
                     "default efficiencies and a wide band until probes calibrate them; each estimate's band "
                     "(time.step_s_low-step_s_high) says how sure it is")
 """What the time model rests on: the measured sets and derived GPUs of estimators/data/time_domain.yaml and

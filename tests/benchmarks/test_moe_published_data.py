@@ -53,3 +53,41 @@ def test_closest_plan_keeps_expert_sharding() -> None:
     strategy = bench.plan(row).strategy
     assert strategy.ep * strategy.tp == row["ep"] * row["etp"]
     assert (strategy.dp * strategy.cp) % strategy.ep == 0
+
+
+def test_sources_interleaving_and_overlap_are_planned_as_run() -> None:
+    """Uneven interleaved layouts (94 or 61 layers on pp 8 x vpp 4) and Megatron's all-to-all overlap are priced as
+    the sources ran them, not dropped (estimators/pipeline_layout.py, estimators/ep_overlap.py)."""
+    qwen = next(r for r in ROWS if r["id"] == "zoo-qwen3-235b-deepep-ep32-pp8-a2a-overlap")
+    p = bench.plan(qwen)
+    assert (p.strategy.pp, p.strategy.vpp) == (8, 4) and p.strategy.ep_overlap
+    assert "vpp" not in p.flags and "ov" not in p.flags
+    dualpipe = next(r for r in ROWS if "dualpipe" in r["features"])
+    assert "ov" in bench.plan(dualpipe).flags  # DualPipe is not Megatron's overlap: still exposed, and flagged
+
+
+def test_the_committed_domain_holds_the_moe_sets_as_the_benchmark_writes_them() -> None:
+    """estimators/data/time_domain.yaml's MoE sets (kind moe) are fidelity_published.py --write-domain's, from
+    these published runs: the band of every MoE plan rests on them."""
+    import sys
+    from pathlib import Path
+
+    import pytest
+    import yaml
+
+    root = Path(__file__).resolve().parents[2]
+    sys.path.insert(0, str(root / "benchmarks"))
+    import fidelity_published
+
+    rows = bench.domain_rows()
+    committed = {s["gpu"]: s for s in yaml.safe_load((root / "estimators" / "data" / "time_domain.yaml")
+                                                     .read_text())["sets"] if s.get("kind") == "moe"}
+    by_gpu: dict[str, list] = {}
+    for r in rows:
+        by_gpu.setdefault(r.gpu, []).append(r)
+    assert set(by_gpu) == set(committed) and "H100-SXM" in committed
+    for gpu, rs in by_gpu.items():
+        fresh = fidelity_published._domain_entry("x", rs, rs)
+        assert committed[gpu]["runs"] == fresh["runs"] == len(rs)
+        assert committed[gpu]["ratio_low"] == pytest.approx(fresh["ratio_low"], abs=2e-3), gpu
+        assert committed[gpu]["ratio_high"] == pytest.approx(fresh["ratio_high"], abs=2e-3), gpu

@@ -85,7 +85,9 @@ def test_gpus_without_measurements_say_so() -> None:
     prof = profile_from_arch(MPT_7B)
     b200 = time_band(prof, FSDP8, _cluster("B200"), mfu=0.0)
     h100 = time_band(prof, FSDP8, _cluster("H100-SXM"), mfu=0.0)
-    assert b200.high > h100.high and any(r.startswith("B200 was never measured") for r in b200.outside)
+    # the B200's only measured runs are published MoE ones: a dense plan borrows the H100's, widened
+    assert b200.high > h100.high
+    assert any(r.startswith("B200's own measured runs cover this plan less than H100-SXM's") for r in b200.outside)
     l40s = time_band(prof, FSDP8, _cluster("L40S"), mfu=0.0)
     assert l40s.high == pytest.approx(math.exp(UNMEASURED_GPU_BAND))
     assert l40s.outside == ("no step time was ever measured on L40S",)
