@@ -35,6 +35,15 @@ EP_OVERLAP_INTERFERENCE = EP_OVERLAP_COMM_SMS / HOPPER_SMS
 for every GPU: Blackwell's 148 SMs would make it 0.14)."""
 
 
+OVERLAP_PRECISIONS = ("bf16", "fp16", "fp8")
+"""Recipes whose Megatron model is bf16 or fp16 (fp8 runs on a bf16 model), which the overlap requires."""
+
+
+def recipe_allows_overlap(precision: str, checkpointing: str) -> bool:
+    """Whether Megatron's overlap rules admit the recipe: a 16-bit model and no full recomputation."""
+    return precision in OVERLAP_PRECISIONS and checkpointing != "full"
+
+
 def solo_fraction(pp: int, vpp: int, microbatches: int) -> float:
     """Share of the forward (and of the backward) chunk passes that have no other micro-batch's pass to overlap
     with (dimensionless, 0-1): 1/m with one stage; the first rank's interleaved warm-up

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from optplan.estimators.ep_overlap import OVERLAP_PRECISIONS
 from optplan.estimators.finetune import QuantName
 
 PrecisionName = Literal["fp32", "amp-bf16", "amp-fp16", "bf16", "fp16", "bf16-pure", "fp8"]
@@ -146,7 +147,7 @@ class Strategy(BaseModel):
             if self.checkpointing == "full":
                 raise ValueError("Megatron-LM's all-to-all overlap excludes full recomputation: use --checkpointing "
                                  "selective|none, or drop --ep-overlap")
-            if self.precision not in ("bf16", "fp16", "fp8"):
+            if self.precision not in OVERLAP_PRECISIONS:
                 raise ValueError(f"Megatron-LM's all-to-all overlap needs a bf16 or fp16 model, not {self.precision}: "
                                  "use --precision bf16, or drop --ep-overlap")
             if self.pp > 1 and self.vpp == 1:

@@ -31,6 +31,7 @@ from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from optplan.estimators.ep_overlap import recipe_allows_overlap
 from optplan.estimators.errors import OptplanError
 from optplan.estimators.expert_parallel import DEEPEP_GPUS
 from optplan.estimators.hardware import Cluster
@@ -202,7 +203,7 @@ def strategy_of(group: Group, mbs: int, grad_accum: int) -> Strategy | None:
     """The Strategy at one point, or None when the combination is not legal (Strategy's own rules). A layout's
     all-to-all overlap is dropped where the group's recipe forbids it (full recomputation, fp32)."""
     lay, sh = group.layout, group.sharding
-    if lay.ep_overlap and (group.checkpointing == "full" or group.precision not in ("bf16", "fp16", "fp8")):
+    if lay.ep_overlap and not recipe_allows_overlap(group.precision, group.checkpointing):
         lay = lay._replace(ep_overlap=False)
     try:
         return Strategy(precision=group.precision, optimizer=group.optimizer, zero=sh.zero,  # type: ignore[arg-type]

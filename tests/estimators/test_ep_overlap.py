@@ -59,3 +59,17 @@ def test_overlap_shortens_the_step_and_keeps_the_total_traffic():
     assert t1.comm_s == pytest.approx(t0.comm_s)  # the traffic itself is the same
     # never below the solo passes' share
     assert t1.ep_comm_s >= solo_fraction(1, 1, 8) * t0.ep_comm_s
+
+
+def test_recipe_rule_is_the_strategy_rule():
+    """The search's pre-check and Strategy's validator are one rule (estimators/ep_overlap.py)."""
+    from optplan.estimators.ep_overlap import recipe_allows_overlap
+
+    for precision in ("fp32", "bf16", "fp16", "fp8", "amp-bf16"):
+        for ckpt in ("none", "selective", "full"):
+            try:
+                Strategy(engine="megatron", ep=8, dp=8, ep_overlap=True, precision=precision, checkpointing=ckpt)
+                ok = True
+            except ValueError:
+                ok = False
+            assert ok == recipe_allows_overlap(precision, ckpt), (precision, ckpt)
