@@ -20,20 +20,9 @@ Sources
   partition live in host memory; ZeRO-Infinity (Rajbhandari et al. 2021, arXiv 2104.07857) also
   offloads parameters (to CPU or NVMe); torch FSDP's CPUOffload keeps parameters, gradients and the
   optimizer step on the host.
-- Activations: measured fits from the static probe (profile.py) when no model parallelism is used; with
-  tensor/sequence/context/pipeline parallelism (or for ``--arch`` shapes) Korthikanti et al. 2022
-  ("Reducing Activation Recomputation in Large Transformer Models", arXiv 2205.05198) Table 2 per layer:
-  s·b·h·(34 + 5·a·s/h) bytes without parallelism; with tensor parallelism the 10·s·b·h of layer-norm
-  inputs, block inputs and dropout masks stays replicated and 24·s·b·h + 5·a·s²·b is split by t; with
-  sequence parallelism all of it is split by t; selective recomputation drops the 5·a·s²·b term (which
-  flash attention never stores); full recomputation keeps 2·s·b·h per layer (its input) plus one layer's
-  working set. A measured profile keeps its measured per-layer bytes and its measured non-layer part
-  (embedding, logits, loss: split by t as Megatron's vocabulary-parallel cross entropy does); the split
-  between the two takes the Table 2 per-layer figure (generalised to GQA and the MLP width, and to
-  gated Llama MLPs: TransformerShape.layer_bytes_per_token). Context parallelism divides the sequence by cp.
-  Pipeline: under 1F1B the first stage holds min(p, m) micro-batches in flight, the last one
-  (Narayanan et al. 2021 §2.2.1); interleaving with v virtual stages multiplies the first stage's
-  activations by 1 + (p−1)/(p·v) (Korthikanti et al. §4.2.3).
+- Activations: estimators/activations.py (measured fits, or Korthikanti et al. 2022 Table 2 under model
+  parallelism, with the pipeline's micro-batches in flight); parameters per rank: estimators/params_placement.py;
+  the optimizer step's scratch: estimators/step_scratch.py. This module adds them up per moment of the step.
 - Buffers: DeepSpeed's gradient reduce / all-gather buckets (reduce_bucket_size, allgather_bucket_size
   elements) and, for ZeRO-3, the gathered working set: the parameters reused within
   stage3_max_reuse_distance, one repeated block and the prefetch bucket, capped by
@@ -68,8 +57,16 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
 
+from optplan.estimators.activations import (  # noqa: F401  (re-exported: callers import them from here)
+    ATTENTION_SCORE_COEFF,
+    WEIGHTS_16BIT_ENGINES,
+    activation_bytes,
+    activation_moments,
+    in_flight_micro_batches,
+    measured_fit,
+    uses_measured_fit,
+)
 from optplan.estimators.buckets import deepspeed_buckets
-from optplan.estimators.expert_parallel import expert_params_not_held
 from optplan.estimators.finetune import (
     bnb_kept_input_bytes,
     dequantized_weight_bytes,
@@ -79,23 +76,29 @@ from optplan.estimators.finetune import (
 from optplan.estimators.library_workspaces import cublas_workspace_bytes
 from optplan.estimators.optimizers import optimizer_sees_flat_params, optimizer_state_bytes_per_param
 from optplan.estimators.parallel import layers_per_stage, placement
-from optplan.estimators.pipeline import in_flight_microbatches
+from optplan.estimators.params_placement import (  # noqa: F401  (re-exported: callers import them from here)
+    ParamSplit,
+    param_split,
+    stage_params,
+    stage_params_all_experts,
+)
 from optplan.estimators.precision import Recipe, get_recipe
-from optplan.estimators.profile import FROZEN_16BIT, STEP_PHASES, WEIGHTS_16BIT, ActivationFit, ModelProfile
+from optplan.estimators.profile import STEP_PHASES, ModelProfile
+from optplan.estimators.step_scratch import (  # noqa: F401  (re-exported: callers import them from here)
+    DEEPSPEED_SUB_GROUP_ELEMENTS,
+    deepspeed_flattens,
+    optimizer_step_scratch_bytes,
+    step_peak_extra_bytes,
+)
 from optplan.estimators.strategy import PAGED_OPTIMIZERS, Strategy
 from optplan.estimators.temporaries import (
     AdamImpl,
     DeviceKind,
     adam_step_counter_bytes,
-    adamw_step_temp_bytes,
     engine_adam_impl,
-    optimizer_temp_excess_bytes,
 )
 from optplan.estimators.tensor_plan import (
-    gathers_logits,
-    params_per_tp_rank,
     replicated_grad_bytes_per_rank,
-    uses_model_tp_plan,
 )
 from optplan.estimators.units import GIB_BYTES
 
@@ -110,9 +113,6 @@ OFFLOAD_GRAD_BYTES = 4
 (Ren et al. 2021, arXiv 2101.06840 §4.1), bytes/param."""
 MEGATRON_MAIN_GRAD_BYTES = 4
 """Megatron-LM accumulates 16-bit models' gradients in an fp32 ``main_grad`` buffer, bytes/param."""
-ATTENTION_SCORE_COEFF = 5
-"""Korthikanti et al. Table 2: 5·a·s² bytes per sample per layer of attention scores, softmax and
-dropout, 16-bit (dropped by flash attention and by selective recomputation)."""
 
 
 class ModelStates(BaseModel):
@@ -183,66 +183,9 @@ class MemoryBreakdown(BaseModel):
         return self.total_bytes <= self.capacity_bytes
 
 
-class ParamSplit(BaseModel):
-    """Where a model's parameters sit: repeated blocks, input embedding, output head, the rest."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    layers: int
-    per_block: int
-    embed: int
-    head: int
-    tied: bool
-    other: int
-
-
 def usable_capacity_bytes(memory_bytes: int) -> int:
     """The memory a plan may fill on a GPU of ``memory_bytes`` datasheet capacity (bytes)."""
     return int(memory_bytes * USABLE_MEMORY_FRACTION)
-
-
-def param_split(profile: ModelProfile) -> ParamSplit:
-    """Split the parameters into blocks, embedding (V·h), head (V·h when untied) and the rest.
-
-    Without a transformer shape every non-block parameter is "other" (placed on the first stage).
-    """
-    block = profile.repeated_block
-    layers, per_block = (block.count, block.params_per_block) if block else (0, 0)
-    rest = max(0, profile.params - layers * per_block)
-    shape = profile.transformer
-    if shape is None or not shape.vocab:
-        return ParamSplit(layers=layers, per_block=per_block, embed=0, head=0, tied=False, other=rest)
-    table = shape.vocab * shape.hidden
-    embed = min(table, rest)
-    head = table if rest - embed >= table else 0
-    return ParamSplit(layers=layers, per_block=per_block, embed=embed, head=head, tied=head == 0,
-                      other=rest - embed - head)
-
-
-def stage_params(profile: ModelProfile, strategy: Strategy, stage: int = 0) -> float:
-    """Parameters held by one rank of pipeline ``stage`` after tensor and expert parallelism (count, before
-    ZeRO): with ep > 1 the routed experts of the stage's MoE layers are 1/ep of them (estimators/expert_parallel.py)."""
-    held = _stage_params_all_experts(profile, strategy, stage)
-    if strategy.ep == 1:
-        return held
-    block = profile.repeated_block
-    share = layers_per_stage(block.count, strategy.pp) / block.count if block and strategy.pp > 1 else 1.0
-    return held - expert_params_not_held(profile, strategy, share)
-
-
-def _stage_params_all_experts(profile: ModelProfile, strategy: Strategy, stage: int = 0) -> float:
-    split = param_split(profile)
-    t, p = strategy.tp, strategy.pp
-    if uses_model_tp_plan(profile, strategy) and p == 1:
-        return params_per_tp_rank(profile.params, profile.tensor_plan, t)  # type: ignore[arg-type]
-    if p == 1:
-        return (split.layers * split.per_block + split.embed + split.head) / t + split.other
-    n = layers_per_stage(split.layers, p) * split.per_block / t
-    if stage == 0:
-        n += split.embed / t + split.other
-    if stage == p - 1:
-        n += (split.head or (split.embed if split.tied else 0)) / t
-    return n
 
 
 def _grad_bytes(recipe: Recipe, strategy: Strategy) -> float:
@@ -325,7 +268,7 @@ def model_states(profile: ModelProfile, strategy: Strategy, *, stage: int = 0,
     train_share = profile.trainable_params / profile.params if profile.params else 0.0
     psi_train = psi * train_share
     # what sharding divides: every expert over the dp·cp ranks (expert_parallel.py); = psi without experts
-    psi_sharded = _stage_params_all_experts(profile, strategy, stage)
+    psi_sharded = stage_params_all_experts(profile, strategy, stage)
     n_d = placement(strategy, gpus_per_node).shard.ranks
     k = recipe.master_bytes + optimizer_state_bytes_per_param(
         strategy.optimizer, recipe, profile, flat_params=optimizer_sees_flat_params(strategy))
@@ -380,123 +323,6 @@ def _mean_gathered_weight_bytes(profile: ModelProfile, strategy: Strategy) -> fl
     recipe = get_recipe(strategy.precision)
     adapters = profile.trainable_params * recipe.weight_bytes
     return (_frozen_base_bytes(profile, strategy) + adapters) / profile.params
-
-
-def in_flight_micro_batches(strategy: Strategy, stage: int = 0) -> float:
-    """Micro-batches whose activations pipeline ``stage`` holds at its peak (count, may be fractional).
-
-    1F1B: stage i holds min(p − i, m) (Narayanan et al. 2021 §2.2.1); interleaved with v virtual stages
-    the first stage holds p·(1 + (p−1)/(p·v)) stage-loads (Korthikanti et al. 2022 §4.2.3), which is
-    Megatron's warm-up count, computed per stage by :func:`optplan.estimators.pipeline.in_flight_microbatches`.
-    """
-    return in_flight_microbatches(strategy.pp, stage, strategy.grad_accum, strategy.vpp)
-
-
-def _uses_measured_fit(profile: ModelProfile, strategy: Strategy) -> bool:
-    if strategy.model_parallel:
-        return False
-    if profile.activation_source == "measured":
-        return True
-    return strategy.flash or strategy.checkpointing != "none"
-
-
-WEIGHTS_16BIT_ENGINES = frozenset({"torch", "deepspeed"})
-"""Engines that run the user's model as written with its weights in 16 bits (a model ``.to(bf16)``,
-DeepSpeed's bf16/fp16 engines, FSDP2's ``MixedPrecisionPolicy(param_dtype)``), so that the profile's
-``bf16-weights`` fit is their step. Megatron-LM upcasts the logits to fp32 for its vocabulary-parallel cross
-entropy and accumulates gradients in fp32 ``main_grad`` buffers: the autocast fit without its weight copies
-is the closer of the two there."""
-
-
-def measured_fit(profile: ModelProfile, strategy: Strategy) -> tuple[ActivationFit, bool]:
-    """The profile's measured activation fit for ``strategy`` and whether its autocast weight copies count.
-
-    fp32 and AMP recipes: the fp32 or autocast fit as measured (copies count). Recipes with 16-bit weights:
-    the ``bf16-weights`` fit (the model held in bf16, measured: its gradient temporaries and the loss's tensors
-    are 16-bit) on the engines of :data:`WEIGHTS_16BIT_ENGINES`; else (Megatron, or a profile without
-    that fit: older, or a model that does not run in bf16) the autocast fit less autocast's weight copies.
-    LoRA profiles under AMP recipes: the ``bf16-frozen`` fit (a bf16 base, fp32 adapters, autocast).
-    """
-    recipe = get_recipe(strategy.precision)
-    mode = strategy.checkpointing if profile.supports_checkpointing else "none"
-    fit_mode = "full" if mode == "full" else "none"
-    if (profile.adapter is not None and recipe.weight_bytes == 4 and recipe.compute_dtype != "fp32"
-            and profile.has_activation(FROZEN_16BIT)):
-        return profile.activation(FROZEN_16BIT, fit_mode), True
-    if (recipe.weight_bytes == 2 and strategy.engine in WEIGHTS_16BIT_ENGINES
-            and profile.has_activation(WEIGHTS_16BIT)):
-        return profile.activation(WEIGHTS_16BIT, fit_mode), True
-    return profile.activation(recipe.activation_precision, fit_mode), recipe.weight_bytes != 2
-
-
-def _fixed_stage_bytes(profile: ModelProfile, strategy: Strategy, fixed: int, copies: int, stage: int) -> float:
-    """The fit's fixed bytes on one rank: autocast weight copies scale with the rank's parameters and
-    vanish for 16-bit weights; the rest stays."""
-    recipe = get_recipe(strategy.precision)
-    share = stage_params(profile, strategy, stage) / profile.params if profile.params else 1.0
-    kept_copies = 0 if recipe.weight_bytes == 2 else copies * share
-    return max(0.0, fixed - copies + kept_copies)
-
-
-def activation_bytes(profile: ModelProfile, strategy: Strategy, *, stage: int = 0) -> int:
-    """Activations + temporaries held by one rank of pipeline ``stage`` at its peak (bytes).
-
-    Without model parallelism: the profile's measured fit at the micro-batch (selective recomputation
-    keeps the measured bytes: the profile's attention kernel stores no s×s scores). The 16-bit fits are
-    measured under autocast on fp32 weights, which keeps a 16-bit copy of every weight alive
-    (``param_copy_bytes``); recipes whose weights are already 16-bit drop those copies. With
-    tensor/sequence/context/pipeline parallelism, Korthikanti et al. Table 2 (module docstring).
-    """
-    recipe = get_recipe(strategy.precision)
-    mode = strategy.checkpointing if profile.supports_checkpointing else "none"
-    fit_mode = "full" if mode == "full" else "none"
-    if _uses_measured_fit(profile, strategy):
-        fit, copies = measured_fit(profile, strategy)
-        return fit.bytes_at(strategy.mbs, param_copies=copies)
-    fit = profile.activation(recipe.activation_precision, fit_mode)
-    fixed = _fixed_stage_bytes(profile, strategy, fit.fixed_at(strategy.mbs), fit.param_copies_at(strategy.mbs), stage)
-    per_sample = _per_sample_stage_bytes(profile, strategy, mode, stage)
-    return max(0, round(fixed + per_sample * strategy.mbs))
-
-
-def _per_sample_stage_bytes(profile: ModelProfile, strategy: Strategy, mode: str, stage: int) -> float:
-    """Activation bytes per sample of one rank of ``stage`` under model parallelism (Korthikanti Table 2)."""
-    recipe = get_recipe(strategy.precision)
-    scale = 2 if recipe.activation_precision == "fp32" else 1
-    t, cp, p = strategy.tp, strategy.cp, strategy.pp
-    measured = profile.activation(recipe.activation_precision, "none").per_sample_bytes
-    last = stage == p - 1
-    held = in_flight_micro_batches(strategy, stage)
-    block, shape = profile.repeated_block, profile.transformer
-    if block is None:  # no layers to split: the whole model is one stage's work
-        return measured / cp
-    layers = block.count
-    on_stage = layers_per_stage(layers, p)
-    if shape is None or not profile.tokens_per_sample:
-        # not a transformer: the measured bytes spread evenly over the blocks, no ends
-        if mode == "full":
-            full = profile.activation(recipe.activation_precision, "full").per_sample_bytes
-            per_layer_input = full / (layers + 1)
-            return (on_stage * per_layer_input * held + measured / layers) / cp
-        return on_stage * measured / layers * held / cp
-    s, h, a = profile.tokens_per_sample, shape.hidden, shape.heads
-    formula_layer = shape.layer_bytes_per_token() * s * scale
-    ends = max(0.0, measured - layers * formula_layer)
-    layer = (measured - ends) / layers
-    replicated = layer * shape.replicated_bytes_per_token() / shape.layer_bytes_per_token()
-    layer_tp = (replicated / t if strategy.sp else replicated) + (layer - replicated) / t
-    if profile.activation_source == "formula" and not strategy.flash and mode == "none":
-        layer_tp += ATTENTION_SCORE_COEFF * a * s * s * scale / t
-    layer_input = 2 * s * h * scale / (t if strategy.sp else 1)
-    ends_here = ends / (1 if gathers_logits(profile, strategy) else t) if last else 0.0
-    if mode == "full":
-        # the recomputed layer's working set exists only in a layer's backward, after the logits and the loss
-        # (and their gradient) are freed: the larger of the two beside the kept layer inputs, not their sum
-        # (measured on CPU under tensor parallelism, benchmarks/fidelity_tp_cpu.py: the sum was 5-11 % over)
-        per_sample = on_stage * layer_input * held + max(layer_tp, ends_here)
-    else:
-        per_sample = on_stage * layer_tp * held + ends_here
-    return per_sample / cp
 
 
 def persistent_params(profile: ModelProfile, threshold_elements: int) -> int:
@@ -712,144 +538,6 @@ def buffer_bytes(profile: ModelProfile, strategy: Strategy, *, stage: int = 0) -
     return sum(buffer_items(profile, strategy, stage=stage).values())
 
 
-DEEPSPEED_STEP_FLATTEN_BYTES = 8
-"""DeepSpeed ZeRO-0 with 16-bit weights (FP16_Optimizer, also used for bf16 as DDP_BFLOAT16) converts every
-gradient to fp32 and flattens the copies at ``step()`` (deepspeed/runtime/fp16/fused_optimizer.py,
-``FP16_Optimizer.step``: ``_flatten_dense_tensors([p.grad.to(fp32) ...])``): 4 bytes/param of copies plus
-4 of the flat buffer live at once, after the activations are freed. Bytes per trainable parameter."""
-
-
-DEEPSPEED_ZERO12_STEP_FP32_BYTES = 4
-"""DeepSpeed ZeRO-1/2/3 with 16-bit weights and fp32 master weights, at ``step()``: the averaged 16-bit
-gradient partition is flattened into a new 16-bit buffer (ZeRO-1/2; ZeRO-3's partition is one flat tensor,
-which flattening returns as is) and converted to an fp32 gradient for the fp32
-master partition, all alive at once (deepspeed/runtime/zero/stage_1_and_2.py,
-``DeepSpeedZeroOptimizer.step``: ``flatten_dense_tensors_aligned(...)``, ``.to(single_partition_of_fp32_groups
-[i].dtype)``; stage3.py ``_prepare_fp32_grad_for_sub_group``, one sub-group of at most
-``DEEPSPEED_SUB_GROUP_ELEMENTS`` at a time): above the averaged partition already counted, grad bytes + this
-many bytes per parameter of the rank's partition. Measured by the CPU probe (examples/mlp.py bf16, one
-process): ZeRO-1/2 -24 % without it, -12 % with it; ZeRO-3 -31 %, -11 %. The rest (about 1.5 × the 16-bit
-gradients in both) is not explained yet (reduce buckets kept to the step, gradient-clipping temporaries?):
-the GPU campaign's bf16 ZeRO cases will measure it."""
-DEEPSPEED_SUB_GROUP_ELEMENTS = 1_000_000_000
-"""ZeRO-3's default ``sub_group_size`` (DeepSpeed's config docs; optplan's ds_config keeps the default)."""
-
-
-def _deepspeed_zero12_converts(strategy: Strategy) -> bool:
-    recipe = get_recipe(strategy.precision)
-    return (strategy.engine == "deepspeed" and strategy.zero in (1, 2, 3) and recipe.weight_bytes == 2
-            and recipe.master_bytes > 0 and strategy.offload_optimizer == "none")
-
-
-TORCH_MASTER_GRAD_BYTES = 4
-"""torch without FSDP, 16-bit weights with fp32 master weights (recipes bf16/fp16): optplan's train.py keeps
-fp32 masters (``probes/trainloop.MasterWeights``, the master-weight scheme of Micikevicius et al. 2018,
-"Mixed Precision Training", arXiv 1710.03740 §3.1) and at ``step()`` makes an fp32 gradient for every master
-from the 16-bit one before the inner optimizer steps, freeing them after: 4 bytes per trainable parameter,
-alive at the optimizer step (measured: benchmarks/fidelity_train.py, DDP bf16). Bytes per parameter."""
-
-
-def _torch_master_weights(strategy: Strategy) -> bool:
-    recipe = get_recipe(strategy.precision)
-    return (strategy.engine == "torch" and strategy.fsdp == "none" and recipe.weight_bytes == 2
-            and recipe.master_bytes > 0)
-
-
-def _deepspeed_flattens(strategy: Strategy) -> bool:
-    recipe = get_recipe(strategy.precision)
-    return (strategy.engine == "deepspeed" and strategy.zero == 0 and recipe.weight_bytes == 2
-            and recipe.master_bytes > 0)
-
-
-def optimizer_step_scratch_bytes(profile: ModelProfile, strategy: Strategy, *, stage: int = 0,
-                                 gpus_per_node: int = 8, adam_impl: AdamImpl | None = None,
-                                 device: DeviceKind = "cuda") -> int:
-    """Transient bytes the optimizer step allocates on the device, after backward (bytes).
-
-    DeepSpeed ZeRO-0 with 16-bit weights: the fp32 gradient flattening (DEEPSPEED_STEP_FLATTEN_BYTES per
-    parameter; its FusedAdam then updates in place). DeepSpeed ZeRO-1/2/3 with 16-bit weights: the fp32
-    gradient of the rank's partition (DEEPSPEED_ZERO12_STEP_FP32_BYTES; ZeRO-3 one sub-group at a time),
-    made from a flat 16-bit copy in ZeRO-1/2, which then free the 16-bit gradients before the optimizer
-    steps (stage_1_and_2.py ``step``: ``free_grad_in_param_list``, ``averaged_gradients[i] = None``): the
-    larger of the conversion and the optimizer's own scratch on the fp32 gradient less the freed 16-bit
-    partition. torch without FSDP with 16-bit weights and fp32 masters: the fp32 gradients the
-    master-weight step makes from the 16-bit ones, all before the inner optimizer steps
-    (TORCH_MASTER_GRAD_BYTES). AdamW, over this rank's (sharded) parameter tensors (DeepSpeed ZeRO >= 1:
-    one flat partition): nothing for fused kernels (DeepSpeed and Megatron on GPUs), Σ n_i · moment bytes for
-    torch's foreach default on CUDA, max(2·n_i + n_{i−1}) · moment bytes for its CPU loop (temporaries.py).
-    Offloaded optimizers step on the host: nothing on the device.
-    """
-    recipe = get_recipe(strategy.precision)
-    share = stage_params(profile, strategy, stage) / profile.params if profile.params else 0.0
-    trainable = profile.trainable_params * share
-    if _deepspeed_flattens(strategy):
-        return round(DEEPSPEED_STEP_FLATTEN_BYTES * trainable)
-    fp32_grad = flat_copy = freed = 0.0
-    if _deepspeed_zero12_converts(strategy):
-        elements = trainable / placement(strategy, gpus_per_node).shard.ranks
-        if strategy.zero == 3:  # the partition is already one flat tensor, kept through the step
-            elements = min(elements, DEEPSPEED_SUB_GROUP_ELEMENTS)
-        else:
-            flat_copy = freed = recipe.grad_bytes * elements
-        fp32_grad = DEEPSPEED_ZERO12_STEP_FP32_BYTES * elements
-    if _torch_master_weights(strategy):
-        fp32_grad = TORCH_MASTER_GRAD_BYTES * trainable
-    adam = _adam_step_scratch(profile, strategy, share, gpus_per_node, adam_impl, device)
-    return round(max(flat_copy + fp32_grad, fp32_grad + adam - freed))
-
-
-def _adam_step_scratch(profile: ModelProfile, strategy: Strategy, share: float, gpus_per_node: int,
-                       adam_impl: AdamImpl | None, device: DeviceKind) -> int:
-    """AdamW's own step temporaries on the device (bytes; 0 for other optimizers, offload, fused kernels)."""
-    if strategy.optimizer != "adamw" or strategy.offload_optimizer != "none" or strategy.offload_params != "none":
-        return 0
-    impl = adam_impl or engine_adam_impl(strategy.engine, device)
-    if impl == "fused":  # no scratch: skip the per-tensor sizes (the search's hot path, deep models)
-        return 0
-    if strategy.shard_stage >= 1:
-        share /= placement(strategy, gpus_per_node).shard.ranks
-    # DeepSpeed ZeRO >= 1 hands the optimizer one flat fp32 partition: a single tensor of the rank's share
-    numels = () if optimizer_sees_flat_params(strategy) else tuple(profile.param_numels)
-    recipe = get_recipe(strategy.precision)
-    return _adamw_scratch(numels, round(profile.trainable_params * share), share, impl, recipe.state_bytes)
-
-
-@lru_cache(maxsize=1024)
-def _adamw_scratch(param_numels: tuple[int, ...], whole: int, share: float, impl: AdamImpl, state_bytes: int) -> int:
-    """``adamw_step_temp_bytes`` over the rank's ``share`` of each tensor (``whole`` when no sizes are known);
-    cached: the search asks it for every candidate of one model."""
-    numels = [round(n * share) for n in param_numels] or [whole]
-    return adamw_step_temp_bytes(numels, impl, state_bytes=state_bytes)
-
-
-def step_peak_extra_bytes(profile: ModelProfile, strategy: Strategy, activations_bytes: int, stage: int = 0,
-                          *, gpus_per_node: int = 8, adam_impl: AdamImpl | None = None,
-                          device: DeviceKind = "cuda") -> int:
-    """What the optimizer step's scratch adds above the backward-pass peak (bytes, >= 0): the step runs
-    when the activations are freed and every gradient is alive, so the peak is states + max(activations,
-    scratch) (temporaries.optimizer_temp_excess_bytes)."""
-    scratch = optimizer_step_scratch_bytes(profile, strategy, stage=stage, gpus_per_node=gpus_per_node,
-                                           adam_impl=adam_impl, device=device)
-    return optimizer_temp_excess_bytes(activations_bytes, scratch)
-
-
-def activation_moments(profile: ModelProfile, strategy: Strategy, *, stage: int = 0) -> dict[str, int]:
-    """Activation bytes at each moment of the step (profile.STEP_PHASES) when the profile's measured fit
-    applies and has per-phase envelopes; else ``{"step": activation_bytes(...)}`` (one figure, the peak)."""
-    if _uses_measured_fit(profile, strategy):
-        fit, copies = measured_fit(profile, strategy)
-        phases = fit.phases_at(strategy.mbs, param_copies=copies)
-        if phases:
-            return dict(phases)
-    peak = activation_bytes(profile, strategy, stage=stage)
-    if strategy.model_parallel and strategy.engine == "torch" and strategy.fsdp != "none":
-        # the formula gives one peak, taken at every moment: each FSDP buffer then counts at its own moments only
-        # (unit gathers while blocks run, the reduce-scatter while gradients are made), not all at once
-        # (benchmarks/fidelity_tp_cpu.py: tp x FSDP2 was 25-37 % over with every buffer at one moment)
-        return {phase: peak for phase in STEP_PHASES}
-    return {"step": peak}
-
-
 def _grad_bytes_by_moment(states: ModelStates, profile: ModelProfile, strategy: Strategy, stage: int,
                           gpus_per_node: int) -> tuple[int, int, int]:
     """Gradient bytes on the device (after the first gradient of a backward, elsewhere in the step, at the
@@ -913,7 +601,7 @@ def _stage_breakdown(profile: ModelProfile, strategy: Strategy, capacity_bytes: 
         if paged_out:  # the paged state is back on the GPU for the step
             optimizer_bytes, scratch = paged_out, scratch - paged_out
             acts = min(peak_acts, scratch)
-        name = "deepspeed_step_fp32_grad_flatten" if _deepspeed_flattens(strategy) else "optimizer_step_scratch"
+        name = "deepspeed_step_fp32_grad_flatten" if deepspeed_flattens(strategy) else "optimizer_step_scratch"
         if scratch > acts:
             items[name] = scratch - acts
     allocated = states.params_bytes + grads + optimizer_bytes + acts + sum(items.values())

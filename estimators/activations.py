@@ -1,0 +1,165 @@
+"""Activation bytes one rank holds at its peak: the profile's measured fits, or Korthikanti's formula under
+model parallelism (bytes).
+
+Without model parallelism: the static probe's measured fits (profile.py) at the micro-batch. With
+tensor/sequence/context/pipeline parallelism (or for ``--arch`` shapes), Korthikanti et al. 2022 ("Reducing
+Activation Recomputation in Large Transformer Models", arXiv 2205.05198) Table 2 per layer: s·b·h·(34 + 5·a·s/h)
+bytes without parallelism; with tensor parallelism the 10·s·b·h of layer-norm inputs, block inputs and dropout
+masks stays replicated and 24·s·b·h + 5·a·s²·b is split by t; with sequence parallelism all of it is split by t;
+selective recomputation drops the 5·a·s²·b term (which flash attention never stores); full recomputation keeps
+2·s·b·h per layer (its input) plus one layer's working set. A measured profile keeps its measured per-layer bytes
+and its measured non-layer part (embedding, logits, loss: split by t as Megatron's vocabulary-parallel cross
+entropy does); the split between the two takes the Table 2 per-layer figure (TransformerShape.layer_bytes_per_token).
+Context parallelism divides the sequence by cp. Pipeline: under 1F1B the first stage holds min(p, m) micro-batches
+in flight (Narayanan et al. 2021 §2.2.1); interleaving with v virtual stages multiplies the first stage's
+activations by 1 + (p−1)/(p·v) (Korthikanti et al. §4.2.3). memory.py adds them to the rest of the rank's memory.
+"""
+
+from __future__ import annotations
+
+from optplan.estimators.parallel import layers_per_stage
+from optplan.estimators.params_placement import stage_params
+from optplan.estimators.pipeline import in_flight_microbatches
+from optplan.estimators.precision import get_recipe
+from optplan.estimators.profile import FROZEN_16BIT, STEP_PHASES, WEIGHTS_16BIT, ActivationFit, ModelProfile
+from optplan.estimators.strategy import Strategy
+from optplan.estimators.tensor_plan import gathers_logits
+
+ATTENTION_SCORE_COEFF = 5
+"""Korthikanti et al. Table 2: 5·a·s² bytes per sample per layer of attention scores, softmax and
+dropout, 16-bit (dropped by flash attention and by selective recomputation)."""
+
+
+
+def in_flight_micro_batches(strategy: Strategy, stage: int = 0) -> float:
+    """Micro-batches whose activations pipeline ``stage`` holds at its peak (count, may be fractional).
+
+    1F1B: stage i holds min(p − i, m) (Narayanan et al. 2021 §2.2.1); interleaved with v virtual stages
+    the first stage holds p·(1 + (p−1)/(p·v)) stage-loads (Korthikanti et al. 2022 §4.2.3), which is
+    Megatron's warm-up count, computed per stage by :func:`optplan.estimators.pipeline.in_flight_microbatches`.
+    """
+    return in_flight_microbatches(strategy.pp, stage, strategy.grad_accum, strategy.vpp)
+
+
+def uses_measured_fit(profile: ModelProfile, strategy: Strategy) -> bool:
+    if strategy.model_parallel:
+        return False
+    if profile.activation_source == "measured":
+        return True
+    return strategy.flash or strategy.checkpointing != "none"
+
+
+WEIGHTS_16BIT_ENGINES = frozenset({"torch", "deepspeed"})
+"""Engines that run the user's model as written with its weights in 16 bits (a model ``.to(bf16)``,
+DeepSpeed's bf16/fp16 engines, FSDP2's ``MixedPrecisionPolicy(param_dtype)``), so that the profile's
+``bf16-weights`` fit is their step. Megatron-LM upcasts the logits to fp32 for its vocabulary-parallel cross
+entropy and accumulates gradients in fp32 ``main_grad`` buffers: the autocast fit without its weight copies
+is the closer of the two there."""
+
+
+def measured_fit(profile: ModelProfile, strategy: Strategy) -> tuple[ActivationFit, bool]:
+    """The profile's measured activation fit for ``strategy`` and whether its autocast weight copies count.
+
+    fp32 and AMP recipes: the fp32 or autocast fit as measured (copies count). Recipes with 16-bit weights:
+    the ``bf16-weights`` fit (the model held in bf16, measured: its gradient temporaries and the loss's tensors
+    are 16-bit) on the engines of :data:`WEIGHTS_16BIT_ENGINES`; else (Megatron, or a profile without
+    that fit: older, or a model that does not run in bf16) the autocast fit less autocast's weight copies.
+    LoRA profiles under AMP recipes: the ``bf16-frozen`` fit (a bf16 base, fp32 adapters, autocast).
+    """
+    recipe = get_recipe(strategy.precision)
+    mode = strategy.checkpointing if profile.supports_checkpointing else "none"
+    fit_mode = "full" if mode == "full" else "none"
+    if (profile.adapter is not None and recipe.weight_bytes == 4 and recipe.compute_dtype != "fp32"
+            and profile.has_activation(FROZEN_16BIT)):
+        return profile.activation(FROZEN_16BIT, fit_mode), True
+    if (recipe.weight_bytes == 2 and strategy.engine in WEIGHTS_16BIT_ENGINES
+            and profile.has_activation(WEIGHTS_16BIT)):
+        return profile.activation(WEIGHTS_16BIT, fit_mode), True
+    return profile.activation(recipe.activation_precision, fit_mode), recipe.weight_bytes != 2
+
+
+def _fixed_stage_bytes(profile: ModelProfile, strategy: Strategy, fixed: int, copies: int, stage: int) -> float:
+    """The fit's fixed bytes on one rank: autocast weight copies scale with the rank's parameters and
+    vanish for 16-bit weights; the rest stays."""
+    recipe = get_recipe(strategy.precision)
+    share = stage_params(profile, strategy, stage) / profile.params if profile.params else 1.0
+    kept_copies = 0 if recipe.weight_bytes == 2 else copies * share
+    return max(0.0, fixed - copies + kept_copies)
+
+
+def activation_bytes(profile: ModelProfile, strategy: Strategy, *, stage: int = 0) -> int:
+    """Activations + temporaries held by one rank of pipeline ``stage`` at its peak (bytes).
+
+    Without model parallelism: the profile's measured fit at the micro-batch (selective recomputation
+    keeps the measured bytes: the profile's attention kernel stores no s×s scores). The 16-bit fits are
+    measured under autocast on fp32 weights, which keeps a 16-bit copy of every weight alive
+    (``param_copy_bytes``); recipes whose weights are already 16-bit drop those copies. With
+    tensor/sequence/context/pipeline parallelism, Korthikanti et al. Table 2 (module docstring).
+    """
+    recipe = get_recipe(strategy.precision)
+    mode = strategy.checkpointing if profile.supports_checkpointing else "none"
+    fit_mode = "full" if mode == "full" else "none"
+    if uses_measured_fit(profile, strategy):
+        fit, copies = measured_fit(profile, strategy)
+        return fit.bytes_at(strategy.mbs, param_copies=copies)
+    fit = profile.activation(recipe.activation_precision, fit_mode)
+    fixed = _fixed_stage_bytes(profile, strategy, fit.fixed_at(strategy.mbs), fit.param_copies_at(strategy.mbs), stage)
+    per_sample = _per_sample_stage_bytes(profile, strategy, mode, stage)
+    return max(0, round(fixed + per_sample * strategy.mbs))
+
+
+def _per_sample_stage_bytes(profile: ModelProfile, strategy: Strategy, mode: str, stage: int) -> float:
+    """Activation bytes per sample of one rank of ``stage`` under model parallelism (Korthikanti Table 2)."""
+    recipe = get_recipe(strategy.precision)
+    scale = 2 if recipe.activation_precision == "fp32" else 1
+    t, cp, p = strategy.tp, strategy.cp, strategy.pp
+    measured = profile.activation(recipe.activation_precision, "none").per_sample_bytes
+    last = stage == p - 1
+    held = in_flight_micro_batches(strategy, stage)
+    block, shape = profile.repeated_block, profile.transformer
+    if block is None:  # no layers to split: the whole model is one stage's work
+        return measured / cp
+    layers = block.count
+    on_stage = layers_per_stage(layers, p)
+    if shape is None or not profile.tokens_per_sample:
+        # not a transformer: the measured bytes spread evenly over the blocks, no ends
+        if mode == "full":
+            full = profile.activation(recipe.activation_precision, "full").per_sample_bytes
+            per_layer_input = full / (layers + 1)
+            return (on_stage * per_layer_input * held + measured / layers) / cp
+        return on_stage * measured / layers * held / cp
+    s, h, a = profile.tokens_per_sample, shape.hidden, shape.heads
+    formula_layer = shape.layer_bytes_per_token() * s * scale
+    ends = max(0.0, measured - layers * formula_layer)
+    layer = (measured - ends) / layers
+    replicated = layer * shape.replicated_bytes_per_token() / shape.layer_bytes_per_token()
+    layer_tp = (replicated / t if strategy.sp else replicated) + (layer - replicated) / t
+    if profile.activation_source == "formula" and not strategy.flash and mode == "none":
+        layer_tp += ATTENTION_SCORE_COEFF * a * s * s * scale / t
+    layer_input = 2 * s * h * scale / (t if strategy.sp else 1)
+    ends_here = ends / (1 if gathers_logits(profile, strategy) else t) if last else 0.0
+    if mode == "full":
+        # the recomputed layer's working set exists only in a layer's backward, after the logits and the loss
+        # (and their gradient) are freed: the larger of the two beside the kept layer inputs, not their sum
+        # (measured on CPU under tensor parallelism, benchmarks/fidelity_tp_cpu.py: the sum was 5-11 % over)
+        per_sample = on_stage * layer_input * held + max(layer_tp, ends_here)
+    else:
+        per_sample = on_stage * layer_tp * held + ends_here
+    return per_sample / cp
+
+
+def activation_moments(profile: ModelProfile, strategy: Strategy, *, stage: int = 0) -> dict[str, int]:
+    """Activation bytes at each moment of the step (profile.STEP_PHASES) when the profile's measured fit
+    applies and has per-phase envelopes; else ``{"step": activation_bytes(...)}`` (one figure, the peak)."""
+    if uses_measured_fit(profile, strategy):
+        fit, copies = measured_fit(profile, strategy)
+        phases = fit.phases_at(strategy.mbs, param_copies=copies)
+        if phases:
+            return dict(phases)
+    peak = activation_bytes(profile, strategy, stage=stage)
+    if strategy.model_parallel and strategy.engine == "torch" and strategy.fsdp != "none":
+        # the formula gives one peak, taken at every moment: each FSDP buffer then counts at its own moments only
+        # (unit gathers while blocks run, the reduce-scatter while gradients are made), not all at once
+        # (benchmarks/fidelity_tp_cpu.py: tp x FSDP2 was 25-37 % over with every buffer at one moment)
+        return {phase: peak for phase in STEP_PHASES}
+    return {"step": peak}
