@@ -81,7 +81,7 @@ NODE_DEDUP_DISPATCHERS = ("deepep", "hybridep", "deepseek-custom")
 there (DeepEP's internode kernels, HybridEP, DeepSeek-V3 §3.2.2), instead of once per routed expert."""
 EXPERT_RECOMPUTE = ("moe",)
 """Megatron --recompute-modules that re-run the whole MoE layer (router, dispatch, experts: most of its GEMMs and its
-all-to-alls): priced as optplan's full recomputation; the other modules (layernorm, moe_act, mla_up_proj, core_attn,
+all-to-alls): priced as optplan's moe recomputation (estimators/moe_recompute.py); the other modules (layernorm, moe_act, mla_up_proj, core_attn,
 mlp = the dense layers' MLP, rmsnorm) are small and priced as its selective one (Megatron-LM arguments.py,
 --recompute-modules)."""
 
@@ -92,7 +92,7 @@ FLAGS = {
            "expert group's node span",
     "fold": "EP folded over tp beyond dp·cp: ep clipped to a divisor of dp·cp",
     "vpp": "micro-batches not divisible by pp (interleaving needs whole groups of pp): vpp 1 (1F1B)",
-    "rc": "Megatron --recompute-modules mapped to optplan's selective or full recomputation",
+    "rc": "Megatron --recompute-modules mapped to optplan's selective or moe recomputation (other modules: layernorm, moe_act, ... not modelled)",
     "fp8": "fp8 recipe (MXFP8 / blockwise) priced as Transformer Engine per-tensor fp8",
     "dd": "node-deduplicating dispatcher (DeepEP/HybridEP) across nodes on a GPU optplan's deepep dispatcher does not "
           "cover: optplan prices topk copies per token",
@@ -258,8 +258,8 @@ def _checkpointing(row: dict[str, Any]) -> tuple[CheckpointName, list[str]]:
     rc = row["recompute"]
     if rc["granularity"] != "selective":
         return rc["granularity"], []
-    if any(m in EXPERT_RECOMPUTE for m in rc["modules"]):
-        return "full", ["rc"]
+    if any(m in EXPERT_RECOMPUTE for m in rc["modules"]):  # optplan's moe recomputation (moe_recompute.py)
+        return "moe", (["rc"] if set(rc["modules"]) - {"moe"} else [])
     return "selective", (["rc"] if set(rc["modules"]) - {"core_attn"} else [])
 
 

@@ -17,6 +17,7 @@ activations by 1 + (p−1)/(p·v) (Korthikanti et al. §4.2.3). memory.py adds t
 
 from __future__ import annotations
 
+from optplan.estimators.moe_recompute import saved_bytes_per_token
 from optplan.estimators.parallel import layers_per_stage
 from optplan.estimators.params_placement import stage_params
 from optplan.estimators.pipeline import in_flight_microbatches
@@ -42,7 +43,7 @@ def in_flight_micro_batches(strategy: Strategy, stage: int = 0) -> float:
 
 
 def uses_measured_fit(profile: ModelProfile, strategy: Strategy) -> bool:
-    if strategy.model_parallel:
+    if strategy.model_parallel or strategy.checkpointing == "moe":  # the formula knows the MoE layers' share
         return False
     if profile.activation_source == "measured":
         return True
@@ -144,6 +145,8 @@ def _per_sample_stage_bytes(profile: ModelProfile, strategy: Strategy, mode: str
         # (measured on CPU under tensor parallelism, benchmarks/fidelity_tp_cpu.py: the sum was 5-11 % over)
         per_sample = on_stage * layer_input * held + max(layer_tp, ends_here)
     else:
+        if mode == "moe":  # the MoE layers keep their input only (estimators/moe_recompute.py): split by t
+            layer_tp -= layer * saved_bytes_per_token(shape) / shape.layer_bytes_per_token() / t
         per_sample = on_stage * layer_tp * held + ends_here
     return per_sample / cp
 

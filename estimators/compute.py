@@ -105,6 +105,9 @@ MAX_GEMM_FRACTION = 0.9
 SELECTIVE_HOST_PASSES = 0.25
 """Host cost of selective recomputation in layer-forward passes: the attention core is about a
 quarter of a layer's kernels (stated default)."""
+MOE_RECOMPUTE_HOST_PASSES = 0.5
+"""Host cost of recomputing the MoE layers in layer-forward passes: the MoE block (norm, router, permute, two
+grouped GEMMs, activation, unpermute, dispatch and combine) is about half of a layer's kernels (stated default)."""
 UNMODELLED_FLOPS_FRACTION = 0.5
 """Profile FLOPs the transformer shape does not account for (extra modules of a measured model) run at
 this fraction of the large-GEMM rate on the last pipeline stage (stated default)."""
@@ -234,6 +237,9 @@ class LayerTime(BaseModel):
                                                     "(what selective recomputation re-runs)")
     fwd_flops: float = Field(description="forward FLOPs on this GPU")
     attention_core_fwd_flops: float
+    mlp_fwd_s: float = Field(default=0.0, description="the MLP's forward GEMMs and elementwise ops (what recomputing "
+                                                      "the MLP or MoE block re-runs)")
+    mlp_fwd_flops: float = Field(default=0.0, description="the MLP's forward FLOPs on this GPU")
 
 
 def _peaks(gpu: GPUSpec, strategy: Strategy) -> tuple[float, float, int]:
@@ -282,11 +288,14 @@ def layer_time(dims: TransformerDims, strategy: Strategy, gpu: GPUSpec, eff: Gpu
     if dims.attn_params:  # head width other than h / heads, or latent attention: its own projection sizes
         o_k = a * (dims.v_head_dim or d)
         qkv_n, attn = (dims.attn_params - h * o_k) / h, dims.attn_params
-    for m_, n_, k_ in ((tokens, qkv_n / t, h), (tokens, h, o_k / t), (tokens, ffn / t, h),
-                       (tokens, h, ffn / t)):
+    mlp_fwd = 0.0
+    for i, (m_, n_, k_) in enumerate(((tokens, qkv_n / t, h), (tokens, h, o_k / t), (tokens, ffn / t, h),
+                                      (tokens, h, ffn / t))):
         f_, b_ = gemm_train_time_s(m_, n_, k_, **kw)
         fwd += f_
         bwd += b_
+        if i >= 2:
+            mlp_fwd += f_
     fwd_flops = 2.0 * tokens * (attn + dims.mlp_params) / t
     heads = b * a / t
     qk_d, v_d = (dims.qk_head_dim or d), (dims.v_head_dim or d)
@@ -320,7 +329,9 @@ def layer_time(dims: TransformerDims, strategy: Strategy, gpu: GPUSpec, eff: Gpu
     core_ew = score_fwd / hbm
     return LayerTime.model_construct(fwd_gemm_s=fwd + core_fwd, bwd_gemm_s=bwd + core_bwd, fwd_elementwise_s=ew_fwd,
                      bwd_elementwise_s=ew_bwd, attention_core_fwd_s=core_fwd + core_ew,
-                     fwd_flops=fwd_flops + core_flops, attention_core_fwd_flops=core_flops)
+                     fwd_flops=fwd_flops + core_flops, attention_core_fwd_flops=core_flops,
+                     mlp_fwd_s=mlp_fwd + tokens * (ffn / t) * 2 * elem * multiplier / hbm,
+                     mlp_fwd_flops=2.0 * tokens * dims.mlp_params / t)
 
 
 class HeadTime(BaseModel):
@@ -359,7 +370,8 @@ def head_time(dims: TransformerDims, strategy: Strategy, gpu: GPUSpec, eff: GpuE
 def host_layer_passes(strategy: Strategy) -> float:
     """Layer-forward passes the host issues per layer and micro-batch: forward 1 + backward 2, plus 1
     under full recomputation or ``SELECTIVE_HOST_PASSES`` under selective recomputation."""
-    extra = {"full": 1.0, "selective": SELECTIVE_HOST_PASSES}.get(strategy.checkpointing, 0.0)
+    extra = {"full": 1.0, "selective": SELECTIVE_HOST_PASSES,
+             "moe": MOE_RECOMPUTE_HOST_PASSES}.get(strategy.checkpointing, 0.0)
     return 3.0 + extra
 
 

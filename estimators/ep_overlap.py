@@ -20,7 +20,7 @@ the other). What it hides, per layer:
   :data:`EP_OVERLAP_INTERFERENCE` of the hidden time is added back.
 
 Megatron's rules for the option (``TransformerConfig.__post_init__``): expert parallelism > 1, the alltoall or flex
-dispatcher, no full recomputation, a bf16 or fp16 model, and virtual pipeline stages when pp > 1
+dispatcher, no full recomputation and no recomputed ``moe`` module, a bf16 or fp16 model, and virtual pipeline stages when pp > 1
 (Strategy enforces them).
 """
 
@@ -40,8 +40,9 @@ OVERLAP_PRECISIONS = ("bf16", "fp16", "fp8")
 
 
 def recipe_allows_overlap(precision: str, checkpointing: str) -> bool:
-    """Whether Megatron's overlap rules admit the recipe: a 16-bit model and no full recomputation."""
-    return precision in OVERLAP_PRECISIONS and checkpointing != "full"
+    """Whether Megatron's overlap rules admit the recipe: a 16-bit model, no full recomputation and no "moe" among
+    the recomputed modules."""
+    return precision in OVERLAP_PRECISIONS and checkpointing not in ("full", "moe")
 
 
 def solo_fraction(pp: int, vpp: int, microbatches: int) -> float:

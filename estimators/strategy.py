@@ -21,7 +21,10 @@ OptimizerName = Literal["adamw", "adamw8bit", "adafactor", "sgd", "paged_adamw",
 OffloadTarget = Literal["none", "cpu", "nvme"]
 EngineName = Literal["torch", "deepspeed", "megatron"]
 FsdpName = Literal["none", "full", "grad_op", "hybrid"]
-CheckpointName = Literal["none", "selective", "full"]
+CheckpointName = Literal["none", "selective", "full", "moe"]
+"""Activation recomputation: none; selective (the attention core, Korthikanti et al. 2022 §5); full (every layer
+from its input); moe (the MoE layers from their input: router, dispatch, experts, combine; Megatron's
+``--recompute-modules moe``, estimators/moe_recompute.py)."""
 DispatcherName = Literal["alltoall", "deepep"]
 
 OPTIMIZER_ALIASES: dict[str, str] = {
@@ -140,13 +143,16 @@ class Strategy(BaseModel):
         if self.dispatcher != "alltoall" and (self.ep == 1 or self.engine != "megatron"):
             raise ValueError(f"--dispatcher {self.dispatcher} dispatches the tokens of expert parallelism on Megatron-LM: "
                              "use --ep > 1 with --engine megatron, or --dispatcher alltoall")
+        if self.checkpointing == "moe" and self.engine != "megatron":
+            raise ValueError("--checkpointing moe recomputes the MoE layers the Megatron-LM way (--recompute-modules "
+                             "moe): use --engine megatron, or --checkpointing selective|full")
         if self.ep_overlap:
             if self.ep == 1 or self.engine != "megatron":
                 raise ValueError("--ep-overlap hides the all-to-alls of expert parallelism on Megatron-LM: use --ep > 1 "
                                  "with --engine megatron, or drop --ep-overlap")
-            if self.checkpointing == "full":
-                raise ValueError("Megatron-LM's all-to-all overlap excludes full recomputation: use --checkpointing "
-                                 "selective|none, or drop --ep-overlap")
+            if self.checkpointing in ("full", "moe"):
+                raise ValueError(f"Megatron-LM's all-to-all overlap excludes {self.checkpointing} recomputation: use "
+                                 "--checkpointing selective|none, or drop --ep-overlap")
             if self.precision not in OVERLAP_PRECISIONS:
                 raise ValueError(f"Megatron-LM's all-to-all overlap needs a bf16 or fp16 model, not {self.precision}: "
                                  "use --precision bf16, or drop --ep-overlap")
@@ -196,6 +202,8 @@ class Strategy(BaseModel):
             parts.append("ckpt")
         elif self.checkpointing == "selective":
             parts.append("sel-ckpt")
+        elif self.checkpointing == "moe":
+            parts.append("moe-ckpt")
         if self.offload_optimizer != "none":
             parts.append(f"opt->{self.offload_optimizer}")
         if self.offload_params != "none":

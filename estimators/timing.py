@@ -90,6 +90,7 @@ from optplan.estimators.finetune import DEQUANT_BANDWIDTH_FRACTION, dequant_byte
 from optplan.estimators.hardware import Cluster, GPUSpec
 from optplan.estimators.memory import param_split, stage_params
 from optplan.estimators.moe import expert_mlp_params
+from optplan.estimators.moe_recompute import moe_mlp_share
 from optplan.estimators.parallel import Placement, layers_per_stage, placement
 from optplan.estimators.pipeline import pipeline_time_s
 from optplan.estimators.precision import get_recipe
@@ -314,7 +315,7 @@ def _moe_layer_s(profile: ModelProfile, s_: Strategy, cluster: Cluster, eff: Gpu
         return 0.0, 0.0
     moe = shape.moe
     share = moe.moe_layers(shape.layers) / shape.layers
-    passes = 3 if s_.checkpointing == "full" else 2
+    passes = 3 if s_.checkpointing in ("full", "moe") else 2
     a2a_pass = 0.0
     if s_.ep > 1:
         size = tokens * moe.topk * shape.hidden * elem / (s_.tp if s_.sp else 1) * moe.imbalance
@@ -346,12 +347,14 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
     h = dims.hidden
     full = s_.checkpointing == "full"
     selective = s_.checkpointing == "selective"
+    moe_rc = s_.checkpointing == "moe"  # the MoE layers re-run from their input (estimators/moe_recompute.py)
+    moe_share = moe_mlp_share(profile.transformer) if moe_rc and profile.transformer is not None else 0.0
 
     # one layer, one micro-batch
     layer_compute = lt.fwd_gemm_s + lt.bwd_gemm_s
     layer_mem = lt.fwd_elementwise_s + lt.bwd_elementwise_s
     layer_recompute = (lt.fwd_gemm_s + lt.fwd_elementwise_s) if full else (
-        lt.attention_core_fwd_s if selective else 0.0)
+        lt.attention_core_fwd_s if selective else moe_share * lt.mlp_fwd_s)
     tp_one = tp_collective_s(tokens, h, elem, t, links["tp"], sp=s_.sp) if t > 1 else 0.0
     layer_tp = TP_COLLECTIVES_PER_PASS * (3 if full else 2) * tp_one
     kv_local = dims.kv_heads * (h / dims.heads) / t
@@ -367,7 +370,7 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
     # a 4-bit base is dequantised in every pass (estimators/finetune.py): memory traffic per layer
     layer_mem += (dequant_bytes_per_layer(profile.adapter, s_.quant, dims.layers, full_checkpointing=full, tp=t)
                   / (gpu.memory_bandwidth_bytes_per_s * DEQUANT_BANDWIDTH_FRACTION))
-    layer_ep_total = a2a_pass * (3 if full else 2)
+    layer_ep_total = a2a_pass * (3 if full or moe_rc else 2)
     layer_ep = layer_ep_total
     if s_.ep_overlap:  # batch-level overlap (estimators/ep_overlap.py): windows of the partner micro-batch's passes
         fwd_window = lt.fwd_gemm_s + lt.fwd_elementwise_s
@@ -471,7 +474,8 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
     dp_exposed = dpc.exposed_s + tied
     exposed = tp_s + cp_exposed + pp_s + dp_exposed + ep_s
     hw_per_sample = profile.train_flops_per_sample
-    recompute_flops = (lt.fwd_flops if full else lt.attention_core_fwd_flops if selective else 0.0)
+    recompute_flops = (lt.fwd_flops if full else lt.attention_core_fwd_flops if selective
+                       else moe_share * lt.mlp_fwd_flops)
     hw_per_sample += dims.layers * recompute_flops * t * c / s_.mbs
     parts = {
         "compute_s": m * slow["compute"], "recompute_s": m * slow["recompute"],

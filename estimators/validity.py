@@ -41,6 +41,9 @@ def check_strategy(profile: ModelProfile, cluster: Cluster, strategy: Strategy) 
             raise OptplanError(f"--ep {s.ep} splits the experts of MoE layers, and {profile.name} has none: use --ep 1")
         if moe.experts % s.ep:
             raise OptplanError(f"--ep {s.ep} does not divide the {moe.experts} experts: use a divisor of {moe.experts}")
+    if s.checkpointing == "moe" and (shape is None or shape.moe is None):
+        raise OptplanError(f"--checkpointing moe recomputes MoE layers, and {profile.name} has none: use "
+                           "--checkpointing selective|full")
     if s.dispatcher == "deepep" and cluster.gpu.name not in DEEPEP_GPUS:
         raise OptplanError(f"--dispatcher deepep runs on {', '.join(DEEPEP_GPUS)} (NVLink with RDMA; DeepEP/HybridEP), "
                            f"not on {cluster.gpu.name}: use --dispatcher alltoall")

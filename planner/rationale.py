@@ -349,7 +349,8 @@ def _checkpointing_line(pick: Estimate, price: Price, space: SearchSpace) -> str
         if alt is not None and pick.time.step_s > 0:
             line += f"; full checkpointing would add {100 * alt.time.recompute_s / pick.time.step_s:.0f}% recompute"
         return line
-    name = "full" if s.checkpointing == "full" else "selective (attention core)"
+    name = {"full": "full", "moe": "MoE-layer (--recompute-modules moe)"}.get(s.checkpointing,
+                                                                           "selective (attention core)")
     less = [m for m in ("none", "selective") if m in space.checkpointing and m != s.checkpointing
             and (m == "none" or s.checkpointing == "full")]
     parts = []

@@ -37,7 +37,7 @@ if TYPE_CHECKING:  # search.py imports this module; the Goal is only passed in
 CRITERIA: tuple[str, ...] = ("fewer model-parallel dimensions", "no offload", "less sharding",
                              "fewer virtual pipeline stages", "less recomputation")
 """The names of ``simplicity_key``'s components, in order."""
-_RECOMPUTE = {"none": 0, "selective": 1, "full": 2}
+_RECOMPUTE = {"none": 0, "selective": 1, "moe": 1, "full": 2}
 
 
 def simplicity_key(strategy: Strategy) -> tuple[int, ...]:

@@ -374,6 +374,8 @@ def build_space(profile: ModelProfile, cluster: Cluster, *, global_batch: int | 
         ckpt = tuple(dict.fromkeys(checkpointing))
     elif profile.supports_checkpointing or profile.transformer is not None:
         ckpt = ("none", "selective", "full") if profile.transformer is not None else ("none", "full")
+        if profile.transformer is not None and profile.transformer.moe is not None and "megatron" in chosen_engines:
+            ckpt += ("moe",)  # Megatron's --recompute-modules moe (estimators/moe_recompute.py)
     else:
         ckpt = ("none",)
     multi_node = max(counts) > cluster.gpus_per_node

@@ -229,7 +229,7 @@ def estimate(
     global_batch: Annotated[int | None, typer.Option("--global-batch", help="samples per step (derives --gas)")] = None,
     precision: Annotated[str | None, typer.Option("--precision", help="fp32, amp-bf16, amp-fp16, bf16, fp16, bf16-pure, fp8 (default: bf16, or fp16 on GPUs without bf16)")] = None,
     optimizer: Annotated[str | None, typer.Option("--optimizer", help="adamw, adamw8bit, adafactor, sgd, paged_adamw, paged_adamw8bit")] = None,
-    checkpointing: Annotated[str, typer.Option("--checkpointing", help="none, selective or full")] = "none",
+    checkpointing: Annotated[str, typer.Option("--checkpointing", help="none, selective, full, or moe (recompute the MoE layers; Megatron)")] = "none",
     flash: Annotated[bool, typer.Option("--flash/--no-flash", help="memory-efficient attention (no s x s scores)")] = True,
     engine: Annotated[str | None, typer.Option("--engine", help="torch, deepspeed or megatron (default: torch with --fsdp, megatron with tp/pp/cp, else deepspeed)")] = None,
     offload_optimizer: Annotated[str | None, typer.Option("--offload-optimizer", help="none, cpu, nvme (DeepSpeed)")] = None,
@@ -254,7 +254,7 @@ def estimate(
         choice.check(runs_a_model=model is not None or hf is not None)
         if precision is not None:
             _check_choice("--precision", precision, PRECISIONS)
-        _check_choice("--checkpointing", checkpointing, ("none", "selective", "full"))
+        _check_choice("--checkpointing", checkpointing, ("none", "selective", "full", "moe"))
         _check_finite("params", params)
         _check_finite("tokens", tokens)
         _check_finite("price", price, allow_zero=True)

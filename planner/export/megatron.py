@@ -34,7 +34,8 @@ commit 000c4ac2, 2025) and the Megatron-Core classes it hands them to:
   ``amp-*`` and ``bf16-pure`` recipes are refused.
 - Recompute: full = ``--recompute-granularity full --recompute-method uniform --recompute-num-layers 1``
   (every layer's input kept, the layer recomputed), selective = ``--recompute-granularity selective``
-  (core attention only; Megatron forbids a recompute method with it).
+  (core attention only, Megatron's default ``--recompute-modules``; Megatron forbids a recompute method with it),
+  moe = ``--recompute-granularity selective --recompute-modules moe`` (the MoE layers, estimators/moe_recompute.py).
 - Attention: ``--attention-backend flash`` for flash plans, ``unfused`` (materialised s x s scores) for
   the others (``AttnBackend`` in ``megatron/core/transformer/enums.py``; ``--use-flash-attn`` is the
   legacy-model flag).
@@ -175,6 +176,8 @@ def megatron_args(plan: ExportPlan) -> list[str]:
         args += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
     elif s.checkpointing == "selective":
         args += ["--recompute-granularity", "selective"]
+    elif s.checkpointing == "moe":
+        args += ["--recompute-granularity", "selective", "--recompute-modules", "moe"]
     args += ["--attention-backend", "flash" if s.flash else "unfused"]
     if s.optimizer == "adamw":
         args += ["--optimizer", "adam", "--adam-beta1", _fmt(ADAM_BETAS[0]), "--adam-beta2", _fmt(ADAM_BETAS[1]),
@@ -353,6 +356,7 @@ def _parser() -> _RaisingParser:
     add("--recompute-granularity", default=None, choices=["full", "selective"])
     add("--recompute-method", default=None, choices=["uniform", "block"])
     add("--recompute-num-layers", type=int, default=None)
+    add("--recompute-modules", nargs="*", type=str, default=None)
     add("--attention-backend", default="auto", choices=["flash", "fused", "unfused", "local", "auto"])
     add("--use-flash-attn", action="store_true")
     add("--optimizer", default="adam", choices=["adam", "sgd", "muon", "dist_muon"])
@@ -400,6 +404,9 @@ def validate_megatron_args(argv: list[str], plan: ExportPlan) -> None:
         raise ExportValidationError("Megatron-LM accepts only one of --num-layers-per-virtual-pipeline-stage, "
                                     "--num-virtual-stages-per-pipeline-rank and --pipeline-model-parallel-layout: "
                                     "keep one")
+    if ns.recompute_modules is not None and ns.recompute_granularity != "selective":
+        raise ExportValidationError("--recompute-modules takes effect with --recompute-granularity selective only: "
+                                    "add it, or drop --recompute-modules")
     if ns.recompute_granularity == "selective" and ns.recompute_method is not None:
         raise ExportValidationError("Megatron-LM supports no --recompute-method with selective recompute: drop "
                                     "--recompute-method")

@@ -154,6 +154,8 @@ def _overlap_violation(ns: argparse.Namespace, ep: int, pp: int, vpp: int) -> st
         return "overlap_moe_expert_parallel_comm is supported with alltoall/flex token dispatcher: change the dispatcher"
     if ns.recompute_granularity == "full" or ns.recompute_method is not None:
         return "disable full recomputation when enabling overlap_moe_expert_parallel_comm: use selective or none"
+    if "moe" in (ns.recompute_modules or []):
+        return "disable moe in recompute_modules when enabling overlap_moe_expert_parallel_comm: drop it"
     if not (ns.bf16 or ns.fp16):
         return "overlap_moe_expert_parallel_comm is only supported with bf16 or fp16 model: add --bf16"
     if pp > 1 and vpp <= 1:
