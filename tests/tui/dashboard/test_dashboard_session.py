@@ -85,7 +85,9 @@ def test_cancelled_session_stops_between_trials_and_the_study_resumes(tmp_path: 
     (name,) = optuna.study.get_all_study_names(storage=journal)
     done = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
     stopped = len(optuna.load_study(study_name=name, storage=journal).get_trials(states=done))
-    assert 5 <= stopped < 60
+    # the fifth candidate's progress event raised the cancellation, so that trial failed: four or more finished
+    # (illegal draws are repaired to legal plans, not pruned: every finished trial priced a plan)
+    assert 4 <= stopped < 60
     again = run_session(prepare_recommend(args), Recorder(), gpu_here=lambda: False).recommendation
     assert again.search.study_name == name and again.search.resumed > 0 and again.fits
     assert len(optuna.load_study(study_name=name, storage=journal).get_trials(states=done)) == 60
