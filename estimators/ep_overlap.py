@@ -37,12 +37,14 @@ for every GPU: Blackwell's 148 SMs would make it 0.14)."""
 
 OVERLAP_PRECISIONS = ("bf16", "fp16", "fp8")
 """Recipes whose Megatron model is bf16 or fp16 (fp8 runs on a bf16 model), which the overlap requires."""
+OVERLAP_EXCLUDED_RECOMPUTE = ("full", "moe")
+"""Recomputation the overlap excludes: full layers, and the ``moe`` module (Megatron's rules)."""
 
 
 def recipe_allows_overlap(precision: str, checkpointing: str) -> bool:
     """Whether Megatron's overlap rules admit the recipe: a 16-bit model, no full recomputation and no "moe" among
     the recomputed modules."""
-    return precision in OVERLAP_PRECISIONS and checkpointing not in ("full", "moe")
+    return precision in OVERLAP_PRECISIONS and checkpointing not in OVERLAP_EXCLUDED_RECOMPUTE
 
 
 def solo_fraction(pp: int, vpp: int, microbatches: int) -> float:

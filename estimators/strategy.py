@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from optplan.estimators.ep_overlap import OVERLAP_PRECISIONS
+from optplan.estimators.ep_overlap import OVERLAP_EXCLUDED_RECOMPUTE, OVERLAP_PRECISIONS
 from optplan.estimators.finetune import QuantName
 
 PrecisionName = Literal["fp32", "amp-bf16", "amp-fp16", "bf16", "fp16", "bf16-pure", "fp8"]
@@ -150,7 +150,7 @@ class Strategy(BaseModel):
             if self.ep == 1 or self.engine != "megatron":
                 raise ValueError("--ep-overlap hides the all-to-alls of expert parallelism on Megatron-LM: use --ep > 1 "
                                  "with --engine megatron, or drop --ep-overlap")
-            if self.checkpointing in ("full", "moe"):
+            if self.checkpointing in OVERLAP_EXCLUDED_RECOMPUTE:
                 raise ValueError(f"Megatron-LM's all-to-all overlap excludes {self.checkpointing} recomputation: use "
                                  "--checkpointing selective|none, or drop --ep-overlap")
             if self.precision not in OVERLAP_PRECISIONS:

@@ -38,7 +38,7 @@ import hashlib
 import json
 import math
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Literal
 
@@ -409,6 +409,26 @@ def _keep(entries: list[tuple[Estimate, dict[str, object]]], goal: Goal) -> list
     return list({e.strategy: by_strategy[e.strategy] for e in keep}.values())
 
 
+def _group_estimates(pricer: Pricer, space: SearchSpace, group: Group) -> Iterator[tuple[Estimate, int, int, bool]]:
+    """``group``'s candidates priced in ascending micro-batch order, stopping after the first micro-batch none of
+    whose accumulations fits (memory grows with the micro-batch: larger ones do not fit either): (estimate,
+    micro-batch, accumulation index, whether it was newly priced)."""
+    for mbs in space.micro_batches(group.layout):
+        any_fits = False
+        for k, gas in enumerate(space.accumulations(group.layout, mbs)):
+            s = strategy_of(group, mbs, gas)
+            if s is None:
+                continue
+            new = s not in pricer.priced
+            est = pricer(s)
+            if est is None:
+                continue
+            any_fits = any_fits or est.fits
+            yield est, mbs, k, new
+        if not any_fits:
+            return
+
+
 def _enumerate(pricer: Pricer, space: SearchSpace, study: optuna.Study, goal: Goal,
                notify: Callable[[ProgressEvent], None], storage: str | Path | None = None) -> tuple[int, int]:
     """Price the space group by group, recording each chunk's keepers and then its done-mark. Recording
@@ -429,22 +449,9 @@ def _enumerate(pricer: Pricer, space: SearchSpace, study: optuna.Study, goal: Go
     chunk: list[tuple[Estimate, dict[str, object]]] = []
     for gi in range(done, len(groups)):
         group = groups[gi]
-        for mbs in space.micro_batches(group.layout):
-            any_fits = False
-            for k, gas in enumerate(space.accumulations(group.layout, mbs)):
-                s = strategy_of(group, mbs, gas)
-                if s is None:
-                    continue
-                known = s in pricer.priced
-                est = pricer(s)
-                if est is None:
-                    continue
-                if not known:
-                    evaluated += 1
-                chunk.append((est, _params(group, mbs, k)))
-                any_fits = any_fits or est.fits
-            if not any_fits:
-                break  # memory grows with the micro-batch: larger ones do not fit either
+        for est, mbs, k, new in _group_estimates(pricer, space, group):
+            evaluated += new
+            chunk.append((est, _params(group, mbs, k)))
         if (gi + 1) % CHUNK_GROUPS == 0 or gi + 1 == len(groups):
             with storage_file_lock(storage, "record"):
                 recorded = set(_recorded(study))
@@ -492,20 +499,11 @@ def _screen(pricer: Pricer, space: SearchSpace, goal: Goal,
         for tries in _probe_groups(space, layout):
             for group in tries:
                 found = False
-                for mbs in space.micro_batches(layout):
-                    any_fits = False
-                    for gas in space.accumulations(layout, mbs):
-                        s = strategy_of(group, mbs, gas)
-                        est = pricer(s) if s is not None else None
-                        if est is None:
-                            continue
-                        key = (*goal.rank_key(est), est.strategy.label())
-                        if layout not in best or key < best[layout]:
-                            best[layout] = key
-                        any_fits = any_fits or est.fits
-                    found = found or any_fits
-                    if not any_fits:
-                        break
+                for est, _mbs, _k, _new in _group_estimates(pricer, space, group):
+                    key = (*goal.rank_key(est), est.strategy.label())
+                    if layout not in best or key < best[layout]:
+                        best[layout] = key
+                    found = found or est.fits
                 if found:
                     break  # the lighter recomputation fits: the heavier would not rank above it
         if (i + 1) % CHUNK_GROUPS == 0:
