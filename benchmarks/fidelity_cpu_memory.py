@@ -75,6 +75,10 @@ CAPACITY = 2**50  # "unlimited": fits is irrelevant here
 
 LLAMA_SHAPE = dict(dim=512, n_layers=8, n_heads=8, n_kv_heads=2, ffn_dim=1536)
 LLAMA_QUICK_SHAPE = dict(dim=256, n_layers=4, n_heads=4, n_kv_heads=1, ffn_dim=768)
+MOE_SHAPE = dict(dim=512, n_layers=5, n_heads=8, n_kv_heads=2, ffn_dim=1536, vocab_size=32000, num_experts=16,
+                 num_experts_per_tok=4, moe_ffn_dim=256, n_shared_experts=1, first_dense=1)
+MOE_TEXT = ("examples/moe.py build_model('lite', {args}): DeepSeekMoE layout reduced (dense first layer, 16 routed "
+            "experts top-4 + 1 shared, routed for real by its torch.where loop), seq 256")
 
 
 @dataclass
@@ -124,30 +128,35 @@ def pct(pred: float, real: float) -> float:
 # ---------------------------------------------------------------------------------------------------
 # the models
 # ---------------------------------------------------------------------------------------------------
-def llama_wrapper(directory: Path, shape: dict[str, int], seq_len: int) -> Path:
-    """A model file building a reduced Llama through examples/llama.py's ``build_model(**overrides)``
-    (vocabulary 128256 and tied embeddings of the 1B size kept), with token ids below that vocabulary."""
-    path = directory / "llama_reduced.py"
+def example_wrapper(directory: Path, example: str, size: str, shape: dict[str, int], seq_len: int) -> Path:
+    """A model file building a reduced examples/<example>.py through its ``build_model(size, **overrides)``, with
+    token ids below the reduced config's vocabulary."""
+    path = directory / f"{example}_reduced.py"
     path.write_text(textwrap.dedent(f"""
         import importlib.util, sys
         import torch
-        spec = importlib.util.spec_from_file_location("optplan_example_llama", {str(EXAMPLES / "llama.py")!r})
-        llama = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = llama
-        spec.loader.exec_module(llama)
+        spec = importlib.util.spec_from_file_location("optplan_example_{example}", {str(EXAMPLES / f"{example}.py")!r})
+        example = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = example
+        spec.loader.exec_module(example)
 
         SHAPE = {shape!r}
         OPTPLAN = {{"seq_len": {seq_len}}}
 
         def build_model():
-            return llama.build_model("1B", **SHAPE)
+            return example.build_model({size!r}, **SHAPE)
 
         def example_batch(batch_size, seq_len):
-            return torch.randint(0, llama.SIZES["1B"].vocab_size, (batch_size, seq_len))
+            return torch.randint(0, example.make_config({size!r}, **SHAPE).vocab_size, (batch_size, seq_len))
 
-        loss_fn = llama.loss_fn
+        loss_fn = example.loss_fn
         """))
     return path
+
+
+def llama_wrapper(directory: Path, shape: dict[str, int], seq_len: int) -> Path:
+    """A reduced Llama (vocabulary 128256 and tied embeddings of the 1B size kept)."""
+    return example_wrapper(directory, "llama", "1B", shape, seq_len)
 
 
 def llama_shape_text(shape: dict[str, int], seq_len: int) -> str:
@@ -174,6 +183,8 @@ def cases(quick: bool, tmp: Path) -> list[Case]:
              "tensors weigh more)"),
         Case("resnet", EXAMPLES / "resnet.py", None, "examples/resnet.py ResNet-50 as is, 224x224 images"),
         Case("llama", llama_wrapper(tmp, LLAMA_SHAPE, 256), 256, llama_shape_text(LLAMA_SHAPE, 256)),
+        Case("moe", example_wrapper(tmp, "moe", "lite", MOE_SHAPE, 256), 256,
+             MOE_TEXT.format(args=", ".join(f"{k}={v}" for k, v in MOE_SHAPE.items()))),
     ]
 
 
@@ -334,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer and smaller rows (~1 min)")
     parser.add_argument("--mbs", default="2,4", help="the two micro-batches (default 2,4: one inside the "
                         "profile's fitted range 1-2, one beyond it)")
-    parser.add_argument("--models", default=None, help="comma-separated subset of mlp,gpt2,gpt2-256,resnet,llama "
+    parser.add_argument("--models", default=None, help="comma-separated subset of mlp,gpt2,gpt2-256,resnet,llama,moe "
                         "(--quick: mlp,gpt2-128,llama)")
     parser.add_argument("--adamw", choices=("single_tensor", "foreach"), default="single_tensor",
                         help="AdamW implementation of the real step (default: torch's CPU default)")

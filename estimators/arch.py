@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from optplan.estimators.attention import MlaShape
 from optplan.estimators.errors import OptplanError
-from optplan.estimators.moe import MoeShape, mean_active_ffn, routed_expert_params
+from optplan.estimators.moe import MoeShape, mean_active_ffn, moe_note, routed_expert_params
 from optplan.estimators.profile import (
     SMALL_PARAM_LIMIT,
     ActivationFit,
@@ -339,13 +339,5 @@ def profile_from_arch(spec: ArchSpec, *, name: str | None = None) -> ModelProfil
         transformer=shape,
         notes=(f"profile from --arch by formula (Korthikanti et al. 2022 activations"
                f"{', flash attention' if spec.flash else ''}; PaLM FLOPs), not measured",
-               *((_moe_note(moe, L),) if moe is not None else ())),
+               *((moe_note(moe, L),) if moe is not None else ())),
     )
-
-
-def _moe_note(moe: MoeShape, layers: int) -> str:
-    return (f"MoE: {moe.moe_layers(layers)} of {layers} layers route each token to {moe.topk} of {moe.experts} experts "
-            f"(width {moe.moe_ffn}{f', + {moe.shared_experts} shared' if moe.shared_experts else ''}); FLOPs and "
-            f"activations by the tokens routed (balanced router: imbalance {moe.imbalance:g} stated, not measured); "
-            "expert parallelism (--ep, Megatron) divides the routed experts, its all-to-all priced from the links; "
-            "grouped-GEMM efficiency as weight reads")

@@ -100,3 +100,12 @@ def moe_extra_bytes_per_token(moe: MoeShape, hidden: int, elem_bytes: int) -> fl
     probabilities (:data:`ROUTER_BYTES_PER_EXPERT` per expert) and the topk permuted copies of the token's
     hidden state the dispatcher hands the experts (``elem_bytes`` each)."""
     return ROUTER_BYTES_PER_EXPERT * moe.experts + moe.topk * hidden * elem_bytes
+
+
+def moe_note(moe: MoeShape, layers: int) -> str:
+    """The profile note that states an MoE shape and how it is priced."""
+    return (f"MoE: {moe.moe_layers(layers)} of {layers} layers route each token to {moe.topk} of {moe.experts} experts "
+            f"(width {moe.moe_ffn}{f', + {moe.shared_experts} shared' if moe.shared_experts else ''}); FLOPs and "
+            f"activations by the tokens routed (balanced router: imbalance {moe.imbalance:g} stated, not measured); "
+            "expert parallelism (--ep, Megatron) divides the routed experts, its all-to-all priced from the links; "
+            "grouped-GEMM efficiency as weight reads")

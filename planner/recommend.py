@@ -128,9 +128,10 @@ def _is_model_file(profile: ModelProfile) -> bool:
     return profile.path not in ("--arch", "--params", "")
 
 
-def _moe_by_formula(profile: ModelProfile) -> bool:
-    """An MoE profile: always made from the shape (an --hf MoE config, planner/hf_moe.py), never by running a
-    file, so Megatron-LM's expert parallelism is searched beside DeepSpeed and torch, as for --arch."""
+def _is_moe(profile: ModelProfile) -> bool:
+    """An MoE profile (an --hf MoE config, planner/hf_moe.py, or a model file with MoE layers, probes/moe_layers.py):
+    Megatron-LM's expert parallelism, which only it expresses, is searched beside DeepSpeed and torch, as for
+    --arch; a Megatron plan for a model file says it runs Megatron's GPT with the file's shape."""
     return profile.transformer is not None and profile.transformer.moe is not None
 
 
@@ -150,8 +151,8 @@ def recommend(profile: ModelProfile, cluster: Cluster, *, global_batch: int | No
 
     ``global_batch`` (samples) defaults to the model file's OPTPLAN value; None leaves it free. For a model
     file the engines default to DeepSpeed and torch (they run the file); Megatron-LM (tensor, pipeline, context and
-    expert parallelism) joins for ``--arch`` shapes, MoE configs (profiled from their shape) or when named in
-    ``engines``.
+    expert parallelism) joins for ``--arch`` shapes, MoE models (``--hf`` configs and model files with MoE layers:
+    only it has expert parallelism) or when named in ``engines``.
 
     ``calibration`` (e.g. from the cache of an earlier probe run) corrects every estimate. ``probe`` runs the
     probe stage (``planner.probe_stage``) on a model file: the top candidates run for real on
@@ -173,7 +174,7 @@ def recommend(profile: ModelProfile, cluster: Cluster, *, global_batch: int | No
     if is_params_only(profile):
         return _recommend_states(profile, cluster, global_batch=gb, precisions=precisions, engines=engines,
                                  offload=offload, alternatives=alternatives, notes=notes, goal=goal)
-    if engines is None and _is_model_file(profile) and not _moe_by_formula(profile):
+    if engines is None and _is_model_file(profile) and not _is_moe(profile):
         engines = ("deepspeed", "torch")
     ceiling_notes: list[str] = []
     lora_notes: list[str] = []

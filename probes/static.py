@@ -36,7 +36,9 @@ Definitions the estimators rely on:
 * Depth reduction: when the repeated blocks are the only children of one ``nn.ModuleList`` /
   ``nn.Sequential`` of length L >= 3 and all have the same parameter count, FLOPs and activations are
   measured with the container cut to 1 and 2 blocks and extrapolated linearly:
-  ``value(L) = value(1) + (value(2) - value(1)) * (L - 1)``. The activation envelope is extrapolated
+  ``value(L) = value(1) + (value(2) - value(1)) * (L - 1)``. When only a leading run of ``head`` blocks differs
+  (an MoE model's dense first layers, DeepSeek's ``first_k_dense_replace``) and at least 3 equal blocks follow,
+  the cuts keep ``head + 1`` and ``head + 2`` blocks and the line runs from there. The activation envelope is extrapolated
   per phase of the step (:data:`PHASES`: before the first block, the model's forward, the loss's
   forward, the loss's backward, the model's backward until the first parameter gradient, on to the first
   block's input gradient, the rest of backward): each line of the 2-block envelope of a phase
@@ -77,6 +79,8 @@ from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
+from optplan.estimators.attention import MlaShape
+from optplan.estimators.moe import moe_note
 from optplan.estimators.profile import (
     FROZEN_16BIT,
     SMALL_PARAM_LIMIT,
@@ -105,9 +109,13 @@ from optplan.probes.dropout import gpu_dropout
 from optplan.probes.envelope import PHASES, StepEnvelope, Timeline, activation_fit
 from optplan.probes.loader import ModelFileError
 from optplan.probes.memtrack import MemTracker
+from optplan.probes.moe_dispatch import describe as describe_moe
+from optplan.probes.moe_dispatch import install_balanced_dispatch
+from optplan.probes.moe_layers import MoeLayer, expert_lists, find_moe_layers
+from optplan.probes.moe_profile import moe_shape
 from optplan.probes.quant_inputs import bnb_keeps_4bit_inputs_here, quant_input_elements
 from optplan.probes.tensor_plan import read_tensor_plan
-from optplan.probes.trainloop import CudaAutocastLoss
+from optplan.probes.trainloop import CudaAutocastLoss, without_generation_cache
 
 try:  # torch >= 2.3
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -230,6 +238,9 @@ class BlockInfo:
     params_per_block: int
     path: str | None
     reducible: bool
+    head: int = 0
+    """leading blocks of another size than the rest (an MoE model's dense first layers): depth reduction keeps
+    them and varies the rest"""
 
     def summary(self) -> RepeatedBlock:
         return RepeatedBlock(class_name=self.cls.__name__, count=len(self.blocks),
@@ -245,10 +256,12 @@ def find_repeated_block(model: nn.Module) -> BlockInfo | None:
 
     Only classes with parameters count; at least 2 instances. Ties go to the class with more
     parameters. ``params_per_block`` is the mean over the instances (they are equal in transformers).
+    An MoE layer's list of experts is not looked into (probes/moe_layers.py ``expert_lists``).
     """
+    exclude = expert_lists(model)
     found: dict[type, dict[int, tuple[str, nn.Module]]] = {}
     for path, mod in model.named_modules():
-        if isinstance(mod, (nn.ModuleList, nn.Sequential)):
+        if isinstance(mod, (nn.ModuleList, nn.Sequential)) and id(mod) not in exclude:
             for _, child in mod.named_children():
                 found.setdefault(type(child), {}).setdefault(id(child), (path, child))
     best: tuple[int, int, type] | None = None
@@ -268,15 +281,16 @@ def find_repeated_block(model: nn.Module) -> BlockInfo | None:
     blocks = [m for _, m in entries]
     paths = {p for p, _ in entries}
     path = paths.pop() if len(paths) == 1 else None
-    reducible = False
+    reducible, head = False, 0
     if path is not None:
         container = model.get_submodule(path) if path else model
         children = list(container.children())
-        sizes = {_own_params(b) for b in blocks}
-        reducible = (len(children) == len(blocks) >= MIN_BLOCKS_FOR_REDUCTION and len(sizes) == 1
+        sizes = [_own_params(b) for b in blocks]
+        head = next(i for i in range(len(sizes)) if all(s == sizes[-1] for s in sizes[i:]))
+        reducible = (len(children) == len(blocks) and len(blocks) - head >= MIN_BLOCKS_FOR_REDUCTION
                      and all(type(c) is cls for c in children))
     return BlockInfo(cls=cls, blocks=blocks, params_per_block=round(total / count), path=path,
-                     reducible=reducible)
+                     reducible=reducible, head=head if reducible else 0)
 
 
 def _config_sources(model: nn.Module) -> list[Any]:
@@ -314,10 +328,25 @@ def read_transformer_shape(model: nn.Module, block: BlockInfo | None) -> Transfo
         return None
     gated = block is not None and bool(block.blocks) and any(
         name.rpartition(".")[2] in GATE_NAMES for name, _ in block.blocks[0].named_modules())
+    mla = _read_mla(sources)
+    head_dim = _read_int(sources, ("head_dim",))
     return TransformerShape(hidden=hidden, layers=layers, heads=heads,
-                            kv_heads=_read_int(sources, KV_HEAD_NAMES), vocab=_read_int(sources, VOCAB_NAMES),
+                            kv_heads=None if mla else _read_int(sources, KV_HEAD_NAMES),
+                            vocab=_read_int(sources, VOCAB_NAMES),
                             max_seq_len=_read_int(sources, MAX_LEN_NAMES), ffn=_read_int(sources, FFN_NAMES),
-                            gated=gated)
+                            gated=gated, mla=mla,
+                            head_dim=head_dim if mla is None and head_dim and head_dim * heads != hidden else None)
+
+
+def _read_mla(sources: list[Any]) -> MlaShape | None:
+    """Multi-head latent attention's widths from DeepSeek-V2/V3 config keys (``kv_lora_rank``, ``q_lora_rank``,
+    ``qk_rope_head_dim``, ``qk_nope_head_dim``, ``v_head_dim``), or None."""
+    kv_lora = _read_int(sources, ("kv_lora_rank",))
+    nope, v = _read_int(sources, ("qk_nope_head_dim",)), _read_int(sources, ("v_head_dim",))
+    if kv_lora is None or nope is None or v is None:
+        return None
+    return MlaShape(kv_lora=kv_lora, q_lora=_read_int(sources, ("q_lora_rank",)),
+                    rope_dim=_read_int(sources, ("qk_rope_head_dim",)) or 0, nope_dim=nope, v_dim=v)
 
 
 def _cut(container: nn.Module, keep: int) -> nn.Module:
@@ -342,7 +371,21 @@ def truncated_copy(model: nn.Module, path: str, keep: int) -> nn.Module:
 
 
 def _fresh(contract: ModelContract, meta: nn.Module, path: str | None = None, keep: int = 0) -> nn.Module:
-    """A meta model to measure: a (cut) deep copy of ``meta``, or a new build when it cannot be copied."""
+    """A meta model to measure: a (cut) deep copy of ``meta``, or a new build when it cannot be copied; its MoE
+    layers run the balanced dispatch (probes/moe_dispatch.py)."""
+    model = _copy_or_build(contract, meta, path, keep)
+    with_balanced_moe(model, contract.display)
+    return model
+
+
+def with_balanced_moe(model: nn.Module, display: str) -> list[MoeLayer]:
+    """Install the balanced dispatch on ``model``'s MoE layers (probes/moe_dispatch.py); returns them."""
+    layers = find_moe_layers(model, _config_sources(model), display)
+    install_balanced_dispatch(model, layers, display)
+    return layers
+
+
+def _copy_or_build(contract: ModelContract, meta: nn.Module, path: str | None, keep: int) -> nn.Module:
     try:
         return truncated_copy(meta, path, keep) if path is not None else copy.deepcopy(meta)
     except Exception:  # noqa: BLE001 - e.g. attributes that cannot be deep-copied: build again
@@ -420,7 +463,7 @@ def checkpointed(blocks: list[nn.Module], enabled: bool = True) -> Iterator[None
 
 
 def _checkpoint_call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+    return checkpoint(fn, *args, use_reentrant=False, **without_generation_cache(kwargs))
 
 
 @contextlib.contextmanager
@@ -870,10 +913,11 @@ def _measure_reduced(contract: ModelContract, meta: nn.Module, block: BlockInfo,
     path = block.path
     assert path is not None
     cls = block.cls
-    m1, sizes = _measure_with_fallback(contract, lambda: _fresh(contract, meta, path, 1), spec, cls, notes)
-    m2 = measure_fake(_fresh(contract, meta, path, 2), spec, contract, cls, sizes)
-    lo, hi, base = m1, m2, 1
-    if m1.first_block_input_grad is False:
+    head = block.head  # leading blocks of another size (dense layers before the MoE ones) are kept in both cuts
+    m1, sizes = _measure_with_fallback(contract, lambda: _fresh(contract, meta, path, head + 1), spec, cls, notes)
+    m2 = measure_fake(_fresh(contract, meta, path, head + 2), spec, contract, cls, sizes)
+    lo, hi, base = m1, m2, head + 1
+    if m1.first_block_input_grad is False and head == 0:
         m3 = measure_fake(_fresh(contract, meta, path, 3), spec, contract, cls, sizes)
         if layers == 3:
             return m3, sizes, None
@@ -907,6 +951,7 @@ def measure_real(contract: ModelContract, meta: nn.Module, spec: BatchSpec, bloc
                               "GiB optplan allows", limit.fix) from None
     torch.manual_seed(0)
     model = contract.build_real()
+    with_balanced_moe(model, contract.display)
 
     def run(batch_sizes: tuple[int, int]) -> Measurement:
         runner = StepRunner(model=model, spec=spec, loss_fn=contract.loss_fn, display=contract.display,
@@ -917,6 +962,14 @@ def measure_real(contract: ModelContract, meta: nn.Module, spec: BatchSpec, bloc
     notes.append(f"{limit.problem}: profiled by a real CPU run of the whole model at micro-batch {sizes[0]} "
                  f"and {sizes[1]}; memory that depends on the data (e.g. routing) is what these batches produced")
     return measurement, sizes
+
+
+def _balanced_note(layers: list[MoeLayer], shape: TransformerShape | None) -> str:
+    first = layers[0]
+    stated = moe_note(shape.moe, shape.layers) + "; " if shape is not None and shape.moe is not None else ""
+    return (f"{stated}the {len(layers)} MoE layers ({describe_moe(first)}, ...) were profiled with a balanced "
+            f"dispatch in place of the model's routing (every expert gets tokens x {first.topk} / {first.experts} "
+            "token copies, batched matmuls: probes/moe_dispatch.py)")
 
 
 def _is_grouped_gemm_dtype_error(exc: BaseException) -> bool:
@@ -944,8 +997,13 @@ def _profile_contract(contract: ModelContract, *, seq_len: int | None, started: 
         contract, meta, lora = _with_lora(contract, meta, lora)
         adapter = adapter_profile(meta, lora)
     params, trainable, by_module, dtype = count_params(meta)
+    moe_layers = find_moe_layers(meta, _config_sources(meta), contract.display)
     block = find_repeated_block(meta)
-    shape = read_transformer_shape(meta, block)
+    shape, moe_notes = moe_shape(meta, read_transformer_shape(meta, block), block.blocks if block else [],
+                                 moe_layers, contract.display)
+    if moe_layers:
+        notes.append(_balanced_note(moe_layers, shape))
+    notes.extend(moe_notes)
     explicit_seq, seq_source = resolve_seq_len(contract, meta, seq_len)
     limit = max_positions(meta)
     if explicit_seq is not None and limit is not None and explicit_seq > limit:

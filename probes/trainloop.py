@@ -199,9 +199,28 @@ def _selective_context() -> Callable[[], Any] | None:
     return partial(create_selective_checkpoint_contexts, policy)
 
 
+CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
+"""A block's generation-cache arguments that checkpointing must not pass on."""
+
+
+def without_generation_cache(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` of a checkpointed block call with its generation cache off, as transformers'
+    ``GradientCheckpointingLayer.__call__`` does (modeling_layers.py): ``use_cache=False`` and no cache object, or
+    the recompute in backward writes the cache a second time and its tensors change shape (DeepSeek-V2/V3's
+    latent cache: ``CheckpointError``, recomputed [2·s, r] where [s, r] was saved)."""
+    out = dict(kwargs)
+    if out.get("use_cache"):
+        out["use_cache"] = False
+    for name in CACHE_KWARGS:
+        if out.get(name) is not None:
+            out[name] = None
+    return out
+
+
 def _checkpointed_call(fn: Callable[..., Any], context_fn: Callable[[], Any] | None, *args: Any, **kwargs: Any) -> Any:
     from torch.utils.checkpoint import checkpoint
 
+    kwargs = without_generation_cache(kwargs)
     if context_fn is None:
         return checkpoint(fn, *args, use_reentrant=False, **kwargs)
     return checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
