@@ -35,6 +35,11 @@ def expert_params_not_held(profile: ModelProfile, strategy: Strategy, stage_shar
     return routed_params(profile) * stage_share / strategy.tp * (1 - 1 / strategy.ep)
 
 
+DEEPEP_NIC_FRACTION = 0.86
+"""Share of a GPU's NIC line rate DeepEP's normal (training) kernels move across nodes: 43-51 GB/s of RDMA
+"bottleneck bandwidth" at EP 16-64 on H800s with one 400 Gb/s CX7 NIC (~50 GB/s) each (DeepEP's V1 README
+table, docs/legacy.md "Normal kernels with NVLink and RDMA forwarding"); the lowest, EP 16's 43/50, is taken.
+NCCL's all-to-all keeps the general LINK_EFFICIENCY (efficiency.py). Dimensionless."""
 DEEPEP_GPUS = ("H100-SXM", "H200", "B200")
 """GPUs DeepEP's internode kernels run on: Hopper (DeepEP README: NVLink + RDMA, SM90 features) and Blackwell
 (HybridEP, Megatron-Core's flex dispatcher backend for it); the PCIe H100 has no NVLink domain to forward over."""

@@ -85,7 +85,7 @@ from optplan.estimators.compute import (
 )
 from optplan.estimators.efficiency import LINK_EFFICIENCY, EngineEfficiency, engine_efficiency
 from optplan.estimators.ep_overlap import overlapped_a2a_s, solo_fraction
-from optplan.estimators.expert_parallel import node_dedup_factor
+from optplan.estimators.expert_parallel import DEEPEP_NIC_FRACTION, node_dedup_factor
 from optplan.estimators.finetune import DEQUANT_BANDWIDTH_FRACTION, dequant_bytes_per_layer
 from optplan.estimators.hardware import Cluster, GPUSpec
 from optplan.estimators.memory import param_split, stage_params
@@ -322,7 +322,8 @@ def _moe_layer_s(profile: ModelProfile, s_: Strategy, cluster: Cluster, eff: Gpu
         per_node = min(pl.ep.ranks, max(1, cluster.gpus_per_node // s_.tp)) if pl.ep.nodes > 1 else pl.ep.ranks
         dedup = (node_dedup_factor(moe.experts, moe.topk, pl.ep.nodes) if s_.dispatcher == "deepep" else 1.0)
         one = all_to_all_s(size, s_.ep, per_node, cluster.gpu.intra_node_bandwidth_bytes_per_s *
-                           eff.intra_node_link_fraction, cluster.inter_node_bandwidth_bytes_per_s * LINK_EFFICIENCY,
+                           eff.intra_node_link_fraction, cluster.inter_node_bandwidth_bytes_per_s *
+                           (DEEPEP_NIC_FRACTION if s_.dispatcher == "deepep" else LINK_EFFICIENCY),
                            INTER_NODE_ALPHA_S if pl.ep.nodes > 1 else eff.intra_node_alpha_s, inter_scale=dedup)
         a2a_pass = share * MOE_A2A_PER_PASS * one
     local = moe.experts / s_.ep
