@@ -34,7 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from optplan.probes.model_errors import ModelFileError
-from optplan.probes.moe_layers import MoeLayer, _join
+from optplan.probes.moe_layers import MoeLayer, join_path
 
 
 def _dispatch(x: torch.Tensor, topk: int, experts: int) -> tuple[torch.Tensor, int]:
@@ -151,4 +151,4 @@ def install_balanced_dispatch(model: nn.Module, layers: list[MoeLayer], display:
 
 def describe(layer: MoeLayer) -> str:
     """Where the layer's parts are, for a note."""
-    return f"{_join(layer.path, layer.experts_name)} ({'3-D weights' if layer.fused else 'a module list'})"
+    return f"{join_path(layer.path, layer.experts_name)} ({'3-D weights' if layer.fused else 'a module list'})"

@@ -69,7 +69,7 @@ class MoeLayer:
     shared_gate_weight: str | None = None
 
 
-def _join(*parts: str) -> str:
+def join_path(*parts: str) -> str:
     return ".".join(p for p in parts if p)
 
 
@@ -154,11 +154,11 @@ def find_moe_layers(model: nn.Module, config_sources: list[Any], display: str) -
 def _describe(path: str, layer: nn.Module, name: str, experts: nn.Module, fused: int | None,
               config_sources: list[Any], display: str) -> MoeLayer:
     """The MoE layer whose experts are ``layer.<name>``."""
-    where = _join(path, name) or "the model"
+    where = join_path(path, name) or "the model"
     count = fused if fused is not None else len(experts)
     shared = [(n, c) for n, c in layer.named_children() if "shared" in n.lower() and n != name]
     skip = {name, *(n for n, _ in shared)}
-    router = next(((_join(cn, pn), p.shape[1]) for cn, c in [("", layer)] + list(layer.named_children())
+    router = next(((join_path(cn, pn), p.shape[1]) for cn, c in [("", layer)] + list(layer.named_children())
                    if cn not in skip
                    for pn, p in c.named_parameters(recurse=bool(cn))
                    if p.dim() == 2 and p.shape[0] == count), None)
@@ -196,11 +196,11 @@ def _describe(path: str, layer: nn.Module, name: str, experts: nn.Module, fused:
     for sname, sub in shared:
         mats = [s for _, s in _matrices(sub)]
         if len(mats) == 1 and mats[0] == (1, hidden):
-            shared_gate = _join(sname, next(n for n, p in sub.named_parameters() if p.dim() == 2))
+            shared_gate = join_path(sname, next(n for n, p in sub.named_parameters() if p.dim() == 2))
             continue
         sw = _width(mats, hidden)
         if sw is None or sw[1] != gated:
-            raise ModelFileError(display, f"the shared expert {_join(path, sname)} holds matrices {mats}, which "
+            raise ModelFileError(display, f"the shared expert {join_path(path, sname)} holds matrices {mats}, which "
                                  "optplan cannot read as an MLP like the routed experts",
                                  "write it as the routed experts' MLP at a multiple of their width, or use --arch")
         shared_ffn += sw[0]

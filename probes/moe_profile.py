@@ -14,10 +14,12 @@ from collections.abc import Sequence
 
 import torch.nn as nn
 
-from optplan.estimators.moe import MoeShape, mean_active_ffn
+from optplan.estimators.moe import MoeShape, mean_active_ffn, moe_note
 from optplan.estimators.profile import TransformerShape
 from optplan.probes.model_errors import ModelFileError
-from optplan.probes.moe_layers import MoeLayer, layer_pattern
+from optplan.probes.model_shape import config_sources
+from optplan.probes.moe_dispatch import describe, install_balanced_dispatch
+from optplan.probes.moe_layers import MoeLayer, find_moe_layers, layer_pattern
 
 
 def block_index(blocks: Sequence[nn.Module], module: nn.Module) -> int | None:
@@ -72,3 +74,19 @@ def moe_shape(model: nn.Module, shape: TransformerShape | None, blocks: Sequence
                    moe_every=every, first_dense=first_dense, dense_ffn=dense_ffn)
     ffn = round(mean_active_ffn(moe, dense_ffn or first.moe_ffn, shape.layers))
     return shape.model_copy(update={"moe": moe, "ffn": ffn, "gated": first.gated}), notes
+
+
+def with_balanced_moe(model: nn.Module, display: str) -> list[MoeLayer]:
+    """Install the balanced dispatch on ``model``'s MoE layers (probes/moe_dispatch.py); returns them."""
+    layers = find_moe_layers(model, config_sources(model), display)
+    install_balanced_dispatch(model, layers, display)
+    return layers
+
+
+def balanced_note(layers: list[MoeLayer], shape: TransformerShape | None) -> str:
+    """The profile note that says the MoE layers ran the balanced dispatch (and the shape, when read)."""
+    first = layers[0]
+    stated = moe_note(shape.moe, shape.layers) + "; " if shape is not None and shape.moe is not None else ""
+    return (f"{stated}the {len(layers)} MoE layers ({describe(first)}, ...) were profiled with a balanced "
+            f"dispatch in place of the model's routing (every expert gets tokens x {first.topk} / {first.experts} "
+            "token copies, batched matmuls: probes/moe_dispatch.py)")

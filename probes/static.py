@@ -79,8 +79,6 @@ from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
-from optplan.estimators.attention import MlaShape
-from optplan.estimators.moe import moe_note
 from optplan.estimators.profile import (
     FROZEN_16BIT,
     SMALL_PARAM_LIMIT,
@@ -89,10 +87,15 @@ from optplan.estimators.profile import (
     ActivationPrecision,
     CheckpointMode,
     ModelProfile,
-    RepeatedBlock,
-    TransformerShape,
 )
 from optplan.probes.adapters import LORA_MARK, LoraRequest, adapter_profile, apply_lora, resolve_targets
+from optplan.probes.blocks import (  # noqa: F401 - re-exported: tests and benchmarks import them from here
+    MIN_BLOCKS_FOR_REDUCTION,
+    BlockInfo,
+    _cut,
+    find_repeated_block,
+    truncated_copy,
+)
 from optplan.probes.contract import (
     BATCH_FIX,
     DEFAULT_TOKEN_SEQ_LEN,
@@ -109,10 +112,15 @@ from optplan.probes.dropout import gpu_dropout
 from optplan.probes.envelope import PHASES, StepEnvelope, Timeline, activation_fit
 from optplan.probes.loader import ModelFileError
 from optplan.probes.memtrack import MemTracker
-from optplan.probes.moe_dispatch import describe as describe_moe
-from optplan.probes.moe_dispatch import install_balanced_dispatch
-from optplan.probes.moe_layers import MoeLayer, expert_lists, find_moe_layers
-from optplan.probes.moe_profile import moe_shape
+from optplan.probes.model_shape import (  # noqa: F401 - re-exported
+    GATE_NAMES,
+    HIDDEN_NAMES,
+    config_sources,
+    max_positions,
+    read_transformer_shape,
+)
+from optplan.probes.moe_layers import find_moe_layers
+from optplan.probes.moe_profile import balanced_note, moe_shape, with_balanced_moe
 from optplan.probes.quant_inputs import bnb_keeps_4bit_inputs_here, quant_input_elements
 from optplan.probes.tensor_plan import read_tensor_plan
 from optplan.probes.trainloop import CudaAutocastLoss, without_generation_cache
@@ -147,23 +155,11 @@ PRECISION_ORDER: tuple[ActivationPrecision, ...] = (*PRECISIONS, WEIGHTS_16BIT, 
 """Every measured precision, in the profile's order; ``bf16-weights`` is measured on the model cast to
 bf16 (:func:`measure_16bit_weights`), ``bf16-frozen`` (LoRA profiles) on its frozen weights cast to bf16
 (:func:`measure_frozen_16bit`)."""
-MIN_BLOCKS_FOR_REDUCTION = 3
 REAL_RUN_MAX_BYTES = 1 << 28
 """Largest model (parameter and buffer bytes: 256 MiB, ~64 M fp32 parameters) profiled by a real CPU run
 when fake tensors cannot run its forward: the run takes about ten real steps on the host (a minute at
 this size on two cores) and also holds gradients and activations."""
 
-_CONFIG_ATTRS = ("config", "cfg", "args", "params", "model_args", "hparams", "hp")
-HIDDEN_NAMES = ("n_embd", "hidden_size", "dim", "d_model", "embed_dim", "n_embed", "hidden_dim")
-LAYER_NAMES = ("n_layer", "num_hidden_layers", "n_layers", "num_layers")
-HEAD_NAMES = ("n_head", "num_attention_heads", "n_heads", "num_heads")
-KV_HEAD_NAMES = ("n_kv_heads", "num_key_value_heads", "n_kv_head", "num_kv_heads")
-VOCAB_NAMES = ("vocab_size", "n_vocab", "padded_vocab_size")
-FFN_NAMES = ("intermediate_size", "ffn_dim", "n_inner", "ffn_hidden_size", "d_ff")
-GATE_NAMES = ("gate_proj", "w3", "gate_up_proj", "w13")
-"""Names of the gate projection of a gated (SwiGLU/GeGLU) MLP: Llama/Mistral/Qwen (transformers), Meta's Llama."""
-MAX_LEN_NAMES = ("block_size", "max_position_embeddings", "max_seq_len", "n_positions", "n_ctx",
-                 "max_seq_length", "context_length", "max_len")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -229,160 +225,12 @@ def buffer_bytes(model: nn.Module) -> int:
     return sum(b.numel() * b.element_size() for b in model.buffers())
 
 
-@dataclass
-class BlockInfo:
-    """The repeated block and, when depth reduction applies, the container that holds all of them."""
-
-    cls: type
-    blocks: list[nn.Module]
-    params_per_block: int
-    path: str | None
-    reducible: bool
-    head: int = 0
-    """leading blocks of another size than the rest (an MoE model's dense first layers): depth reduction keeps
-    them and varies the rest"""
-
-    def summary(self) -> RepeatedBlock:
-        return RepeatedBlock(class_name=self.cls.__name__, count=len(self.blocks),
-                             params_per_block=self.params_per_block, path=self.path)
-
-
-def _own_params(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
-
-
-def find_repeated_block(model: nn.Module) -> BlockInfo | None:
-    """The module class with the most instances among direct children of ModuleLists/Sequentials.
-
-    Only classes with parameters count; at least 2 instances. Ties go to the class with more
-    parameters. ``params_per_block`` is the mean over the instances (they are equal in transformers).
-    An MoE layer's list of experts is not looked into (probes/moe_layers.py ``expert_lists``).
-    """
-    exclude = expert_lists(model)
-    found: dict[type, dict[int, tuple[str, nn.Module]]] = {}
-    for path, mod in model.named_modules():
-        if isinstance(mod, (nn.ModuleList, nn.Sequential)) and id(mod) not in exclude:
-            for _, child in mod.named_children():
-                found.setdefault(type(child), {}).setdefault(id(child), (path, child))
-    best: tuple[int, int, type] | None = None
-    for cls, insts in found.items():
-        if len(insts) < 2:
-            continue
-        total = sum(_own_params(m) for _, m in insts.values())
-        if total == 0:
-            continue
-        key = (len(insts), total)
-        if best is None or key > best[:2]:
-            best = (key[0], key[1], cls)
-    if best is None:
-        return None
-    count, total, cls = best
-    entries = list(found[cls].values())
-    blocks = [m for _, m in entries]
-    paths = {p for p, _ in entries}
-    path = paths.pop() if len(paths) == 1 else None
-    reducible, head = False, 0
-    if path is not None:
-        container = model.get_submodule(path) if path else model
-        children = list(container.children())
-        sizes = [_own_params(b) for b in blocks]
-        head = next(i for i in range(len(sizes)) if all(s == sizes[-1] for s in sizes[i:]))
-        reducible = (len(children) == len(blocks) and len(blocks) - head >= MIN_BLOCKS_FOR_REDUCTION
-                     and all(type(c) is cls for c in children))
-    return BlockInfo(cls=cls, blocks=blocks, params_per_block=round(total / count), path=path,
-                     reducible=reducible, head=head if reducible else 0)
-
-
-def _config_sources(model: nn.Module) -> list[Any]:
-    sources: list[Any] = []
-    for attr in _CONFIG_ATTRS:
-        obj = getattr(model, attr, None)
-        if obj is not None and not isinstance(obj, (torch.Tensor, nn.Module)) and not callable(obj):
-            sources.append(obj)
-    sources.append(model)
-    return sources
-
-
-def _read_int(sources: list[Any], names: tuple[str, ...]) -> int | None:
-    for src in sources:
-        for name in names:
-            value = src.get(name) if isinstance(src, Mapping) else getattr(src, name, None)
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                return value
-    return None
-
-
-def max_positions(model: nn.Module) -> int | None:
-    """The model's maximum sequence length when a config attribute names it, else None."""
-    return _read_int(_config_sources(model), MAX_LEN_NAMES)
-
-
-def read_transformer_shape(model: nn.Module, block: BlockInfo | None) -> TransformerShape | None:
-    """TransformerShape from common config attribute names (on ``model.config`` etc. or the model); the MLP is
-    gated when a block has a gate projection (:data:`GATE_NAMES`)."""
-    sources = _config_sources(model)
-    hidden = _read_int(sources, HIDDEN_NAMES)
-    heads = _read_int(sources, HEAD_NAMES)
-    layers = _read_int(sources, LAYER_NAMES) or (len(block.blocks) if block else None)
-    if hidden is None or heads is None or layers is None:
-        return None
-    gated = block is not None and bool(block.blocks) and any(
-        name.rpartition(".")[2] in GATE_NAMES for name, _ in block.blocks[0].named_modules())
-    mla = _read_mla(sources)
-    head_dim = _read_int(sources, ("head_dim",))
-    return TransformerShape(hidden=hidden, layers=layers, heads=heads,
-                            kv_heads=None if mla else _read_int(sources, KV_HEAD_NAMES),
-                            vocab=_read_int(sources, VOCAB_NAMES),
-                            max_seq_len=_read_int(sources, MAX_LEN_NAMES), ffn=_read_int(sources, FFN_NAMES),
-                            gated=gated, mla=mla,
-                            head_dim=head_dim if mla is None and head_dim and head_dim * heads != hidden else None)
-
-
-def _read_mla(sources: list[Any]) -> MlaShape | None:
-    """Multi-head latent attention's widths from DeepSeek-V2/V3 config keys (``kv_lora_rank``, ``q_lora_rank``,
-    ``qk_rope_head_dim``, ``qk_nope_head_dim``, ``v_head_dim``), or None."""
-    kv_lora = _read_int(sources, ("kv_lora_rank",))
-    nope, v = _read_int(sources, ("qk_nope_head_dim",)), _read_int(sources, ("v_head_dim",))
-    if kv_lora is None or nope is None or v is None:
-        return None
-    return MlaShape(kv_lora=kv_lora, q_lora=_read_int(sources, ("q_lora_rank",)),
-                    rope_dim=_read_int(sources, ("qk_rope_head_dim",)) or 0, nope_dim=nope, v_dim=v)
-
-
-def _cut(container: nn.Module, keep: int) -> nn.Module:
-    short = copy.copy(container)  # same class and attributes, own child table
-    short._modules = OrderedDict(list(container._modules.items())[:keep])  # type: ignore[assignment]
-    return short
-
-
-def truncated_copy(model: nn.Module, path: str, keep: int) -> nn.Module:
-    """A deep copy of ``model`` whose container at ``path`` keeps only its first ``keep`` children
-    (``path`` "" is the model itself)."""
-    container = model.get_submodule(path)
-    if not path:
-        return copy.deepcopy(_cut(container, keep))
-    parent_path, _, attr = path.rpartition(".")
-    parent = model.get_submodule(parent_path) if parent_path else model
-    parent._modules[attr] = _cut(container, keep)
-    try:
-        return copy.deepcopy(model)
-    finally:
-        parent._modules[attr] = container
-
-
 def _fresh(contract: ModelContract, meta: nn.Module, path: str | None = None, keep: int = 0) -> nn.Module:
     """A meta model to measure: a (cut) deep copy of ``meta``, or a new build when it cannot be copied; its MoE
     layers run the balanced dispatch (probes/moe_dispatch.py)."""
     model = _copy_or_build(contract, meta, path, keep)
     with_balanced_moe(model, contract.display)
     return model
-
-
-def with_balanced_moe(model: nn.Module, display: str) -> list[MoeLayer]:
-    """Install the balanced dispatch on ``model``'s MoE layers (probes/moe_dispatch.py); returns them."""
-    layers = find_moe_layers(model, _config_sources(model), display)
-    install_balanced_dispatch(model, layers, display)
-    return layers
 
 
 def _copy_or_build(contract: ModelContract, meta: nn.Module, path: str | None, keep: int) -> nn.Module:
@@ -964,14 +812,6 @@ def measure_real(contract: ModelContract, meta: nn.Module, spec: BatchSpec, bloc
     return measurement, sizes
 
 
-def _balanced_note(layers: list[MoeLayer], shape: TransformerShape | None) -> str:
-    first = layers[0]
-    stated = moe_note(shape.moe, shape.layers) + "; " if shape is not None and shape.moe is not None else ""
-    return (f"{stated}the {len(layers)} MoE layers ({describe_moe(first)}, ...) were profiled with a balanced "
-            f"dispatch in place of the model's routing (every expert gets tokens x {first.topk} / {first.experts} "
-            "token copies, batched matmuls: probes/moe_dispatch.py)")
-
-
 def _is_grouped_gemm_dtype_error(exc: BaseException) -> bool:
     """torch._grouped_mm's refusal of fp32 inputs (transformers 5's default experts implementation)."""
     text = str(exc)
@@ -997,12 +837,12 @@ def _profile_contract(contract: ModelContract, *, seq_len: int | None, started: 
         contract, meta, lora = _with_lora(contract, meta, lora)
         adapter = adapter_profile(meta, lora)
     params, trainable, by_module, dtype = count_params(meta)
-    moe_layers = find_moe_layers(meta, _config_sources(meta), contract.display)
+    moe_layers = find_moe_layers(meta, config_sources(meta), contract.display)
     block = find_repeated_block(meta)
     shape, moe_notes = moe_shape(meta, read_transformer_shape(meta, block), block.blocks if block else [],
                                  moe_layers, contract.display)
     if moe_layers:
-        notes.append(_balanced_note(moe_layers, shape))
+        notes.append(balanced_note(moe_layers, shape))
     notes.extend(moe_notes)
     explicit_seq, seq_source = resolve_seq_len(contract, meta, seq_len)
     limit = max_positions(meta)
