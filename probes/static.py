@@ -387,10 +387,12 @@ class StepRunner:
         except Exception as exc:
             if _is_grouped_gemm_dtype_error(exc):
                 raise ModelFileError(
-                    self.display, f"the model's grouped-GEMM expert kernel (torch._grouped_mm, a Mixture-of-Experts "
-                    f"layer) takes 16-bit inputs only and routes tokens by their values ({exc_text(exc)})",
-                    "MoE models are planned from their shape: use --hf CONFIG (Mixtral, DeepSeek-V2/V3) or --arch "
-                    "...,experts=E,topk=K,moe_ffn=F") from None
+                    self.display, f"a grouped-GEMM expert kernel (torch._grouped_mm, a Mixture-of-Experts layer) "
+                    f"ran, which takes 16-bit inputs only and routes tokens by their values ({exc_text(exc)}): optplan "
+                    "did not recognise its experts (a module list named ...experts... of MLPs, or 3-D expert "
+                    "weights, beside an [experts, hidden] router weight) to profile them with a balanced dispatch",
+                    "write the MoE layer as router + experts (probes/moe_layers.py says what is read), or plan it from "
+                    "its shape with --hf CONFIG or --arch ...,experts=E,topk=K,moe_ffn=F") from None
             raise ModelFileError(self.display, f"the model rejected {self.spec.describe(b)}: forward raised "
                                  f"{exc_text(exc)}", self.spec.fix) from None
 

@@ -84,7 +84,9 @@ def test_unknown_moe_family_is_one_line(tmp_path: Path, monkeypatch: pytest.Monk
     assert "Traceback" not in r.output
 
 
-def test_a_grouped_gemm_moe_model_file_says_what_it_is(tmp_path: Path) -> None:
+def test_a_transformers_moe_model_file_profiles_by_the_tokens_routed(tmp_path: Path) -> None:
+    """transformers' Mixtral in a model file (its experts: torch._grouped_mm, 16-bit only, routed by value) profiles:
+    its experts are recognised and run the balanced dispatch (tests/probes/test_moe_model_files.py has the figures)."""
     path = tmp_path / "moe_file.py"
     path.write_text(
         "import torch, transformers\n"
@@ -99,11 +101,49 @@ def test_a_grouped_gemm_moe_model_file_says_what_it_is(tmp_path: Path) -> None:
         "def loss_fn(output, batch):\n"
         "    return output.loss\n", encoding="utf-8")
     r = runner.invoke(app, ["profile", str(path), "--seq-len", "32"])
+    assert r.exit_code == 0, r.output
+    assert "balanced" in r.output and "2 of 4 experts" in r.output
+
+
+UNRECOGNISED_MOE = """
+import torch, torch.nn as nn
+
+class Experts(nn.Module):  # 3-D expert weights beside a 2-D one: not the experts layout optplan reads
+    def __init__(self):
+        super().__init__()
+        self.w_in = nn.Parameter(torch.randn(4, 32, 64))
+        self.w_out = nn.Parameter(torch.randn(4, 64, 32))
+        self.mix = nn.Parameter(torch.randn(32, 32))
+
+    def forward(self, x):
+        x = x.reshape(-1, 32) @ self.mix
+        offs = torch.tensor([x.shape[0] // 4 * (i + 1) for i in range(4)], dtype=torch.int32)
+        h = torch._grouped_mm(x, self.w_in, offs=offs)
+        return torch._grouped_mm(h, self.w_out, offs=offs)
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(100, 32)
+        self.experts = Experts()
+
+    def forward(self, tokens):
+        return self.experts(self.emb(tokens))
+
+def build_model():
+    return Model()
+"""
+
+
+def test_a_grouped_gemm_moe_optplan_does_not_recognise_says_what_it_is(tmp_path: Path) -> None:
+    path = tmp_path / "odd_moe.py"
+    path.write_text(UNRECOGNISED_MOE, encoding="utf-8")
+    r = runner.invoke(app, ["profile", str(path), "--seq-len", "32"])
     if r.exit_code == 0:
-        pytest.skip(f"transformers {transformers.__version__} runs these experts without torch._grouped_mm")
+        pytest.skip(f"torch {torch.__version__} runs torch._grouped_mm in fp32 here")
     assert r.exit_code == 2, r.output
-    assert "grouped-GEMM expert kernel" in r.output and "--arch" in r.output
-    assert "make example_batch" not in r.output
+    assert "grouped-GEMM expert kernel" in r.output and "did not recognise its experts" in r.output
+    assert "--arch" in r.output and "make example_batch" not in r.output
 
 
 def test_moe_config_searches_megatron_ep_without_engine_flag(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
