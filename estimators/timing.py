@@ -324,7 +324,8 @@ def _moe_layer_s(profile: ModelProfile, s_: Strategy, cluster: Cluster, eff: Gpu
         one = all_to_all_s(size, s_.ep, per_node, cluster.gpu.intra_node_bandwidth_bytes_per_s *
                            eff.intra_node_link_fraction, cluster.inter_node_bandwidth_bytes_per_s *
                            (DEEPEP_NIC_FRACTION if s_.dispatcher == "deepep" else LINK_EFFICIENCY),
-                           INTER_NODE_ALPHA_S if pl.ep.nodes > 1 else eff.intra_node_alpha_s, inter_scale=dedup)
+                           INTER_NODE_ALPHA_S if pl.ep.nodes > 1 else eff.intra_node_alpha_s, inter_scale=dedup,
+                           peers_at_once=s_.dispatcher == "deepep")
         a2a_pass = share * MOE_A2A_PER_PASS * one
     local = moe.experts / s_.ep
     idle = max(0.0, local - moe.topk)
