@@ -87,7 +87,8 @@ mlp = the dense layers' MLP, rmsnorm) are small and priced as its selective one 
 
 FLAGS = {
     "hd": "head_dim x heads > hidden: optplan's --arch has no head_dim, attention priced at width hidden (see flops)",
-    "mla": "MLA attention: the time model prices its projections and core as MHA of head dim hidden/heads",
+    "mla": "MLA attention: its latent projections and its core at the query/key and value head widths are priced "
+           "(estimators/compute.py), the core at the fused-attention kernel's efficiency for ordinary heads",
     "etp": "expert-tp 1 with tp > 1: optplan splits experts over tp; ep = EP·ETP/tp keeps the expert sharding and the "
            "expert group's node span",
     "fold": "EP folded over tp beyond dp·cp: ep clipped to a divisor of dp·cp",
