@@ -30,6 +30,7 @@ from typing import Any
 
 import torch.nn as nn
 
+from optplan.probes.adapters import LORA_MARK
 from optplan.probes.model_errors import ModelFileError
 
 TOPK_NAMES = ("top_k", "topk", "num_experts_per_tok", "n_activated_experts", "moe_topk", "router_topk",
@@ -74,14 +75,15 @@ def join_path(*parts: str) -> str:
 
 
 def _matrices(module: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
-    return [(n, tuple(p.shape)) for n, p in module.named_parameters() if p.dim() >= 2]
+    """The module's weight matrices, LoRA adapters (probes/adapters.py, ``lora_``) left out."""
+    return [(n, tuple(p.shape)) for n, p in module.named_parameters() if p.dim() >= 2 and LORA_MARK not in n]
 
 
 def _is_mlp(module: nn.Module) -> bool:
     """Two or three weight matrices and no module list inside: an expert MLP, not a transformer block."""
     mats = _matrices(module)
     return 2 <= len(mats) <= 3 and all(len(s) == 2 for _, s in mats) and not any(
-        isinstance(m, nn.ModuleList) for m in module.modules())
+        isinstance(m, nn.ModuleList) for n, m in module.named_modules() if LORA_MARK not in n)
 
 
 def _expert_list(module: nn.Module) -> bool:

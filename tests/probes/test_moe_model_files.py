@@ -250,3 +250,18 @@ def test_a_stack_of_mlp_blocks_is_not_taken_for_experts() -> None:
     with torch.device("meta"):
         model = _example("mlp").build_model()
     assert find_moe_layers(model, [], "mlp.py") == []
+
+
+def test_lora_adapters_on_list_experts_still_read_as_experts(tmp_path: Path) -> None:
+    """LoRA (--finetune lora) wraps every expert's Linear layers: the adapters are not expert matrices, so the experts
+    are still found and profiled by the balanced dispatch (not by the real-run fallback)."""
+    from optplan.estimators.finetune import LoraRequest
+
+    path = tmp_path / "tiny_moe.py"
+    path.write_text(textwrap.dedent(TINY_MOE))
+    prof = profile_contract(load_contract(path), lora=LoraRequest(rank=4))
+    assert prof.adapter is not None and prof.transformer is not None
+    assert prof.transformer.moe == MoeShape(experts=8, topk=2, moe_ffn=32, shared_experts=1, first_dense=1,
+                                            dense_ffn=160)
+    assert any("balanced dispatch" in n for n in prof.notes)
+    assert not any("real CPU run" in n for n in prof.notes)
