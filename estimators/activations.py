@@ -10,6 +10,7 @@ selective recomputation drops the 5·a·s²·b term (which flash attention never
 2·s·b·h per layer (its input) plus one layer's working set. A measured profile keeps its measured per-layer bytes
 and its measured non-layer part (embedding, logits, loss: split by t as Megatron's vocabulary-parallel cross
 entropy does); the split between the two takes the Table 2 per-layer figure (TransformerShape.layer_bytes_per_token).
+Under the fp8 recipe Transformer Engine keeps its GEMM inputs in fp8 (estimators/fp8_activations.py).
 Context parallelism divides the sequence by cp. Pipeline: under 1F1B the first stage holds min(p, m) micro-batches
 in flight (Narayanan et al. 2021 §2.2.1); interleaving with v virtual stages multiplies the first stage's
 activations by 1 + (p−1)/(p·v) (Korthikanti et al. §4.2.3). memory.py adds them to the rest of the rank's memory.
@@ -17,6 +18,7 @@ activations by 1 + (p−1)/(p·v) (Korthikanti et al. §4.2.3). memory.py adds t
 
 from __future__ import annotations
 
+from optplan.estimators.fp8_activations import fp8_saved_bytes_per_token
 from optplan.estimators.moe_recompute import saved_bytes_per_token
 from optplan.estimators.parallel import layers_per_stage
 from optplan.estimators.params_placement import stage_params
@@ -137,6 +139,9 @@ def _per_sample_stage_bytes(profile: ModelProfile, strategy: Strategy, mode: str
     layer_tp = (replicated / t if strategy.sp else replicated) + (layer - replicated) / t
     if profile.activation_source == "formula" and not strategy.flash and mode == "none":
         layer_tp += ATTENTION_SCORE_COEFF * a * s * s * scale / t
+    if recipe.compute_dtype == "fp8":  # Transformer Engine saves its GEMM inputs in fp8 (estimators/fp8_activations.py)
+        rep_save, split_save = fp8_saved_bytes_per_token(shape, moe_recomputed=mode == "moe")
+        layer_tp -= s * (rep_save / (t if strategy.sp else 1) + split_save / t)
     layer_input = 2 * s * h * scale / (t if strategy.sp else 1)
     ends_here = ends / (1 if gathers_logits(profile, strategy) else t) if last else 0.0
     if mode == "full":

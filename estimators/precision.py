@@ -21,8 +21,8 @@ Sources (all figures are bytes per parameter):
   residual adds, loss) stay bf16. ``fp8_weight_cache_bytes`` = 1 (fp8 W) + 1 (fp8 W^T) = 2 bytes.
   It is charged to every parameter, an upper bound: embeddings, norms and biases are not cast
   (2-4 % of a 7B-70B decoder's parameters, but ~30 % of GPT-2 small's). Blackwell MXFP8 adds one E8M0 scale per 32 values per
-  copy (+0.0625 bytes), below this integer's resolution. Activations are taken as bf16 (TE saves
-  fp8 Linear inputs for backward, so this overestimates a little).
+  copy (+0.0625 bytes), below this integer's resolution. Activations are bf16 except the GEMM inputs TE saves
+  in fp8 for backward, which the formula path counts at one byte (estimators/fp8_activations.py).
 """
 
 from __future__ import annotations
