@@ -34,7 +34,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import textwrap
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,7 +49,9 @@ from optplan.estimators.strategy import Strategy
 from optplan.probes.contract import load_contract
 from optplan.probes.static import StepRunner, batch_spec, blocks_of, find_repeated_block, profile_contract
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fidelity_cpu_memory import example_wrapper  # noqa: E402
+
 CFG = dict(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=256, vocab_size=512, num_experts=8,
            num_experts_per_tok=2, moe_ffn_dim=128, n_shared_experts=0, first_dense=0, max_seq_len=64)
 SEQ = 64
@@ -59,26 +60,8 @@ MICRO_BATCHES = (2, 4)
 
 
 def model_file(directory: Path) -> Path:
-    path = directory / "moe_ep.py"
-    path.write_text(textwrap.dedent(f"""
-        import importlib.util, sys
-        import torch
-        spec = importlib.util.spec_from_file_location("optplan_example_moe", {str(EXAMPLES / "moe.py")!r})
-        moe = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = moe
-        spec.loader.exec_module(moe)
-        CFG = {CFG!r}
-        OPTPLAN = {{"seq_len": {SEQ}}}
-
-        def build_model():
-            return moe.build_model("lite", **CFG)
-
-        def example_batch(batch_size, seq_len):
-            return torch.randint(0, CFG["vocab_size"], (batch_size, seq_len))
-
-        loss_fn = moe.loss_fn
-        """))
-    return path
+    """examples/moe.py at :data:`CFG` as a model file (fidelity_cpu_memory.py's wrapper)."""
+    return example_wrapper(directory, "moe", "lite", CFG, SEQ)
 
 
 # ---------------------------------------------------------------------------------------------------
