@@ -184,8 +184,9 @@ def _describe(path: str, layer: nn.Module, name: str, experts: nn.Module, fused:
             "write each expert as an MLP (hidden -> F -> hidden, optionally gated), or plan the model with --arch "
             "...,experts=E,topk=K,moe_ffn=F")
     ffn, gated = width
-    topk = _attr_int([layer, layer.get_submodule(router_weight.rpartition(".")[0]), experts], TOPK_NAMES) \
-        or _attr_int(config_sources, CONFIG_TOPK_NAMES)
+    parts = router_weight.split(".")[:-1]
+    router_modules = [layer.get_submodule(".".join(parts[:i])) for i in range(len(parts), 0, -1)]
+    topk = _attr_int([layer, *router_modules, experts], TOPK_NAMES) or _attr_int(config_sources, CONFIG_TOPK_NAMES)
     if topk is None:
         raise ModelFileError(
             display, f"the Mixture-of-Experts layer {path or 'at the top'} ({count} experts) does not say how many "
