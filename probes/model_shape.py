@@ -5,15 +5,17 @@ width and multi-head latent attention (DeepSeek-V2/V3 config keys). Units: width
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
 
 from optplan.estimators.attention import MlaShape
 from optplan.estimators.profile import TransformerShape
-from optplan.probes.blocks import BlockInfo
+
+if TYPE_CHECKING:  # blocks.py imports moe_layers.py, which reads its integers with read_int below
+    from optplan.probes.blocks import BlockInfo
 
 _CONFIG_ATTRS = ("config", "cfg", "args", "params", "model_args", "hparams", "hp")
 HIDDEN_NAMES = ("n_embd", "hidden_size", "dim", "d_model", "embed_dim", "n_embed", "hidden_dim")
@@ -38,7 +40,8 @@ def config_sources(model: nn.Module) -> list[Any]:
     return sources
 
 
-def _read_int(sources: list[Any], names: tuple[str, ...]) -> int | None:
+def read_int(sources: Iterable[Any], names: tuple[str, ...]) -> int | None:
+    """The first positive int under one of ``names`` (mapping keys or attributes) of the first source that has one."""
     for src in sources:
         for name in names:
             value = src.get(name) if isinstance(src, Mapping) else getattr(src, name, None)
@@ -49,26 +52,26 @@ def _read_int(sources: list[Any], names: tuple[str, ...]) -> int | None:
 
 def max_positions(model: nn.Module) -> int | None:
     """The model's maximum sequence length when a config attribute names it, else None."""
-    return _read_int(config_sources(model), MAX_LEN_NAMES)
+    return read_int(config_sources(model), MAX_LEN_NAMES)
 
 
 def read_transformer_shape(model: nn.Module, block: BlockInfo | None) -> TransformerShape | None:
     """TransformerShape from common config attribute names (on ``model.config`` etc. or the model); the MLP is
     gated when a block has a gate projection (:data:`GATE_NAMES`)."""
     sources = config_sources(model)
-    hidden = _read_int(sources, HIDDEN_NAMES)
-    heads = _read_int(sources, HEAD_NAMES)
-    layers = _read_int(sources, LAYER_NAMES) or (len(block.blocks) if block else None)
+    hidden = read_int(sources, HIDDEN_NAMES)
+    heads = read_int(sources, HEAD_NAMES)
+    layers = read_int(sources, LAYER_NAMES) or (len(block.blocks) if block else None)
     if hidden is None or heads is None or layers is None:
         return None
     gated = block is not None and bool(block.blocks) and any(
         name.rpartition(".")[2] in GATE_NAMES for name, _ in block.blocks[0].named_modules())
     mla = _read_mla(sources)
-    head_dim = _read_int(sources, ("head_dim",))
+    head_dim = read_int(sources, ("head_dim",))
     return TransformerShape(hidden=hidden, layers=layers, heads=heads,
-                            kv_heads=None if mla else _read_int(sources, KV_HEAD_NAMES),
-                            vocab=_read_int(sources, VOCAB_NAMES),
-                            max_seq_len=_read_int(sources, MAX_LEN_NAMES), ffn=_read_int(sources, FFN_NAMES),
+                            kv_heads=None if mla else read_int(sources, KV_HEAD_NAMES),
+                            vocab=read_int(sources, VOCAB_NAMES),
+                            max_seq_len=read_int(sources, MAX_LEN_NAMES), ffn=read_int(sources, FFN_NAMES),
                             gated=gated, mla=mla,
                             head_dim=head_dim if mla is None and head_dim and head_dim * heads != hidden else None)
 
@@ -76,9 +79,9 @@ def read_transformer_shape(model: nn.Module, block: BlockInfo | None) -> Transfo
 def _read_mla(sources: list[Any]) -> MlaShape | None:
     """Multi-head latent attention's widths from DeepSeek-V2/V3 config keys (``kv_lora_rank``, ``q_lora_rank``,
     ``qk_rope_head_dim``, ``qk_nope_head_dim``, ``v_head_dim``), or None."""
-    kv_lora = _read_int(sources, ("kv_lora_rank",))
-    nope, v = _read_int(sources, ("qk_nope_head_dim",)), _read_int(sources, ("v_head_dim",))
+    kv_lora = read_int(sources, ("kv_lora_rank",))
+    nope, v = read_int(sources, ("qk_nope_head_dim",)), read_int(sources, ("v_head_dim",))
     if kv_lora is None or nope is None or v is None:
         return None
-    return MlaShape(kv_lora=kv_lora, q_lora=_read_int(sources, ("q_lora_rank",)),
-                    rope_dim=_read_int(sources, ("qk_rope_head_dim",)) or 0, nope_dim=nope, v_dim=v)
+    return MlaShape(kv_lora=kv_lora, q_lora=read_int(sources, ("q_lora_rank",)),
+                    rope_dim=read_int(sources, ("qk_rope_head_dim",)) or 0, nope_dim=nope, v_dim=v)

@@ -24,7 +24,7 @@ Units: counts and widths (elements).
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +32,7 @@ import torch.nn as nn
 
 from optplan.probes.adapters import LORA_MARK
 from optplan.probes.model_errors import ModelFileError
+from optplan.probes.model_shape import read_int
 
 TOPK_NAMES = ("top_k", "topk", "num_experts_per_tok", "n_activated_experts", "moe_topk", "router_topk",
               "num_selected_experts", "k")
@@ -123,15 +124,6 @@ def _width(mats: Iterable[tuple[int, ...]], hidden: int) -> tuple[int, bool] | N
     return width, round(m) == 3
 
 
-def _attr_int(objs: Iterable[Any], names: tuple[str, ...]) -> int | None:
-    for obj in objs:
-        for name in names:
-            value = obj.get(name) if isinstance(obj, Mapping) else getattr(obj, name, None)
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                return value
-    return None
-
-
 def _takes_hf_args(module: nn.Module) -> bool:
     try:
         params = list(inspect.signature(type(module).forward).parameters)[1:]
@@ -186,7 +178,7 @@ def _describe(path: str, layer: nn.Module, name: str, experts: nn.Module, fused:
     ffn, gated = width
     parts = router_weight.split(".")[:-1]
     router_modules = [layer.get_submodule(".".join(parts[:i])) for i in range(len(parts), 0, -1)]
-    topk = _attr_int([layer, *router_modules, experts], TOPK_NAMES) or _attr_int(config_sources, CONFIG_TOPK_NAMES)
+    topk = read_int([layer, *router_modules, experts], TOPK_NAMES) or read_int(config_sources, CONFIG_TOPK_NAMES)
     if topk is None:
         raise ModelFileError(
             display, f"the Mixture-of-Experts layer {path or 'at the top'} ({count} experts) does not say how many "
