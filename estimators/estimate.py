@@ -112,7 +112,7 @@ def estimate_notes(profile: ModelProfile, strategy: Strategy, cluster: Cluster) 
     if profile.adapter is not None:
         notes.append(finetune_note(profile.adapter, strategy))
     block = profile.repeated_block
-    uneven = uneven_split_note(block.count, strategy.pp, strategy.vpp) if block is not None else None
+    uneven = uneven_split_note(block.count, strategy.pp, strategy.vpp, strategy.engine) if block is not None else None
     if uneven:
         notes.append(uneven)
     if not strategy.flash and profile.activation_source == "measured":

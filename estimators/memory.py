@@ -82,6 +82,7 @@ from optplan.estimators.params_placement import (  # noqa: F401  (re-exported: c
     stage_params,
     stage_params_all_experts,
 )
+from optplan.estimators.pipeline_fsdp import keeps_stage_unsharded, unsharded_stage_bytes
 from optplan.estimators.precision import Recipe, get_recipe
 from optplan.estimators.profile import STEP_PHASES, ModelProfile
 from optplan.estimators.step_scratch import (  # noqa: F401  (re-exported: callers import them from here)
@@ -338,6 +339,7 @@ Moments = frozenset[str] | None
 WHILE_MODEL_RUNS: Moments = frozenset({"forward", "backward", "grads", "stem_grads"})
 WHILE_BLOCKS_RUN: Moments = frozenset({"forward", "backward", "grads"})
 WHILE_GRADS: Moments = frozenset({"grads", "stem_grads"})
+WHILE_BACKWARD: Moments = frozenset({"backward", "grads", "stem_grads"})
 THROUGH_BACKWARD: Moments = frozenset(STEP_PHASES)
 AT_OPTIMIZER_STEP: Moments = frozenset({"optimizer_step"})
 
@@ -421,6 +423,13 @@ def _buffers(profile: ModelProfile, strategy: Strategy, stage: int,
         # -19 % before, +2.4 % now, FULL_SHARD +2.6 %: half a unit's gradient over, kept on the safe side)
         if strategy.fsdp == "none":
             items["ddp_gradient_buckets"] = (round(psi_train * recipe.grad_bytes), None)
+        elif keeps_stage_unsharded(strategy):  # pipelined: gathered across micro-batches (pipeline_fsdp.py)
+            gathered = unsharded_stage_bytes(stage_params(profile, strategy, stage), trainable_share, weight)
+            items["fsdp_pipeline_unsharded_params"] = (gathered["fsdp_pipeline_unsharded_params"], THROUGH_BACKWARD)
+            items["fsdp_pipeline_accumulated_grads"] = (gathered["fsdp_pipeline_accumulated_grads"],
+                                                        WHILE_BACKWARD)
+            reduced = unit * trainable_share if block else psi_train
+            items["fsdp_reduce_scatter_unit"] = (round(reduced * FSDP_REDUCE_BYTES), WHILE_GRADS)
         else:
             if strategy.fsdp in ("full", "hybrid"):
                 root = _root_unit_params(profile, strategy, stage)

@@ -50,12 +50,16 @@ def rank_layers(layers: int, pp: int, vpp: int = 1) -> tuple[int, ...]:
     return tuple(counts)
 
 
-def uneven_split_note(layers: int, pp: int, vpp: int = 1) -> str | None:
-    """A caveat for a split pp (x vpp) does not divide: what each rank holds and how it is priced; None when even."""
+def uneven_split_note(layers: int, pp: int, vpp: int = 1, engine: str = "megatron") -> str | None:
+    """A caveat for a split pp (x vpp) does not divide: what each rank holds, how it is priced and how ``engine``
+    runs it; None when even."""
     if pp <= 1 or is_even(layers, pp, vpp):
         return None
     per_rank = rank_layers(layers, pp, vpp)
     stages = f"pp {pp} x vpp {vpp} = {pp * vpp} virtual stages" if vpp > 1 else f"pp {pp} stages"
     return (f"pipeline: {layers} layers do not split evenly over {stages}; ranks hold {min(per_rank)}-{max(per_rank)} "
-            "layers and the step is priced at the busiest; Megatron-LM runs it with --pipeline-model-parallel-layout "
-            "(Megatron-Core 0.13+; the Megatron export writes it)")
+            "layers and the step is priced at the busiest; " + (
+                "torch.distributed.pipelining takes the split as stage modules (torchtitan's generate_split_points "
+                "gives the extra layers to the middle stages)" if engine == "torch" else
+                "Megatron-LM runs it with --pipeline-model-parallel-layout (Megatron-Core 0.13+; the Megatron export "
+                "writes it)"))

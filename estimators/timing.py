@@ -93,6 +93,7 @@ from optplan.estimators.moe import expert_mlp_params
 from optplan.estimators.moe_recompute import moe_mlp_share
 from optplan.estimators.parallel import Placement, layers_per_stage, placement
 from optplan.estimators.pipeline import pipeline_time_s
+from optplan.estimators.pipeline_fsdp import collectives_per_step, keeps_stage_unsharded
 from optplan.estimators.precision import get_recipe
 from optplan.estimators.profile import ModelProfile
 from optplan.estimators.strategy import Strategy
@@ -207,6 +208,10 @@ def data_parallel_comm(strategy: Strategy, params_local: float, trainable_fracti
     else:
         per_mb = 2 * ring_all_gather_s(weights, n, bw, a) + ring_reduce_scatter_s(grads, n, bw, a)
         once = 0.0
+    if keeps_stage_unsharded(strategy):  # one gather and one reduce-scatter per step (pipeline_fsdp.py)
+        per_mb = ring_all_gather_s(weights, n, bw, a) + ring_reduce_scatter_s(grads, n, bw, a)
+        once = 0.0
+        m = collectives_per_step(strategy)
     if strategy.fsdp == "hybrid" and pl.grad_reduce.nodes > 1:  # HSDP: replicas all-reduce across nodes
         replicas = max(1, pl.grad_reduce.ranks // max(1, pl.shard.ranks))
         once += all_reduce_s(grads / max(1, pl.shard.ranks), replicas, dp_link)

@@ -8,7 +8,10 @@ from optplan.estimators.hardware import Cluster
 from optplan.estimators.pipeline_layout import MAX_EXTRA_STAGES
 from optplan.estimators.precision import require_precision
 from optplan.estimators.profile import ModelProfile
-from optplan.estimators.strategy import Strategy
+from optplan.estimators.strategy import EngineName, Strategy
+
+UNEVEN_INTERLEAVING_ENGINES: tuple[EngineName, ...] = ("megatron", "torch")
+"""Engines that run an interleaved schedule over layers pp·vpp does not divide (check_strategy's docstring)."""
 
 
 def check_strategy(profile: ModelProfile, cluster: Cluster, strategy: Strategy) -> None:
@@ -18,7 +21,9 @@ def check_strategy(profile: ModelProfile, cluster: Cluster, strategy: Strategy) 
     heads and the key-value heads (a tp group larger than a node is allowed: it is priced over the
     inter-node link, see ``parallel.placement_notes``; the search keeps tp inside a node); pp (× vpp) is at most the number of layers,
     and interleaving needs the layers divisible by pp·vpp except on Megatron-LM, whose custom pipeline layout places
-    an uneven split (estimators/pipeline_layout.py);
+    an uneven split (estimators/pipeline_layout.py), and on the torch engine, whose pipeline stages are any split of
+    the blocks (torch.distributed.pipelining; torchtitan's ``generate_split_points`` gives the extra layers to the
+    middle stages, the balanced layout of pipeline_layout.py);
     context parallelism splits the sequence into 2·cp chunks (load-balanced causal attention); the
     world size dp·tp·pp·cp fits the cluster.
     """
@@ -62,10 +67,11 @@ def check_strategy(profile: ModelProfile, cluster: Cluster, strategy: Strategy) 
         if s.pp * s.vpp > layers + spare:
             raise OptplanError(f"--pp {s.pp} x --vpp {s.vpp} stages exceed the {layers} layers"
                                + (" plus the embedding and the loss" if spare else "") + ": lower --vpp")
-        if s.vpp > 1 and layers % (s.pp * s.vpp) and s.engine != "megatron":
+        if s.vpp > 1 and layers % (s.pp * s.vpp) and s.engine not in UNEVEN_INTERLEAVING_ENGINES:
             raise OptplanError(f"the interleaved schedule needs the {layers} layers divisible by pp·vpp = "
-                               f"{s.pp * s.vpp} (Megatron-LM places an uneven split with a custom pipeline layout, "
-                               "estimators/pipeline_layout.py): change --vpp or --pp, or use --engine megatron")
+                               f"{s.pp * s.vpp} (Megatron-LM and torch.distributed.pipelining place an uneven "
+                               "split, estimators/pipeline_layout.py): change --vpp or --pp, or use --engine "
+                               "megatron|torch")
     if s.cp > 1:
         seq = profile.tokens_per_sample
         if not seq:

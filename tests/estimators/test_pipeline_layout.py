@@ -35,6 +35,8 @@ def test_note_only_for_uneven_splits():
     assert uneven_split_note(80, 1) is None
     note = uneven_split_note(61, 8, 4)
     assert note is not None and "7-8 layers" in note and "--pipeline-model-parallel-layout" in note
+    torch = uneven_split_note(126, 8, 2, engine="torch")
+    assert torch is not None and "15-16 layers" in torch and "torch.distributed.pipelining" in torch
 
 
 def test_uneven_interleaving_is_priced_with_its_smaller_bubble():
