@@ -105,7 +105,8 @@ FLAGS = {
     "torch": "PyTorch (AutoModel) engine priced as Megatron-Core",
     "gpu": "H800: H100 SXM entry with NVLink 200 GB/s each way",
     "bal": "load not forced balanced (aux-loss): optplan assumes a balanced router",
-    "dpo": "overlapped gradient reduce-scatter / param all-gather: optplan's Megatron engine exposes them",
+    "dpo": "overlapped gradient reduce-scatter / param all-gather without a stated tensor-parallel overlap (tp > 1): "
+           "optplan's comm_overlap would add that one, so the plan exposes both",
 }
 
 
@@ -314,7 +315,12 @@ def plan(row: dict[str, Any]) -> Plan:
     if "forced" not in row["token_policy"] and "bias balancing" not in row["token_policy"]:
         flags.append("bal")
     if "overlap-grad-reduce" in features:
-        flags.append("dpo")
+        # optplan's comm_overlap is Megatron's data-parallel overlap and, with tp > 1, its tensor-parallel one: taken
+        # where the source states both (or has no tensor parallelism), else the data-parallel overlap stays exposed
+        if strategy.tp == 1 or "tp-comm-overlap-flag" in features:
+            strategy = strategy.model_copy(update={"comm_overlap": True})
+        else:
+            flags.append("dpo")
     return Plan(profile=profile, cluster=cluster, strategy=strategy, flags=tuple(flags))
 
 

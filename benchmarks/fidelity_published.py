@@ -113,6 +113,7 @@ def _domain_entry(name: str, rows: list[Row], judged: list[Row]) -> dict[str, ob
         "cp": span([r.strategy.cp for r in rows]),
         "precisions": sorted({r.strategy.precision for r in rows}),
         "checkpointing": sorted({r.strategy.checkpointing for r in rows}),
+        "comm_overlap": sorted({r.strategy.comm_overlap for r in rows}),
         "max_mfu": max_mfu,
     }
 

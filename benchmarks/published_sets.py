@@ -14,7 +14,8 @@ the measured step time (seconds). Sets:
   sequence ÷ (tokens/s per GPU × GPUs). A100 tables ran on RoCE at 1,600 Gb/s per node (25 GB/s per
   GPU); the H100 table names no interconnect: 400 Gb/s per GPU (the catalogue default, 8 × NDR per
   node) is assumed.
-- ``narayanan-table1``, ``korthikanti-table5``, ``torchtitan``: published tables (sources in ``PAPER``).
+- ``narayanan-table1``, ``korthikanti-table5``, ``torchtitan``, ``megatron-bridge``: published tables (sources in
+  ``PAPER``).
 
 Split for fitting: within each set, rows alternate in file order between the fit half and the held-out
 half (``split``).
@@ -226,7 +227,46 @@ KORTHIKANTI_ROWS: tuple[Paper, ...] = tuple(
 8, micro-batch 1, sequence 2,048, vocabulary 51,200, data-parallel 1) with full recomputation and with
 sequence parallelism + selective recomputation."""
 
-PAPER: tuple[Paper, ...] = NARAYANAN_ROWS + KORTHIKANTI_ROWS + TORCHTITAN_ROWS
+LLAMA31_405B = "layers=126,hidden=16384,heads=128,kv_heads=8,ffn=53248,vocab=128256,gated=1,tied=0"
+MEGATRON_BRIDGE = ("NVIDIA-NeMo/Megatron-Bridge docs/performance-summary-archive.md (commit 067f987), Pre-Training "
+                   "Performance, the latest container listing each (model, system, precision, GPU count): ")
+"""NVIDIA's DGX systems: 8 GPUs per node with NVLink, 8 x 400 Gb/s InfiniBand (50 GB/s per GPU)."""
+
+
+def _bridge(label: str, arch: str, gpu: str, gpus: int, strategy: Strategy, tokens_per_gpu_s: float,
+            where: str) -> Paper:
+    return _tokens_per_gpu("megatron-bridge", label, arch, 8192, gpu, gpus, strategy, tokens_per_gpu_s,
+                           MEGATRON_BRIDGE + where, 50e9)
+
+
+MEGATRON_BRIDGE_ROWS: tuple[Paper, ...] = (
+    # Megatron-FSDP 8 (FSDP column 8): optplan's Megatron shards only the optimizer (zero 1), the closest plan
+    _bridge("Llama 3 8B fp8-cs 8 H100 Megatron-FSDP mbs1 ga16", LLAMA3_8B, "H100-SXM", 8,
+            Strategy(precision="fp8", engine="megatron", zero=1, dp=8, mbs=1, grad_accum=16, comm_overlap=True),
+            14451.0, "25.11, System DGX-H100, LLAMA3_8B FP8-CS (GBS 128, FSDP 8)"),
+    _bridge("Llama 3 70B fp8 64 H100 tp4 pp8 vpp5", LLAMA3_70B, "H100-SXM", 64,
+            Strategy(precision="fp8", engine="megatron", zero=1, dp=2, tp=4, pp=8, vpp=5, mbs=1, grad_accum=128,
+                     comm_overlap=True),
+            1664.0, "26.04.01, Model LLAMA3_70B, DGX-H100 FP8 (GBS 256)"),
+    _bridge("Llama 3.1 405B fp8 1024 H100 tp8 pp8 cp2 vpp8", LLAMA31_405B, "H100-SXM", 1024,
+            Strategy(precision="fp8", engine="megatron", zero=1, dp=8, tp=8, pp=8, cp=2, vpp=8, mbs=1,
+                     grad_accum=192, comm_overlap=True),
+            326.0, "26.06, Model LLAMA3.1_405B, DGX-H100 FP8 (GBS 1536)"),
+    _bridge("Llama 3 8B fp8-cs 8 B200 mbs2 ga8", LLAMA3_8B, "B200", 8,
+            Strategy(precision="fp8", engine="megatron", zero=1, dp=8, mbs=2, grad_accum=8, comm_overlap=True),
+            30624.0, "25.11, System DGX-B200, LLAMA3_8B FP8-CS (GBS 128)"),
+    _bridge("Llama 3.1 405B fp8-cs 128 B200 tp4 pp8 cp2 vpp8", LLAMA31_405B, "B200", 128,
+            Strategy(precision="fp8", engine="megatron", zero=1, dp=2, tp=4, pp=8, cp=2, vpp=8, mbs=1,
+                     grad_accum=32, comm_overlap=True),
+            661.0, "25.11, System DGX-B200, LLAMA3.1_405B FP8-CS (GBS 64)"),
+)
+"""NVIDIA's Megatron-Bridge (NeMo) dense pre-training runs on H100 and B200 (tokens/s per GPU; sequence 8,192; Transformer
+Engine fp8 with current scaling), as its performance recipes run them (``perf_recipes/llama/h100/llama3.py``,
+``llama31.py``): the tensor-parallel overlap with userbuffers, the distributed optimizer's overlapped gradient
+reduce-scatter and parameter all-gather (optplan's ``comm_overlap``), no recomputation where the recipe sets none.
+GB200/GB300/B300 rows are left out (no catalogue entry), and so are the SFT and LoRA tables."""
+
+PAPER: tuple[Paper, ...] = NARAYANAN_ROWS + KORTHIKANTI_ROWS + TORCHTITAN_ROWS + MEGATRON_BRIDGE_ROWS
 """Published tables."""
 
 

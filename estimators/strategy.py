@@ -72,6 +72,11 @@ class Strategy(BaseModel):
                                                         "overlap (--overlap-moe-expert-parallel-comm): one micro-batch's "
                                                         "dispatch/combine hidden behind another's forward or backward "
                                                         "(estimators/ep_overlap.py)")
+    comm_overlap: bool = Field(default=False, description="Megatron-Core's tensor- and data-parallel communication "
+                                                          "overlap: --tp-comm-overlap (Transformer Engine userbuffers, "
+                                                          "with sequence parallelism), --overlap-grad-reduce and, with "
+                                                          "the distributed optimizer, --overlap-param-gather "
+                                                          "(estimators/tp_overlap.py)")
     sp: bool = Field(default=False, description="sequence parallelism inside the tensor-parallel group")
     flash: bool = Field(default=True, description="memory-efficient (flash) attention: no s x s scores stored")
     offload_optimizer: OffloadTarget = "none"
@@ -159,6 +164,13 @@ class Strategy(BaseModel):
             if self.pp > 1 and self.vpp == 1:
                 raise ValueError("Megatron-LM's all-to-all overlap needs virtual pipeline stages with --pp > 1: set "
                                  "--vpp >= 2, or drop --ep-overlap")
+        if self.comm_overlap:
+            if self.engine != "megatron":
+                raise ValueError("--comm-overlap is Megatron-LM's tensor/data-parallel overlap (--tp-comm-overlap, "
+                                 "--overlap-grad-reduce): use --engine megatron, or drop --comm-overlap")
+            if self.tp > 1 and not self.sp:
+                raise ValueError("Megatron-LM overlaps tensor-parallel communication only with sequence parallelism: "
+                                 "drop --no-sp, or drop --comm-overlap")
         if self.ep > 1 and (self.dp * self.cp) % self.ep:
             raise ValueError(f"--ep {self.ep} must divide the data-parallel x context-parallel ranks "
                              f"{self.dp * self.cp} (Megatron-Core carves the expert group out of them): change --ep")
@@ -214,6 +226,8 @@ class Strategy(BaseModel):
             parts.append(self.dispatcher)
         if self.ep_overlap:
             parts.append("a2a-overlap")
+        if self.comm_overlap:
+            parts.append("comm-overlap")
         if self.engine != "deepspeed":
             parts.append(f"[{self.engine}]")
         return " ".join(parts)

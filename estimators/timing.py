@@ -21,7 +21,9 @@ Composition (one optimizer step; the slowest pipeline stage and the slowest rank
   through backward.
 - Overlap as each engine does it by default (stated defaults):
   * megatron: no overlap of the data-parallel reduction (Megatron-LM's --overlap-grad-reduce and
-    --overlap-param-gather are opt-in; Megatron-DeepSpeed of vTrain's era reduced after the flush);
+    --overlap-param-gather are opt-in; Megatron-DeepSpeed of vTrain's era reduced after the flush) unless the
+    plan sets ``comm_overlap`` (those two and --tp-comm-overlap: estimators/tp_overlap.py); the interleaved
+    schedule's pipeline sends run behind other chunks (Megatron's default ``overlap_p2p_comm``, tp_overlap.py);
   * deepspeed ZeRO 0-2: ``overlap_comm`` defaults to false: exposed; ZeRO-3: ``overlap_comm`` true and
     parameter prefetch: hidden behind the micro-step's compute, the first layer's gather exposed;
   * torch DDP: bucketed (25 MiB) all-reduce overlapped with the last micro-batch's backward (``no_sync``
@@ -99,6 +101,14 @@ from optplan.estimators.profile import ModelProfile
 from optplan.estimators.strategy import Strategy
 from optplan.estimators.temporaries import AdamImpl
 from optplan.estimators.tensor_plan import gathers_logits
+from optplan.estimators.tp_overlap import (
+    P2P_EXPOSED_INTERLEAVED,
+    overlapped_dp_s,
+    overlapped_tp_s,
+    overlaps_dp,
+    overlaps_p2p,
+    overlaps_tp,
+)
 
 
 class TimeBreakdown(BaseModel):
@@ -194,11 +204,19 @@ def data_parallel_comm(strategy: Strategy, params_local: float, trainable_fracti
         n, link = pl.shard.ranks, shard_link
     bw, a = link.bandwidth_bytes_per_s, link.alpha_s
     per_mb = 0.0
+    overlapped_once = None
     if stage <= 1:
         if strategy.engine == "megatron" and strategy.zero == 1:  # distributed optimizer: RS grads + AG params
-            once = ring_reduce_scatter_s(grads, n, bw, a) + ring_all_gather_s(weights, n, bw, a)
+            rs, ag = ring_reduce_scatter_s(grads, n, bw, a), ring_all_gather_s(weights, n, bw, a)
+            once = rs + ag
+            if overlaps_dp(strategy):  # --overlap-grad-reduce / --overlap-param-gather (tp_overlap.py)
+                per_unit = max(1, units)
+                overlapped_once = (overlapped_dp_s(rs, last_bwd_s, rs / per_unit)
+                                   + overlapped_dp_s(ag, mb_compute_s / 3, ag / per_unit))
         else:
             once = all_reduce_s(grads, n, link)
+            if overlaps_dp(strategy):
+                overlapped_once = overlapped_dp_s(once, last_bwd_s, once / max(1, units))
     elif stage == 2:
         per_mb = ring_reduce_scatter_s(grads, n, bw, a)
         once = ring_all_gather_s(weights, n, bw, a)
@@ -224,6 +242,8 @@ def data_parallel_comm(strategy: Strategy, params_local: float, trainable_fracti
             exposed = m * max(exposed_s(per_mb, mb_compute_s), per_mb / max(1, units)) + once
     elif strategy.engine == "deepspeed" and stage == 3:  # overlap_comm true, prefetch
         exposed = m * max(exposed_s(per_mb, mb_compute_s), per_mb / max(1, units)) + once
+    elif overlapped_once is not None:
+        exposed = overlapped_once + m * per_mb
     else:
         exposed = total
     # overlapped collectives still take SMs and HBM bandwidth from the compute they hide behind
@@ -358,12 +378,21 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
     moe_share = moe_mlp_share(profile.transformer) if moe_rc and profile.transformer is not None else 0.0
 
     # one layer, one micro-batch
+    f_fwd_tp, f_bwd_tp = flash_fractions(s_.engine, gpu.name, eff.flash_attention_fraction, eff.flash_backward)
     layer_compute = lt.fwd_gemm_s + lt.bwd_gemm_s
     layer_mem = lt.fwd_elementwise_s + lt.bwd_elementwise_s
     layer_recompute = (lt.fwd_gemm_s + lt.fwd_elementwise_s) if full else (
         lt.attention_core_fwd_s if selective else moe_share * lt.mlp_fwd_s)
     tp_one = tp_collective_s(tokens, h, elem, t, links["tp"], sp=s_.sp) if t > 1 else 0.0
-    layer_tp = TP_COLLECTIVES_PER_PASS * (3 if full else 2) * tp_one
+    layer_tp_total = TP_COLLECTIVES_PER_PASS * (3 if full else 2) * tp_one
+    layer_tp = layer_tp_total
+    if overlaps_tp(s_):  # behind the pass's linear GEMMs (estimators/tp_overlap.py)
+        pass_tp = TP_COLLECTIVES_PER_PASS * tp_one
+        fwd_linear = max(0.0, lt.fwd_gemm_s - lt.attention_core_fwd_s)
+        bwd_linear = max(0.0, lt.bwd_gemm_s - lt.attention_core_fwd_s * (
+            FLASH_BACKWARD_FACTOR * f_fwd_tp / f_bwd_tp if s_.flash else 2.0))
+        layer_tp = ((2 if full else 1) * overlapped_tp_s(pass_tp, fwd_linear)
+                    + overlapped_tp_s(pass_tp, bwd_linear))
     kv_local = dims.kv_heads * (h / dims.heads) / t
     cp_fwd, cp_bwd = cp_ring_exchange_s(tokens, kv_local, elem, c, links["cp"])
     core_fwd = lt.attention_core_fwd_s
@@ -402,6 +431,7 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
     p2p = 0.0
     if p > 1:
         p2p = 2 * v * p2p_s(tokens * h * elem / (t if s_.sp else 1), links["pp"])
+    p2p_exposed = P2P_EXPOSED_INTERLEAVED * p2p if overlaps_p2p(s_) else p2p
     tp_small = 0.0
     if t > 1:  # vocabulary-parallel embedding / logits: one activation collective + 3 tiny CE all-reduces
         tp_small = tp_one
@@ -440,11 +470,12 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
         head_host = eff.host_microbatch_s + host_sync * ((1 if first else 0) + (4 if last else 0))
         head_time_s = blend_s(head_host, head_dev, eff.overlap_exponent)
         stage_info.append({
-            "time": layers_time + head_time_s + p2p, "params": params_local,
+            "time": layers_time + head_time_s + p2p_exposed, "params": params_local,
             "compute": layers * layer_compute + head_compute, "mem": layers * layer_mem + head_mem,
-            "recompute": layers * layer_recompute, "tp": layers * layer_tp + head_tp, "ep": layers * layer_ep,
+            "recompute": layers * layer_recompute, "tp": layers * layer_tp + head_tp,
+            "tp_total": layers * layer_tp_total + head_tp, "ep": layers * layer_ep,
             "ep_total": layers * layer_ep_total,
-            "cp": layers * layer_cp, "cp_exposed": layers * layer_cp_exposed, "pp": p2p,
+            "cp": layers * layer_cp, "cp_exposed": layers * layer_cp_exposed, "pp": p2p_exposed, "pp_total": p2p,
             "host": (layers_time - layers_dev) + (head_time_s - head_dev),
             "bwd": layers * (lt.bwd_gemm_s + lt.bwd_elementwise_s), "layers": layers,
         })
@@ -487,7 +518,8 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
     parts = {
         "compute_s": m * slow["compute"], "recompute_s": m * slow["recompute"],
         "memory_bound_s": m * slow["mem"], "optimizer_s": opt,
-        "comm_s": tp_s + cp_s + pp_s + dp_total + m * slow["ep_total"], "exposed_comm_s": exposed,
+        "comm_s": m * (slow["tp_total"] + slow["pp_total"]) + cp_s + dp_total + m * slow["ep_total"],
+        "exposed_comm_s": exposed,
         "bubble_s": pipe.bubble_s,
         "host_overhead_s": m * slow["host"] + eff.host_step_s,
         "tp_comm_s": tp_s, "cp_comm_s": cp_s, "pp_comm_s": pp_s, "dp_comm_s": dp_total,

@@ -69,6 +69,9 @@ class MeasuredSet(BaseModel):
     cp: tuple[int, int] = (1, 1)
     precisions: tuple[str, ...]
     checkpointing: tuple[str, ...]
+    comm_overlap: tuple[bool, ...] = Field(default=(False,), description="whether its runs overlapped Megatron's "
+                                                                        "tensor/data-parallel communication "
+                                                                        "(Strategy.comm_overlap)")
     max_mfu: dict[str, float] = Field(description="best measured MFU (PaLM definition) by precision class")
     kind: Literal["transformer", "flops_only", "moe"] = Field(
         default="transformer", description="which time path priced its runs: transformer shapes, MoE transformer "
@@ -253,6 +256,15 @@ def _band_from(profile: ModelProfile, strategy: Strategy, gpu: str, mfu: float, 
     if kind == "moe" and ms.kind == "moe" and s.ep == 1:
         widen += WIDEN_UNMEASURED  # every measured MoE run split its experts
         outside.append("MoE without expert parallelism was not measured (every measured MoE run used ep > 1)")
+    if s.engine == "megatron" and s.comm_overlap not in ms.comm_overlap:
+        # widened only where no Megatron set on any GPU measured it (the overlap is a mechanism of the software,
+        # not of one GPU: NVIDIA's H100 runs measured it, the A100 tables predate it)
+        elsewhere = [m.gpu for m in dom.sets if m.engine == "megatron" and s.comm_overlap in m.comm_overlap]
+        if not elsewhere:
+            widen += WIDEN_UNMEASURED
+        outside.append(f"Megatron {'with' if s.comm_overlap else 'without'} its tensor/data-parallel overlap was not "
+                       f"measured on {name}" + (f" (it was on {', '.join(sorted(set(elsewhere)))})" if elsewhere
+                                               else ""))
     if s.ep_overlap:  # one published pair measured its gain (estimators/ep_overlap.py)
         widen += WIDEN_UNMEASURED
         outside.append("the all-to-all overlap's gain rests on one published pair, where it was over-predicted "

@@ -205,6 +205,13 @@ def _sharding_line(pick: Estimate, price: Price, ranked: Sequence[Estimate], goa
         name = "distributed optimizer (ZeRO-1)" if s.zero == 1 else "no optimizer sharding"
         alt = _neighbour(price, s, zero=1 - s.zero)
         tail = f"; {'without' if s.zero else 'with'} it {_vs(pick, alt)}" if alt is not None and s.dp > 1 else ""
+        if s.comm_overlap:
+            flags = (["--tp-comm-overlap"] if s.tp > 1 else []) + ["--overlap-grad-reduce"] + (
+                ["--overlap-param-gather"] if s.zero == 1 else [])
+            tail += f"; communication overlapped ({' '.join(flags)}, estimators/tp_overlap.py)"
+            plain = _neighbour(price, s, comm_overlap=False)
+            if plain is not None:
+                tail += f", without {_vs(pick, plain)}"
         return f"Megatron-LM, {name} over dp {s.dp}: optimizer states {_gib(m.optimizer_bytes)}/GPU{tail}"
     if s.zero == 0:
         line = f"DeepSpeed ZeRO-0 (plain data parallel): model states of {_gib(states)}/GPU fit unsharded"

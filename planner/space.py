@@ -201,7 +201,10 @@ class SearchSpace(BaseModel):
 
 def strategy_of(group: Group, mbs: int, grad_accum: int) -> Strategy | None:
     """The Strategy at one point, or None when the combination is not legal (Strategy's own rules). A layout's
-    all-to-all overlap is dropped where the group's recipe forbids it (full recomputation, fp32)."""
+    all-to-all overlap is dropped where the group's recipe forbids it (full recomputation, fp32). Megatron plans
+    overlap their tensor- and data-parallel communication (``comm_overlap``: --tp-comm-overlap,
+    --overlap-grad-reduce, --overlap-param-gather, as NVIDIA's own recipes run; estimators/tp_overlap.py): it hides
+    time and costs no memory in the model, so the plan without it is dominated and not searched."""
     lay, sh = group.layout, group.sharding
     if lay.ep_overlap and not recipe_allows_overlap(group.precision, group.checkpointing):
         lay = lay._replace(ep_overlap=False)
@@ -210,7 +213,7 @@ def strategy_of(group: Group, mbs: int, grad_accum: int) -> Strategy | None:
                         fsdp=sh.fsdp, mbs=mbs, grad_accum=grad_accum,  # type: ignore[arg-type]
                         checkpointing=group.checkpointing, dp=lay.dp, tp=lay.tp, pp=lay.pp, vpp=lay.vpp,
                         cp=lay.cp, ep=lay.ep, dispatcher=lay.dispatcher,  # type: ignore[arg-type]
-                        ep_overlap=lay.ep_overlap,
+                        ep_overlap=lay.ep_overlap, comm_overlap=sh.engine == "megatron",
                         offload_optimizer=sh.offload_optimizer,  # type: ignore[arg-type]
                         offload_params=sh.offload_params, engine=sh.engine,  # type: ignore[arg-type]
                         quant=group.quant)  # type: ignore[arg-type]

@@ -220,6 +220,7 @@ def estimate(
     ep: Annotated[int | None, typer.Option("--ep", help="expert-parallel degree of MoE layers, out of dp x cp (default 1; Megatron)")] = None,
     dispatcher: Annotated[str, typer.Option("--dispatcher", help="MoE token dispatcher with --ep: alltoall (NCCL) or deepep (DeepEP, Megatron's flex dispatcher)")] = "alltoall",
     ep_overlap: Annotated[bool, typer.Option("--ep-overlap", help="Megatron's all-to-all overlap with --ep (--overlap-moe-expert-parallel-comm): one micro-batch's dispatch/combine behind another's compute")] = False,
+    comm_overlap: Annotated[bool, typer.Option("--comm-overlap", help="Megatron's tensor/data-parallel overlap: --tp-comm-overlap (needs --sp), --overlap-grad-reduce, --overlap-param-gather")] = False,
     sp: Annotated[bool | None, typer.Option("--sp/--no-sp", help="sequence parallelism (default: on when tp > 1, except on the torch engine)", show_default=False)] = None,
     zero: Annotated[int | None, typer.Option("--zero", help="DeepSpeed ZeRO stage 0-3")] = None,
     fsdp: Annotated[str | None, typer.Option("--fsdp", help="torch FSDP: full, grad_op or hybrid (HSDP)")] = None,
@@ -278,7 +279,7 @@ def estimate(
         if precision is None and chosen != "bf16" and not choice.adapters:
             notes.append(f"{target.gpu.name} has no bf16 math: precision fp16 (pass --precision to choose)")
         _check_choice("--dispatcher", dispatcher, ("alltoall", "deepep"))
-        flags = StrategyFlags(dp=dp, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, dispatcher=dispatcher, ep_overlap=ep_overlap, sp=sp, zero=zero,
+        flags = StrategyFlags(dp=dp, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, dispatcher=dispatcher, ep_overlap=ep_overlap, comm_overlap=comm_overlap, sp=sp, zero=zero,
                               fsdp=fsdp, offload=offload,
                               offload_optimizer=offload_optimizer, offload_params=offload_params,
                               precision=chosen, optimizer=optimizer, mbs=mbs, gas=grad_accum,

@@ -16,6 +16,10 @@ commit 000c4ac2, 2025) and the Megatron-Core classes it hands them to:
   and later, MR 2795), instead of the virtual-stage flags (``validate_args`` allows one of the three).
 - ZeRO-1 is Megatron's distributed optimizer, ``--use-distributed-optimizer`` (optimizer states sharded
   over data-parallel ranks); the engine has no ZeRO-2/3 and no offload (``Strategy`` refuses those).
+- ``comm_overlap`` plans add ``--tp-comm-overlap`` (tp > 1; Transformer Engine userbuffers, sequence parallelism
+  required), ``--overlap-grad-reduce`` and, with the distributed optimizer, ``--overlap-param-gather``
+  (estimators/tp_overlap.py; NVIDIA's own Megatron-Bridge recipes run them), checked against Megatron's rules for
+  them.
 - Batch: ``--micro-batch-size mbs`` and ``--global-batch-size mbs·grad_accum·dp``; Megatron runs
   ``global / (mbs·dp)`` micro-batches per step (``megatron/core/num_microbatches_calculator.py``).
 - Model: ``--num-layers --hidden-size --ffn-hidden-size --num-attention-heads``, GQA as
@@ -147,6 +151,12 @@ def megatron_args(plan: ExportPlan) -> list[str]:
         args.append("--sequence-parallel")
     if s.zero == 1:
         args.append("--use-distributed-optimizer")
+    if s.comm_overlap:  # Megatron's tensor/data-parallel overlap (estimators/tp_overlap.py)
+        if s.tp > 1:
+            args.append("--tp-comm-overlap")
+        args.append("--overlap-grad-reduce")
+        if s.zero == 1:
+            args.append("--overlap-param-gather")
     args += [
         "--micro-batch-size", str(s.mbs),
         "--global-batch-size", str(s.global_batch),
@@ -311,6 +321,20 @@ def _rule_violation(v: _PlanView) -> str | None:
     return None
 
 
+def _overlap_violation(ns: argparse.Namespace) -> str | None:
+    """Megatron-LM's rules for its communication overlaps (``megatron/training/arguments.py`` ``validate_args``):
+    --tp-comm-overlap only with --sequence-parallel; --overlap-param-gather only with the distributed optimizer and
+    with --overlap-grad-reduce."""
+    if ns.tp_comm_overlap and not ns.sequence_parallel:
+        return ("Tensor parallel communication/GEMM overlap can happen only when sequence parallelism is enabled: add "
+                "--sequence-parallel or drop --tp-comm-overlap")
+    if ns.overlap_param_gather and not ns.use_distributed_optimizer:
+        return "--overlap-param-gather only supported with distributed optimizer: add --use-distributed-optimizer"
+    if ns.overlap_param_gather and not ns.overlap_grad_reduce:
+        return "Must use --overlap-param-gather with --overlap-grad-reduce: add --overlap-grad-reduce"
+    return None
+
+
 class _RaisingParser(argparse.ArgumentParser):
     """argparse that raises ExportValidationError instead of printing usage and exiting."""
 
@@ -332,6 +356,9 @@ def _parser() -> _RaisingParser:
     add("--no-overlap-p2p-communication", action="store_false", dest="overlap_p2p_comm")
     add("--sequence-parallel", action="store_true")
     add("--use-distributed-optimizer", action="store_true")
+    add("--tp-comm-overlap", action="store_true")
+    add("--overlap-grad-reduce", action="store_true")
+    add("--overlap-param-gather", action="store_true")
     add("--micro-batch-size", type=int, default=None)
     add("--global-batch-size", type=int, default=None)
     add("--seq-length", type=int, default=None)
@@ -450,7 +477,7 @@ def validate_megatron_args(argv: list[str], plan: ExportPlan) -> None:
         raise ExportValidationError("Megatron-LM needs --seq-length for GPT pretraining: add it")
     if ns.group_query_attention and ns.num_query_groups < 1:
         raise ExportValidationError("--num-query-groups must be >= 1: fix it")
-    problem = _rule_violation(view) or moe_rule_violation(ns, plan.world_size, vpp)
+    problem = _rule_violation(view) or _overlap_violation(ns) or moe_rule_violation(ns, plan.world_size, vpp)
     if problem:
         raise ExportValidationError(f"Megatron-LM would reject the arguments: {problem}")
 

@@ -350,3 +350,33 @@ def test_validate_rejects_overlap_without_interleaving():
     del argv[i:i + 2]
     with pytest.raises(ExportValidationError, match="virtual_pipeline_model_parallel_size must be specified"):
         validate_megatron_args(argv, plan)
+
+
+# --------------------------------------------------------------------------------------------------
+# Tensor/data-parallel communication overlap
+# --------------------------------------------------------------------------------------------------
+
+def test_comm_overlap_exports_megatrons_flags():
+    plan = make_plan(zero=1, comm_overlap=True)
+    argv = megatron_args(plan)
+    for flag in ("--tp-comm-overlap", "--overlap-grad-reduce", "--overlap-param-gather"):
+        assert flag in argv
+    validate_megatron_args(argv, plan)
+    ns = parse_megatron_args(argv)
+    assert ns.tp_comm_overlap and ns.overlap_grad_reduce and ns.overlap_param_gather and ns.sequence_parallel
+    # no distributed optimizer: the gradient all-reduce overlap alone; no tensor parallelism: no TP overlap
+    plain_dp = megatron_args(make_plan(tp=1, dp=32, comm_overlap=True))
+    assert "--overlap-grad-reduce" in plain_dp and "--overlap-param-gather" not in plain_dp
+    assert "--tp-comm-overlap" not in plain_dp
+    assert not {"--tp-comm-overlap", "--overlap-grad-reduce"} & set(megatron_args(make_plan()))
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda a: [x for x in a if x != "--sequence-parallel"], "only when sequence parallelism is enabled"),
+    (lambda a: [x for x in a if x != "--use-distributed-optimizer"], "only supported with distributed optimizer"),
+    (lambda a: [x for x in a if x != "--overlap-grad-reduce"], "Must use --overlap-param-gather with"),
+])
+def test_validate_applies_megatrons_comm_overlap_rules(edit, match):
+    plan = make_plan(zero=1, comm_overlap=True)
+    with pytest.raises(ExportValidationError, match=match):
+        validate_megatron_args(edit(megatron_args(plan)), plan)

@@ -1,0 +1,77 @@
+"""Megatron's communication overlaps (estimators/tp_overlap.py): the exposed time by hand, what each overlap hides in
+a whole estimate (and that the total communication stays the same), and the rules the plan must keep."""
+
+from __future__ import annotations
+
+import pytest
+
+from optplan.estimators.arch import parse_arch, profile_from_arch
+from optplan.estimators.estimate import estimate
+from optplan.estimators.hardware import Cluster, find_gpu
+from optplan.estimators.strategy import Strategy
+from optplan.estimators.tp_overlap import (
+    DP_OVERLAP_INTERFERENCE,
+    TP_OVERLAP_INTERFERENCE,
+    TP_OVERLAP_SPLITS,
+    overlapped_dp_s,
+    overlapped_tp_s,
+    overlaps_p2p,
+)
+
+LLAMA70 = "layers=80,hidden=8192,heads=64,kv_heads=8,ffn=28672,vocab=128256,gated=1,tied=0,seq=8192"
+
+
+def _megatron(**kw: object) -> Strategy:
+    base: dict[str, object] = dict(engine="megatron", precision="bf16", zero=1, dp=2, tp=4, pp=8, vpp=5, mbs=1,
+                                   grad_accum=64, checkpointing="none")
+    base.update(kw)
+    return Strategy(**base)  # type: ignore[arg-type]
+
+
+def _cluster() -> Cluster:
+    return Cluster(gpu=find_gpu("H100-SXM"), gpus=64, gpus_per_node=8, inter_node_bandwidth_bytes_per_s=50e9)
+
+
+def test_exposed_time_by_hand() -> None:
+    # hidden behind a longer GEMM: one split stays, the rest costs its interference
+    assert overlapped_tp_s(1.0, 3.0) == pytest.approx(1 / TP_OVERLAP_SPLITS + TP_OVERLAP_INTERFERENCE * 0.75)
+    # longer than the GEMM: the excess stays
+    assert overlapped_tp_s(2.0, 1.0) == pytest.approx(1.0 + TP_OVERLAP_INTERFERENCE * 1.0)
+    assert overlapped_tp_s(0.0, 1.0) == 0.0
+    assert overlapped_dp_s(1.0, 5.0, 0.1) == pytest.approx(0.1 + DP_OVERLAP_INTERFERENCE * 0.9)
+    assert overlapped_dp_s(1.0, 0.0, 0.1) == pytest.approx(1.0)
+
+
+def test_overlap_hides_tensor_and_data_parallel_time_not_bytes() -> None:
+    prof = profile_from_arch(parse_arch(LLAMA70))
+    plain = estimate(prof, _cluster(), _megatron()).time
+    over = estimate(prof, _cluster(), _megatron(comm_overlap=True)).time
+    # the same collectives move the same bytes
+    assert over.comm_s == pytest.approx(plain.comm_s, rel=1e-9)
+    assert over.dp_comm_s == pytest.approx(plain.dp_comm_s, rel=1e-9)
+    # tensor parallelism: at least one split and its interference stay, at most all of it
+    low = 1 / TP_OVERLAP_SPLITS + TP_OVERLAP_INTERFERENCE * (1 - 1 / TP_OVERLAP_SPLITS)
+    assert low * plain.tp_comm_s - 1e-9 <= over.tp_comm_s < plain.tp_comm_s
+    assert over.exposed_dp_comm_s < plain.exposed_dp_comm_s == pytest.approx(plain.dp_comm_s)
+    saved = (plain.tp_comm_s - over.tp_comm_s) + (plain.exposed_dp_comm_s - over.exposed_dp_comm_s)
+    assert plain.step_s - over.step_s == pytest.approx(saved, rel=0.05)
+
+
+def test_interleaved_sends_run_behind_other_chunks() -> None:
+    prof = profile_from_arch(parse_arch(LLAMA70))
+    interleaved = estimate(prof, _cluster(), _megatron()).time
+    one_f_one_b = estimate(prof, _cluster(), _megatron(vpp=1)).time
+    assert overlaps_p2p(_megatron()) and not overlaps_p2p(_megatron(vpp=1))
+    assert interleaved.pp_comm_s == 0.0 < one_f_one_b.pp_comm_s
+    # still counted as communication: v-fold the 1F1B sends (each chunk sends its own activations)
+    p2p_total = interleaved.comm_s - interleaved.tp_comm_s - interleaved.dp_comm_s
+    assert p2p_total == pytest.approx(5 * one_f_one_b.pp_comm_s, rel=1e-6)
+
+
+def test_rules() -> None:
+    with pytest.raises(ValueError, match="--engine megatron"):
+        Strategy(engine="torch", fsdp="full", dp=8, comm_overlap=True)
+    with pytest.raises(ValueError, match="sequence parallelism"):
+        _megatron(sp=False, comm_overlap=True)
+    assert "comm-overlap" in _megatron(comm_overlap=True).label()
+    _megatron(tp=1, dp=8, comm_overlap=True, sp=False)  # no tensor parallelism: the data-parallel overlap alone
