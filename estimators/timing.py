@@ -378,7 +378,9 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
     moe_share = moe_mlp_share(profile.transformer) if moe_rc and profile.transformer is not None else 0.0
 
     # one layer, one micro-batch
-    f_fwd_tp, f_bwd_tp = flash_fractions(s_.engine, gpu.name, eff.flash_attention_fraction, eff.flash_backward)
+    core_fwd = lt.attention_core_fwd_s
+    f_fwd, f_bwd = flash_fractions(s_.engine, gpu.name, eff.flash_attention_fraction, eff.flash_backward)
+    core_bwd = core_fwd * (FLASH_BACKWARD_FACTOR * f_fwd / f_bwd if s_.flash else 2.0)
     layer_compute = lt.fwd_gemm_s + lt.bwd_gemm_s
     layer_mem = lt.fwd_elementwise_s + lt.bwd_elementwise_s
     layer_recompute = (lt.fwd_gemm_s + lt.fwd_elementwise_s) if full else (
@@ -388,16 +390,12 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
     layer_tp = layer_tp_total
     if overlaps_tp(s_):  # behind the pass's linear GEMMs (estimators/tp_overlap.py)
         pass_tp = TP_COLLECTIVES_PER_PASS * tp_one
-        fwd_linear = max(0.0, lt.fwd_gemm_s - lt.attention_core_fwd_s)
-        bwd_linear = max(0.0, lt.bwd_gemm_s - lt.attention_core_fwd_s * (
-            FLASH_BACKWARD_FACTOR * f_fwd_tp / f_bwd_tp if s_.flash else 2.0))
+        fwd_linear = max(0.0, lt.fwd_gemm_s - core_fwd)  # the attention core overlaps no collective
+        bwd_linear = max(0.0, lt.bwd_gemm_s - core_bwd)
         layer_tp = ((2 if full else 1) * overlapped_tp_s(pass_tp, fwd_linear)
                     + overlapped_tp_s(pass_tp, bwd_linear))
     kv_local = dims.kv_heads * (h / dims.heads) / t
     cp_fwd, cp_bwd = cp_ring_exchange_s(tokens, kv_local, elem, c, links["cp"])
-    core_fwd = lt.attention_core_fwd_s
-    f_fwd, f_bwd = flash_fractions(s_.engine, gpu.name, eff.flash_attention_fraction, eff.flash_backward)
-    core_bwd = core_fwd * (FLASH_BACKWARD_FACTOR * f_fwd / f_bwd if s_.flash else 2.0)
     layer_cp = cp_fwd + cp_bwd + (cp_fwd if full else 0.0)
     layer_cp_exposed = (exposed_s(cp_fwd, core_fwd) + exposed_s(cp_bwd, core_bwd)
                         + (exposed_s(cp_fwd, core_fwd) if full else 0.0))

@@ -341,3 +341,15 @@ def test_estimate_defaults_to_fp16_without_bf16_and_notes_uncalibrated_gpus() ->
     assert [n.split(" (")[0] for n in a100["notes"]] == ["time: outside the measured domain"]
     default = runner.invoke(app, ["estimate", "--params", "1e9", "--tp", "3"])
     assert default.exit_code == 2 and "(the detected or default count: pass --gpus)" in default.stderr
+
+
+def test_estimate_takes_megatrons_communication_overlap() -> None:
+    arch = "layers=16,hidden=4096,heads=32,kv_heads=8,ffn=14336,vocab=128256,gated=1,tied=0,seq=4096"
+    base = ["estimate", "--arch", arch, *H100, "--engine", "megatron", "--tp", "4", "--zero", "1", "--json"]
+    plain = _json(base)
+    over = _json([*base, "--comm-overlap"])
+    assert over["strategy"]["comm_overlap"] is True and plain["strategy"]["comm_overlap"] is False
+    assert over["time"]["tp_comm_s"] < plain["time"]["tp_comm_s"]
+    assert over["time"]["comm_s"] == pytest.approx(plain["time"]["comm_s"])
+    result = runner.invoke(app, ["estimate", "--arch", arch, *H100, "--fsdp", "full", "--comm-overlap"])
+    assert result.exit_code != 0 and "--comm-overlap" in result.output and "Traceback" not in result.output
