@@ -41,6 +41,10 @@ def test_mixtral_model_file_plans_with_expert_parallelism(mixtral_file_profile) 
     ns = parse_megatron_args(argv)
     assert (ns.num_experts, ns.moe_router_topk, ns.expert_model_parallel_size) == (8, 2, plan.ep)
     assert ns.moe_ffn_hidden_size == 14336 and ns.num_layers == 32
+    # the search's Megatron plans overlap their data-parallel (and tensor-parallel) communication, and say so
+    assert plan.comm_overlap and ns.overlap_grad_reduce
+    assert ns.overlap_param_gather == (plan.zero == 1) and ns.tp_comm_overlap == (plan.tp > 1)
+    assert any("communication overlapped (" in r for r in rec.rationale)
 
 
 def test_deepseek_style_model_file_plans_with_expert_parallelism() -> None:
