@@ -204,7 +204,7 @@ def run(quick: bool, log: Any = print) -> list[Row]:
         for recipe, quant, req, prof in plan:
             trainer = LoraTrainer(path, seq, req, recipe, quant)
             for ckpt in ("none", "full"):
-                for mbs in ((1, 2) if quick else (1, 4)):
+                for mbs in ((2,) if quick else (1, 4)):  # --quick (the CI test): one micro-batch size
                     row = Row(recipe, quant, ckpt, mbs, predict(prof, recipe, quant, ckpt, mbs),
                               trainer.measure(mbs, ckpt), req.dropout)
                     rows.append(row)

@@ -76,7 +76,7 @@ def test_real_lora_steps_match_the_prediction() -> None:
     from benchmarks.fidelity_finetune_cpu import run
 
     rows = run(quick=True, log=lambda _line: None)
-    assert len(rows) == 40 and {row.dropout for row in rows} == {0.0, 0.1}
+    assert len(rows) == 20 and {row.dropout for row in rows} == {0.0, 0.1}  # 10 recipe/base/dropout x ckpt on/off
     for row in rows:
         assert abs(row.error_pct) <= 1.0, row
         if row.quant == "int8" and (row.checkpointing == "full" or row.dropout):
