@@ -15,7 +15,9 @@ Prediction, through optplan's own pipeline, for every ``scored`` row:
   LitGPT's loop holds the last step's graph into the next forward (estimators/finetune.py);
 * the estimate: ``estimators.estimate.estimate(profile, Cluster(gpu, gpus), Strategy(...))`` with the row's
   precision recipe, optimizer, micro-batch, gradient accumulation, checkpointing, quantised base and parallelism
-  (``single``: torch, one GPU; ``fsdp-full``: torch FSDP FULL_SHARD over the GPUs; ``deepspeed-zero3``);
+  (``single``: torch, one GPU; ``fsdp-full``: torch FSDP FULL_SHARD over the GPUs, with the row's
+  ``fsdp_grad_sync``: ``step`` where its framework accumulates under ``no_sync``, estimators/fsdp_grad_sync.py;
+  ``deepspeed-zero3``);
 * the compared figure, per the row's ``compare``: ``allocated`` (a torch.cuda.max_memory_allocated figure) is the
   memory breakdown's total less its overhead (no CUDA context, no fragmentation margin); ``reserved``
   (max_memory_reserved) adds the fragmentation margin; ``device`` (nvidia-smi and the like) is the whole total.
@@ -103,6 +105,8 @@ def check_row(row: dict[str, Any], sources: dict[str, Any]) -> list[str]:
         problems.append(f"compare {row.get('compare')!r}")
     if row.get("parallelism") not in PARALLELISMS:
         problems.append(f"parallelism {row.get('parallelism')!r}")
+    if str(row.get("parallelism", "")).startswith("fsdp") and row.get("fsdp_grad_sync") not in ("micro_batch", "step"):
+        problems.append("an FSDP row without fsdp_grad_sync (micro_batch or step: when its framework reduces)")
     if row.get("method") == "qlora" and row.get("quant") == "none":
         problems.append("qlora without a quantised base")
     return problems
@@ -202,8 +206,8 @@ def strategy_for(row: dict[str, Any]) -> Strategy:
         dp=row["gpus"])
     if par == "single":
         return Strategy(engine="torch", **common)
-    if par == "fsdp-full":
-        return Strategy(engine="torch", fsdp="full", **common)
+    if par == "fsdp-full":  # when the framework reduces under accumulation (estimators/fsdp_grad_sync.py)
+        return Strategy(engine="torch", fsdp="full", fsdp_grad_sync=row["fsdp_grad_sync"], **common)
     if par == "deepspeed-zero3":
         return Strategy(engine="deepspeed", zero=3, **common)
     raise ValueError(f"{row['id']}: parallelism {par!r} cannot be priced")
@@ -269,6 +273,8 @@ def settings(row: dict[str, Any]) -> str:
         parts.append("ckpt")
     if row["gpus"] > 1:
         parts.append(f"{row['parallelism']}x{row['gpus']}")
+    if row.get("fsdp_grad_sync") == "step" and row["grad_accum"] > 1:
+        parts.append(f"ga{row['grad_accum']}-sync-once")
     return " ".join(parts)
 
 

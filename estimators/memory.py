@@ -73,6 +73,7 @@ from optplan.estimators.finetune import (
     frozen_weight_bytes,
     int8_checkpoint_kept_bytes,
 )
+from optplan.estimators.fsdp_grad_sync import accumulated_grad_bytes, fsdp_reduce_bytes, syncs_once_per_step
 from optplan.estimators.library_workspaces import cublas_workspace_bytes
 from optplan.estimators.optimizers import optimizer_sees_flat_params, optimizer_state_bytes_per_param
 from optplan.estimators.parallel import layers_per_stage, placement
@@ -82,7 +83,7 @@ from optplan.estimators.params_placement import (  # noqa: F401  (re-exported: c
     stage_params,
     stage_params_all_experts,
 )
-from optplan.estimators.pipeline_fsdp import keeps_stage_unsharded, unsharded_stage_bytes
+from optplan.estimators.pipeline_fsdp import keeps_stage_unsharded, unsharded_stage_params_bytes
 from optplan.estimators.precision import Recipe, get_recipe
 from optplan.estimators.profile import STEP_PHASES, ModelProfile
 from optplan.estimators.step_scratch import (  # noqa: F401  (re-exported: callers import them from here)
@@ -341,6 +342,8 @@ WHILE_BLOCKS_RUN: Moments = frozenset({"forward", "backward", "grads"})
 WHILE_GRADS: Moments = frozenset({"grads", "stem_grads"})
 WHILE_BACKWARD: Moments = frozenset({"backward", "grads", "stem_grads"})
 THROUGH_BACKWARD: Moments = frozenset(STEP_PHASES)
+UNTIL_STEM_GRADS: Moments = frozenset({"forward", "loss", "backward", "grads"})
+BEFORE_GRADS: Moments = frozenset({"forward", "loss", "backward"})
 AT_OPTIMIZER_STEP: Moments = frozenset({"optimizer_step"})
 
 
@@ -355,13 +358,14 @@ def buffer_items(profile: ModelProfile, strategy: Strategy, *, stage: int = 0,
     all-gather (:func:`zero3_prefetch_params`), and the unpartitioned tensors under
     ``stage3_param_persistence_threshold``. torch: DDP's gradient buckets (a copy of every gradient), or
     FSDP's gathered parameters (FULL/HYBRID: the root unit while the model runs and two block units while
-    the blocks run; SHARD_GRAD_OP: the whole model) and one unit's fp32 reduce-scatter input
-    (:data:`FSDP_REDUCE_BYTES`; FSDP2 keeps the last one alive until the next unit reduces:
+    the blocks run; SHARD_GRAD_OP: the whole model) and one unit's reduce-scatter input (in the reduce dtype:
+    fsdp_grad_sync.fsdp_reduce_bytes; FSDP2 keeps the last one alive until the next unit reduces:
     ``FSDPCommContext.reduce_scatter_states``, torch 2.13 ``_fsdp_param_group.post_backward``); HSDP with
     more than one replica also keeps every block unit's fp32 all-reduce output until the end of backward
     (``FSDPParamGroup._all_reduce_state``, cleared in ``finalize_backward``); on CPU ranks gloo's reduce-scatter
     holds an fp32 copy of its input into the stem's backward (measured by benchmarks/fidelity_train.py on
-    torch 2.13). Megatron: its gradient buffer is the
+    torch 2.13); FSDP that reduces once per step (``fsdp_grad_sync="step"``, fsdp_grad_sync.py) holds the stage's
+    unsharded accumulated gradients through the micro-batches. Megatron: its gradient buffer is the
     fp32 main_grad already counted in grads_bytes. Pipeline and context parallelism add their send/receive
     tensors.
     """
@@ -374,11 +378,6 @@ def buffer_moments(profile: ModelProfile, strategy: Strategy, *, stage: int = 0,
     return {k: m for k, (_, m) in _buffers(profile, strategy, stage, gpus_per_node).items()}
 
 
-FSDP_REDUCE_BYTES = 4
-"""FSDP2 reduces gradients in fp32: the reduce dtype of fp32 models, and the ``MixedPrecisionPolicy(reduce_dtype=
-torch.float32)`` that optplan's train.py sets for 16-bit ones (torch ``_fsdp_collectives.foreach_reduce``:
-the reduce-scatter input is allocated in ``reduce_dtype`` and the unit's gradients are copied into it), bytes
-per element."""
 
 
 def _buffers(profile: ModelProfile, strategy: Strategy, stage: int,
@@ -418,18 +417,20 @@ def _buffers(profile: ModelProfile, strategy: Strategy, stage: int,
             # kept whole on every rank; the sharded states already count 1/shard of them
             items["zero3_persistent_params"] = (round(persistent * recipe.weight_bytes * (1 - 1 / shard)), None)
     elif strategy.engine == "torch" and (dpcp > 1 or strategy.fsdp != "none"):
+        reduce_bytes = fsdp_reduce_bytes(strategy.precision)
         # FSDP gathers into its own unsharded buffers at world size 1 too (measured by the CPU probe:
         # examples/mlp.py fp32 SHARD_GRAD_OP on one process holds an unsharded copy of every parameter;
         # -19 % before, +2.4 % now, FULL_SHARD +2.6 %: half a unit's gradient over, kept on the safe side)
         if strategy.fsdp == "none":
             items["ddp_gradient_buckets"] = (round(psi_train * recipe.grad_bytes), None)
         elif keeps_stage_unsharded(strategy):  # pipelined: gathered across micro-batches (pipeline_fsdp.py)
-            gathered = unsharded_stage_bytes(stage_params(profile, strategy, stage), trainable_share, weight)
-            items["fsdp_pipeline_unsharded_params"] = (gathered["fsdp_pipeline_unsharded_params"], THROUGH_BACKWARD)
-            items["fsdp_pipeline_accumulated_grads"] = (gathered["fsdp_pipeline_accumulated_grads"],
-                                                        WHILE_BACKWARD)
+            psi_stage = stage_params(profile, strategy, stage)
+            items["fsdp_pipeline_unsharded_params"] = (unsharded_stage_params_bytes(psi_stage, weight),
+                                                       THROUGH_BACKWARD)
+            items["fsdp_pipeline_accumulated_grads"] = (
+                accumulated_grad_bytes(psi_stage, trainable_share, strategy.precision), WHILE_BACKWARD)
             reduced = unit * trainable_share if block else psi_train
-            items["fsdp_reduce_scatter_unit"] = (round(reduced * FSDP_REDUCE_BYTES), WHILE_GRADS)
+            items["fsdp_reduce_scatter_unit"] = (round(reduced * reduce_bytes), WHILE_GRADS)
         else:
             if strategy.fsdp in ("full", "hybrid"):
                 root = _root_unit_params(profile, strategy, stage)
@@ -441,15 +442,27 @@ def _buffers(profile: ModelProfile, strategy: Strategy, stage: int,
                 items["fsdp_unsharded_params"] = (round(stage_params(profile, strategy, stage) * weight),
                                                   THROUGH_BACKWARD)
             reduced = unit * trainable_share if block else psi_train
-            items["fsdp_reduce_scatter_unit"] = (round(reduced * FSDP_REDUCE_BYTES), WHILE_GRADS)
+            items["fsdp_reduce_scatter_unit"] = (round(reduced * reduce_bytes), WHILE_GRADS)
+            if syncs_once_per_step(strategy):  # the micro-batches before the last keep their gradients unsharded
+                root = _root_unit_params(profile, strategy, stage) if block else stage_params(profile, strategy, stage)
+                blocks = stage_params(profile, strategy, stage) - root
+                # the last backward moves each block unit's into its reduce-scatter input (fsdp_reduce_scatter_unit)
+                # and frees it: one unit fewer while the blocks' gradients are reduced, none by the stem's backward
+                moved = min(blocks, unit if block else 0.0)
+                items["fsdp_accumulated_grads"] = (
+                    accumulated_grad_bytes(blocks - moved, trainable_share, strategy.precision), UNTIL_STEM_GRADS)
+                items["fsdp_accumulated_unit_grads"] = (
+                    accumulated_grad_bytes(moved, trainable_share, strategy.precision), BEFORE_GRADS)
+                items["fsdp_accumulated_root_grads"] = (
+                    accumulated_grad_bytes(root, trainable_share, strategy.precision), THROUGH_BACKWARD)
             shard = placement(strategy, gpus_per_node).shard.ranks
             if strategy.fsdp == "hybrid" and block and dpcp > shard:
                 blocks_params = stage_params(profile, strategy, stage) - _root_unit_params(profile, strategy, stage)
-                items["hsdp_all_reduce_outputs"] = (round(blocks_params / shard * FSDP_REDUCE_BYTES), WHILE_GRADS)
+                items["hsdp_all_reduce_outputs"] = (round(blocks_params / shard * reduce_bytes), WHILE_GRADS)
             if device == "cpu" and shard > 1 and strategy.fsdp in ("full", "hybrid"):
                 # measured alive at the stem's backward (GPT-2, fidelity_train.py: the max over 3 steps), not
                 # within the blocks' backward (examples/mlp.py, benchmarks/fidelity.py), nor under SHARD_GRAD_OP
-                items["gloo_reduce_scatter_copy"] = (round(reduced * FSDP_REDUCE_BYTES), frozenset({"stem_grads"}))
+                items["gloo_reduce_scatter_copy"] = (round(reduced * reduce_bytes), frozenset({"stem_grads"}))
     dequantized = dequantized_weight_bytes(profile.adapter, strategy.quant)
     if dequantized:
         # made while a quantised block layer computes (forward on GPUs, the input gradient in backward): not while

@@ -20,7 +20,8 @@ gradients** (not ``microbatches`` of each), and its memory holds, from the first
 - the whole stage's unsharded, accumulated gradients (``fsdp_pipeline_accumulated_grads``) in the reduce dtype:
   FSDP2 upcasts the first micro-batch's gradient to ``reduce_dtype`` and accumulates into it
   (``torch/distributed/fsdp/_fully_shard/_fsdp_param.py`` ``to_accumulated_grad_if_needed`` /
-  ``accumulate_unsharded_grad_if_needed``): fp32 under optplan's 16-bit recipes, 4 bytes per element.
+  ``accumulate_unsharded_grad_if_needed``): fp32 under optplan's mixed recipes, the parameter dtype without a
+  policy (fsdp_grad_sync.py, which prices the same once-per-step reduction without pipelining).
 
 Units: seconds and bytes per GPU; the parameter counts are one rank's (after tensor parallelism).
 """
@@ -29,10 +30,6 @@ from __future__ import annotations
 
 from optplan.estimators.strategy import Strategy
 
-PIPELINE_GRAD_BYTES = 4
-"""Bytes per element of the unsharded gradients a pipelined FSDP stage accumulates: fp32, FSDP2's reduce dtype
-under optplan's 16-bit recipes and the parameter dtype of fp32 ones (module docstring)."""
-
 
 def keeps_stage_unsharded(strategy: Strategy) -> bool:
     """Whether FSDP keeps the pipeline stage gathered across its micro-batches: torch engine, FSDP (full, grad_op
@@ -40,16 +37,8 @@ def keeps_stage_unsharded(strategy: Strategy) -> bool:
     return strategy.engine == "torch" and strategy.fsdp != "none" and strategy.pp > 1
 
 
-def collectives_per_step(strategy: Strategy) -> int:
-    """How many times per optimizer step a stage gathers its weights and reduce-scatters its gradients: once when
-    it stays unsharded across micro-batches, else once per micro-batch (count)."""
-    return 1 if keeps_stage_unsharded(strategy) else strategy.grad_accum
+def unsharded_stage_params_bytes(stage_params_per_rank: float, weight_bytes: float) -> int:
+    """The gathered weights a pipelined FSDP stage holds from its first forward to its last backward (bytes per
+    GPU): ``weight_bytes`` per parameter (the compute dtype, and the fp8 weight cache where the recipe keeps one)."""
+    return round(stage_params_per_rank * weight_bytes)
 
-
-def unsharded_stage_bytes(stage_params_per_rank: float, trainable_share: float,
-                          weight_bytes: float) -> dict[str, int]:
-    """The two buffers a pipelined FSDP stage holds from its first forward to its last backward (bytes per GPU):
-    the gathered weights (``weight_bytes`` per parameter: the compute dtype, and the fp8 weight cache where the
-    recipe keeps one) and the accumulated fp32 gradients of the trainable ones."""
-    return {"fsdp_pipeline_unsharded_params": round(stage_params_per_rank * weight_bytes),
-            "fsdp_pipeline_accumulated_grads": round(stage_params_per_rank * trainable_share * PIPELINE_GRAD_BYTES)}

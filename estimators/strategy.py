@@ -26,6 +26,7 @@ CheckpointName = Literal["none", "selective", "full", "moe"]
 from its input); moe (the MoE layers from their input: router, dispatch, experts, combine; Megatron's
 ``--recompute-modules moe``, estimators/moe_recompute.py)."""
 DispatcherName = Literal["alltoall", "deepep"]
+FsdpGradSync = Literal["micro_batch", "step"]
 
 OPTIMIZER_ALIASES: dict[str, str] = {
     "adamw-8bit": "adamw8bit", "adam8bit": "adamw8bit", "adamw_8bit": "adamw8bit",
@@ -77,6 +78,12 @@ class Strategy(BaseModel):
                                                           "with sequence parallelism), --overlap-grad-reduce and, with "
                                                           "the distributed optimizer, --overlap-param-gather "
                                                           "(estimators/tp_overlap.py)")
+    fsdp_grad_sync: FsdpGradSync = Field(
+        default="micro_batch", description="when torch FSDP reduce-scatters gradients under accumulation: after every "
+                                           "micro-batch (FSDP2's default), or once per step with the unsharded "
+                                           "gradients held until then (FSDP1 no_sync, FSDP2 "
+                                           "set_requires_gradient_sync(False), accelerate without sync_each_batch; "
+                                           "estimators/fsdp_grad_sync.py)")
     sp: bool = Field(default=False, description="sequence parallelism inside the tensor-parallel group")
     flash: bool = Field(default=True, description="memory-efficient (flash) attention: no s x s scores stored")
     offload_optimizer: OffloadTarget = "none"
@@ -171,6 +178,9 @@ class Strategy(BaseModel):
             if self.tp > 1 and not self.sp:
                 raise ValueError("Megatron-LM overlaps tensor-parallel communication only with sequence parallelism: "
                                  "drop --no-sp, or drop --comm-overlap")
+        if self.fsdp_grad_sync == "step" and (self.engine != "torch" or self.fsdp == "none"):
+            raise ValueError("--fsdp-grad-sync step defers torch FSDP's gradient reduce-scatter to the last "
+                             "micro-batch: use --engine torch with --fsdp full|grad_op|hybrid, or drop it")
         if self.ep > 1 and (self.dp * self.cp) % self.ep:
             raise ValueError(f"--ep {self.ep} must divide the data-parallel x context-parallel ranks "
                              f"{self.dp * self.cp} (Megatron-Core carves the expert group out of them): change --ep")
@@ -228,6 +238,8 @@ class Strategy(BaseModel):
             parts.append("a2a-overlap")
         if self.comm_overlap:
             parts.append("comm-overlap")
+        if self.fsdp_grad_sync == "step":
+            parts.append("grad-sync-step")
         if self.engine != "deepspeed":
             parts.append(f"[{self.engine}]")
         return " ".join(parts)

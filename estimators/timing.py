@@ -89,13 +89,14 @@ from optplan.estimators.efficiency import LINK_EFFICIENCY, EngineEfficiency, eng
 from optplan.estimators.ep_overlap import overlapped_a2a_s, solo_fraction
 from optplan.estimators.expert_parallel import DEEPEP_NIC_FRACTION, node_dedup_factor
 from optplan.estimators.finetune import DEQUANT_BANDWIDTH_FRACTION, dequant_bytes_per_layer
+from optplan.estimators.fsdp_grad_sync import fsdp_reduce_bytes, syncs_once_per_step
 from optplan.estimators.hardware import Cluster, GPUSpec
 from optplan.estimators.memory import param_split, stage_params
 from optplan.estimators.moe import expert_mlp_params
 from optplan.estimators.moe_recompute import moe_mlp_share
 from optplan.estimators.parallel import Placement, layers_per_stage, placement
 from optplan.estimators.pipeline import pipeline_time_s
-from optplan.estimators.pipeline_fsdp import collectives_per_step, keeps_stage_unsharded
+from optplan.estimators.pipeline_fsdp import keeps_stage_unsharded
 from optplan.estimators.precision import get_recipe
 from optplan.estimators.profile import ModelProfile
 from optplan.estimators.strategy import Strategy
@@ -170,8 +171,8 @@ def _comm_grad_bytes(strategy: Strategy) -> int:
     recipe = get_recipe(strategy.precision)
     if strategy.engine == "megatron" and strategy.precision in ("bf16", "fp8") and recipe.master_bytes > 0:
         return 4
-    if strategy.engine == "torch" and strategy.fsdp != "none" and recipe.master_bytes > 0:
-        return 4  # FSDP MixedPrecision(param_dtype=16-bit, reduce_dtype=fp32), as the exports configure it
+    if strategy.engine == "torch" and strategy.fsdp != "none":  # reduce_dtype (fsdp_grad_sync.py)
+        return fsdp_reduce_bytes(strategy.precision)
     return recipe.grad_bytes
 
 
@@ -226,20 +227,26 @@ def data_parallel_comm(strategy: Strategy, params_local: float, trainable_fracti
     else:
         per_mb = 2 * ring_all_gather_s(weights, n, bw, a) + ring_reduce_scatter_s(grads, n, bw, a)
         once = 0.0
+    synced_once_s = 0.0
     if keeps_stage_unsharded(strategy):  # one gather and one reduce-scatter per step (pipeline_fsdp.py)
         per_mb = ring_all_gather_s(weights, n, bw, a) + ring_reduce_scatter_s(grads, n, bw, a)
         once = 0.0
-        m = collectives_per_step(strategy)
+        m = 1
+    elif syncs_once_per_step(strategy):  # the reduce-scatter after the last micro-batch only (fsdp_grad_sync.py)
+        synced_once_s = ring_reduce_scatter_s(grads, n, bw, a)
+        per_mb -= synced_once_s
     if strategy.fsdp == "hybrid" and pl.grad_reduce.nodes > 1:  # HSDP: replicas all-reduce across nodes
         replicas = max(1, pl.grad_reduce.ranks // max(1, pl.shard.ranks))
         once += all_reduce_s(grads / max(1, pl.shard.ranks), replicas, dp_link)
-    total = once + m * per_mb
+    total = once + m * per_mb + synced_once_s
     if strategy.engine == "torch":
         if strategy.fsdp == "none":  # DDP: overlap with the last backward, the last bucket exposed
             bucket = all_reduce_s(min(grads, DDP_BUCKET_BYTES), n, link)
             exposed = max(exposed_s(once, last_bwd_s), bucket)
         else:  # FSDP: prefetched gathers, overlapped reduce-scatters; the first unit's gather exposed
             exposed = m * max(exposed_s(per_mb, mb_compute_s), per_mb / max(1, units)) + once
+            if synced_once_s:  # behind the last backward, unit by unit; the last unit's exposed
+                exposed += max(exposed_s(synced_once_s, last_bwd_s), synced_once_s / max(1, units))
     elif strategy.engine == "deepspeed" and stage == 3:  # overlap_comm true, prefetch
         exposed = m * max(exposed_s(per_mb, mb_compute_s), per_mb / max(1, units)) + once
     elif overlapped_once is not None:

@@ -28,6 +28,7 @@ class StrategyFlags(BaseModel):
     dispatcher: str = "alltoall"
     ep_overlap: bool = False
     comm_overlap: bool = False
+    fsdp_grad_sync: str = "micro_batch"
     sp: bool | None = None
     zero: int | None = None
     fsdp: str | None = None
@@ -115,7 +116,8 @@ def derive_strategy(flags: StrategyFlags, cluster: Cluster, *, gpus_given: bool 
         "precision": flags.precision, "optimizer": flags.optimizer or "adamw", "zero": flags.zero or 0,
         "fsdp": flags.fsdp or "none", "mbs": flags.mbs, "grad_accum": gas or 1,
         "checkpointing": flags.checkpointing, "dp": dp, "tp": tp, "pp": pp, "vpp": flags.vpp or 1, "cp": cp, "ep": flags.ep or 1,
-        "dispatcher": flags.dispatcher, "ep_overlap": flags.ep_overlap, "comm_overlap": flags.comm_overlap, "sp": flags.sp, "flash": flags.flash, "offload_optimizer": offload_optimizer,
+        "dispatcher": flags.dispatcher, "ep_overlap": flags.ep_overlap, "comm_overlap": flags.comm_overlap,
+        "fsdp_grad_sync": flags.fsdp_grad_sync, "sp": flags.sp, "flash": flags.flash, "offload_optimizer": offload_optimizer,
         "offload_params": offload_params, "engine": engine, "quant": flags.quant,
     }
     return Strategy.model_validate(data)

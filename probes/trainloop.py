@@ -18,7 +18,8 @@ What :class:`Trainer` applies (the strategy is ``optplan.estimators.strategy.Str
   non-reentrant) or ``selective`` (op-level: matmul and attention outputs saved, the rest recomputed);
 * data parallelism: DDP (torch's defaults, ``no_sync`` on all but the last micro-batch), FSDP2
   ``fully_shard`` on every block and then the root (``full``: reshard after forward; ``grad_op``: keep
-  the unsharded parameters to backward; ``hybrid``: HSDP over a 2-D mesh, replicas x ``shard_size``),
+  the unsharded parameters to backward; ``hybrid``: HSDP over a 2-D mesh, replicas x ``shard_size``;
+  ``fsdp_grad_sync="step"``: ``set_requires_gradient_sync(False)`` on all but the last micro-batch),
   ``deepspeed.initialize`` with the ds_config, or ``accelerate.Accelerator.prepare`` under
   ``accelerate launch``;
 * the optimizer named (AdamW lr 3e-4, betas 0.9/0.95, weight decay 0.1; SGD; Adafactor; bitsandbytes'
@@ -427,6 +428,23 @@ def free_port() -> int:
 # ---------------------------------------------------------------------------------------------------
 # the plan applied on one rank
 # ---------------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def fsdp_deferred_sync(module: Any) -> Iterator[None]:
+    """Run one micro-batch without FSDP's gradient reduce-scatter: FSDP2's ``set_requires_gradient_sync(False)``
+    (restored after), FSDP1's ``no_sync()``; the unsharded gradients accumulate until a synced backward."""
+    setter = getattr(module, "set_requires_gradient_sync", None)
+    if setter is None:
+        with module.no_sync():
+            yield
+        return
+    setter(False)
+    try:
+        yield
+    finally:
+        setter(True)
+
+
 class Trainer:
     """One rank's model under a strategy: :meth:`setup_device`, :meth:`setup_distributed`, then
     :meth:`setup_training` on the built model, then :meth:`one_step` per optimizer step."""
@@ -742,10 +760,16 @@ class Trainer:
         return CudaAutocastLoss() if self.device_type == "cpu" else contextlib.nullcontext()
 
     def _no_sync(self, last: bool) -> contextlib.AbstractContextManager[Any]:
-        no_sync = getattr(self.runner, "no_sync", None)
-        if last or self.engine == "deepspeed" or no_sync is None or self.fsdp != "none":
+        """The micro-batches before the last skip the gradient reduction: DDP's ``no_sync``; FSDP only under
+        ``fsdp_grad_sync="step"`` (its unsharded gradients accumulate until the last backward)."""
+        if last or self.engine == "deepspeed":
             return contextlib.nullcontext()
-        return no_sync()
+        if self.fsdp != "none":
+            if self.strategy.get("fsdp_grad_sync", "micro_batch") != "step":
+                return contextlib.nullcontext()
+            return fsdp_deferred_sync(self.runner)
+        no_sync = getattr(self.runner, "no_sync", None)
+        return no_sync() if no_sync is not None else contextlib.nullcontext()
 
     def one_step(self, batch_for: Callable[[int], Any]) -> torch.Tensor:
         """One optimizer step of ``grad_accum`` micro-batches (``batch_for(i)`` gives micro-batch ``i``);

@@ -541,7 +541,12 @@ def render_accelerate_yaml(plan: ExportPlan, *, fsdp_version: int = 2, ds_config
 
     script: list[str] = []
     if layout.distributed_type not in ("DEEPSPEED", "MEGATRON_LM") and strategy.grad_accum > 1:
-        if strategy.fsdp != "none":
+        if strategy.fsdp != "none" and strategy.fsdp_grad_sync == "step":
+            script.append(f"gradient accumulation: Accelerator(gradient_accumulation_steps={strategy.grad_accum}) "
+                          "(accelerate.yaml has no key for it outside DeepSpeed/Megatron-LM), and step inside "
+                          "accelerator.accumulate(model): FSDP's gradients stay unsharded until the last "
+                          "micro-batch, as the plan (fsdp_grad_sync step) holds them")
+        elif strategy.fsdp != "none":
             script.append("gradient accumulation: Accelerator(gradient_accumulation_plugin=GradientAccumulationPlugin("
                           f"num_steps={strategy.grad_accum}, sync_each_batch=True)) (accelerate.yaml has no key for "
                           "it outside DeepSpeed/Megatron-LM), and step inside accelerator.accumulate(model); "

@@ -265,14 +265,15 @@ def hf_training_args(plan: ExportPlan, *, ds_config_name: str = "ds_config.json"
 
 
 def fsdp_accumulation_args(s: Strategy) -> dict[str, Any]:
-    """TrainingArguments that keep FSDP's gradients sharded through gradient accumulation (empty when the plan has
-    no FSDP or no accumulation). Without them transformers' Trainer runs every micro-batch but the last under
-    ``accelerator.no_sync`` (FSDP2: ``set_requires_gradient_sync(False)``), which holds each unit's gradient
-    unsharded until the last micro-batch: the whole model's gradients on every rank, where optplan's memory and
-    time price a reduce-scatter per micro-batch (what ``sync_each_batch`` makes the Trainer do)."""
+    """TrainingArguments that make the Trainer reduce FSDP's gradients as the plan does under gradient accumulation
+    (empty when the plan has no FSDP or no accumulation). Without ``sync_each_batch`` transformers' Trainer runs
+    every micro-batch but the last under ``accelerator.no_sync`` (FSDP2: ``set_requires_gradient_sync(False)``),
+    which holds each unit's gradient unsharded until the last micro-batch: the plan's ``fsdp_grad_sync="step"``
+    (estimators/fsdp_grad_sync.py, written explicitly as ``sync_each_batch: false``); a ``"micro_batch"`` plan
+    prices a reduce-scatter per micro-batch, what ``sync_each_batch: true`` makes the Trainer do."""
     if s.fsdp == "none" or s.engine != "torch" or s.grad_accum <= 1:
         return {}
-    return {"accelerator_config": {"gradient_accumulation_kwargs": {"sync_each_batch": True}}}
+    return {"accelerator_config": {"gradient_accumulation_kwargs": {"sync_each_batch": s.fsdp_grad_sync != "step"}}}
 
 
 def render_hf_training_args(plan: ExportPlan, *, ds_config_name: str = "ds_config.json", output_dir: str = "out",
@@ -643,11 +644,16 @@ def validate_hf_training_args(text: str, plan: ExportPlan, *, ds_config: dict | 
             _check_ds_config(training_args, ds_config, plan)
     if fsdp_accumulation_args(plan.strategy):
         sync = (training_args.accelerator_config.gradient_accumulation_kwargs or {}).get("sync_each_batch", False)
-        if not sync:
+        if not sync and plan.strategy.fsdp_grad_sync != "step":
             raise ExportValidationError(
                 "hf_training_args.json lets the Trainer accumulate FSDP gradients unsharded (no_sync on all but the "
                 "last micro-batch), which the plan's memory does not hold: set accelerator_config."
                 "gradient_accumulation_kwargs.sync_each_batch to true, or re-export")
+        if sync and plan.strategy.fsdp_grad_sync == "step":
+            raise ExportValidationError(
+                "hf_training_args.json makes the Trainer reduce-scatter FSDP gradients after every micro-batch, the "
+                "plan reduces once per step (fsdp_grad_sync step): set accelerator_config.gradient_accumulation_"
+                "kwargs.sync_each_batch to false, or re-export")
     for record in captured.records:
         message = record.getMessage()
         if any(marker in message.lower() for marker in _DEPRECATED_MARKERS) and \

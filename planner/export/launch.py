@@ -161,6 +161,10 @@ def _torch_notes(plan: ExportPlan) -> list[str]:
                      f"functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={{{block}}}), "
                      "use_orig_params=True, device_id=local_rank; FSDP2 equivalent: "
                      f"{fsdp2} on each {block}, then on the root module.")
+        if s.fsdp_grad_sync == "step" and s.grad_accum > 1:
+            notes.append("FSDP gradient sync once per step: model.no_sync() (FSDP2: model.set_requires_gradient_"
+                         "sync(False)) on the accumulation steps that do not step the optimizer; the unsharded "
+                         "gradients accumulate until the last micro-batch, as the plan's memory holds them.")
         if s.offload_params == "cpu":
             notes.append("FSDP CPU offload: cpu_offload=CPUOffload(offload_params=True) (FSDP2: "
                          "offload_policy=CPUOffloadPolicy()); the optimizer then steps on the CPU.")

@@ -11,6 +11,7 @@ from benchmarks import fidelity_finetune_published as bench
 from tests.published_data import citation_problems
 
 SOURCES, ROWS = bench.load_rows()
+ROWS_BY_ID = {row["id"]: row for row in ROWS}
 
 
 def test_every_row_is_complete_and_cited() -> None:
@@ -30,6 +31,11 @@ def test_rows_build_valid_strategies() -> None:
             strategy = bench.strategy_for(row)
             assert strategy.world_size == row["gpus"]
             assert strategy.quant == row["quant"]
+            if row["parallelism"].startswith("fsdp"):  # when its framework reduces (estimators/fsdp_grad_sync.py)
+                assert strategy.fsdp_grad_sync == row["fsdp_grad_sync"]
+    assert bench.check_row({k: v for k, v in ROWS_BY_ID["litgpt-gemma-2b-full-4gpu"].items() if k != "fsdp_grad_sync"},
+                           SOURCES) == ["an FSDP row without fsdp_grad_sync (micro_batch or step: when its framework "
+                                        "reduces)"]
 
 
 def test_unit_conversion() -> None:

@@ -97,7 +97,7 @@ def test_exports_launch_through_their_trainers(results: Path) -> None:
     launched = {(p["engine"], r["file"]): r for p in doc["plans"] for r in p["runs"]}
     assert {f for _, f in launched} >= {"ds_config.json", "launch.sh", "accelerate.yaml"}
     assert all(r["status"] == "ok" and r["started"] and r["fits"] for r in launched.values()), launched
-    assert doc["summary"]["ok"] == doc["summary"]["launched"] >= 4
+    assert doc["summary"]["ok"] == doc["summary"]["launched"] >= 3  # CPU: the DeepSpeed plan's 3 files
 
 
 def test_grid_judges_the_pick_against_measured_runs(results: Path) -> None:

@@ -525,6 +525,19 @@ def test_fsdp_accumulation_keeps_gradients_sharded() -> None:
     assert "accelerator_config" not in check(make_plan(engine="torch", dp=8, mbs=2, grad_accum=4))
 
 
+def test_a_plan_that_syncs_fsdp_gradients_once_per_step_exports_the_trainers_default() -> None:
+    """fsdp_grad_sync step is what the Trainer does without sync_each_batch (estimators/fsdp_grad_sync.py): the
+    export says so explicitly, and a hand edit back to per-micro-batch sync is refused in one line."""
+    from optplan.planner.validate import ExportValidationError
+
+    plan = make_plan(engine="torch", fsdp="full", dp=8, mbs=2, grad_accum=4, fsdp_grad_sync="step")
+    args = check(plan)
+    assert args["accelerator_config"] == {"gradient_accumulation_kwargs": {"sync_each_batch": False}}
+    args["accelerator_config"]["gradient_accumulation_kwargs"]["sync_each_batch"] = True
+    with pytest.raises(ExportValidationError, match="once per step"):
+        validate_hf_training_args(text_of(args), plan)
+
+
 @pytest.mark.parametrize("optimizer,name", [("paged_adamw", "paged_adamw_32bit"), ("paged_adamw8bit", "paged_adamw_8bit")])
 def test_paged_optimizers_export_as_transformers_names(optimizer: str, name: str) -> None:
     plan = make_plan(engine="torch", dp=1, mbs=2, optimizer=optimizer)

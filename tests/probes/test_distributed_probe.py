@@ -174,7 +174,8 @@ def test_ddp_fsdp_and_zero2_train_the_same(dp_results: dict[str, ProbeResult]) -
         assert dp_results[name].losses == pytest.approx(dp_results["ddp"].losses, rel=1e-4), name
 
 
-def test_the_cpu_peak_does_not_depend_on_when_the_cyclic_collector_runs(tiny_lm_module_file: Path,
+def test_the_cpu_peak_does_not_depend_on_when_the_cyclic_collector_runs(dp_results: dict[str, ProbeResult],
+                                                                         tiny_lm_module_file: Path,
                                                                          tmp_path: Path) -> None:
     """FSDP2 leaves a unit's unsharded parameters in a reference cycle after its first steps; when Python's
     cyclic collector frees them depends on how many objects the process allocated (a CI machine measured
@@ -184,12 +185,39 @@ def test_the_cpu_peak_does_not_depend_on_when_the_cyclic_collector_runs(tiny_lm_
     site.mkdir()
     (site / "sitecustomize.py").write_text("import gc\ngc.disable()\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
-    default = dist_probe(tiny_lm_module_file, block_class="Block", fsdp="full")
+    default = dp_results["fsdp"]  # the same probe with the collector on
     no_gc = dist_probe(tiny_lm_module_file, block_class="Block", fsdp="full", env=env)
     assert default.ok and no_gc.ok, f"{default.reason} {no_gc.reason}\n{no_gc.tail}"
     assert default.peak_allocated_bytes and no_gc.peak_allocated_bytes
     assert no_gc.peak_allocated_bytes == pytest.approx(default.peak_allocated_bytes, rel=0.01), \
         (default.peak_by_category_bytes, no_gc.peak_by_category_bytes)
+
+
+def test_fsdp_gradients_synced_once_per_step_are_held_unsharded() -> None:
+    """``fsdp_grad_sync="step"``: the probe runs the micro-batch before the last under FSDP2's
+    ``set_requires_gradient_sync(False)``; the real run's peak grows by about the unsharded gradients (one block
+    unit fewer: the last backward moves each into its reduce-scatter) and the estimate follows it
+    (estimators/fsdp_grad_sync.py). examples/mlp.py at micro-batch 64, where its activations outweigh a unit."""
+    from optplan.estimators.memory import memory_breakdown
+    from optplan.probes.loader import profile_model_file
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "mlp.py"
+    profile = profile_model_file(path)
+    block = profile.repeated_block.class_name if profile.repeated_block else None
+    out = {}
+    for sync in ("micro_batch", "step"):
+        r = dist_probe(path, block_class=block, fsdp="full", mbs=64, grad_accum=2, fsdp_grad_sync=sync,
+                       timed_steps=1)
+        assert r.ok and r.peak_allocated_bytes, f"{sync}: {r.reason}\n{r.tail}"
+        strategy = Strategy(engine="torch", precision="fp32", fsdp="full", dp=2, mbs=64, grad_accum=2,
+                            fsdp_grad_sync=sync)
+        m = memory_breakdown(profile, strategy, 2**40, gpus_per_node=2, device="cpu")
+        out[sync] = (m.total_bytes - m.overhead_bytes, r.peak_allocated_bytes)
+    (pred_mb, meas_mb), (pred_step, meas_step) = out["micro_batch"], out["step"]
+    grads = 4 * profile.params  # every fp32 gradient, unsharded
+    assert 0.5 * grads < meas_step - meas_mb < grads
+    assert pred_step == pytest.approx(meas_step, rel=0.03), out
+    assert pred_mb == pytest.approx(meas_mb, rel=0.03), out
 
 
 def test_fsdp_mixed_precision_with_checkpointing_and_accumulation(tiny_lm_file: Path) -> None:

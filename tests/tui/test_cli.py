@@ -353,3 +353,18 @@ def test_estimate_takes_megatrons_communication_overlap() -> None:
     assert over["time"]["comm_s"] == pytest.approx(plain["time"]["comm_s"])
     result = runner.invoke(app, ["estimate", "--arch", arch, *H100, "--fsdp", "full", "--comm-overlap"])
     assert result.exit_code != 0 and "--comm-overlap" in result.output and "Traceback" not in result.output
+
+
+def test_estimate_takes_when_fsdp_reduces_its_gradients() -> None:
+    arch = "layers=16,hidden=4096,heads=32,kv_heads=8,ffn=14336,vocab=128256,gated=1,tied=0,seq=4096"
+    base = ["estimate", "--arch", arch, *H100, "--engine", "torch", "--fsdp", "full", "--gas", "4", "--json"]
+    plain = _json(base)
+    once = _json([*base, "--fsdp-grad-sync", "step"])
+    assert once["strategy"]["fsdp_grad_sync"] == "step" and plain["strategy"]["fsdp_grad_sync"] == "micro_batch"
+    assert once["memory"]["total_bytes"] > plain["memory"]["total_bytes"]
+    assert once["time"]["dp_comm_s"] < plain["time"]["dp_comm_s"]
+    for bad, words in ((["--fsdp-grad-sync", "sometimes"], "--fsdp-grad-sync"),
+                       (["--fsdp-grad-sync", "step", "--engine", "deepspeed", "--zero", "3"], "--fsdp-grad-sync")):
+        result = runner.invoke(app, ["estimate", "--arch", arch, *H100, *bad])
+        assert result.exit_code != 0 and words in result.output and "Traceback" not in result.output
+        assert len(result.output.strip().splitlines()) <= 2

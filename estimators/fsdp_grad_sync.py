@@ -1,0 +1,64 @@
+"""When torch FSDP reduces gradients under gradient accumulation, and what it holds until then.
+
+FSDP can synchronise (reduce-scatter) each unit's gradients after every micro-batch's backward, or only after the
+last micro-batch of the optimizer step (``Strategy.fsdp_grad_sync``: ``"micro_batch"`` or ``"step"``):
+
+- ``"micro_batch"``: each backward reduce-scatters every unit and the sharded gradients accumulate. FSDP2's
+  default (``fully_shard`` without ``set_requires_gradient_sync(False)``: torchtitan, optplan's train.py) and what
+  accelerate's ``GradientAccumulationPlugin(sync_each_batch=True)`` makes the Hugging Face Trainer do.
+- ``"step"``: the micro-batches before the last skip the reduction, and every unit's *unsharded* gradient stays
+  alive and accumulates until the last backward reduce-scatters it: FSDP1's ``no_sync()`` (``FullyShardedDataParallel
+  .no_sync`` docstring: "gradients are accumulated ... in the unsharded state ... may use more GPU memory"), FSDP2's
+  ``set_requires_gradient_sync(False)``, Lightning Fabric's ``no_backward_sync`` (LitGPT's fine-tuning loops),
+  accelerate's ``accumulate()`` without ``sync_each_batch`` (the Hugging Face Trainer's default, which accelerate's
+  docs name as the FSDP memory trap that ``sync_each_batch`` fixes), and torch pipelining (pipeline_fsdp.py).
+
+``"step"`` trades memory for communication: one reduce-scatter per optimizer step instead of ``grad_accum``, for
+a whole stage's unsharded gradients held from the first micro-batch's backward to the last one's reduction
+(bytes = trainable parameters of the stage / tp x :func:`accumulated_grad_bytes`). With ``grad_accum == 1`` the two
+are the same run.
+
+Gradient dtype (torch ``_fully_shard/_fsdp_param.py`` ``to_accumulated_grad_if_needed``, torch 2.4 to 2.13): FSDP2
+upcasts the unsharded gradient to ``reduce_dtype`` before accumulating when the policy has one, fp32 under
+optplan's mixed recipes (``MixedPrecisionPolicy(param_dtype=16-bit, reduce_dtype=fp32)``, probes/trainloop.py);
+without a policy (fp32, and ``bf16-pure``: 16-bit parameters, no fp32 master) it stays in the parameter dtype,
+which is also the dtype FSDP reduce-scatters in (``_fsdp_collectives.foreach_reduce`` allocates the reduce-scatter
+input in ``reduce_dtype``, else the gradients' dtype).
+
+Units: bytes per element and bytes per GPU; counts of collectives per optimizer step.
+"""
+
+from __future__ import annotations
+
+from optplan.estimators.precision import get_recipe
+from optplan.estimators.strategy import Strategy
+
+
+def fsdp_reduce_bytes(precision: str) -> int:
+    """Bytes per element FSDP2 reduce-scatters and accumulates unsharded gradients in, for optplan's recipe
+    ``precision``: 4 (fp32 reduce dtype) where the recipe keeps fp32 master weights or computes in fp32, else the
+    recipe's gradient bytes (``bf16-pure``: 2) (module docstring)."""
+    recipe = get_recipe(precision)
+    return 4 if recipe.master_bytes > 0 else recipe.grad_bytes
+
+
+def syncs_once_per_step(strategy: Strategy) -> bool:
+    """Whether FSDP reduce-scatters the gradients once per optimizer step (holding them unsharded until then)
+    rather than after every micro-batch: ``fsdp_grad_sync == "step"`` with accumulation, or torch pipelining
+    (pipeline_fsdp.py), torch engine with FSDP only."""
+    if strategy.engine != "torch" or strategy.fsdp == "none":
+        return False
+    return strategy.pp > 1 or (strategy.fsdp_grad_sync == "step" and strategy.grad_accum > 1)
+
+
+def reduce_scatters_per_step(strategy: Strategy) -> int:
+    """FSDP gradient reduce-scatters per optimizer step (count): 1 when :func:`syncs_once_per_step`, else one
+    per micro-batch."""
+    return 1 if syncs_once_per_step(strategy) else strategy.grad_accum
+
+
+def accumulated_grad_bytes(stage_params_per_rank: float, trainable_share: float, precision: str) -> int:
+    """A stage's unsharded gradients held across the micro-batches of a step (bytes per GPU): its trainable
+    parameters (``stage_params_per_rank`` x ``trainable_share``, after tensor parallelism) at
+    :func:`fsdp_reduce_bytes` each."""
+    return round(stage_params_per_rank * trainable_share * fsdp_reduce_bytes(precision))
