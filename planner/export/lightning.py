@@ -155,6 +155,11 @@ def _check_exportable(plan: ExportPlan) -> None:
             "Lightning's FSDP precision plugin has no 'transformer-engine' (fp8) mode: use DDP (--fsdp none) for "
             "fp8, or plan with --precision bf16"
         )
+    if s.fsdp != "none" and s.fsdp_grad_sync == "step" and s.grad_accum > 1:
+        raise NotExportable(
+            "Lightning's Trainer reduce-scatters FSDP gradients after every micro-batch (its block_backward_sync "
+            "skips only DDP's): plan with --fsdp-grad-sync micro_batch, or export accelerate or hf"
+        )
     if s.fsdp != "none" and not plan.block_class:
         raise NotExportable(
             "FSDP wraps one repeated block at a time and the model profile names no repeated block class: profile "

@@ -331,6 +331,8 @@ def test_notes() -> None:
     ({"engine": "torch", "fsdp": "full", "dp": 8, "precision": "fp8"}, {}, "transformer-engine"),
     ({"engine": "deepspeed", "zero": 2, "dp": 8, "precision": "fp8"}, {}, "fp8"),
     ({"engine": "torch", "fsdp": "grad_op", "dp": 8}, {"block_class": None}, "repeated block"),
+    ({"engine": "torch", "fsdp": "full", "dp": 8, "grad_accum": 4, "fsdp_grad_sync": "step"}, {},
+     "fsdp-grad-sync micro_batch"),
     ({"engine": "torch", "dp": 12}, {}, "whole number of 8-GPU nodes"),
     ({"engine": "deepspeed", "zero": 0, "dp": 8, "precision": "bf16-pure"}, {}, "ZeRO stage 1-3"),
     ({"engine": "deepspeed", "zero": 1, "dp": 8, "offload_optimizer": "nvme"}, {}, "NVMe"),
