@@ -361,9 +361,9 @@ def buffer_items(profile: ModelProfile, strategy: Strategy, *, stage: int = 0,
     the blocks run; SHARD_GRAD_OP: the whole model) and one unit's reduce-scatter input (in the reduce dtype:
     fsdp_grad_sync.fsdp_reduce_bytes; FSDP2 keeps the last one alive until the next unit reduces:
     ``FSDPCommContext.reduce_scatter_states``, torch 2.13 ``_fsdp_param_group.post_backward``); HSDP with
-    more than one replica also keeps every block unit's fp32 all-reduce output until the end of backward
+    more than one replica also keeps every block unit's all-reduce output (reduce dtype) until the end of backward
     (``FSDPParamGroup._all_reduce_state``, cleared in ``finalize_backward``); on CPU ranks gloo's reduce-scatter
-    holds an fp32 copy of its input into the stem's backward (measured by benchmarks/fidelity_train.py on
+    holds a copy of its input into the stem's backward (measured by benchmarks/fidelity_train.py on
     torch 2.13); FSDP that reduces once per step (``fsdp_grad_sync="step"``, fsdp_grad_sync.py) holds the stage's
     unsharded accumulated gradients through the micro-batches. Megatron: its gradient buffer is the
     fp32 main_grad already counted in grads_bytes. Pipeline and context parallelism add their send/receive
@@ -376,8 +376,6 @@ def buffer_moments(profile: ModelProfile, strategy: Strategy, *, stage: int = 0,
                    gpus_per_node: int = 8) -> dict[str, Moments]:
     """When each of :func:`buffer_items` is alive: a set of moments, or None for the whole step."""
     return {k: m for k, (_, m) in _buffers(profile, strategy, stage, gpus_per_node).items()}
-
-
 
 
 def _buffers(profile: ModelProfile, strategy: Strategy, stage: int,
