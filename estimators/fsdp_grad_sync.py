@@ -51,12 +51,6 @@ def syncs_once_per_step(strategy: Strategy) -> bool:
     return strategy.pp > 1 or (strategy.fsdp_grad_sync == "step" and strategy.grad_accum > 1)
 
 
-def reduce_scatters_per_step(strategy: Strategy) -> int:
-    """FSDP gradient reduce-scatters per optimizer step (count): 1 when :func:`syncs_once_per_step`, else one
-    per micro-batch."""
-    return 1 if syncs_once_per_step(strategy) else strategy.grad_accum
-
-
 def accumulated_grad_bytes(stage_params_per_rank: float, trainable_share: float, precision: str) -> int:
     """A stage's unsharded gradients held across the micro-batches of a step (bytes per GPU): its trainable
     parameters (``stage_params_per_rank`` x ``trainable_share``, after tensor parallelism) at

@@ -10,7 +10,7 @@ from optplan.estimators.arch import parse_arch, profile_from_arch
 from optplan.estimators.comm import link_for, ring_all_gather_s, ring_reduce_scatter_s
 from optplan.estimators.efficiency import efficiency_for
 from optplan.estimators.estimate import estimate
-from optplan.estimators.fsdp_grad_sync import reduce_scatters_per_step
+from optplan.estimators.fsdp_grad_sync import syncs_once_per_step
 from optplan.estimators.hardware import Cluster, find_gpu
 from optplan.estimators.memory import buffer_items, buffer_moments, stage_params
 from optplan.estimators.parallel import placement
@@ -38,8 +38,8 @@ def test_which_plans_keep_the_stage_unsharded() -> None:
     assert not keeps_stage_unsharded(_torch(pp=1))
     assert not keeps_stage_unsharded(_torch(fsdp="none"))
     assert not keeps_stage_unsharded(Strategy(engine="megatron", zero=1, dp=4, tp=2, pp=2, grad_accum=8))
-    assert reduce_scatters_per_step(_torch()) == 1
-    assert reduce_scatters_per_step(_torch(pp=1)) == 8
+    assert syncs_once_per_step(_torch())  # one gather and reduce-scatter per step
+    assert not syncs_once_per_step(_torch(pp=1))  # one per micro-batch
 
 
 def test_data_parallel_traffic_is_one_gather_and_one_reduce_per_step() -> None:
