@@ -99,7 +99,8 @@ FLAGS = {
           "cover: optplan prices topk copies per token",
     "ov": "all-to-all overlapped with compute where optplan's ep_overlap cannot express it (DualPipe, or Megatron's "
           "overlap outside its rules as mapped): optplan exposes it",
-    "dual": "DualPipe schedule: priced as 1F1B",
+    "dual": "DualPipe schedule whose layout optplan's pp_schedule dualpipe cannot take (odd pp, or fewer than 2·pp "
+            "micro-batches): priced as 1F1B",
     "mtp": "multi-token-prediction module not in the profile",
     "fsdp": "FSDP (Megatron-FSDP / torch FSDP2) priced as Megatron's distributed optimizer (zero 1)",
     "torch": "PyTorch (AutoModel) engine priced as Megatron-Core",
@@ -300,10 +301,13 @@ def plan(row: dict[str, Any]) -> Plan:
             strategy = Strategy(**{**strategy.model_dump(), "ep_overlap": True})
         except ValueError:
             flags.append("ov")
+    elif "dualpipe" in features:  # optplan's pp_schedule dualpipe: its schedule, two stages per rank, its overlap
+        try:
+            strategy = Strategy(**{**strategy.model_dump(), "pp_schedule": "dualpipe"})
+        except ValueError:
+            flags += ["dual", "ov"]
     elif any(f.startswith("a2a-overlap") for f in features):
         flags.append("ov")
-    if "dualpipe" in features:
-        flags.append("dual")
     if shape["mtp_layers"] and "mtp" in features:
         flags.append("mtp")
     if any(f in features for f in ("megatron-fsdp", "torch-fsdp2")):

@@ -21,8 +21,8 @@ from __future__ import annotations
 from optplan.estimators.fp8_activations import fp8_saved_bytes_per_token
 from optplan.estimators.moe_recompute import saved_bytes_per_token
 from optplan.estimators.parallel import layers_per_stage
-from optplan.estimators.params_placement import stage_params
-from optplan.estimators.pipeline import in_flight_microbatches
+from optplan.estimators.params_placement import rank_stages, stage_params
+from optplan.estimators.pipeline import DUALPIPE_IN_FLIGHT_EXTRA, in_flight_microbatches
 from optplan.estimators.precision import get_recipe
 from optplan.estimators.profile import FROZEN_16BIT, STEP_PHASES, WEIGHTS_16BIT, ActivationFit, ModelProfile
 from optplan.estimators.strategy import Strategy
@@ -40,7 +40,11 @@ def in_flight_micro_batches(strategy: Strategy, stage: int = 0) -> float:
     1F1B: stage i holds min(p − i, m) (Narayanan et al. 2021 §2.2.1); interleaved with v virtual stages
     the first stage holds p·(1 + (p−1)/(p·v)) stage-loads (Korthikanti et al. 2022 §4.2.3), which is
     Megatron's warm-up count, computed per stage by :func:`optplan.estimators.pipeline.in_flight_microbatches`.
+    DualPipe: p + 1 chunk-micro-batches, each one stage's layers, on every rank (DeepSeek-V3 report Table 2;
+    :data:`optplan.estimators.pipeline.DUALPIPE_IN_FLIGHT_EXTRA`).
     """
+    if strategy.pp_schedule == "dualpipe" and strategy.pp > 1:
+        return float(min(strategy.pp + DUALPIPE_IN_FLIGHT_EXTRA, strategy.grad_accum))
     return in_flight_microbatches(strategy.pp, stage, strategy.grad_accum, strategy.vpp)
 
 
@@ -117,7 +121,7 @@ def _per_sample_stage_bytes(profile: ModelProfile, strategy: Strategy, mode: str
     scale = 2 if recipe.activation_precision == "fp32" else 1
     t, cp, p = strategy.tp, strategy.cp, strategy.pp
     measured = profile.activation(recipe.activation_precision, "none").per_sample_bytes
-    last = stage == p - 1
+    last = p - 1 in rank_stages(strategy, stage)  # DualPipe's first and last ranks hold both ends
     held = in_flight_micro_batches(strategy, stage)
     block, shape = profile.repeated_block, profile.transformer
     if block is None:  # no layers to split: the whole model is one stage's work

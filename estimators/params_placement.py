@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict
 
 from optplan.estimators.expert_parallel import expert_params_not_held
 from optplan.estimators.parallel import layers_per_stage
+from optplan.estimators.pipeline import dualpipe_stages
 from optplan.estimators.profile import ModelProfile
 from optplan.estimators.strategy import Strategy
 from optplan.estimators.tensor_plan import params_per_tp_rank, uses_model_tp_plan
@@ -53,8 +54,22 @@ def param_split(profile: ModelProfile) -> ParamSplit:
 
 def stage_params(profile: ModelProfile, strategy: Strategy, stage: int = 0) -> float:
     """Parameters held by one rank of pipeline ``stage`` after tensor and expert parallelism (count, before
-    ZeRO): with ep > 1 the routed experts of the stage's MoE layers are 1/ep of them (estimators/expert_parallel.py)."""
-    held = stage_params_all_experts(profile, strategy, stage)
+    ZeRO): with ep > 1 the routed experts of the stage's MoE layers are 1/ep of them (estimators/expert_parallel.py).
+    Under DualPipe the rank also holds the mirrored stage p − 1 − ``stage`` (estimators/pipeline.py)."""
+    return sum(one_stage_params(profile, strategy, st) for st in rank_stages(strategy, stage))
+
+
+def rank_stages(strategy: Strategy, stage: int) -> tuple[int, ...]:
+    """The pipeline stages the rank of ``stage`` holds: its own, and under DualPipe the mirrored one too."""
+    if strategy.pp_schedule == "dualpipe" and strategy.pp > 1:
+        return dualpipe_stages(strategy.pp, stage)
+    return (stage,)
+
+
+def one_stage_params(profile: ModelProfile, strategy: Strategy, stage: int = 0) -> float:
+    """Parameters of one pipeline stage on one rank after tensor and expert parallelism (count, before ZeRO):
+    :func:`stage_params` without DualPipe's second stage."""
+    held = _one_stage_all_experts(profile, strategy, stage)
     if strategy.ep == 1:
         return held
     block = profile.repeated_block
@@ -63,6 +78,12 @@ def stage_params(profile: ModelProfile, strategy: Strategy, stage: int = 0) -> f
 
 
 def stage_params_all_experts(profile: ModelProfile, strategy: Strategy, stage: int = 0) -> float:
+    """Parameters of the rank of ``stage`` with every routed expert counted (what data-parallel sharding divides;
+    count): its stages' (:func:`rank_stages`)."""
+    return sum(_one_stage_all_experts(profile, strategy, st) for st in rank_stages(strategy, stage))
+
+
+def _one_stage_all_experts(profile: ModelProfile, strategy: Strategy, stage: int = 0) -> float:
     split = param_split(profile)
     t, p = strategy.tp, strategy.pp
     if uses_model_tp_plan(profile, strategy) and p == 1:

@@ -27,6 +27,7 @@ from its input); moe (the MoE layers from their input: router, dispatch, experts
 ``--recompute-modules moe``, estimators/moe_recompute.py)."""
 DispatcherName = Literal["alltoall", "deepep"]
 FsdpGradSync = Literal["micro_batch", "step"]
+PipelineSchedule = Literal["1f1b", "dualpipe"]
 
 OPTIMIZER_ALIASES: dict[str, str] = {
     "adamw-8bit": "adamw8bit", "adam8bit": "adamw8bit", "adamw_8bit": "adamw8bit",
@@ -62,6 +63,11 @@ class Strategy(BaseModel):
     tp: int = Field(default=1, ge=1, description="tensor-parallel degree")
     pp: int = Field(default=1, ge=1, description="pipeline-parallel stages")
     vpp: int = Field(default=1, ge=1, description="virtual pipeline stages per rank (interleaved 1F1B when > 1)")
+    pp_schedule: PipelineSchedule = Field(
+        default="1f1b", description="pipeline schedule: 1f1b (Megatron-LM's, interleaved with vpp > 1) or dualpipe "
+                                    "(DeepSeek-V3's bidirectional DualPipe: each rank holds two stages, and pairs a "
+                                    "forward with a backward chunk to hide their communication; priced, not "
+                                    "exported: estimators/pipeline.py)")
     cp: int = Field(default=1, ge=1, description="context-parallel degree (sequence split over ranks)")
     ep: int = Field(default=1, ge=1, description="expert-parallel degree: the routed experts of each MoE layer split "
                                                  "over ep ranks of the data-parallel (x context) group")
@@ -181,6 +187,19 @@ class Strategy(BaseModel):
         if self.fsdp_grad_sync == "step" and (self.engine != "torch" or self.fsdp == "none"):
             raise ValueError("--fsdp-grad-sync step defers torch FSDP's gradient reduce-scatter to the last "
                              "micro-batch: use --engine torch with --fsdp full|grad_op|hybrid, or drop it")
+        if self.pp_schedule == "dualpipe":
+            if self.engine != "megatron":
+                raise ValueError("--pp-schedule dualpipe prices DeepSeek's DualPipe on Megatron-Core's model of the "
+                                 "layers: use --engine megatron, or --pp-schedule 1f1b")
+            if self.pp < 2 or self.pp % 2:
+                raise ValueError(f"DualPipe pairs stage r with stage p-1-r: --pp must be even and >= 2 (got {self.pp})")
+            if self.vpp > 1:
+                raise ValueError("DualPipe is not interleaved: use --vpp 1 with --pp-schedule dualpipe")
+            if self.grad_accum % 2 or self.grad_accum < 2 * self.pp:
+                raise ValueError(f"DualPipe runs an even number of micro-batches, at least 2 x --pp = {2 * self.pp} "
+                                 f"(got {self.grad_accum}): raise --gas/--global-batch")
+            if self.ep_overlap:
+                raise ValueError("DualPipe overlaps the all-to-alls itself: drop --ep-overlap (Megatron-LM's overlap)")
         if self.ep > 1 and (self.dp * self.cp) % self.ep:
             raise ValueError(f"--ep {self.ep} must divide the data-parallel x context-parallel ranks "
                              f"{self.dp * self.cp} (Megatron-Core carves the expert group out of them): change --ep")
@@ -216,6 +235,8 @@ class Strategy(BaseModel):
                 parts.append(f"{name}{getattr(self, name)}")
         if self.vpp > 1:
             parts.append(f"vpp{self.vpp}")
+        if self.pp_schedule != "1f1b":
+            parts.append(self.pp_schedule)
         if self.tp > 1 and not self.sp:
             parts.append("no-sp")
         parts.append(f"FSDP-{self.fsdp}" if self.fsdp != "none" else f"ZeRO-{self.zero}")

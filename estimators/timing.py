@@ -95,7 +95,8 @@ from optplan.estimators.memory import param_split, stage_params
 from optplan.estimators.moe import expert_mlp_params
 from optplan.estimators.moe_recompute import moe_mlp_share
 from optplan.estimators.parallel import Placement, layers_per_stage, placement
-from optplan.estimators.pipeline import pipeline_time_s
+from optplan.estimators.params_placement import one_stage_params
+from optplan.estimators.pipeline import dualpipe_solo_fraction, dualpipe_time_s, pipeline_time_s
 from optplan.estimators.pipeline_fsdp import keeps_stage_unsharded
 from optplan.estimators.precision import get_recipe
 from optplan.estimators.profile import ModelProfile
@@ -413,10 +414,12 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
                   / (gpu.memory_bandwidth_bytes_per_s * DEQUANT_BANDWIDTH_FRACTION))
     layer_ep_total = a2a_pass * (3 if full or moe_rc else 2)
     layer_ep = layer_ep_total
-    if s_.ep_overlap:  # batch-level overlap (estimators/ep_overlap.py): windows of the partner micro-batch's passes
+    dualpipe = s_.pp_schedule == "dualpipe" and p > 1
+    solo = dualpipe_solo_fraction(p, m) if dualpipe else solo_fraction(p, v, m)
+    if s_.ep_overlap or dualpipe:  # a partner micro-batch's passes hide the all-to-alls (estimators/ep_overlap.py)
         fwd_window = lt.fwd_gemm_s + lt.fwd_elementwise_s
         bwd_window = lt.bwd_gemm_s + lt.bwd_elementwise_s + layer_recompute
-        layer_ep = overlapped_a2a_s(a2a_pass, a2a_pass, fwd_window, bwd_window, solo_fraction(p, v, m))
+        layer_ep = overlapped_a2a_s(a2a_pass, a2a_pass, fwd_window, bwd_window, solo)
     layer_device = layer_compute + layer_mem + layer_recompute + layer_tp + layer_cp_exposed + layer_ep
     host_layer = eff.host_layer_pass_s * host_layer_passes(s_)
     host_sync = 2 * (t - 1) * eff.host_collective_step_s  # per tensor-parallel collective
@@ -437,6 +440,8 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
     if p > 1:
         p2p = 2 * v * p2p_s(tokens * h * elem / (t if s_.sp else 1), links["pp"])
     p2p_exposed = P2P_EXPOSED_INTERLEAVED * p2p if overlaps_p2p(s_) else p2p
+    if dualpipe:  # DualPipe's paired chunks hide the point-to-point sends too (DeepSeek-V3 report §3.2.1)
+        p2p_exposed = solo * p2p
     tp_small = 0.0
     if t > 1:  # vocabulary-parallel embedding / logits: one activation collective + 3 tiny CE all-reduces
         tp_small = tp_one
@@ -455,6 +460,7 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
     for st in stages:
         first, last = st == 0, st == p - 1
         params_local = stage_params(profile, s_, st)
+        chunk_params = one_stage_params(profile, s_, st)  # what one micro-batch's chunk runs (DualPipe: one stage)
         layers = lps if p > 1 else dims.layers
         head_compute = head_mem = head_tp = 0.0
         if first:
@@ -464,9 +470,9 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
             head_compute += ht.logits_gemm_s + extra_s
             head_mem += ht.logits_elementwise_s
             head_tp += tp_small + ce_allreduce
-        accum_mem = 3 * grad_bytes * params_local / hbm
+        accum_mem = 3 * grad_bytes * chunk_params / hbm
         head_mem += accum_mem
-        head_mem += autocast_cast_bytes_per_microbatch(recipe, params=params_local, trainable=params_local * trainable,
+        head_mem += autocast_cast_bytes_per_microbatch(recipe, params=chunk_params, trainable=chunk_params * trainable,
                                                        recompute=full) / hbm
         head_dev = head_compute + head_mem + head_tp
         layers_dev = layers * layer_device
@@ -488,7 +494,11 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
     times = [info["time"] for info in stage_info]
     if p > 2:  # middle stages are all equal: count them p − 2 times
         times = [times[0]] + [times[1]] * (p - 2) + [times[2]]
-    pipe = pipeline_time_s(times, m, v)
+    if dualpipe:  # rank r runs half the micro-batches through stage r, half through p - 1 - r
+        pipe = dualpipe_time_s(times, m)
+        stage_info = _dualpipe_ranks(stage_info)
+    else:
+        pipe = pipeline_time_s(times, m, v)
     slow = max(stage_info, key=lambda info: info["time"])
 
     # after the flush, per rank: DP sync, tied-embedding all-reduce, optimizer, host step overhead
@@ -532,6 +542,16 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
     }
     return _finish(profile, s_, cluster, parts=parts,
                    efficiency_peak=gpu.peak_flops_for(recipe.compute_dtype), hardware_flops_per_sample=hw_per_sample)
+
+
+def _dualpipe_ranks(stage_info: list[dict[str, float]]) -> list[dict[str, float]]:
+    """DualPipe's ranks from the stages priced (first, [middle,] last): the first rank's per-micro-batch figures are
+    the mean of the first and last stages' (each micro-batch runs one of its two stages); a middle rank's pair two
+    equal middle stages. ``params`` is already the rank's two stages' (params_placement.stage_params)."""
+    first, last = stage_info[0], stage_info[-1]
+    ends = {key: (first[key] + last[key]) / 2 for key in first}
+    ends["params"] = first["params"]
+    return [ends, *stage_info[1:-1]]
 
 
 PAGING_ROUND_TRIPS = 2

@@ -7,8 +7,10 @@ collected after tests/probes/ import these from here.
 
 from __future__ import annotations
 
-from optplan.estimators.hardware import GPUSpec
+from optplan.estimators.arch import parse_arch, profile_from_arch
+from optplan.estimators.hardware import Cluster, GPUSpec, find_gpu
 from optplan.estimators.profile import ActivationFit, ModelProfile, RepeatedBlock, TransformerShape
+from optplan.estimators.strategy import Strategy
 
 
 def make_gpu(memory_gib: float = 80.0, *, bf16: bool = True) -> GPUSpec:
@@ -44,3 +46,17 @@ def make_profile(params: int = 124_439_808, *, trainable: int | None = None, lay
         bwd_flops_per_sample=2 * flops / 3, activations=fits,
         transformer=TransformerShape(hidden=hidden, layers=layers, heads=max(1, hidden // 64)),
     )
+
+
+DUALPIPE_MOE_ARCH = ("layers=16,hidden=2048,heads=16,ffn=8192,vocab=32000,gated=1,tied=0,experts=64,topk=8,moe_ffn=512,"
+                     "shared_experts=1,first_dense=1,seq=4096")
+"""A small DeepSeek-style MoE shape (64 experts, top-8, a shared expert, one dense first layer) for the DualPipe
+tests: a 64-H100 plan with pp 4 and ep 8."""
+
+
+def dualpipe_moe_plan(**kw: object) -> tuple[ModelProfile, Cluster, Strategy]:
+    """(profile of :data:`DUALPIPE_MOE_ARCH`, 64 H100s, a Megatron DualPipe strategy with ``kw`` changed)."""
+    fields = {"engine": "megatron", "precision": "bf16", "pp": 4, "dp": 16, "ep": 8, "zero": 1, "mbs": 1,
+              "grad_accum": 16, "pp_schedule": "dualpipe", **kw}
+    cluster = Cluster(gpu=find_gpu("H100-SXM"), gpus=64, gpus_per_node=8)
+    return profile_from_arch(parse_arch(DUALPIPE_MOE_ARCH), name="moe"), cluster, Strategy(**fields)  # type: ignore[arg-type]

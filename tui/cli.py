@@ -224,6 +224,7 @@ def estimate(
     sp: Annotated[bool | None, typer.Option("--sp/--no-sp", help="sequence parallelism (default: on when tp > 1, except on the torch engine)", show_default=False)] = None,
     zero: Annotated[int | None, typer.Option("--zero", help="DeepSpeed ZeRO stage 0-3")] = None,
     fsdp: Annotated[str | None, typer.Option("--fsdp", help="torch FSDP: full, grad_op or hybrid (HSDP)")] = None,
+    pp_schedule: Annotated[str, typer.Option("--pp-schedule", help="pipeline schedule with --pp: 1f1b (Megatron-LM's; interleaved with --vpp) or dualpipe (DeepSeek-V3's DualPipe: two stages per rank, forward and backward chunks paired to hide the all-to-alls; priced, not exported; --engine megatron)")] = "1f1b",
     fsdp_grad_sync: Annotated[str, typer.Option("--fsdp-grad-sync", help="when FSDP reduce-scatters gradients under --gas: micro_batch (after each, FSDP2's default) or step (once, holding them unsharded: FSDP1 no_sync, accelerate without sync_each_batch)")] = "micro_batch",
     offload: Annotated[str | None, typer.Option("--offload", help="none, optimizer or params (CPU)")] = None,
     mbs: Annotated[int, typer.Option("--mbs", help="micro-batch per GPU")] = 1,
@@ -281,8 +282,9 @@ def estimate(
             notes.append(f"{target.gpu.name} has no bf16 math: precision fp16 (pass --precision to choose)")
         _check_choice("--dispatcher", dispatcher, ("alltoall", "deepep"))
         _check_choice("--fsdp-grad-sync", fsdp_grad_sync, ("micro_batch", "step"))
+        _check_choice("--pp-schedule", pp_schedule, ("1f1b", "dualpipe"))
         flags = StrategyFlags(dp=dp, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, dispatcher=dispatcher, ep_overlap=ep_overlap, comm_overlap=comm_overlap,
-                              fsdp_grad_sync=fsdp_grad_sync, sp=sp, zero=zero,
+                              fsdp_grad_sync=fsdp_grad_sync, pp_schedule=pp_schedule, sp=sp, zero=zero,
                               fsdp=fsdp, offload=offload,
                               offload_optimizer=offload_optimizer, offload_params=offload_params,
                               precision=chosen, optimizer=optimizer, mbs=mbs, gas=grad_accum,

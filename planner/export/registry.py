@@ -167,6 +167,14 @@ def _private_torch_cache() -> Iterator[None]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def _schedule_exportable(plan: ExportPlan) -> None:
+    """DualPipe plans are priced, not exported: no trainer optplan writes for runs DeepSeek's schedule."""
+    if plan.strategy.pp_schedule == "dualpipe":
+        raise NotExportable("DualPipe (--pp-schedule dualpipe) is DeepSeek's schedule, which none of the trainers "
+                            "optplan exports for runs (Megatron-LM, DeepSpeed, torch): the plan is priced, not "
+                            "exported; plan with --pp-schedule 1f1b for a launch config")
+
+
 def render_targets(plan: ExportPlan, names: Sequence[str], *, options: ExportOptions | None = None,
                    ) -> tuple[dict[str, str], list[str]]:
     """Render and validate the ``names`` targets for ``plan``: (file name -> text, skipped-target reasons).
@@ -191,6 +199,7 @@ def render_targets(plan: ExportPlan, names: Sequence[str], *, options: ExportOpt
                         and hf_model_folder(plan.model_path) is None:
                     continue  # full training of a model file: finetune.py needs a Hugging Face model
                 try:
+                    _schedule_exportable(plan)
                     files.update(TARGETS[name](plan, opts))
                 except ExportValidationError:
                     raise

@@ -56,14 +56,17 @@ def test_closest_plan_keeps_expert_sharding() -> None:
 
 
 def test_sources_interleaving_and_overlap_are_planned_as_run() -> None:
-    """Uneven interleaved layouts (94 or 61 layers on pp 8 x vpp 4) and Megatron's all-to-all overlap are priced as
-    the sources ran them, not dropped (estimators/pipeline_layout.py, estimators/ep_overlap.py)."""
+    """Uneven interleaved layouts (94 or 61 layers on pp 8 x vpp 4), Megatron's all-to-all overlap and DualPipe are
+    priced as the sources ran them, not dropped (estimators/pipeline_layout.py, estimators/ep_overlap.py,
+    estimators/pipeline.py)."""
     qwen = next(r for r in ROWS if r["id"] == "zoo-qwen3-235b-deepep-ep32-pp8-a2a-overlap")
     p = bench.plan(qwen)
     assert (p.strategy.pp, p.strategy.vpp) == (8, 4) and p.strategy.ep_overlap
     assert "vpp" not in p.flags and "ov" not in p.flags
     dualpipe = next(r for r in ROWS if "dualpipe" in r["features"])
-    assert "ov" in bench.plan(dualpipe).flags  # DualPipe is not Megatron's overlap: still exposed, and flagged
+    p = bench.plan(dualpipe)  # DualPipe is not Megatron's overlap: optplan's own schedule, its pairs hiding the a2a
+    assert p.strategy.pp_schedule == "dualpipe" and not p.strategy.ep_overlap
+    assert "ov" not in p.flags and "dual" not in p.flags
 
 
 def test_the_committed_domain_holds_the_moe_sets_as_the_benchmark_writes_them() -> None:
