@@ -43,8 +43,8 @@ def in_flight_micro_batches(strategy: Strategy, stage: int = 0) -> float:
     DualPipe: p + 1 chunk-micro-batches, each one stage's layers, on every rank (DeepSeek-V3 report Table 2;
     :data:`optplan.estimators.pipeline.DUALPIPE_IN_FLIGHT_EXTRA`).
     """
-    if strategy.pp_schedule == "dualpipe" and strategy.pp > 1:
-        return float(min(strategy.pp + DUALPIPE_IN_FLIGHT_EXTRA, strategy.grad_accum))
+    if strategy.dualpipe:
+        return float(strategy.pp + DUALPIPE_IN_FLIGHT_EXTRA)
     return in_flight_microbatches(strategy.pp, stage, strategy.grad_accum, strategy.vpp)
 
 

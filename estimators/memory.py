@@ -365,7 +365,7 @@ def _stage_breakdown(profile: ModelProfile, strategy: Strategy, capacity_bytes: 
     p = strategy.pp
     if p == 1:
         rank = "every rank"
-    elif strategy.pp_schedule == "dualpipe":
+    elif strategy.dualpipe:
         held = in_flight_micro_batches(strategy, stage)
         rank = (f"DualPipe rank {stage} of {p} (stages {stage} and {p - 1 - stage}: embedding, output head and loss, "
                 f"{held:g} chunk-micro-batches in flight)")
@@ -400,7 +400,7 @@ def memory_breakdown(profile: ModelProfile, strategy: Strategy, capacity_bytes: 
     ``adam_impl`` overrides the engine's default AdamW implementation and ``device`` says where the step
     runs ("cpu" for a real CPU step, e.g. the exact-accounting benchmark). ``gpu`` (a catalogue name) sizes
     the CUDA libraries' workspaces (library_workspaces.py; None: their default size)."""
-    stages = (0,) if strategy.pp == 1 else (0,) if strategy.pp_schedule == "dualpipe" else (0, strategy.pp - 1)
+    stages = (0,) if strategy.pp == 1 else (0,) if strategy.dualpipe else (0, strategy.pp - 1)
     worst = [_stage_breakdown(profile, strategy, capacity_bytes, gpus_per_node, s, adam_impl, device, gpu)
              for s in stages]
     return max(worst, key=lambda m: m.total_bytes)

@@ -61,7 +61,7 @@ def stage_params(profile: ModelProfile, strategy: Strategy, stage: int = 0) -> f
 
 def rank_stages(strategy: Strategy, stage: int) -> tuple[int, ...]:
     """The pipeline stages the rank of ``stage`` holds: its own, and under DualPipe the mirrored one too."""
-    if strategy.pp_schedule == "dualpipe" and strategy.pp > 1:
+    if strategy.dualpipe:
         return dualpipe_stages(strategy.pp, stage)
     return (stage,)
 

@@ -223,6 +223,11 @@ class Strategy(BaseModel):
         return max(self.zero, FSDP_STAGE[self.fsdp])
 
     @property
+    def dualpipe(self) -> bool:
+        """True under DualPipe (validation guarantees its even pp >= 2 and its >= 2·pp micro-batches)."""
+        return self.pp_schedule == "dualpipe"
+
+    @property
     def model_parallel(self) -> bool:
         """True when tensor, pipeline or context parallelism is used."""
         return self.tp > 1 or self.pp > 1 or self.cp > 1 or self.ep > 1

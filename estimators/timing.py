@@ -414,7 +414,7 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
                   / (gpu.memory_bandwidth_bytes_per_s * DEQUANT_BANDWIDTH_FRACTION))
     layer_ep_total = a2a_pass * (3 if full or moe_rc else 2)
     layer_ep = layer_ep_total
-    dualpipe = s_.pp_schedule == "dualpipe" and p > 1
+    dualpipe = s_.dualpipe
     solo = dualpipe_solo_fraction(p, m) if dualpipe else solo_fraction(p, v, m)
     if s_.ep_overlap or dualpipe:  # a partner micro-batch's passes hide the all-to-alls (estimators/ep_overlap.py)
         fwd_window = lt.fwd_gemm_s + lt.fwd_elementwise_s

@@ -268,7 +268,7 @@ def _band_from(profile: ModelProfile, strategy: Strategy, gpu: str, mfu: float, 
     if s.engine == "torch" and s.fsdp != "none" and s.pp == 1 and s.fsdp_grad_sync == "step" and s.grad_accum > 1:
         widen += WIDEN_UNMEASURED  # its memory was measured (CPU probe); no step time with it anywhere
         outside.append("FSDP's once-per-step gradient reduction (fsdp_grad_sync step) was never timed")
-    if s.pp_schedule == "dualpipe":  # one published run (DeepSeek-V3's report, H800), a production average
+    if s.dualpipe:  # one published run (DeepSeek-V3's report, H800), a production average
         widen += WIDEN_UNMEASURED
         outside.append("DualPipe's schedule rests on one published run (DeepSeek-V3's report: 180K H800 GPU hours "
                        "per trillion tokens; benchmarks/fidelity_moe.py)")

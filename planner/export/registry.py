@@ -169,7 +169,7 @@ def _private_torch_cache() -> Iterator[None]:
 
 def _schedule_exportable(plan: ExportPlan) -> None:
     """DualPipe plans are priced, not exported: no trainer optplan writes for runs DeepSeek's schedule."""
-    if plan.strategy.pp_schedule == "dualpipe":
+    if plan.strategy.dualpipe:
         raise NotExportable("DualPipe (--pp-schedule dualpipe) is DeepSeek's schedule, which none of the trainers "
                             "optplan exports for runs (Megatron-LM, DeepSpeed, torch): the plan is priced, not "
                             "exported; plan with --pp-schedule 1f1b for a launch config")
