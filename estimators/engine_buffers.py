@@ -30,7 +30,6 @@ from optplan.estimators.pipeline_fsdp import keeps_stage_unsharded, unsharded_st
 from optplan.estimators.precision import Recipe, get_recipe
 from optplan.estimators.profile import STEP_PHASES, ModelProfile
 from optplan.estimators.strategy import Strategy
-from optplan.estimators.temporaries import DeviceKind
 
 
 def fp8_cache_bytes(recipe: Recipe) -> float:
@@ -96,14 +95,14 @@ def buffer_items(profile: ModelProfile, strategy: Strategy, *, stage: int = 0,
     bucket plus the parameters it keeps gathered (:func:`zero3_gathered_params`) in weight dtype, its in-flight
     all-gather (:func:`zero3_prefetch_params`), and the unpartitioned tensors under
     ``stage3_param_persistence_threshold``. torch: DDP's gradient buckets (a copy of every gradient), or
-    FSDP's gathered parameters (FULL/HYBRID: the root unit while the model runs and two block units while
-    the blocks run; SHARD_GRAD_OP: the whole model) and one unit's reduce-scatter input (in the reduce dtype:
+    FSDP's gathered parameters (FULL/HYBRID: the root unit while the model runs, one block unit while the blocks
+    run and the next one prefetched in the forward and in the blocks' backward after the first gradient: at the
+    start of backward, the head's, only the last block's is gathered, measured by benchmarks/fidelity_train.py on
+    torch 2.13, fsdp-full fp32 without recomputation; SHARD_GRAD_OP: the whole model) and one unit's reduce-scatter input (in the reduce dtype:
     fsdp_grad_sync.fsdp_reduce_bytes; FSDP2 keeps the last one alive until the next unit reduces:
     ``FSDPCommContext.reduce_scatter_states``, torch 2.13 ``_fsdp_param_group.post_backward``); HSDP with
     more than one replica also keeps every block unit's all-reduce output (reduce dtype) until the end of backward
-    (``FSDPParamGroup._all_reduce_state``, cleared in ``finalize_backward``); on CPU ranks gloo's reduce-scatter
-    holds a copy of its input into the stem's backward (measured by benchmarks/fidelity_train.py on
-    torch 2.13); FSDP that reduces once per step (``fsdp_grad_sync="step"``, fsdp_grad_sync.py) holds the stage's
+    (``FSDPParamGroup._all_reduce_state``, cleared in ``finalize_backward``); FSDP that reduces once per step (``fsdp_grad_sync="step"``, fsdp_grad_sync.py) holds the stage's
     unsharded accumulated gradients through the micro-batches. Megatron: its gradient buffer is the
     fp32 main_grad already counted in grads_bytes. Pipeline and context parallelism add their send/receive
     tensors.
@@ -118,7 +117,7 @@ def buffer_moments(profile: ModelProfile, strategy: Strategy, *, stage: int = 0,
 
 
 def buffers_with_moments(profile: ModelProfile, strategy: Strategy, stage: int,
-             gpus_per_node: int, device: DeviceKind = "cuda") -> dict[str, tuple[int, Moments]]:
+                         gpus_per_node: int) -> dict[str, tuple[int, Moments]]:
     recipe = get_recipe(strategy.precision)
     items: dict[str, tuple[int, Moments]] = {}
     dpcp = strategy.dp * strategy.cp
@@ -174,7 +173,8 @@ def buffers_with_moments(profile: ModelProfile, strategy: Strategy, stage: int,
                 if root:
                     items["fsdp_root_unit"] = (round(root * weight), WHILE_MODEL_RUNS)
                 if block:
-                    items["fsdp_unsharded_units"] = (round(2 * unit * weight), WHILE_BLOCKS_RUN)
+                    items["fsdp_unsharded_units"] = (round(unit * weight), WHILE_BLOCKS_RUN)
+                    items["fsdp_prefetched_unit"] = (round(unit * weight), frozenset({"forward", "grads"}))
             else:
                 items["fsdp_unsharded_params"] = (round(stage_params(profile, strategy, stage) * weight),
                                                   THROUGH_BACKWARD)
@@ -196,10 +196,6 @@ def buffers_with_moments(profile: ModelProfile, strategy: Strategy, stage: int,
             if strategy.fsdp == "hybrid" and block and dpcp > shard:
                 blocks_params = stage_params(profile, strategy, stage) - _root_unit_params(profile, strategy, stage)
                 items["hsdp_all_reduce_outputs"] = (round(blocks_params / shard * reduce_bytes), WHILE_GRADS)
-            if device == "cpu" and shard > 1 and strategy.fsdp in ("full", "hybrid"):
-                # measured alive at the stem's backward (GPT-2, fidelity_train.py: the max over 3 steps), not
-                # within the blocks' backward (examples/mlp.py, benchmarks/fidelity.py), nor under SHARD_GRAD_OP
-                items["gloo_reduce_scatter_copy"] = (round(reduced * reduce_bytes), frozenset({"stem_grads"}))
     dequantized = dequantized_weight_bytes(profile.adapter, strategy.quant)
     if dequantized:
         # made while a quantised block layer computes (forward on GPUs, the input gradient in backward): not while

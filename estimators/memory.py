@@ -34,7 +34,8 @@ Sources
   first gradient of a backward to its end (and the averaged partition across accumulation steps).
   torch FSDP2 (``fully_shard``) keeps sharded parameters; SHARD_GRAD_OP (``reshard_after_forward=
   False``) holds every unit unsharded from its forward to its backward, FULL_SHARD the root unit (the
-  parameters outside the repeated blocks) while the model runs and two block units (one prefetched).
+  parameters outside the repeated blocks) while the model runs and two block units (one prefetched), one
+  at the start of backward (engine_buffers.py).
 - When: the peak is the largest total over the moments of the step (profile.STEP_PHASES: forward, loss,
   backward until the first parameter gradient, the rest of backward; and the optimizer step), each
   moment's activations (the profile's per-phase envelopes) plus the buffers alive at that moment. A fit
@@ -312,7 +313,7 @@ def _stage_breakdown(profile: ModelProfile, strategy: Strategy, capacity_bytes: 
                      gpu: str | None = None) -> MemoryBreakdown:
     """The rank's memory at the worst moment of the step (module docstring, "When")."""
     states = model_states(profile, strategy, stage=stage, gpus_per_node=gpus_per_node)
-    buffers = buffers_with_moments(profile, strategy, stage, gpus_per_node, device)
+    buffers = buffers_with_moments(profile, strategy, stage, gpus_per_node)
     whole: dict[str, int] = {}
     if strategy.optimizer == "adamw" and strategy.offload_optimizer == "none":
         impl = adam_impl or engine_adam_impl(strategy.engine, device)

@@ -97,6 +97,7 @@ from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
+from torch.utils._pytree import tree_leaves  # noqa: E402
 
 from optplan.probes.contract import (  # noqa: E402
     BATCH_FIX,
@@ -241,12 +242,46 @@ def _local(t: Any) -> Any:
     return local if isinstance(local, torch.Tensor) else t
 
 
+_SETTLED_COLLECTIVES = frozenset({
+    "allreduce_", "allreduce_coalesced_", "allgather_", "_allgather_base_", "allgather_coalesced_",
+    "allgather_into_tensor_coalesced_", "reduce_scatter_", "_reduce_scatter_base_",
+    "reduce_scatter_tensor_coalesced_", "broadcast_", "reduce_", "alltoall_", "alltoall_base_", "gather_",
+    "scatter_"})
+"""c10d operators whose work :class:`ProbeTracker` waits for and lets settle (not send/recv: a pipeline's
+point-to-point pairs may need the peer's next operation posted first)."""
+
+COLLECTIVE_SETTLE_S = 0.002
+"""How long the main thread sleeps after a collective completed (seconds), so that gloo's worker thread
+finishes its iteration and drops its reference to the work and its tensors (microseconds of work) before
+the step goes on; see :class:`ProbeTracker`."""
+
+
 class ProbeTracker(MemTracker):
-    """MemTracker that sees DTensors' local shards, re-tags storages, and enforces a byte cap."""
+    """MemTracker that sees DTensors' local shards, re-tags storages, and enforces a byte cap.
+
+    On CPU with several ranks, gloo runs each collective on a worker thread that marks the work complete and
+    only then drops its reference to the work, and with it the work's tensors. When the training code dropped
+    its own reference in between (FSDP2 releasing a reduce-scatter input, DeepSpeed a reduced gradient), the
+    buffer was freed on the worker thread microseconds to milliseconds later, and whether that was before or
+    after the step's next peak decided the figure: the same FSDP-full run measured -0.54 %, +0.19 % or
+    -4.85 % against the same prediction. On a GPU the caching allocator frees such a buffer when the last
+    Python reference goes. So every collective (:data:`_SETTLED_COLLECTIVES`) seen in a tracked step is
+    waited for at once and given :data:`COLLECTIVE_SETTLE_S` to settle: the buffers are then freed in program
+    order, on the main thread. Only the tracked steps run so (never the timed ones)."""
 
     def __init__(self, cap_bytes: int | None = None) -> None:
         super().__init__()
         self.cap_bytes = cap_bytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if getattr(func, "namespace", None) == "c10d" and func._opname in _SETTLED_COLLECTIVES:
+            works = [w for w in tree_leaves(out) if isinstance(w, torch.ScriptObject) and hasattr(w, "wait")]
+            for work in works:
+                work.wait()
+            if works:
+                time.sleep(COLLECTIVE_SETTLE_S)
+        return out
 
     def _add(self, t: torch.Tensor, category: str = "activation") -> None:
         t = _local(t)
@@ -523,10 +558,10 @@ class Probe(Trainer):
 
     # -- steps --------------------------------------------------------------------------------------
     DISTRIBUTED_TRACKED_STEPS = 3
-    """Extra tracked steps of a run with several ranks: gloo's worker thread frees a buffer (FSDP2's reduce-scatter
-    input, say) early or late from one step to the next, so the largest peak is kept (a GPU's
-    max_memory_allocated is the whole run's). Every engine does as many, so that their runs stay step for
-    step the same computation."""
+    """Extra tracked steps of a run with several ranks; the largest peak is kept (a GPU's max_memory_allocated is
+    the whole run's). Their collectives settle (:class:`ProbeTracker`), so the steps measure the same; the extra
+    steps stay as a guard. Every engine does as many, so that their runs stay step for step the same
+    computation."""
 
     def tracked_step(self, after: int) -> None:
         """Extra steps under a ProbeTracker with everything alive registered (CPU memory figures): one, or
@@ -608,9 +643,9 @@ class Probe(Trainer):
 class ScriptHooks:
     """Hooks for a generated train.py run by the probe (``--train-script``): on CPU every step from the second
     on runs under the live-tensor tracker, and the largest peak goes into its measurements.json as
-    ``peak_allocated_bytes`` (what a GPU's ``max_memory_allocated`` says of the whole run). Some buffers are
-    freed by a communication thread (gloo's reduce-scatter copy under FSDP2), so one step's peak depends on
-    timing; the maximum over steps is the figure a GPU run reports."""
+    ``peak_allocated_bytes`` (what a GPU's ``max_memory_allocated`` says of the whole run): the maximum over
+    steps and ranks. Each collective settles before the step goes on (:class:`ProbeTracker`), so a buffer gloo's
+    worker thread holds is freed in program order, not by chance."""
 
     TRACKED_STEP = 1
     """The first step index tracked (DDP rebuilds its gradient buckets in the second step)."""

@@ -77,10 +77,10 @@ def test_fidelity_memory_and_the_calibration_round_trip(results: Path) -> None:
     s = doc["summary"]
     errors = {f'{c["model"]} {c["label"]} x{c["nproc"]}': c["memory_error_pct"] for c in doc["cases"]}
     assert s["ok"] == s["cases"] >= 8, errors
-    # FSDP on gloo moves by one fp32 unit between identical runs (whether gloo's worker thread still holds the last
-    # reduce-scatter's buffers at the embedding's backward; more often with the other test worker loading the CPU):
-    # the tolerance tests/planner/test_train_script.py gives FSDP on gloo; every other case within 2 %
-    assert all(abs(err) <= (5.0 if "FSDP" in name and " x1" not in name else 2.0) for name, err in errors.items()), errors
+    # every case within 2 %, FSDP on gloo included: the tracker lets each collective settle (ProbeTracker), so
+    # gloo's worker thread no longer frees a reduce-scatter's buffers before or after the next peak by chance
+    off = {name: round(err, 2) for name, err in errors.items() if abs(err) > 2.0}
+    assert not off, off
     assert any(c["label"].startswith("fp32 ZeRO-0") and c["nproc"] == 1 for c in doc["cases"])
     cases = [MeasuredCase.model_validate(m) for m in doc["measured"]]
     assert len(cases) == s["cases"] and {c.gpu for c in cases} == {"cpu"}

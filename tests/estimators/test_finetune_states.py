@@ -127,10 +127,10 @@ def test_fsdp_gathers_a_quantised_base_as_held_and_reduces_adapter_gradients_onl
     items = buffer_items(p, s)
     mean = (quantized_weight_bytes("nf4-dq", 640_000, 2_000, 4) + 360_000 * 2 + 1_000 * 2) / 1_001_000
     unit = p.repeated_block.params_per_block  # type: ignore[union-attr]
-    assert items["fsdp_unsharded_units"] == round(2 * unit * mean)
+    assert items["fsdp_unsharded_units"] == items["fsdp_prefetched_unit"] == round(unit * mean)
     assert mean < 0.6 * 2  # 64 % of the weights 4-bit: well under the 16-bit recipe's 2 bytes
     # bf16-pure: no MixedPrecisionPolicy, so FSDP2 reduce-scatters in the gradients' bf16 (fsdp_grad_sync.py)
     assert items["fsdp_reduce_scatter_unit"] == round(unit * 1_000 / 1_001_000 * 2)
     full = buffer_items(p.model_copy(update={"adapter": None, "trainable_params": p.params}),
                         s.model_copy(update={"quant": "none"}))
-    assert full["fsdp_unsharded_units"] == round(2 * unit * 2)  # full training keeps the recipe's bytes
+    assert full["fsdp_unsharded_units"] == round(unit * 2)  # full training keeps the recipe's bytes

@@ -137,10 +137,12 @@ def test_fsdp_equals_zero_and_hsdp_shards_inside_a_node(gpt) -> None:  # noqa: A
 def test_fsdp_buffers_hold_two_units(gpt) -> None:  # noqa: ANN001
     unit = gpt.repeated_block.params_per_block  # type: ignore[union-attr]
     items = buffer_items(gpt, Strategy(fsdp="full", engine="torch", dp=8, precision="bf16"))
-    assert items["fsdp_unsharded_units"] == 2 * unit * 2
+    # one gathered block unit while the blocks run, the next one prefetched in the forward and after the first
+    # gradient (at the start of backward only the last block's: benchmarks/results/fidelity_train_cpu.txt)
+    assert items["fsdp_unsharded_units"] == items["fsdp_prefetched_unit"] == unit * 2
     # the reduce-scatter input is fp32 (FSDP2's reduce dtype for 16-bit weights in optplan's train.py)
     assert items["fsdp_reduce_scatter_unit"] == unit * 4
-    assert "hsdp_all_reduce_outputs" not in items and "gloo_reduce_scatter_copy" not in items
+    assert "hsdp_all_reduce_outputs" not in items
     ddp = buffer_items(gpt, Strategy(engine="torch", dp=8, precision="bf16"))
     assert ddp["ddp_gradient_buckets"] == gpt.params * 2
 

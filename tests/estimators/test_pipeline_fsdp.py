@@ -73,11 +73,11 @@ def test_memory_holds_the_gathered_stage_and_its_fp32_gradients() -> None:
     weight = get_recipe("bf16").weight_bytes
     assert items["fsdp_pipeline_unsharded_params"] == round(psi * weight)
     assert items["fsdp_pipeline_accumulated_grads"] == round(psi * 4)
-    assert "fsdp_unsharded_units" not in items and "fsdp_root_unit" not in items
+    assert not {"fsdp_unsharded_units", "fsdp_prefetched_unit", "fsdp_root_unit"} & set(items)
     moments = buffer_moments(prof, s, stage=0)
     assert "optimizer_step" not in (moments["fsdp_pipeline_unsharded_params"] or {"optimizer_step"})
     assert "forward" not in (moments["fsdp_pipeline_accumulated_grads"] or {"forward"})
     # the peak grows by about those bytes against per-unit gathering (the same plan without pipelining keeps two
     # units): a 16-layer model's 8-layer stage is far more than two units
-    assert items["fsdp_pipeline_unsharded_params"] > 3 * buffer_items(prof, _torch(pp=1), stage=0)[
+    assert items["fsdp_pipeline_unsharded_params"] > 6 * buffer_items(prof, _torch(pp=1), stage=0)[
         "fsdp_unsharded_units"]
