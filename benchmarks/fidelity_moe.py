@@ -89,9 +89,7 @@ FLAGS = {
     "hd": "head_dim x heads > hidden: optplan's --arch has no head_dim, attention priced at width hidden (see flops)",
     "mla": "MLA attention: its latent projections and its core at the query/key and value head widths are priced "
            "(estimators/compute.py), the core at the fused-attention kernel's efficiency for ordinary heads",
-    "etp": "expert-tp 1 with tp > 1: optplan splits experts over tp; ep = EP·ETP/tp keeps the expert sharding and the "
-           "expert group's node span",
-    "fold": "EP folded over tp beyond dp·cp: ep clipped to a divisor of dp·cp",
+    "fold": "EP not dividing tp·dp·cp / ETP or the experts: ep clipped to a divisor of both",
     "vpp": "micro-batches not divisible by pp (interleaving needs whole groups of pp): vpp 1 (1F1B)",
     "rc": "Megatron --recompute-modules mapped to optplan's selective or moe recomputation (other modules: layernorm, moe_act, ... not modelled)",
     "fp8": "fp8 recipe (MXFP8 / blockwise) priced as Transformer Engine per-tensor fp8",
@@ -242,19 +240,16 @@ def _gpu(row: dict[str, Any]) -> GPUSpec:
     return spec.model_copy(update=update) if update else spec
 
 
-def _expert_parallel(row: dict[str, Any], dp: int) -> tuple[int, list[str]]:
-    """optplan's ep for the source's EP and expert-tp: EP·ETP/tp when the source splits experts less than tp (the
-    same expert sharding EP·ETP, the same node span of the expert group), clipped to a divisor of dp·cp."""
+def _expert_parallel(row: dict[str, Any], dp: int) -> tuple[int, int | None, list[str]]:
+    """optplan's (ep, etp) for the source's EP and expert-tp: as run (Strategy.etp, None where it is tp), with ep
+    clipped to a divisor of tp·dp·cp / etp and of the experts where the source's does not divide them."""
     flags: list[str] = []
     ep, etp, tp = row["ep"], row["etp"], row["tp"]
-    if etp != tp:
-        flags.append("etp")
-        ep = max(1, ep * etp // tp)
-    room = dp * row["cp"]
+    room = tp * dp * row["cp"] // etp
     if room % ep or row["shape"]["experts"] % ep:
         flags.append("fold")
         ep = math.gcd(math.gcd(ep, room), row["shape"]["experts"])
-    return ep, flags
+    return ep, (None if etp == tp else etp), flags
 
 
 def _checkpointing(row: dict[str, Any]) -> tuple[CheckpointName, list[str]]:
@@ -276,7 +271,7 @@ def plan(row: dict[str, Any]) -> Plan:
     tp, pp, cp, mbs = row["tp"], row["pp"], row["cp"], row["mbs"]
     dp = row["gpus"] // (tp * pp * cp)
     grad_accum = row["global_batch"] // (dp * mbs)
-    ep, ep_flags = _expert_parallel(row, dp)
+    ep, etp, ep_flags = _expert_parallel(row, dp)
     flags += ep_flags
     vpp = row["vpp"]
     if vpp > 1 and grad_accum % pp:
@@ -288,7 +283,7 @@ def plan(row: dict[str, Any]) -> Plan:
         flags.append("fp8")
     features = row["features"]
     strategy = Strategy(engine="megatron", precision=PRECISIONS[row["precision"]], tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep,
-                        dp=dp, mbs=mbs, grad_accum=grad_accum, zero=1, checkpointing=checkpointing)
+                        etp=etp, dp=dp, mbs=mbs, grad_accum=grad_accum, zero=1, checkpointing=checkpointing)
     cluster = Cluster(gpu=_gpu(row), gpus=row["gpus"], gpus_per_node=row["gpus_per_node"],
                       inter_node_bandwidth_bytes_per_s=row["inter_node_gbit_per_gpu"] * 1e9 / 8)
     if row["dispatcher"].split(" ")[0] in NODE_DEDUP_DISPATCHERS and ep > 1:
@@ -447,7 +442,8 @@ def _layout(r: Result) -> str:
     row, s = r.row, r.plan.strategy
     src = f"tp{row['tp']} pp{row['pp']}" + (f"v{row['vpp']}" if row['vpp'] > 1 else "") + \
         (f" cp{row['cp']}" if row['cp'] > 1 else "") + f" ep{row['ep']}"
-    return f"{src} -> ep{s.ep}" + ("" if s.vpp == row["vpp"] else f" v{s.vpp}") + f" {s.checkpointing[:3]}"
+    etp = f" etp{s.expert_tp}" if s.expert_tp != s.tp else ""
+    return f"{src} -> ep{s.ep}{etp}" + ("" if s.vpp == row["vpp"] else f" v{s.vpp}") + f" {s.checkpointing[:3]}"
 
 
 def _groups(results: list[Result]) -> dict[str, list[Result]]:

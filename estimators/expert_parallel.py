@@ -2,8 +2,8 @@
 
 Megatron-Core (``megatron/core/transformer/moe``, "MoE parallel folding", Liu et al. 2025 arXiv 2504.14960 §3):
 the routed experts of every MoE layer are divided over ``ep`` ranks carved out of the data-parallel (x context)
-group, each expert further split by the expert tensor-parallel size, which defaults to ``tp`` (optplan keeps
-that default); the router, shared experts, attention and the rest stay as in a dense model. The distributed
+group, each expert further split by the expert tensor-parallel size etp, which defaults to ``tp``
+(``Strategy.expert_tp``; with etp < tp the expert group folds over the tensor-parallel ranks); the router, shared experts, attention and the rest stay as in a dense model. The distributed
 optimizer shards the dense states over the dp·cp ranks and the expert states over the expert-data-parallel
 ranks dp·cp/ep, so a rank holds (dense + experts/ep) weights and gradients unsharded, and
 (dense + experts)/(dp·cp) of anything sharded: expert parallelism shrinks the unsharded states only.
@@ -29,10 +29,12 @@ def routed_params(profile: ModelProfile) -> int:
 
 def expert_params_not_held(profile: ModelProfile, strategy: Strategy, stage_share: float) -> float:
     """Of a rank's tensor-parallel share of the routed experts on its pipeline stage (``stage_share``: the
-    stage's fraction of the layers), the part the other ep - 1 expert-parallel ranks hold (count)."""
-    if strategy.ep == 1:
+    stage's fraction of the layers; routed/tp), the part it does not hold because the experts are split over
+    ep·etp ranks instead (count): routed·share·(1/tp - 1/(ep·etp)); negative when etp·ep < tp (each expert on
+    more ranks than the dense layers' split)."""
+    if strategy.ep == 1 and strategy.expert_tp == strategy.tp:
         return 0.0
-    return routed_params(profile) * stage_share / strategy.tp * (1 - 1 / strategy.ep)
+    return routed_params(profile) * stage_share * (1 / strategy.tp - 1 / (strategy.ep * strategy.expert_tp))
 
 
 DEEPEP_NIC_FRACTION = 0.86

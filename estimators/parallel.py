@@ -45,8 +45,11 @@ class Placement(BaseModel):
     pp: GroupPlacement
     gpus_per_node: int = Field(ge=1)
     ep: GroupPlacement = Field(default=GroupPlacement(ranks=1, nodes=1),
-                               description="the expert-parallel group: ep consecutive data-parallel ranks (stride tp, "
-                                           "Megatron-Core's expert rank order with expert-tp = tp)")
+                               description="the expert-parallel group: ep ranks at stride etp (Megatron-Core's "
+                                           "expert rank order etp-ep-edp-pp; with etp = tp, ep consecutive "
+                                           "data-parallel ranks)")
+    etp: GroupPlacement = Field(default=GroupPlacement(ranks=1, nodes=1),
+                                description="the expert tensor-parallel group: etp consecutive ranks")
 
 
 def group_nodes(ranks: int, stride: int, gpus_per_node: int) -> int:
@@ -70,7 +73,8 @@ def placement(strategy: Strategy, gpus_per_node: int) -> Placement:
     if s.fsdp == "hybrid" and dpcp.nodes > 1:
         shard = GroupPlacement(ranks=max(1, dpcp.ranks // dpcp.nodes), nodes=1)
     return Placement(tp=grp(s.tp, 1), cp=grp(s.cp, s.tp), dp=grp(s.dp, s.tp * s.cp), shard=shard,
-                     grad_reduce=dpcp, pp=grp(s.pp, s.tp * s.cp * s.dp), gpus_per_node=g, ep=grp(s.ep, s.tp))
+                     grad_reduce=dpcp, pp=grp(s.pp, s.tp * s.cp * s.dp), gpus_per_node=g, ep=grp(s.ep, s.expert_tp),
+                     etp=grp(s.expert_tp, 1))
 
 
 def placement_notes(strategy: Strategy, cluster: Cluster) -> tuple[str, ...]:

@@ -70,7 +70,7 @@ def one_stage_params(profile: ModelProfile, strategy: Strategy, stage: int = 0) 
     """Parameters of one pipeline stage on one rank after tensor and expert parallelism (count, before ZeRO):
     :func:`stage_params` without DualPipe's second stage."""
     held = _one_stage_all_experts(profile, strategy, stage)
-    if strategy.ep == 1:
+    if strategy.ep == 1 and strategy.expert_tp == strategy.tp:
         return held
     block = profile.repeated_block
     share = layers_per_stage(block.count, strategy.pp) / block.count if block and strategy.pp > 1 else 1.0

@@ -71,6 +71,11 @@ class Strategy(BaseModel):
     cp: int = Field(default=1, ge=1, description="context-parallel degree (sequence split over ranks)")
     ep: int = Field(default=1, ge=1, description="expert-parallel degree: the routed experts of each MoE layer split "
                                                  "over ep ranks of the data-parallel (x context) group")
+    etp: int | None = Field(default=None, ge=1,
+                            description="expert tensor-parallel degree: each routed expert split over etp ranks "
+                                        "(Megatron-Core --expert-tensor-parallel-size; None = tp, its default). "
+                                        "With etp < tp the expert group folds over the tensor-parallel ranks "
+                                        "(MoE parallel folding): ep x etp divides tp x dp x cp")
     dispatcher: DispatcherName = Field(
         default="alltoall", description="MoE token dispatcher: alltoall (Megatron-Core's NCCL all-to-all: every "
                                         "routed copy of a token travels) or deepep (DeepEP through Megatron's flex "
@@ -200,12 +205,32 @@ class Strategy(BaseModel):
                                  f"(got {self.grad_accum}): raise --gas/--global-batch")
             if self.ep_overlap:
                 raise ValueError("DualPipe overlaps the all-to-alls itself: drop --ep-overlap (Megatron-LM's overlap)")
-        if self.ep > 1 and (self.dp * self.cp) % self.ep:
-            raise ValueError(f"--ep {self.ep} must divide the data-parallel x context-parallel ranks "
-                             f"{self.dp * self.cp} (Megatron-Core carves the expert group out of them): change --ep")
+        if self.etp is not None and self.etp != self.tp and self.engine != "megatron":
+            raise ValueError(f"--etp {self.etp} splits the experts unlike the other layers, which Megatron-LM does "
+                             "(--expert-tensor-parallel-size): use --engine megatron, or drop --etp")
+        if self.etp is None or self.etp == self.tp:
+            if self.ep > 1 and (self.dp * self.cp) % self.ep:
+                raise ValueError(f"--ep {self.ep} must divide the data-parallel x context-parallel ranks "
+                                 f"{self.dp * self.cp} (Megatron-Core carves the expert group out of them): change "
+                                 "--ep, or fold it over tensor parallelism with --etp 1")
+        elif (self.tp * self.dp * self.cp) % (self.ep * self.etp):
+            raise ValueError(f"--ep {self.ep} x --etp {self.etp} must divide the tensor x data x context-parallel "
+                             f"ranks {self.tp * self.dp * self.cp} of a pipeline stage (Megatron-Core's expert "
+                             "mesh folds over them): change --ep or --etp")
         if self.pp > 1 and self.engine == "deepspeed" and self.zero >= 2:
             raise ValueError("DeepSpeed's pipeline engine supports ZeRO-1 at most: use --zero 0|1 with --pp > 1")
         return self
+
+    @property
+    def expert_tp(self) -> int:
+        """Ranks each routed expert is split over: ``etp``, or ``tp`` when unset (Megatron-Core's default)."""
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def expert_dp(self) -> int:
+        """Expert-data-parallel ranks: replicas of one expert shard in a pipeline stage, tp·dp·cp / (ep·etp)
+        (Megatron-Core's expert mesh, MoE parallel folding: Liu et al. 2025, arXiv 2504.14960 §3)."""
+        return self.tp * self.dp * self.cp // (self.ep * self.expert_tp)
 
     @property
     def world_size(self) -> int:
@@ -238,6 +263,8 @@ class Strategy(BaseModel):
         for name in ("tp", "pp", "cp", "ep"):
             if getattr(self, name) > 1:
                 parts.append(f"{name}{getattr(self, name)}")
+        if self.expert_tp != self.tp:
+            parts.append(f"etp{self.expert_tp}")
         if self.vpp > 1:
             parts.append(f"vpp{self.vpp}")
         if self.pp_schedule != "1f1b":

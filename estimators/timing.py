@@ -56,11 +56,9 @@ from optplan.estimators.attention_kernels import flash_fractions
 from optplan.estimators.cast_traffic import autocast_cast_bytes_per_microbatch
 from optplan.estimators.comm import (
     DDP_BUCKET_BYTES,
-    INTER_NODE_ALPHA_S,
     TP_COLLECTIVES_PER_PASS,
     Link,
     all_reduce_s,
-    all_to_all_s,
     cp_ring_exchange_s,
     exposed_s,
     link_for,
@@ -85,14 +83,13 @@ from optplan.estimators.compute import (
     optimizer_step_s,
     transformer_dims,
 )
-from optplan.estimators.efficiency import LINK_EFFICIENCY, EngineEfficiency, engine_efficiency
+from optplan.estimators.efficiency import EngineEfficiency, engine_efficiency
 from optplan.estimators.ep_overlap import overlapped_a2a_s, solo_fraction
-from optplan.estimators.expert_parallel import DEEPEP_NIC_FRACTION, node_dedup_factor
 from optplan.estimators.finetune import DEQUANT_BANDWIDTH_FRACTION, dequant_bytes_per_layer
 from optplan.estimators.fsdp_grad_sync import fsdp_reduce_bytes, syncs_once_per_step
 from optplan.estimators.hardware import Cluster, GPUSpec
 from optplan.estimators.memory import param_split, stage_params
-from optplan.estimators.moe import expert_mlp_params
+from optplan.estimators.moe_comm import moe_layer_comm
 from optplan.estimators.moe_recompute import moe_mlp_share
 from optplan.estimators.parallel import Placement, layers_per_stage, placement
 from optplan.estimators.params_placement import one_stage_params
@@ -161,7 +158,7 @@ def _links(pl: Placement, cluster: Cluster, eff: GpuEfficiency) -> dict[str, Lin
     kw = {"intra_fraction": eff.intra_node_link_fraction, "intra_alpha_s": eff.intra_node_alpha_s}
     return {"tp": link_for(pl.tp, cluster, **kw), "cp": link_for(pl.cp, cluster, **kw),
             "pp": link_for(pl.pp, cluster, **kw), "dp": link_for(pl.grad_reduce, cluster, **kw),
-            "shard": link_for(pl.shard, cluster, **kw)}
+            "shard": link_for(pl.shard, cluster, **kw), "etp": link_for(pl.etp, cluster, **kw)}
 
 
 def _comm_grad_bytes(strategy: Strategy) -> int:
@@ -323,49 +320,6 @@ def _flops_only_step(profile: ModelProfile, strategy: Strategy, cluster: Cluster
     return tb.model_copy(update={"efficiency": ct.efficiency})
 
 
-MOE_A2A_PER_PASS = 2
-"""All-to-alls per MoE layer and pass (forward, backward, recomputed forward): dispatch and combine
-(Megatron-Core ``MoEAlltoAllTokenDispatcher``; Lepikhin et al. 2020 GShard, arXiv 2006.16668 §2.2)."""
-
-
-def _moe_layer_s(profile: ModelProfile, s_: Strategy, cluster: Cluster, eff: GpuEfficiency, pl: Placement,
-                 tokens: float, elem: int, hbm: float) -> tuple[float, float]:
-    """(all-to-all of one pass, expert-weight reads) seconds per layer and micro-batch, the MoE layers' share spread
-    over every layer as the profile spreads their width (estimators/moe.py).
-
-    - Dispatch and combine (:data:`MOE_A2A_PER_PASS` per pass: forward, backward, recomputed forward) of the tokens'
-      topk copies of h, when the experts are split (ep > 1), priced by ``comm.all_to_all_s`` over the
-      expert-parallel group, times the stated imbalance (the busiest rank receives more). Exposed in full
-      (Megatron-Core's default) unless the plan overlaps them (``ep_overlap``: estimators/ep_overlap.py, priced by
-      the caller, which has the compute windows).
-    - Grouped GEMMs: every local expert's weights are read in each pass, however few tokens it gets; the dense
-      roofline of the profile's active width reads only topk + shared experts' worth, so the rest of the local
-      experts' weights are added as memory time (small per-expert GEMMs are bound by their weight reads:
-      Megatron-Core's grouped GEMM runs every local expert in one kernel, the roofline's memory side).
-    """
-    shape = profile.transformer
-    if shape is None or shape.moe is None:
-        return 0.0, 0.0
-    moe = shape.moe
-    share = moe.moe_layers(shape.layers) / shape.layers
-    passes = 3 if s_.checkpointing in ("full", "moe") else 2
-    a2a_pass = 0.0
-    if s_.ep > 1:
-        size = tokens * moe.topk * shape.hidden * elem / (s_.tp if s_.sp else 1) * moe.imbalance
-        per_node = min(pl.ep.ranks, max(1, cluster.gpus_per_node // s_.tp)) if pl.ep.nodes > 1 else pl.ep.ranks
-        dedup = (node_dedup_factor(moe.experts, moe.topk, pl.ep.nodes) if s_.dispatcher == "deepep" else 1.0)
-        one = all_to_all_s(size, s_.ep, per_node, cluster.gpu.intra_node_bandwidth_bytes_per_s *
-                           eff.intra_node_link_fraction, cluster.inter_node_bandwidth_bytes_per_s *
-                           (DEEPEP_NIC_FRACTION if s_.dispatcher == "deepep" else LINK_EFFICIENCY),
-                           INTER_NODE_ALPHA_S if pl.ep.nodes > 1 else eff.intra_node_alpha_s, inter_scale=dedup,
-                           peers_at_once=s_.dispatcher == "deepep")
-        a2a_pass = share * MOE_A2A_PER_PASS * one
-    local = moe.experts / s_.ep
-    idle = max(0.0, local - moe.topk)
-    weight_bytes = idle * expert_mlp_params(shape.hidden, moe.moe_ffn, shape.gated) / s_.tp * elem
-    return a2a_pass, share * passes * weight_bytes / hbm
-
-
 def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: Strategy, cluster: Cluster,
                       eff: GpuEfficiency, engine: EngineEfficiency, adam_impl: AdamImpl | None = None) -> TimeBreakdown:
     """Transformer profiles: per-stage roofline by op class, collectives by placement, 1F1B pipeline."""
@@ -393,11 +347,13 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
     layer_mem = lt.fwd_elementwise_s + lt.bwd_elementwise_s
     layer_recompute = (lt.fwd_gemm_s + lt.fwd_elementwise_s) if full else (
         lt.attention_core_fwd_s if selective else moe_share * lt.mlp_fwd_s)
+    moe_comm = moe_layer_comm(profile, s_, cluster, eff, pl, links["etp"], tokens, elem, hbm)
+    tp_collectives = TP_COLLECTIVES_PER_PASS - moe_comm.mlp_tp_collectives_skipped  # estimators/moe_comm.py
     tp_one = tp_collective_s(tokens, h, elem, t, links["tp"], sp=s_.sp) if t > 1 else 0.0
-    layer_tp_total = TP_COLLECTIVES_PER_PASS * (3 if full else 2) * tp_one
+    layer_tp_total = tp_collectives * (3 if full else 2) * tp_one
     layer_tp = layer_tp_total
     if overlaps_tp(s_):  # behind the pass's linear GEMMs (estimators/tp_overlap.py)
-        pass_tp = TP_COLLECTIVES_PER_PASS * tp_one
+        pass_tp = tp_collectives * tp_one
         fwd_linear = max(0.0, lt.fwd_gemm_s - core_fwd)  # the attention core overlaps no collective
         bwd_linear = max(0.0, lt.bwd_gemm_s - core_bwd)
         layer_tp = ((2 if full else 1) * overlapped_tp_s(pass_tp, fwd_linear)
@@ -407,8 +363,8 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
     layer_cp = cp_fwd + cp_bwd + (cp_fwd if full else 0.0)
     layer_cp_exposed = (exposed_s(cp_fwd, core_fwd) + exposed_s(cp_bwd, core_bwd)
                         + (exposed_s(cp_fwd, core_fwd) if full else 0.0))
-    a2a_pass, layer_expert_weights = _moe_layer_s(profile, s_, cluster, eff, pl, tokens, elem, hbm)
-    layer_mem += layer_expert_weights
+    a2a_pass = moe_comm.dispatch_pass_s
+    layer_mem += moe_comm.expert_weight_read_s
     # a 4-bit base is dequantised in every pass (estimators/finetune.py): memory traffic per layer
     layer_mem += (dequant_bytes_per_layer(profile.adapter, s_.quant, dims.layers, full_checkpointing=full, tp=t)
                   / (gpu.memory_bandwidth_bytes_per_s * DEQUANT_BANDWIDTH_FRACTION))
@@ -423,7 +379,7 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
     layer_device = layer_compute + layer_mem + layer_recompute + layer_tp + layer_cp_exposed + layer_ep
     host_layer = eff.host_layer_pass_s * host_layer_passes(s_)
     host_sync = 2 * (t - 1) * eff.host_collective_step_s  # per tensor-parallel collective
-    host_layer += TP_COLLECTIVES_PER_PASS * (3 if full else 2) * host_sync
+    host_layer += tp_collectives * (3 if full else 2) * host_sync
 
     # profile FLOPs the shape does not account for (extra modules): FLOPs-only rate on the last stage
     shape_fwd_per_sample = dims.layers * lt.fwd_flops * t / s_.mbs * c + ht.logits_fwd_flops * t / s_.mbs * c

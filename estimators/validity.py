@@ -46,6 +46,14 @@ def check_strategy(profile: ModelProfile, cluster: Cluster, strategy: Strategy) 
             raise OptplanError(f"--ep {s.ep} splits the experts of MoE layers, and {profile.name} has none: use --ep 1")
         if moe.experts % s.ep:
             raise OptplanError(f"--ep {s.ep} does not divide the {moe.experts} experts: use a divisor of {moe.experts}")
+    if s.etp is not None and s.etp != s.tp:
+        moe = shape.moe if shape is not None else None
+        if moe is None:
+            raise OptplanError(f"--etp {s.etp} splits the experts of MoE layers, and {profile.name} has none: drop "
+                               "--etp")
+        if moe.moe_ffn % s.etp:
+            raise OptplanError(f"--etp {s.etp} does not divide the experts' FFN width {moe.moe_ffn}: use a divisor "
+                               f"of {moe.moe_ffn}")
     if s.checkpointing == "moe" and (shape is None or shape.moe is None):
         raise OptplanError(f"--checkpointing moe recomputes MoE layers, and {profile.name} has none: use "
                            "--checkpointing selective|full")

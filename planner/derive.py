@@ -25,6 +25,7 @@ class StrategyFlags(BaseModel):
     vpp: int | None = None
     cp: int | None = None
     ep: int | None = None
+    etp: int | None = None
     dispatcher: str = "alltoall"
     ep_overlap: bool = False
     comm_overlap: bool = False
@@ -84,7 +85,7 @@ def derive_strategy(flags: StrategyFlags, cluster: Cluster, *, gpus_given: bool 
     """The Strategy for ``flags`` on ``cluster`` (degrees and accumulation derived), or OptplanError.
 
     ``gpus_given`` False says the GPU count is a default (no --gpus), which the messages then say."""
-    for name in ("dp", "tp", "pp", "vpp", "cp", "ep", "mbs", "gas", "global_batch"):
+    for name in ("dp", "tp", "pp", "vpp", "cp", "ep", "etp", "mbs", "gas", "global_batch"):
         _positive(name.replace("_", "-"), getattr(flags, name))
     tp, pp, cp = flags.tp or 1, flags.pp or 1, flags.cp or 1
     model = tp * pp * cp
@@ -111,13 +112,13 @@ def derive_strategy(flags: StrategyFlags, cluster: Cluster, *, gpus_given: bool 
             raise OptplanError(f"--gas {gas} contradicts --global-batch {flags.global_batch} = mbs {flags.mbs} x "
                                f"dp {dp} x gas {derived}: drop one of them")
         gas = derived
-    engine = _engine(flags, model > 1 or (flags.ep or 1) > 1)
+    engine = _engine(flags, model > 1 or (flags.ep or 1) > 1 or flags.etp is not None)
     offload_optimizer, offload_params = _offload_targets(flags, engine)
     data: dict[str, object] = {
         "precision": flags.precision, "optimizer": flags.optimizer or "adamw", "zero": flags.zero or 0,
         "fsdp": flags.fsdp or "none", "mbs": flags.mbs, "grad_accum": gas or 1,
         "checkpointing": flags.checkpointing, "dp": dp, "tp": tp, "pp": pp, "vpp": flags.vpp or 1, "cp": cp, "ep": flags.ep or 1,
-        "dispatcher": flags.dispatcher, "ep_overlap": flags.ep_overlap, "comm_overlap": flags.comm_overlap,
+        "etp": flags.etp, "dispatcher": flags.dispatcher, "ep_overlap": flags.ep_overlap, "comm_overlap": flags.comm_overlap,
         "fsdp_grad_sync": flags.fsdp_grad_sync, "pp_schedule": flags.pp_schedule, "sp": flags.sp, "flash": flags.flash, "offload_optimizer": offload_optimizer,
         "offload_params": offload_params, "engine": engine, "quant": flags.quant,
     }

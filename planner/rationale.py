@@ -317,7 +317,7 @@ def _mbs_line(pick: Estimate, price: Price, space: SearchSpace) -> str:
 
 
 def _layout_of(s: Strategy) -> Layout:
-    return Layout(s.world_size, s.dp, s.tp, s.pp, s.vpp, s.cp, s.ep, s.dispatcher, s.ep_overlap)
+    return Layout(s.world_size, s.dp, s.tp, s.pp, s.vpp, s.cp, s.ep, s.dispatcher, s.ep_overlap, s.etp)
 
 
 def _ep_line(pick: Estimate, price: Price, ranked: Sequence[Estimate]) -> str | None:
@@ -334,6 +334,13 @@ def _ep_line(pick: Estimate, price: Price, ranked: Sequence[Estimate]) -> str | 
                          ep_overlap=s.ep_overlap and s.ep // 2 > 1)
     if smaller is not None:
         line += f"; ep {s.ep // 2} {_vs(pick, smaller)}"
+    if s.expert_tp != s.tp:
+        line += (f"; expert tensor parallelism etp {s.expert_tp} (tp {s.tp} for the other layers): each expert split "
+                 f"over {s.expert_tp} rank(s), the expert group folded over the tensor-parallel ranks")
+        folded = s.ep * s.expert_tp // s.tp  # the same expert sharding with etp = tp
+        same = _neighbour(price, s, etp=None, ep=folded) if folded >= 1 and s.ep * s.expert_tp % s.tp == 0 else None
+        if same is not None:
+            line += f"; etp {s.tp} with ep {folded} {_vs(pick, same)}"
     if s.dispatcher == "deepep":
         line += "; DeepEP dispatcher: a token crosses to each remote node holding its experts once, then NVLink"
         nccl = _neighbour(price, s, dispatcher="alltoall")

@@ -234,7 +234,7 @@ def rank(estimates: list[Estimate] | tuple[Estimate, ...], goal: Goal) -> tuple[
 def _layout_key(group: Group) -> str:
     lay = group.layout
     return (f"g{lay.gpus}-dp{lay.dp}-tp{lay.tp}-pp{lay.pp}-v{lay.vpp}-cp{lay.cp}" + (f"-ep{lay.ep}" if lay.ep > 1 else "")
-            + (f"-{lay.dispatcher}" if lay.dispatcher != "alltoall" else "") + ("-ov" if lay.ep_overlap else ""))
+            + (f"-etp{lay.etp}" if lay.etp is not None else "") + (f"-{lay.dispatcher}" if lay.dispatcher != "alltoall" else "") + ("-ov" if lay.ep_overlap else ""))
 
 
 def _distributions(space: SearchSpace) -> dict[str, optuna.distributions.BaseDistribution]:

@@ -69,6 +69,9 @@ class Layout(NamedTuple):
     ep: int = 1
     dispatcher: str = "alltoall"
     ep_overlap: bool = False
+    etp: int | None = None
+    """Expert tensor-parallel degree (None: tp, Megatron's default; 1 with tp > 1: the experts folded whole over
+    the tensor-parallel ranks)."""
 
     @property
     def model_parallel(self) -> bool:
@@ -212,7 +215,7 @@ def strategy_of(group: Group, mbs: int, grad_accum: int) -> Strategy | None:
         return Strategy(precision=group.precision, optimizer=group.optimizer, zero=sh.zero,  # type: ignore[arg-type]
                         fsdp=sh.fsdp, mbs=mbs, grad_accum=grad_accum,  # type: ignore[arg-type]
                         checkpointing=group.checkpointing, dp=lay.dp, tp=lay.tp, pp=lay.pp, vpp=lay.vpp,
-                        cp=lay.cp, ep=lay.ep, dispatcher=lay.dispatcher,  # type: ignore[arg-type]
+                        cp=lay.cp, ep=lay.ep, etp=lay.etp, dispatcher=lay.dispatcher,  # type: ignore[arg-type]
                         ep_overlap=lay.ep_overlap, comm_overlap=sh.engine == "megatron",
                         offload_optimizer=sh.offload_optimizer,  # type: ignore[arg-type]
                         offload_params=sh.offload_params, engine=sh.engine,  # type: ignore[arg-type]
@@ -293,25 +296,38 @@ def _layouts(profile: ModelProfile, gpus: int, gpus_per_node: int, model_paralle
                     # two (the bubble shrinks as 1/vpp: 2, 4, 8 span the trade against memory without every step)
                     vpps += [v for v in range(2, MAX_VPP + 1) if pp * v <= block.count
                              and (block.count % (pp * v) == 0 if block.count % pp == 0 else v & (v - 1) == 0)]
-                for ep in _eps(shape, dp * cp, model_parallel):
+                for etp, ep in _expert_splits(shape, tp, dp * cp, model_parallel):
                     # DeepEP pays only where the expert group leaves the node (a token crosses to each node once)
-                    spans = ep > 1 and group_nodes(ep, tp, gpus_per_node) > 1
+                    spans = ep > 1 and group_nodes(ep, etp or tp, gpus_per_node) > 1
                     dispatchers = ("alltoall", "deepep") if spans and deepep else ("alltoall",)
                     for v in vpps:
                         # Megatron's all-to-all overlap (estimators/ep_overlap.py) wherever its rules allow it: it
                         # hides communication and the memory model charges it nothing, so the plan without it is
                         # dominated and not searched (strategy_of drops it where the recipe forbids it)
                         overlap = ep > 1 and (pp == 1 or v > 1)
-                        out.extend(Layout(gpus, dp, tp, pp, v, cp, ep, d, overlap) for d in dispatchers)
+                        out.extend(Layout(gpus, dp, tp, pp, v, cp, ep, d, overlap, etp) for d in dispatchers)
     return out
 
 
-def _eps(shape: TransformerShape | None, dpcp: int, model_parallel: bool) -> list[int]:
-    """Expert-parallel degrees for an MoE shape on Megatron: powers of two dividing the experts and dp·cp
-    (Megatron-Core carves the expert group out of them), 1 for dense models."""
+def _expert_splits(shape: TransformerShape | None, tp: int, dpcp: int,
+                   model_parallel: bool) -> list[tuple[int | None, int]]:
+    """(etp, ep) pairs for an MoE shape on Megatron, (None, 1) for dense models.
+
+    - etp None (= tp, Megatron's default): ep a power of two dividing the experts and dp·cp (Megatron-Core carves
+      the expert group out of them).
+    - With tp > 1, etp 1 (each expert whole, the expert group folded over the tensor-parallel ranks: MoE parallel
+      folding, arXiv 2504.14960 §3) at ep >= tp dividing the experts and tp·dp·cp. At the same expert sharding
+      ep·etp, etp 1 holds the same bytes, sends the same all-to-all bytes over the same nodes, and skips the
+      expert tensor-parallel gather and scatter (estimators/moe_comm.py), so (etp tp, ep e) is dropped wherever
+      (etp 1, ep e·tp) is legal: it cannot price better. ep < tp with etp 1 (experts replicated inside the
+      tensor-parallel group) is not searched."""
     if not model_parallel or shape is None or shape.moe is None:
-        return [1]
-    return [e for e in _powers_of_two_upto(shape.moe.experts) if shape.moe.experts % e == 0 and dpcp % e == 0]
+        return [(None, 1)]
+    experts = shape.moe.experts
+    powers = [e for e in _powers_of_two_upto(experts) if experts % e == 0]
+    folded = [e for e in powers if tp > 1 and e >= tp and (tp * dpcp) % e == 0]
+    split = [e for e in powers if dpcp % e == 0 and e * tp not in folded]
+    return [(None, e) for e in split] + [(1, e) for e in folded]
 
 
 def _shardings(engines: Sequence[EngineName], multi_node: bool, offload: bool) -> tuple[Sharding, ...]:

@@ -218,6 +218,7 @@ def estimate(
     vpp: Annotated[int | None, typer.Option("--vpp", help="virtual stages per pipeline rank (interleaved 1F1B)")] = None,
     cp: Annotated[int | None, typer.Option("--cp", help="context-parallel degree (default 1)")] = None,
     ep: Annotated[int | None, typer.Option("--ep", help="expert-parallel degree of MoE layers, out of dp x cp (default 1; Megatron)")] = None,
+    etp: Annotated[int | None, typer.Option("--etp", help="expert tensor-parallel degree: each routed expert split over etp ranks (Megatron's --expert-tensor-parallel-size; default: --tp). --etp 1 with --tp > 1 folds the expert group over the tensor-parallel ranks")] = None,
     dispatcher: Annotated[str, typer.Option("--dispatcher", help="MoE token dispatcher with --ep: alltoall (NCCL) or deepep (DeepEP, Megatron's flex dispatcher)")] = "alltoall",
     ep_overlap: Annotated[bool, typer.Option("--ep-overlap", help="Megatron's all-to-all overlap with --ep (--overlap-moe-expert-parallel-comm): one micro-batch's dispatch/combine behind another's compute")] = False,
     comm_overlap: Annotated[bool, typer.Option("--comm-overlap", help="Megatron's tensor/data-parallel overlap: --tp-comm-overlap (needs --sp), --overlap-grad-reduce, --overlap-param-gather")] = False,
@@ -283,7 +284,7 @@ def estimate(
         _check_choice("--dispatcher", dispatcher, ("alltoall", "deepep"))
         _check_choice("--fsdp-grad-sync", fsdp_grad_sync, ("micro_batch", "step"))
         _check_choice("--pp-schedule", pp_schedule, ("1f1b", "dualpipe"))
-        flags = StrategyFlags(dp=dp, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, dispatcher=dispatcher, ep_overlap=ep_overlap, comm_overlap=comm_overlap,
+        flags = StrategyFlags(dp=dp, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, etp=etp, dispatcher=dispatcher, ep_overlap=ep_overlap, comm_overlap=comm_overlap,
                               fsdp_grad_sync=fsdp_grad_sync, pp_schedule=pp_schedule, sp=sp, zero=zero,
                               fsdp=fsdp, offload=offload,
                               offload_optimizer=offload_optimizer, offload_params=offload_params,

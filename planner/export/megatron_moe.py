@@ -8,7 +8,9 @@ Flags follow Megatron-LM's ``megatron/training/arguments.py`` ``_add_moe_args`` 
   the dense layers' width), ``--moe-shared-expert-intermediate-size S·F`` for shared experts,
   ``--moe-layer-freq`` as a Python list of 0/1 per layer when some layers are dense (first_dense, moe_every),
   else 1;
-- ``--expert-model-parallel-size ep``, ``--moe-grouped-gemm`` (one grouped GEMM over the local experts, what the
+- ``--expert-model-parallel-size ep`` and, for plans whose experts split unlike the other layers (``etp`` set
+  and not tp), ``--expert-tensor-parallel-size etp`` (MoE parallel folding; Megatron's default is tp),
+  ``--moe-grouped-gemm`` (one grouped GEMM over the local experts, what the
   time model assumes) and ``--moe-token-dispatcher-type alltoall`` (the dispatcher the all-to-all is priced for),
   or ``--moe-token-dispatcher-type flex --moe-enable-deepep`` for plans with ``dispatcher=deepep`` (DeepEP: the
   Megatron-Core MoE guide, "set --moe-token-dispatcher-type=flex and --moe-enable-deepep");
@@ -19,9 +21,10 @@ Flags follow Megatron-LM's ``megatron/training/arguments.py`` ``_add_moe_args`` 
 - MLA: ``--multi-latent-attention --kv-lora-rank --q-lora-rank --qk-head-dim --qk-pos-emb-head-dim
   --v-head-dim``.
 
-Rules (``validate_args`` and ``TransformerConfig.__post_init__``): experts divisible by ep; the world divisible by
-tp·pp·cp and dp·cp by ep (the expert group is carved out of dp·cp with expert-tp = tp); expert tensor parallelism
-splits the expert width (``moe_ffn_hidden_size % tp``); "when using MoE and tensor parallelism, sequence
+Rules (``validate_args``, ``TransformerConfig.__post_init__`` and ``parallel_state.initialize_model_parallel``):
+experts divisible by ep; the world divisible by tp·pp·cp and by etp·ep·pp (the expert mesh etp-ep-edp-pp, etp
+defaulting to tp: "world_size is not divisible by expert_tensor_model_pipeline_parallel size"); expert tensor
+parallelism splits the expert width (``moe_ffn_hidden_size % etp``); "when using MoE and tensor parallelism, sequence
 parallelism must be used" (``validate_args``; ``TransformerConfig`` says it for ep > 1 with tp > 1); top-k <=
 experts; DeepEP only with the flex dispatcher, the flex dispatcher only with DeepEP and TP x EP > 1
 (``MoEFlexTokenDispatcher``).
@@ -53,7 +56,10 @@ def moe_args(shape: TransformerShape, s: Strategy) -> list[str]:
         freq = "1" if all(pattern) else "[" + ",".join(map(str, pattern)) + "]"
         args += ["--num-experts", str(moe.experts), "--moe-router-topk", str(moe.topk),
                  "--moe-ffn-hidden-size", str(moe.moe_ffn), "--moe-layer-freq", freq,
-                 "--expert-model-parallel-size", str(s.ep), "--moe-grouped-gemm"]
+                 "--expert-model-parallel-size", str(s.ep)]
+        if s.expert_tp != s.tp:
+            args += ["--expert-tensor-parallel-size", str(s.expert_tp)]
+        args += ["--moe-grouped-gemm"]
         args += (["--moe-token-dispatcher-type", "flex", "--moe-enable-deepep"] if s.dispatcher == "deepep"
                  else ["--moe-token-dispatcher-type", "alltoall"])
         args += ["--moe-router-load-balancing-type", "aux_loss"]
@@ -86,6 +92,7 @@ def add_moe_flags(add: Callable[..., Any]) -> None:
     add("--moe-ffn-hidden-size", type=int, default=None)
     add("--moe-layer-freq", type=str, default="1")
     add("--expert-model-parallel-size", type=int, default=1)
+    add("--expert-tensor-parallel-size", type=int, default=None)
     add("--moe-grouped-gemm", action="store_true")
     add("--moe-token-dispatcher-type", default="allgather", choices=["allgather", "alltoall", "flex"])
     add("--moe-enable-deepep", action="store_true")
@@ -108,7 +115,7 @@ def moe_rule_violation(ns: argparse.Namespace, world: int, vpp: int = 1) -> str 
     ``world`` GPUs, else None."""
     ep = ns.expert_model_parallel_size
     experts = ns.num_experts
-    tp, pp, cp = ns.tensor_model_parallel_size, ns.pipeline_model_parallel_size, ns.context_parallel_size
+    tp, pp = ns.tensor_model_parallel_size, ns.pipeline_model_parallel_size
     if ep < 1:
         return "--expert-model-parallel-size must be >= 1"
     if experts is None:
@@ -122,17 +129,21 @@ def moe_rule_violation(ns: argparse.Namespace, world: int, vpp: int = 1) -> str 
     if ns.moe_token_dispatcher_type == "flex" and not ns.moe_enable_deepep:
         return ("the flex token dispatcher runs DeepEP (MoEFlexTokenDispatcher: 'Please set --moe-enable-deepep'): "
                 "add --moe-enable-deepep")
-    if ns.moe_token_dispatcher_type == "flex" and tp * ep <= 1:
+    etp = ns.expert_tensor_parallel_size or tp  # validate_args: None means tp
+    if etp < 1:
+        return "--expert-tensor-parallel-size must be >= 1"
+    if ns.moe_token_dispatcher_type == "flex" and etp * ep <= 1:
         return "Flex token dispatcher requires TPxEP > 1: raise --expert-model-parallel-size"
     if ns.moe_router_topk > experts:
         return f"--moe-router-topk {ns.moe_router_topk} is more than the {experts} experts: lower it"
-    model = tp * pp * cp
-    if world % model or (world // model * cp) % ep:
-        return (f"the expert-parallel size {ep} must divide dp x cp = {world // max(1, model) * cp} (Megatron-Core "
-                "carves the expert group out of them): choose an ep that divides it")
+    if world % (etp * ep * pp):
+        return (f"world_size ({world}) is not divisible by expert_tensor_model_pipeline_parallel size "
+                f"({etp * ep * pp} = etp {etp} x ep {ep} x pp {pp}; parallel_state): choose an ep (or "
+                "--expert-tensor-parallel-size) whose product with pp divides the world")
     width = ns.moe_ffn_hidden_size or ns.ffn_hidden_size
-    if width and width % tp:
-        return f"the expert width {width} is not divisible by tp {tp} (expert tensor parallelism splits it)"
+    if width and width % etp:
+        return (f"the expert width {width} is not divisible by the expert tensor-parallel size {etp} (expert tensor "
+                "parallelism splits it)")
     if tp > 1 and not ns.sequence_parallel:
         return ("when using MoE and tensor parallelism, sequence parallelism must be used (validate_args; "
                 "TransformerConfig for ep > 1): add --sequence-parallel")

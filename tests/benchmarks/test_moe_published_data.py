@@ -48,11 +48,15 @@ def test_prediction_runs_on_one_row() -> None:
     assert result.est.time.ep_comm_s > 0
 
 
-def test_closest_plan_keeps_expert_sharding() -> None:
-    row = next(r for r in ROWS if r["tp"] > 1 and r["etp"] == 1 and r["ep"] > 1)
-    strategy = bench.plan(row).strategy
-    assert strategy.ep * strategy.tp == row["ep"] * row["etp"]
-    assert (strategy.dp * strategy.cp) % strategy.ep == 0
+def test_expert_tensor_parallelism_is_planned_as_run() -> None:
+    """Rows with expert-tp 1 beside tp > 1 (MoE parallel folding) keep their EP and ETP (Strategy.etp)."""
+    rows = [r for r in ROWS if r["tp"] > 1 and r["etp"] == 1 and r["ep"] > 1]
+    assert len(rows) >= 5
+    for row in rows:
+        p = bench.plan(row)
+        assert (p.strategy.ep, p.strategy.expert_tp, p.strategy.tp) == (row["ep"], 1, row["tp"]), row["id"]
+        assert "fold" not in p.flags
+        assert p.strategy.expert_dp * p.strategy.ep * p.strategy.expert_tp == p.strategy.world_size // p.strategy.pp
 
 
 def test_sources_interleaving_and_overlap_are_planned_as_run() -> None:

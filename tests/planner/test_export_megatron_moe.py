@@ -70,3 +70,18 @@ def test_validator_catches_edited_moe_arguments(old: tuple[str, str], new: tuple
     argv[i + 1] = new[1]
     with pytest.raises(ExportValidationError, match=message):
         validate_megatron_args(argv, plan)
+
+
+def test_expert_tensor_parallelism_is_exported_and_checked() -> None:
+    """etp 1 beside tp 2 writes --expert-tensor-parallel-size 1; Megatron's expert-mesh rule (world divisible by
+    etp·ep·pp) and the expert-width rule use etp."""
+    plan = _plan(MIXTRAL, ep=8, etp=1)
+    argv = megatron_args(plan)
+    validate_megatron_args(argv, plan)
+    ns = parse_megatron_args(argv)
+    assert (ns.expert_model_parallel_size, ns.expert_tensor_parallel_size, ns.tensor_model_parallel_size) == (8, 1, 2)
+    assert "--expert-tensor-parallel-size" not in megatron_args(_plan(MIXTRAL))  # etp = tp: Megatron's default
+    edited = list(argv)
+    edited[edited.index("--expert-tensor-parallel-size") + 1] = "16"  # etp 16 · ep 8 · pp 1 = 128 > 64 GPUs
+    with pytest.raises(ExportValidationError, match="expert_tensor_model_pipeline_parallel size"):
+        validate_megatron_args(edited, plan)

@@ -382,13 +382,16 @@ def nulls(doc: Any, path: str = "") -> list[str]:
 
 def check_estimate_nulls(doc: Any, argv: list[str]) -> None:
     """``estimate --json`` is written by pydantic, which writes NaN and infinity as null: a null is only
-    where a figure is legitimately absent (no --tokens: no cost; no --price: no money; --params: no time)."""
+    where a figure is legitimately absent (no --tokens: no cost; no --price: no money; --params: no time) or a
+    setting is left at its engine's default (``strategy.etp``: the expert tensor-parallel degree, tp unless set)."""
     if "--params" in argv:  # model states only: no time, and no cost (--tokens is refused)
         expected = {".time"}
     elif "--tokens" not in argv:
         expected = {".cost"}
     else:
         expected = {".cost.cost_usd"} if "--price" not in argv else set()
+    if "--etp" not in argv:
+        expected |= {".strategy.etp"}
     assert set(nulls(doc)) == expected, argv
 
 
