@@ -40,20 +40,16 @@ def check_strategy(profile: ModelProfile, cluster: Cluster, strategy: Strategy) 
         if shape.kv_heads and shape.kv_heads % s.tp:
             raise OptplanError(f"--tp {s.tp} does not divide the {shape.kv_heads} key-value heads: use a "
                                f"divisor of {shape.kv_heads}")
-    if s.ep > 1:
-        moe = shape.moe if shape is not None else None
-        if moe is None:
-            raise OptplanError(f"--ep {s.ep} splits the experts of MoE layers, and {profile.name} has none: use --ep 1")
-        if moe.experts % s.ep:
-            raise OptplanError(f"--ep {s.ep} does not divide the {moe.experts} experts: use a divisor of {moe.experts}")
-    if s.etp is not None and s.etp != s.tp:
-        moe = shape.moe if shape is not None else None
-        if moe is None:
-            raise OptplanError(f"--etp {s.etp} splits the experts of MoE layers, and {profile.name} has none: drop "
-                               "--etp")
-        if moe.moe_ffn % s.etp:
-            raise OptplanError(f"--etp {s.etp} does not divide the experts' FFN width {moe.moe_ffn}: use a divisor "
-                               f"of {moe.moe_ffn}")
+    moe = shape.moe if shape is not None else None
+    for flag, value, fix, used in (("--ep", s.ep, "use --ep 1", s.ep > 1),
+                                   ("--etp", s.etp, "drop --etp", s.etp is not None and s.etp != s.tp)):
+        if used and moe is None:
+            raise OptplanError(f"{flag} {value} splits the experts of MoE layers, and {profile.name} has none: {fix}")
+    if moe is not None and moe.experts % s.ep:
+        raise OptplanError(f"--ep {s.ep} does not divide the {moe.experts} experts: use a divisor of {moe.experts}")
+    if moe is not None and moe.moe_ffn % s.expert_tp:
+        raise OptplanError(f"--etp {s.expert_tp} does not divide the experts' FFN width {moe.moe_ffn}: use a divisor "
+                           f"of {moe.moe_ffn}")
     if s.checkpointing == "moe" and (shape is None or shape.moe is None):
         raise OptplanError(f"--checkpointing moe recomputes MoE layers, and {profile.name} has none: use "
                            "--checkpointing selective|full")

@@ -335,8 +335,11 @@ def _ep_line(pick: Estimate, price: Price, ranked: Sequence[Estimate]) -> str | 
     if smaller is not None:
         line += f"; ep {s.ep // 2} {_vs(pick, smaller)}"
     if s.expert_tp != s.tp:
-        line += (f"; expert tensor parallelism etp {s.expert_tp} (tp {s.tp} for the other layers): each expert split "
-                 f"over {s.expert_tp} rank(s), the expert group folded over the tensor-parallel ranks")
+        held = "each expert whole on one rank" if s.expert_tp == 1 else f"each expert split over {s.expert_tp} ranks"
+        line += (f"; expert tensor parallelism etp {s.expert_tp} (tp {s.tp} for the other layers): {held}, the expert "
+                 "group folded over the tensor-parallel ranks, no expert-tp gather of the routed tokens" if
+                 s.expert_tp == 1 else f"; expert tensor parallelism etp {s.expert_tp} (tp {s.tp} for the other "
+                 f"layers): {held}")
         folded = s.ep * s.expert_tp // s.tp  # the same expert sharding with etp = tp
         same = _neighbour(price, s, etp=None, ep=folded) if folded >= 1 and s.ep * s.expert_tp % s.tp == 0 else None
         if same is not None:

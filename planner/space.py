@@ -320,13 +320,13 @@ def _expert_splits(shape: TransformerShape | None, tp: int, dpcp: int,
       ep·etp, etp 1 holds the same bytes, sends the same all-to-all bytes over the same nodes, and skips the
       expert tensor-parallel gather and scatter (estimators/moe_comm.py), so (etp tp, ep e) is dropped wherever
       (etp 1, ep e·tp) is legal: it cannot price better. ep < tp with etp 1 (experts replicated inside the
-      tensor-parallel group) is not searched."""
+      tensor-parallel group) is not searched. The split needs tp to divide the expert width (Megatron's rule)."""
     if not model_parallel or shape is None or shape.moe is None:
         return [(None, 1)]
     experts = shape.moe.experts
     powers = [e for e in _powers_of_two_upto(experts) if experts % e == 0]
     folded = [e for e in powers if tp > 1 and e >= tp and (tp * dpcp) % e == 0]
-    split = [e for e in powers if dpcp % e == 0 and e * tp not in folded]
+    split = [e for e in powers if dpcp % e == 0 and e * tp not in folded and shape.moe.moe_ffn % tp == 0]
     return [(None, e) for e in split] + [(1, e) for e in folded]
 
 

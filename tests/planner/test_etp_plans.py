@@ -61,3 +61,17 @@ def test_the_rationale_says_why_etp_and_prices_the_unfolded_split() -> None:
     line = _ep_line(pick, lambda s: estimate(profile, cluster, s), [pick])
     assert line is not None and "expert tensor parallelism etp 1 (tp 4 for the other layers)" in line
     assert "; etp 4 with ep 4 " in line and "samples/s" in line  # the same expert sharding, split by tp
+
+
+def test_an_expert_width_tp_does_not_divide_is_planned_folded() -> None:
+    """moe_ffn 1002 is not divisible by tp 4: Megatron refuses etp = tp there, so tp 4 layouts come only folded
+    (etp 1), and recommending does not stop on the rule."""
+    from optplan.planner.recommend import recommend
+
+    odd = profile_from_arch(parse_arch(QWEN_LIKE.replace("moe_ffn=768", "moe_ffn=1002")), name="odd")
+    cluster = Cluster(gpu=find_gpu("H100-SXM"), gpus=16, gpus_per_node=8)
+    space = build_space(odd, cluster, global_batch=64, engines=["megatron"])
+    assert all(lay.etp == 1 for lay in space.layouts if lay.tp in (4, 8))
+    assert any(lay.tp == 4 and lay.etp == 1 for lay in space.layouts)
+    rec = recommend(odd, cluster, global_batch=64, engines=["megatron"])
+    assert rec.plan is not None and odd.transformer.moe.moe_ffn % rec.plan.expert_tp == 0  # type: ignore[union-attr]
