@@ -1,12 +1,13 @@
 """Expert parallelism: which parameters the expert-parallel ranks split, and what each rank keeps.
 
 Megatron-Core (``megatron/core/transformer/moe``, "MoE parallel folding", Liu et al. 2025 arXiv 2504.14960 §3):
-the routed experts of every MoE layer are divided over ``ep`` ranks carved out of the data-parallel (x context)
-group, each expert further split by the expert tensor-parallel size etp, which defaults to ``tp``
-(``Strategy.expert_tp``; with etp < tp the expert group folds over the tensor-parallel ranks); the router, shared experts, attention and the rest stay as in a dense model. The distributed
-optimizer shards the dense states over the dp·cp ranks and the expert states over the expert-data-parallel
-ranks dp·cp/ep, so a rank holds (dense + experts/ep) weights and gradients unsharded, and
-(dense + experts)/(dp·cp) of anything sharded: expert parallelism shrinks the unsharded states only.
+the routed experts of every MoE layer are divided over ``ep`` ranks, each expert further split by the expert
+tensor-parallel size etp, which defaults to ``tp`` (``Strategy.expert_tp``): with etp = tp the expert group is
+carved out of the data-parallel (x context) group, with etp < tp it folds over the tensor-parallel ranks (ep·etp
+divides tp·dp·cp). The router, shared experts, attention and the rest stay as in a dense model. The distributed
+optimizer shards the dense states over the dp·cp ranks and the expert states over the expert-data-parallel ranks
+tp·dp·cp/(ep·etp), so a rank holds dense/tp + experts/(ep·etp) weights and gradients unsharded, and
+(dense + experts)/(tp·dp·cp) of anything sharded: expert parallelism shrinks the unsharded states only.
 Units: parameter counts.
 """
 
