@@ -9,7 +9,9 @@ every etp rank holds a 1/etp slice of each local expert, so each needs every tok
 the reverse (reduce-scatter over etp, then the all-to-all back). The MoE layer takes the sequence-parallel input
 as it is, so the dense MLP's tensor-parallel all-gather and reduce-scatter (Shoeybi et al. 2019 §3, comm.py's
 ``TP_COLLECTIVES_PER_PASS``) are not run for a layer without shared experts; shared experts are tensor-parallel
-like a dense MLP (Megatron's ``SharedExpertMLP``) and keep them.
+like a dense MLP (Megatron's ``SharedExpertMLP``) and keep them. The flex dispatcher (DeepEP,
+``MoEFlexTokenDispatcher``) instead dispatches over the combined etp·ep group (``tp_ep_group``, "TPxEP > 1"), with
+no separate etp gather: its all-to-all is priced over etp·ep ranks.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from optplan.estimators.efficiency import LINK_EFFICIENCY
 from optplan.estimators.expert_parallel import DEEPEP_NIC_FRACTION, node_dedup_factor
 from optplan.estimators.hardware import Cluster
 from optplan.estimators.moe import expert_mlp_params
-from optplan.estimators.parallel import Placement
+from optplan.estimators.parallel import group_nodes
 from optplan.estimators.profile import ModelProfile
 from optplan.estimators.strategy import Strategy
 
@@ -48,15 +50,15 @@ class MoeLayerComm(BaseModel):
                                                                 "do not run (their dense-MLP pair; per layer)")
 
 
-def moe_layer_comm(profile: ModelProfile, s_: Strategy, cluster: Cluster, eff: GpuEfficiency, pl: Placement,
-                   etp_link: Link, tokens: float, elem: int, hbm_bytes_per_s: float) -> MoeLayerComm:
+def moe_layer_comm(profile: ModelProfile, s_: Strategy, cluster: Cluster, eff: GpuEfficiency, etp_link: Link,
+                   tokens: float, elem: int, hbm_bytes_per_s: float) -> MoeLayerComm:
     """The MoE layers' share of one layer's dispatcher time per micro-batch (see the module docstring).
 
     - Dispatch and combine (:data:`MOE_A2A_PER_PASS` per pass) of a rank's tokens' topk copies of h, when the
       experts are split (ep > 1), priced by ``comm.all_to_all_s`` over the expert-parallel group (ranks at stride
       etp), times the stated imbalance (the busiest rank receives more). Exposed in full (Megatron-Core's default)
       unless the plan overlaps them (``ep_overlap``: estimators/ep_overlap.py, priced by the caller).
-    - With etp > 1, :data:`ETP_COLLECTIVES_PER_PASS` ring collectives of the received copies over the etp group
+    - With etp > 1 (the alltoall dispatcher), :data:`ETP_COLLECTIVES_PER_PASS` ring collectives of the received copies over the etp group
       (``comm.ring_all_gather_s`` of etp × the copies: (etp − 1) × copies × h × bytes over the link).
     - Grouped GEMMs: every local expert's slice (1/etp) of weights is read in each pass, however few tokens it
       gets; the dense roofline of the profile's active width reads only topk + shared experts' worth, so the
@@ -74,16 +76,22 @@ def moe_layer_comm(profile: ModelProfile, s_: Strategy, cluster: Cluster, eff: G
     etp = s_.expert_tp
     copies = tokens * moe.topk * shape.hidden * elem / (s_.tp if s_.sp else 1) * moe.imbalance
     dispatch = 0.0
-    if s_.ep > 1:
-        per_node = min(pl.ep.ranks, max(1, cluster.gpus_per_node // etp)) if pl.ep.nodes > 1 else pl.ep.ranks
-        dedup = (node_dedup_factor(moe.experts, moe.topk, pl.ep.nodes) if s_.dispatcher == "deepep" else 1.0)
-        one = all_to_all_s(copies, s_.ep, per_node, cluster.gpu.intra_node_bandwidth_bytes_per_s *
+    deepep = s_.dispatcher == "deepep"
+    if deepep and etp > 1:  # the flex dispatcher's tp_ep group: etp·ep consecutive ranks, no etp gather
+        ranks, stride, etp_gather = s_.ep * etp, 1, False
+    else:
+        ranks, stride, etp_gather = s_.ep, etp, etp > 1
+    nodes = group_nodes(ranks, stride, cluster.gpus_per_node)
+    if ranks > 1:
+        per_node = min(ranks, max(1, cluster.gpus_per_node // stride)) if nodes > 1 else ranks
+        dedup = node_dedup_factor(moe.experts, moe.topk, nodes) if deepep else 1.0
+        one = all_to_all_s(copies, ranks, per_node, cluster.gpu.intra_node_bandwidth_bytes_per_s *
                            eff.intra_node_link_fraction, cluster.inter_node_bandwidth_bytes_per_s *
-                           (DEEPEP_NIC_FRACTION if s_.dispatcher == "deepep" else LINK_EFFICIENCY),
-                           INTER_NODE_ALPHA_S if pl.ep.nodes > 1 else eff.intra_node_alpha_s, inter_scale=dedup,
-                           peers_at_once=s_.dispatcher == "deepep")
+                           (DEEPEP_NIC_FRACTION if deepep else LINK_EFFICIENCY),
+                           INTER_NODE_ALPHA_S if nodes > 1 else eff.intra_node_alpha_s, inter_scale=dedup,
+                           peers_at_once=deepep)
         dispatch += MOE_A2A_PER_PASS * one
-    if etp > 1:
+    if etp_gather:
         dispatch += ETP_COLLECTIVES_PER_PASS * ring_all_gather_s(copies * etp, etp, etp_link.bandwidth_bytes_per_s,
                                                                  etp_link.alpha_s)
     skipped = share if (s_.tp > 1 and s_.sp and moe.shared_experts == 0) else 0.0

@@ -347,7 +347,7 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
     layer_mem = lt.fwd_elementwise_s + lt.bwd_elementwise_s
     layer_recompute = (lt.fwd_gemm_s + lt.fwd_elementwise_s) if full else (
         lt.attention_core_fwd_s if selective else moe_share * lt.mlp_fwd_s)
-    moe_comm = moe_layer_comm(profile, s_, cluster, eff, pl, links["etp"], tokens, elem, hbm)
+    moe_comm = moe_layer_comm(profile, s_, cluster, eff, links["etp"], tokens, elem, hbm)
     tp_collectives = TP_COLLECTIVES_PER_PASS - moe_comm.mlp_tp_collectives_skipped  # estimators/moe_comm.py
     tp_one = tp_collective_s(tokens, h, elem, t, links["tp"], sp=s_.sp) if t > 1 else 0.0
     layer_tp_total = tp_collectives * (3 if full else 2) * tp_one

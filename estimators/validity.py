@@ -47,9 +47,10 @@ def check_strategy(profile: ModelProfile, cluster: Cluster, strategy: Strategy) 
             raise OptplanError(f"{flag} {value} splits the experts of MoE layers, and {profile.name} has none: {fix}")
     if moe is not None and moe.experts % s.ep:
         raise OptplanError(f"--ep {s.ep} does not divide the {moe.experts} experts: use a divisor of {moe.experts}")
-    if moe is not None and moe.moe_ffn % s.expert_tp:
-        raise OptplanError(f"--etp {s.expert_tp} does not divide the experts' FFN width {moe.moe_ffn}: use a divisor "
-                           f"of {moe.moe_ffn}")
+    if moe is not None and s.engine == "megatron" and moe.moe_ffn % s.expert_tp:  # Megatron splits the experts so
+        flag = "--tp" if s.etp is None else "--etp"
+        raise OptplanError(f"{flag} {s.expert_tp} does not divide the experts' FFN width {moe.moe_ffn} (expert tensor "
+                           f"parallelism splits it): use a divisor of {moe.moe_ffn}, or --etp 1")
     if s.checkpointing == "moe" and (shape is None or shape.moe is None):
         raise OptplanError(f"--checkpointing moe recomputes MoE layers, and {profile.name} has none: use "
                            "--checkpointing selective|full")

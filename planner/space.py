@@ -317,16 +317,18 @@ def _expert_splits(shape: TransformerShape | None, tp: int, dpcp: int,
       the expert group out of them).
     - With tp > 1, etp 1 (each expert whole, the expert group folded over the tensor-parallel ranks: MoE parallel
       folding, arXiv 2504.14960 §3) at ep >= tp dividing the experts and tp·dp·cp. At the same expert sharding
-      ep·etp, etp 1 holds the same bytes, sends the same all-to-all bytes over the same nodes, and skips the
-      expert tensor-parallel gather and scatter (estimators/moe_comm.py), so (etp tp, ep e) is dropped wherever
-      (etp 1, ep e·tp) is legal: it cannot price better. ep < tp with etp 1 (experts replicated inside the
-      tensor-parallel group) is not searched. The split needs tp to divide the expert width (Megatron's rule)."""
+      ep·etp, etp 1 holds the same bytes and sends the same all-to-all bytes across the same nodes (over more
+      peers: a little more of it inside the node) and skips the expert tensor-parallel gather and scatter of
+      every routed copy (estimators/moe_comm.py), which outweighs that; so (etp tp, ep e > 1) is dropped
+      wherever (etp 1, ep e·tp) is legal. (etp tp, ep 1) stays: the torch engine's tensor-parallel layouts and
+      Megatron without expert parallelism. ep < tp with etp 1 (experts replicated inside the tensor-parallel
+      group) is not searched. The split needs tp to divide the expert width (Megatron's rule)."""
     if not model_parallel or shape is None or shape.moe is None:
         return [(None, 1)]
     experts = shape.moe.experts
     powers = [e for e in _powers_of_two_upto(experts) if experts % e == 0]
     folded = [e for e in powers if tp > 1 and e >= tp and (tp * dpcp) % e == 0]
-    split = [e for e in powers if dpcp % e == 0 and e * tp not in folded and shape.moe.moe_ffn % tp == 0]
+    split = [e for e in powers if dpcp % e == 0 and (e == 1 or e * tp not in folded) and shape.moe.moe_ffn % tp == 0]
     return [(None, e) for e in split] + [(1, e) for e in folded]
 
 

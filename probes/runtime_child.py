@@ -267,7 +267,10 @@ class ProbeTracker(MemTracker):
     -4.85 % against the same prediction. On a GPU the caching allocator frees such a buffer when the last
     Python reference goes. So every collective (:data:`_SETTLED_COLLECTIVES`) seen in a tracked step is
     waited for at once and given :data:`COLLECTIVE_SETTLE_S` to settle: the buffers are then freed in program
-    order, on the main thread. Only the tracked steps run so (never the timed ones)."""
+    order, on the main thread (in practice: 2 ms is a margin, not a guarantee; two full fidelity_train runs gave
+    identical figures). Only CPU steps under the tracker run so: the probe's memory-tracked steps (never its timed
+    ones) and the steps of a generated train.py run by the probe on CPU (ScriptHooks). DTensor's functional
+    collectives (``_c10d_functional``, transformers' tp_plan) are not settled."""
 
     def __init__(self, cap_bytes: int | None = None) -> None:
         super().__init__()
@@ -276,7 +279,10 @@ class ProbeTracker(MemTracker):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if getattr(func, "namespace", None) == "c10d" and func._opname in _SETTLED_COLLECTIVES:
-            works = [w for w in tree_leaves(out) if isinstance(w, torch.ScriptObject) and hasattr(w, "wait")]
+            leaves = tree_leaves(out)
+            if any(isinstance(t, torch.Tensor) and t.device.type != "cpu" for t in leaves):
+                return out  # gloo on CPU only: NCCL's streams order their own frees
+            works = [w for w in leaves if isinstance(w, torch.ScriptObject) and hasattr(w, "wait")]
             for work in works:
                 work.wait()
             if works:

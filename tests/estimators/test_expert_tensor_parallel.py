@@ -52,8 +52,12 @@ def test_the_expert_mesh_rules() -> None:
 
 def test_the_model_rules(qwen) -> None:  # type: ignore[no-untyped-def]
     check_strategy(qwen, H100, _s(ep=16, etp=1))
-    with pytest.raises(OptplanError, match="does not divide the experts' FFN width 768"):
+    with pytest.raises(OptplanError, match="--etp 5 does not divide the experts' FFN width 768"):
         check_strategy(qwen, H100, _s(ep=8, etp=2, tp=4).model_copy(update={"etp": 5}))
+    odd = profile_from_arch(parse_arch(QWEN_LIKE.replace("moe_ffn=768", "moe_ffn=1002")), name="odd")
+    with pytest.raises(OptplanError, match="--tp 4 does not divide .* or --etp 1"):  # Megatron's default etp = tp
+        check_strategy(odd, H100, _s(ep=4))
+    check_strategy(odd, H100, _s(ep=16, etp=1))
     dense = profile_from_arch(parse_arch(DENSE), name="dense")
     with pytest.raises(OptplanError, match="dense has none: drop --etp"):
         check_strategy(dense, H100, _s(etp=1))
@@ -80,7 +84,7 @@ def test_the_dispatcher_gathers_over_etp_and_the_moe_layer_skips_the_mlp_collect
 
     def comm(s: Strategy, prof=qwen):  # type: ignore[no-untyped-def]
         pl = placement(s, 8)
-        return moe_layer_comm(prof, s, H100, eff, pl, link_for(pl.etp, H100), tokens, elem, hbm), pl
+        return moe_layer_comm(prof, s, H100, eff, link_for(pl.etp, H100), tokens, elem, hbm), pl
 
     one, _ = comm(_s(ep=1, etp=1))
     assert one.dispatch_pass_s == 0.0  # no ep, no etp: nothing to dispatch
@@ -95,6 +99,21 @@ def test_the_dispatcher_gathers_over_etp_and_the_moe_layer_skips_the_mlp_collect
     shared = profile_from_arch(parse_arch(SHARED), name="shared")
     assert comm(_s(ep=1, etp=1), shared)[0].mlp_tp_collectives_skipped == 0.0  # the shared expert is tensor-parallel
     assert comm(_s(tp=1, dp=64, ep=8), qwen)[0].mlp_tp_collectives_skipped == 0.0  # no tp, nothing to skip
+
+
+def test_deepep_dispatches_over_the_combined_group_without_a_gather(qwen) -> None:  # type: ignore[no-untyped-def]
+    """Megatron's flex dispatcher (DeepEP) runs over the tp_ep group (etp·ep ranks) with no etp gather: at the same
+    etp·ep it prices like the folded plan."""
+    eff = efficiency_for(H100.gpu)
+
+    def comm(s: Strategy):  # type: ignore[no-untyped-def]
+        pl = placement(s, 8)
+        return moe_layer_comm(qwen, s, H100, eff, link_for(pl.etp, H100), 4096.0, 2, 3e12)
+
+    split = comm(_s(ep=4, dispatcher="deepep"))  # etp 4 x ep 4: 16 ranks, two nodes
+    folded = comm(_s(ep=16, etp=1, dispatcher="deepep"))
+    assert split.dispatch_pass_s == pytest.approx(folded.dispatch_pass_s)
+    assert comm(_s(ep=4)).dispatch_pass_s > split.dispatch_pass_s  # NCCL all-to-all + the etp gather
 
 
 def test_folding_saves_the_expert_gather_in_the_step(qwen) -> None:  # type: ignore[no-untyped-def]

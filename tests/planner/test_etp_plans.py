@@ -25,6 +25,7 @@ def test_the_space_folds_experts_over_tp_and_drops_the_dominated_split() -> None
     assert (4, 16, None, 4) not in splits and (4, 16, 1, 16) in splits  # etp 4 x ep 4 = etp 1 x ep 16, cheaper
     assert not any(etp == 1 and ep < tp for tp, _, etp, ep in splits)
     assert all(etp is None for tp, _, etp, _ in splits if tp == 1)
+    assert (4, 16, None, 1) in splits  # tp without expert parallelism stays (the torch engine's tp layouts need it)
     # 8 experts: tp 2 x ep 8 cannot fold (16 > 8 experts), so the split stays
     small = build_space(profile_from_arch(parse_arch(MIXTRAL_LIKE), name="m"), cluster, global_batch=256,
                         engines=["megatron"])

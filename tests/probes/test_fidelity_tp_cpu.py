@@ -15,7 +15,7 @@ The bounds come from that benchmark's measurements (benchmarks/results/fidelity_
   recomputed layer and the loss, FSDP buffers at their own moments) the quick run gives +0.09 % .. +3.98 % for tp2
   alone (the rest: kept layer inputs are fp32 under autocast, priced 16-bit) and +20.0 % .. +24.9 % under FSDP2
   (HF's FSDP plan wraps the embedding alone and keeps [norm, lm_head] gathered; optplan prices one root unit and
-  two block units); bounds 5 % and 30 %. The 2 % target is kept as an expected failure.
+  one or two block units); bounds 5 % and 30 %. The 2 % target is kept as an expected failure.
 """
 
 from __future__ import annotations
