@@ -30,6 +30,7 @@ from optplan.estimators.pipeline_fsdp import keeps_stage_unsharded, unsharded_st
 from optplan.estimators.precision import Recipe, get_recipe
 from optplan.estimators.profile import STEP_PHASES, ModelProfile
 from optplan.estimators.strategy import Strategy
+from optplan.estimators.temporaries import DeviceKind
 
 
 def fp8_cache_bytes(recipe: Recipe) -> float:
@@ -175,9 +176,11 @@ def buffers_with_moments(profile: ModelProfile, strategy: Strategy, stage: int,
                 if block:
                     items["fsdp_unsharded_units"] = (round(unit * weight), WHILE_BLOCKS_RUN)
                     items["fsdp_prefetched_unit"] = (round(unit * weight), frozenset({"forward", "grads"}))
-            else:
-                items["fsdp_unsharded_params"] = (round(stage_params(profile, strategy, stage) * weight),
-                                                  THROUGH_BACKWARD)
+            else:  # SHARD_GRAD_OP: every unit gathered from its forward to its backward, which reshards it
+                root = _root_unit_params(profile, strategy, stage) if block else stage_params(profile, strategy, stage)
+                blocks = stage_params(profile, strategy, stage) - root
+                items["fsdp_unsharded_params"] = (round(root * weight), THROUGH_BACKWARD)
+                items["fsdp_unsharded_block_params"] = (round(blocks * weight), UNTIL_STEM_GRADS)
             reduced = unit * trainable_share if block else psi_train
             items["fsdp_reduce_scatter_unit"] = (round(reduced * reduce_bytes), WHILE_GRADS)
             if syncs_once_per_step(strategy):  # the micro-batches before the last keep their gradients unsharded
@@ -286,6 +289,29 @@ def _root_unit_params(profile: ModelProfile, strategy: Strategy, stage: int) -> 
         return stage_params(profile, strategy, stage)
     blocks = (split.layers if strategy.pp == 1 else layers_per_stage(split.layers, strategy.pp)) * split.per_block
     return max(0.0, stage_params(profile, strategy, stage) - blocks / strategy.tp)
+
+
+def fsdp_root_reduce_items(profile: ModelProfile, strategy: Strategy, stage: int, device: DeviceKind) -> dict[str, int]:
+    """What torch FSDP2 (every sharding) holds beside the sharded states at the root unit's reduce-scatter, the last of
+    the backward, when the activations are freed (bytes; empty for other engines and layouts): the root's
+    unsharded gradients in the weights' dtype, copied into its reduce-scatter input in the reduce dtype
+    (fsdp_grad_sync.fsdp_reduce_bytes), both alive until the collective returns (torch 2.13
+    ``FSDPParamGroup.post_backward`` -> ``foreach_reduce``); on CPU ranks gloo's ``reduce_scatter_single`` holds a
+    copy of its input too. Measured by benchmarks/fidelity_train.py (fsdp-full bf16, the peak's live tensors
+    8.13 + 8.13 + 4.06 MiB: input, gloo's copy, bf16 gradients, every sharded gradient already written). A model
+    without repeated blocks is one unit, its root."""
+    if strategy.engine != "torch" or strategy.fsdp == "none" or keeps_stage_unsharded(strategy):
+        return {}
+    recipe = get_recipe(strategy.precision)
+    root = _root_unit_params(profile, strategy, stage) if profile.repeated_block else stage_params(
+        profile, strategy, stage)
+    trainable = root * (profile.trainable_params / profile.params if profile.params else 0.0)
+    reduced = round(trainable * fsdp_reduce_bytes(strategy.precision))
+    items = {"fsdp_root_unsharded_grads": round(trainable * recipe.weight_bytes),
+             "fsdp_root_reduce_scatter_input": reduced}
+    if device == "cpu":
+        items["gloo_reduce_scatter_copy"] = reduced
+    return {k: v for k, v in items.items() if v > 0}
 
 
 def buffer_bytes(profile: ModelProfile, strategy: Strategy, *, stage: int = 0) -> int:

@@ -33,7 +33,9 @@ Sources
   buffer (:func:`deepspeed_grad_partition_elements`), through two reduce buckets; both live from the
   first gradient of a backward to its end (and the averaged partition across accumulation steps).
   torch FSDP2 (``fully_shard``) keeps sharded parameters; SHARD_GRAD_OP (``reshard_after_forward=
-  False``) holds every unit unsharded from its forward to its backward, FULL_SHARD the root unit (the
+  False``) holds every unit unsharded from its forward to its backward (the blocks' resharded by the stem's
+  backward), and at the root unit's reduce-scatter, the last of the backward, its unsharded gradients and
+  fp32 reduce-scatter input are alive with the activations freed (``root_reduce``); FULL_SHARD the root unit (the
   parameters outside the repeated blocks) while the model runs and two block units (one prefetched), one
   at the start of backward (engine_buffers.py).
 - When: the peak is the largest total over the moments of the step (profile.STEP_PHASES: forward, loss,
@@ -69,6 +71,7 @@ from optplan.estimators.engine_buffers import (  # noqa: F401  (re-exported: cal
     deepspeed_partitions_grads,
     fp8_cache_bytes,
     frozen_base_bytes,
+    fsdp_root_reduce_items,
     zero3_gathered_params,
     zero3_prefetch_params,
 )
@@ -145,7 +148,7 @@ class MemoryBreakdown(BaseModel):
                                          description="each named buffer and overhead item (bytes)")
     rank: str = Field(default="every rank", description="which rank these figures are for (the worst)")
     moment: str = Field(default="", description="the moment of the step these figures are for (the worst): "
-                                              "forward, loss, backward, grads, backward_end or "
+                                              "forward, loss, backward, grads, backward_end, root_reduce or "
                                               "optimizer_step; empty when "
                                               "every term's peak is summed")
 
@@ -335,6 +338,10 @@ def _stage_breakdown(profile: ModelProfile, strategy: Strategy, capacity_bytes: 
         # the end of backward (independent_gradient_partition_epilogue): the averaged 1/N partition is built
         # while grads_in_partition and the reduce buckets are still alive, the activations freed
         moments.append(("backward_end", 0, during + at_step, live_at("grads")))
+    root_reduce = fsdp_root_reduce_items(profile, strategy, stage, device)
+    if root_reduce:  # FSDP2's last reduce-scatter, the activations freed (engine_buffers.fsdp_root_reduce_items)
+        kept = {k: v for k, (v, m) in buffers.items() if m is None}
+        moments.append(("root_reduce", 0, during, {**kept, **whole, **root_reduce}))
     peak_acts = max(acts for _, acts, _, _ in moments)
     moment, acts, grads, items = max(moments, key=lambda m: m[1] + m[2] + sum(m[3].values()))
     scratch = optimizer_step_scratch_bytes(profile, strategy, stage=stage, gpus_per_node=gpus_per_node,

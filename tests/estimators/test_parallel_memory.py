@@ -129,8 +129,11 @@ def test_fsdp_equals_zero_and_hsdp_shards_inside_a_node(gpt) -> None:  # noqa: A
     # (it gathers them whole for forward and backward: fsdp_unsharded_params)
     assert grad_op.optimizer_bytes == z2.optimizer_bytes
     assert (grad_op.params_bytes, grad_op.grads_bytes) == (full.params_bytes, full.grads_bytes)
-    unsharded = buffer_items(gpt, Strategy(fsdp="grad_op", engine="torch", dp=16))["fsdp_unsharded_params"]
+    items = buffer_items(gpt, Strategy(fsdp="grad_op", engine="torch", dp=16))
+    # the root unit through backward, the blocks until the stem's backward (their own reshards them)
+    unsharded = items["fsdp_unsharded_params"] + items["fsdp_unsharded_block_params"]
     assert unsharded == pytest.approx(16 * full.params_bytes, abs=16)
+    assert 0 < items["fsdp_unsharded_params"] < items["fsdp_unsharded_block_params"]
     assert placement(Strategy(fsdp="hybrid", engine="torch", dp=16), 8).shard.ranks == 8
 
 

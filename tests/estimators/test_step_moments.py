@@ -149,3 +149,33 @@ def test_16bit_weights_use_the_profiles_bf16_weights_fit() -> None:
     # AMP holds fp32 weights under autocast; Megatron upcasts its logits: both keep the autocast fit
     assert measured_fit(with16, Strategy(precision="amp-bf16", engine="torch", dp=2))[0] is autocast
     assert measured_fit(with16, Strategy(precision="bf16", engine="megatron", dp=2))[0] is autocast
+
+
+def test_fsdp_root_reduce_is_a_moment_of_its_own() -> None:
+    """FSDP2's last reduce-scatter (the root unit's) runs with the activations freed and every sharded gradient
+    written: the root's unsharded gradients (weights' dtype) and its fp32 reduce-scatter input are alive, and on CPU
+    gloo's copy of that input (benchmarks/results/fidelity_train_cpu.txt: the bf16 runs' peak, to 0.02 %). With
+    a large root (embedding) and little activation memory it is the peak; with much, the backward is."""
+    from optplan.estimators.engine_buffers import _root_unit_params, fsdp_root_reduce_items
+    from optplan.estimators.profile import RepeatedBlock
+
+    small = phased_profile(forward=10**5, loss=10**5, backward=10**5, grads=10**5, stem_grads=10**5)
+    small = small.model_copy(update={"repeated_block": RepeatedBlock(class_name="Block", count=12,
+                                                                     params_per_block=100_000)})
+    s = Strategy(precision="fp32", engine="torch", fsdp="full", dp=2, optimizer="sgd")
+    root = _root_unit_params(small, s, 0)
+    assert root == 10_000_000 - 1_200_000
+    gpu = memory_breakdown(small, s, CAP, gpus_per_node=2)
+    cpu = memory_breakdown(small, s, CAP, gpus_per_node=2, device="cpu")
+    assert gpu.moment == cpu.moment == "root_reduce"
+    assert gpu.detail_bytes["fsdp_root_reduce_scatter_input"] == gpu.detail_bytes["fsdp_root_unsharded_grads"] \
+        == round(root * 4)
+    assert "gloo_reduce_scatter_copy" not in gpu.detail_bytes
+    assert cpu.detail_bytes["gloo_reduce_scatter_copy"] == round(root * 4)
+    assert "fsdp_root_unit" not in gpu.detail_bytes  # resharded after its backward
+    bf16 = fsdp_root_reduce_items(small, s.model_copy(update={"precision": "bf16"}), 0, "cuda")
+    assert bf16 == {"fsdp_root_unsharded_grads": round(root * 2), "fsdp_root_reduce_scatter_input": round(root * 4)}
+    big = phased_profile(forward=10**9, loss=10**9, backward=10**9, grads=10**9, stem_grads=10**9)
+    assert memory_breakdown(big, s, CAP, gpus_per_node=2).moment != "root_reduce"
+    assert fsdp_root_reduce_items(small, Strategy(precision="fp32", engine="torch", dp=2), 0, "cpu") == {}
+    assert fsdp_root_reduce_items(small, Strategy(precision="fp32", zero=3, dp=2), 0, "cpu") == {}
