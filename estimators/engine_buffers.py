@@ -169,23 +169,20 @@ def buffers_with_moments(profile: ModelProfile, strategy: Strategy, stage: int,
             reduced = unit * trainable_share if block else psi_train
             items["fsdp_reduce_scatter_unit"] = (round(reduced * reduce_bytes), WHILE_GRADS)
         else:
+            root = _root_unit_params(profile, strategy, stage)  # the whole stage without repeated blocks
+            blocks = stage_params(profile, strategy, stage) - root
             if strategy.fsdp in ("full", "hybrid"):
-                root = _root_unit_params(profile, strategy, stage)
                 if root:
                     items["fsdp_root_unit"] = (round(root * weight), WHILE_MODEL_RUNS)
                 if block:
                     items["fsdp_unsharded_units"] = (round(unit * weight), WHILE_BLOCKS_RUN)
                     items["fsdp_prefetched_unit"] = (round(unit * weight), frozenset({"forward", "grads"}))
             else:  # SHARD_GRAD_OP: every unit gathered from its forward to its backward, which reshards it
-                root = _root_unit_params(profile, strategy, stage) if block else stage_params(profile, strategy, stage)
-                blocks = stage_params(profile, strategy, stage) - root
                 items["fsdp_unsharded_params"] = (round(root * weight), THROUGH_BACKWARD)
                 items["fsdp_unsharded_block_params"] = (round(blocks * weight), UNTIL_STEM_GRADS)
             reduced = unit * trainable_share if block else psi_train
             items["fsdp_reduce_scatter_unit"] = (round(reduced * reduce_bytes), WHILE_GRADS)
             if syncs_once_per_step(strategy):  # the micro-batches before the last keep their gradients unsharded
-                root = _root_unit_params(profile, strategy, stage) if block else stage_params(profile, strategy, stage)
-                blocks = stage_params(profile, strategy, stage) - root
                 # the last backward moves each block unit's into its reduce-scatter input (fsdp_reduce_scatter_unit)
                 # and frees it: one unit fewer while the blocks' gradients are reduced, none by the stem's backward
                 moved = min(blocks, unit if block else 0.0)
@@ -197,8 +194,7 @@ def buffers_with_moments(profile: ModelProfile, strategy: Strategy, stage: int,
                     accumulated_grad_bytes(root, trainable_share, strategy.precision), THROUGH_BACKWARD)
             shard = placement(strategy, gpus_per_node).shard.ranks
             if strategy.fsdp == "hybrid" and block and dpcp > shard:
-                blocks_params = stage_params(profile, strategy, stage) - _root_unit_params(profile, strategy, stage)
-                items["hsdp_all_reduce_outputs"] = (round(blocks_params / shard * reduce_bytes), WHILE_GRADS)
+                items["hsdp_all_reduce_outputs"] = (round(blocks / shard * reduce_bytes), WHILE_GRADS)
     dequantized = dequantized_weight_bytes(profile.adapter, strategy.quant)
     if dequantized:
         # made while a quantised block layer computes (forward on GPUs, the input gradient in backward): not while
@@ -303,8 +299,7 @@ def fsdp_root_reduce_items(profile: ModelProfile, strategy: Strategy, stage: int
     if strategy.engine != "torch" or strategy.fsdp == "none" or keeps_stage_unsharded(strategy):
         return {}
     recipe = get_recipe(strategy.precision)
-    root = _root_unit_params(profile, strategy, stage) if profile.repeated_block else stage_params(
-        profile, strategy, stage)
+    root = _root_unit_params(profile, strategy, stage)
     trainable = root * (profile.trainable_params / profile.params if profile.params else 0.0)
     reduced = round(trainable * fsdp_reduce_bytes(strategy.precision))
     items = {"fsdp_root_unsharded_grads": round(trainable * recipe.weight_bytes),
