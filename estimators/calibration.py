@@ -1,7 +1,7 @@
 """Calibration: corrections learnt from real probe runs, applied to an analytic Estimate.
 
-The analytic models (memory.py, timing.py) are exact accounting plus stated defaults: the allocator's
-fragmentation margin (5 % of allocated bytes), a 1 GiB CUDA context, and efficiency fractions fitted on
+The analytic models (memory.py, timing.py) are exact accounting plus defaults: the allocator's margin and
+the memory outside it, measured on other GPU runs (allocator_overhead.py), and efficiency fractions fitted on
 A100 Megatron runs (compute.py). A short real run of the model on the target GPU shows what the defaults
 miss: allocator rounding and caching, workspaces, kernel efficiency of this model on this GPU, exposed
 communication. ``optplan.planner.calibrate`` fits a :class:`Calibration` from probe results (measured /
@@ -11,7 +11,7 @@ predicted ratios) and ``estimate.calibrate_estimate`` applies it:
   ``allocated_scale`` (measured ``torch.cuda.max_memory_allocated`` ÷ predicted); the overhead becomes the
   measured CUDA context/NCCL bytes outside the allocator (``context_bytes``) plus the measured caching-
   allocator margin (``fragmentation_fraction`` × allocated, from ``max_memory_reserved`` ÷
-  ``max_memory_allocated`` − 1). Both fall back to memory.py's defaults when not measured.
+  ``max_memory_allocated`` − 1). Both fall back to the estimate's own (allocator_overhead.py) when not measured.
 * time: the on-device parts (compute, recompute, memory-bound kernels, optimizer step, host overhead and
   the pipeline bubble, which is made of the same kernels) are multiplied by ``compute_scale`` (measured
   step ÷ predicted step of a probe without communication); the exposed communication by ``comm_scale``
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from optplan.estimators.memory import CUDA_CONTEXT_BYTES, FRAGMENTATION_FRACTION, MemoryBreakdown
+from optplan.estimators.memory import MemoryBreakdown
 from optplan.estimators.timing import TimeBreakdown
 
 __all__ = ["Calibration", "calibrate_memory", "calibrate_time", "calibration_key"]
@@ -88,9 +88,10 @@ def calibrate_memory(memory: MemoryBreakdown, cal: Calibration) -> MemoryBreakdo
                  + memory.buffers_bytes)
     scaled = allocated * cal.allocated_scale
     correction = round(scaled - allocated)
-    frag_fraction = FRAGMENTATION_FRACTION if cal.fragmentation_fraction is None else cal.fragmentation_fraction
+    default_fraction = memory.detail_bytes.get("fragmentation_margin", 0) / allocated if allocated else 0.0
+    frag_fraction = default_fraction if cal.fragmentation_fraction is None else cal.fragmentation_fraction
     fragmentation = round(frag_fraction * scaled)
-    context = CUDA_CONTEXT_BYTES if cal.context_bytes is None else cal.context_bytes
+    context = memory.detail_bytes.get("cuda_context", 0) if cal.context_bytes is None else cal.context_bytes
     detail = {k: v for k, v in memory.detail_bytes.items() if k not in ("cuda_context", "fragmentation_margin")}
     detail.update({"cuda_context": context, "fragmentation_margin": fragmentation, CALIBRATION_DETAIL: correction})
     overhead = max(0, context + fragmentation + correction)

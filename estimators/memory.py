@@ -43,8 +43,9 @@ Sources
   moment's activations (the profile's per-phase envelopes) plus the buffers alive at that moment. A fit
   without phases (formula fits, model parallelism) takes its peak at every moment, which is the sum of
   everything (an upper bound).
-- Overhead: CUDA context, cuBLAS workspace and NCCL buffers (a stated default, 1 GiB) plus an
-  allocator fragmentation margin (a stated default, 5 % of everything else) until probes calibrate.
+- Overhead: the memory outside the allocator (CUDA context, kernel modules, NCCL buffers) plus the caching
+  allocator's margin over the allocated peak, both measured on GPU runs (allocator_overhead.py: per class, a
+  step with or without recomputation; one process or a process group) until probes on the target calibrate.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ from optplan.estimators.activations import (  # noqa: F401  (re-exported: caller
     measured_fit,
     uses_measured_fit,
 )
+from optplan.estimators.allocator_overhead import context_bytes, fragmentation_fraction
 from optplan.estimators.engine_buffers import (  # noqa: F401  (re-exported: callers import them from here)
     buffer_bytes,
     buffer_items,
@@ -102,10 +104,7 @@ from optplan.estimators.temporaries import (
 from optplan.estimators.tensor_plan import (
     replicated_grad_bytes_per_rank,
 )
-from optplan.estimators.units import GIB_BYTES
 
-CUDA_CONTEXT_BYTES = 1 * GIB_BYTES
-FRAGMENTATION_FRACTION = 0.05
 USABLE_MEMORY_FRACTION = 0.98
 """Share of the datasheet capacity a plan may fill (stated default): drivers report ~1 % less than
 nominal (an H100 80 GB shows 79.2 GiB, a V100 32 GB 31.7 GiB in torch.cuda.get_device_properties),
@@ -350,7 +349,7 @@ def _stage_breakdown(profile: ModelProfile, strategy: Strategy, capacity_bytes: 
     optimizer_bytes, paged_out = states.optimizer_bytes, 0
     run_total = grads + acts + sum(items.values())
     if strategy.optimizer in PAGED_OPTIMIZERS and not _fits_beside(states.params_bytes + run_total + optimizer_bytes,
-                                                                    capacity_bytes):
+                                                                    capacity_bytes, strategy):
         # paged state (optimizers.py): pushed to the host by the forward/backward peak, back for the step
         optimizer_bytes, paged_out = 0, states.optimizer_bytes
         scratch += states.optimizer_bytes  # what the step holds on top of its gradients and buffers
@@ -366,8 +365,9 @@ def _stage_breakdown(profile: ModelProfile, strategy: Strategy, capacity_bytes: 
         if scratch > acts:
             items[name] = scratch - acts
     allocated = states.params_bytes + grads + optimizer_bytes + acts + sum(items.values())
-    fragmentation = round(FRAGMENTATION_FRACTION * allocated)
-    detail = {**items, "cuda_context": CUDA_CONTEXT_BYTES, "fragmentation_margin": fragmentation}
+    fragmentation = round(fragmentation_fraction(strategy) * allocated)
+    context = context_bytes(strategy)
+    detail = {**items, "cuda_context": context, "fragmentation_margin": fragmentation}
     if paged_out:
         detail["paged_optimizer_state_off_gpu"] = paged_out  # at the forward/backward peak: held by the host
     p = strategy.pp
@@ -387,17 +387,19 @@ def _stage_breakdown(profile: ModelProfile, strategy: Strategy, capacity_bytes: 
     return MemoryBreakdown(
         params_bytes=states.params_bytes, grads_bytes=grads,
         optimizer_bytes=optimizer_bytes, activations_bytes=acts, buffers_bytes=sum(items.values()),
-        overhead_bytes=CUDA_CONTEXT_BYTES + fragmentation, capacity_bytes=capacity_bytes,
+        overhead_bytes=context + fragmentation, capacity_bytes=capacity_bytes,
         host_bytes=host, nvme_bytes=states.nvme_bytes,
         host_bytes_per_node=host * ranks_per_node, detail_bytes=detail, rank=rank,
         moment="" if moment == "step" else moment,
     )
 
 
-def _fits_beside(allocated_bytes: int, capacity_bytes: int) -> bool:
-    """Whether ``allocated_bytes`` of tensors, with the fragmentation margin and the CUDA context, fit
-    ``capacity_bytes``: a paged optimizer's state stays on the GPU then (optimizers.py)."""
-    return allocated_bytes * (1 + FRAGMENTATION_FRACTION) + CUDA_CONTEXT_BYTES <= capacity_bytes
+def _fits_beside(allocated_bytes: int, capacity_bytes: int, strategy: Strategy) -> bool:
+    """Whether ``allocated_bytes`` of tensors, with the allocator's margin and the context
+    (allocator_overhead.py), fit ``capacity_bytes``: a paged optimizer's state stays on the GPU then
+    (optimizers.py)."""
+    return (allocated_bytes * (1 + fragmentation_fraction(strategy)) + context_bytes(strategy)
+            <= capacity_bytes)
 
 
 def memory_breakdown(profile: ModelProfile, strategy: Strategy, capacity_bytes: int, *,

@@ -71,3 +71,24 @@ def test_prediction_path_on_a_small_llama(tmp_path: Path) -> None:
     assert bench.compared_bytes(memory, "reserved") == memory.total_bytes - memory.detail_bytes["cuda_context"]
     result = bench.Result(row, predicted, 1.1 * predicted, memory)
     assert result.error_pct == pytest.approx(100 * (1 / 1.1 - 1))
+
+
+def test_bound_rows_are_checked_not_scored() -> None:
+    """A ``bound`` row's figure bounds the quantity from above: the report checks predicted <= measured and leaves
+    it out of the median and max (the torchtune QLoRA figure holds the model init's cached 9.13 GB)."""
+    bound = [row for row in ROWS if row["status"] == "bound"]
+    assert [row["id"] for row in bound] == ["torchtune-llama-2-7b-qlora"]
+    assert "9.13 GB reserved after model init" in bound[0]["exclude_reason"]
+    base = {**ROWS_BY_ID["torchtune-llama-2-7b-lora-qv-r8"]}
+    rows = [base, {**base, "id": "b-ok", "status": "bound", "exclude_reason": "init cache"},
+            {**base, "id": "b-bad", "status": "bound", "exclude_reason": "init cache"}]
+    results = [bench.Result(rows[0], 105, 100.0, None),  # type: ignore[arg-type]
+               bench.Result(rows[1], 50, 100.0, None),  # type: ignore[arg-type]
+               bench.Result(rows[2], 150, 100.0, None)]  # type: ignore[arg-type]
+    lines: list[str] = []
+    median, worst = bench.report(results, rows, lines.append)
+    assert (median, worst) == pytest.approx((5.0, 5.0))
+    assert lines[-1].endswith("over 1 runs")
+    assert any(line.startswith("bound (not scored): b-ok") and ": consistent;" in line for line in lines)
+    assert any(line.startswith("bound (not scored): b-bad") and "INCONSISTENT" in line for line in lines)
+    assert not any(line.startswith("not scored") and "b-ok" in line for line in lines)

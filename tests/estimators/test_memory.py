@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 from conftest import make_profile
 
+from optplan.estimators.allocator_overhead import context_bytes, fragmentation_fraction
 from optplan.estimators.memory import (
-    CUDA_CONTEXT_BYTES,
-    FRAGMENTATION_FRACTION,
     activation_bytes,
     buffer_bytes,
     memory_breakdown,
@@ -134,9 +133,11 @@ def test_zero3_keeps_the_last_half_reuse_distance_gathered() -> None:
 
 def test_breakdown_total_and_overhead() -> None:
     prof = make_profile()
-    m = memory_breakdown(prof, Strategy(precision="bf16", mbs=2, zero=1, dp=8), capacity_bytes=80 * 2**30)
+    s = Strategy(precision="bf16", mbs=2, zero=1, dp=8)
+    m = memory_breakdown(prof, s, capacity_bytes=80 * 2**30)
     allocated = m.params_bytes + m.grads_bytes + m.optimizer_bytes + m.activations_bytes + m.buffers_bytes
-    assert m.overhead_bytes == CUDA_CONTEXT_BYTES + round(FRAGMENTATION_FRACTION * allocated)
+    assert m.overhead_bytes == context_bytes(s) + round(fragmentation_fraction(s) * allocated)
+    assert m.detail_bytes["cuda_context"] == context_bytes(s) and m.detail_bytes["fragmentation_margin"] > 0
     assert m.total_bytes == allocated + m.overhead_bytes
     assert m.headroom_bytes == 80 * 2**30 - m.total_bytes
     assert usable_capacity_bytes(80 * 2**30) == int(0.98 * 80 * 2**30)

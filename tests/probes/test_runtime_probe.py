@@ -182,7 +182,7 @@ def test_slow_step_is_pruned(tiny_lm_file: Path) -> None:
 def test_refused_strategies_do_not_start_a_child(tiny_lm_file: Path) -> None:
     r = probe(tiny_lm_file, tp=2)
     assert r.status == "error" and r.reason.startswith("the probe runs data-parallel strategies only")
-    assert r.exit_code is None and r.wall_s < 1
+    assert r.exit_code is None  # no child process ran
     r = probe(tiny_lm_file, precision="fp8")
     assert r.status == "error" and "Transformer Engine" in r.reason
 

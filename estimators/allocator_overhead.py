@@ -1,0 +1,100 @@
+"""Device memory beyond the live tensors: the caching allocator's margin and what lives outside it (bytes).
+
+A GPU training step's device memory is its live tensors (``torch.cuda.max_memory_allocated``, what memory.py
+accounts for exactly) plus two things no model file shows:
+
+* **the allocator's margin**: PyTorch's caching allocator keeps freed blocks for reuse and splits large blocks,
+  so its reserved peak exceeds the allocated one (PyTorch docs, "CUDA semantics: memory management";
+  ``torch.cuda.max_memory_reserved``). optplan states it as a fraction of the allocated peak;
+* **the context**: the CUDA context, the loaded kernel modules and NCCL's communicator buffers, outside the
+  allocator ((total − free) − ``memory_reserved``).
+
+Both are measured, not assumed: ``data/allocator_overhead.yaml`` is fitted by
+``benchmarks/fit_allocator_overhead.py`` from the GPU runs committed under ``benchmarks/results/`` (one H200,
+torch 2.11, CUDA 13; GPT-2 small, a Llama-3 1B layout, ResNet-50; torch and DeepSpeed). Per class it holds the
+median (what the estimate uses), the 10th and 90th percentiles and the run count. Classes, as the runs split:
+
+* margin: a step that recomputes every block from its input (full activation checkpointing frees and
+  re-allocates every layer's activations beside the saved boundaries: the runs' margins were 13-48 %) or one
+  that keeps them (0-29 %). Selective and MoE-layer recomputation were not measured; most of their activations
+  stay saved as without recomputation, and they take that class;
+* context: one torch process without a process group, or a process with a NCCL process group (DeepSpeed at any
+  world size; torch over several ranks, whose NCCL buffers grow with the peers: measured at world size 1 only).
+
+Other GPUs, drivers and CUDA versions were not measured and take the same figures; a probe on the target GPU
+replaces both (calibration.py). Units: fractions of allocated bytes; bytes.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from importlib import resources
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+from optplan.estimators.strategy import Strategy
+
+MarginClass = Literal["recompute", "none"]
+ContextClass = Literal["one_process", "process_group"]
+
+
+class MeasuredSpread(BaseModel):
+    """What the runs of one class measured: median, 10th and 90th percentile, how many runs."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    median: float = Field(ge=0)
+    low: float = Field(ge=0, description="10th percentile")
+    high: float = Field(ge=0, description="90th percentile")
+    runs: int = Field(ge=1)
+
+
+class AllocatorOverhead(BaseModel):
+    """``data/allocator_overhead.yaml``: margins (fractions of the allocated peak) and contexts (bytes)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    margin: dict[MarginClass, MeasuredSpread]
+    context_bytes: dict[ContextClass, MeasuredSpread]
+    source: str
+
+
+@cache
+def allocator_overhead() -> AllocatorOverhead:
+    """The packaged table (read once; immutable)."""
+    text = resources.files("optplan.estimators").joinpath("data/allocator_overhead.yaml").read_text(encoding="utf-8")
+    return AllocatorOverhead(**yaml.safe_load(text))
+
+
+def margin_class(strategy: Strategy) -> MarginClass:
+    """``recompute`` when the step recomputes every block from its input (full checkpointing, what the measured
+    runs did), else ``none`` (selective and MoE-layer recomputation keep most activations: module docstring)."""
+    return "recompute" if strategy.checkpointing == "full" else "none"
+
+
+def context_class(strategy: Strategy, world_size: int | None = None) -> ContextClass:
+    """``one_process`` for the torch engine on one rank (no process group), else ``process_group`` (DeepSpeed
+    and Megatron create one at any world size). ``world_size`` overrides the strategy's (a probe's ranks)."""
+    ranks = strategy.world_size if world_size is None else world_size
+    return "one_process" if strategy.engine == "torch" and ranks == 1 else "process_group"
+
+
+def _spread(table: dict, name: str) -> MeasuredSpread:
+    """The class's figures, or the other class's where a table was fitted without it."""
+    return table[name] if name in table else next(iter(table.values()))
+
+
+def fragmentation_fraction(strategy: Strategy) -> float:
+    """The allocator's margin over the allocated peak for ``strategy`` (fraction; the measured median)."""
+    return _spread(allocator_overhead().margin, margin_class(strategy)).median
+
+
+def context_bytes(strategy: Strategy) -> int:
+    """Device bytes outside the allocator for ``strategy`` (CUDA context, kernels, NCCL; the measured median)."""
+    return round(_spread(allocator_overhead().context_bytes, context_class(strategy)).median)
+
+
+__all__ = ["AllocatorOverhead", "MeasuredSpread", "allocator_overhead", "context_bytes", "context_class",
+           "fragmentation_fraction", "margin_class"]
