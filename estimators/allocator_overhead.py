@@ -96,5 +96,37 @@ def context_bytes(strategy: Strategy) -> int:
     return round(_spread(allocator_overhead().context_bytes, context_class(strategy)).median)
 
 
+def margin_note(allocated_bytes: int, capacity_bytes: int, strategy: Strategy) -> str | None:
+    """One note when the plan's fit depends on where in the measured spread the allocator's margin lands: it fits
+    at the median but not at the 90th percentile, or the other way round at the 10th; None otherwise. The
+    expandable-segments remedy is PyTorch's ("CUDA semantics: optimizing memory usage with
+    PYTORCH_CUDA_ALLOC_CONF": ``expandable_segments:True`` lets a segment grow instead of splitting blocks)."""
+    table = allocator_overhead()
+    margin = _spread(table.margin, margin_class(strategy))
+    context = _spread(table.context_bytes, context_class(strategy))
+
+    def need(fraction: float, context_bytes: float) -> float:
+        return allocated_bytes * (1 + fraction) + context_bytes
+
+    gib = 2**30
+    median_fits = need(margin.median, context.median) <= capacity_bytes
+    cap = f"{capacity_bytes / gib:.1f} GiB"
+    if median_fits and need(margin.high, context.high) > capacity_bytes:
+        return (f"memory: fits with the allocator margin most runs measured ({100 * margin.median:.0f} % of the "
+                f"allocated peak, median of {margin.runs}), not with the 90th percentile's ({100 * margin.high:.0f} "
+                f"%: {need(margin.high, context.high) / gib:.1f} GiB of {cap}); "
+                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True lowers the margin")
+    if not median_fits and need(margin.low, context.low) <= capacity_bytes:
+        return (f"memory: does not fit with the allocator margin most runs measured ({100 * margin.median:.0f} %, "
+                f"median of {margin.runs}) but would with the 10th percentile's ({100 * margin.low:.0f} %: "
+                f"{need(margin.low, context.low) / gib:.1f} GiB of {cap}); a short run of the exported train.py "
+                "measures it (optplan calibrate)")
+    return None
+
+
+MARGIN_NOTE_MARK = "with the allocator margin most runs measured"
+"""Text every :func:`margin_note` holds (a calibration that measured the margin drops the note)."""
+
+
 __all__ = ["AllocatorOverhead", "MeasuredSpread", "allocator_overhead", "context_bytes", "context_class",
-           "fragmentation_fraction", "margin_class"]
+           "fragmentation_fraction", "margin_class", "margin_note", "MARGIN_NOTE_MARK"]

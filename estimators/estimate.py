@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from optplan.estimators.allocator_overhead import MARGIN_NOTE_MARK, margin_note
 from optplan.estimators.calibration import Calibration, calibrate_memory, calibrate_time
 from optplan.estimators.cost import CostEstimate
 from optplan.estimators.efficiency import derivation_for, fitted_gpus
@@ -174,11 +175,14 @@ def calibrate_estimate(estimate: Estimate, cal: Calibration | None) -> Estimate:
         said.append(f"compute time × {cal.compute_scale:.3f}, communication × {cal.comm_scale:.3f} "
                     f"from {cal.time_probes} probe(s)")
     note = f"calibrated on {cal.gpu} (torch {cal.torch_version or '?'}): " + "; ".join(said)
+    kept = estimate.notes
+    if cal.calibrates_memory and cal.fragmentation_fraction is not None:  # the margin is measured now
+        kept = tuple(n for n in kept if MARGIN_NOTE_MARK not in n)
     return estimate.model_copy(update={
         "memory": memory, "time": time, "fits": memory.fits, "reason": estimate_reason(memory),
         "samples_per_s": time.samples_per_s, "tokens_per_s": time.tokens_per_s,
         "model_tflops_per_gpu": time.model_tflops_per_gpu, "mfu": time.mfu, "hfu": time.hfu,
-        "notes": (*estimate.notes, note)})
+        "notes": (*kept, note)})
 
 
 def estimate(profile: ModelProfile, cluster: Cluster, strategy: Strategy, *,
@@ -194,8 +198,10 @@ def estimate(profile: ModelProfile, cluster: Cluster, strategy: Strategy, *,
                        memory.detail_bytes.get("paged_optimizer_state_off_gpu", 0))
     band = time_band(profile, strategy, cluster, mfu=time.mfu)
     time = with_band(time, band)
+    margin = margin_note(memory.total_bytes - memory.overhead_bytes, memory.capacity_bytes, strategy)
     notes = (estimate_notes(profile, strategy, cluster) + placement_notes(strategy, cluster) + band_notes(band)
-             + paging_notes(memory, strategy) + _optimizer_step_notes(profile, strategy, time, adam_impl))
+             + paging_notes(memory, strategy) + _optimizer_step_notes(profile, strategy, time, adam_impl)
+             + ((margin,) if margin else ()))
     result = Estimate(notes=notes,
         strategy=strategy, gpu=cluster.gpu.name, gpus=strategy.world_size, memory=memory, time=time,
         global_batch=strategy.global_batch, samples_per_s=time.samples_per_s, tokens_per_s=time.tokens_per_s,

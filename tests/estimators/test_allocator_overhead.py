@@ -8,11 +8,13 @@ import pytest
 from conftest import make_profile
 
 from optplan.estimators.allocator_overhead import (
+    MARGIN_NOTE_MARK,
     allocator_overhead,
     context_bytes,
     context_class,
     fragmentation_fraction,
     margin_class,
+    margin_note,
 )
 from optplan.estimators.calibration import Calibration, calibrate_memory
 from optplan.estimators.memory import memory_breakdown
@@ -63,3 +65,41 @@ def test_a_probe_without_allocator_figures_keeps_the_estimate_s_own() -> None:
     scaled = _allocated(m0) * 1.2
     assert m1.detail_bytes["fragmentation_margin"] == pytest.approx(fragmentation_fraction(s) * scaled, rel=1e-6)
     assert m1.detail_bytes["cuda_context"] == m0.detail_bytes["cuda_context"]
+
+
+def test_a_fit_that_depends_on_the_margin_s_spread_says_so() -> None:
+    s = Strategy(precision="bf16", engine="torch", mbs=2, checkpointing="full")
+    table = allocator_overhead()
+    margin, context = table.margin["recompute"], table.context_bytes["one_process"]
+    allocated = 20 * 2**30
+    median_need = allocated * (1 + margin.median) + context.median
+    high_need = allocated * (1 + margin.high) + context.high
+    low_need = allocated * (1 + margin.low) + context.low
+    tight = margin_note(allocated, int((median_need + high_need) / 2), s)
+    assert tight is not None and tight.startswith("memory: fits with the allocator margin")
+    assert "90th percentile" in tight and "expandable_segments:True" in tight
+    short = margin_note(allocated, int((low_need + median_need) / 2), s)
+    assert short is not None and short.startswith("memory: does not fit") and "10th percentile" in short
+    assert margin_note(allocated, int(2 * high_need), s) is None  # fits at any measured margin
+    assert margin_note(allocated, int(low_need / 2), s) is None  # fits at none
+
+
+def test_the_estimate_carries_the_note_until_a_probe_measures_the_margin() -> None:
+    from optplan.estimators.estimate import calibrate_estimate, estimate
+    from optplan.estimators.hardware import Cluster, find_gpu
+
+    prof = make_profile()
+    gpu = find_gpu("H100-SXM")
+    s = Strategy(precision="bf16", engine="torch", mbs=2, checkpointing="full")
+    m = estimate(prof, Cluster(gpu=gpu, gpus=1, gpus_per_node=8), s).memory
+    allocated = m.total_bytes - m.overhead_bytes
+    margin, context = allocator_overhead().margin["recompute"], allocator_overhead().context_bytes["one_process"]
+    # a GPU whose usable memory sits between the median and the 90th percentile's need
+    usable = (allocated * (1 + (margin.median + margin.high) / 2) + (context.median + context.high) / 2)
+    small = gpu.model_copy(update={"name": "H100-SXM", "memory_bytes": int(usable / 0.98)})
+    est = estimate(prof, Cluster(gpu=small, gpus=1, gpus_per_node=8), s)
+    assert est.fits and any(MARGIN_NOTE_MARK in n for n in est.notes)
+    measured = Calibration(gpu="H100-SXM", model_hash="x", fragmentation_fraction=0.05, memory_probes=1)
+    assert not any(MARGIN_NOTE_MARK in n for n in calibrate_estimate(est, measured).notes)
+    scaled_only = Calibration(gpu="H100-SXM", model_hash="x", allocated_scale=1.0, memory_probes=1)
+    assert any(MARGIN_NOTE_MARK in n for n in calibrate_estimate(est, scaled_only).notes)
