@@ -119,8 +119,8 @@ def margin_note(allocated_bytes: int, capacity_bytes: int, strategy: Strategy) -
     if not median_fits and need(margin.low, context.low) <= capacity_bytes:
         return (f"memory: does not fit with the allocator margin most runs measured ({100 * margin.median:.0f} %, "
                 f"median of {margin.runs}) but would with the 10th percentile's ({100 * margin.low:.0f} %: "
-                f"{need(margin.low, context.low) / gib:.1f} GiB of {cap}); a short run of the exported train.py "
-                "measures it (optplan calibrate)")
+                f"{need(margin.low, context.low) / gib:.1f} GiB of {cap}); a short run on the GPU measures it "
+                "(the exported train.py's measurements.json for optplan calibrate; finetune.py --dry-run's peak)")
     return None
 
 
