@@ -8,7 +8,7 @@ estimators predict for the same Strategy from the model's static profile
 
 * memory: ``optplan.estimators.memory.memory_breakdown(profile, strategy, capacity, gpus_per_node=nproc,
   device=...)``; the predicted figure is the ALLOCATED bytes, ``total_bytes - overhead_bytes``: the
-  overhead (a 1 GiB CUDA context and a 5 % allocator fragmentation margin) lies outside what
+  overhead (the context outside the allocator and the allocator's margin, estimators/allocator_overhead.py) lies outside what
   ``torch.cuda.max_memory_allocated`` counts, and does not exist on the CPU. Measured: on the CPU the peak
   live tensor bytes of one tracked step (parameters, gradients, optimizer states, master copies,
   activations, communication buffers, inputs: every tensor alive), on CUDA ``max_memory_allocated`` over

@@ -323,8 +323,9 @@ def report(results: list[Result], rows: list[dict[str, Any]], log: Callable[[str
     for source, errs in by_source.items():
         log(f"  {source:<26} {len(errs):>3} runs: median |error| {statistics.median(errs):5.1f}%, max {max(errs):5.1f}%")
     for r in bounds:
-        verdict = "consistent" if r.predicted <= r.measured else "INCONSISTENT: the prediction exceeds the bound"
-        log(f"bound (not scored): {r.row['id']}: predicted {r.predicted / GIB:.2f} GiB <= measured "
+        ok = r.predicted <= r.measured
+        verdict = "consistent" if ok else "INCONSISTENT: the prediction exceeds the bound"
+        log(f"bound (not scored): {r.row['id']}: predicted {r.predicted / GIB:.2f} GiB {'<=' if ok else '>'} measured "
             f"{r.measured / GIB:.2f} GiB ({r.row['compare']}): {verdict}; {r.row['exclude_reason']}")
     for row in rows:
         if row["status"] not in ("scored", "bound"):

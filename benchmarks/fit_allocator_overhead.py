@@ -121,6 +121,14 @@ def fit(runs: list[Run], source: str) -> dict[str, Any]:
     }
 
 
+def source_of(runs: list[Run], folders: list[Path]) -> str:
+    """The data file's ``source``: how many runs, on which GPUs, from which folders."""
+    gpus = sorted({r.key.split()[0] for r in runs})
+    names = sorted({str(p.resolve().relative_to(ROOT)) if p.resolve().is_relative_to(ROOT) else str(p)
+                    for p in folders})
+    return f"{len(runs)} distinct runs on {', '.join(gpus)} under {', '.join(names)}"
+
+
 def render(doc: dict[str, Any]) -> str:
     header = ("# Device memory outside the tensors, measured (read by optplan.estimators.allocator_overhead).\n"
               "# Written by benchmarks/fit_allocator_overhead.py --write from the GPU runs committed under\n"
@@ -145,9 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         note = "" if r.allocated_bytes >= MIN_ALLOCATED_BYTES else "  (margin not fitted: under 1 GiB allocated)"
         print(f"{r.key:64} {r.margin_class:10} {r.allocated_bytes / GIB:9.2f} {r.reserved_bytes / GIB:9.2f} "
               f"{100 * r.margin:6.1f}% {ctx:>11}{note}")
-    gpus = sorted({r.key.split()[0] for r in runs})
-    folders = sorted({str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p) for p in args.folders})
-    doc = fit(runs, source=f"{len(runs)} distinct runs on {', '.join(gpus)} under {', '.join(folders)}")
+    doc = fit(runs, source=source_of(runs, args.folders))
     if args.write:
         DATA.write_text(render(doc), encoding="utf-8")
         print(f"wrote {DATA.relative_to(ROOT)}")

@@ -27,6 +27,7 @@ replaces both (calibration.py). Units: fractions of allocated bytes; bytes.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from functools import cache
 from importlib import resources
 from typing import Literal
@@ -56,8 +57,8 @@ class AllocatorOverhead(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    margin: dict[MarginClass, MeasuredSpread]
-    context_bytes: dict[ContextClass, MeasuredSpread]
+    margin: dict[MarginClass, MeasuredSpread] = Field(min_length=1)
+    context_bytes: dict[ContextClass, MeasuredSpread] = Field(min_length=1)
     source: str
 
 
@@ -75,13 +76,15 @@ def margin_class(strategy: Strategy) -> MarginClass:
 
 
 def context_class(strategy: Strategy, world_size: int | None = None) -> ContextClass:
-    """``one_process`` for the torch engine on one rank (no process group), else ``process_group`` (DeepSpeed
-    and Megatron create one at any world size). ``world_size`` overrides the strategy's (a probe's ranks)."""
+    """``one_process`` for the torch engine on one rank without FSDP (no process group), else ``process_group``
+    (DeepSpeed and Megatron create one at any world size, FSDP even on one rank: probes/trainloop.py).
+    ``world_size`` overrides the strategy's (a probe's ranks)."""
     ranks = strategy.world_size if world_size is None else world_size
-    return "one_process" if strategy.engine == "torch" and ranks == 1 else "process_group"
+    alone = strategy.engine == "torch" and ranks == 1 and strategy.fsdp == "none"
+    return "one_process" if alone else "process_group"
 
 
-def _spread(table: dict, name: str) -> MeasuredSpread:
+def _spread(table: Mapping[str, MeasuredSpread], name: str) -> MeasuredSpread:
     """The class's figures, or the other class's where a table was fitted without it."""
     return table[name] if name in table else next(iter(table.values()))
 
@@ -96,35 +99,40 @@ def context_bytes(strategy: Strategy) -> int:
     return round(_spread(allocator_overhead().context_bytes, context_class(strategy)).median)
 
 
-def margin_note(allocated_bytes: int, capacity_bytes: int, strategy: Strategy) -> str | None:
+def margin_note(allocated_bytes: float, capacity_bytes: int, strategy: Strategy,
+                context_override_bytes: int | None = None) -> str | None:
     """One note when the plan's fit depends on where in the measured spread the allocator's margin lands: it fits
-    at the median but not at the 90th percentile, or the other way round at the 10th; None otherwise. The
-    expandable-segments remedy is PyTorch's ("CUDA semantics: optimizing memory usage with
-    PYTORCH_CUDA_ALLOC_CONF": ``expandable_segments:True`` lets a segment grow instead of splitting blocks)."""
+    at the median but not at the 90th percentile, or the other way round at the 10th; None otherwise.
+    ``context_override_bytes``: a context measured by a probe (calibration.py) in place of the table's. The spread
+    is over different workloads on one GPU, not run-to-run noise of this plan. PyTorch documents
+    ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` against fragmentation ("CUDA semantics: optimizing memory
+    usage with PYTORCH_CUDA_ALLOC_CONF": a segment grows instead of new segments being split); optplan never
+    measured that mode."""
     table = allocator_overhead()
     margin = _spread(table.margin, margin_class(strategy))
     context = _spread(table.context_bytes, context_class(strategy))
 
     def need(fraction: float, context_bytes: float) -> float:
-        return allocated_bytes * (1 + fraction) + context_bytes
+        measured = context_override_bytes
+        return allocated_bytes * (1 + fraction) + (context_bytes if measured is None else measured)
 
     gib = 2**30
     median_fits = need(margin.median, context.median) <= capacity_bytes
     cap = f"{capacity_bytes / gib:.1f} GiB"
     if median_fits and need(margin.high, context.high) > capacity_bytes:
-        return (f"memory: fits with the allocator margin most runs measured ({100 * margin.median:.0f} % of the "
-                f"allocated peak, median of {margin.runs}), not with the 90th percentile's ({100 * margin.high:.0f} "
-                f"%: {need(margin.high, context.high) / gib:.1f} GiB of {cap}); "
-                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True lowers the margin")
+        return (f"memory: fits at the median allocator margin measured ({100 * margin.median:.0f} % of the "
+                f"allocated peak, {margin.runs} runs on one GPU), not at the 90th percentile's "
+                f"({100 * margin.high:.0f} %: {need(margin.high, context.high) / gib:.1f} GiB of {cap}); "
+                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True may lower the margin")
     if not median_fits and need(margin.low, context.low) <= capacity_bytes:
-        return (f"memory: does not fit with the allocator margin most runs measured ({100 * margin.median:.0f} %, "
-                f"median of {margin.runs}) but would with the 10th percentile's ({100 * margin.low:.0f} %: "
-                f"{need(margin.low, context.low) / gib:.1f} GiB of {cap}); a short run on the GPU measures it "
-                "(the exported train.py's measurements.json for optplan calibrate; finetune.py --dry-run's peak)")
+        return (f"memory: does not fit at the median allocator margin measured ({100 * margin.median:.0f} % of the "
+                f"allocated peak, {margin.runs} runs on one GPU) but would at the 10th percentile's "
+                f"({100 * margin.low:.0f} %: {need(margin.low, context.low) / gib:.1f} GiB of {cap}); a short run "
+                "of the plan on the GPU shows its own (torch.cuda.max_memory_reserved)")
     return None
 
 
-MARGIN_NOTE_MARK = "with the allocator margin most runs measured"
+MARGIN_NOTE_MARK = "at the median allocator margin measured"
 """Text every :func:`margin_note` holds (a calibration that measured the margin drops the note)."""
 
 

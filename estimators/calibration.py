@@ -88,7 +88,9 @@ def calibrate_memory(memory: MemoryBreakdown, cal: Calibration) -> MemoryBreakdo
                  + memory.buffers_bytes)
     scaled = allocated * cal.allocated_scale
     correction = round(scaled - allocated)
-    default_fraction = memory.detail_bytes.get("fragmentation_margin", 0) / allocated if allocated else 0.0
+    # the estimate's own margin, over the bytes it was taken on (a calibrated breakdown: the scaled ones)
+    taken_on = allocated + memory.detail_bytes.get(CALIBRATION_DETAIL, 0)
+    default_fraction = memory.detail_bytes.get("fragmentation_margin", 0) / taken_on if taken_on else 0.0
     frag_fraction = default_fraction if cal.fragmentation_fraction is None else cal.fragmentation_fraction
     fragmentation = round(frag_fraction * scaled)
     context = memory.detail_bytes.get("cuda_context", 0) if cal.context_bytes is None else cal.context_bytes

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from optplan.estimators.allocator_overhead import MARGIN_NOTE_MARK, margin_note
-from optplan.estimators.calibration import Calibration, calibrate_memory, calibrate_time
+from optplan.estimators.calibration import CALIBRATION_DETAIL, Calibration, calibrate_memory, calibrate_time
 from optplan.estimators.cost import CostEstimate
 from optplan.estimators.efficiency import derivation_for, fitted_gpus
 from optplan.estimators.finetune import finetune_note
@@ -176,8 +176,12 @@ def calibrate_estimate(estimate: Estimate, cal: Calibration | None) -> Estimate:
                     f"from {cal.time_probes} probe(s)")
     note = f"calibrated on {cal.gpu} (torch {cal.torch_version or '?'}): " + "; ".join(said)
     kept = estimate.notes
-    if cal.calibrates_memory and cal.fragmentation_fraction is not None:  # the margin is measured now
+    if cal.calibrates_memory:  # the allocated bytes moved: the margin note is redone on them, or gone if measured
         kept = tuple(n for n in kept if MARGIN_NOTE_MARK not in n)
+        if cal.fragmentation_fraction is None:
+            allocated = memory.total_bytes - memory.overhead_bytes + memory.detail_bytes.get(CALIBRATION_DETAIL, 0)
+            margin = margin_note(allocated, memory.capacity_bytes, estimate.strategy, cal.context_bytes)
+            kept += (margin,) if margin else ()
     return estimate.model_copy(update={
         "memory": memory, "time": time, "fits": memory.fits, "reason": estimate_reason(memory),
         "samples_per_s": time.samples_per_s, "tokens_per_s": time.tokens_per_s,

@@ -25,7 +25,8 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_wheel_file_list_maps_every_subpackage(wheel: Path) -> None:
     names = set(zipfile.ZipFile(wheel).namelist())
     for required in ("optplan/estimators/__init__.py", "optplan/estimators/estimate.py",
-                     "optplan/estimators/data/gpus.yaml", "optplan/probes/loader.py",
+                     "optplan/estimators/data/gpus.yaml", "optplan/estimators/data/allocator_overhead.yaml",
+                     "optplan/probes/loader.py",
                      "optplan/planner/recommend.py", "optplan/planner/export/deepspeed.py",
                      "optplan/tui/cli.py", "optplan/tui/app.tcss", "optplan/tui/screens/plan.py",
                      "optplan/tui/widgets/trials_table.py"):
@@ -40,6 +41,8 @@ def test_wheel_imports_from_an_unpacked_copy(wheel: Path, tmp_path: Path) -> Non
     zipfile.ZipFile(wheel).extractall(tmp_path)
     code = ("import optplan.estimators.estimate as e, optplan.planner.recommend, optplan.tui.cli; "
             "from optplan.estimators.hardware import gpu_catalogue; "
+            "from optplan.estimators.allocator_overhead import allocator_overhead; "
+            "assert allocator_overhead().margin; "
             "print(e.__file__); print(len(gpu_catalogue()))")
     run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
                          env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"}, check=True)

@@ -17,7 +17,7 @@ def test_the_packaged_table_is_the_fit_of_the_committed_runs() -> None:
     runs = fitter.runs_from([fitter.RESULTS])
     assert len(runs) >= 28 and len({r.key for r in runs}) == len(runs)  # each distinct run once
     packaged = yaml.safe_load(fitter.DATA.read_text(encoding="utf-8"))
-    fitted = fitter.fit(runs, source=packaged["source"])
+    fitted = fitter.fit(runs, source=fitter.source_of(runs, [fitter.RESULTS]))
     assert fitted == packaged, "rerun: python benchmarks/fit_allocator_overhead.py --write"
     table = allocator_overhead()
     assert set(table.margin) == {"recompute", "none"} and set(table.context_bytes) == {"one_process", "process_group"}

@@ -35,6 +35,8 @@ def test_classes() -> None:
     assert context_class(Strategy(precision="bf16", engine="torch", dp=2)) == "process_group"
     assert context_class(Strategy(precision="bf16", engine="deepspeed")) == "process_group"  # NCCL at any size
     assert context_class(Strategy(precision="bf16", engine="torch", dp=8), world_size=1) == "one_process"
+    # FSDP starts a NCCL process group even on one rank (probes/trainloop.py)
+    assert context_class(Strategy(precision="bf16", engine="torch", fsdp="full")) == "process_group"
 
 
 def test_the_measured_table_says_recompute_and_process_groups_cost_more() -> None:
@@ -76,10 +78,11 @@ def test_a_fit_that_depends_on_the_margin_s_spread_says_so() -> None:
     high_need = allocated * (1 + margin.high) + context.high
     low_need = allocated * (1 + margin.low) + context.low
     tight = margin_note(allocated, int((median_need + high_need) / 2), s)
-    assert tight is not None and tight.startswith("memory: fits with the allocator margin")
-    assert "90th percentile" in tight and "expandable_segments:True" in tight
+    assert tight is not None and tight.startswith("memory: fits at the median allocator margin")
+    assert "90th percentile" in tight and "expandable_segments:True" in tight and MARGIN_NOTE_MARK in tight
     short = margin_note(allocated, int((low_need + median_need) / 2), s)
     assert short is not None and short.startswith("memory: does not fit") and "10th percentile" in short
+    assert MARGIN_NOTE_MARK in short  # a calibration can drop either
     assert margin_note(allocated, int(2 * high_need), s) is None  # fits at any measured margin
     assert margin_note(allocated, int(low_need / 2), s) is None  # fits at none
 
@@ -103,3 +106,16 @@ def test_the_estimate_carries_the_note_until_a_probe_measures_the_margin() -> No
     assert not any(MARGIN_NOTE_MARK in n for n in calibrate_estimate(est, measured).notes)
     scaled_only = Calibration(gpu="H100-SXM", model_hash="x", allocated_scale=1.0, memory_probes=1)
     assert any(MARGIN_NOTE_MARK in n for n in calibrate_estimate(est, scaled_only).notes)
+    # a probe that measured 30 % more tensors: the plan no longer fits, and no note says it fits
+    bigger = calibrate_estimate(est, Calibration(gpu="H100-SXM", model_hash="x", allocated_scale=1.3, memory_probes=1))
+    assert not bigger.fits and not any(n.startswith("memory: fits at") for n in bigger.notes)
+
+
+def test_calibrating_twice_gives_the_same_memory() -> None:
+    """The fallback margin is the estimate's own fraction, taken over the bytes it was computed on."""
+    prof = make_profile()
+    s = Strategy(precision="bf16", engine="torch", mbs=2, checkpointing="full")
+    m0 = memory_breakdown(prof, s, capacity_bytes=CAP)
+    cal = Calibration(gpu="H100-SXM", model_hash="x", allocated_scale=1.5, memory_probes=1)
+    once = calibrate_memory(m0, cal)
+    assert calibrate_memory(once, cal) == once

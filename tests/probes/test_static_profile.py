@@ -121,8 +121,9 @@ def gpt2_small_run():
 
 
 def test_gpt2_small_profile(gpt2_small_run):
-    """What the profile reads off GPT-2 small. Its speed (target: under 15 s) is benchmarks/bench_recommend.py's:
-    tests do not depend on wall-clock time (a loaded CI machine once took 15.4 s)."""
+    """What the profile reads off GPT-2 small. Its wall time is printed, not asserted: tests do not depend on
+    wall-clock time (a loaded CI machine once took 15.4 s against the old 15 s assertion); benchmarks/bench_recommend.py
+    times `optplan recommend` end to end."""
     profile, wall = gpt2_small_run
     print(f"\ngpt2 small: profile_s={profile.profile_s:.2f} wall={wall:.2f}s")
     assert profile.params == profile.trainable_params == 124_439_808
@@ -159,14 +160,14 @@ def test_resnet50_profile(examples_dir):
 
 
 @pytest.mark.slow
-def test_llama_70b_profiles_fast_and_small(examples_dir, monkeypatch):
+def test_llama_70b_profiles_small(examples_dir, monkeypatch):
     monkeypatch.setenv("OPTPLAN_LLAMA_SIZE", "70B")
     start = time.perf_counter()
     profile = profile_model_file(examples_dir / "llama.py")
     wall = time.perf_counter() - start
     peak_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # largest child so far
     print(f"\nllama 70B: profile_s={profile.profile_s:.2f} wall={wall:.2f}s child peak RSS <= {peak_rss / 2**30:.2f} GiB")
-    assert peak_rss < 4 * 2**30  # its speed (under 60 s) is benchmarks/bench_recommend.py's, not a test's
+    assert peak_rss < 4 * 2**30  # the wall time is printed, not asserted (bench_recommend.py times recommend)
     assert profile.params == 70_553_706_496 and profile.name == "llama-70B"
     assert profile.profiled_blocks == 2 and "profiled 2 of 80 blocks and scaled by layers" in profile.notes
     assert profile.transformer.layers == 80 and profile.transformer.kv_heads == 8
