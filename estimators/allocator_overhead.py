@@ -128,7 +128,7 @@ def margin_note(allocated_bytes: float, capacity_bytes: int, strategy: Strategy,
         return (f"memory: does not fit at the median allocator margin measured ({100 * margin.median:.0f} % of the "
                 f"allocated peak, {margin.runs} runs on one GPU) but would at the 10th percentile's "
                 f"({100 * margin.low:.0f} %: {need(margin.low, context.low) / gib:.1f} GiB of {cap}); a short run "
-                "of the plan on the GPU shows its own (torch.cuda.max_memory_reserved)")
+                "of the plan on the GPU shows its own (train.py's step lines, finetune.py --dry-run)")
     return None
 
 
