@@ -36,6 +36,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
 from optplan.estimators.strategy import Strategy
+from optplan.estimators.units import GIB_BYTES
 
 MarginClass = Literal["recompute", "none"]
 ContextClass = Literal["one_process", "process_group"]
@@ -99,6 +100,10 @@ def context_bytes(strategy: Strategy) -> int:
     return round(_spread(allocator_overhead().context_bytes, context_class(strategy)).median)
 
 
+MARGIN_NOTE_MARK = "at the median allocator margin measured"
+"""Text every :func:`margin_note` holds (a calibration that measured the margin drops the note)."""
+
+
 def margin_note(allocated_bytes: float, capacity_bytes: int, strategy: Strategy,
                 context_override_bytes: int | None = None) -> str | None:
     """One note when the plan's fit depends on where in the measured spread the allocator's margin lands: it fits
@@ -116,24 +121,20 @@ def margin_note(allocated_bytes: float, capacity_bytes: int, strategy: Strategy,
         measured = context_override_bytes
         return allocated_bytes * (1 + fraction) + (context_bytes if measured is None else measured)
 
-    gib = 2**30
+    gib = GIB_BYTES
     median_fits = need(margin.median, context.median) <= capacity_bytes
     cap = f"{capacity_bytes / gib:.1f} GiB"
     if median_fits and need(margin.high, context.high) > capacity_bytes:
-        return (f"memory: fits at the median allocator margin measured ({100 * margin.median:.0f} % of the "
+        return (f"memory: fits {MARGIN_NOTE_MARK} ({100 * margin.median:.0f} % of the "
                 f"allocated peak, {margin.runs} runs on one GPU), not at the 90th percentile's "
                 f"({100 * margin.high:.0f} %: {need(margin.high, context.high) / gib:.1f} GiB of {cap}); "
                 "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True may lower the margin")
     if not median_fits and need(margin.low, context.low) <= capacity_bytes:
-        return (f"memory: does not fit at the median allocator margin measured ({100 * margin.median:.0f} % of the "
+        return (f"memory: does not fit {MARGIN_NOTE_MARK} ({100 * margin.median:.0f} % of the "
                 f"allocated peak, {margin.runs} runs on one GPU) but would at the 10th percentile's "
                 f"({100 * margin.low:.0f} %: {need(margin.low, context.low) / gib:.1f} GiB of {cap}); a short run "
                 "of the plan on the GPU shows its own (train.py's step lines, finetune.py --dry-run)")
     return None
-
-
-MARGIN_NOTE_MARK = "at the median allocator margin measured"
-"""Text every :func:`margin_note` holds (a calibration that measured the margin drops the note)."""
 
 
 __all__ = ["AllocatorOverhead", "MeasuredSpread", "allocator_overhead", "context_bytes", "context_class",
