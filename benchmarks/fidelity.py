@@ -26,7 +26,9 @@ and listed at the end).
 
 The suite (at least 20 cases; ``--quick`` a subset): examples/mlp.py, examples/gpt2.py (GPT-2 small, a
 short sequence on the CPU), a reduced examples/llama.py (the Llama-3 1B layout with fewer, narrower
-layers on the CPU; the 1B model on a GPU) and examples/resnet.py (ResNet-50, SGD as its file says), at
+layers on the CPU; the 1B model on a GPU), examples/resnet.py (ResNet-50, SGD as its file says) and two timm
+models through ``--hf`` timm configs (a ViT and a ResNet, built by transformers' TimmWrapperForImageClassification;
+vit_tiny and resnet18 on the CPU, vit_base and resnet50 on a GPU), at
 micro-batches 1/2/4 (scaled up per model: on the CPU the MLP's x16; on a GPU the MLP's x256, GPT-2's x4
 and ResNet's x16, so the steps are not all launch overhead), fp32 / amp-bf16 / bf16 / bf16-pure, checkpointing none / full,
 single-process torch, and with 2 processes DDP, FSDP2 full / grad_op and DeepSpeed ZeRO 1/2/3. On the CPU
@@ -49,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import platform
 import statistics
@@ -167,6 +170,13 @@ SUITE: tuple[Case, ...] = (
     Case("resnet", "amp-bf16", 2),
     Case("resnet", "fp32", 4, "full"),
     Case("resnet", "bf16", 2, where=("cuda",), quick=True),
+    # timm through --hf (transformers' TimmWrapperForImageClassification over timm.create_model)
+    Case("timm-vit", "fp32", 2),
+    Case("timm-vit", "amp-bf16", 4, "full"),
+    Case("timm-vit", "fp32", 2, mode="fsdp-full"),
+    Case("timm-vit", "bf16", 4, where=("cuda",)),
+    Case("timm-resnet", "fp32", 2),
+    Case("timm-resnet", "amp-bf16", 2),
     # DeepSpeed at world size 1 (a one-GPU machine runs no 2-process case): ZeRO-0..3 on the Llama layout
     Case("llama", "bf16", 2, mode="zero0", procs=1, where=("cuda",), quick=True),
     Case("llama", "bf16", 2, mode="zero1", procs=1, where=("cuda",)),
@@ -201,6 +211,20 @@ def llama_wrapper(directory: Path, shape: dict[str, int] | None, seq_len: int) -
     return path
 
 
+def timm_model(directory: Path, architecture: str, side: int, classes: int) -> Path:
+    """The model file ``optplan --hf`` generates for a timm config of ``architecture`` (the timm/... hub layout:
+    ``architecture``, ``num_classes``, ``pretrained_cfg.input_size``) at ``side`` x ``side`` pixels. Building it
+    needs timm (and, on a CPU-only torch, benchmarks/torchvision_ops/install.py)."""
+    from optplan.planner.hf_source import find_hf_config, write_hf_model_file
+
+    folder = directory / architecture
+    folder.mkdir(parents=True, exist_ok=True)
+    config = {"architecture": architecture, "num_classes": classes,
+              "pretrained_cfg": {"input_size": [3, side, side], "num_classes": classes}}
+    (folder / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    return write_hf_model_file(find_hf_config(str(folder)), folder)
+
+
 def models(device: str, tmp: Path) -> dict[str, Model]:
     if device == "cpu":
         return {
@@ -213,6 +237,10 @@ def models(device: str, tmp: Path) -> dict[str, Model]:
                 llama_wrapper(tmp, LLAMA_CPU_SHAPE, 128), 128, "adamw"),
             "resnet": Model("resnet", "examples/resnet.py ResNet-50 as is, 224x224, SGD", EXAMPLES / "resnet.py",
                             None, "sgd"),
+            "timm-vit": Model("timm-vit", "timm vit_tiny_patch16_224 (--hf timm config), 224x224, 100 classes",
+                              timm_model(tmp, "vit_tiny_patch16_224", 224, 100), None, "adamw"),
+            "timm-resnet": Model("timm-resnet", "timm resnet18 (--hf timm config), 160x160, 100 classes",
+                                 timm_model(tmp, "resnet18", 160, 100), None, "adamw"),
         }
     return {
         "mlp": Model("mlp", "examples/mlp.py as is; micro-batches x256", EXAMPLES / "mlp.py", None, "adamw",
@@ -223,6 +251,12 @@ def models(device: str, tmp: Path) -> dict[str, Model]:
                        1024, "adamw"),
         "resnet": Model("resnet", "examples/resnet.py ResNet-50, 224x224, SGD; micro-batches x16",
                         EXAMPLES / "resnet.py", None, "sgd", mbs_scale=16),
+        "timm-vit": Model("timm-vit", "timm vit_base_patch16_224 (--hf timm config), 224x224, 1000 classes; "
+                          "micro-batches x16", timm_model(tmp, "vit_base_patch16_224", 224, 1000), None, "adamw",
+                          mbs_scale=16),
+        "timm-resnet": Model("timm-resnet", "timm resnet50 (--hf timm config), 224x224, 1000 classes; "
+                             "micro-batches x16", timm_model(tmp, "resnet50", 224, 1000), None, "adamw",
+                             mbs_scale=16),
     }
 
 
@@ -391,7 +425,7 @@ class Runner:
 # printing
 # ---------------------------------------------------------------------------------------------------
 def header(device: str) -> str:
-    head = (f"{'model':<7}{'strategy':<28}{'np':>3} | {'pred MiB':>9}{'meas MiB':>9}{'err':>10} |")
+    head = (f"{'model':<12}{'strategy':<28}{'np':>3} | {'pred MiB':>9}{'meas MiB':>9}{'err':>10} |")
     if device == "cuda":
         head += f" {'pred ms':>9}{'meas ms':>9}{'err':>10} | {'calib ms':>9}{'err':>10} |"
     else:
@@ -408,7 +442,7 @@ def ms(s: float | None) -> str:
 
 
 def format_row(row: Row, device: str) -> str:
-    start = f"{row.model:<7}{row.label:<28}{row.nproc:>3} | "
+    start = f"{row.model:<12}{row.label:<28}{row.nproc:>3} | "
     if row.result is None:
         return start + f"skipped: {row.skipped}"
     r = row.result
@@ -582,7 +616,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
                         help="where the probes run (default: cuda when torch sees a GPU, else cpu)")
     parser.add_argument("--quick", action="store_true", help="a subset of the cases (~1-2 min on a CPU)")
-    parser.add_argument("--models", default=None, help="comma-separated subset of mlp,gpt2,llama,resnet")
+    parser.add_argument("--models", default=None, help="comma-separated subset of mlp,gpt2,llama,resnet,timm-vit,timm-resnet")
     parser.add_argument("--explain", action="store_true",
                         help="print predicted vs measured categories under cases over the memory target")
     parser.add_argument("--timeout", type=float, default=300.0, help="per-probe wall-clock limit (s)")

@@ -14,7 +14,12 @@ adapters on every projection of its blocks:
   (``optplan.probes.memtrack.MemTracker``): forward + loss, backward, ``torch.optim.AdamW`` over the adapters,
   ``zero_grad(set_to_none=False)``; the peak live bytes of the whole step.
 
-Run: ``python benchmarks/fidelity_finetune_cpu.py`` (~1 min) or ``--quick``. Last line:
+The same for a timm Vision Transformer (``vit_tiny_patch16_224`` through a ``--hf`` timm config, built by
+transformers' TimmWrapperForImageClassification; adapters on its blocks' qkv, proj, fc1 and fc2, the default
+targets) on a 16-bit and an fp32 base (no quantised base: 4-bit vision fine-tuning is rare). Building it needs timm
+(and, on a CPU-only torch, benchmarks/torchvision_ops/install.py).
+
+Run: ``python benchmarks/fidelity_finetune_cpu.py`` (~2 min) or ``--quick``. Last line:
 ``finetune cpu: max error X% over N runs``.
 """
 
@@ -68,10 +73,15 @@ DROPOUT_RUNS: tuple[tuple[str, str], ...] = (("bf16-pure", "none"), ("amp-bf16",
 """The same with LoRA dropout: each adapted layer keeps a mask and a dropped input, and the int8 base's kept inputs
 are no longer the adapters' (the profiler measures which are not); the steps run dropout as a GPU does
 (probes/dropout.py)."""
+VIT = {"architecture": "vit_tiny_patch16_224", "num_classes": 100,
+       "pretrained_cfg": {"input_size": [3, 224, 224], "num_classes": 100}}
+"""A timm config (the timm/... hub layout): ViT-Tiny/16 at 224 x 224 (197 tokens), 100 classes."""
+VIT_RUNS = ("amp-bf16", "bf16-pure", "fp32")
 
 
 @dataclass
 class Row:
+    model: str
     recipe: str
     quant: str
     checkpointing: str
@@ -101,7 +111,7 @@ def predict(profile: ModelProfile, recipe: str, quant: str, checkpointing: str, 
 class LoraTrainer:
     """The model with adapters, held as ``recipe`` says, its AdamW and the profiler's StepRunner."""
 
-    def __init__(self, path: Path, seq_len: int, request: LoraRequest, recipe: str, quant: str = "none") -> None:
+    def __init__(self, path: Path, seq_len: int | None, request: LoraRequest, recipe: str, quant: str = "none") -> None:
         contract = load_contract(path)
         torch.manual_seed(0)
         model = contract.builder()
@@ -205,13 +215,41 @@ def run(quick: bool, log: Any = print) -> list[Row]:
             trainer = LoraTrainer(path, seq, req, recipe, quant)
             for ckpt in ("none", "full"):
                 for mbs in ((2,) if quick else (1, 4)):  # --quick (the CI test): one micro-batch size
-                    row = Row(recipe, quant, ckpt, mbs, predict(prof, recipe, quant, ckpt, mbs),
+                    row = Row("llama", recipe, quant, ckpt, mbs, predict(prof, recipe, quant, ckpt, mbs),
                               trainer.measure(mbs, ckpt), req.dropout)
                     rows.append(row)
-                    log(f"{row.recipe:<10}{row.quant:<7}{row.checkpointing:<6}{row.mbs:>4}{row.dropout:>6g} | "
-                        f"{row.predicted / MIB:>10.2f}{row.measured / MIB:>10.2f}{row.error_pct:>+8.2f}%")
+                    log(row_line(row))
             del trainer
             gc.collect()
+        rows += run_vit(Path(tmp), quick, request, log)
+    return rows
+
+
+def row_line(row: Row) -> str:
+    return (f"{row.recipe:<10}{row.quant:<7}{row.checkpointing:<6}{row.mbs:>4}{row.dropout:>6g} | "
+            f"{row.predicted / MIB:>10.2f}{row.measured / MIB:>10.2f}{row.error_pct:>+8.2f}%")
+
+
+def run_vit(tmp: Path, quick: bool, request: LoraRequest, log: Any) -> list[Row]:
+    """The timm ViT's rows (module docstring)."""
+    folder = tmp / "vit"
+    folder.mkdir()
+    path = model_file(folder, VIT)
+    profile = profile_model_file(path, seq_len=None, lora=request)
+    log(f"model: {profile.model_class} (timm {VIT['architecture']}) {profile.params:,} parameters "
+        f"({profile.trainable_params:,} LoRA, rank {request.rank}, targets "
+        f"{','.join(profile.adapter.targets if profile.adapter else ())}), 224 x 224")
+    rows: list[Row] = []
+    for recipe in VIT_RUNS[:1] if quick else VIT_RUNS:
+        trainer = LoraTrainer(path, None, request, recipe)
+        for ckpt in ("none", "full"):
+            for mbs in ((2,) if quick else (1, 4)):
+                row = Row("vit", recipe, "none", ckpt, mbs, predict(profile, recipe, "none", ckpt, mbs),
+                          trainer.measure(mbs, ckpt))
+                rows.append(row)
+                log(row_line(row))
+        del trainer
+        gc.collect()
     return rows
 
 

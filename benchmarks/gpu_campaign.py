@@ -43,7 +43,7 @@ Run (``--device`` defaults to cuda when torch sees a GPU):
     python benchmarks/gpu_campaign.py --sections fidelity --models resnet --out DIR   # one model's runs
 
 ``--sections`` (probes, fidelity, trace, gpu_tests, exports, grid) replaces ``--part``'s list, so that a visit
-spends its minutes on what earlier visits left unmeasured; ``--models`` (mlp, gpt2, llama, resnet) keeps only
+spends its minutes on what earlier visits left unmeasured; ``--models`` (mlp, gpt2, llama, resnet, timm-vit, timm-resnet) keeps only
 those models in fidelity, trace and grid.
 
 ``--budget-s`` (default 540) bounds one call: runs not started in time are recorded as "out of time".

@@ -11,7 +11,11 @@ generated model file: ``build_model()`` instantiates the config's architecture (
 ``--hf-class``) from transformers over ``AutoConfig.from_pretrained(config.json)``, with random weights;
 causal and masked language models get an ``example_batch`` of token ids with ``labels`` and a ``loss_fn``
 returning the model's own loss; image classifiers (``...ForImageClassification``) one of random ``pixel_values``
-at the config's ``image_size`` and ``num_channels`` with class ``labels``. It is written once to the optplan cache (``hf/<name>-<hash>.py``, atomic),
+at the config's ``image_size`` and ``num_channels`` with class ``labels``. timm's configs (the ``timm/...`` hub
+repositories: ``architecture`` and ``pretrained_cfg``, no ``model_type``) are built as transformers builds them,
+through ``TimmWrapperForImageClassification`` (transformers' ``is_timm_config_dict`` rule; the image side and
+channels from ``pretrained_cfg.input_size``, the classes from ``num_classes``), which calls
+``timm.create_model(architecture, pretrained=False, **model_args)``. It is written once to the optplan cache (``hf/<name>-<hash>.py``, atomic),
 so profiling, probes, exports and train.py treat it as any model file. Its ``OPTPLAN["seq_len"]`` is the
 config's maximum positions capped at :data:`DEFAULT_HF_SEQ_LEN` (``--seq-len`` overrides).
 """
@@ -47,6 +51,10 @@ causal mask on fake tensors (it cannot check the mask's values), which over-coun
 (benchmarks/fidelity_finetune_cpu.py), while a real step holds the same bytes either way."""
 DEFAULT_IMAGE_SIZE = 224
 """The input side of a vision config that names none (ImageNet's 224 x 224, the transformers configs' default)."""
+TIMM_MODEL_TYPE = "timm_wrapper"
+"""The ``model_type`` transformers gives a timm config (``PretrainedConfig.get_config_dict``: a dict with
+``pretrained_cfg`` and no ``model_type``), built by :data:`TIMM_CLASS`."""
+TIMM_CLASS = "TimmWrapperForImageClassification"
 DOWNLOAD_FIX = ("download its config first (huggingface-cli download {id} config.json), or pass the path of a "
                 "config.json or model folder")
 
@@ -120,6 +128,8 @@ def _read_config(spec: str, config: Path, name: str, hf_class: str | None) -> Hf
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise OptplanError(f"--hf {spec}: {config} is not readable JSON ({type(exc).__name__}: "
                            f"{str(exc).splitlines()[0][:120]}): pass a Hugging Face config.json") from None
+    if isinstance(doc, dict) and "model_type" not in doc and isinstance(doc.get("pretrained_cfg"), dict):
+        return _read_timm_config(spec, config, name, hf_class, doc)
     if not isinstance(doc, dict) or not isinstance(doc.get("model_type"), str) or not doc["model_type"]:
         raise OptplanError(f"--hf {spec}: {config} is not a Hugging Face model config (no \"model_type\"): pass the "
                            "config.json of a model (the one beside its weights)")
@@ -149,6 +159,34 @@ def _read_config(spec: str, config: Path, name: str, hf_class: str | None) -> Hf
                     image_size=image if isinstance(image, int) and image > 0 else None,
                     num_channels=vision.get("num_channels") if isinstance(vision.get("num_channels"), int) else None,
                     num_labels=labels)
+
+
+def _read_timm_config(spec: str, config: Path, name: str, hf_class: str | None, doc: dict) -> HfSource:
+    """The :class:`HfSource` of a timm config (``architecture``, ``pretrained_cfg``; timm's ``_parse_model_cfg``
+    reads the same fields): input size from ``model_args`` (``img_size``, ``in_chans``) over
+    ``pretrained_cfg.input_size`` (channels, height, width), classes from ``num_classes``."""
+    if not isinstance(doc.get("architecture"), str) or not doc["architecture"]:
+        raise OptplanError(f"--hf {spec}: {config} has a timm pretrained_cfg but no \"architecture\": pass the "
+                           "config.json of a timm model (from a timm/... hub repository)")
+    if hf_class is not None and hf_class != TIMM_CLASS:
+        raise OptplanError(f"--hf-class {hf_class}: {config} is a timm config, which transformers builds only as "
+                           f"{TIMM_CLASS}: drop --hf-class")
+    pretrained = doc["pretrained_cfg"]
+    args = doc.get("model_args") if isinstance(doc.get("model_args"), dict) else {}
+    size = pretrained.get("input_size")
+    channels, side = (size[0], size[-1]) if isinstance(size, list) and len(size) == 3 else (None, None)
+    img = args.get("img_size")
+    side = img if isinstance(img, int) else img[-1] if isinstance(img, list) and img else side
+    channels = args["in_chans"] if isinstance(args.get("in_chans"), int) else channels
+    classes = doc.get("num_classes", pretrained.get("num_classes"))
+    if classes == 0:
+        raise OptplanError(f"--hf {spec}: {config} is a timm feature extractor (num_classes 0), which transformers "
+                           "cannot train as an image classifier: set \"num_classes\" in a copy of config.json to "
+                           "your number of classes")
+    return HfSource(spec=spec, config_path=str(config.resolve()), name=name, model_type=TIMM_MODEL_TYPE,
+                    model_class=TIMM_CLASS, image_size=side if isinstance(side, int) and side > 0 else None,
+                    num_channels=channels if isinstance(channels, int) and channels > 0 else None,
+                    num_labels=classes if isinstance(classes, int) and classes > 0 else None)
 
 
 GENERATED_MARK = "Generated by optplan from the Hugging Face config"
@@ -253,16 +291,20 @@ def write_hf_model_file(source: HfSource, folder: Path | None = None) -> Path:
     return target
 
 
-def require_transformers() -> None:
-    """One-line OptplanError when transformers cannot be imported (``--hf`` builds models with it)."""
+def require_transformers(source: HfSource | None = None) -> None:
+    """One-line OptplanError when transformers (or, for a timm config, timm) cannot be imported (``--hf`` builds
+    models with them)."""
     if importlib.util.find_spec("transformers") is None:
         raise OptplanError("--hf builds the model with transformers, which is not installed: pip install transformers")
+    if source is not None and source.model_type == TIMM_MODEL_TYPE and importlib.util.find_spec("timm") is None:
+        raise OptplanError(f"--hf {source.spec} is a timm model, which transformers builds with timm, not installed: "
+                           "pip install timm")
 
 
 def hf_model_file(spec: str, hf_class: str | None = None) -> Path:
     """The generated model file for ``--hf spec`` (found, checked and written; see the module docstring)."""
     source = find_hf_config(spec, hf_class)
-    require_transformers()
+    require_transformers(source)
     return write_hf_model_file(source)
 
 
