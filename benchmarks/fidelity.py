@@ -30,7 +30,8 @@ layers on the CPU; the 1B model on a GPU), examples/resnet.py (ResNet-50, SGD as
 models through ``--hf`` timm configs (a ViT and a ResNet, built by transformers' TimmWrapperForImageClassification;
 vit_tiny and resnet18 on the CPU, vit_base and resnet50 on a GPU), at
 micro-batches 1/2/4 (scaled up per model: on the CPU the MLP's x16; on a GPU the MLP's x256, GPT-2's x4
-and ResNet's x16, so the steps are not all launch overhead), fp32 / amp-bf16 / bf16 / bf16-pure, checkpointing none / full,
+and ResNet's x16, so the steps are not all launch overhead), fp32 / amp-bf16 / bf16 / bf16-pure, checkpointing none /
+selective (the training loop's op-level policy: matmul and attention outputs saved) / full,
 single-process torch, and with 2 processes DDP, FSDP2 full / grad_op and DeepSpeed ZeRO 1/2/3. On the CPU
 DeepSpeed runs without its ds_config's "optimizer" section (the probe then passes a torch AdamW, no
 fused-Adam JIT build), which the prediction follows (torch's CPU AdamW loop). On a machine with a single
@@ -146,6 +147,7 @@ SUITE: tuple[Case, ...] = (
     Case("gpt2", "amp-bf16", 4),
     Case("gpt2", "fp32", 4, "full"),
     Case("gpt2", "amp-bf16", 4, "full"),
+    Case("gpt2", "amp-bf16", 4, "selective"),
     Case("gpt2", "bf16", 2, where=("cuda",), quick=True),
     Case("gpt2", "bf16-pure", 2, where=("cuda",)),
     Case("gpt2", "fp32", 2, mode="ddp", where=("cuda",)),
@@ -156,9 +158,12 @@ SUITE: tuple[Case, ...] = (
     Case("llama", "amp-bf16", 4, "full", quick=True),
     Case("llama", "bf16", 2),
     Case("llama", "bf16-pure", 2),
+    Case("llama", "amp-bf16", 2, "selective", quick=True),
+    Case("llama", "bf16", 2, "selective", where=("cuda",)),
     Case("llama", "fp32", 2, mode="ddp"),
     Case("llama", "fp32", 2, mode="fsdp-full"),
     Case("llama", "fp32", 2, "full", mode="fsdp-grad_op"),
+    Case("llama", "fp32", 2, "selective", mode="fsdp-full"),
     Case("llama", "fp32", 2, mode="zero1"),
     Case("llama", "fp32", 2, mode="zero2"),
     Case("llama", "fp32", 2, "full", mode="zero3"),
@@ -173,6 +178,7 @@ SUITE: tuple[Case, ...] = (
     # timm through --hf (transformers' TimmWrapperForImageClassification over timm.create_model)
     Case("timm-vit", "fp32", 2),
     Case("timm-vit", "amp-bf16", 4, "full"),
+    Case("timm-vit", "amp-bf16", 4, "selective"),
     Case("timm-vit", "fp32", 2, mode="fsdp-full"),
     Case("timm-vit", "bf16", 4, where=("cuda",)),
     Case("timm-resnet", "fp32", 2),
@@ -276,7 +282,7 @@ def strategy_of(case: Case, model: Model) -> Strategy:
 def label_of(case: Case, strategy: Strategy) -> str:
     mode = {"single": "torch", "ddp": "DDP", "fsdp-full": "FSDP-full", "fsdp-grad_op": "FSDP-grad_op",
             "zero0": "ZeRO-0", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3"}[case.mode]
-    ckpt = " ckpt" if case.checkpointing == "full" else ""
+    ckpt = {"full": " ckpt", "selective": " sel"}.get(case.checkpointing, "")
     return f"{case.precision} {mode} mbs{strategy.mbs}{ckpt}"
 
 

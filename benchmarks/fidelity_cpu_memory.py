@@ -267,7 +267,7 @@ class RealTrainer:
         tracker.track(list(self.model.buffers()), category="buffer")
         resident = tracker.live_bytes
         runner = self.runner
-        with checkpointed(runner.blocks, checkpointing == "full"), tracker:
+        with checkpointed(runner.blocks, checkpointing), tracker:
             batch = runner.make_batch(mbs)
             with _autocast(precision):  # type: ignore[arg-type]
                 out = runner.forward(batch, mbs)

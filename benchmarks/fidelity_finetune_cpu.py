@@ -136,7 +136,7 @@ class LoraTrainer:
 
     def step(self, mbs: int, checkpointing: str, tracker: MemTracker | None = None) -> None:
         runner = self.runner
-        with checkpointed(runner.blocks, checkpointing == "full"), gpu_dropout():
+        with checkpointed(runner.blocks, checkpointing), gpu_dropout():
             batch = runner.make_batch(mbs)
             with _autocast(self.precision):  # type: ignore[arg-type]
                 out = runner.forward(batch, mbs)

@@ -24,7 +24,15 @@ from optplan.estimators.parallel import layers_per_stage
 from optplan.estimators.params_placement import rank_stages, stage_params
 from optplan.estimators.pipeline import DUALPIPE_IN_FLIGHT_EXTRA, in_flight_microbatches
 from optplan.estimators.precision import get_recipe
-from optplan.estimators.profile import FROZEN_16BIT, STEP_PHASES, WEIGHTS_16BIT, ActivationFit, ModelProfile
+from optplan.estimators.profile import (
+    FROZEN_16BIT,
+    STEP_PHASES,
+    WEIGHTS_16BIT,
+    ActivationFit,
+    ActivationPrecision,
+    CheckpointMode,
+    ModelProfile,
+)
 from optplan.estimators.strategy import Strategy
 from optplan.estimators.tensor_plan import gathers_logits
 
@@ -64,6 +72,26 @@ entropy and accumulates gradients in fp32 ``main_grad`` buffers: the autocast fi
 is the closer of the two there."""
 
 
+SELECTIVE_FIT_ENGINES = frozenset({"torch", "deepspeed"})
+"""Engines whose selective recomputation is the training loop's op-level policy (probes/trainloop.py
+``selective_context``: matmul and attention outputs saved, norms, activations and element-wise ops recomputed),
+which the profile measures as its ``selective`` fits; Megatron-LM's selective recomputation (the attention core
+only, Korthikanti et al. 2022 §5) keeps what the unrecomputed fit keeps once the core stores no scores."""
+
+
+def fit_mode(profile: ModelProfile, strategy: Strategy, precision: ActivationPrecision) -> CheckpointMode:
+    """The checkpointing mode of the profile's fit that prices ``strategy`` at ``precision``: ``full`` as is;
+    ``selective`` where the engine runs the op-level policy and the profile measured it (older profiles did not:
+    they price it as no checkpointing, as before); else ``none``."""
+    mode = strategy.checkpointing if profile.supports_checkpointing else "none"
+    if mode == "full":
+        return "full"
+    if (mode == "selective" and strategy.engine in SELECTIVE_FIT_ENGINES
+            and profile.has_activation(precision, "selective")):
+        return "selective"
+    return "none"
+
+
 def measured_fit(profile: ModelProfile, strategy: Strategy) -> tuple[ActivationFit, bool]:
     """The profile's measured activation fit for ``strategy`` and whether its autocast weight copies count.
 
@@ -74,15 +102,14 @@ def measured_fit(profile: ModelProfile, strategy: Strategy) -> tuple[ActivationF
     LoRA profiles under AMP recipes: the ``bf16-frozen`` fit (a bf16 base, fp32 adapters, autocast).
     """
     recipe = get_recipe(strategy.precision)
-    mode = strategy.checkpointing if profile.supports_checkpointing else "none"
-    fit_mode = "full" if mode == "full" else "none"
     if (profile.adapter is not None and recipe.weight_bytes == 4 and recipe.compute_dtype != "fp32"
             and profile.has_activation(FROZEN_16BIT)):
-        return profile.activation(FROZEN_16BIT, fit_mode), True
+        return profile.activation(FROZEN_16BIT, fit_mode(profile, strategy, FROZEN_16BIT)), True
     if (recipe.weight_bytes == 2 and strategy.engine in WEIGHTS_16BIT_ENGINES
             and profile.has_activation(WEIGHTS_16BIT)):
-        return profile.activation(WEIGHTS_16BIT, fit_mode), True
-    return profile.activation(recipe.activation_precision, fit_mode), recipe.weight_bytes != 2
+        return profile.activation(WEIGHTS_16BIT, fit_mode(profile, strategy, WEIGHTS_16BIT)), True
+    precision = recipe.activation_precision
+    return profile.activation(precision, fit_mode(profile, strategy, precision)), recipe.weight_bytes != 2
 
 
 def _fixed_stage_bytes(profile: ModelProfile, strategy: Strategy, fixed: int, copies: int, stage: int) -> float:
@@ -97,19 +124,19 @@ def _fixed_stage_bytes(profile: ModelProfile, strategy: Strategy, fixed: int, co
 def activation_bytes(profile: ModelProfile, strategy: Strategy, *, stage: int = 0) -> int:
     """Activations + temporaries held by one rank of pipeline ``stage`` at its peak (bytes).
 
-    Without model parallelism: the profile's measured fit at the micro-batch (selective recomputation
-    keeps the measured bytes: the profile's attention kernel stores no s×s scores). The 16-bit fits are
+    Without model parallelism: the profile's measured fit at the micro-batch (:func:`fit_mode`: selective
+    recomputation on the torch and DeepSpeed engines takes the fit measured under the training loop's op-level
+    policy; Megatron's keeps the unrecomputed fit, since the profile's attention kernel stores no s×s scores). The 16-bit fits are
     measured under autocast on fp32 weights, which keeps a 16-bit copy of every weight alive
     (``param_copy_bytes``); recipes whose weights are already 16-bit drop those copies. With
     tensor/sequence/context/pipeline parallelism, Korthikanti et al. Table 2 (module docstring).
     """
     recipe = get_recipe(strategy.precision)
     mode = strategy.checkpointing if profile.supports_checkpointing else "none"
-    fit_mode = "full" if mode == "full" else "none"
     if uses_measured_fit(profile, strategy):
         fit, copies = measured_fit(profile, strategy)
         return fit.bytes_at(strategy.mbs, param_copies=copies)
-    fit = profile.activation(recipe.activation_precision, fit_mode)
+    fit = profile.activation(recipe.activation_precision, "full" if mode == "full" else "none")
     fixed = _fixed_stage_bytes(profile, strategy, fit.fixed_at(strategy.mbs), fit.param_copies_at(strategy.mbs), stage)
     per_sample = _per_sample_stage_bytes(profile, strategy, mode, stage)
     return max(0, round(fixed + per_sample * strategy.mbs))
@@ -143,6 +170,10 @@ def _per_sample_stage_bytes(profile: ModelProfile, strategy: Strategy, mode: str
     layer_tp = (replicated / t if strategy.sp else replicated) + (layer - replicated) / t
     if profile.activation_source == "formula" and not strategy.flash and mode == "none":
         layer_tp += ATTENTION_SCORE_COEFF * a * s * s * scale / t
+    if mode == "selective" and fit_mode(profile, strategy, recipe.activation_precision) == "selective" and layer > 0:
+        # the op-level policy's share of a layer's bytes, as the profile measured it, on the split layer
+        selective = profile.activation(recipe.activation_precision, "selective").per_sample_bytes
+        layer_tp *= max(0.0, selective - ends) / layers / layer
     if recipe.compute_dtype == "fp8":  # Transformer Engine saves its GEMM inputs in fp8 (estimators/fp8_activations.py)
         rep_save, split_save = fp8_saved_bytes_per_token(shape, moe_recomputed=mode == "moe")
         layer_tp -= s * (rep_save / (t if strategy.sp else 1) + split_save / t)

@@ -26,7 +26,7 @@ trainable adapters in fp32, under bf16 autocast: what peft (``autocast_adapter_d
 ``Trainer(bf16=True)`` run on a base loaded in bf16."""
 WEIGHTS_16BIT: ActivationPrecision = "bf16-weights"
 FROZEN_16BIT: ActivationPrecision = "bf16-frozen"
-CheckpointMode = Literal["none", "full"]
+CheckpointMode = Literal["none", "selective", "full"]
 StepPhase = Literal["forward", "loss", "backward", "grads", "stem_grads"]
 STEP_PHASES: tuple[StepPhase, ...] = ("forward", "loss", "backward", "grads", "stem_grads")
 """The moments of a training step that decide which engine buffers are alive beside the activations:
@@ -296,10 +296,12 @@ class ModelProfile(_Frozen):
                 return fit
         raise KeyError(f"profile has no activation fit for {precision}/{checkpointing}")
 
-    def has_activation(self, precision: ActivationPrecision) -> bool:
+    def has_activation(self, precision: ActivationPrecision, checkpointing: CheckpointMode | None = None) -> bool:
         """True when the profile measured ``precision`` (``bf16-weights`` is missing from older profiles and
-        from models that do not run with 16-bit weights)."""
-        return any(fit.precision == precision for fit in self.activations)
+        from models that do not run with 16-bit weights), under ``checkpointing`` when given (``selective``
+        is missing from profiles made before it was measured)."""
+        return any(fit.precision == precision and checkpointing in (None, fit.checkpointing)
+                   for fit in self.activations)
 
     @property
     def supports_checkpointing(self) -> bool:

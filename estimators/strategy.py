@@ -145,7 +145,7 @@ class Strategy(BaseModel):
         if self.quant != "none":
             if self.engine == "megatron":
                 raise ValueError("a quantised base (QLoRA) runs on the torch or deepspeed engine: use --engine torch")
-            if self.offload_optimizer != "none" or self.offload_params != "none":
+            if self.engine != "torch" and (self.offload_optimizer != "none" or self.offload_params != "none"):
                 raise ValueError("offload is not modelled with a quantised base: drop --offload or --quant")
         if self.optimizer in PAGED_OPTIMIZERS:
             if self.engine != "torch":

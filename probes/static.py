@@ -123,7 +123,7 @@ from optplan.probes.moe_layers import find_moe_layers
 from optplan.probes.moe_profile import balanced_note, moe_shape, with_balanced_moe
 from optplan.probes.quant_inputs import bnb_keeps_4bit_inputs_here, quant_input_elements
 from optplan.probes.tensor_plan import read_tensor_plan
-from optplan.probes.trainloop import CudaAutocastLoss, without_generation_cache
+from optplan.probes.trainloop import CudaAutocastLoss, selective_context, without_generation_cache
 
 try:  # torch >= 2.3
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -292,14 +292,18 @@ def batch_spec(contract: ModelContract, model: nn.Module, seq_len: int) -> tuple
 
 
 @contextlib.contextmanager
-def checkpointed(blocks: list[nn.Module], enabled: bool = True) -> Iterator[None]:
-    """Wrap each block's forward in ``torch.utils.checkpoint`` (non-reentrant) while active."""
-    if not enabled:
+def checkpointed(blocks: list[nn.Module], mode: bool | str = True) -> Iterator[None]:
+    """Wrap each block's forward in ``torch.utils.checkpoint`` (non-reentrant) while active: ``True`` or
+    ``"full"`` recomputes the whole block, ``"selective"`` runs it under the op-level policy the training loop
+    applies (probes/trainloop.py ``selective_context``: matmul and attention outputs saved, the rest recomputed),
+    ``False`` or ``"none"`` leaves the blocks alone."""
+    if mode in (False, "none"):
         yield
         return
+    context_fn = selective_context() if mode == "selective" else None
     saved = [(blk, blk.__dict__.get("forward")) for blk in blocks]
     for blk in blocks:
-        blk.forward = partial(_checkpoint_call, blk.forward)  # instance attribute shadows the method
+        blk.forward = partial(_checkpoint_call, blk.forward, context_fn)  # instance attribute shadows the method
     try:
         yield
     finally:
@@ -310,8 +314,10 @@ def checkpointed(blocks: list[nn.Module], enabled: bool = True) -> Iterator[None
                 blk.forward = previous
 
 
-def _checkpoint_call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    return checkpoint(fn, *args, use_reentrant=False, **without_generation_cache(kwargs))
+def _checkpoint_call(fn: Callable[..., Any], context_fn: Callable[[], Any] | None, *args: Any, **kwargs: Any) -> Any:
+    if context_fn is None:
+        return checkpoint(fn, *args, use_reentrant=False, **without_generation_cache(kwargs))
+    return checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn, **without_generation_cache(kwargs))
 
 
 @contextlib.contextmanager
@@ -489,7 +495,7 @@ class StepRunner:
         tracker = self._tracker()
         tracker.phase = "stem" if self.blocks else "forward"
         with _phase_hooks(self.blocks, tracker), _grad_hooks(self.model, tracker), \
-                checkpointed(self.blocks, checkpointing == "full"), tracker:
+                checkpointed(self.blocks, checkpointing), tracker:
             batch = self.make_batch(b)
             with _autocast(precision):
                 out = self.forward(batch, b)
@@ -582,8 +588,11 @@ class Measurement:
 
 
 def checkpoint_modes(has_blocks: bool) -> tuple[CheckpointMode, ...]:
-    """No checkpointing, and every repeated block checkpointed when the model has them."""
-    return ("none", "full") if has_blocks else ("none",)
+    """No checkpointing, and when the model has repeated blocks every block checkpointed in full and under the
+    training loop's selective policy (the latter where torch has ``create_selective_checkpoint_contexts``)."""
+    if not has_blocks:
+        return ("none",)
+    return ("none", "selective", "full") if selective_context() is not None else ("none", "full")
 
 
 def modes_for(has_blocks: bool) -> list[tuple[ActivationPrecision, CheckpointMode]]:

@@ -182,8 +182,9 @@ def make_optimizer(name: str, params: list[torch.Tensor]) -> Any:
     raise TrainFailure("error", f"unknown optimizer {name!r}", everywhere=True)
 
 
-def _selective_context() -> Callable[[], Any] | None:
-    """``context_fn`` for op-level selective checkpointing, or None when torch lacks it."""
+def selective_context() -> Callable[[], Any] | None:
+    """``context_fn`` for op-level selective checkpointing, or None when torch lacks it (the static profiler
+    measures the selective activations with this same policy: probes/static.py ``checkpointed``)."""
     try:
         from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
     except ImportError:
@@ -248,7 +249,7 @@ def apply_checkpointing(blocks: list[nn.Module], mode: str, notes: list[str]) ->
         return "none"
     context_fn = None
     if mode == "selective":
-        context_fn = _selective_context()
+        context_fn = selective_context()
         if context_fn is None:
             notes.append(f"selective checkpointing needs torch.utils.checkpoint.create_selective_checkpoint_contexts "
                          f"(torch >= 2.4); torch {torch.__version__} lacks it, so every block is fully checkpointed")

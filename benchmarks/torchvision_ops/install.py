@@ -1,5 +1,5 @@
-"""Write ``optplan_torchvision_ops.pth`` into this interpreter's site-packages, so that every Python started from
-this environment imports benchmarks/torchvision_ops/optplan_torchvision_ops.py (see its docstring: torchvision's
+"""Write ``torchvision_cpu_ops.pth`` into this interpreter's site-packages, so that every Python started from
+this environment imports benchmarks/torchvision_ops/torchvision_cpu_ops.py (see its docstring: torchvision's
 CUDA-built wheel on a CPU-only torch). Used by .ci/run, after torchvision and timm are installed; run it the same way
 in a development environment to run the timm tests and benchmark rows. Idempotent; the file is written atomically.
 
@@ -16,13 +16,13 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-PTH_NAME = "optplan_torchvision_ops.pth"
+PTH_NAME = "torchvision_cpu_ops.pth"
 
 
 def pth_text() -> str:
     """A .pth file: its first line puts this folder on sys.path, its second (an ``import`` line, which site.py
     executes) installs the finder."""
-    return f"{HERE}\nimport optplan_torchvision_ops\n"
+    return f"{HERE}\nimport torchvision_cpu_ops\n"
 
 
 def main(argv: list[str] | None = None) -> int:

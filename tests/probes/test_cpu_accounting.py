@@ -144,9 +144,11 @@ def mlp_rows(model_files):
 
 @pytest.mark.parametrize("model", ["mlp", "gpt-2-layers", "llama-2-layers", "gpt-8-layers-large-vocab"])
 def test_predicted_peaks_match_a_real_cpu_training_step(model, model_files, mlp_rows):
-    """fp32 and amp-bf16, no and full checkpointing, micro-batch 2 (profiled) and 4 (beyond): within 2 %."""
-    rows, profile, _ = mlp_rows if model == "mlp" else compare(model_files[model])
-    assert len(rows) == 8 and profile.supports_checkpointing
+    """fp32 and amp-bf16, no and full checkpointing (and, for the transformers, the training loop's op-level
+    selective policy), micro-batch 2 (profiled) and 4 (beyond): within 2 %."""
+    modes = ("none", "full") if model == "mlp" else ("none", "selective", "full")
+    rows, profile, _ = mlp_rows if model == "mlp" else compare(model_files[model], checkpointing=modes)
+    assert len(rows) == 4 * len(modes) and profile.supports_checkpointing
     for precision, ckpt, mbs, pred, real in rows:
         where = (model, precision, ckpt, mbs, real.phase)
         assert pred.act == pytest.approx(real.act, rel=TOLERANCE), where
@@ -155,6 +157,8 @@ def test_predicted_peaks_match_a_real_cpu_training_step(model, model_files, mlp_
     by = {(p, c, b): real for p, c, b, _, real in rows}
     assert by[("fp32", "none", 4)].act > by[("fp32", "none", 2)].act
     assert by[("fp32", "none", 4)].act > by[("fp32", "full", 4)].act
+    if "selective" in modes:  # the policy saves matmul and attention outputs: between the two
+        assert by[("fp32", "none", 4)].act > by[("fp32", "selective", 4)].act > by[("fp32", "full", 4)].act
 
 
 def test_mlp_step_peak_is_the_adamw_step(mlp_rows):

@@ -64,12 +64,14 @@ def test_fake_profile_matches_a_real_cpu_step_small_gpt(small_gpt_file):
     real, real_m = real_fits(contract, 64)
     fake, fake_m = fake_full_depth_fits(contract, 64)
     extrapolated = {(f.precision, f.checkpointing): f for f in profile.activations}
-    assert set(real) == {("fp32", "none"), ("fp32", "full"), ("bf16", "none"), ("bf16", "full"),
-                         ("bf16-weights", "none"), ("bf16-weights", "full")}
+    assert set(real) == {(p, c) for p in ("fp32", "bf16", "bf16-weights") for c in ("none", "selective", "full")}
     assert_fits_close(fake, real)  # fake tensors == real tensors (full depth)
     assert_fits_close(extrapolated, real)  # depth-reduced profile == real full depth
     assert real[("bf16", "none")].param_copy_bytes > 0 and real[("fp32", "none")].param_copy_bytes == 0
     assert real[("fp32", "full")].per_sample_bytes < real[("fp32", "none")].per_sample_bytes
+    # the training loop's selective policy keeps the matmul and attention outputs: between the two
+    assert (real[("fp32", "full")].per_sample_bytes < real[("fp32", "selective")].per_sample_bytes
+            < real[("fp32", "none")].per_sample_bytes)
     # the model held in bf16: its activations and gradient temporaries are 16-bit, no autocast copies
     weights16 = real[("bf16-weights", "none")]
     assert weights16.param_copy_bytes == 0
@@ -135,7 +137,7 @@ def test_gpt2_small_profile(gpt2_small_run):
     assert profile.input_kind == "tokens" and profile.seq_len == profile.tokens_per_sample == 1024
     assert profile.profiled_blocks == 2 and profile.torch_version == torch.__version__
     assert profile.defaults.precision == "amp-bf16"
-    assert profile.supports_checkpointing and len(profile.activations) == 6  # fp32, autocast, bf16 weights
+    assert profile.supports_checkpointing and len(profile.activations) == 9  # fp32, autocast, bf16 weights x 3
 
 
 def test_gpt2_small_flops_match_the_formula(gpt2_small_run):

@@ -1,0 +1,51 @@
+"""Selective recomputation on the torch and DeepSpeed engines is the training loop's op-level policy, which the
+profile measures (``selective`` fits); Megatron's (the attention core only) and profiles made before that
+measurement keep the unrecomputed fit."""
+
+from __future__ import annotations
+
+from optplan.estimators.activations import activation_bytes, fit_mode
+from optplan.estimators.profile import ActivationFit
+from optplan.estimators.strategy import Strategy
+from tests.factories import make_profile
+
+SELECTIVE_PER_SAMPLE = 12 * 768 * 1024 * 12
+"""A selective fit between the factory's full (2·h + one layer) and none (34·h) per-sample bytes."""
+
+
+def _with_selective():
+    base = make_profile()
+    extra = tuple(ActivationFit(precision=p, checkpointing="selective", fixed_bytes=0,
+                                per_sample_bytes=SELECTIVE_PER_SAMPLE * (2 if p == "fp32" else 1))
+                  for p in ("bf16", "fp32"))
+    return base.model_copy(update={"activations": base.activations + extra})
+
+
+def test_the_engines_that_run_the_op_policy_take_its_measured_fit() -> None:
+    profile = _with_selective()
+    for engine, kw in (("torch", {}), ("deepspeed", {"zero": 2})):
+        s = Strategy(precision="amp-bf16", engine=engine, mbs=2, checkpointing="selective", **kw)  # type: ignore[arg-type]
+        assert fit_mode(profile, s, "bf16") == "selective"
+        assert activation_bytes(profile, s) == 2 * SELECTIVE_PER_SAMPLE
+    megatron = Strategy(precision="amp-bf16", engine="megatron", mbs=2, checkpointing="selective")
+    assert fit_mode(profile, megatron, "bf16") == "none"  # the attention core only: the unrecomputed fit
+    none = Strategy(precision="amp-bf16", engine="torch", mbs=2)
+    full = Strategy(precision="amp-bf16", engine="torch", mbs=2, checkpointing="full")
+    assert activation_bytes(profile, full) < 2 * SELECTIVE_PER_SAMPLE < activation_bytes(profile, none)
+
+
+def test_a_profile_without_the_selective_fit_prices_it_as_before() -> None:
+    old = make_profile()
+    s = Strategy(precision="amp-bf16", engine="torch", mbs=2, checkpointing="selective")
+    assert fit_mode(old, s, "bf16") == "none" and not old.has_activation("bf16", "selective")
+    assert activation_bytes(old, s) == activation_bytes(old, s.model_copy(update={"checkpointing": "none"}))
+
+
+def test_tensor_parallel_plans_scale_the_layers_by_the_measured_selective_share() -> None:
+    """Under model parallelism the Korthikanti split takes the measured per-layer bytes: with the selective fit,
+    the layers shrink by its share of the unrecomputed layer bytes (no fixed ends in the factory's fits)."""
+    profile = _with_selective()
+    base = dict(precision="amp-bf16", engine="torch", mbs=1, tp=2, dp=1, checkpointing="selective")
+    selective = activation_bytes(profile, Strategy(**base))  # type: ignore[arg-type]
+    none = activation_bytes(profile, Strategy(**{**base, "checkpointing": "none"}))  # type: ignore[arg-type]
+    assert selective == round(none * SELECTIVE_PER_SAMPLE / (34 * 768 * 1024 * 12))
