@@ -33,6 +33,7 @@ from optplan.estimators.profile import (
     CheckpointMode,
     ModelProfile,
 )
+from optplan.estimators.selective import runs_op_policy
 from optplan.estimators.strategy import Strategy
 from optplan.estimators.tensor_plan import gathers_logits
 
@@ -72,13 +73,6 @@ entropy and accumulates gradients in fp32 ``main_grad`` buffers: the autocast fi
 is the closer of the two there."""
 
 
-SELECTIVE_FIT_ENGINES = frozenset({"torch", "deepspeed"})
-"""Engines whose selective recomputation is the training loop's op-level policy (probes/trainloop.py
-``selective_context``: matmul and attention outputs saved, norms, activations and element-wise ops recomputed),
-which the profile measures as its ``selective`` fits; Megatron-LM's selective recomputation (the attention core
-only, Korthikanti et al. 2022 §5) keeps what the unrecomputed fit keeps once the core stores no scores."""
-
-
 def fit_mode(profile: ModelProfile, strategy: Strategy, precision: ActivationPrecision) -> CheckpointMode:
     """The checkpointing mode of the profile's fit that prices ``strategy`` at ``precision``: ``full`` as is;
     ``selective`` where the engine runs the op-level policy and the profile measured it (older profiles did not:
@@ -86,8 +80,7 @@ def fit_mode(profile: ModelProfile, strategy: Strategy, precision: ActivationPre
     mode = strategy.checkpointing if profile.supports_checkpointing else "none"
     if mode == "full":
         return "full"
-    if (mode == "selective" and strategy.engine in SELECTIVE_FIT_ENGINES
-            and profile.has_activation(precision, "selective")):
+    if mode == "selective" and runs_op_policy(strategy) and profile.has_activation(precision, "selective"):
         return "selective"
     return "none"
 

@@ -81,6 +81,7 @@ from optplan.estimators.optimizer_traffic import optimizer_step_bytes_per_param
 from optplan.estimators.optimizers import optimizer_state_bytes_per_param
 from optplan.estimators.precision import get_recipe
 from optplan.estimators.profile import ModelProfile
+from optplan.estimators.selective import measured_recompute_flops_per_sample
 from optplan.estimators.strategy import Strategy
 from optplan.estimators.temporaries import AdamImpl, engine_adam_impl
 
@@ -434,8 +435,9 @@ def matmul_efficiency(profile: ModelProfile, strategy: Strategy) -> float:
 def compute_time(profile: ModelProfile, strategy: Strategy, gpu: GPUSpec, *,
                  ranks_per_node: int = 1, hbm_fraction: float = 1.0,
                  adam_impl: AdamImpl | None = None) -> ComputeTime:
-    """FLOPs-only model (profiles without a transformer shape): forward+backward, recompute, memory-bound
-    and optimizer-step time of one step on one GPU without model parallelism (seconds).
+    """FLOPs-only model (profiles without a transformer shape): forward+backward, recompute (full: one more
+    forward; the op-level selective policy: the matmul FLOPs the profile measured it re-running, selective.py),
+    memory-bound and optimizer-step time of one step on one GPU without model parallelism (seconds).
 
     ``ranks_per_node`` GPUs share one host's CPU Adam throughput under optimizer offload.
     """
@@ -449,6 +451,8 @@ def compute_time(profile: ModelProfile, strategy: Strategy, gpu: GPUSpec, *,
     if strategy.checkpointing == "full" and profile.supports_checkpointing:
         recompute_s = profile.fwd_flops_per_sample * samples / (peak * eff)
         passes += 1
+    elif (selective := measured_recompute_flops_per_sample(profile, strategy)) is not None:
+        recompute_s = selective * samples / (peak * eff)  # the matmuls the op-level policy re-runs (selective.py)
     traffic = profile.activation(recipe.activation_precision, "none").bytes_at(strategy.mbs)
     memory_bound_s = strategy.grad_accum * passes * traffic / gpu.memory_bandwidth_bytes_per_s
     casts = autocast_cast_bytes_per_microbatch(recipe, params=float(profile.params),

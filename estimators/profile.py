@@ -262,6 +262,12 @@ class ModelProfile(_Frozen):
     tokens_per_sample: int | None = None
     fwd_flops_per_sample: float = Field(ge=0)
     bwd_flops_per_sample: float = Field(ge=0)
+    selective_recompute_flops_per_sample: float | None = Field(
+        default=None, ge=0,
+        description="forward FLOPs per sample that the training loop's selective checkpointing recomputes in "
+                    "backward (probes/trainloop.py selective_context: every other matmul of each block), counted "
+                    "by FlopCounterMode as the backward's FLOPs with that policy less those without; None when "
+                    "not measured (no repeated block, --arch shapes, older profiles)")
     activations: tuple[ActivationFit, ...]
     transformer: TransformerShape | None = None
     profiled_blocks: int | None = Field(

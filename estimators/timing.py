@@ -97,6 +97,7 @@ from optplan.estimators.pipeline import dualpipe_solo_fraction, dualpipe_time_s,
 from optplan.estimators.pipeline_fsdp import keeps_stage_unsharded
 from optplan.estimators.precision import get_recipe
 from optplan.estimators.profile import ModelProfile
+from optplan.estimators.selective import measured_recompute_flops_per_sample
 from optplan.estimators.strategy import Strategy
 from optplan.estimators.temporaries import AdamImpl
 from optplan.estimators.tensor_plan import gathers_logits
@@ -311,7 +312,9 @@ def _flops_only_step(profile: ModelProfile, strategy: Strategy, cluster: Cluster
                              step_compute_s=work, mb_compute_s=work / m, last_bwd_s=ct.compute_s / p / m * 2 / 3,
                              units=profile.repeated_block.count if profile.repeated_block else 1)
     optimizer_s = ct.optimizer_s / p
-    hw = profile.train_flops_per_sample + (profile.fwd_flops_per_sample if ct.recompute_s > 0 else 0.0)
+    selective = measured_recompute_flops_per_sample(profile, strategy)
+    hw = profile.train_flops_per_sample + (
+        selective if selective is not None else profile.fwd_flops_per_sample if ct.recompute_s > 0 else 0.0)
     parts = {"compute_s": ct.compute_s / p, "recompute_s": ct.recompute_s / p,
              "memory_bound_s": ct.memory_bound_s / p, "optimizer_s": optimizer_s, "comm_s": dpc.total_s,
              "exposed_comm_s": dpc.exposed_s, "bubble_s": pipe.bubble_s, "host_overhead_s": 0.0,
@@ -347,6 +350,15 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
     layer_mem = lt.fwd_elementwise_s + lt.bwd_elementwise_s
     layer_recompute = (lt.fwd_gemm_s + lt.fwd_elementwise_s) if full else (
         lt.attention_core_fwd_s if selective else moe_share * lt.mlp_fwd_s)
+    op_selective = measured_recompute_flops_per_sample(profile, s_)
+    if op_selective is not None:
+        # the training loop's op-level policy (selective.py): the matmuls the profile measured it re-running, at
+        # this layer's linear-GEMM rate, and its element-wise forward ops (an upper bound: recomputation stops
+        # early); the attention core is saved, not re-run
+        op_selective = op_selective * s_.mbs / (dims.layers * t * c)  # one layer, one micro-batch, this GPU
+        linear_flops = lt.fwd_flops - lt.attention_core_fwd_flops
+        linear_s = max(0.0, lt.fwd_gemm_s - core_fwd)
+        layer_recompute = op_selective * (linear_s / linear_flops if linear_flops > 0 else 0.0) + lt.fwd_elementwise_s
     moe_comm = moe_layer_comm(profile, s_, cluster, eff, links["etp"], tokens, elem, hbm)
     tp_collectives = TP_COLLECTIVES_PER_PASS - moe_comm.mlp_tp_collectives_skipped  # estimators/moe_comm.py
     tp_one = tp_collective_s(tokens, h, elem, t, links["tp"], sp=s_.sp) if t > 1 else 0.0
@@ -483,8 +495,8 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
     dp_exposed = dpc.exposed_s + tied
     exposed = tp_s + cp_exposed + pp_s + dp_exposed + ep_s
     hw_per_sample = profile.train_flops_per_sample
-    recompute_flops = (lt.fwd_flops if full else lt.attention_core_fwd_flops if selective
-                       else moe_share * lt.mlp_fwd_flops)
+    recompute_flops = (lt.fwd_flops if full else op_selective if op_selective is not None
+                       else lt.attention_core_fwd_flops if selective else moe_share * lt.mlp_fwd_flops)
     hw_per_sample += dims.layers * recompute_flops * t * c / s_.mbs
     parts = {
         "compute_s": m * slow["compute"], "recompute_s": m * slow["recompute"],

@@ -466,10 +466,11 @@ class StepRunner:
         self.model.zero_grad(set_to_none=False)
         return seen[0] if seen else None
 
-    def flops(self, b: int) -> tuple[int, int]:
-        """(forward + loss, backward) FLOPs at micro-batch ``b``, attention counted (math SDPA)."""
+    def flops(self, b: int, checkpointing: CheckpointMode = "none") -> tuple[int, int]:
+        """(forward + loss, backward) FLOPs at micro-batch ``b``, attention counted (math SDPA); under
+        ``checkpointing`` the backward's count includes what it recomputes."""
         batch = self.make_batch(b)
-        with _math_sdpa():
+        with _math_sdpa(), checkpointed(self.blocks, checkpointing):
             with FlopCounterMode(display=False) as fwd_counter:
                 out = self.forward(batch, b)
                 loss = self.loss(out, batch)
@@ -585,6 +586,7 @@ class Measurement:
     loss_note: str | None
     first_block_input_grad: bool | None = None
     weights_16bit_note: str | None = None
+    selective_recompute_flops: int | None = None
 
 
 def checkpoint_modes(has_blocks: bool) -> tuple[CheckpointMode, ...]:
@@ -604,6 +606,9 @@ def measure(runner: StepRunner, batch_sizes: tuple[int, int], *, flops: bool = T
     the step's timelines at the two ``batch_sizes``."""
     input_grad = runner.warm_up(batch_sizes[0])
     fwd, bwd = runner.flops(batch_sizes[0]) if flops else (0, 0)
+    recompute = None
+    if flops and "selective" in checkpoint_modes(bool(runner.blocks)):  # what the selective policy re-runs
+        recompute = max(0, runner.flops(batch_sizes[0], "selective")[1] - bwd)
     envelopes = {}
     for precision, ckpt in modes_for(bool(runner.blocks)):
         t0, t1 = (runner.activation_timeline(b, precision, ckpt) for b in batch_sizes)
@@ -613,7 +618,7 @@ def measure(runner: StepRunner, batch_sizes: tuple[int, int], *, flops: bool = T
     if any(LORA_MARK in name for name, _ in runner.model.named_parameters()):
         envelopes.update(measure_frozen_16bit(runner, batch_sizes))
     assert runner.batch_info is not None
-    return Measurement(fwd, bwd, envelopes, runner.batch_info, runner.loss_note, input_grad, note)
+    return Measurement(fwd, bwd, envelopes, runner.batch_info, runner.loss_note, input_grad, note, recompute)
 
 
 def measure_16bit_weights(runner: StepRunner, batch_sizes: tuple[int, int]
@@ -787,7 +792,10 @@ def _measure_reduced(contract: ModelContract, meta: nn.Module, block: BlockInfo,
         fwd_flops=round(extrapolate(lo.fwd_flops, hi.fwd_flops, layers, base)),
         bwd_flops=round(extrapolate(lo.bwd_flops, hi.bwd_flops, layers, base)),
         envelopes=envelopes, batch_info=m1.batch_info, loss_note=m1.loss_note,
-        weights_16bit_note=lo.weights_16bit_note or hi.weights_16bit_note)
+        weights_16bit_note=lo.weights_16bit_note or hi.weights_16bit_note,
+        selective_recompute_flops=(None if lo.selective_recompute_flops is None or hi.selective_recompute_flops is None
+                                   else round(extrapolate(lo.selective_recompute_flops, hi.selective_recompute_flops,
+                                                          layers, base))))
     notes.append(f"profiled {base + 1} of {layers} blocks and scaled by layers")
     return measurement, sizes, base + 1
 
@@ -926,6 +934,8 @@ def _profile_contract(contract: ModelContract, *, seq_len: int | None, started: 
         tokens_per_sample=info.tokens_per_sample,
         fwd_flops_per_sample=measurement.fwd_flops / b0,
         bwd_flops_per_sample=measurement.bwd_flops / b0,
+        selective_recompute_flops_per_sample=(None if measurement.selective_recompute_flops is None
+                                              else measurement.selective_recompute_flops / b0),
         activations=fit_activations(measurement.envelopes),
         param_numels=trainable_numels(meta),
         transformer=shape,

@@ -15,7 +15,8 @@ What :class:`Trainer` applies (the strategy is ``optplan.estimators.strategy.Str
   ``MixedPrecisionPolicy(param_dtype=16-bit, reduce_dtype=fp32)`` over fp32 shards); ``bf16-pure`` (bf16
   weights and optimizer states). DeepSpeed takes precision from the ds_config as given;
 * activation checkpointing of each repeated block (``block_class``): ``full`` (``torch.utils.checkpoint``,
-  non-reentrant) or ``selective`` (op-level: matmul and attention outputs saved, the rest recomputed);
+  non-reentrant) or ``selective`` (op-level, torchtitan's policy: attention outputs and every other matmul's output
+  saved, the rest recomputed, :data:`SAC_SAVE_OPS`);
 * data parallelism: DDP (torch's defaults, ``no_sync`` on all but the last micro-batch), FSDP2
   ``fully_shard`` on every block and then the root (``full``: reshard after forward; ``grad_op``: keep
   the unsharded parameters to backward; ``hybrid``: HSDP over a 2-D mesh, replicas x ``shard_size``;
@@ -77,7 +78,14 @@ SAC_SAVE_OPS = ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_scaled_dot_prod
                 "_scaled_dot_product_flash_attention_for_cpu",
                 "_scaled_dot_product_fused_attention_overrideable")
 """aten ops whose outputs selective checkpointing saves (matmuls and attention cores); the rest of a
-checkpointed block is recomputed (op-level SAC as in torchtitan, without its every-other-matmul rule)."""
+checkpointed block is recomputed, and so is every second :data:`SAC_ALTERNATE_OPS` call (torchtitan's per-op
+selective AC, ``_apply_op_sac`` in torchtitan/models/llama3/infra/parallelize.py: "saves output of all compute ops,
+except every second mm")."""
+SAC_ALTERNATE_OPS = ("mm", "addmm")
+"""The matmuls of which selective checkpointing saves only every other output, counted per block call and apart in
+the forward and in the recompute, as torchtitan does for ``aten.mm``; ``addmm`` (an ``nn.Linear`` with a bias, which
+torchtitan's Llama never calls) is counted with it, so that a biased model keeps the same alternation rather than
+recomputing every linear layer."""
 MAX_LEN_NAMES = ("block_size", "max_position_embeddings", "max_seq_len", "n_positions", "n_ctx",
                  "max_seq_length", "context_length", "max_len")
 _CONFIG_ATTRS = ("config", "cfg", "args", "params", "model_args", "hparams", "hp")
@@ -189,16 +197,29 @@ def selective_context() -> Callable[[], Any] | None:
         from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
     except ImportError:
         return None
-    save = set()
-    for name in SAC_SAVE_OPS:
-        packet = getattr(torch.ops.aten, name, None)
-        if packet is not None and hasattr(packet, "default"):
-            save.add(packet.default)
+    def overloads(names: tuple[str, ...]) -> set[Any]:
+        found = set()
+        for name in names:
+            packet = getattr(torch.ops.aten, name, None)
+            if packet is not None and hasattr(packet, "default"):
+                found.add(packet.default)
+        return found
 
-    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-        return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
+    save, alternate = overloads(SAC_SAVE_OPS), overloads(SAC_ALTERNATE_OPS)
 
-    return partial(create_selective_checkpoint_contexts, policy)
+    def context() -> Any:
+        counts = {False: 0, True: 0}  # matmul calls of this block call: in the forward, in the recompute
+
+        def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+            if op in alternate:
+                counts[ctx.is_recompute] += 1
+                if counts[ctx.is_recompute] % 2 == 0:
+                    return CheckpointPolicy.PREFER_RECOMPUTE
+            return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
+
+        return create_selective_checkpoint_contexts(policy)
+
+    return context
 
 
 CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")

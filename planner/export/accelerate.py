@@ -70,7 +70,12 @@ import yaml
 
 from optplan.estimators.errors import OptplanError
 from optplan.estimators.strategy import Strategy
-from optplan.planner.export.context import FILE_NAMES, ExportPlan, NotExportable
+from optplan.planner.export.context import (
+    FILE_NAMES,
+    SELECTIVE_CHECKPOINTING_HOWTO,
+    ExportPlan,
+    NotExportable,
+)
 from optplan.planner.validate import ExportValidationError
 
 ACCELERATE_VERSION = "1.15.0"
@@ -91,10 +96,7 @@ MIN_WRAP_PARAMS = 1_000_000
 """Floor of ``fsdp_min_num_params`` when the exporter has to wrap by size."""
 FP8_BACKEND = "TE"
 """The fp8 backend written for fp8 plans (Transformer Engine: accelerate swaps nn.Linear for te.Linear)."""
-SELECTIVE_NOTE = (
-    "selective activation checkpointing is done in the model: wrap each block's attention core "
-    "(softmax(QK^T)V) in torch.utils.checkpoint.checkpoint(..., use_reentrant=False)"
-)
+SELECTIVE_NOTE = SELECTIVE_CHECKPOINTING_HOWTO
 
 _MIXED_PRECISION = {
     "fp32": "no", "amp-bf16": "bf16", "bf16": "bf16", "bf16-pure": "bf16",

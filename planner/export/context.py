@@ -17,6 +17,15 @@ from optplan.estimators.hardware import Cluster
 from optplan.estimators.profile import ModelProfile, TransformerShape
 from optplan.estimators.strategy import Strategy
 
+SELECTIVE_CHECKPOINTING_HOWTO = (
+    "selective activation checkpointing is done in the model, as optplan priced it: wrap each repeated block in "
+    "torch.utils.checkpoint.checkpoint(..., use_reentrant=False, context_fn=...) with torch's "
+    "create_selective_checkpoint_contexts and torchtitan's per-op policy (save the attention outputs and every other "
+    "matmul's output, recompute the rest), which optplan's train.py applies"
+)
+"""What every exporter says of a selective plan (the policy estimators/selective.py prices; the trainers'
+configuration files have no switch for it)."""
+
 FILE_NAMES: dict[str, str] = {
     "plan": "plan.json",
     "report": "PLAN.md",

@@ -20,8 +20,8 @@ Key names and behaviours follow deepspeed 0.19.8 (``deepspeed/runtime/config.py`
 - NVMe optimizer offload works with ZeRO-3 only (ZeRO-1/2 silently treat it as CPU offload), and
   DeepSpeed does not notice a missing ``nvme_path``: the exporter always writes one.
 - ``activation_checkpointing`` configures DeepSpeed's full (per-block) checkpointing; selective
-  recompute (Korthikanti et al. 2022, arXiv 2205.05198 §5: only the attention core) is done in the
-  model, so a selective plan gets no section, only a note.
+  checkpointing (the training loop's op-level policy, estimators/selective.py) is done in the model, so a
+  selective plan gets no section, only a note.
 
 Plans a ds_config.json cannot express are refused with one OptplanError line naming the fix: another
 engine (torch FSDP/DDP, Megatron-LM), tensor/pipeline/context parallelism (ds_config covers ZeRO data
@@ -40,6 +40,7 @@ from optplan.estimators.buckets import DeepSpeedBuckets, deepspeed_buckets
 from optplan.estimators.errors import OptplanError
 from optplan.estimators.profile import ModelProfile
 from optplan.estimators.strategy import Strategy
+from optplan.planner.export.context import SELECTIVE_CHECKPOINTING_HOWTO
 
 DEFAULT_NVME_PATH = "/local_nvme"
 
@@ -69,9 +70,8 @@ ADAFACTOR_NOTE = (
     "DeepSpeed hands it flat 1-D partitions, so its second moment is not factored there"
 )
 SELECTIVE_CHECKPOINTING_NOTE = (
-    "selective activation checkpointing is done in the model: wrap each block's attention core "
-    "(softmax(QK^T)V) in torch.utils.checkpoint.checkpoint(..., use_reentrant=False); ds_config.json has "
-    "no activation_checkpointing section, which configures DeepSpeed's full checkpointing only"
+    f"{SELECTIVE_CHECKPOINTING_HOWTO}; ds_config.json has no activation_checkpointing section, which configures "
+    "DeepSpeed's full checkpointing only"
 )
 CLIENT_OPTIMIZERS = ("adamw8bit", "adafactor")
 """Optimizers the training script builds and hands to ``deepspeed.initialize(optimizer=...)``."""

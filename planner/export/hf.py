@@ -77,7 +77,7 @@ from typing import Any
 
 from optplan.estimators.errors import OptplanError
 from optplan.estimators.strategy import Strategy
-from optplan.planner.export.context import ExportPlan, NotExportable
+from optplan.planner.export.context import SELECTIVE_CHECKPOINTING_HOWTO, ExportPlan, NotExportable
 from optplan.planner.export.deepspeed import ADAMW_PARAMS, SGD_PARAMS
 
 TRANSFORMERS_VERSION_READ = "5.23.0"
@@ -310,9 +310,7 @@ def hf_notes(plan: ExportPlan) -> tuple[str, ...]:
                      "(PreTrainedModel); a model without it must checkpoint its blocks itself "
                      "(torch.utils.checkpoint.checkpoint(..., use_reentrant=False))")
     if s.checkpointing == "selective":
-        notes.append("selective activation checkpointing has no TrainingArguments switch: wrap each block's "
-                     "attention core (softmax(QK^T)V) in torch.utils.checkpoint.checkpoint(..., use_reentrant=False) "
-                     "in the model")
+        notes.append(f"TrainingArguments has no switch for it: {SELECTIVE_CHECKPOINTING_HOWTO}")
     if s.fsdp != "none":
         notes.append(f"FSDP2 wraps each {plan.block_class} (fsdp_config.transformer_layer_cls_to_wrap): the name "
                      "must be the class name of the model's repeated block")

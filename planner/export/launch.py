@@ -50,7 +50,7 @@ from types import MappingProxyType
 from typing import Any, Literal
 
 from optplan.estimators.errors import OptplanError
-from optplan.planner.export.context import ExportPlan, NotExportable
+from optplan.planner.export.context import SELECTIVE_CHECKPOINTING_HOWTO, ExportPlan, NotExportable
 from optplan.planner.export.megatron import (
     PRETRAIN_SCRIPT,
     megatron_args,
@@ -190,8 +190,7 @@ def _torch_notes(plan: ExportPlan) -> list[str]:
         notes.append(f"activation checkpointing: apply_activation_checkpointing(model, checkpoint_wrapper_fn="
                      f"checkpoint_wrapper, check_fn=lambda m: isinstance(m, {block})) after wrapping.")
     elif s.checkpointing == "selective":
-        notes.append("selective activation checkpointing: wrap each block's attention core (softmax(QK^T)V) in "
-                     "torch.utils.checkpoint.checkpoint(..., use_reentrant=False).")
+        notes.append(f"{SELECTIVE_CHECKPOINTING_HOWTO}.")
     optimizer = {
         "adamw": "torch.optim.AdamW(params, lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)",
         "adamw8bit": "bitsandbytes.optim.AdamW8bit(params, lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)",

@@ -78,7 +78,7 @@ from typing import Any
 
 from optplan.estimators.errors import OptplanError
 from optplan.estimators.strategy import Strategy
-from optplan.planner.export.context import ExportPlan, NotExportable
+from optplan.planner.export.context import SELECTIVE_CHECKPOINTING_HOWTO, ExportPlan, NotExportable
 from optplan.planner.export.deepspeed import ADAMW_PARAMS, DEFAULT_NVME_PATH, SGD_PARAMS
 from optplan.planner.export.hf import close_match_hint, json_value_fits, one_line, type_name
 
@@ -256,8 +256,7 @@ def lightning_notes(plan: ExportPlan) -> tuple[str, ...]:
         notes.append("activation checkpointing: wrap each block's forward in "
                      "torch.utils.checkpoint.checkpoint(..., use_reentrant=False) in the model")
     if s.checkpointing == "selective":
-        notes.append("selective activation checkpointing is done in the model: wrap each block's attention core "
-                     "(softmax(QK^T)V) in torch.utils.checkpoint.checkpoint(..., use_reentrant=False)")
+        notes.append(SELECTIVE_CHECKPOINTING_HOWTO)
     if s.precision == "fp8":
         notes.append("fp8: precision 'transformer-engine' needs transformer_engine installed; Lightning swaps "
                      "nn.Linear/LayerNorm for TE layers and keeps bf16 weights without an fp32 master copy")

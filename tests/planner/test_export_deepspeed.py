@@ -434,6 +434,6 @@ def test_selective_checkpointing_gets_a_note_not_a_section(ds_config_module, zer
     validate_ds_config(config, world_size=8)
     notes = deepspeed_notes(s)
     assert SELECTIVE_CHECKPOINTING_NOTE in notes
-    assert "attention core" in SELECTIVE_CHECKPOINTING_NOTE and "torch.utils.checkpoint" in SELECTIVE_CHECKPOINTING_NOTE
+    assert "every other matmul" in SELECTIVE_CHECKPOINTING_NOTE and "torch.utils.checkpoint" in SELECTIVE_CHECKPOINTING_NOTE
     assert not any("deepspeed.checkpointing" in n for n in notes)  # that note is for full checkpointing
     assert SELECTIVE_CHECKPOINTING_NOTE not in deepspeed_notes(strategy(checkpointing="full"))

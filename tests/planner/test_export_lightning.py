@@ -316,7 +316,7 @@ def test_notes() -> None:
                for n in lightning_notes(make_plan(engine="deepspeed", zero=2, dp=8, precision="amp-fp16")))
     assert any("transformer_engine" in n for n in lightning_notes(make_plan(engine="torch", dp=8, precision="fp8")))
     spec = lightning_spec(make_plan(engine="torch", dp=8, checkpointing="selective"))
-    assert any("attention core" in n for n in spec["_optplan"]["notes"])
+    assert any("every other matmul" in n for n in spec["_optplan"]["notes"])
 
 
 # --------------------------------------------------------------------------------------------------

@@ -69,7 +69,11 @@ def test_fake_profile_matches_a_real_cpu_step_small_gpt(small_gpt_file):
     assert_fits_close(extrapolated, real)  # depth-reduced profile == real full depth
     assert real[("bf16", "none")].param_copy_bytes > 0 and real[("fp32", "none")].param_copy_bytes == 0
     assert real[("fp32", "full")].per_sample_bytes < real[("fp32", "none")].per_sample_bytes
-    # the training loop's selective policy keeps the matmul and attention outputs: between the two
+    # the training loop's selective policy (every other matmul's output and the attention output kept): its
+    # backward re-runs each block's second linear (attention c_proj, 128 -> 128, for the residual sum that c_fc
+    # reads); the fourth (the MLP's c_proj) is not re-run, as backward never reads its output: 2·h·h per token
+    assert profile.selective_recompute_flops_per_sample == 2 * 128 * 128 * 64 * 4
+    assert real_m.selective_recompute_flops == fake_m.selective_recompute_flops == 2 * 128 * 128 * 64 * 4  # b = 1
     assert (real[("fp32", "full")].per_sample_bytes < real[("fp32", "selective")].per_sample_bytes
             < real[("fp32", "none")].per_sample_bytes)
     # the model held in bf16: its activations and gradient temporaries are 16-bit, no autocast copies
