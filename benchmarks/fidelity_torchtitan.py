@@ -10,7 +10,8 @@ Prediction, through optplan's own pipeline, with no per-row constant:
 * the profile: ``estimators.arch.parse_arch`` + ``profile_from_arch`` on torchtitan's Llama 3.1 shape (``SHAPES``);
 * the plan: ``Strategy(engine="torch", fsdp="full", ...)`` with the row's fsdp/tp/pp/vpp/cp degrees, local batch
   and pipeline micro-batches, sequence parallelism with tp (torchtitan's ``SequenceParallel`` norms), ``full``
-  checkpointing for torchtitan's full AC and optplan's ``selective`` for its per-op selective AC (flag ``sac``),
+  checkpointing for torchtitan's full AC and optplan's ``selective`` for its per-op selective AC (the same policy,
+  estimators/selective.py; with float8 torchtitan recomputes every ``_scaled_mm``: flag ``f8sac``),
   ``fp8`` for torchao float8 (flag ``fp8``), bf16 otherwise;
 * the cluster: 8 GPUs per node with NVLink, 400 Gb/s RDMA per GPU as the sources state; the Grand Teton H100
   (96 GB HBM2e at 2.4 TB/s, 500 W cap; the source: its peak is "between SXM and NVL") is priced as the
@@ -74,8 +75,8 @@ REQUIRED = ("id", "source", "table", "model", "gpu", "gpus", "fsdp", "tp", "pp",
 FLAGS = {
     "gpu": "Grand Teton H100 (96 GB HBM2e 2.4 TB/s, 500 W cap) priced as the catalogue's H100 SXM (80 GB HBM3 "
            "3.35 TB/s, 700 W): a faster part",
-    "sac": "torchtitan's per-op selective AC (saves every other matmul) priced as optplan's selective "
-           "recomputation (attention core only): different recompute FLOPs and saved activations",
+    "f8sac": "torchtitan's per-op selective AC with float8: torch._scaled_mm is not in its save list, so every "
+             "float8 matmul is recomputed; optplan's selective (the same policy) keeps every other one",
     "compile": "torch.compile fuses the element-wise kernels (norms, SwiGLU, RoPE, residuals) optplan prices eager",
     "fp8": "torchao Float8Linear priced as optplan's fp8 recipe (Transformer Engine per-tensor fp8 GEMMs)",
     "rw": "rowwise float8 scaling: slower GEMMs than the tensorwise scaling optplan's fp8 stands for",
@@ -156,8 +157,8 @@ def plan(row: dict[str, Any]) -> tuple[Strategy, tuple[str, ...]]:
     flags: list[str] = []
     if row["gpu"] != "H200":
         flags.append("gpu")
-    if row["ac"] == "selective-op":
-        flags.append("sac")
+    if row["ac"] == "selective-op" and row["float8"] != "none":
+        flags.append("f8sac")
     if row["compile"]:
         flags.append("compile")
     precision: PrecisionName = "bf16"
@@ -237,14 +238,14 @@ def report(results: list[Result], out: io.TextIOBase) -> tuple[float, float, flo
     for key, text in FLAGS.items():
         p(f"  {key:8s}{text}")
     ratios = [r.ratio for r in results]
-    mem = [abs(r.memory_error) * 100 for r in results if r.memory_error is not None and "sac" not in r.flags]
+    mem = [abs(r.memory_error) * 100 for r in results if r.memory_error is not None]
     mem_median = statistics.median(mem) if mem else float("nan")
     mem_max = max(mem) if mem else float("nan")
     p("")
     p(f"measured step inside the estimate's band (time.step_s_low-high): {sum(r.in_band for r in results)} of "
       f"{len(results)}")
-    p("memory figures: rows with full or no AC (per-op selective AC saves what optplan's selective does not: "
-      "those rows are printed, not scored)")
+    p("memory figures: every row that published one (per-op selective AC is optplan's torch-engine selective "
+      "policy: estimators/selective.py)")
     return mape(ratios), mem_median, mem_max, len(mem)
 
 

@@ -32,6 +32,7 @@ from optplan.estimators.profile import (
     RepeatedBlock,
     TransformerShape,
 )
+from optplan.estimators.selective import recompute_flops_per_token_layer, saved_bytes_per_token
 
 DEFAULT_VOCAB = 51200
 LOGIT_BYTES = {"bf16": 10, "fp32": 16}
@@ -321,12 +322,18 @@ def profile_from_arch(spec: ArchSpec, *, name: str | None = None) -> ModelProfil
     attn_term = 0 if spec.flash else 5 * a * s * s
     layer_bytes = s * shape.layer_bytes_per_token() + attn_term
     fits = []
+    saved = saved_bytes_per_token(shape)
+    rerun = recompute_flops_per_token_layer(shape)
     for precision, scale in (("bf16", 1), ("fp32", 2)):
         logits = s * v * LOGIT_BYTES[precision]
         full = scale * L * layer_bytes + logits
         ckpt = scale * (L * 2 * s * h + layer_bytes) + logits
         fits += [ActivationFit(precision=precision, checkpointing="none", fixed_bytes=0, per_sample_bytes=round(full)),
                  ActivationFit(precision=precision, checkpointing="full", fixed_bytes=0, per_sample_bytes=round(ckpt))]
+        if saved is not None:  # the op-level selective policy (selective.py): what it keeps, plus one layer's rerun
+            kept = s * sum(saved) + (attn_term if not spec.flash else 0)  # a math attention's scores are bmm outputs
+            fits.append(ActivationFit(precision=precision, checkpointing="selective", fixed_bytes=0,
+                                      per_sample_bytes=round(scale * (L * kept + layer_bytes) + logits)))
     return ModelProfile(
         name=name or f"decoder-L{L}-h{h}", path="--arch", model_class="Decoder", params=params,
         trainable_params=params, params_by_module={"embedding": params - L * per_layer, "layers": L * per_layer},
@@ -335,6 +342,7 @@ def profile_from_arch(spec: ArchSpec, *, name: str | None = None) -> ModelProfil
         param_numels=arch_param_numels(spec),
         repeated_block=RepeatedBlock(class_name="DecoderLayer", count=L, params_per_block=per_layer),  # MoE: mean
         input_kind="tokens", seq_len=s, tokens_per_sample=s, fwd_flops_per_sample=fwd, bwd_flops_per_sample=2 * fwd,
+        selective_recompute_flops_per_sample=None if rerun is None else L * s * rerun,
         activations=tuple(fits), activation_source="formula",
         transformer=shape,
         notes=(f"profile from --arch by formula (Korthikanti et al. 2022 activations"

@@ -81,7 +81,7 @@ from optplan.estimators.optimizer_traffic import optimizer_step_bytes_per_param
 from optplan.estimators.optimizers import optimizer_state_bytes_per_param
 from optplan.estimators.precision import get_recipe
 from optplan.estimators.profile import ModelProfile
-from optplan.estimators.selective import measured_recompute_flops_per_sample
+from optplan.estimators.selective import recompute_flops_per_sample
 from optplan.estimators.strategy import Strategy
 from optplan.estimators.temporaries import AdamImpl, engine_adam_impl
 
@@ -451,7 +451,7 @@ def compute_time(profile: ModelProfile, strategy: Strategy, gpu: GPUSpec, *,
     if strategy.checkpointing == "full" and profile.supports_checkpointing:
         recompute_s = profile.fwd_flops_per_sample * samples / (peak * eff)
         passes += 1
-    elif (selective := measured_recompute_flops_per_sample(profile, strategy)) is not None:
+    elif (selective := recompute_flops_per_sample(profile, strategy)) is not None:
         recompute_s = selective * samples / (peak * eff)  # the matmuls the op-level policy re-runs (selective.py)
     traffic = profile.activation(recipe.activation_precision, "none").bytes_at(strategy.mbs)
     memory_bound_s = strategy.grad_accum * passes * traffic / gpu.memory_bandwidth_bytes_per_s

@@ -266,8 +266,9 @@ class ModelProfile(_Frozen):
         default=None, ge=0,
         description="forward FLOPs per sample that the training loop's selective checkpointing recomputes in "
                     "backward (probes/trainloop.py selective_context: every other matmul of each block), counted "
-                    "by FlopCounterMode as the backward's FLOPs with that policy less those without; None when "
-                    "not measured (no repeated block, --arch shapes, older profiles)")
+                    "by FlopCounterMode as the backward's FLOPs with that policy less those without (an --arch "
+                    "shape: estimators/selective.py's formula); None when unknown (no repeated block, MoE or "
+                    "latent-attention shapes, older profiles)")
     activations: tuple[ActivationFit, ...]
     transformer: TransformerShape | None = None
     profiled_blocks: int | None = Field(

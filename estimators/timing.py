@@ -97,7 +97,7 @@ from optplan.estimators.pipeline import dualpipe_solo_fraction, dualpipe_time_s,
 from optplan.estimators.pipeline_fsdp import keeps_stage_unsharded
 from optplan.estimators.precision import get_recipe
 from optplan.estimators.profile import ModelProfile
-from optplan.estimators.selective import measured_recompute_flops_per_sample
+from optplan.estimators.selective import recompute_flops_per_sample
 from optplan.estimators.strategy import Strategy
 from optplan.estimators.temporaries import AdamImpl
 from optplan.estimators.tensor_plan import gathers_logits
@@ -312,7 +312,7 @@ def _flops_only_step(profile: ModelProfile, strategy: Strategy, cluster: Cluster
                              step_compute_s=work, mb_compute_s=work / m, last_bwd_s=ct.compute_s / p / m * 2 / 3,
                              units=profile.repeated_block.count if profile.repeated_block else 1)
     optimizer_s = ct.optimizer_s / p
-    selective = measured_recompute_flops_per_sample(profile, strategy)
+    selective = recompute_flops_per_sample(profile, strategy)
     hw = profile.train_flops_per_sample + (
         selective if selective is not None else profile.fwd_flops_per_sample if ct.recompute_s > 0 else 0.0)
     parts = {"compute_s": ct.compute_s / p, "recompute_s": ct.recompute_s / p,
@@ -350,7 +350,7 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
     layer_mem = lt.fwd_elementwise_s + lt.bwd_elementwise_s
     layer_recompute = (lt.fwd_gemm_s + lt.fwd_elementwise_s) if full else (
         lt.attention_core_fwd_s if selective else moe_share * lt.mlp_fwd_s)
-    op_selective = measured_recompute_flops_per_sample(profile, s_)
+    op_selective = recompute_flops_per_sample(profile, s_)
     if op_selective is not None:
         # the training loop's op-level policy (selective.py): the matmuls the profile measured it re-running, at
         # this layer's linear-GEMM rate, and its element-wise forward ops (an upper bound: recomputation stops

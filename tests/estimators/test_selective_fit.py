@@ -49,3 +49,24 @@ def test_tensor_parallel_plans_scale_the_layers_by_the_measured_selective_share(
     selective = activation_bytes(profile, Strategy(**base))  # type: ignore[arg-type]
     none = activation_bytes(profile, Strategy(**{**base, "checkpointing": "none"}))  # type: ignore[arg-type]
     assert selective == round(none * SELECTIVE_PER_SAMPLE / (34 * 768 * 1024 * 12))
+
+
+def test_an_arch_shape_prices_the_policy_from_its_matmul_order() -> None:
+    """Llama 3 8B at 8,192 tokens: q, v, gate and down outputs kept (every other matmul), with the block input,
+    the attention output and its fp32 log-sum-exp; backward re-runs k, o and up (down's output is read by
+    nothing, so non-reentrant checkpointing stops before it)."""
+    from optplan.estimators.arch import parse_arch, profile_from_arch
+
+    h, kv, ffn, s, layers, heads = 4096, 1024, 14336, 8192, 32, 32
+    profile = profile_from_arch(parse_arch(f"layers={layers},hidden={h},heads={heads},kv_heads=8,ffn={ffn},"
+                                           f"vocab=128256,gated=1,tied=0,seq={s}"))
+    assert profile.selective_recompute_flops_per_sample == layers * s * 2 * (h * kv + h * h + h * ffn)
+    none, sel, full = (profile.activation("bf16", c).per_sample_bytes for c in ("none", "selective", "full"))
+    kept = 2 * (h + h + kv + h + ffn + h) + 4 * heads  # input, q, v, attention output, gate, down; lse
+    one_layer = s * profile.transformer.layer_bytes_per_token()
+    logits = none - layers * one_layer
+    assert sel == layers * s * kept + one_layer + logits
+    assert full < sel < none
+    moe = profile_from_arch(parse_arch("layers=4,hidden=512,heads=8,ffn=1024,vocab=1000,gated=1,tied=0,experts=8,"
+                                       "topk=2,moe_ffn=256,seq=128"))
+    assert moe.selective_recompute_flops_per_sample is None and not moe.has_activation("bf16", "selective")

@@ -8,7 +8,7 @@ import pytest
 from optplan.estimators.compute import compute_time
 from optplan.estimators.estimate import estimate
 from optplan.estimators.hardware import Cluster, find_gpu
-from optplan.estimators.selective import measured_recompute_flops_per_sample, runs_op_policy
+from optplan.estimators.selective import recompute_flops_per_sample, runs_op_policy
 from optplan.estimators.strategy import Strategy
 from tests.factories import make_profile
 
@@ -21,7 +21,7 @@ def test_the_hardware_flops_count_what_the_policy_re_runs() -> None:
     profile = base.model_copy(update={"selective_recompute_flops_per_sample": recompute})
     cluster = Cluster(gpu=H100, gpus=1, gpus_per_node=1)
     s = Strategy(precision="bf16", engine="torch", mbs=4, checkpointing="selective")
-    assert runs_op_policy(s) and measured_recompute_flops_per_sample(profile, s) == recompute
+    assert runs_op_policy(s) and recompute_flops_per_sample(profile, s) == recompute
     t = estimate(profile, cluster, s).time
     assert t.hfu / t.mfu == pytest.approx((profile.train_flops_per_sample + recompute)
                                           / profile.train_flops_per_sample, rel=1e-9)
@@ -29,8 +29,8 @@ def test_the_hardware_flops_count_what_the_policy_re_runs() -> None:
     less = estimate(profile.model_copy(update={"selective_recompute_flops_per_sample": recompute / 2}), cluster, s)
     assert less.time.recompute_s < t.recompute_s  # the measured FLOPs drive it
     megatron = Strategy(precision="bf16", engine="megatron", mbs=4, checkpointing="selective")
-    assert measured_recompute_flops_per_sample(profile, megatron) is None  # the attention core, from the shape
-    assert measured_recompute_flops_per_sample(base, s) is None  # not measured: the shape's formula
+    assert recompute_flops_per_sample(profile, megatron) is None  # the attention core, from the shape
+    assert recompute_flops_per_sample(base, s) is None  # not measured: the shape's formula
 
 
 def test_the_flops_only_model_adds_the_measured_recompute() -> None:
