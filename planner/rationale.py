@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 
 from optplan.estimators.estimate import Estimate
 from optplan.estimators.precision import get_recipe
+from optplan.estimators.selective import runs_op_policy
 from optplan.estimators.strategy import Strategy
 from optplan.estimators.uncertainty import derived_from, mfu_envelope, precision_class
 from optplan.estimators.units import gib
@@ -366,8 +367,9 @@ def _checkpointing_line(pick: Estimate, price: Price, space: SearchSpace) -> str
         if alt is not None and pick.time.step_s > 0:
             line += f"; full checkpointing would add {100 * alt.time.recompute_s / pick.time.step_s:.0f}% recompute"
         return line
-    name = {"full": "full", "moe": "MoE-layer (--recompute-modules moe)"}.get(s.checkpointing,
-                                                                           "selective (attention core)")
+    name = {"full": "full", "moe": "MoE-layer (--recompute-modules moe)"}.get(
+        s.checkpointing, "selective (per-op: every other matmul's output kept)" if runs_op_policy(s)
+        else "selective (attention core)")
     less = [m for m in ("none", "selective") if m in space.checkpointing and m != s.checkpointing
             and (m == "none" or s.checkpointing == "full")]
     parts = []
