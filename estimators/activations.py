@@ -119,8 +119,8 @@ def activation_bytes(profile: ModelProfile, strategy: Strategy, *, stage: int = 
 
     Without model parallelism: the profile's measured fit at the micro-batch (:func:`fit_mode`: selective
     recomputation on the torch and DeepSpeed engines takes the fit measured under the training loop's op-level
-    policy; Megatron's keeps the unrecomputed fit, since the profile's attention kernel stores no s×s scores). The 16-bit fits are
-    measured under autocast on fp32 weights, which keeps a 16-bit copy of every weight alive
+    policy; Megatron's keeps the unrecomputed fit, since the profile's attention kernel stores no s×s scores).
+    The 16-bit fits are measured under autocast on fp32 weights, which keeps a 16-bit copy of every weight alive
     (``param_copy_bytes``); recipes whose weights are already 16-bit drop those copies. With
     tensor/sequence/context/pipeline parallelism, Korthikanti et al. Table 2 (module docstring).
     """

@@ -7,8 +7,9 @@ activation fits, estimators/activations.py) and the forward FLOPs its backward r
 (``ModelProfile.selective_recompute_flops_per_sample``: FlopCounterMode's backward count with the policy less
 without it; non-reentrant checkpointing stops recomputing once backward has every tensor it needs, so a block's
 last matmul, whose output nothing in backward reads, is not re-run). For ``--arch`` shapes (estimators/arch.py)
-both come from the dense layer's matmul order (:func:`saved_bytes_per_token`, :func:`recompute_flops_per_token_layer`). Megatron-LM's selective recomputation is
-another mechanism (the attention core only, Korthikanti et al. 2022 §5), priced from the shape.
+both come from the dense layer's matmul order (:func:`saved_bytes_per_token`,
+:func:`recompute_flops_per_token_layer`). Megatron-LM's selective recomputation is another mechanism (the attention
+core only, Korthikanti et al. 2022 §5), priced from the shape.
 """
 
 from __future__ import annotations

@@ -76,7 +76,6 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_leaves, tree_map
-from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
 from optplan.estimators.profile import (
@@ -123,7 +122,7 @@ from optplan.probes.moe_layers import find_moe_layers
 from optplan.probes.moe_profile import balanced_note, moe_shape, with_balanced_moe
 from optplan.probes.quant_inputs import bnb_keeps_4bit_inputs_here, quant_input_elements
 from optplan.probes.tensor_plan import read_tensor_plan
-from optplan.probes.trainloop import CudaAutocastLoss, selective_context, without_generation_cache
+from optplan.probes.trainloop import CudaAutocastLoss, checkpointed_call, selective_context
 
 try:  # torch >= 2.3
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -295,15 +294,16 @@ def batch_spec(contract: ModelContract, model: nn.Module, seq_len: int) -> tuple
 def checkpointed(blocks: list[nn.Module], mode: bool | str = True) -> Iterator[None]:
     """Wrap each block's forward in ``torch.utils.checkpoint`` (non-reentrant) while active: ``True`` or
     ``"full"`` recomputes the whole block, ``"selective"`` runs it under the op-level policy the training loop
-    applies (probes/trainloop.py ``selective_context``: matmul and attention outputs saved, the rest recomputed),
-    ``False`` or ``"none"`` leaves the blocks alone."""
+    applies (probes/trainloop.py ``selective_context``: attention outputs and every other matmul's output saved,
+    the rest recomputed), ``False`` or ``"none"`` leaves the blocks alone; the call is the training loop's own
+    (``checkpointed_call``)."""
     if mode in (False, "none"):
         yield
         return
     context_fn = selective_context() if mode == "selective" else None
     saved = [(blk, blk.__dict__.get("forward")) for blk in blocks]
     for blk in blocks:
-        blk.forward = partial(_checkpoint_call, blk.forward, context_fn)  # instance attribute shadows the method
+        blk.forward = partial(checkpointed_call, blk.forward, context_fn)  # instance attribute shadows the method
     try:
         yield
     finally:
@@ -312,12 +312,6 @@ def checkpointed(blocks: list[nn.Module], mode: bool | str = True) -> Iterator[N
                 blk.__dict__.pop("forward", None)
             else:
                 blk.forward = previous
-
-
-def _checkpoint_call(fn: Callable[..., Any], context_fn: Callable[[], Any] | None, *args: Any, **kwargs: Any) -> Any:
-    if context_fn is None:
-        return checkpoint(fn, *args, use_reentrant=False, **without_generation_cache(kwargs))
-    return checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn, **without_generation_cache(kwargs))
 
 
 @contextlib.contextmanager

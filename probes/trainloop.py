@@ -240,7 +240,9 @@ def without_generation_cache(kwargs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _checkpointed_call(fn: Callable[..., Any], context_fn: Callable[[], Any] | None, *args: Any, **kwargs: Any) -> Any:
+def checkpointed_call(fn: Callable[..., Any], context_fn: Callable[[], Any] | None, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` under non-reentrant ``torch.utils.checkpoint`` (with ``context_fn``, selective), its
+    generation cache off; the one checkpointed call of the training loop and of the static profiler."""
     from torch.utils.checkpoint import checkpoint
 
     kwargs = without_generation_cache(kwargs)
@@ -276,7 +278,7 @@ def apply_checkpointing(blocks: list[nn.Module], mode: str, notes: list[str]) ->
                          f"(torch >= 2.4); torch {torch.__version__} lacks it, so every block is fully checkpointed")
             mode = "full"
     for blk in blocks:
-        blk.forward = partial(_checkpointed_call, blk.forward, context_fn)  # instance attribute shadows it
+        blk.forward = partial(checkpointed_call, blk.forward, context_fn)  # instance attribute shadows it
     return mode
 
 
