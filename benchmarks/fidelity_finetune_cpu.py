@@ -50,9 +50,9 @@ from optplan.probes.memtrack import MemTracker
 from optplan.probes.static import (
     StepRunner,
     _autocast,
-    _cast_floating,
     batch_spec,
     blocks_of,
+    cast_floating,
     checkpointed,
     find_repeated_block,
 )
@@ -123,9 +123,9 @@ class LoraTrainer:
         model.train()
         if recipe == "amp-bf16":
             frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
-            _cast_floating(model, lambda name: torch.bfloat16 if name in frozen else None)
+            cast_floating(model, lambda name: torch.bfloat16 if name in frozen else None)
         elif recipe == "bf16-pure":
-            _cast_floating(model, lambda _name: torch.bfloat16)
+            cast_floating(model, lambda _name: torch.bfloat16)
         spec, _ = batch_spec(contract, model, seq_len)
         self.model = model
         self.precision = {"amp-bf16": "bf16-frozen", "bf16-pure": "fp32", "fp32": "fp32"}[recipe]

@@ -629,7 +629,7 @@ def measure_16bit_weights(runner: StepRunner, batch_sizes: tuple[int, int]
     envelopes: dict[tuple[ActivationPrecision, CheckpointMode], StepEnvelope] = {}
     note = None
     try:
-        _cast_floating(model, lambda _name: torch.bfloat16)
+        cast_floating(model, lambda _name: torch.bfloat16)
         runner.input_dtype = torch.bfloat16
         runner.warm_up(batch_sizes[0])
         for ckpt in checkpoint_modes(bool(runner.blocks)):
@@ -641,7 +641,7 @@ def measure_16bit_weights(runner: StepRunner, batch_sizes: tuple[int, int]
                 "priced from the autocast profile without autocast's weight copies")
     finally:
         runner.input_dtype = None
-        _cast_floating(model, lambda name: dtypes.get(name))
+        cast_floating(model, lambda name: dtypes.get(name))
     return envelopes, note
 
 
@@ -656,7 +656,7 @@ def measure_frozen_16bit(runner: StepRunner, batch_sizes: tuple[int, int]
     dtypes = {name: p.dtype for name, p in model.named_parameters(remove_duplicate=False)}
     envelopes: dict[tuple[ActivationPrecision, CheckpointMode], StepEnvelope] = {}
     try:
-        _cast_floating(model, lambda name: torch.bfloat16 if name in frozen else None)
+        cast_floating(model, lambda name: torch.bfloat16 if name in frozen else None)
         runner.warm_up(batch_sizes[0], FROZEN_16BIT)
         for ckpt in checkpoint_modes(bool(runner.blocks)):
             t0, t1 = (runner.activation_timeline(b, FROZEN_16BIT, ckpt) for b in batch_sizes)
@@ -664,11 +664,11 @@ def measure_frozen_16bit(runner: StepRunner, batch_sizes: tuple[int, int]
     except ModelFileError:
         envelopes = {}
     finally:
-        _cast_floating(model, lambda name: dtypes.get(name))
+        cast_floating(model, lambda name: dtypes.get(name))
     return envelopes
 
 
-def _cast_floating(model: nn.Module, dtype_of: Callable[[str], torch.dtype | None]) -> None:
+def cast_floating(model: nn.Module, dtype_of: Callable[[str], torch.dtype | None]) -> None:
     """Replace each floating parameter and buffer of ``model`` by a copy in ``dtype_of(its dotted name)``
     (None or its own dtype: left as it is), keeping tied ones tied. New Parameters, not ``Module.to``:
     fake tensors cannot be swapped in place across dtypes."""

@@ -1,0 +1,163 @@
+"""Memory traffic of a model's eager kernels: the bytes each non-GEMM operator reads and writes.
+
+An eager PyTorch step launches one kernel per ATen operator (the dispatcher's unit): every elementwise op,
+reduction, norm, cast and copy reads its input tensors from HBM and writes its outputs. Those kernels are
+memory-bound, so their time is bytes / achieved bandwidth (the roofline's memory side; Williams, Waterman &
+Patterson 2009, CACM 52(4)). This module counts those bytes on the operators a step really dispatches
+(``TorchDispatchMode``; on fake or meta tensors, no memory), instead of assuming a kernel list:
+
+* per operator, bytes = Σ inputs + Σ outputs of ``numel × element size``; a broadcast (stride-0) input
+  counts its distinct elements only; scalars count nothing;
+* left out: matrix products and convolutions (priced by FLOPs: ``GEMM_OPS``), attention kernels (priced as
+  one fused kernel: names in ``ATTENTION_MARKERS``) and views (``OpOverload.is_view`` and the aliasing ops
+  in ``ALIAS_OPS``: no kernel runs);
+* attribution to the repeated blocks: forward ops between a block's forward pre- and post-hook; backward ops
+  between the moment its output's gradient exists and the moment its input's gradient does (tensor hooks:
+  the block's own backward, its residual adds included).
+
+Units: bytes. Used by ``benchmarks/fit_eager_traffic.py`` (the per-token coefficients of
+``estimators/data/eager_traffic.yaml``) and by the tests that check them on the model files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+GEMM_OPS: frozenset[str] = frozenset({
+    "mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "_scaled_mm", "_grouped_mm", "_scaled_grouped_mm",
+    "convolution", "convolution_backward", "linear", "addmv", "mv", "dot", "vdot", "_int_mm",
+})
+"""ATen operators priced by their FLOPs (GEMM time), not their bytes."""
+ATTENTION_MARKERS: tuple[str, ...] = ("scaled_dot_product", "flash_attention", "efficient_attention",
+                                      "cudnn_attention", "flex_attention")
+"""Substrings of fused attention operators (one kernel priced by FLOPs: estimators/compute.py)."""
+ALIAS_OPS: frozenset[str] = frozenset({
+    "detach", "alias", "lift_fresh", "view", "_unsafe_view", "t", "transpose", "permute", "expand", "unsqueeze",
+    "squeeze", "slice", "select", "split", "split_with_sizes", "chunk", "unbind", "as_strided", "view_as_real",
+    "view_as_complex", "_reshape_alias", "unfold", "diagonal", "narrow", "movedim", "reshape", "flatten",
+    "unflatten", "_unsafe_split", "empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided",
+    "_to_copy_noop", "set_", "resize_", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "is_same_size",
+    "_has_compatible_shallow_copy_type", "_local_scalar_dense", "item", "arange", "zeros_like_noop",
+})
+"""Operators that run no memory-bound kernel: views and aliases, uninitialised allocations, metadata."""
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes an operator reads or writes for ``t``: its distinct elements (stride-0 broadcast dims once)."""
+    if t.dim() == 0:
+        return 0
+    n = 1
+    for size, stride in zip(t.shape, t.stride(), strict=True):
+        if stride != 0:
+            n *= int(size)
+    return n * t.element_size()
+
+
+def op_class(func: Any) -> str:
+    """``"gemm"``, ``"attention"``, ``"view"`` or ``"memory"`` (a memory-bound kernel) for an ATen overload."""
+    name = func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else str(func)
+    base = name.rstrip("_") if name.endswith("_") and not name.startswith("_") else name
+    if base in GEMM_OPS or name in GEMM_OPS:
+        return "gemm"
+    if any(m in name for m in ATTENTION_MARKERS):
+        return "attention"
+    if getattr(func, "is_view", False) or base in ALIAS_OPS or name in ALIAS_OPS:
+        return "view"
+    return "memory"
+
+
+@dataclass
+class Traffic:
+    """Bytes of memory-bound kernels of one step, split by where they ran (bytes)."""
+
+    forward_bytes: int = 0
+    backward_bytes: int = 0
+    block_forward_bytes: int = 0
+    block_backward_bytes: int = 0
+    blocks: int = 0
+    by_op: dict[str, int] = field(default_factory=dict)
+
+    def per_block(self) -> tuple[float, float]:
+        """(forward, backward) bytes of one repeated block (the mean over the blocks that ran)."""
+        n = max(1, self.blocks)
+        return self.block_forward_bytes / n, self.block_backward_bytes / n
+
+
+class TrafficCounter(TorchDispatchMode):
+    """Adds the bytes of every memory-bound ATen operator dispatched while active (module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.traffic = Traffic()
+        self.backward = False
+        self.in_block = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if not outs or op_class(func) != "memory":  # metadata queries (prim.device, ...) run no kernel
+            return out
+        moved = sum(_tensor_bytes(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+        moved += sum(_tensor_bytes(t) for t in outs)
+        tr = self.traffic
+        name = func.overloadpacket.__name__
+        tr.by_op[name] = tr.by_op.get(name, 0) + moved
+        if self.backward:
+            tr.backward_bytes += moved
+            if self.in_block:
+                tr.block_backward_bytes += moved
+        else:
+            tr.forward_bytes += moved
+            if self.in_block:
+                tr.block_forward_bytes += moved
+        return out
+
+
+def _first_grad_tensor(value: Any) -> torch.Tensor | None:
+    for t in tree_leaves(value):
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            return t
+    return None
+
+
+@contextlib.contextmanager
+def block_attribution(blocks: list[nn.Module], counter: TrafficCounter) -> Iterator[None]:
+    """Mark the counter ``in_block`` during each block's forward and during its backward (module docstring)."""
+    handles: list[Any] = []
+
+    def enter_backward(grad: torch.Tensor) -> None:
+        counter.in_block += 1
+
+    def leave_backward(grad: torch.Tensor) -> None:
+        counter.in_block = max(0, counter.in_block - 1)
+
+    def pre(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        counter.in_block += 1
+        counter.traffic.blocks += 1
+        x = _first_grad_tensor((args, kwargs))
+        if x is not None:
+            x.register_hook(leave_backward)
+
+    def post(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        counter.in_block = max(0, counter.in_block - 1)
+        y = _first_grad_tensor(out)
+        if y is not None:
+            y.register_hook(enter_backward)
+
+    for b in blocks:
+        handles.append(b.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(b.register_forward_hook(post, with_kwargs=True))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()

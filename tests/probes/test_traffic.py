@@ -1,0 +1,73 @@
+"""probes/traffic.py: the bytes eager memory-bound kernels move, counted on the operators a step dispatches."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from optplan.probes.traffic import TrafficCounter, block_attribution, op_class
+
+T, H = 64, 32
+
+
+def test_elementwise_ops_count_inputs_and_outputs_once() -> None:
+    with FakeTensorMode():
+        x = torch.empty(T, H, dtype=torch.bfloat16)
+        bias = torch.empty(H, dtype=torch.bfloat16)
+        with TrafficCounter() as counter:
+            y = x * 2  # reads T·H, writes T·H (2 bytes each); the scalar moves nothing
+            z = y + bias.expand(T, H)  # the broadcast bias is read once: H elements
+    assert z.shape == (T, H)
+    tr = counter.traffic
+    assert tr.by_op["mul"] == 2 * T * H * 2
+    assert tr.by_op["add"] == (2 * T * H + H) * 2
+    assert tr.forward_bytes == tr.by_op["mul"] + tr.by_op["add"]
+
+
+def test_views_gemms_and_attention_move_nothing() -> None:
+    with FakeTensorMode():
+        x = torch.empty(2, 4, T, 8)
+        w = torch.empty(H, H)
+        with TrafficCounter() as counter:
+            v = x.transpose(1, 2).reshape(2, T, 32)  # a copy only where a view cannot be taken
+            m = torch.empty(T, H) @ w
+            a = torch.nn.functional.scaled_dot_product_attention(x, x, x, is_causal=True)
+    assert m.shape == (T, H) and a.shape == x.shape and v.shape == (2, T, 32)
+    assert "mm" not in counter.traffic.by_op
+    assert not any("attention" in k for k in counter.traffic.by_op)
+    assert op_class(torch.ops.aten.mm.default) == "gemm"
+    assert op_class(torch.ops.aten.transpose.int) == "view"
+    assert op_class(torch.ops.aten.gelu.default) == "memory"
+    # the transpose's reshape is a real copy (clone of 2·T·32 floats: read + write)
+    assert counter.traffic.forward_bytes == 2 * (2 * T * 32 * 4)
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(H, H, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.nn.functional.gelu(self.fc(x))
+
+
+def test_block_attribution_splits_forward_and_backward_per_block() -> None:
+    with FakeTensorMode():
+        blocks = [_Block(), _Block()]
+        model = nn.Sequential(*blocks)
+        x = torch.empty(T, H, requires_grad=True)
+        counter = TrafficCounter()
+        with block_attribution(blocks, counter), counter:
+            loss = (model(x) * 3).sum()  # the head's mul and sum are outside the blocks
+            counter.backward = True
+            loss.backward()
+    tr = counter.traffic
+    e = T * H * 4
+    fwd, bwd = tr.per_block()
+    assert tr.blocks == 2
+    assert fwd == 2 * e + 3 * e  # gelu (read, write) + residual add (read two, write one)
+    assert tr.forward_bytes > tr.block_forward_bytes  # the head's ops are not a block's
+    # backward of a block: gelu_backward (read grad and input, write grad) + the residual's gradient sum
+    assert bwd >= 3 * e
+    assert tr.backward_bytes > tr.block_backward_bytes
