@@ -26,13 +26,16 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import yaml
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -41,6 +44,7 @@ from optplan.probes.traffic import TrafficCounter, block_attribution
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "eager_traffic.txt"
+DATA = ROOT / "estimators" / "data" / "eager_traffic.yaml"
 SEQ = 256
 PRECISIONS = ("fp32", "amp", "bf16")
 TERMS = ("h", "ffn", "kv", "head_dim", "gqa")
@@ -139,20 +143,29 @@ def bytes_at(coef: dict[str, float], widths: dict[str, float]) -> float:
     return sum(c * widths.get(t, 0.0) for t, c in coef.items())
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--write", action="store_true", help=f"also write {RESULTS.relative_to(ROOT)}")
-    args = parser.parse_args()
-    lines: list[str] = []
+def fit_all() -> tuple[dict[str, dict[str, Any]], dict[tuple[str, str], float]]:
+    """The coefficients of every block kind and precision, and each fit's largest relative residual."""
     fits: dict[str, dict[str, Any]] = {}
-    worst_all = 0.0
+    residuals: dict[tuple[str, str], float] = {}
     for kind, rows_of, terms in (("gated", gated_rows, TERMS), ("plain", plain_rows, ("h", "ffn", "head_dim"))):
         fits[kind] = {}
         for precision in PRECISIONS:
-            coef, worst = fit(rows_of(precision), terms)
-            worst_all = max(worst_all, worst)
-            fits[kind][precision] = coef
-            lines.append(f"{kind:6s} {precision:5s} fwd {coef['fwd']}  bwd {coef['bwd']}  residual {worst:.2%}")
+            fits[kind][precision], residuals[kind, precision] = fit(rows_of(precision), terms)
+    return fits, residuals
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--write", action="store_true",
+                        help=f"also write {RESULTS.relative_to(ROOT)} and {DATA.relative_to(ROOT)}")
+    args = parser.parse_args()
+    lines: list[str] = []
+    fits, residuals = fit_all()
+    worst_all = max(residuals.values())
+    for kind, by_precision in fits.items():
+        for precision, coef in by_precision.items():
+            lines.append(f"{kind:6s} {precision:5s} fwd {coef['fwd']}  bwd {coef['bwd']}  "
+                         f"residual {residuals[kind, precision]:.2%}")
     lines.append("")
     lines.append(f"{'layer':12s} {'kind':6s} " + " ".join(f"{p + ' fwd+bwd':>16s}" for p in PRECISIONS)
                  + "   (bytes per token per layer, ÷ h)")
@@ -175,6 +188,30 @@ def main() -> None:
     print(text, end="")
     if args.write:
         RESULTS.write_text(text, encoding="utf-8")
+        write_data(data_document(fits, worst_all))
+        print(f"wrote {RESULTS.relative_to(ROOT)} and {DATA.relative_to(ROOT)}")
+
+
+def data_document(fits: dict[str, dict[str, Any]], worst: float) -> dict[str, Any]:
+    """The packaged coefficients (estimators/data/eager_traffic.yaml) of ``fits``."""
+    return {"source": "measured by benchmarks/eager_traffic.py: probes/traffic.py's count of the bytes every "
+                      "memory-bound ATen operator of one layer reads and writes (fake tensors, micro-batch 2 minus 1) "
+                      "on examples/llama.py's block (gated) and examples/gpt2.py's (plain), fitted over several "
+                      f"widths (largest residual {100 * worst:.1f}%)",
+            "unit": "bytes per token per layer = sum of coefficient x width (h, ffn, kv = kv heads x head width, "
+                    "head_dim; gqa = h when k/v heads are repeated)",
+            "blocks": fits}
+
+
+def write_data(doc: dict[str, Any]) -> None:
+    """Replace estimators/data/eager_traffic.yaml atomically."""
+    fd, tmp = tempfile.mkstemp(dir=DATA.parent, suffix=".tmp")
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        fh.write("# Eager elementwise traffic of one transformer layer per token (read by "
+                 "optplan.estimators.eager_traffic).\n# Written by `python benchmarks/eager_traffic.py --write`; "
+                 "do not edit by hand.\n")
+        yaml.safe_dump(doc, fh, sort_keys=False, width=120)
+    os.replace(tmp, DATA)
 
 
 if __name__ == "__main__":

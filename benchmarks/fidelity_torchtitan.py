@@ -12,14 +12,14 @@ Prediction, through optplan's own pipeline, with no per-row constant:
   and pipeline micro-batches, sequence parallelism with tp (torchtitan's ``SequenceParallel`` norms), ``full``
   checkpointing for torchtitan's full AC and optplan's ``selective`` for its per-op selective AC (the same policy,
   estimators/selective.py; with float8 torchtitan recomputes every ``_scaled_mm``: flag ``f8sac``),
-  ``fp8`` for torchao float8 (flag ``fp8``), bf16 otherwise;
+  ``fp8`` for torchao float8 (flag ``fp8``), bf16 otherwise; ``compile`` where the run used torch.compile (its
+  fused elementwise kernels; eager runs are priced by the measured per-operator bytes, estimators/eager_traffic.py);
 * the cluster: 8 GPUs per node with NVLink, 400 Gb/s RDMA per GPU as the sources state; the Grand Teton H100
   (96 GB HBM2e at 2.4 TB/s, 500 W cap; the source: its peak is "between SXM and NVL") is priced as the
   catalogue's H100 SXM (flag ``gpu``: the prediction should run fast on those rows);
 * ``estimators.estimate.estimate`` -> tokens/s per GPU and the peak memory.
 
-What optplan does not model is flagged on each row, never corrected for: ``compile`` (torch.compile fuses the
-element-wise kernels optplan prices as eager), ``atp`` (async TP hides tensor-parallel collectives optplan exposes),
+What optplan does not model is flagged on each row, never corrected for: ``atp`` (async TP hides tensor-parallel collectives optplan exposes),
 ``f8ag`` (FSDP all-gathers float8 weights: half the bytes optplan gathers), and ``rw`` (rowwise float8 scaling, slower
 than the tensorwise scaling optplan's fp8 stands for). 405B's 126 layers over pp 8 x 2 interleaved stages are
 priced at the busiest rank's 16 (torchtitan's uneven split, estimators/pipeline_layout.py).
@@ -77,7 +77,6 @@ FLAGS = {
            "3.35 TB/s, 700 W): a faster part",
     "f8sac": "torchtitan's per-op selective AC with float8: torch._scaled_mm is not in its save list, so every "
              "float8 matmul is recomputed; optplan's selective (the same policy) keeps every other one",
-    "compile": "torch.compile fuses the element-wise kernels (norms, SwiGLU, RoPE, residuals) optplan prices eager",
     "fp8": "torchao Float8Linear priced as optplan's fp8 recipe (Transformer Engine per-tensor fp8 GEMMs)",
     "rw": "rowwise float8 scaling: slower GEMMs than the tensorwise scaling optplan's fp8 stands for",
     "f8ag": "FSDP all-gathers float8 weights: half the bytes optplan's bf16 all-gather moves",
@@ -159,8 +158,6 @@ def plan(row: dict[str, Any]) -> tuple[Strategy, tuple[str, ...]]:
         flags.append("gpu")
     if row["ac"] == "selective-op" and row["float8"] != "none":
         flags.append("f8sac")
-    if row["compile"]:
-        flags.append("compile")
     precision: PrecisionName = "bf16"
     if row["float8"] != "none":
         precision = "fp8"
@@ -174,7 +171,7 @@ def plan(row: dict[str, Any]) -> tuple[Strategy, tuple[str, ...]]:
     micro = row["microbatches"]
     strategy = Strategy(engine="torch", fsdp="full", precision=precision, dp=row["fsdp"], tp=row["tp"], pp=row["pp"],
                         vpp=row["vpp"], cp=row["cp"], mbs=row["local_batch"] // micro, grad_accum=micro,
-                        checkpointing=CHECKPOINTING[row["ac"]], sp=row["tp"] > 1)
+                        checkpointing=CHECKPOINTING[row["ac"]], sp=row["tp"] > 1, compile=bool(row["compile"]))
     return strategy, tuple(flags)
 
 
@@ -220,7 +217,7 @@ def report(results: list[Result], out: io.TextIOBase) -> tuple[float, float, flo
     for r in results:
         groups[f"source {r.row['source']}"].append(r)
         groups[f"model {r.row['model']}"].append(r)
-        groups["eager (no compile)" if "compile" not in r.flags else "torch.compile"].append(r)
+        groups["torch.compile" if r.strategy.compile else "eager (no compile)"].append(r)
         groups["bf16" if "fp8" not in r.flags else "float8"].append(r)
         groups["tp > 1" if r.strategy.tp > 1 else "tp 1"].append(r)
         if r.strategy.pp > 1:

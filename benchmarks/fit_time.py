@@ -2,14 +2,20 @@
 
 What is fitted, on what (``benchmarks/published_sets.py`` rows; the held-out half is never seen):
 - H100-SXM (llm-foundry H100 rows, torch FSDP): large-GEMM fraction of peak, flash attention forward and
-  backward fractions, HBM fraction. Its GEMM wave size is not fitted: every llm-foundry GEMM is large
+  backward fractions. Its HBM fraction is not refitted since the eager elementwise bytes became a measured count
+  (estimators/eager_traffic.py): on these rows it trades off against the eager multiplier below (a free fit drives
+  it to 0.64, under what streaming kernels reach, and slows every fused H100 plan with it); it keeps the 0.82 of
+  its first fit. Its GEMM wave size is not fitted: every llm-foundry GEMM is large
   (>= 2,048 tokens per micro-batch), so the data cannot see small-GEMM losses (a free fit drives the wave
   to ~0, i.e. no loss at all, which would flatter tiny micro-batches); it is the A100 fit's effective wave
   scaled by the SM count, 132 / 108 (stated);
 - A100 (llm-foundry A100 40/80 GB rows): flash attention forward and backward fractions only (its GEMM,
   HBM, host and link constants stay vTrain's: benchmarks/fidelity_vtrain.py fits those, and vTrain has no
   flash attention);
-- the torch engine (all llm-foundry rows): eager elementwise multiplier and overlap interference.
+- the torch engine (all llm-foundry rows): the eager elementwise multiplier (the measured per-operator bytes of
+  estimators/eager_traffic.py ÷ what those many small kernels achieve against the streaming HBM fraction) and
+  overlap interference. DeepSpeed takes both (it runs the same eager model); torch.compile's fused kernels keep
+  ``compile_multiplier`` 1 (stated: Megatron's fused count, as the vTrain fit uses).
 Physical bounds (``UPPER``): a fraction of peak cannot exceed the best measured large matmul (H100 SXM
 bf16: ~0.80 of 989 TFLOP/s; S. Bekman, "Machine Learning Engineering", Maximum Achievable Matmul FLOPS),
 flash fractions and the HBM fraction stay below 1, interference in [0, 1].
@@ -49,7 +55,6 @@ PARAMS: tuple[tuple[str, str, str], ...] = (
     ("gpu", "H100-SXM", "gemm_peak_fraction"),
     ("gpu", "H100-SXM", "flash_attention_fraction"),
     ("gpu", "H100-SXM", "flash_backward_fraction"),
-    ("gpu", "H100-SXM", "hbm_fraction"),
     ("gpu", "A100-80GB", "flash_attention_fraction"),
     ("gpu", "A100-80GB", "flash_backward_fraction"),
     ("engine", "torch", "elementwise_multiplier"),
@@ -135,7 +140,8 @@ def write(model: Model, fit_err: dict[str, float], held_err: dict[str, float]) -
     h100 = model.gpus["H100-SXM"].model_dump()
     h100["source"] = ("fitted by benchmarks/fit_time.py on the fit half of llm-foundry's 52 H100 80GB runs (Composer, "
                       "torch FSDP, bf16, 8-64 GPUs; ../shared/data/llmfoundry_mpt_benchmarks.csv): GEMM fraction, "
-                      "flash forward/backward, HBM fraction; host, link and alignment constants from the "
+                      "flash forward/backward (the HBM fraction of its first fit kept: fit_time.py's docstring); "
+                      "host, link and alignment constants from the "
                       f"A100 fit (same software stack) [{stamp}]")
     a100 = model.gpus["A100-80GB"].model_dump()
     a100["source"] = (raw["gpus"]["A100-80GB"]["source"].split(" + flash")[0]
@@ -144,9 +150,15 @@ def write(model: Model, fit_err: dict[str, float], held_err: dict[str, float]) -
     raw["gpus"] = {"A100-80GB": a100, "A100-40GB": dict(a100), "H100-SXM": h100}
     torch_ = model.engines["torch"].model_dump()
     torch_["source"] = ("fitted by benchmarks/fit_time.py on the fit half of llm-foundry's 191 runs (Composer, "
-                        f"torch FSDP 1, eager; A100 and H100) [{stamp}]")
+                        "torch FSDP 1, eager): the eager multiplier over the measured per-operator bytes "
+                        "(estimators/data/eager_traffic.yaml) and the overlap interference; compile_multiplier "
+                        f"stated (Inductor's fused kernels priced as Megatron's) [{stamp}]")
     raw["engines"]["torch"] = torch_
-    raw["engines"]["deepspeed"]["overlap_interference"] = torch_["overlap_interference"]  # stated: as FSDP
+    deepspeed = raw["engines"]["deepspeed"]
+    for key in ("elementwise_multiplier", "eager", "compile_multiplier", "overlap_interference"):
+        deepspeed[key] = torch_[key]
+    deepspeed["source"] = ("stated, no measured DeepSpeed set: the torch engine's constants (DeepSpeed trains the same "
+                           "eager model, and ZeRO-3's prefetch overlaps as FSDP's does; ZeRO 0-2 do not overlap)")
     header = "".join(line + "\n" for line in DATA_FILE.read_text(encoding="utf-8").splitlines()
                      if line.startswith("#"))
     body = yaml.safe_dump(raw, sort_keys=False, width=120, allow_unicode=True)

@@ -30,7 +30,12 @@ Sources and units (seconds, FLOPs, bytes, FLOP/s, bytes/s throughout)
   (softmax, dropout and its 1-byte mask) bytes, and the backward
   T·h·r·(2 × 3e + 2 × (5e + 1)) + T·(F/t)·3e + S·(5e + 1) (read input and gradient, write gradient;
   residual-gradient adds); no score terms with flash attention. Time = ``elementwise_factor`` × bytes /
-  (HBM bandwidth × ``hbm_fraction``), the factor fitted (other small kernels: bias adds, casts).
+  (HBM bandwidth × ``hbm_fraction``), the factor fitted (other small kernels: bias adds, casts). That count is
+  Megatron's, and torch.compile's (Inductor fuses the same chains between GEMMs: ``compile_multiplier``, stated
+  1). An eager engine (torch, DeepSpeed: the user's model as written) runs one kernel per ATen operator instead:
+  its bytes are the *measured* per-operator count of estimators/eager_traffic.py (probes/traffic.py on a Llama and
+  a GPT-2 layer: a gated Llama layer moves ~3x the bytes of a plain one of the same width: RMSNorm in fp32,
+  rotary embeddings, repeated k/v), times the engine's fitted ``elementwise_multiplier``.
 - Attention with flash (Dao 2023, FlashAttention-2, arXiv 2307.08691, §3 and Fig. 5-7): one fused
   kernel, causal blocks skipped (half the s² FLOPs), at a stated fraction of peak; its backward does
   2.5× the forward's FLOPs (it recomputes the scores).
@@ -68,6 +73,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from optplan.estimators.attention_kernels import flash_fractions
 from optplan.estimators.cast_traffic import autocast_cast_bytes_per_microbatch
+from optplan.estimators.eager_traffic import layer_bytes_per_token, precision_class
 from optplan.estimators.efficiency import (
     EngineEfficiency,
     GpuEfficiency,
@@ -190,6 +196,8 @@ class TransformerDims(BaseModel):
                                                          "2·h² + 2·h·kv of head width h / heads")
     qk_head_dim: float = Field(default=0.0, description="per-head query/key width of the core; 0: h / heads")
     v_head_dim: float = Field(default=0.0, description="per-head value width of the core; 0: h / heads")
+    gated: bool = Field(default=False, description="gated (SwiGLU) MLP: the eager traffic of eager_traffic.py's "
+                                                   "gated block, else its plain one")
 
 
 def transformer_dims(profile: ModelProfile) -> TransformerDims | None:
@@ -222,7 +230,8 @@ def transformer_dims(profile: ModelProfile) -> TransformerDims | None:
     qk, v = (0.0, 0.0) if standard else shape.core_head_dims()
     return TransformerDims.model_construct(hidden=h, layers=shape.layers, heads=a, kv_heads=kv, seq=int(seq),
                            vocab=shape.vocab or 0, mlp_params=mlp, per_layer_params=per_layer,
-                           attn_params=0.0 if standard else attn, qk_head_dim=qk, v_head_dim=v)
+                           attn_params=0.0 if standard else attn, qk_head_dim=qk, v_head_dim=v,
+                           gated=bool(shape.gated))
 
 
 class LayerTime(BaseModel):
@@ -257,17 +266,6 @@ def _peaks(gpu: GPUSpec, strategy: Strategy) -> tuple[float, float, int]:
 
 def _fraction(eff: GpuEfficiency, dtype: str) -> float:
     return min(MAX_GEMM_FRACTION, eff.gemm_peak_fraction * GEMM_DTYPE_FRACTION.get(dtype, 1.0))
-
-
-EAGER_ELEMENTWISE_FACTOR = engine_efficiency("torch").elementwise_multiplier
-"""Elementwise bytes of an eager PyTorch layer (engine "torch") ÷ the fused kernel-by-kernel count above
-(data/efficiency.yaml ``engines.torch``; fitted by benchmarks/fit_time.py on llm-foundry's FSDP runs). The
-prior it started from, by counting the kernels of an eager Llama layer (torchtitan's, or examples/llama.py) per
-token in bf16 (bytes read + written): two RMSNorms computed in fp32 (cast, pow, mean, multiply, cast
-back, weight: ~36·h each), rotary embeddings on q and k through fp32 complex products (~25·h with
-kv = h/4), two residual adds (12·h) and an unfused SwiGLU (silu, product: 10·F): ~109·h + 10·F, against
-the fused count 22·h + 4·F (Megatron's fused bias-GeLU, bias-dropout-add and norm kernels): ~4x at
-h = 4096, F = 3.5·h. Megatron and DeepSpeed (Megatron-DeepSpeed's fused kernels) keep the fitted count."""
 
 
 def layer_time(dims: TransformerDims, strategy: Strategy, gpu: GPUSpec, eff: GpuEfficiency,
@@ -315,9 +313,22 @@ def layer_time(dims: TransformerDims, strategy: Strategy, gpu: GPUSpec, eff: Gpu
         core_bwd = (gemm_time_s(q, d, s, batch=heads, **akw) + gemm_time_s(s, d, q, batch=heads, **akw)  # type: ignore[arg-type]
                     + gemm_time_s(q, s, d, batch=heads, **akw) + gemm_time_s(s, d, q, batch=heads, **akw))  # type: ignore[arg-type]
     r = 1.0 / t if strategy.sp else 1.0
-    ew_fwd_bytes = tokens * h * r * (4 * elem + 2 * (3 * elem + 1)) + tokens * (ffn / t) * 2 * elem
-    ew_bwd_bytes = tokens * h * r * (6 * elem + 2 * (5 * elem + 1)) + tokens * (ffn / t) * 3 * elem
-    multiplier = (engine or engine_efficiency(strategy.engine)).elementwise_multiplier
+    family = engine or engine_efficiency(strategy.engine)
+    if family.eager and not strategy.compile:  # the model's own kernels, counted operator by operator
+        multiplier = family.elementwise_multiplier
+        kind = "gated" if dims.gated else "plain"
+        width = dims.mlp_params / ((3.0 if dims.gated else 2.0) * h)
+        klass = precision_class(get_recipe(strategy.precision).weight_bytes, elem)
+        per_fwd, per_bwd = layer_bytes_per_token(kind=kind, precision=klass, hidden=h, ffn=width, kv=kvd,
+                                                 head_dim=qk_d, grouped_query=dims.kv_heads < a, tp=t, sp=strategy.sp)
+        ew_fwd_bytes, ew_bwd_bytes = tokens * per_fwd, tokens * per_bwd
+        mlp_ew_bytes = tokens * layer_bytes_per_token(kind=kind, precision=klass, hidden=0.0, ffn=width, kv=0.0,
+                                                      head_dim=0.0, grouped_query=False, tp=t, sp=strategy.sp)[0]
+    else:  # fused kernels: Megatron's own, or Inductor's under torch.compile (module docstring)
+        multiplier = family.compile_multiplier if family.eager else family.elementwise_multiplier
+        ew_fwd_bytes = tokens * h * r * (4 * elem + 2 * (3 * elem + 1)) + tokens * (ffn / t) * 2 * elem
+        ew_bwd_bytes = tokens * h * r * (6 * elem + 2 * (5 * elem + 1)) + tokens * (ffn / t) * 3 * elem
+        mlp_ew_bytes = tokens * (ffn / t) * 2 * elem
     ew_fwd_bytes *= multiplier
     ew_bwd_bytes *= multiplier
     score_fwd = score_bwd = 0.0
@@ -331,7 +342,7 @@ def layer_time(dims: TransformerDims, strategy: Strategy, gpu: GPUSpec, eff: Gpu
     return LayerTime.model_construct(fwd_gemm_s=fwd + core_fwd, bwd_gemm_s=bwd + core_bwd, fwd_elementwise_s=ew_fwd,
                      bwd_elementwise_s=ew_bwd, attention_core_fwd_s=core_fwd + core_ew,
                      fwd_flops=fwd_flops + core_flops, attention_core_fwd_flops=core_flops,
-                     mlp_fwd_s=mlp_fwd + tokens * (ffn / t) * 2 * elem * multiplier / hbm,
+                     mlp_fwd_s=mlp_fwd + mlp_ew_bytes * multiplier / hbm,
                      mlp_fwd_flops=2.0 * tokens * dims.mlp_params / t)
 
 

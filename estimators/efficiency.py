@@ -10,7 +10,9 @@ Two kinds of constants, kept apart because they come from different measurements
   its ``source`` naming the data and the fit. GPUs without measurements *derive* from a measured one
   (``derived:`` in the file: H200 is H100's die with faster HBM; B200 a newer part) and say why.
 - :class:`EngineEfficiency`, per engine family (torch, deepspeed, megatron): what the training framework
-  adds on any GPU: eager elementwise kernels (torch runs unfused norms, activations and residual adds),
+  adds on any GPU: eager elementwise kernels (torch and DeepSpeed run the model's unfused norms, activations and
+  residual adds, priced by their measured bytes, estimators/eager_traffic.py, times a fitted multiplier; under
+  torch.compile and in Megatron the fused count),
   and how much overlapped communication still slows compute (NCCL kernels occupy SMs and HBM bandwidth
   while a GEMM runs: the "overlap interference"). torch is fitted on llm-foundry's FSDP runs (A100 and
   H100); DeepSpeed takes torch's overlap figure (its ZeRO-3 prefetch overlaps the same way; no measured
@@ -74,7 +76,14 @@ class EngineEfficiency(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    elementwise_multiplier: float = Field(gt=0, description="elementwise bytes ÷ the fused (Megatron) count")
+    elementwise_multiplier: float = Field(gt=0, description="elementwise bytes ÷ the count in use (the measured "
+                                                            "eager count when ``eager``, else the fused Megatron "
+                                                            "count)")
+    eager: bool = Field(default=False, description="runs the model's own eager kernels: elementwise bytes are the "
+                                                   "measured per-operator count (eager_traffic.py) unless the plan "
+                                                   "compiles the blocks (fused count, ``compile_multiplier``)")
+    compile_multiplier: float = Field(default=1.0, gt=0, description="elementwise bytes ÷ the fused (Megatron) count "
+                                                                     "under torch.compile (Inductor's fusion)")
     overlap_interference: float = Field(ge=0, le=1, description="share of overlapped communication time that "
                                                                 "still delays compute (SMs/HBM taken by NCCL)")
     source: str = ""

@@ -97,6 +97,10 @@ class Strategy(BaseModel):
                                            "estimators/fsdp_grad_sync.py)")
     sp: bool = Field(default=False, description="sequence parallelism inside the tensor-parallel group")
     flash: bool = Field(default=True, description="memory-efficient (flash) attention: no s x s scores stored")
+    compile: bool = Field(default=False, description="torch.compile of each repeated block (torch and deepspeed "
+                                                     "engines): Inductor fuses the elementwise ops between GEMMs, "
+                                                     "priced as fused kernels; eager (False) is priced by the "
+                                                     "measured per-operator count (estimators/eager_traffic.py)")
     offload_optimizer: OffloadTarget = "none"
     offload_params: OffloadTarget = "none"
     engine: EngineName = "deepspeed"
@@ -189,6 +193,9 @@ class Strategy(BaseModel):
             if self.tp > 1 and not self.sp:
                 raise ValueError("Megatron-LM overlaps tensor-parallel communication only with sequence parallelism: "
                                  "drop --no-sp, or drop --comm-overlap")
+        if self.compile and self.engine == "megatron":
+            raise ValueError("--compile compiles the model's blocks with torch.compile (torch and deepspeed engines); "
+                             "Megatron-LM runs its own fused kernels: drop --compile, or use --engine torch")
         if self.fsdp_grad_sync == "step" and (self.engine != "torch" or self.fsdp == "none"):
             raise ValueError("--fsdp-grad-sync step defers torch FSDP's gradient reduce-scatter to the last "
                              "micro-batch: use --engine torch with --fsdp full|grad_op|hybrid, or drop it")
@@ -293,6 +300,8 @@ class Strategy(BaseModel):
             parts.append("comm-overlap")
         if self.fsdp_grad_sync == "step":
             parts.append("grad-sync-step")
+        if self.compile:
+            parts.append("compile")
         if self.engine != "deepspeed":
             parts.append(f"[{self.engine}]")
         return " ".join(parts)

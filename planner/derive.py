@@ -44,6 +44,7 @@ class StrategyFlags(BaseModel):
     global_batch: int | None = None
     checkpointing: str = "none"
     flash: bool = True
+    compile: bool = False
     engine: str | None = None
     quant: str = "none"
 
@@ -119,7 +120,8 @@ def derive_strategy(flags: StrategyFlags, cluster: Cluster, *, gpus_given: bool 
         "fsdp": flags.fsdp or "none", "mbs": flags.mbs, "grad_accum": gas or 1,
         "checkpointing": flags.checkpointing, "dp": dp, "tp": tp, "pp": pp, "vpp": flags.vpp or 1, "cp": cp, "ep": flags.ep or 1,
         "etp": flags.etp, "dispatcher": flags.dispatcher, "ep_overlap": flags.ep_overlap, "comm_overlap": flags.comm_overlap,
-        "fsdp_grad_sync": flags.fsdp_grad_sync, "pp_schedule": flags.pp_schedule, "sp": flags.sp, "flash": flags.flash, "offload_optimizer": offload_optimizer,
+        "fsdp_grad_sync": flags.fsdp_grad_sync, "pp_schedule": flags.pp_schedule, "sp": flags.sp, "flash": flags.flash, "compile": flags.compile,
+        "offload_optimizer": offload_optimizer,
         "offload_params": offload_params, "engine": engine, "quant": flags.quant,
     }
     return Strategy.model_validate(data)

@@ -406,6 +406,25 @@ def _optimizer_line(pick: Estimate, price: Price, space: SearchSpace) -> str:
         f"; {tail}" if tail else "")
 
 
+def _compile_line(pick: Estimate, price: Price) -> str | None:
+    """What torch.compile would change for an eager torch/DeepSpeed pick (or what it does for a compiled one)."""
+    s = pick.strategy
+    if s.engine == "megatron" or not pick.time.step_s:
+        return None
+    other = _neighbour(price, s, compile=not s.compile)
+    if other is None or not other.time.step_s:
+        return None
+    if s.compile:
+        return (f"torch.compile of each block: {_step(pick.time.step_s)} per step against {_step(other.time.step_s)} "
+                "eager (elementwise ops fused; priced, not measured on this GPU)")
+    gain = 1.0 - other.time.step_s / pick.time.step_s
+    if gain < 0.01:
+        return None
+    return (f"eager kernels (the model as written; their bytes measured operator by operator): torch.compile of each "
+            f"block (--compile) would price the step at {_step(other.time.step_s)}, {100 * gain:.0f}% less (fused "
+            "elementwise ops; priced, not measured on this GPU)")
+
+
 def rationale(pick: Estimate, ranked: Sequence[Estimate], price: Price, space: SearchSpace, goal: Goal,
               evaluated: int) -> list[str]:
     """The chosen plan's decisions, one line each, with the numbers behind them."""
@@ -414,5 +433,5 @@ def rationale(pick: Estimate, ranked: Sequence[Estimate], price: Price, space: S
              _gpus_line(pick, ranked, space, goal), _layout_line(pick, ranked), _ep_line(pick, price, ranked),
              _sharding_line(pick, price, ranked, goal), _offload_line(pick, price), _precision_line(pick, price, space),
              _optimizer_line(pick, price, space), _mbs_line(pick, price, space),
-             _checkpointing_line(pick, price, space), _batch_line(pick, space)]
+             _checkpointing_line(pick, price, space), _compile_line(pick, price), _batch_line(pick, space)]
     return [line for line in lines if line]

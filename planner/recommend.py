@@ -147,7 +147,8 @@ def recommend(profile: ModelProfile, cluster: Cluster, *, global_batch: int | No
               probe_local: LocalDevices | None = None, probe_runner: Runner | None = None,
               probe_bench: Callable[..., Any] | None = None,
               on_trial: Callable[[Estimate], None] | None = None,
-              cancelled: Callable[[], bool] | None = None, quant: str = "none") -> Recommendation:
+              cancelled: Callable[[], bool] | None = None, quant: str = "none",
+              compile_blocks: bool = False) -> Recommendation:
     """Search the space of ``profile`` on ``cluster`` (or on each of ``gpu_counts``) and explain the pick.
 
     ``global_batch`` (samples) defaults to the model file's OPTPLAN value; None leaves it free. For a model
@@ -163,6 +164,9 @@ def recommend(profile: ModelProfile, cluster: Cluster, *, global_batch: int | No
     ``on_trial`` receives each candidate's Estimate as the search prices it (see ``search``): the
     dashboard's live table of trials. ``cancelled`` stops the microbenchmarks and the probe stage (their
     running child processes included) when it turns true, raising :class:`~optplan.estimators.errors.Cancelled`.
+
+    ``compile_blocks`` makes the torch and DeepSpeed plans compile each repeated block with torch.compile (priced as
+    fused elementwise kernels; the exports apply it); Megatron plans run their own fused kernels either way.
 
     ``quant`` holds the frozen base of a LoRA profile (finetune.QuantName); LoRA plans are not probed yet (the
     probe child trains the model as built), which a note says.
@@ -194,7 +198,8 @@ def recommend(profile: ModelProfile, cluster: Cluster, *, global_batch: int | No
         probe_local = probe_local or local_devices(probe.nproc)
         cluster, ceiling_notes = measured_cluster(cluster, probe_local, bench=probe_bench, cancelled=cancelled)
     space = build_space(profile, cluster, global_batch=gb, precisions=precisions, optimizers=optimizers,
-                        engines=engines, gpu_counts=gpu_counts, offload=offload, quant=quant)
+                        engines=engines, gpu_counts=gpu_counts, offload=offload, quant=quant,
+                        compile_blocks=compile_blocks)
     if not space.layouts:
         raise OptplanError(f"no parallel layout uses {cluster.gpus} GPUs for {profile.name}: change --gpus")
     if gb is not None and not any(gb % lay.dp == 0 for lay in space.layouts):

@@ -485,7 +485,8 @@ def _probe_groups(space: SearchSpace, layout: Layout) -> list[list[Group]]:
     for sh in by_engine.values():
         precisions = space.precisions_for(sh)
         if precisions:
-            out.append([Group(layout, sh, precisions[0], space.optimizer, m, space.quant)  # type: ignore[arg-type]
+            out.append([Group(layout, sh, precisions[0], space.optimizer, m, space.quant,  # type: ignore[arg-type]
+                               space.compile_blocks)
                         for m in modes])
     return out
 

@@ -103,6 +103,7 @@ class Group(NamedTuple):
     optimizer: str
     checkpointing: CheckpointMode
     quant: str = "none"
+    compile_blocks: bool = False
 
 
 class SearchSpace(BaseModel):
@@ -121,6 +122,8 @@ class SearchSpace(BaseModel):
     quant: str = "none"
     torch_tp: bool = Field(default=False, description="the torch engine also runs tensor-parallel layouts, split by "
                                                       "the model's own tp_plan (FSDP2 over the data-parallel ranks)")
+    compile_blocks: bool = Field(default=False, description="torch and DeepSpeed plans torch.compile each repeated "
+                                                            "block (Strategy.compile)")
 
     @property
     def gpu_counts(self) -> tuple[int, ...]:
@@ -172,7 +175,8 @@ class SearchSpace(BaseModel):
                         if sharding.offload_optimizer != "none" and optimizer != "adamw":
                             continue  # DeepSpeed's CPU optimizer is Adam/AdamW only
                         for ckpt in self.checkpointing:
-                            yield Group(layout, sharding, precision, optimizer, ckpt, self.quant)
+                            yield Group(layout, sharding, precision, optimizer, ckpt, self.quant,
+                                        self.compile_blocks)
 
     def micro_batches(self, layout: Layout) -> tuple[int, ...]:
         """Micro-batches per GPU, ascending: divisors of the per-replica batch when it is fixed, else powers
@@ -217,6 +221,7 @@ def strategy_of(group: Group, mbs: int, grad_accum: int) -> Strategy | None:
                         checkpointing=group.checkpointing, dp=lay.dp, tp=lay.tp, pp=lay.pp, vpp=lay.vpp,
                         cp=lay.cp, ep=lay.ep, etp=lay.etp, dispatcher=lay.dispatcher,  # type: ignore[arg-type]
                         ep_overlap=lay.ep_overlap, comm_overlap=sh.engine == "megatron",
+                        compile=group.compile_blocks and sh.engine != "megatron",
                         offload_optimizer=sh.offload_optimizer,  # type: ignore[arg-type]
                         offload_params=sh.offload_params, engine=sh.engine,  # type: ignore[arg-type]
                         quant=group.quant)  # type: ignore[arg-type]
@@ -355,7 +360,8 @@ def build_space(profile: ModelProfile, cluster: Cluster, *, global_batch: int | 
                 precisions: Sequence[str] | None = None, optimizers: Sequence[str] | str | None = None,
                 engines: Sequence[str] | None = None, gpu_counts: Sequence[int] | None = None,
                 offload: bool = True, checkpointing: Sequence[str] | None = None,
-                max_micro_batch: int = MAX_MICRO_BATCH, quant: str = "none") -> SearchSpace:
+                max_micro_batch: int = MAX_MICRO_BATCH, quant: str = "none",
+                compile_blocks: bool = False) -> SearchSpace:
     """The space for ``profile`` on ``cluster`` (at ``gpu_counts``, default the cluster's GPUs).
 
     Megatron (tensor/pipeline/context parallelism) is searched for transformers (the profile has a shape);
@@ -404,5 +410,5 @@ def build_space(profile: ModelProfile, cluster: Cluster, *, global_batch: int | 
         gpus_per_node=cluster.gpus_per_node, layouts=tuple(layouts),
         shardings=_shardings(chosen_engines, multi_node, offload), precisions=usable, optimizers=opts,
         checkpointing=ckpt, global_batch=global_batch, max_micro_batch=max_micro_batch,  # type: ignore[arg-type]
-        quant=quant, torch_tp=torch_tp,
+        quant=quant, torch_tp=torch_tp, compile_blocks=compile_blocks,
     )

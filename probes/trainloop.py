@@ -17,6 +17,10 @@ What :class:`Trainer` applies (the strategy is ``optplan.estimators.strategy.Str
 * activation checkpointing of each repeated block (``block_class``): ``full`` (``torch.utils.checkpoint``,
   non-reentrant) or ``selective`` (op-level, torchtitan's policy: attention outputs and every other matmul's output
   saved, the rest recomputed, :data:`SAC_SAVE_OPS`);
+* ``compile`` (the plan's, or the probe's option): on the torch engine each repeated block is compiled on its own
+  (``Module.compile()``, after checkpointing and before FSDP, as torchtitan does), else the whole model
+  (``runner.compile()``); DeepSpeed's ``engine.compile()``; under ``accelerate launch`` accelerate.yaml's
+  ``dynamo_config`` does it;
 * data parallelism: DDP (torch's defaults, ``no_sync`` on all but the last micro-batch), FSDP2
   ``fully_shard`` on every block and then the root (``full``: reshard after forward; ``grad_op``: keep
   the unsharded parameters to backward; ``hybrid``: HSDP over a 2-D mesh, replicas x ``shard_size``;
@@ -480,7 +484,8 @@ class Trainer:
         self.device_type = device_type
         self.ds_config = ds_config
         self.block_class = block_class
-        self.compile = compile
+        self.compile = compile or bool(self.strategy.get("compile"))
+        self.compiled_blocks = False  # each repeated block torch.compile'd (the plan's compile, torch engine)
         self.use_accelerate = use_accelerate
         self.shard_size = shard_size
         self.notes: list[str] = notes if notes is not None else []
@@ -664,6 +669,13 @@ class Trainer:
         self.apply_precision(model)
         self.phase = "applying activation checkpointing"
         self.checkpointing_applied = apply_checkpointing(blocks, mode, self.notes if self.rank == 0 else [])
+        if self.compile and blocks and self.engine == "torch" and not self.use_accelerate:
+            # the plan's compile: each block on its own (torchtitan's per-block compile: after checkpointing,
+            # before FSDP), which is what optplan prices as fused kernels (estimators/compute.py)
+            self.phase = "compiling each block (torch.compile)"
+            for blk in blocks:
+                blk.compile()
+            self.compiled_blocks = True
         params = [p for p in model.parameters() if p.requires_grad]
         runner: Any = model
         if self.use_accelerate:
@@ -720,7 +732,7 @@ class Trainer:
                     self.scaler = ShardedGradScaler(device.type)
                 else:
                     self.scaler = torch.amp.GradScaler(device.type)
-            if self.compile:
+            if self.compile and not self.compiled_blocks:
                 self.phase = "compiling the model (torch.compile)"
                 runner.compile()
         self.runner = runner

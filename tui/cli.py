@@ -68,6 +68,9 @@ GpnOpt = Annotated[int | None, typer.Option("--gpus-per-node", help="GPUs per no
 SeqOpt = Annotated[int | None, typer.Option("--seq-len", help="sequence length (default: OPTPLAN or model max)")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print a stable JSON document instead of tables")]
 NameOpt = Annotated[str | None, typer.Option("--model-name", help="which model when the file defines several")]
+COMPILE_HELP = ("torch.compile each repeated block (torch and deepspeed engines): Inductor fuses the elementwise "
+                "ops between GEMMs, priced as fused kernels (eager plans are priced by the measured per-operator "
+                "bytes); the exports compile too")
 ClusterOpt = Annotated[Path | None, typer.Option("--cluster", help="cluster YAML: gpu, gpus_per_node, nodes[, bandwidths, price, power]")]
 
 
@@ -235,6 +238,7 @@ def estimate(
     optimizer: Annotated[str | None, typer.Option("--optimizer", help="adamw, adamw8bit, adafactor, sgd, paged_adamw, paged_adamw8bit")] = None,
     checkpointing: Annotated[str, typer.Option("--checkpointing", help="none, selective, full, or moe (recompute the MoE layers; Megatron)")] = "none",
     flash: Annotated[bool, typer.Option("--flash/--no-flash", help="memory-efficient attention (no s x s scores)")] = True,
+    compile_: Annotated[bool, typer.Option("--compile", help=COMPILE_HELP)] = False,
     engine: Annotated[str | None, typer.Option("--engine", help="torch, deepspeed or megatron (default: torch with --fsdp, megatron with tp/pp/cp, else deepspeed)")] = None,
     offload_optimizer: Annotated[str | None, typer.Option("--offload-optimizer", help="none, cpu, nvme (DeepSpeed)")] = None,
     offload_params: Annotated[str | None, typer.Option("--offload-params", help="none, cpu, nvme (DeepSpeed ZeRO-3)")] = None,
@@ -289,7 +293,7 @@ def estimate(
                               fsdp=fsdp, offload=offload,
                               offload_optimizer=offload_optimizer, offload_params=offload_params,
                               precision=chosen, optimizer=optimizer, mbs=mbs, gas=grad_accum,
-                              global_batch=global_batch, checkpointing=checkpointing, flash=flash,
+                              global_batch=global_batch, checkpointing=checkpointing, flash=flash, compile=compile_,
                               engine=engine or ("torch" if choice.adapters and not zero else None),
                               quant=choice.quant_name())
         # validated before the (slow) profile so a bad flag fails at once
@@ -358,6 +362,7 @@ def recommend(
     optimizer: Annotated[list[str] | None, typer.Option("--optimizer", help="optimizers to search (repeatable; default the model's, else adamw)")] = None,
     engine: Annotated[list[str] | None, typer.Option("--engine", help="engines to search: deepspeed, torch, megatron (repeatable; megatron is searched for --arch by default)")] = None,
     offload: Annotated[bool, typer.Option("--offload/--no-offload", help="search CPU offload plans")] = True,
+    compile_: Annotated[bool, typer.Option("--compile", help=COMPILE_HELP)] = False,
     objective: Annotated[str, typer.Option("--objective", help="throughput, time or cost (time and cost need --tokens)")] = "throughput",
     tokens: Annotated[float | None, typer.Option("--tokens", help="token budget to train: time, GPU-hours, cost")] = None,
     price: Annotated[float | None, typer.Option("--price", help="price per GPU-hour (USD)")] = None,

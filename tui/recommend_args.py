@@ -75,6 +75,7 @@ class RecommendArgs(FinetuneChoice):
     optimizer: tuple[str, ...] | None = None
     engine: tuple[str, ...] | None = None
     offload: bool = True
+    compile_: bool = False
     objective: str = "throughput"
     tokens: float | None = None
     price: float | None = None

@@ -184,6 +184,7 @@ def run_recommend(prepared: PreparedRecommend, prof: ModelProfile, *,
     precisions = a.precision or choice.precisions(prepared.cluster.gpu.supports_bf16)
     return recommend(prof, prepared.cluster, global_batch=gb, precisions=precisions, optimizers=a.optimizer,
                      engines=a.engine, gpu_counts=prepared.gpu_counts, goal=prepared.goal, offload=a.offload,
+                     compile_blocks=a.compile_,
                      method=a.method, seed=a.seed, n_trials=a.trials,  # type: ignore[arg-type]
                      storage=prepared.storage, notes=prepared.notes, calibration=cal, probe=probe_options,
                      on_progress=on_progress, on_trial=on_trial, cancelled=cancelled, quant=choice.quant_name())

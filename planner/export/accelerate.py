@@ -106,7 +106,7 @@ _MIXED_PRECISION = {
 _FSDP1_STRATEGY = {"full": "FULL_SHARD", "grad_op": "SHARD_GRAD_OP", "hybrid": "HYBRID_SHARD"}
 _MEGATRON_PRECISIONS = ("fp32", "bf16", "fp16")
 _TOP_LEVEL_ORDER = (
-    "compute_environment", "debug", "deepspeed_config", "distributed_type", "downcast_bf16",
+    "compute_environment", "debug", "deepspeed_config", "distributed_type", "downcast_bf16", "dynamo_config",
     "enable_cpu_affinity", "fp8_config", "fsdp_config", "gpu_ids", "machine_rank", "main_process_ip",
     "main_process_port", "main_training_function", "megatron_lm_config", "mixed_precision", "num_machines",
     "num_processes", "parallelism_config", "rdzv_backend", "same_network", "use_cpu",
@@ -520,6 +520,10 @@ def render_accelerate_yaml(plan: ExportPlan, *, fsdp_version: int = 2, ds_config
         config["parallelism_config"] = _parallelism_section(plan, layout, notes)
     if layout.distributed_type == "MEGATRON_LM":
         config["megatron_lm_config"] = _megatron_section(plan, notes)
+    if strategy.compile:
+        config["dynamo_config"] = {"dynamo_backend": "INDUCTOR", "dynamo_use_regional_compilation": True}
+        notes["dynamo_config"] = ["the plan compiles each repeated block (torch.compile, priced as fused kernels): "
+                                  "accelerate's regional compilation compiles the model's repeated blocks"]
     if strategy.precision == "fp8":
         config["fp8_config"] = {"backend": FP8_BACKEND, "fp8_format": "HYBRID"}
         notes["fp8_config"] = ["fp8 through Transformer Engine (accelerate swaps nn.Linear for te.Linear): "

@@ -205,6 +205,8 @@ def finetune_config(plan: ExportPlan) -> dict[str, Any]:
     elif plan.world_size > 1 and dist is None:
         sft["ddp_find_unused_parameters"] = False
     sft.update(fsdp_accumulation_args(s))  # torch TP over dp > 1 is FULL_SHARD too (distributed_config checks)
+    if s.compile:
+        sft["torch_compile"] = True  # the Trainer's torch.compile (the plan priced fused elementwise kernels)
     model: dict[str, Any] = {"name_or_path": folder, "dtype": _model_dtype(plan)}
     if dist is not None:
         model["distributed_config"] = dist

@@ -261,6 +261,8 @@ def hf_training_args(plan: ExportPlan, *, ds_config_name: str = "ds_config.json"
     elif plan.world_size > 1:
         args["ddp_find_unused_parameters"] = False
     args.update(fsdp_accumulation_args(s))
+    if s.compile:
+        args["torch_compile"] = True
     return args
 
 
@@ -314,6 +316,9 @@ def hf_notes(plan: ExportPlan) -> tuple[str, ...]:
     if s.fsdp != "none":
         notes.append(f"FSDP2 wraps each {plan.block_class} (fsdp_config.transformer_layer_cls_to_wrap): the name "
                      "must be the class name of the model's repeated block")
+    if s.compile:
+        notes.append("torch_compile: the Trainer compiles the whole model (torch.compile); the plan priced each "
+                     "block's elementwise ops as fused, which whole-model compilation also gives")
     return tuple(notes)
 
 

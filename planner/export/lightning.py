@@ -263,6 +263,9 @@ def lightning_notes(plan: ExportPlan) -> tuple[str, ...]:
     if s.optimizer in BNB_OPTIMIZERS:
         notes.append(f"{s.optimizer}: configure_optimizers returns {BNB_OPTIMIZERS[s.optimizer]} "
                      "(pip install bitsandbytes)")
+    if s.compile:
+        notes.append("torch.compile: Lightning's Trainer has no switch for it: compile each repeated block "
+                     "(block.compile()) in configure_model, as the plan priced (fused elementwise kernels)")
     return tuple(notes)
 
 

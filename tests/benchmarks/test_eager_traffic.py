@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import yaml
+
 from benchmarks import eager_traffic as et
 
 
@@ -17,3 +19,10 @@ def test_counts_are_linear_in_the_widths_and_gated_layers_move_more() -> None:
     g = et.bytes_at(gated["fwd"], llama) + et.bytes_at(gated["bwd"], llama)
     p = et.bytes_at(plain["fwd"], same_width) + et.bytes_at(plain["bwd"], same_width)
     assert g > 2.0 * p  # RMSNorm in fp32, RoPE and the repeated k/v: the gap a single multiplier cannot see
+
+
+def test_the_packaged_coefficients_are_the_benchmarks_fit() -> None:
+    fits, residuals = et.fit_all()
+    packaged = yaml.safe_load(et.DATA.read_text(encoding="utf-8"))
+    assert et.data_document(fits, max(residuals.values())) == packaged, (
+        "rerun: python benchmarks/eager_traffic.py --write")

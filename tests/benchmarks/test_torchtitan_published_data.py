@@ -33,7 +33,9 @@ def test_closest_plan_keeps_the_layout_and_flags_the_rest() -> None:
     assert strategy.world_size == row["gpus"] and strategy.engine == "torch" and strategy.fsdp == "full"
     assert (strategy.tp, strategy.pp, strategy.vpp, strategy.dp) == (8, 8, 2, 8)
     assert strategy.mbs * strategy.grad_accum == row["local_batch"] and strategy.sp
-    assert {"gpu", "compile", "fp8", "f8ag", "atp"} <= set(flags)
+    assert {"gpu", "fp8", "f8ag", "atp"} <= set(flags) and "compile" not in flags
+    assert strategy.compile and row["compile"]  # torch.compile is a plan choice now, priced as fused kernels
+    assert not bench.plan(_row("t1-8b-fsdp8"))[0].compile  # the eager run stays eager
     eager = bench.plan(_row("t1-8b-fsdp8"))
     assert eager[1] == ("gpu",) and eager[0].checkpointing == "selective"  # per-op SAC is optplan's selective
     assert bench.plan(_row("h200-8b-32"))[1][0] == "f8sac"  # an H200 is in the catalogue: no gpu flag

@@ -247,7 +247,8 @@ def test_tensor_parallelism_splits_the_gemms_but_not_the_replicated_elementwise_
     assert four.fwd_flops == pytest.approx(one.fwd_flops / 4)
     assert one.fwd_gemm_s / 4 < four.fwd_gemm_s < one.fwd_gemm_s / 2  # smaller GEMMs, lower efficiency
     assert four.fwd_elementwise_s > one.fwd_elementwise_s / 4  # norms, dropouts replicated without SP
-    assert four_sp.fwd_elementwise_s == pytest.approx(one.fwd_elementwise_s / 4)
+    # with SP every width term splits; the rotary tables' per-token head-width reads do not (a 0.1 % share)
+    assert four_sp.fwd_elementwise_s == pytest.approx(one.fwd_elementwise_s / 4, rel=1e-2)
 
 
 def test_context_parallelism_splits_the_sequence_and_adds_a_ring() -> None:

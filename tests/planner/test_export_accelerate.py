@@ -455,3 +455,13 @@ def test_rendered_yaml_is_plain_yaml() -> None:
     _plan, text = _golden_case("single_gpu_bf16")
     data = yaml.safe_load(text)
     assert data["distributed_type"] == "NO" and data["downcast_bf16"] == "no"
+
+
+def test_compile_plans_carry_accelerates_regional_compilation(tmp_path: Path) -> None:
+    plan = make_plan(engine="torch", fsdp="full", dp=8, mbs=2, compile=True)
+    text = render_accelerate_yaml(plan)
+    validate_accelerate_yaml(text, plan)  # accelerate's loader and its launch parser take the keys
+    assert load(text, tmp_path).dynamo_config == {"dynamo_backend": "INDUCTOR",
+                                                  "dynamo_use_regional_compilation": True}
+    eager = render_accelerate_yaml(make_plan(engine="torch", fsdp="full", dp=8, mbs=2))
+    assert "dynamo_config" not in eager

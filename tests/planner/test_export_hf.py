@@ -576,3 +576,12 @@ def test_checkpointing_field_follows_the_installed_transformers(monkeypatch: pyt
     monkeypatch.undo()
     assert "activation_checkpointing" in args_of(plan)
     hf._check_plan(args, plan, TrainingArguments)
+
+
+def test_compile_plans_set_torch_compile() -> None:
+    compiled = check(make_plan(engine="torch", fsdp="full", dp=8, mbs=2, compile=True))
+    assert compiled["torch_compile"] is True  # TrainingArguments (validated above) takes it as it is
+    assert "torch_compile" not in check(make_plan(engine="torch", fsdp="full", dp=8, mbs=2))
+    assert any("torch_compile" in n for n in hf_notes(make_plan(engine="torch", dp=8, compile=True)))
+    ds = check(make_plan(engine="deepspeed", zero=2, dp=8, mbs=2, compile=True))
+    assert ds["torch_compile"] is True

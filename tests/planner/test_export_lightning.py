@@ -458,3 +458,8 @@ def test_equivalent_spellings_are_accepted() -> None:
     zero = json.loads(render_lightning_json(ZERO3))
     zero["strategy"] = "deepspeed"
     validate_lightning_json(text_of(zero), ZERO3)
+
+
+def test_compile_plans_say_how_to_compile_under_lightning() -> None:
+    assert any("block.compile()" in n for n in lightning_notes(make_plan(engine="torch", dp=8, compile=True)))
+    assert not any("torch.compile" in n for n in lightning_notes(make_plan(engine="torch", dp=8)))

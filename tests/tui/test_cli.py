@@ -368,3 +368,30 @@ def test_estimate_takes_when_fsdp_reduces_its_gradients() -> None:
         result = runner.invoke(app, ["estimate", "--arch", arch, *H100, *bad])
         assert result.exit_code != 0 and words in result.output and "Traceback" not in result.output
         assert len(result.output.strip().splitlines()) <= 2
+
+
+LLAMA_ARCH = "layers=32,hidden=4096,heads=32,kv_heads=8,ffn=14336,vocab=128256,gated=1"
+
+
+def test_compile_prices_fused_kernels_and_megatron_refuses_it() -> None:
+    base = ["estimate", "--arch", LLAMA_ARCH, "--seq-len", "8192", "--gpu", "H100", "--gpus", "8", "--engine",
+            "torch", "--fsdp", "full", "--mbs", "2", "--json"]
+    eager = _json(base)
+    compiled = _json([*base, "--compile"])
+    assert compiled["strategy"]["compile"] is True and eager["strategy"]["compile"] is False
+    assert compiled["time"]["memory_bound_s"] < eager["time"]["memory_bound_s"] / 2
+    assert any("torch.compile" in why for why in compiled["time"]["outside_measured"])
+    bad = runner.invoke(app, ["estimate", "--arch", LLAMA_ARCH, "--gpu", "H100", "--gpus", "8", "--tp", "8",
+                              "--engine", "megatron", "--compile"])
+    assert bad.exit_code == 2 and "drop --compile" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_recommend_compile_plans_compile_and_eager_plans_say_what_it_would_save() -> None:
+    base = ["recommend", "--arch", LLAMA_ARCH, "--seq-len", "4096", "--gpu", "H100", "--gpus", "8", "--engine",
+            "torch", "--no-offload", "--json"]
+    eager = _json(base)
+    assert eager["plan"]["compile"] is False
+    assert any("--compile" in line for line in eager["rationale"])
+    compiled = _json([*base, "--compile"])
+    assert compiled["plan"]["compile"] is True
+    assert compiled["estimate"]["time"]["step_s"] < eager["estimate"]["time"]["step_s"]

@@ -21,7 +21,7 @@ def _text(renderable: object, width: int = 80) -> str:
 
 @pytest.fixture(scope="module")
 def rec() -> Recommendation:
-    return recommend(make_profile(), Cluster(gpu=find_gpu("H100-SXM"), gpus=8, gpus_per_node=8), global_batch=64)
+    return recommend(make_profile(), Cluster(gpu=find_gpu("H100-SXM"), gpus=8, gpus_per_node=8), global_batch=256)
 
 
 def _rows(rec: Recommendation) -> list[Estimate]:
