@@ -122,6 +122,7 @@ class Case:
     quick: bool = False
     where: tuple[str, ...] = ("cpu", "cuda")
     procs: int | None = None  # None: 1 for single, else 2
+    compile: bool = False  # the plan's torch.compile of each block (GPU cases: the eager twin beside it)
 
     @property
     def nproc(self) -> int:
@@ -150,6 +151,7 @@ SUITE: tuple[Case, ...] = (
     Case("gpt2", "amp-bf16", 4, "selective"),
     Case("gpt2", "bf16", 2, where=("cuda",), quick=True),
     Case("gpt2", "bf16-pure", 2, where=("cuda",)),
+    Case("gpt2", "bf16", 2, where=("cuda",), compile=True),
     Case("gpt2", "fp32", 2, mode="ddp", where=("cuda",)),
     Case("llama", "fp32", 1, quick=True),
     Case("llama", "fp32", 2),
@@ -160,6 +162,8 @@ SUITE: tuple[Case, ...] = (
     Case("llama", "bf16-pure", 2),
     Case("llama", "amp-bf16", 2, "selective", quick=True),
     Case("llama", "bf16", 2, "selective", where=("cuda",)),
+    Case("llama", "bf16", 2, where=("cuda",), compile=True),  # eager vs compiled: the elementwise pricing
+    Case("llama", "bf16", 2, "selective", where=("cuda",), compile=True),
     Case("llama", "fp32", 2, mode="ddp"),
     Case("llama", "fp32", 2, mode="fsdp-full"),
     Case("llama", "fp32", 2, "full", mode="fsdp-grad_op"),
@@ -269,7 +273,7 @@ def models(device: str, tmp: Path) -> dict[str, Model]:
 def strategy_of(case: Case, model: Model) -> Strategy:
     kwargs: dict[str, Any] = {"precision": case.precision, "optimizer": model.optimizer,
                               "mbs": case.mbs * model.mbs_scale, "checkpointing": case.checkpointing,
-                              "dp": case.nproc, "engine": "torch"}
+                              "dp": case.nproc, "engine": "torch", "compile": case.compile}
     if case.mode == "fsdp-full":
         kwargs["fsdp"] = "full"
     elif case.mode == "fsdp-grad_op":
@@ -283,7 +287,7 @@ def label_of(case: Case, strategy: Strategy) -> str:
     mode = {"single": "torch", "ddp": "DDP", "fsdp-full": "FSDP-full", "fsdp-grad_op": "FSDP-grad_op",
             "zero0": "ZeRO-0", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3"}[case.mode]
     ckpt = {"full": " ckpt", "selective": " sel"}.get(case.checkpointing, "")
-    return f"{case.precision} {mode} mbs{strategy.mbs}{ckpt}"
+    return f"{case.precision} {mode} mbs{strategy.mbs}{ckpt}{' compile' if case.compile else ''}"
 
 
 # ---------------------------------------------------------------------------------------------------

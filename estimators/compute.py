@@ -198,6 +198,10 @@ class TransformerDims(BaseModel):
     v_head_dim: float = Field(default=0.0, description="per-head value width of the core; 0: h / heads")
     gated: bool = Field(default=False, description="gated (SwiGLU) MLP: the eager traffic of eager_traffic.py's "
                                                    "gated block, else its plain one")
+    eager_bytes_per_token: dict[str, tuple[float, float]] | None = Field(
+        default=None, description="the profile's own measured eager bytes of one layer per token (forward, backward) "
+                                  "by precision class (ModelProfile.eager_layer_bytes_per_token); None: the "
+                                  "reference block's (eager_traffic.py)")
 
 
 def transformer_dims(profile: ModelProfile) -> TransformerDims | None:
@@ -231,7 +235,7 @@ def transformer_dims(profile: ModelProfile) -> TransformerDims | None:
     return TransformerDims.model_construct(hidden=h, layers=shape.layers, heads=a, kv_heads=kv, seq=int(seq),
                            vocab=shape.vocab or 0, mlp_params=mlp, per_layer_params=per_layer,
                            attn_params=0.0 if standard else attn, qk_head_dim=qk, v_head_dim=v,
-                           gated=bool(shape.gated))
+                           gated=bool(shape.gated), eager_bytes_per_token=profile.eager_layer_bytes_per_token)
 
 
 class LayerTime(BaseModel):
@@ -319,8 +323,14 @@ def layer_time(dims: TransformerDims, strategy: Strategy, gpu: GPUSpec, eff: Gpu
         kind = "gated" if dims.gated else "plain"
         width = dims.mlp_params / ((3.0 if dims.gated else 2.0) * h)
         klass = precision_class(get_recipe(strategy.precision).weight_bytes, elem)
-        per_fwd, per_bwd = layer_bytes_per_token(kind=kind, precision=klass, hidden=h, ffn=width, kv=kvd,
-                                                 head_dim=qk_d, grouped_query=dims.kv_heads < a, tp=t, sp=strategy.sp)
+        shape_kw = {"kind": kind, "precision": klass, "hidden": h, "ffn": width, "kv": kvd, "head_dim": qk_d,
+                    "grouped_query": dims.kv_heads < a}
+        per_fwd, per_bwd = layer_bytes_per_token(**shape_kw, tp=t, sp=strategy.sp)  # type: ignore[arg-type]
+        own = (dims.eager_bytes_per_token or {}).get(klass)
+        if own is not None:  # the model's own operators, measured; the reference's split across tensor ranks
+            one_fwd, one_bwd = layer_bytes_per_token(**shape_kw)  # type: ignore[arg-type]
+            per_fwd = own[0] * (per_fwd / one_fwd if one_fwd else 1.0)
+            per_bwd = own[1] * (per_bwd / one_bwd if one_bwd else 1.0)
         ew_fwd_bytes, ew_bwd_bytes = tokens * per_fwd, tokens * per_bwd
         mlp_ew_bytes = tokens * layer_bytes_per_token(kind=kind, precision=klass, hidden=0.0, ffn=width, kv=0.0,
                                                       head_dim=0.0, grouped_query=False, tp=t, sp=strategy.sp)[0]

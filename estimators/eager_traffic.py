@@ -12,7 +12,11 @@ reference blocks of examples/ and fits, per token,
 for the forward and the backward, per MLP kind (``gated``: examples/llama.py's Llama layer, RMSNorm in fp32,
 rotate-half RoPE, SwiGLU; ``plain``: examples/gpt2.py's nanoGPT block, LayerNorm, GELU, biases) and precision
 class (``fp32``; ``amp``: bf16 autocast over fp32 weights, its casts included; ``bf16``: 16-bit weights, no
-autocast). The counts are linear in the widths (largest fit residual 0.5 %).
+autocast; also the fp8 recipe, whose per-GEMM casts to fp8 are not counted). The counts are linear in the widths
+(largest fit residual 0.5 %). A model file's (or ``--hf`` config's) profile counts its own block's operators the
+same way (``ModelProfile.eager_layer_bytes_per_token``, probes/static.py): those replace the reference, split across
+tensor-parallel ranks as the reference splits (a transformers Llama layer under autocast moves ~9 % more than
+examples/llama.py's); ``--arch`` shapes take the reference of their kind (``gated``).
 
 Tensor parallelism (Shoeybi et al. 2019 §3): a rank runs its heads' and its MLP slice's kernels (kv, F and the
 repeated k/v split by t) and, with sequence parallelism (Korthikanti et al. 2022 §4.2.2), the norms and residual

@@ -269,6 +269,12 @@ class ModelProfile(_Frozen):
                     "by FlopCounterMode as the backward's FLOPs with that policy less those without (an --arch "
                     "shape: estimators/selective.py's formula); None when unknown (no repeated block, MoE or "
                     "latent-attention shapes, older profiles)")
+    eager_layer_bytes_per_token: dict[str, tuple[float, float]] | None = Field(
+        default=None,
+        description="bytes the memory-bound kernels of one repeated block read and write per token, (forward, "
+                    "backward), by eager precision class (fp32, amp, bf16: estimators/eager_traffic.py), counted on "
+                    "the profile's own steps (probes/traffic.py); None for shapes (--arch: the reference "
+                    "blocks' coefficients), models without repeated blocks or tokens, and older profiles")
     activations: tuple[ActivationFit, ...]
     transformer: TransformerShape | None = None
     profiled_blocks: int | None = Field(

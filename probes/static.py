@@ -122,6 +122,7 @@ from optplan.probes.moe_layers import find_moe_layers
 from optplan.probes.moe_profile import balanced_note, moe_shape, with_balanced_moe
 from optplan.probes.quant_inputs import bnb_keeps_4bit_inputs_here, quant_input_elements
 from optplan.probes.tensor_plan import read_tensor_plan
+from optplan.probes.traffic import TrafficCounter, block_attribution
 from optplan.probes.trainloop import CudaAutocastLoss, checkpointed_call, selective_context
 
 try:  # torch >= 2.3
@@ -484,13 +485,19 @@ class StepRunner:
         return tracker
 
     def activation_timeline(self, b: int, precision: ActivationPrecision = "fp32",
-                            checkpointing: CheckpointMode = "none") -> Timeline:
+                            checkpointing: CheckpointMode = "none", traffic: TrafficCounter | None = None) -> Timeline:
         """Live tensor bytes above the resident parameters, gradients and buffers after every allocation
-        of one forward + loss + backward at micro-batch ``b``, split into :data:`PHASES` (bytes)."""
+        of one forward + loss + backward at micro-batch ``b``, split into :data:`PHASES` (bytes). With
+        ``traffic``, the same step's memory-bound kernels are counted too (probes/traffic.py)."""
         tracker = self._tracker()
         tracker.phase = "stem" if self.blocks else "forward"
+        counting = contextlib.nullcontext() if traffic is None else contextlib.ExitStack()
         with _phase_hooks(self.blocks, tracker), _grad_hooks(self.model, tracker), \
-                checkpointed(self.blocks, checkpointing), tracker:
+                checkpointed(self.blocks, checkpointing), tracker, counting:
+            if traffic is not None:
+                assert isinstance(counting, contextlib.ExitStack)
+                counting.enter_context(block_attribution(self.blocks, traffic))
+                counting.enter_context(traffic)
             batch = self.make_batch(b)
             with _autocast(precision):
                 out = self.forward(batch, b)
@@ -501,6 +508,8 @@ class StepRunner:
             # the points of the loss's backward grow with depth unlike those of its forward (autocast's cached
             # weight copies are gone): a phase of its own, which ends at the model output's gradient
             _advance(tracker, "loss_backward" if waits else "backward")
+            if traffic is not None:
+                traffic.backward = True
             self.backward(loss)
             del loss
         self.model.zero_grad(set_to_none=False)
@@ -581,6 +590,8 @@ class Measurement:
     first_block_input_grad: bool | None = None
     weights_16bit_note: str | None = None
     selective_recompute_flops: int | None = None
+    eager_block_bytes: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """Memory-bound bytes of one repeated block per sample by eager precision class: (forward, backward)."""
 
 
 def checkpoint_modes(has_blocks: bool) -> tuple[CheckpointMode, ...]:
@@ -604,18 +615,41 @@ def measure(runner: StepRunner, batch_sizes: tuple[int, int], *, flops: bool = T
     if flops and "selective" in checkpoint_modes(bool(runner.blocks)):  # what the selective policy re-runs
         recompute = max(0, runner.flops(batch_sizes[0], "selective")[1] - bwd)
     envelopes = {}
+    eager: dict[str, tuple[float, float]] = {}
     for precision, ckpt in modes_for(bool(runner.blocks)):
-        t0, t1 = (runner.activation_timeline(b, precision, ckpt) for b in batch_sizes)
+        t0, t1 = _timelines(runner, batch_sizes, precision, ckpt, eager)
         envelopes[(precision, ckpt)] = StepEnvelope.from_timelines(t0, t1, batch_sizes)
-    sixteen, note = measure_16bit_weights(runner, batch_sizes)
+    sixteen, note = measure_16bit_weights(runner, batch_sizes, eager)
     envelopes.update(sixteen)
     if any(LORA_MARK in name for name, _ in runner.model.named_parameters()):
         envelopes.update(measure_frozen_16bit(runner, batch_sizes))
     assert runner.batch_info is not None
-    return Measurement(fwd, bwd, envelopes, runner.batch_info, runner.loss_note, input_grad, note, recompute)
+    return Measurement(fwd, bwd, envelopes, runner.batch_info, runner.loss_note, input_grad, note, recompute,
+                       eager_block_bytes=eager)
 
 
-def measure_16bit_weights(runner: StepRunner, batch_sizes: tuple[int, int]
+EAGER_CLASS: dict[str, str] = {"fp32": "fp32", "bf16": "amp", WEIGHTS_16BIT: "bf16"}
+"""The eager-traffic precision class (estimators/eager_traffic.py) of each profiled activation precision."""
+
+
+def _timelines(runner: StepRunner, batch_sizes: tuple[int, int], precision: ActivationPrecision,
+               ckpt: CheckpointMode, eager: dict[str, tuple[float, float]]) -> tuple[Timeline, Timeline]:
+    """The two timelines of one mode; without checkpointing, the memory-bound bytes of one repeated block per
+    sample (forward, backward: the slope between the two batch sizes, probes/traffic.py) go into ``eager``."""
+    if ckpt != "none" or not runner.blocks or precision not in EAGER_CLASS:
+        return runner.activation_timeline(batch_sizes[0], precision, ckpt), \
+            runner.activation_timeline(batch_sizes[1], precision, ckpt)
+    counters = (TrafficCounter(), TrafficCounter())
+    t0, t1 = (runner.activation_timeline(b, precision, ckpt, traffic=c) for b, c in zip(batch_sizes, counters,
+                                                                                       strict=True))
+    (f0, b0), (f1, b1) = (c.traffic.per_block() for c in counters)
+    n = batch_sizes[1] - batch_sizes[0]
+    eager[EAGER_CLASS[precision]] = (max(0.0, (f1 - f0) / n), max(0.0, (b1 - b0) / n))
+    return t0, t1
+
+
+def measure_16bit_weights(runner: StepRunner, batch_sizes: tuple[int, int],
+                          eager: dict[str, tuple[float, float]] | None = None
                           ) -> tuple[dict[tuple[ActivationPrecision, CheckpointMode], StepEnvelope], str | None]:
     """The ``bf16-weights`` envelopes: the model's floating parameters and buffers cast to bf16 (tied weights
     kept tied), floating inputs cast, no autocast, one warm-up step (bf16 gradients), then the same
@@ -633,7 +667,7 @@ def measure_16bit_weights(runner: StepRunner, batch_sizes: tuple[int, int]
         runner.input_dtype = torch.bfloat16
         runner.warm_up(batch_sizes[0])
         for ckpt in checkpoint_modes(bool(runner.blocks)):
-            t0, t1 = (runner.activation_timeline(b, WEIGHTS_16BIT, ckpt) for b in batch_sizes)
+            t0, t1 = _timelines(runner, batch_sizes, WEIGHTS_16BIT, ckpt, eager if eager is not None else {})
             envelopes[(WEIGHTS_16BIT, ckpt)] = StepEnvelope.from_timelines(t0, t1, batch_sizes)
     except ModelFileError as exc:
         envelopes = {}
@@ -789,7 +823,8 @@ def _measure_reduced(contract: ModelContract, meta: nn.Module, block: BlockInfo,
         weights_16bit_note=lo.weights_16bit_note or hi.weights_16bit_note,
         selective_recompute_flops=(None if lo.selective_recompute_flops is None or hi.selective_recompute_flops is None
                                    else round(extrapolate(lo.selective_recompute_flops, hi.selective_recompute_flops,
-                                                          layers, base))))
+                                                          layers, base))),
+        eager_block_bytes=hi.eager_block_bytes)  # a mean over the blocks that ran: depth does not change it
     notes.append(f"profiled {base + 1} of {layers} blocks and scaled by layers")
     return measurement, sizes, base + 1
 
@@ -930,6 +965,10 @@ def _profile_contract(contract: ModelContract, *, seq_len: int | None, started: 
         bwd_flops_per_sample=measurement.bwd_flops / b0,
         selective_recompute_flops_per_sample=(None if measurement.selective_recompute_flops is None
                                               else measurement.selective_recompute_flops / b0),
+        eager_layer_bytes_per_token=(
+            {k: (f / info.tokens_per_sample, b / info.tokens_per_sample)
+             for k, (f, b) in measurement.eager_block_bytes.items()}
+            if info.input_kind == "tokens" and info.tokens_per_sample and measurement.eager_block_bytes else None),
         activations=fit_activations(measurement.envelopes),
         param_numels=trainable_numels(meta),
         transformer=shape,

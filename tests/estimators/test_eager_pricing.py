@@ -69,3 +69,24 @@ def test_compile_is_a_torch_and_deepspeed_choice_and_says_it_is_unmeasured() -> 
     assert compiled.time.step_s < eager.time.step_s
     assert any("torch.compile" in why for why in compiled.time.outside_measured)
     assert not any("torch.compile" in why for why in eager.time.outside_measured)
+
+
+def test_a_profiles_own_count_replaces_the_reference_and_splits_like_it() -> None:
+    gpu = find_gpu("H100")
+    eff = efficiency_for(gpu)
+    prof = profile_from_arch(parse_arch(LLAMA_8B))
+    dims = transformer_dims(prof)
+    assert dims is not None and dims.eager_bytes_per_token is None  # a shape: the reference block
+    ref = layer_bytes_per_token(kind="gated", precision="bf16", hidden=4096.0, ffn=14336.0, kv=1024.0,
+                                head_dim=128.0, grouped_query=True)
+    own = prof.model_copy(update={"eager_layer_bytes_per_token": {"bf16": (2 * ref[0], 2 * ref[1])}})
+    mine = transformer_dims(own)
+    assert mine is not None and mine.eager_bytes_per_token is not None
+    for tp, sp in ((1, False), (4, True), (4, False)):
+        s = Strategy(engine="torch", precision="bf16", mbs=1, tp=tp, dp=1, sp=sp)
+        base, doubled = layer_time(dims, s, gpu, eff), layer_time(mine, s, gpu, eff)
+        assert doubled.fwd_elementwise_s == pytest.approx(2 * base.fwd_elementwise_s, rel=1e-3)
+        assert doubled.bwd_elementwise_s == pytest.approx(2 * base.bwd_elementwise_s, rel=1e-3)
+    # a class the profile did not measure falls back to the reference
+    amp = Strategy(engine="torch", precision="amp-bf16", mbs=1)
+    assert layer_time(mine, amp, gpu, eff).fwd_elementwise_s == layer_time(dims, amp, gpu, eff).fwd_elementwise_s

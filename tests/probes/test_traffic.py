@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -71,3 +74,19 @@ def test_block_attribution_splits_forward_and_backward_per_block() -> None:
     # backward of a block: gelu_backward (read grad and input, write grad) + the residual's gradient sum
     assert bwd >= 3 * e
     assert tr.backward_bytes > tr.block_backward_bytes
+
+
+def test_the_profile_counts_its_own_blocks_eager_bytes() -> None:
+    """The static profile counts one block's memory-bound bytes per token on its own steps, per precision class;
+    on examples/gpt2.py (the plain reference block) they are the packaged reference coefficients."""
+    from optplan.estimators.eager_traffic import layer_bytes_per_token
+    from optplan.probes.loader import profile_model_file
+
+    prof = profile_model_file(Path(__file__).resolve().parents[2] / "examples" / "gpt2.py", seq_len=128)
+    shape = prof.transformer
+    assert shape is not None and prof.eager_layer_bytes_per_token is not None
+    assert set(prof.eager_layer_bytes_per_token) == {"fp32", "amp", "bf16"}
+    for klass, (fwd, bwd) in prof.eager_layer_bytes_per_token.items():
+        ref = layer_bytes_per_token(kind="plain", precision=klass, hidden=shape.hidden, ffn=4 * shape.hidden,  # type: ignore[arg-type]
+                                    kv=shape.hidden, head_dim=shape.hidden // shape.heads, grouped_query=False)
+        assert fwd == pytest.approx(ref[0], rel=0.01) and bwd == pytest.approx(ref[1], rel=0.01)
