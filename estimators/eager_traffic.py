@@ -3,7 +3,7 @@
 The torch and DeepSpeed engines run the user's model as written: every norm, activation, rotary embedding,
 residual add, autocast cast and copy is its own memory-bound kernel that reads its inputs from HBM and writes its
 outputs. Megatron's fused kernels move far fewer bytes (estimators/compute.py counts those, Korthikanti et al. 2022
-§4). The eager bytes are *measured*, not assumed: ``benchmarks/fit_eager_traffic.py`` counts the bytes of every
+§4). The eager bytes are *measured*, not assumed: ``benchmarks/eager_traffic.py`` counts the bytes of every
 memory-bound ATen operator of one layer (probes/traffic.py, a ``TorchDispatchMode`` on fake tensors) on the two
 reference blocks of examples/ and fits, per token,
 

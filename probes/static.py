@@ -491,11 +491,9 @@ class StepRunner:
         ``traffic``, the same step's memory-bound kernels are counted too (probes/traffic.py)."""
         tracker = self._tracker()
         tracker.phase = "stem" if self.blocks else "forward"
-        counting = contextlib.nullcontext() if traffic is None else contextlib.ExitStack()
         with _phase_hooks(self.blocks, tracker), _grad_hooks(self.model, tracker), \
-                checkpointed(self.blocks, checkpointing), tracker, counting:
+                checkpointed(self.blocks, checkpointing), tracker, contextlib.ExitStack() as counting:
             if traffic is not None:
-                assert isinstance(counting, contextlib.ExitStack)
                 counting.enter_context(block_attribution(self.blocks, traffic))
                 counting.enter_context(traffic)
             batch = self.make_batch(b)

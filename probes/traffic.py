@@ -15,8 +15,8 @@ Patterson 2009, CACM 52(4)). This module counts those bytes on the operators a s
   between the moment its output's gradient exists and the moment its input's gradient does (tensor hooks:
   the block's own backward, its residual adds included).
 
-Units: bytes. Used by ``benchmarks/fit_eager_traffic.py`` (the per-token coefficients of
-``estimators/data/eager_traffic.yaml``) and by the tests that check them on the model files.
+Units: bytes. Used by ``benchmarks/eager_traffic.py`` (the per-token coefficients of
+``estimators/data/eager_traffic.yaml``) and by probes/static.py (each profile counts its own block).
 """
 
 from __future__ import annotations
