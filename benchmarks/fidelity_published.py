@@ -142,7 +142,7 @@ def write_domain(rows: list[Row]) -> None:
         if kind != "transformer":
             entry["kind"] = kind
         sets.append(entry)
-    widen = {"H200": 0.05, "B200": 0.15}
+    widen = {"H200": 0.05, "B200": 0.15, "GB200": 0.15}
     derived = [{"gpu": g, "from_gpu": d.from_gpu, "widen": widen.get(g, 0.10), "reason": d.reason}
                for g, d in efficiency_table().derived.items()]
     header = ("# Measured domain of the step-time model: written by `python benchmarks/fidelity_published.py "

@@ -140,6 +140,7 @@ class Paper:
     measured_s: Callable[[], float]
     source: str
     nic_bytes_per_s: float = 25e9
+    gpus_per_node: int = 8  # the NVLink domain: 72 for a GB200 NVL72 rack
 
 
 def _narayanan(params: str, heads: int, hidden: int, layers: int, tp: int, pp: int, gpus: int, batch: int,
@@ -157,10 +158,10 @@ def _narayanan(params: str, heads: int, hidden: int, layers: int, tp: int, pp: i
 
 
 def _tokens_per_gpu(set_: str, label: str, arch: str, seq: int, gpu: str, gpus: int, strategy: Strategy,
-                    tokens_per_gpu_s: float, source: str, nic_bytes_per_s: float) -> Paper:
+                    tokens_per_gpu_s: float, source: str, nic_bytes_per_s: float, gpus_per_node: int = 8) -> Paper:
     return Paper(set=set_, label=label, arch=arch, seq=seq, gpu=gpu, gpus=gpus, strategy=strategy,
                  measured_s=lambda: strategy.global_batch * seq / (tokens_per_gpu_s * gpus), source=source,
-                 nic_bytes_per_s=nic_bytes_per_s)
+                 nic_bytes_per_s=nic_bytes_per_s, gpus_per_node=gpus_per_node)
 
 
 LLAMA3_8B = "layers=32,hidden=4096,heads=32,kv_heads=8,ffn=14336,vocab=128256,gated=1,tied=0"
@@ -233,10 +234,14 @@ MEGATRON_BRIDGE = ("NVIDIA-NeMo/Megatron-Bridge docs/performance-summary-archive
 """NVIDIA's DGX systems: 8 GPUs per node with NVLink, 8 x 400 Gb/s InfiniBand (50 GB/s per GPU)."""
 
 
+GPUS_PER_NVLINK_DOMAIN = {"GB200": 72}
+"""DGX GB200 racks join 72 GPUs in one NVLink domain; DGX H100/B200 nodes 8."""
+
+
 def _bridge(label: str, arch: str, gpu: str, gpus: int, strategy: Strategy, tokens_per_gpu_s: float,
             where: str) -> Paper:
     return _tokens_per_gpu("megatron-bridge", label, arch, 8192, gpu, gpus, strategy, tokens_per_gpu_s,
-                           MEGATRON_BRIDGE + where, 50e9)
+                           MEGATRON_BRIDGE + where, 50e9, GPUS_PER_NVLINK_DOMAIN.get(gpu, 8))
 
 
 MEGATRON_BRIDGE_ROWS: tuple[Paper, ...] = (
@@ -259,12 +264,44 @@ MEGATRON_BRIDGE_ROWS: tuple[Paper, ...] = (
             Strategy(precision="fp8", engine="megatron", zero=1, dp=2, tp=4, pp=8, cp=2, vpp=8, mbs=1,
                      grad_accum=32, comm_overlap=True),
             661.0, "25.11, System DGX-B200, LLAMA3.1_405B FP8-CS (GBS 64)"),
+    # MXFP8 (32x32-block scaling, the parenthesised figures of 25.11) priced as optplan's per-tensor fp8 recipe
+    _bridge("Llama 3 8B mxfp8 8 B200 mbs2 ga8", LLAMA3_8B, "B200", 8,
+            Strategy(precision="fp8", engine="megatron", zero=1, dp=8, mbs=2, grad_accum=8, comm_overlap=True),
+            29521.0, "25.11, System DGX-B200, LLAMA3_8B FP8-MX (GBS 128)"),
+    _bridge("Llama 3.1 405B mxfp8 128 B200 tp4 pp8 cp2 vpp8", LLAMA31_405B, "B200", 128,
+            Strategy(precision="fp8", engine="megatron", zero=1, dp=2, tp=4, pp=8, cp=2, vpp=8, mbs=1,
+                     grad_accum=32, comm_overlap=True),
+            624.0, "25.11, System DGX-B200, LLAMA3.1_405B FP8-MX (GBS 64)"),
+    _bridge("Llama 3 8B fp8-cs 8 GB200 mbs2 ga8", LLAMA3_8B, "GB200", 8,
+            Strategy(precision="fp8", engine="megatron", zero=1, dp=8, mbs=2, grad_accum=8, comm_overlap=True),
+            31508.0, "25.11, System DGX-GB200, LLAMA3_8B FP8-CS (GBS 128)"),
+    _bridge("Llama 3 8B mxfp8 8 GB200 mbs2 ga8", LLAMA3_8B, "GB200", 8,
+            Strategy(precision="fp8", engine="megatron", zero=1, dp=8, mbs=2, grad_accum=8, comm_overlap=True),
+            29789.0, "25.11, System DGX-GB200, LLAMA3_8B FP8-MX (GBS 128)"),
+    # Megatron-FSDP 64 (FSDP column 64): priced as the distributed optimizer (zero 1), as the H100 8B row
+    _bridge("Llama 3 70B fp8 64 GB200 Megatron-FSDP mbs2 ga2", LLAMA3_70B, "GB200", 64,
+            Strategy(precision="fp8", engine="megatron", zero=1, dp=64, mbs=2, grad_accum=2, comm_overlap=True),
+            4224.0, "26.04.01, Model LLAMA3_70B, DGX-GB200 FP8 (GBS 256, FSDP 64)"),
+    _bridge("Llama 3 70B mxfp8 64 GB200 tp2 pp4 vpp5", LLAMA3_70B, "GB200", 64,
+            Strategy(precision="fp8", engine="megatron", zero=1, dp=8, tp=2, pp=4, vpp=5, mbs=1, grad_accum=32,
+                     comm_overlap=True),
+            3712.0, "26.04.01, Model LLAMA3_70B, DGX-GB200 MXFP8 (GBS 256)"),
+    _bridge("Llama 3.1 405B fp8 256 GB200 tp4 pp16 vpp4", LLAMA31_405B, "GB200", 256,
+            Strategy(precision="fp8", engine="megatron", zero=1, dp=4, tp=4, pp=16, vpp=4, mbs=1, grad_accum=384,
+                     comm_overlap=True),
+            843.0, "26.06, Model LLAMA3.1_405B, DGX-GB200 FP8 (GBS 1536)"),
+    _bridge("Llama 3.1 405B mxfp8 256 GB200 tp4 pp16 vpp8", LLAMA31_405B, "GB200", 256,
+            Strategy(precision="fp8", engine="megatron", zero=1, dp=4, tp=4, pp=16, vpp=8, mbs=1, grad_accum=384,
+                     comm_overlap=True),
+            783.0, "26.06, Model LLAMA3.1_405B, DGX-GB200 MXFP8 (GBS 1536)"),
 )
-"""NVIDIA's Megatron-Bridge (NeMo) dense pre-training runs on H100 and B200 (tokens/s per GPU; sequence 8,192; Transformer
-Engine fp8 with current scaling), as its performance recipes run them (``perf_recipes/llama/h100/llama3.py``,
+"""NVIDIA's Megatron-Bridge (NeMo) dense pre-training runs on H100, B200 and GB200 (tokens/s per GPU; sequence 8,192;
+Transformer Engine fp8 with current scaling, or MXFP8 block scaling priced as it), as its performance recipes run them (``perf_recipes/llama/h100/llama3.py``,
 ``llama31.py``): the tensor-parallel overlap with userbuffers, the distributed optimizer's overlapped gradient
 reduce-scatter and parameter all-gather (optplan's ``comm_overlap``), no recomputation where the recipe sets none.
-GB200/GB300/B300 rows are left out (no catalogue entry), and so are the SFT and LoRA tables."""
+One row per (model, system, precision, GPU count): the latest container listing it, chosen before any prediction. A
+GB200 row runs in one 72-GPU NVLink domain per rack (gpus_per_node 72). GB300/B300 rows are left out (no catalogue
+entry), and so are NVFP4 rows (optplan has no fp4 recipe) and the SFT and LoRA tables."""
 
 PAPER: tuple[Paper, ...] = NARAYANAN_ROWS + KORTHIKANTI_ROWS + TORCHTITAN_ROWS + MEGATRON_BRIDGE_ROWS
 """Published tables."""
@@ -275,7 +312,7 @@ def paper_rows() -> list[Row]:
     out = []
     for p in PAPER:
         prof = profile_from_arch(parse_arch(p.arch, seq_len=p.seq))
-        cluster = Cluster(gpu=find_gpu(p.gpu), gpus=p.gpus, gpus_per_node=8,
+        cluster = Cluster(gpu=find_gpu(p.gpu), gpus=p.gpus, gpus_per_node=p.gpus_per_node,
                           inter_node_bandwidth_bytes_per_s=p.nic_bytes_per_s)
         out.append(Row(set=p.set, label=p.label, profile=prof, cluster=cluster, strategy=p.strategy,
                        measured_s=p.measured_s(), extra={"source": p.source}))

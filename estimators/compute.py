@@ -306,7 +306,8 @@ def layer_time(dims: TransformerDims, strategy: Strategy, gpu: GPUSpec, eff: Gpu
     d = (qk_d + v_d) / 2  # the unfused core's GEMMs below
     if strategy.flash:
         # the engine's own kernel where it is not the fit's FlashAttention-2 class: attention_kernels.py
-        f_fwd, f_bwd = flash_fractions(strategy.engine, gpu.name, eff.flash_attention_fraction, eff.flash_backward)
+        f_fwd, f_bwd = flash_fractions(strategy.engine, gpu.name, eff.flash_attention_fraction, eff.flash_backward,
+                                       seq=s / c)
         core_fwd = CAUSAL_FLASH_FRACTION * core_flops / (other_peak * f_fwd)
         core_bwd = FLASH_BACKWARD_FACTOR * CAUSAL_FLASH_FRACTION * core_flops / (other_peak * f_bwd)
     else:

@@ -344,7 +344,8 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
 
     # one layer, one micro-batch
     core_fwd = lt.attention_core_fwd_s
-    f_fwd, f_bwd = flash_fractions(s_.engine, gpu.name, eff.flash_attention_fraction, eff.flash_backward)
+    f_fwd, f_bwd = flash_fractions(s_.engine, gpu.name, eff.flash_attention_fraction, eff.flash_backward,
+                                   seq=dims.seq / c)
     core_bwd = core_fwd * (FLASH_BACKWARD_FACTOR * f_fwd / f_bwd if s_.flash else 2.0)
     layer_compute = lt.fwd_gemm_s + lt.bwd_gemm_s
     layer_mem = lt.fwd_elementwise_s + lt.bwd_elementwise_s

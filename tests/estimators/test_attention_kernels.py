@@ -1,11 +1,21 @@
-"""The engine's attention kernel where it is not the fit's: Megatron-Core on Hopper runs cuDNN fused attention at its
-measured fractions of peak (FlashAttention-3's Fig. 5-6); other engines and GPUs keep the GPU's fitted fractions."""
+"""The engine's attention kernel where it is not the fit's, measured by sequence length: Megatron-Core on Hopper runs
+cuDNN fused attention, Megatron-Core and torch's SDPA on Blackwell run cuDNN too (cudnn-frontend's benchmarks); other
+engines and GPUs keep the GPU's fitted fractions."""
 
 from __future__ import annotations
 
-import pytest
+import re
 
-from optplan.estimators.attention_kernels import attention_kernel, attention_kernel_table, flash_fractions
+import pytest
+from pydantic import ValidationError
+
+from optplan.estimators.attention_kernels import (
+    AttentionKernel,
+    KernelPoint,
+    attention_kernel,
+    attention_kernel_table,
+    flash_fractions,
+)
 from optplan.estimators.compute import CAUSAL_FLASH_FRACTION, TransformerDims, efficiency_for, layer_time
 from optplan.estimators.hardware import find_gpu, gpu_catalogue
 from optplan.estimators.strategy import Strategy
@@ -14,36 +24,72 @@ DIMS = TransformerDims(hidden=4096, layers=32, heads=32, kv_heads=8, seq=8192, v
                        mlp_params=3 * 4096 * 14336, per_layer_params=218_103_808)
 
 
-def test_table_names_catalogue_gpus_and_cites_its_source() -> None:
+def test_table_names_catalogue_gpus_and_cites_a_pinned_source() -> None:
     names = set(gpu_catalogue())
     for kernel in attention_kernel_table().kernels:
-        assert set(kernel.gpus) <= names and "arXiv" in kernel.source
-    cudnn = attention_kernel("megatron", "H100-SXM")
-    assert cudnn is not None and (cudnn.forward_fraction, cudnn.backward_fraction) == (0.52, 0.50)
-    # FlashAttention-3's Fig. 5-6: cuDNN at 4k, 518 (causal forward) and 499 (backward) TFLOP/s of 989.5
-    assert cudnn.forward_fraction == pytest.approx(518 / 989.5, abs=0.01)
-    assert cudnn.backward_fraction == pytest.approx(499 / 989.5, abs=0.01)
+        assert set(kernel.gpus) <= names
+        assert re.search(r"commit [0-9a-f]{7}|arXiv \d{4}\.\d{4,5}", kernel.source), kernel.source
+        assert all(0 < p.forward_fraction <= 1 and 0 < p.backward_fraction <= 1 for p in kernel.points)
+
+
+@pytest.mark.parametrize("engine,gpu,seq,tflops_fwd,tflops_bwd", [
+    # cudnn-frontend's H200 cuDNN 9.19 llama3.1 run (causal): 644 / 541 TFLOP/s at 8k, 591 / 474 at 4k
+    ("megatron", "H100-SXM", 8192, 644, 541), ("megatron", "H200", 4096, 591, 474),
+    # its B200 cuDNN 9.13 run: 1,171 / 943 TFLOP/s at 8k, 1,419 / 1,109 at 32k
+    ("megatron", "B200", 8192, 1171, 943), ("torch", "B200", 32768, 1419, 1109),
+])
+def test_measured_points_are_the_sources_tflops_over_the_dense_peak(engine: str, gpu: str, seq: int,
+                                                                     tflops_fwd: float, tflops_bwd: float) -> None:
+    kernel = attention_kernel(engine, gpu)
+    assert kernel is not None
+    peak_tflops = find_gpu(gpu).peak_flops_for("bf16") / 1e12
+    fwd, bwd = kernel.fractions_at(seq)
+    assert fwd == pytest.approx(tflops_fwd / peak_tflops, abs=0.001)
+    assert bwd == pytest.approx(tflops_bwd / peak_tflops, abs=0.001)
+
+
+def test_fractions_interpolate_in_log_sequence_and_hold_outside_the_measured_range() -> None:
+    kernel = AttentionKernel(engine="megatron", gpus=("H100-SXM",), kernel="k", source="s", points=(
+        KernelPoint(seq=2048, forward_fraction=0.2, backward_fraction=0.1),
+        KernelPoint(seq=8192, forward_fraction=0.6, backward_fraction=0.5)))
+    assert kernel.fractions_at(4096) == pytest.approx((0.4, 0.3))  # halfway in log2 between 2k and 8k
+    assert kernel.fractions_at(2048) == pytest.approx((0.2, 0.1))
+    assert kernel.fractions_at(512) == pytest.approx((0.2, 0.1))
+    assert kernel.fractions_at(1 << 20) == pytest.approx((0.6, 0.5))
+    with pytest.raises(ValidationError, match="ascending"):
+        AttentionKernel(engine="megatron", gpus=("H100-SXM",), kernel="k", source="s", points=tuple(reversed(
+            kernel.points)))
+
+
+def test_longer_sequences_run_the_measured_kernels_faster_up_to_their_plateau() -> None:
+    for kernel in attention_kernel_table().kernels:
+        fwd = [kernel.fractions_at(s)[0] for s in (2048, 4096, 8192, 16384)]
+        assert fwd == sorted(fwd), kernel.kernel
 
 
 @pytest.mark.parametrize("engine,gpu,kernel", [
     ("megatron", "H100-SXM", True), ("megatron", "H200", True), ("torch", "H100-SXM", False),
-    ("deepspeed", "H100-SXM", False), ("megatron", "A100-80GB", False), ("megatron", "B200", False),
+    ("deepspeed", "H100-SXM", False), ("megatron", "A100-80GB", False), ("megatron", "B200", True),
+    ("torch", "B200", True), ("deepspeed", "B200", False),
 ])
 def test_who_runs_which_kernel(engine: str, gpu: str, kernel: bool) -> None:
     fitted = (0.25, 0.15)
-    assert (flash_fractions(engine, gpu, *fitted) != fitted) is kernel
+    assert (flash_fractions(engine, gpu, *fitted, seq=8192) != fitted) is kernel
     assert (attention_kernel(engine, gpu) is not None) is kernel
 
 
-def test_megatron_on_hopper_prices_the_core_at_the_kernel_fractions() -> None:
+def test_megatron_on_hopper_prices_the_core_at_the_kernels_fraction_for_its_sequence() -> None:
     gpu = find_gpu("H100-SXM")
     eff = efficiency_for(gpu)
-    mega = layer_time(DIMS, Strategy(engine="megatron", precision="bf16", mbs=1), gpu, eff)
-    fsdp = layer_time(DIMS, Strategy(engine="torch", precision="bf16", mbs=1), gpu, eff)
     peak = gpu.peak_flops_for("bf16")
-    # flash: the core's forward time is the kernel's alone, causal FLOPs halved
-    assert mega.attention_core_fwd_s == pytest.approx(CAUSAL_FLASH_FRACTION * mega.attention_core_fwd_flops
-                                                      / (peak * 0.52))
+    cudnn = attention_kernel("megatron", "H100-SXM")
+    assert cudnn is not None
+    for cp in (1, 2):  # context parallelism: each rank's attention sees s / cp query tokens
+        mega = layer_time(DIMS, Strategy(engine="megatron", precision="bf16", mbs=1, cp=cp), gpu, eff)
+        frac = cudnn.fractions_at(DIMS.seq / cp)[0]
+        assert mega.attention_core_fwd_s == pytest.approx(CAUSAL_FLASH_FRACTION * mega.attention_core_fwd_flops
+                                                          / (peak * frac))
+    fsdp = layer_time(DIMS, Strategy(engine="torch", precision="bf16", mbs=1), gpu, eff)
     assert fsdp.attention_core_fwd_s == pytest.approx(CAUSAL_FLASH_FRACTION * fsdp.attention_core_fwd_flops
                                                       / (peak * eff.flash_attention_fraction))
     a100 = find_gpu("A100-80GB")

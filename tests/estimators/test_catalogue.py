@@ -19,9 +19,9 @@ from optplan.estimators.hardware import (
     unknown_gpu_message,
 )
 
-EXPECTED = {"A100-40GB", "A100-80GB", "H100-SXM", "H100-PCIe", "H200", "B200", "L40S", "L4", "A10G",
+EXPECTED = {"A100-40GB", "A100-80GB", "H100-SXM", "H100-PCIe", "H200", "B200", "GB200", "L40S", "L4", "A10G",
             "RTX-3090", "RTX-4090", "RTX-5090", "RTX-A6000", "T4", "V100"}
-FP8_GPUS = {"H100-SXM", "H100-PCIe", "H200", "B200", "L40S", "L4", "RTX-4090", "RTX-5090"}
+FP8_GPUS = {"H100-SXM", "H100-PCIe", "H200", "B200", "GB200", "L40S", "L4", "RTX-4090", "RTX-5090"}
 GiB = 2**30
 
 
@@ -88,6 +88,7 @@ def test_a100_80gb_datasheet_figures() -> None:
 def test_large_hbm_parts_use_the_binary_convention() -> None:
     assert find_gpu("H200").memory_bytes == 141 * GiB
     assert find_gpu("B200").memory_bytes == 180 * GiB
+    assert find_gpu("GB200").memory_bytes == 186 * GiB
     assert find_gpu("A100-40GB").memory_bytes == 40 * GiB
 
 
@@ -95,7 +96,7 @@ def test_large_hbm_parts_use_the_binary_convention() -> None:
     ("H100", "H100-SXM"), ("h100-80gb", "H100-SXM"), ("H100 SXM5", "H100-SXM"), ("H100-80GB", "H100-SXM"),
     ("h100 pcie", "H100-PCIe"), ("A100", "A100-80GB"), ("a100-40gb", "A100-40GB"), ("A100_80GB", "A100-80GB"),
     ("V100-32GB", "V100"), ("v100", "V100"), ("4090", "RTX-4090"), ("RTX 4090", "RTX-4090"),
-    ("h200", "H200"), ("B200", "B200"), ("l40s", "L40S"), ("L4", "L4"), ("a10g", "A10G"),
+    ("h200", "H200"), ("B200", "B200"), ("gb200", "GB200"), ("GB200 NVL72", "GB200"), ("l40s", "L40S"), ("L4", "L4"), ("a10g", "A10G"),
     ("3090", "RTX-3090"), ("rtx 5090", "RTX-5090"), ("A6000", "RTX-A6000"), ("t4", "T4"),
 ])
 def test_user_aliases(typed: str, expected: str) -> None:
@@ -116,6 +117,7 @@ def test_user_aliases(typed: str, expected: str) -> None:
     ("NVIDIA L40S", "L40S"),
     ("NVIDIA H200", "H200"),
     ("NVIDIA B200", "B200"),
+    ("NVIDIA GB200", "GB200"),  # contains "B200": the longer alias wins
     ("NVIDIA GeForce RTX 3090", "RTX-3090"),
     ("NVIDIA GeForce RTX 5090", "RTX-5090"),
     ("NVIDIA RTX A6000", "RTX-A6000"),
