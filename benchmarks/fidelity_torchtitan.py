@@ -13,13 +13,18 @@ Prediction, through optplan's own pipeline, with no per-row constant:
   checkpointing for torchtitan's full AC and optplan's ``selective`` for its per-op selective AC (the same policy,
   estimators/selective.py; with float8 torchtitan recomputes every ``_scaled_mm``: flag ``f8sac``),
   ``fp8`` for torchao float8 (flag ``fp8``), bf16 otherwise; ``compile`` where the run used torch.compile (its
-  fused elementwise kernels; eager runs are priced by the measured per-operator bytes, estimators/eager_traffic.py);
+  fused elementwise kernels, Inductor's measured bytes; eager runs are priced by the measured per-operator bytes,
+  estimators/eager_traffic.py); attention is torch SDPA's FlashAttention-2 at its measured speed on Hopper
+  (estimators/attention_kernels.py);
 * the cluster: 8 GPUs per node with NVLink, 400 Gb/s RDMA per GPU as the sources state; the Grand Teton H100
-  (96 GB HBM2e at 2.4 TB/s, 500 W cap; the source: its peak is "between SXM and NVL") is priced as the
-  catalogue's H100 SXM (flag ``gpu``: the prediction should run fast on those rows);
+  (96 GB HBM2e at 2.4 TB/s, 500 W cap; the source: its peak is "between SXM and NVL") is priced as that part
+  (``grand_teton_h100``: HBM2e, the midpoint of the SXM and NVL peaks; flag ``gpu``), not as the catalogue's
+  700 W H100 SXM (until 2026-11-27 it was, which hid the H100 SXM's measured attention speed behind the fit);
 * ``estimators.estimate.estimate`` -> tokens/s per GPU and the peak memory.
 
-What optplan does not model is flagged on each row, never corrected for: ``atp`` (async TP hides tensor-parallel collectives optplan exposes),
+What optplan does not model is flagged on each row, never corrected for: ``cp`` (context parallelism's ring attention:
+one SDPA call per ring step and the k/v rotation, priced as one call at s/cp tokens; these rows run 1.2-1.6x slower
+than priced), ``atp`` (async TP hides tensor-parallel collectives optplan exposes),
 ``f8ag`` (FSDP all-gathers float8 weights: half the bytes optplan gathers), and ``rw`` (rowwise float8 scaling, slower
 than the tensorwise scaling optplan's fp8 stands for). 405B's 126 layers over pp 8 x 2 interleaved stages are
 priced at the busiest rank's 16 (torchtitan's uneven split, estimators/pipeline_layout.py).
@@ -47,7 +52,7 @@ from typing import Any
 
 from optplan.estimators.arch import parse_arch, profile_from_arch
 from optplan.estimators.estimate import Estimate, estimate
-from optplan.estimators.hardware import Cluster, find_gpu
+from optplan.estimators.hardware import Cluster, GPUSpec, find_gpu
 from optplan.estimators.profile import ModelProfile
 from optplan.estimators.strategy import CheckpointName, PrecisionName, Strategy
 
@@ -65,6 +70,22 @@ SHAPES = {
 ffn_dim_multiplier 1.3/1.3/1.2 with multiple_of 1024/4096/4096 -> 14,336 / 28,672 / 53,248), vocabulary 128,256,
 untied output."""
 GPUS = {"H100-96GB-500W": "H100-SXM", "H200": "H200"}
+H100_NVL_BF16_FLOPS = 835.5e12
+"""NVIDIA H100 datasheet, H100 NVL column: 1,671 TFLOP/s BF16 with sparsity, 835.5 dense."""
+
+
+def grand_teton_h100() -> GPUSpec:
+    """The Grand Teton H100 the torchtitan H100 tables ran on, as its source describes it: 96 GB of HBM2e at 2.4 TB/s,
+    a 500 W power limit, and a peak "between SXM and NVL" (the source does not know it): priced at the midpoint of
+    the two datasheet peaks (0.92 of the SXM's, every dtype), with the H100 SXM's fitted fractions and kernels (the
+    same GH100 die; its name is kept so they apply)."""
+    sxm = find_gpu("H100-SXM")
+    scale = (sxm.peak_flops_for("bf16") + H100_NVL_BF16_FLOPS) / 2 / sxm.peak_flops_for("bf16")
+    return sxm.model_copy(update={"peak_flops": {k: v * scale for k, v in sxm.peak_flops.items()},
+                                  "memory_bandwidth_bytes_per_s": 2.4e12, "memory_bytes": 96 * 2**30,
+                                  "tdp_watts": 500})
+
+
 NIC_BYTES_PER_S = 50e9
 """400 Gb/s RDMA per GPU (every source)."""
 CHECKPOINTING: dict[str, CheckpointName] = {"none": "none", "selective-op": "selective", "full": "full"}
@@ -73,8 +94,10 @@ REQUIRED = ("id", "source", "table", "model", "gpu", "gpus", "fsdp", "tp", "pp",
             "tokens_per_s_per_gpu", "memory_gib")
 
 FLAGS = {
-    "gpu": "Grand Teton H100 (96 GB HBM2e 2.4 TB/s, 500 W cap) priced as the catalogue's H100 SXM (80 GB HBM3 "
-           "3.35 TB/s, 700 W): a faster part",
+    "gpu": "Grand Teton H100 (96 GB HBM2e 2.4 TB/s, 500 W cap; peak 'between SXM and NVL'): priced as the source "
+           "describes it (grand_teton_h100: HBM2e, the midpoint of the two peaks), not a catalogue GPU",
+    "cp": "context parallelism: torchtitan's ring attention runs one SDPA call per ring step on s/cp-token chunks and "
+          "rotates k/v; optplan prices one attention call at s/cp tokens per rank",
     "f8sac": "torchtitan's per-op selective AC with float8: torch._scaled_mm is not in its save list, so every "
              "float8 matmul is recomputed; optplan's selective (the same policy) keeps every other one",
     "fp8": "torchao Float8Linear priced as optplan's fp8 recipe (Transformer Engine per-tensor fp8 GEMMs)",
@@ -156,6 +179,8 @@ def plan(row: dict[str, Any]) -> tuple[Strategy, tuple[str, ...]]:
     flags: list[str] = []
     if row["gpu"] != "H200":
         flags.append("gpu")
+    if row["cp"] > 1:
+        flags.append("cp")
     if row["ac"] == "selective-op" and row["float8"] != "none":
         flags.append("f8sac")
     precision: PrecisionName = "bf16"
@@ -179,7 +204,8 @@ def predict(row: dict[str, Any]) -> Result:
     """optplan's estimate for ``row`` under its closest plan."""
     profile = profile_for(row)
     strategy, flags = plan(row)
-    cluster = Cluster(gpu=find_gpu(GPUS[row["gpu"]]), gpus=row["gpus"], gpus_per_node=8,
+    gpu = grand_teton_h100() if row["gpu"] == "H100-96GB-500W" else find_gpu(GPUS[row["gpu"]])
+    cluster = Cluster(gpu=gpu, gpus=row["gpus"], gpus_per_node=8,
                       inter_node_bandwidth_bytes_per_s=NIC_BYTES_PER_S)
     with contextlib.redirect_stderr(io.StringIO()):
         est = estimate(profile, cluster, strategy)
@@ -224,6 +250,8 @@ def report(results: list[Result], out: io.TextIOBase) -> tuple[float, float, flo
             groups["pp > 1"].append(r)
         if r.strategy.cp > 1:
             groups["cp > 1"].append(r)
+        if "cp" not in r.flags and "rw" not in r.flags:  # what optplan models: no ring attention, no rowwise float8
+            groups["modelled (no cp, no rowwise float8)"].append(r)
     p(f"{'group':40s} {'runs':>4s} {'MAPE':>6s} {'median':>6s} {'min':>5s} {'max':>5s} {'in band':>7s}")
     for name in sorted(groups):
         ratios = [r.ratio for r in groups[name]]

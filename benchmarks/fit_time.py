@@ -14,8 +14,10 @@ What is fitted, on what (``benchmarks/published_sets.py`` rows; the held-out hal
   flash attention);
 - the torch engine (all llm-foundry rows): the eager elementwise multiplier (the measured per-operator bytes of
   estimators/eager_traffic.py ÷ what those many small kernels achieve against the streaming HBM fraction) and
-  overlap interference. DeepSpeed takes both (it runs the same eager model); torch.compile's fused kernels keep
-  ``compile_multiplier`` 1 (stated: Megatron's fused count, as the vTrain fit uses).
+  overlap interference. DeepSpeed takes both (it runs the same eager model); torch.compile's kernels keep
+  ``compile_multiplier`` 1 over Inductor's measured bytes (benchmarks/compiled_traffic.py; stated: generated
+  kernels stream at the HBM fraction the fused count is priced at). The llm-foundry rows ran MPT's own Triton flash
+  attention, the kernel the flash fractions stand for (their rows name it ``fitted``).
 Physical bounds (``UPPER``): a fraction of peak cannot exceed the best measured large matmul (H100 SXM
 bf16: ~0.80 of 989 TFLOP/s; S. Bekman, "Machine Learning Engineering", Maximum Achievable Matmul FLOPS),
 flash fractions and the HBM fraction stay below 1, interference in [0, 1].
@@ -152,7 +154,7 @@ def write(model: Model, fit_err: dict[str, float], held_err: dict[str, float]) -
     torch_["source"] = ("fitted by benchmarks/fit_time.py on the fit half of llm-foundry's 191 runs (Composer, "
                         "torch FSDP 1, eager): the eager multiplier over the measured per-operator bytes "
                         "(estimators/data/eager_traffic.yaml) and the overlap interference; compile_multiplier "
-                        f"stated (Inductor's fused kernels priced as Megatron's) [{stamp}]")
+                        f"stated (over Inductor's measured bytes, estimators/data/compiled_traffic.yaml) [{stamp}]")
     raw["engines"]["torch"] = torch_
     deepspeed = raw["engines"]["deepspeed"]
     for key in ("elementwise_multiplier", "eager", "compile_multiplier", "overlap_interference"):

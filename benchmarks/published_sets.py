@@ -10,7 +10,9 @@ the measured step time (seconds). Sets:
   with the table's vocabulary. Composer's ``amp_bf16`` with FSDP ``DEFAULT`` mixed precision keeps fp32
   sharded parameters, gathers them in bf16 and reduces gradients in fp32 — optplan's torch ``bf16`` recipe
   as its exports configure it; ``bf16``/``PURE`` rows reduce in bf16 (modelled as the same recipe: their
-  fp32 reduction volume is overstated, which the overlap hides). Measured step time = global batch ×
+  fp32 reduction volume is overstated, which the overlap hides). Their attention is MPT's own Triton flash kernel
+  (the benchmark script's default ``attn_impl: triton``), the kernel the per-GPU flash fractions are fitted on: the
+  rows price it as ``fitted`` (estimators/attention_kernels.py), not torch SDPA's. Measured step time = global batch ×
   sequence ÷ (tokens/s per GPU × GPUs). A100 tables ran on RoCE at 1,600 Gb/s per node (25 GB/s per
   GPU); the H100 table names no interconnect: 400 Gb/s per GPU (the catalogue default, 8 × NDR per
   node) is assumed.
@@ -58,6 +60,7 @@ class Row:
     measured_s: float
     extra: dict[str, str] = field(default_factory=dict)
     adam_impl: AdamImpl | None = None  # the AdamW the run used when not its engine's own (temporaries.py)
+    attention_kernel: str | None = None  # the attention kernel it ran when not its engine's own (attention_kernels.py)
 
     @property
     def gpu(self) -> str:
@@ -66,9 +69,10 @@ class Row:
     def time(self, eff: GpuEfficiency | None = None, engine: EngineEfficiency | None = None) -> TimeBreakdown:
         """The predicted step (committed constants through ``estimate``, else ``step_time`` with overrides)."""
         if eff is None and engine is None:
-            return estimate(self.profile, self.cluster, self.strategy, adam_impl=self.adam_impl).time
+            return estimate(self.profile, self.cluster, self.strategy, adam_impl=self.adam_impl,
+                            attention_kernel=self.attention_kernel).time
         return step_time(self.profile, self.strategy, self.cluster, efficiency=eff, engine=engine,
-                         adam_impl=self.adam_impl)
+                         adam_impl=self.adam_impl, attention_kernel=self.attention_kernel)
 
     def ratio(self, eff: GpuEfficiency | None = None, engine: EngineEfficiency | None = None) -> float:
         """Predicted ÷ measured step time."""
@@ -104,7 +108,7 @@ def llmfoundry_rows(path: Path = LLMFOUNDRY) -> list[Row]:
             rows.append(Row(set=f"llmfoundry-{gpu}", label=label,
                             profile=_profile(layers, hidden, heads, seq, vocab), cluster=cluster,
                             strategy=strategy, measured_s=measured,
-                            extra={"mfu": raw["MFU"], "precision": raw["Precision"]}))
+                            extra={"mfu": raw["MFU"], "precision": raw["Precision"]}, attention_kernel="fitted"))
     return rows
 
 

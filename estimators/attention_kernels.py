@@ -1,23 +1,26 @@
-"""Which attention kernel an engine runs on a GPU where it is not the one the per-GPU flash fractions were fitted on,
-and how fast that kernel runs by sequence length (dimensionless fractions of the dense 16-bit peak).
+"""Which attention kernel an engine runs on a GPU, and how fast that kernel runs by sequence length (dimensionless
+fractions of the dense 16-bit peak).
 
 The per-GPU flash-attention fractions (efficiency.py, ``flash_attention_fraction`` / ``flash_backward_fraction``) are
-fitted on runs whose attention was FlashAttention-2 (H100: llm-foundry's MPT runs, where they came out at 0.25 and
-0.15 of peak: effective figures that also carry that stack's other sequence-dependent costs). Other kernels were
-measured on their own (data/attention_kernels.yaml has the figures and their sources), and their measured fractions
-replace the fitted ones:
+fitted on llm-foundry's MPT runs (H100 0.25 / 0.15 of peak): those ran MPT's own Triton flash attention (its
+benchmark script's default ``attn_impl: triton``), and the fit also carries that stack's other sequence-dependent
+costs. The kernels engines run today were measured on their own (data/attention_kernels.yaml has the figures and
+their sources), and their measured fractions replace the fitted ones:
 
-- Megatron-Core on Hopper runs Transformer Engine's cuDNN fused attention: cuDNN 9.19 on an H200 at 0.49-0.70
-  (forward) and 0.37-0.59 (backward) of the BF16 peak at sequence 2k-32k (NVIDIA's cudnn-frontend benchmark).
-- On Blackwell (B200) Megatron-Core's cuDNN attention and torch's SDPA, which prefers its cuDNN backend on sm100
-  (and which torchtitan selects there), run cuDNN 9.13 at 0.11-0.63 / 0.14-0.49 of the B200's BF16 peak at 1k-128k.
-  FlashAttention-2 does not use Blackwell's tensor-core instructions (0.17 of peak at 8k): the Hopper fit, which
-  stands for it, is not carried over.
+- ``flash2``: FlashAttention-2, what torch's ``scaled_dot_product_attention`` runs on Hopper (its flash backend) and so
+  what the torch and DeepSpeed engines run for a model that calls it: 0.19-0.34 (forward) and 0.22-0.33 (backward)
+  of the H100's BF16 peak at sequence 512-16k (FlashAttention-3's Fig. 5-6). On a B200 it reaches 0.17 / 0.13 at 8k
+  (no Blackwell tensor-core instructions): nobody runs it there by default.
+- ``cudnn``: cuDNN's fused attention, Megatron-Core's (Transformer Engine) on Hopper: cuDNN 9.19 on an H200 at
+  0.49-0.70 / 0.37-0.59 at 2k-32k; on Blackwell every engine's (torch's SDPA prefers cuDNN on sm100, torchtitan
+  selects it): cuDNN 9.13 on a B200 at 0.11-0.63 / 0.14-0.49 at 1k-128k, cuDNN 9.22 on a GB200.
+- ``fitted``: the GPU's fitted fractions (the kernel of the runs they were fitted on; A100 and other GPUs without a
+  measured kernel, and the llm-foundry rows that fit them).
 
 A kernel's speed rises with the sequence (more work per tile, fewer partly filled tiles): between two measured
 sequence lengths the fraction is interpolated linearly in log2(sequence), outside them the nearest point holds
-(stated). torch on Hopper and Ampere and DeepSpeed run FlashAttention-2-class kernels as fitted (torch >= 2.11
-wheels, whose cuDNN passes 9.15, prefer cuDNN on sm90 too: not priced here; the measured torch sets ran FA2).
+(stated). Known gap: torch >= 2.11 wheels (cuDNN > 9.15) prefer cuDNN on Hopper too; optplan prices torch plans on
+Hopper at FlashAttention-2 (a slower kernel: the estimate errs slow there).
 
 Pure data and a lookup, no torch.
 """
@@ -27,6 +30,7 @@ from __future__ import annotations
 import math
 from functools import cache
 from importlib import resources
+from typing import Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -42,12 +46,19 @@ class KernelPoint(BaseModel):
     backward_fraction: float = Field(gt=0, le=1, description="backward TFLOP/s ÷ the dense 16-bit peak")
 
 
+KernelName = Literal["flash2", "cudnn", "fitted"]
+"""Attention kernels a plan or a measured row can name (module docstring); ``fitted``: the GPU's fitted fractions."""
+KERNEL_NAMES: tuple[str, ...] = get_args(KernelName)
+
+
 class AttentionKernel(BaseModel):
-    """One engine's attention kernel on a set of GPUs, measured by sequence length (dimensionless)."""
+    """One attention kernel on a set of GPUs, measured by sequence length (dimensionless), and the engines that run
+    it there by default."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    engine: str
+    name: Literal["flash2", "cudnn"]
+    engines: tuple[str, ...] = Field(description="engines that run this kernel by default on these GPUs")
     gpus: tuple[str, ...]
     kernel: str
     points: tuple[KernelPoint, ...] = Field(min_length=1, description="measured fractions, ascending sequence")
@@ -89,19 +100,23 @@ def attention_kernel_table() -> AttentionKernelTable:
     return AttentionKernelTable(**yaml.safe_load(text))
 
 
-def attention_kernel(engine: str, gpu: str) -> AttentionKernel | None:
-    """The kernel ``engine`` runs on catalogue GPU ``gpu`` when it differs from the fit's, else None."""
-    return next((k for k in attention_kernel_table().kernels if k.engine == engine and gpu in k.gpus), None)
+def attention_kernel(engine: str, gpu: str, name: str | None = None) -> AttentionKernel | None:
+    """The measured kernel ``engine`` runs on catalogue GPU ``gpu``: ``name``'s measurement on that GPU when given
+    (None for ``fitted`` or a kernel not measured there), else the engine's default there (None: the fitted one)."""
+    kernels = attention_kernel_table().kernels
+    if name is not None:
+        return next((k for k in kernels if k.name == name and gpu in k.gpus), None)
+    return next((k for k in kernels if engine in k.engines and gpu in k.gpus), None)
 
 
 def flash_fractions(engine: str, gpu: str, fitted_forward: float, fitted_backward: float, *,
-                    seq: float) -> tuple[float, float]:
-    """(forward, backward) flash-attention fractions of peak ``engine`` reaches on ``gpu`` at sequence length ``seq``
-    (the tokens one attention call sees per sequence): its kernel's measured ones (module docstring), else the GPU's
-    fitted ones."""
-    kernel = attention_kernel(engine, gpu)
-    return (fitted_forward, fitted_backward) if kernel is None else kernel.fractions_at(seq)
+                    seq: float, kernel: str | None = None) -> tuple[float, float]:
+    """(forward, backward) flash-attention fractions of peak on ``gpu`` at sequence length ``seq`` (the tokens one
+    attention call sees per sequence): the measured kernel's (``kernel`` when named, else ``engine``'s default on
+    that GPU; module docstring), else the GPU's fitted ones."""
+    found = attention_kernel(engine, gpu, kernel)
+    return (fitted_forward, fitted_backward) if found is None else found.fractions_at(seq)
 
 
-__all__ = ["AttentionKernel", "AttentionKernelTable", "KernelPoint", "attention_kernel", "attention_kernel_table",
-           "flash_fractions"]
+__all__ = ["KERNEL_NAMES", "AttentionKernel", "AttentionKernelTable", "KernelName", "KernelPoint", "attention_kernel",
+           "attention_kernel_table", "flash_fractions"]

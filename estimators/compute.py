@@ -31,14 +31,18 @@ Sources and units (seconds, FLOPs, bytes, FLOP/s, bytes/s throughout)
   T·h·r·(2 × 3e + 2 × (5e + 1)) + T·(F/t)·3e + S·(5e + 1) (read input and gradient, write gradient;
   residual-gradient adds); no score terms with flash attention. Time = ``elementwise_factor`` × bytes /
   (HBM bandwidth × ``hbm_fraction``), the factor fitted (other small kernels: bias adds, casts). That count is
-  Megatron's, and torch.compile's (Inductor fuses the same chains between GEMMs: ``compile_multiplier``, stated
-  1). An eager engine (torch, DeepSpeed: the user's model as written) runs one kernel per ATen operator instead:
-  its bytes are the *measured* per-operator count of estimators/eager_traffic.py (probes/traffic.py on a Llama and
-  a GPT-2 layer: a gated Llama layer moves ~3x the bytes of a plain one of the same width: RMSNorm in fp32,
-  rotary embeddings, repeated k/v), times the engine's fitted ``elementwise_multiplier``.
+  Megatron's. An eager engine (torch, DeepSpeed: the user's model as written) runs one kernel per ATen operator
+  instead: its bytes are the *measured* per-operator count of estimators/eager_traffic.py (probes/traffic.py on a
+  Llama and a GPT-2 layer: a gated Llama layer moves ~3x the bytes of a plain one of the same width: RMSNorm in
+  fp32, rotary embeddings, repeated k/v), times the engine's fitted ``elementwise_multiplier``. A block compiled by
+  torch.compile runs TorchInductor's generated kernels: their bytes are Inductor's own *measured* count for the
+  reference block of the layer's kind (benchmarks/compiled_traffic.py; ~1.7x Megatron's count for a Llama layer,
+  ~0.33x its eager bytes), split into forward and backward as the eager operators split, times
+  ``compile_multiplier``.
 - Attention with flash (Dao 2023, FlashAttention-2, arXiv 2307.08691, §3 and Fig. 5-7): one fused
-  kernel, causal blocks skipped (half the s² FLOPs), at a stated fraction of peak; its backward does
-  2.5× the forward's FLOPs (it recomputes the scores).
+  kernel, causal blocks skipped (half the s² FLOPs), at the measured fraction of peak of the kernel the engine runs
+  on that GPU at that sequence length (estimators/attention_kernels.py), else the GPU's fitted one; its backward
+  does 2.5× the forward's FLOPs (it recomputes the scores).
 - Logits and loss (Megatron's vocabulary-parallel head, Shoeybi et al. 2019 §3): the T × V/t × h GEMM
   forward + two backward GEMMs on the last pipeline stage, and a memory-bound cross entropy over the fp32
   logits (``logits_bytes_per_element`` bytes moved per logit, forward + backward); the embedding's
@@ -273,8 +277,9 @@ def _fraction(eff: GpuEfficiency, dtype: str) -> float:
 
 
 def layer_time(dims: TransformerDims, strategy: Strategy, gpu: GPUSpec, eff: GpuEfficiency,
-               engine: EngineEfficiency | None = None) -> LayerTime:
-    """GEMM and elementwise time of one layer for one micro-batch on one GPU (module docstring)."""
+               engine: EngineEfficiency | None = None, *, attention_kernel: str | None = None) -> LayerTime:
+    """GEMM and elementwise time of one layer for one micro-batch on one GPU (module docstring); ``attention_kernel``
+    names the flash kernel when not the engine's own on this GPU (attention_kernels.py)."""
     s, t, c, b = dims.seq, strategy.tp, strategy.cp, strategy.mbs
     h, a = dims.hidden, dims.heads
     d = h / a
@@ -307,7 +312,7 @@ def layer_time(dims: TransformerDims, strategy: Strategy, gpu: GPUSpec, eff: Gpu
     if strategy.flash:
         # the engine's own kernel where it is not the fit's FlashAttention-2 class: attention_kernels.py
         f_fwd, f_bwd = flash_fractions(strategy.engine, gpu.name, eff.flash_attention_fraction, eff.flash_backward,
-                                       seq=s / c)
+                                       seq=s / c, kernel=attention_kernel)
         core_fwd = CAUSAL_FLASH_FRACTION * core_flops / (other_peak * f_fwd)
         core_bwd = FLASH_BACKWARD_FACTOR * CAUSAL_FLASH_FRACTION * core_flops / (other_peak * f_bwd)
     else:
@@ -319,13 +324,23 @@ def layer_time(dims: TransformerDims, strategy: Strategy, gpu: GPUSpec, eff: Gpu
                     + gemm_time_s(q, s, d, batch=heads, **akw) + gemm_time_s(s, d, q, batch=heads, **akw))  # type: ignore[arg-type]
     r = 1.0 / t if strategy.sp else 1.0
     family = engine or engine_efficiency(strategy.engine)
-    if family.eager and not strategy.compile:  # the model's own kernels, counted operator by operator
+    kind = "gated" if dims.gated else "plain"
+    width = dims.mlp_params / ((3.0 if dims.gated else 2.0) * h)
+    klass = precision_class(get_recipe(strategy.precision).weight_bytes, elem)
+    shape_kw = {"kind": kind, "precision": klass, "hidden": h, "ffn": width, "kv": kvd, "head_dim": qk_d,
+                "grouped_query": dims.kv_heads < a}
+    if family.eager and strategy.compile:  # TorchInductor's generated kernels, its own count (eager_traffic.py)
+        multiplier = family.compile_multiplier
+        both, _ = layer_bytes_per_token(**shape_kw, tp=t, sp=strategy.sp, compiled=True)  # type: ignore[arg-type]
+        # forward vs backward as the same block's eager operators split (the recomputed forward is the forward's)
+        e_fwd, e_bwd = layer_bytes_per_token(**shape_kw, tp=t, sp=strategy.sp)  # type: ignore[arg-type]
+        fwd_share = e_fwd / (e_fwd + e_bwd) if e_fwd + e_bwd > 0 else 0.5
+        ew_fwd_bytes, ew_bwd_bytes = tokens * both * fwd_share, tokens * both * (1.0 - fwd_share)
+        mlp_both, _ = layer_bytes_per_token(kind=kind, precision=klass, hidden=0.0, ffn=width, kv=0.0,  # type: ignore[arg-type]
+                                            head_dim=0.0, grouped_query=False, tp=t, sp=strategy.sp, compiled=True)
+        mlp_ew_bytes = tokens * mlp_both * fwd_share
+    elif family.eager:  # the model's own kernels, counted operator by operator
         multiplier = family.elementwise_multiplier
-        kind = "gated" if dims.gated else "plain"
-        width = dims.mlp_params / ((3.0 if dims.gated else 2.0) * h)
-        klass = precision_class(get_recipe(strategy.precision).weight_bytes, elem)
-        shape_kw = {"kind": kind, "precision": klass, "hidden": h, "ffn": width, "kv": kvd, "head_dim": qk_d,
-                    "grouped_query": dims.kv_heads < a}
         per_fwd, per_bwd = layer_bytes_per_token(**shape_kw, tp=t, sp=strategy.sp)  # type: ignore[arg-type]
         own = (dims.eager_bytes_per_token or {}).get(klass)
         if own is not None:  # the model's own operators, measured; the reference's split across tensor ranks
@@ -335,8 +350,8 @@ def layer_time(dims: TransformerDims, strategy: Strategy, gpu: GPUSpec, eff: Gpu
         ew_fwd_bytes, ew_bwd_bytes = tokens * per_fwd, tokens * per_bwd
         mlp_ew_bytes = tokens * layer_bytes_per_token(kind=kind, precision=klass, hidden=0.0, ffn=width, kv=0.0,
                                                       head_dim=0.0, grouped_query=False, tp=t, sp=strategy.sp)[0]
-    else:  # fused kernels: Megatron's own, or Inductor's under torch.compile (module docstring)
-        multiplier = family.compile_multiplier if family.eager else family.elementwise_multiplier
+    else:  # Megatron's own fused kernels (module docstring)
+        multiplier = family.elementwise_multiplier
         ew_fwd_bytes = tokens * h * r * (4 * elem + 2 * (3 * elem + 1)) + tokens * (ffn / t) * 2 * elem
         ew_bwd_bytes = tokens * h * r * (6 * elem + 2 * (5 * elem + 1)) + tokens * (ffn / t) * 3 * elem
         mlp_ew_bytes = tokens * (ffn / t) * 2 * elem

@@ -12,7 +12,8 @@ Two kinds of constants, kept apart because they come from different measurements
 - :class:`EngineEfficiency`, per engine family (torch, deepspeed, megatron): what the training framework
   adds on any GPU: eager elementwise kernels (torch and DeepSpeed run the model's unfused norms, activations and
   residual adds, priced by their measured bytes, estimators/eager_traffic.py, times a fitted multiplier; under
-  torch.compile and in Megatron the fused count),
+  torch.compile Inductor's measured bytes for a reference block, times ``compile_multiplier``; in Megatron the
+  fused count),
   and how much overlapped communication still slows compute (NCCL kernels occupy SMs and HBM bandwidth
   while a GEMM runs: the "overlap interference"). torch is fitted on llm-foundry's FSDP runs (A100 and
   H100); DeepSpeed takes torch's overlap figure (its ZeRO-3 prefetch overlaps the same way; no measured
@@ -81,9 +82,9 @@ class EngineEfficiency(BaseModel):
                                                             "count)")
     eager: bool = Field(default=False, description="runs the model's own eager kernels: elementwise bytes are the "
                                                    "measured per-operator count (eager_traffic.py) unless the plan "
-                                                   "compiles the blocks (fused count, ``compile_multiplier``)")
-    compile_multiplier: float = Field(default=1.0, gt=0, description="elementwise bytes ÷ the fused (Megatron) count "
-                                                                     "under torch.compile (Inductor's fusion)")
+                                                   "compiles the blocks (Inductor's measured count, ``compile_multiplier``)")
+    compile_multiplier: float = Field(default=1.0, gt=0, description="achieved ÷ modelled time of Inductor's "
+                                                                     "measured bytes under torch.compile")
     overlap_interference: float = Field(ge=0, le=1, description="share of overlapped communication time that "
                                                                 "still delays compute (SMs/HBM taken by NCCL)")
     source: str = ""

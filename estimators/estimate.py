@@ -190,15 +190,17 @@ def calibrate_estimate(estimate: Estimate, cal: Calibration | None) -> Estimate:
 
 
 def estimate(profile: ModelProfile, cluster: Cluster, strategy: Strategy, *,
-             calibration: Calibration | None = None, adam_impl: AdamImpl | None = None) -> Estimate:
+             calibration: Calibration | None = None, adam_impl: AdamImpl | None = None,
+             attention_kernel: str | None = None) -> Estimate:
     """Predict memory per GPU (worst rank), step time, throughput, MFU/HFU and feasibility of ``strategy``.
 
     ``calibration`` (from probe runs, see calibration.py) corrects memory and time when given. ``adam_impl``
-    overrides the engine's own AdamW implementation (temporaries.py) in memory and time."""
+    overrides the engine's own AdamW implementation (temporaries.py) in memory and time, ``attention_kernel`` the
+    attention kernel the engine runs on the GPU (attention_kernels.py) in time."""
     check_strategy(profile, cluster, strategy)
     memory = memory_breakdown(profile, strategy, usable_capacity_bytes(cluster.gpu.memory_bytes),
                               gpus_per_node=cluster.gpus_per_node, gpu=cluster.gpu.name, adam_impl=adam_impl)
-    time = with_paging(step_time(profile, strategy, cluster, adam_impl=adam_impl),
+    time = with_paging(step_time(profile, strategy, cluster, adam_impl=adam_impl, attention_kernel=attention_kernel),
                        memory.detail_bytes.get("paged_optimizer_state_off_gpu", 0))
     band = time_band(profile, strategy, cluster, mfu=time.mfu)
     time = with_band(time, band)

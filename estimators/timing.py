@@ -324,7 +324,8 @@ def _flops_only_step(profile: ModelProfile, strategy: Strategy, cluster: Cluster
 
 
 def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: Strategy, cluster: Cluster,
-                      eff: GpuEfficiency, engine: EngineEfficiency, adam_impl: AdamImpl | None = None) -> TimeBreakdown:
+                      eff: GpuEfficiency, engine: EngineEfficiency, adam_impl: AdamImpl | None = None,
+                      attention_kernel: str | None = None) -> TimeBreakdown:
     """Transformer profiles: per-stage roofline by op class, collectives by placement, 1F1B pipeline."""
     gpu = cluster.gpu
     s_, t, c, p, v, m = strategy, strategy.tp, strategy.cp, strategy.pp, strategy.vpp, strategy.grad_accum
@@ -333,7 +334,7 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
     hbm = gpu.memory_bandwidth_bytes_per_s * eff.hbm_fraction
     pl = placement(s_, cluster.gpus_per_node)
     links = _links(pl, cluster, eff)
-    lt = layer_time(dims, s_, gpu, eff, engine)
+    lt = layer_time(dims, s_, gpu, eff, engine, attention_kernel=attention_kernel)
     ht = head_time(dims, s_, gpu, eff)
     tokens = s_.mbs * dims.seq / c
     h = dims.hidden
@@ -345,7 +346,7 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
     # one layer, one micro-batch
     core_fwd = lt.attention_core_fwd_s
     f_fwd, f_bwd = flash_fractions(s_.engine, gpu.name, eff.flash_attention_fraction, eff.flash_backward,
-                                   seq=dims.seq / c)
+                                   seq=dims.seq / c, kernel=attention_kernel)
     core_bwd = core_fwd * (FLASH_BACKWARD_FACTOR * f_fwd / f_bwd if s_.flash else 2.0)
     layer_compute = lt.fwd_gemm_s + lt.bwd_gemm_s
     layer_mem = lt.fwd_elementwise_s + lt.bwd_elementwise_s
@@ -548,19 +549,21 @@ def with_paging(time: TimeBreakdown, paged_out_bytes: int) -> TimeBreakdown:
 
 def step_time(profile: ModelProfile, strategy: Strategy, cluster: Cluster, *,
               efficiency: GpuEfficiency | None = None, engine: EngineEfficiency | None = None,
-              adam_impl: AdamImpl | None = None) -> TimeBreakdown:
+              adam_impl: AdamImpl | None = None, attention_kernel: str | None = None) -> TimeBreakdown:
     """Time of one optimizer step of ``strategy`` on ``cluster`` with throughput, MFU and HFU.
 
     ``efficiency`` overrides the GPU's constants and ``engine`` the engine family's (efficiency.py); the
     fitting benchmarks (fidelity_vtrain.py, fit_time.py) fit them through these. ``adam_impl`` overrides the
-    engine's own AdamW implementation (a torch client optimizer under DeepSpeed, as the probes run it).
+    engine's own AdamW implementation (a torch client optimizer under DeepSpeed, as the probes run it), and
+    ``attention_kernel`` the attention kernel the engine runs on that GPU (attention_kernels.py: a measured run
+    that ran another, e.g. llm-foundry's MPT Triton flash attention, ``fitted``).
     """
     eff = efficiency or efficiency_for(cluster.gpu)
     dims = transformer_dims(profile)
     if dims is None:
         return _flops_only_step(profile, strategy, cluster, eff, adam_impl)
     return _transformer_step(profile, dims, strategy, cluster, eff, engine or engine_efficiency(strategy.engine),
-                             adam_impl)
+                             adam_impl, attention_kernel)
 
 
 __all__ = ["TimeBreakdown", "comm_time_s", "data_parallel_comm", "mfu_peak_flops",

@@ -265,10 +265,11 @@ def _band_from(profile: ModelProfile, strategy: Strategy, gpu: str, mfu: float, 
         outside.append(f"Megatron {'with' if s.comm_overlap else 'without'} its tensor/data-parallel overlap was not "
                        f"measured on {name}" + (f" (it was on {', '.join(sorted(set(elsewhere)))})" if elsewhere
                                                else ""))
-    if s.compile:  # priced as fused kernels (stated); checked, not fitted, on torchtitan's compiled runs
+    if s.compile:  # Inductor's bytes counted, their speed stated; checked, not fitted, on torchtitan's compiled runs
         widen += WIDEN_UNMEASURED
-        outside.append("torch.compile's fused kernels are priced as Megatron's fused count (stated; no fitted set "
-                       "compiled: benchmarks/fidelity_torchtitan.py checks it on torchtitan's 30 compiled H100 runs)")
+        outside.append("torch.compile's kernels are priced by Inductor's own byte count for a reference block at a "
+                       "stated speed (no fitted set compiled: benchmarks/fidelity_torchtitan.py checks it on "
+                       "torchtitan's 30 compiled H100/H200 runs)")
     if s.engine == "torch" and s.fsdp != "none" and s.pp == 1 and s.fsdp_grad_sync == "step" and s.grad_accum > 1:
         widen += WIDEN_UNMEASURED  # its memory was measured (CPU probe); no step time with it anywhere
         outside.append("FSDP's once-per-step gradient reduction (fsdp_grad_sync step) was never timed")

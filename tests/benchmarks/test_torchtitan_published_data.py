@@ -67,3 +67,17 @@ def test_per_op_selective_ac_is_priced_as_run() -> None:
         result = bench.predict(_row(run))
         assert result.strategy.checkpointing == "selective"
         assert abs(result.memory_error) < 0.10, (run, result.memory_error)
+
+
+def test_the_grand_teton_h100_is_priced_as_its_source_describes_it() -> None:
+    gt = bench.grand_teton_h100()
+    sxm = bench.find_gpu("H100-SXM")
+    assert gt.name == "H100-SXM"  # the same die: the H100's fitted fractions and kernels apply
+    assert gt.memory_bandwidth_bytes_per_s == 2.4e12 and gt.tdp_watts == 500
+    # "between SXM and NVL": the midpoint of 989.5 and 835.5 dense BF16 TFLOP/s, every dtype scaled alike
+    assert gt.peak_flops_for("bf16") == 912.5e12
+    assert gt.peak_flops_for("fp8") / sxm.peak_flops_for("fp8") == gt.peak_flops_for("bf16") / sxm.peak_flops_for("bf16")
+    result = bench.predict(_row("t1-8b-fsdp8"))
+    assert result.est.memory.capacity_bytes < 96 * 2**30 and result.est.memory.capacity_bytes > 80 * 2**30
+    cp_flags = bench.plan(_row("t2-8b-cp2-64k"))[1]
+    assert "cp" in cp_flags and "cp" not in bench.plan(_row("t2-8b-cp1-32k"))[1]

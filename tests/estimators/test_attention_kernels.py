@@ -1,6 +1,7 @@
-"""The engine's attention kernel where it is not the fit's, measured by sequence length: Megatron-Core on Hopper runs
-cuDNN fused attention, Megatron-Core and torch's SDPA on Blackwell run cuDNN too (cudnn-frontend's benchmarks); other
-engines and GPUs keep the GPU's fitted fractions."""
+"""The engine's attention kernel, measured by sequence length: Megatron-Core on Hopper runs cuDNN fused attention,
+torch's SDPA (torch and DeepSpeed plans) FlashAttention-2 (FlashAttention-3's figures), every engine cuDNN on
+Blackwell (cudnn-frontend's benchmarks); A100 and other GPUs keep the GPU's fitted fractions, and a measured row can
+name the kernel it ran (``fitted``: llm-foundry's MPT Triton kernel)."""
 
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def test_measured_points_are_the_sources_tflops_over_the_dense_peak(engine: str,
 
 
 def test_fractions_interpolate_in_log_sequence_and_hold_outside_the_measured_range() -> None:
-    kernel = AttentionKernel(engine="megatron", gpus=("H100-SXM",), kernel="k", source="s", points=(
+    kernel = AttentionKernel(name="cudnn", engines=("megatron",), gpus=("H100-SXM",), kernel="k", source="s", points=(
         KernelPoint(seq=2048, forward_fraction=0.2, backward_fraction=0.1),
         KernelPoint(seq=8192, forward_fraction=0.6, backward_fraction=0.5)))
     assert kernel.fractions_at(4096) == pytest.approx((0.4, 0.3))  # halfway in log2 between 2k and 8k
@@ -57,7 +58,7 @@ def test_fractions_interpolate_in_log_sequence_and_hold_outside_the_measured_ran
     assert kernel.fractions_at(512) == pytest.approx((0.2, 0.1))
     assert kernel.fractions_at(1 << 20) == pytest.approx((0.6, 0.5))
     with pytest.raises(ValidationError, match="ascending"):
-        AttentionKernel(engine="megatron", gpus=("H100-SXM",), kernel="k", source="s", points=tuple(reversed(
+        AttentionKernel(name="cudnn", engines=("megatron",), gpus=("H100-SXM",), kernel="k", source="s", points=tuple(reversed(
             kernel.points)))
 
 
@@ -68,14 +69,39 @@ def test_longer_sequences_run_the_measured_kernels_faster_up_to_their_plateau() 
 
 
 @pytest.mark.parametrize("engine,gpu,kernel", [
-    ("megatron", "H100-SXM", True), ("megatron", "H200", True), ("torch", "H100-SXM", False),
-    ("deepspeed", "H100-SXM", False), ("megatron", "A100-80GB", False), ("megatron", "B200", True),
-    ("torch", "B200", True), ("deepspeed", "B200", False),
+    ("megatron", "H100-SXM", "cudnn"), ("megatron", "H200", "cudnn"), ("torch", "H100-SXM", "flash2"),
+    ("deepspeed", "H200", "flash2"), ("megatron", "A100-80GB", None), ("torch", "A100-80GB", None),
+    ("megatron", "B200", "cudnn"), ("torch", "B200", "cudnn"), ("deepspeed", "GB200", "cudnn"),
 ])
-def test_who_runs_which_kernel(engine: str, gpu: str, kernel: bool) -> None:
+def test_who_runs_which_kernel(engine: str, gpu: str, kernel: str | None) -> None:
     fitted = (0.25, 0.15)
-    assert (flash_fractions(engine, gpu, *fitted, seq=8192) != fitted) is kernel
-    assert (attention_kernel(engine, gpu) is not None) is kernel
+    found = attention_kernel(engine, gpu)
+    assert (found.name if found else None) == kernel
+    assert (flash_fractions(engine, gpu, *fitted, seq=8192) != fitted) is (kernel is not None)
+
+
+@pytest.mark.parametrize("engine,gpu,name,expected", [
+    ("torch", "H100-SXM", "fitted", None),  # llm-foundry's rows: the kernel the fit stands for
+    ("torch", "H100-SXM", "cudnn", "cudnn"), ("megatron", "H100-SXM", "flash2", "flash2"),
+    ("torch", "B200", "flash2", "flash2"), ("torch", "A100-80GB", "cudnn", None),  # not measured there: the fit
+])
+def test_a_named_kernel_overrides_the_engines_default(engine: str, gpu: str, name: str, expected: str | None) -> None:
+    found = attention_kernel(engine, gpu, name)
+    assert (found.name if found else None) == expected
+    fitted = (0.25, 0.15)
+    got = flash_fractions(engine, gpu, *fitted, seq=8192, kernel=name)
+    assert got == (fitted if found is None else found.fractions_at(8192))
+
+
+def test_flash2_on_blackwell_runs_far_below_cudnn_and_hopper_flash2_below_hopper_cudnn() -> None:
+    # the same B200 and torch build (cudnn-frontend 0258951): 373 vs 1,171 TFLOP/s forward at 8k
+    b200_fa2 = attention_kernel("torch", "B200", "flash2")
+    b200_cudnn = attention_kernel("torch", "B200")
+    h100_fa2, h100_cudnn = attention_kernel("torch", "H100-SXM"), attention_kernel("megatron", "H100-SXM")
+    assert b200_fa2 and b200_cudnn and h100_fa2 and h100_cudnn
+    assert b200_fa2.fractions_at(8192)[0] < 0.35 * b200_cudnn.fractions_at(8192)[0]
+    assert h100_fa2.fractions_at(8192)[0] < h100_cudnn.fractions_at(8192)[0]
+    assert h100_fa2.fractions_at(8192)[0] == pytest.approx(333 / 989.5, abs=0.001)  # FA3 paper Fig. 5, FA2 causal
 
 
 def test_megatron_on_hopper_prices_the_core_at_the_kernels_fraction_for_its_sequence() -> None:
@@ -90,8 +116,13 @@ def test_megatron_on_hopper_prices_the_core_at_the_kernels_fraction_for_its_sequ
         assert mega.attention_core_fwd_s == pytest.approx(CAUSAL_FLASH_FRACTION * mega.attention_core_fwd_flops
                                                           / (peak * frac))
     fsdp = layer_time(DIMS, Strategy(engine="torch", precision="bf16", mbs=1), gpu, eff)
+    fa2 = attention_kernel("torch", "H100-SXM")
+    assert fa2 is not None
     assert fsdp.attention_core_fwd_s == pytest.approx(CAUSAL_FLASH_FRACTION * fsdp.attention_core_fwd_flops
-                                                      / (peak * eff.flash_attention_fraction))
+                                                      / (peak * fa2.fractions_at(DIMS.seq)[0]))
+    mpt = layer_time(DIMS, Strategy(engine="torch", precision="bf16", mbs=1), gpu, eff, attention_kernel="fitted")
+    assert mpt.attention_core_fwd_s == pytest.approx(CAUSAL_FLASH_FRACTION * mpt.attention_core_fwd_flops
+                                                     / (peak * eff.flash_attention_fraction))
     a100 = find_gpu("A100-80GB")
     same = [layer_time(DIMS, Strategy(engine=e, precision="bf16", mbs=1), a100, efficiency_for(a100))
             for e in ("megatron", "torch")]

@@ -1,5 +1,5 @@
-"""estimators/eager_traffic.py and its use: eager engines price the measured per-operator bytes, compiled plans and
-Megatron the fused count."""
+"""estimators/eager_traffic.py and its use: eager engines price the measured per-operator bytes, compiled plans
+Inductor's measured bytes, Megatron the fused count."""
 
 from __future__ import annotations
 
@@ -55,6 +55,27 @@ def test_eager_gated_layers_cost_more_than_plain_ones_and_compile_fuses_them() -
     assert tok_llama > 2 * tok_gpt
     # Megatron keeps its fused count whatever the model: the engine is not eager
     assert not engine_efficiency("megatron").eager and engine_efficiency("torch").eager
+
+
+def test_compiled_layers_pay_inductors_measured_bytes_split_as_their_eager_operators() -> None:
+    gpu = find_gpu("H100")
+    eff = efficiency_for(gpu)
+    llama = transformer_dims(profile_from_arch(parse_arch(LLAMA_8B)))
+    assert llama is not None
+    s = Strategy(engine="torch", fsdp="full", precision="bf16", mbs=1, compile=True)
+    lt = layer_time(llama, s, gpu, eff)
+    kw = {"kind": "gated", "precision": "bf16", "hidden": 4096.0, "ffn": 14336.0, "kv": 1024.0, "head_dim": 128.0,
+          "grouped_query": True}
+    both = layer_bytes_per_token(**kw, compiled=True)[0]  # type: ignore[arg-type]
+    e_fwd, e_bwd = layer_bytes_per_token(**kw)  # type: ignore[arg-type]
+    hbm = gpu.memory_bandwidth_bytes_per_s * eff.hbm_fraction / eff.elementwise_factor
+    multiplier = engine_efficiency("torch").compile_multiplier
+    assert lt.fwd_elementwise_s == pytest.approx(8192 * both * e_fwd / (e_fwd + e_bwd) * multiplier / hbm, rel=1e-3)
+    assert lt.bwd_elementwise_s == pytest.approx(8192 * both * e_bwd / (e_fwd + e_bwd) * multiplier / hbm, rel=1e-3)
+    # Inductor's count for a Llama layer sits between Megatron's hand-fused count and the eager operators'
+    mega = layer_time(llama, s.model_copy(update={"engine": "megatron", "compile": False, "fsdp": "none"}), gpu, eff)
+    assert mega.fwd_elementwise_s + mega.bwd_elementwise_s < lt.fwd_elementwise_s + lt.bwd_elementwise_s
+    assert both < 0.5 * (e_fwd + e_bwd)
 
 
 def test_compile_is_a_torch_and_deepspeed_choice_and_says_it_is_unmeasured() -> None:
