@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from eager_traffic import PRECISIONS, SHAPES, TERMS, _load, bytes_at, fit  # noqa: E402
 
 from optplan.estimators.eager_traffic import layer_bytes_per_token  # noqa: E402
-from optplan.probes.static import cast_floating  # noqa: E402
+from optplan.probes.step_runner import cast_floating  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "compiled_traffic.txt"

@@ -39,7 +39,7 @@ import yaml
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from optplan.probes.static import cast_floating
+from optplan.probes.step_runner import cast_floating
 from optplan.probes.traffic import TrafficCounter, block_attribution
 
 ROOT = Path(__file__).resolve().parents[1]

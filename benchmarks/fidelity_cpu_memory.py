@@ -58,15 +58,8 @@ from optplan.estimators.temporaries import (
 from optplan.probes.contract import DEFAULT_TOKEN_SEQ_LEN, load_contract
 from optplan.probes.loader import profile_model_file
 from optplan.probes.memtrack import MemTracker
-from optplan.probes.static import (
-    StepRunner,
-    _autocast,
-    batch_spec,
-    blocks_of,
-    checkpointed,
-    find_repeated_block,
-    resolve_seq_len,
-)
+from optplan.probes.static import blocks_of, find_repeated_block, resolve_seq_len
+from optplan.probes.step_runner import StepRunner, batch_spec, checkpointed, step_autocast
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 MIB = 2**20
@@ -269,7 +262,7 @@ class RealTrainer:
         runner = self.runner
         with checkpointed(runner.blocks, checkpointing), tracker:
             batch = runner.make_batch(mbs)
-            with _autocast(precision):  # type: ignore[arg-type]
+            with step_autocast(precision):  # type: ignore[arg-type]
                 out = runner.forward(batch, mbs)
                 loss = runner.loss(out, batch)
             del out, batch

@@ -10,7 +10,7 @@ experts (``torch.distributed.nn.functional.all_to_all_single``: gloo, variable s
 expert on the copies it received from every rank, send the outputs back the same way, un-permute and combine with
 the router weights. Both of torch's primitives work on gloo (variable-split all-to-all, forward and backward).
 
-Measured per rank, by the profiler's own ``StepRunner`` (probes/static.py: one warm-up step, then the peak live
+Measured per rank, by the profiler's own ``StepRunner`` (probes/step_runner.py: one warm-up step, then the peak live
 bytes of forward + loss + backward above the resident parameters and gradients, fp32; the smallest of
 :data:`TRACKED_STEPS` steps, since gloo's worker thread now and then still holds a collective's input at the peak):
 the parameters it holds and its activation peak at micro-batches 2 and 4.
@@ -48,7 +48,8 @@ from optplan.estimators.expert_parallel import expert_params_not_held
 from optplan.estimators.memory import memory_breakdown
 from optplan.estimators.strategy import Strategy
 from optplan.probes.contract import load_contract
-from optplan.probes.static import StepRunner, batch_spec, blocks_of, find_repeated_block, profile_contract
+from optplan.probes.static import blocks_of, find_repeated_block, profile_contract
+from optplan.probes.step_runner import StepRunner, batch_spec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fidelity_cpu_memory import example_wrapper  # noqa: E402

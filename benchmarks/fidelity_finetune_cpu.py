@@ -47,15 +47,8 @@ from optplan.probes.contract import load_contract
 from optplan.probes.dropout import gpu_dropout
 from optplan.probes.loader import profile_model_file
 from optplan.probes.memtrack import MemTracker
-from optplan.probes.static import (
-    StepRunner,
-    _autocast,
-    batch_spec,
-    blocks_of,
-    cast_floating,
-    checkpointed,
-    find_repeated_block,
-)
+from optplan.probes.static import blocks_of, find_repeated_block
+from optplan.probes.step_runner import StepRunner, batch_spec, cast_floating, checkpointed, step_autocast
 
 MIB = 2**20
 CAPACITY = 2**50
@@ -138,7 +131,7 @@ class LoraTrainer:
         runner = self.runner
         with checkpointed(runner.blocks, checkpointing), gpu_dropout():
             batch = runner.make_batch(mbs)
-            with _autocast(self.precision):  # type: ignore[arg-type]
+            with step_autocast(self.precision):  # type: ignore[arg-type]
                 out = runner.forward(batch, mbs)
                 loss = runner.loss(out, batch)
             del out, batch

@@ -14,7 +14,7 @@ rotate-half RoPE, SwiGLU; ``plain``: examples/gpt2.py's nanoGPT block, LayerNorm
 class (``fp32``; ``amp``: bf16 autocast over fp32 weights, its casts included; ``bf16``: 16-bit weights, no
 autocast; also the fp8 recipe, whose per-GEMM casts to fp8 are not counted). The counts are linear in the widths
 (largest fit residual 0.5 %). A model file's (or ``--hf`` config's) profile counts its own block's operators the
-same way (``ModelProfile.eager_layer_bytes_per_token``, probes/static.py): those replace the reference, split across
+same way (``ModelProfile.eager_layer_bytes_per_token``, probes/activation_measure.py): those replace the reference, split across
 tensor-parallel ranks as the reference splits (a transformers Llama layer under autocast moves ~9 % more than
 examples/llama.py's); ``--arch`` shapes take the reference of their kind (``gated``).
 

@@ -63,31 +63,24 @@ explicitly known value (argument, OPTPLAN or model maximum) or None for other mo
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
-from functools import partial
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_leaves, tree_map
-from torch.utils.flop_counter import FlopCounterMode
+from torch._subclasses.fake_tensor import FakeTensorMode
 
-from optplan.estimators.profile import (
-    FROZEN_16BIT,
-    SMALL_PARAM_LIMIT,
-    WEIGHTS_16BIT,
-    ActivationFit,
-    ActivationPrecision,
-    CheckpointMode,
-    ModelProfile,
+from optplan.estimators.profile import ModelProfile
+from optplan.probes.activation_measure import (
+    Measurement,
+    extrapolate,
+    fit_activations,
+    measure,
 )
-from optplan.probes.adapters import LORA_MARK, LoraRequest, adapter_profile, apply_lora, resolve_targets
+from optplan.probes.adapters import LoraRequest, adapter_profile, apply_lora, resolve_targets
 from optplan.probes.blocks import (  # noqa: F401 - re-exported: tests and benchmarks import them from here
     MIN_BLOCKS_FOR_REDUCTION,
     BlockInfo,
@@ -95,22 +88,17 @@ from optplan.probes.blocks import (  # noqa: F401 - re-exported: tests and bench
     find_repeated_block,
     truncated_copy,
 )
-from optplan.probes.contract import (
-    BATCH_FIX,
-    DEFAULT_TOKEN_SEQ_LEN,
-    ModelContract,
-    apply_keeping_ties,
-    call_model,
-    check_batch_type,
-    default_loss,
-    exc_text,
-    first_param_module,
-    first_tensor,
-)
+from optplan.probes.contract import DEFAULT_TOKEN_SEQ_LEN, ModelContract, apply_keeping_ties
 from optplan.probes.dropout import gpu_dropout
-from optplan.probes.envelope import PHASES, StepEnvelope, Timeline, activation_fit
+from optplan.probes.envelope import PHASES
 from optplan.probes.loader import ModelFileError
-from optplan.probes.memtrack import MemTracker
+from optplan.probes.model_census import (
+    buffer_bytes,
+    count_params,
+    factored_state_elements,
+    small_param_counts,
+    trainable_numels,
+)
 from optplan.probes.model_shape import (  # noqa: F401 - re-exported
     GATE_NAMES,
     HIDDEN_NAMES,
@@ -121,40 +109,14 @@ from optplan.probes.model_shape import (  # noqa: F401 - re-exported
 from optplan.probes.moe_layers import find_moe_layers
 from optplan.probes.moe_profile import balanced_note, moe_shape, with_balanced_moe
 from optplan.probes.quant_inputs import bnb_keeps_4bit_inputs_here, quant_input_elements
+from optplan.probes.step_runner import (
+    BatchSpec,
+    FakeTensorLimit,
+    StepRunner,
+    batch_spec,
+)
 from optplan.probes.tensor_plan import read_tensor_plan
-from optplan.probes.traffic import TrafficCounter, block_attribution
-from optplan.probes.trainloop import CudaAutocastLoss, checkpointed_call, selective_context
 
-try:  # torch >= 2.3
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    def _math_sdpa() -> contextlib.AbstractContextManager[Any]:
-        return sdpa_kernel(SDPBackend.MATH)
-except ImportError:  # pragma: no cover - older torch
-    def _math_sdpa() -> contextlib.AbstractContextManager[Any]:
-        return torch.backends.cuda.sdp_kernel(enable_flash=False, enable_mem_efficient=False, enable_math=True)
-
-try:
-    from torch._subclasses.fake_tensor import (
-        DataDependentOutputException,
-        DynamicOutputShapeException,
-        FakeTensorMode,
-        UnsupportedOperatorException,
-    )
-
-    _FAKE_LIMITS: tuple[type[BaseException], ...] = (
-        DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException)
-except ImportError:  # pragma: no cover
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    _FAKE_LIMITS = ()
-
-PRECISIONS: tuple[ActivationPrecision, ...] = ("fp32", "bf16")
-"""The precisions measured on the model as built (fp32 weights), with and without autocast."""
-PRECISION_ORDER: tuple[ActivationPrecision, ...] = (*PRECISIONS, WEIGHTS_16BIT, FROZEN_16BIT)
-"""Every measured precision, in the profile's order; ``bf16-weights`` is measured on the model cast to
-bf16 (:func:`measure_16bit_weights`), ``bf16-frozen`` (LoRA profiles) on its frozen weights cast to bf16
-(:func:`measure_frozen_16bit`)."""
 REAL_RUN_MAX_BYTES = 1 << 28
 """Largest model (parameter and buffer bytes: 256 MiB, ~64 M fp32 parameters) profiled by a real CPU run
 when fake tensors cannot run its forward: the run takes about ten real steps on the host (a minute at
@@ -165,66 +127,6 @@ this size on two cores) and also holds gradients and activations."""
 # ---------------------------------------------------------------------------------------------------
 # structure (full model, meta device)
 # ---------------------------------------------------------------------------------------------------
-def count_params(model: nn.Module) -> tuple[int, int, dict[str, int], str]:
-    """(unique params, trainable params, params per top-level child, dominant param dtype)."""
-    total = trainable = 0
-    by_module: dict[str, int] = OrderedDict((name, 0) for name, _ in model.named_children())
-    by_dtype: dict[torch.dtype, int] = {}
-    for name, p in model.named_parameters():  # unique: a tied weight once, under its first owner
-        n = p.numel()
-        total += n
-        if p.requires_grad:
-            trainable += n
-        top = name.split(".", 1)[0]
-        by_module[top] = by_module.get(top, 0) + n
-        by_dtype[p.dtype] = by_dtype.get(p.dtype, 0) + n
-    dtype = max(by_dtype, key=by_dtype.__getitem__) if by_dtype else torch.float32
-    return total, trainable, dict(by_module), str(dtype).removeprefix("torch.")
-
-
-def factored_state_elements(model: nn.Module) -> int:
-    """Adafactor second-moment elements of the trainable parameters (Shazeer & Stern 2018, arXiv 1804.04235).
-
-    As ``torch.optim.Adafactor`` allocates them: a parameter with >= 2 dims gets a row factor over its
-    last dim and a column factor over its second-to-last, leading dims kept, i.e.
-    ``prod(shape[:-2]) * (shape[-2] + shape[-1])`` elements; a 0-D or 1-D parameter gets a full second
-    moment (``numel``). Unique parameters (a tied weight once), ``requires_grad`` only. Meta tensors do.
-    """
-    total = 0
-    for p in model.parameters():  # unique: a tied weight once
-        if not p.requires_grad:
-            continue
-        if p.dim() >= 2:
-            lead = 1
-            for d in p.shape[:-2]:
-                lead *= int(d)
-            total += lead * (int(p.shape[-2]) + int(p.shape[-1]))
-        else:
-            total += p.numel()
-    return total
-
-
-def trainable_numels(model: nn.Module) -> tuple[int, ...]:
-    """Elements of each trainable parameter tensor in ``model.parameters()`` order (a tied weight once):
-    the order in which ``torch.optim`` steps them. Meta tensors do."""
-    return tuple(p.numel() for p in model.parameters() if p.requires_grad)
-
-
-def small_param_counts(model: nn.Module, limit: int = SMALL_PARAM_LIMIT) -> dict[int, int]:
-    """Unique parameter tensors of at most ``limit`` elements, as ``numel -> count`` (a tied weight once)."""
-    counts: dict[int, int] = {}
-    for p in model.parameters():
-        n = p.numel()
-        if n <= limit:
-            counts[n] = counts.get(n, 0) + 1
-    return dict(sorted(counts.items()))
-
-
-def buffer_bytes(model: nn.Module) -> int:
-    """Bytes of the model's (unique) buffers."""
-    return sum(b.numel() * b.element_size() for b in model.buffers())
-
-
 def _fresh(contract: ModelContract, meta: nn.Module, path: str | None = None, keep: int = 0) -> nn.Module:
     """A meta model to measure: a (cut) deep copy of ``meta``, or a new build when it cannot be copied; its MoE
     layers run the balanced dispatch (probes/moe_dispatch.py)."""
@@ -253,472 +155,6 @@ def materialize_fake(model: nn.Module) -> nn.Module:
     return apply_keeping_ties(model, lambda m: m.to_empty(device="cpu"))
 
 
-# ---------------------------------------------------------------------------------------------------
-# running steps (real or fake tensors)
-# ---------------------------------------------------------------------------------------------------
-@dataclass
-class BatchSpec:
-    """How to make a batch of ``b`` samples, and how to describe it in messages."""
-
-    make: Callable[[int], Any]
-    describe: Callable[[int], str]
-    inferred: bool
-    fix: str
-
-
-def batch_spec(contract: ModelContract, model: nn.Module, seq_len: int) -> tuple[BatchSpec, str | None]:
-    """The batch maker for ``contract`` (``example_batch`` or an inferred token batch) and a note."""
-    fn = contract.example_batch
-    if fn is not None:
-        return BatchSpec(make=lambda b: fn(b, seq_len), describe=lambda b: f"example_batch({b}, {seq_len})",
-                         inferred=False, fix=BATCH_FIX), None
-    first = first_param_module(model)
-    if isinstance(first, nn.Embedding):
-        vocab = first.num_embeddings
-
-        def make(b: int) -> torch.Tensor:
-            return torch.randint(0, vocab, (b, seq_len), dtype=torch.long)
-
-        note = (f"inferred token-id batch [B, S] from the embedding (S = {seq_len}, ids below "
-                f"num_embeddings = {vocab}); add example_batch(batch_size, seq_len) to choose the inputs")
-        return BatchSpec(make=make, describe=lambda b: f"the inferred token batch [{b}, {seq_len}]",
-                         inferred=True,
-                         fix="add example_batch(batch_size, seq_len) returning what forward takes"), note
-    kind = type(first).__name__ if first is not None else "no parameterised module"
-    raise ModelFileError(contract.display,
-                         f"no example_batch and the inputs cannot be inferred (the first layer is {kind}, "
-                         "not an nn.Embedding)",
-                         "add example_batch(batch_size, seq_len) returning the inputs forward takes")
-
-
-@contextlib.contextmanager
-def checkpointed(blocks: list[nn.Module], mode: bool | str = True) -> Iterator[None]:
-    """Wrap each block's forward in ``torch.utils.checkpoint`` (non-reentrant) while active: ``True`` or
-    ``"full"`` recomputes the whole block, ``"selective"`` runs it under the op-level policy the training loop
-    applies (probes/trainloop.py ``selective_context``: attention outputs and every other matmul's output saved,
-    the rest recomputed), ``False`` or ``"none"`` leaves the blocks alone; the call is the training loop's own
-    (``checkpointed_call``)."""
-    if mode in (False, "none"):
-        yield
-        return
-    context_fn = selective_context() if mode == "selective" else None
-    saved = [(blk, blk.__dict__.get("forward")) for blk in blocks]
-    for blk in blocks:
-        blk.forward = partial(checkpointed_call, blk.forward, context_fn)  # instance attribute shadows the method
-    try:
-        yield
-    finally:
-        for blk, previous in saved:
-            if previous is None:
-                blk.__dict__.pop("forward", None)
-            else:
-                blk.forward = previous
-
-
-@contextlib.contextmanager
-def _autocast(precision: ActivationPrecision) -> Iterator[None]:
-    """bf16 autocast as it runs on a GPU: the CPU's, with the loss's cross entropy as CUDA autocast runs it
-    (trainloop.CudaAutocastLoss: the profile predicts GPU memory)."""
-    if precision not in ("bf16", FROZEN_16BIT):
-        yield
-        return
-    with torch.autocast("cpu", dtype=torch.bfloat16), CudaAutocastLoss():
-        yield
-
-
-class FakeTensorLimit(ModelFileError):
-    """Forward needs tensor values (``.item()``, a branch on a tensor, a data-dependent shape), which fake
-    tensors do not have: a small model is then profiled by a real CPU run (:func:`measure_real`)."""
-
-
-@dataclass
-class BatchInfo:
-    input_kind: str
-    tokens_per_sample: int | None
-
-
-@dataclass
-class StepRunner:
-    """Runs forward + loss + backward steps of one model, on real tensors or (inside an active
-    FakeTensorMode) fake ones, turning user-code failures into ModelFileError."""
-
-    model: nn.Module
-    spec: BatchSpec
-    loss_fn: Callable[[Any, Any], Any] | None
-    display: str
-    blocks: list[nn.Module] = field(default_factory=list)
-    loss_note: str | None = None
-    batch_info: BatchInfo | None = None
-    input_dtype: torch.dtype | None = None
-    """Floating tensors of the batch are cast to it (the model held in 16 bits); None keeps them."""
-
-    # -- pieces of a step -------------------------------------------------------------------------
-    def make_batch(self, b: int) -> Any:
-        try:
-            batch = self.spec.make(b)
-        except Exception as exc:
-            raise ModelFileError(self.display, f"{self.spec.describe(b)} raised {exc_text(exc)}",
-                                 self.spec.fix) from None
-        check_batch_type(batch, self.display, self.spec.describe(b))
-        if self.batch_info is None:
-            t = first_tensor(batch)
-            assert t is not None
-            integer = not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
-            if integer and t.dim() == 2 and t.shape[0] == b:
-                self.batch_info = BatchInfo("tokens", int(t.shape[1]))
-            else:
-                self.batch_info = BatchInfo("other", None)
-        if self.input_dtype is not None:
-            dtype = self.input_dtype
-            batch = tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
-                             batch)
-        return batch
-
-    def forward(self, batch: Any, b: int) -> Any:
-        try:
-            return call_model(self.model, batch)
-        except ModelFileError:
-            raise
-        except _FAKE_LIMITS as exc:
-            raise FakeTensorLimit(
-                self.display, f"forward needs real tensor values, which the meta/fake-tensor profile cannot "
-                f"provide ({exc_text(exc)})",
-                "avoid .item(), .tolist(), data-dependent shapes and Python branches on tensor values in "
-                "forward") from None
-        except Exception as exc:
-            if _is_grouped_gemm_dtype_error(exc):
-                raise ModelFileError(
-                    self.display, f"a grouped-GEMM expert kernel (torch._grouped_mm, a Mixture-of-Experts layer) "
-                    f"ran, which takes 16-bit inputs only and routes tokens by their values ({exc_text(exc)}): optplan "
-                    "did not recognise its experts (a module list named ...experts... of MLPs, or 3-D expert "
-                    "weights, beside an [experts, hidden] router weight) to profile them with a balanced dispatch",
-                    "write the MoE layer as router + experts (probes/moe_layers.py says what is read), or plan it from "
-                    "its shape with --hf CONFIG or --arch ...,experts=E,topk=K,moe_ffn=F") from None
-            raise ModelFileError(self.display, f"the model rejected {self.spec.describe(b)}: forward raised "
-                                 f"{exc_text(exc)}", self.spec.fix) from None
-
-    def loss(self, output: Any, batch: Any) -> torch.Tensor:
-        if self.loss_fn is not None:
-            try:
-                loss = self.loss_fn(output, batch)
-            except Exception as exc:
-                raise ModelFileError(self.display, f"loss_fn(output, batch) raised {exc_text(exc)}",
-                                     "make loss_fn(output, batch) return a scalar tensor for the model's "
-                                     "output and the example batch") from None
-            where = "loss_fn(output, batch)"
-        else:
-            try:
-                loss, rule = default_loss(output)
-            except TypeError as exc:
-                raise ModelFileError(self.display, f"no loss: {exc}",
-                                     "define loss_fn(output, batch) returning a scalar tensor") from None
-            self.loss_note = f"no loss_fn: the loss is {rule}"
-            where = "the default loss"
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-            raise ModelFileError(self.display, f"{where} returned {shape}, not a scalar tensor",
-                                 "make loss_fn(output, batch) return a scalar tensor (e.g. .mean())")
-        if not loss.requires_grad:
-            raise ModelFileError(self.display, f"{where} does not depend on any trainable parameter",
-                                 "make sure parameters have requires_grad=True and the loss uses the output")
-        return loss
-
-    def backward(self, loss: torch.Tensor) -> None:
-        try:
-            loss.backward()
-        except Exception as exc:
-            raise ModelFileError(self.display, f"backward raised {exc_text(exc)}",
-                                 "make forward + loss differentiable (no in-place changes of saved tensors, "
-                                 "no detached outputs)") from None
-
-    def step(self, b: int, precision: ActivationPrecision = "fp32") -> None:
-        """One forward + loss + backward at micro-batch ``b``; the batch is created inside."""
-        batch = self.make_batch(b)
-        with _autocast(precision):
-            out = self.forward(batch, b)
-            loss = self.loss(out, batch)
-        del out
-        self.backward(loss)
-
-    # -- measurements -----------------------------------------------------------------------------
-    def warm_up(self, b: int, precision: ActivationPrecision = "fp32") -> bool | None:
-        """One step (allocates the gradients), then zero them in place. Returns whether the first
-        repeated block's tensor inputs require grad (None without blocks)."""
-        self.model.train()
-        seen: list[bool] = []
-
-        def pre_hook(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            if not seen:
-                tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
-                seen.append(any(t.requires_grad for t in tensors))
-
-        handle = self.blocks[0].register_forward_pre_hook(pre_hook, with_kwargs=True) if self.blocks else None
-        try:
-            self.step(b, precision)
-        finally:
-            if handle is not None:
-                handle.remove()
-        self.model.zero_grad(set_to_none=False)
-        return seen[0] if seen else None
-
-    def flops(self, b: int, checkpointing: CheckpointMode = "none") -> tuple[int, int]:
-        """(forward + loss, backward) FLOPs at micro-batch ``b``, attention counted (math SDPA); under
-        ``checkpointing`` the backward's count includes what it recomputes."""
-        batch = self.make_batch(b)
-        with _math_sdpa(), checkpointed(self.blocks, checkpointing):
-            with FlopCounterMode(display=False) as fwd_counter:
-                out = self.forward(batch, b)
-                loss = self.loss(out, batch)
-            del out
-            with FlopCounterMode(display=False) as bwd_counter:
-                self.backward(loss)
-        self.model.zero_grad(set_to_none=False)
-        return int(fwd_counter.get_total_flops()), int(bwd_counter.get_total_flops())
-
-    def _tracker(self) -> MemTracker:
-        """A recording tracker with the resident parameters, gradients and buffers registered."""
-        params = list(self.model.parameters())
-        tracker = MemTracker(record=True)
-        tracker.track(params, category="param")
-        tracker.track([p.grad for p in params], category="grad")
-        tracker.track(list(self.model.buffers()), category="buffer")
-        return tracker
-
-    def activation_timeline(self, b: int, precision: ActivationPrecision = "fp32",
-                            checkpointing: CheckpointMode = "none", traffic: TrafficCounter | None = None) -> Timeline:
-        """Live tensor bytes above the resident parameters, gradients and buffers after every allocation
-        of one forward + loss + backward at micro-batch ``b``, split into :data:`PHASES` (bytes). With
-        ``traffic``, the same step's memory-bound kernels are counted too (probes/traffic.py)."""
-        tracker = self._tracker()
-        tracker.phase = "stem" if self.blocks else "forward"
-        with _phase_hooks(self.blocks, tracker), _grad_hooks(self.model, tracker), \
-                checkpointed(self.blocks, checkpointing), tracker, contextlib.ExitStack() as counting:
-            if traffic is not None:
-                counting.enter_context(block_attribution(self.blocks, traffic))
-                counting.enter_context(traffic)
-            batch = self.make_batch(b)
-            with _autocast(precision):
-                out = self.forward(batch, b)
-                _advance(tracker, "loss")
-                waits = _on_output_grad(out, tracker)
-                loss = self.loss(out, batch)
-            del out, batch
-            # the points of the loss's backward grow with depth unlike those of its forward (autocast's cached
-            # weight copies are gone): a phase of its own, which ends at the model output's gradient
-            _advance(tracker, "loss_backward" if waits else "backward")
-            if traffic is not None:
-                traffic.backward = True
-            self.backward(loss)
-            del loss
-        self.model.zero_grad(set_to_none=False)
-        return tracker.timeline()
-
-    def activation_bytes(self, b: int, precision: ActivationPrecision = "fp32",
-                         checkpointing: CheckpointMode = "none") -> int:
-        """Peak live tensor bytes of one step above the resident parameters, gradients and buffers."""
-        timeline = self.activation_timeline(b, precision, checkpointing)
-        return max((live for events in timeline.values() for live, _ in events), default=0)
-
-
-def _advance(tracker: MemTracker, phase: str) -> None:
-    """Move ``tracker.phase`` on to ``phase`` (never back: hooks can fire out of order)."""
-    if PHASES.index(phase) > PHASES.index(tracker.phase):
-        tracker.phase = phase
-
-
-def _on_output_grad(out: Any, tracker: MemTracker) -> bool:
-    """Hook the model's differentiable outputs so the ``backward`` phase starts when the first of their
-    gradients exists; returns whether any output was hooked."""
-    hooked = False
-    for leaf in tree_leaves(out):
-        if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
-            leaf.register_hook(lambda g: _advance(tracker, "backward"))
-            hooked = True
-    return hooked
-
-
-@contextlib.contextmanager
-def _grad_hooks(model: nn.Module, tracker: MemTracker) -> Iterator[None]:
-    """Start the ``backward_grads`` phase when the first parameter gradient has been accumulated."""
-    handles = [p.register_post_accumulate_grad_hook(lambda _p: _advance(tracker, "backward_grads"))
-               for p in model.parameters() if p.requires_grad]
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()
-
-
-@contextlib.contextmanager
-def _phase_hooks(blocks: list[nn.Module], tracker: MemTracker) -> Iterator[None]:
-    """Switch ``tracker.phase`` to ``forward`` when the first repeated block starts its forward and to
-    ``stem_backward`` when the gradient of its (first grad-requiring tensor) input has been computed."""
-    if not blocks:
-        yield
-        return
-
-    def on_input_grad(grad: torch.Tensor) -> None:
-        _advance(tracker, "stem_backward")
-
-    def pre_hook(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if tracker.phase != "stem":
-            return
-        tracker.phase = "forward"
-        for t in (*args, *kwargs.values()):
-            if isinstance(t, torch.Tensor) and t.requires_grad:
-                t.register_hook(on_input_grad)
-                break
-
-    handle = blocks[0].register_forward_pre_hook(pre_hook, with_kwargs=True)
-    try:
-        yield
-    finally:
-        handle.remove()
-
-
-@dataclass
-class Measurement:
-    """Raw numbers of one model instance (one depth)."""
-
-    fwd_flops: int
-    bwd_flops: int
-    envelopes: dict[tuple[ActivationPrecision, CheckpointMode], StepEnvelope]
-    batch_info: BatchInfo
-    loss_note: str | None
-    first_block_input_grad: bool | None = None
-    weights_16bit_note: str | None = None
-    selective_recompute_flops: int | None = None
-    eager_block_bytes: dict[str, tuple[float, float]] = field(default_factory=dict)
-    """Memory-bound bytes of one repeated block per sample by eager precision class: (forward, backward)."""
-
-
-def checkpoint_modes(has_blocks: bool) -> tuple[CheckpointMode, ...]:
-    """No checkpointing, and when the model has repeated blocks every block checkpointed in full and under the
-    training loop's selective policy (the latter where torch has ``create_selective_checkpoint_contexts``)."""
-    if not has_blocks:
-        return ("none",)
-    return ("none", "selective", "full") if selective_context() is not None else ("none", "full")
-
-
-def modes_for(has_blocks: bool) -> list[tuple[ActivationPrecision, CheckpointMode]]:
-    return [(p, c) for p in PRECISIONS for c in checkpoint_modes(has_blocks)]
-
-
-def measure(runner: StepRunner, batch_sizes: tuple[int, int], *, flops: bool = True) -> Measurement:
-    """Warm up, count FLOPs at ``batch_sizes[0]`` and fit the activation envelope of every mode from
-    the step's timelines at the two ``batch_sizes``."""
-    input_grad = runner.warm_up(batch_sizes[0])
-    fwd, bwd = runner.flops(batch_sizes[0]) if flops else (0, 0)
-    recompute = None
-    if flops and "selective" in checkpoint_modes(bool(runner.blocks)):  # what the selective policy re-runs
-        recompute = max(0, runner.flops(batch_sizes[0], "selective")[1] - bwd)
-    envelopes = {}
-    eager: dict[str, tuple[float, float]] = {}
-    for precision, ckpt in modes_for(bool(runner.blocks)):
-        t0, t1 = _timelines(runner, batch_sizes, precision, ckpt, eager)
-        envelopes[(precision, ckpt)] = StepEnvelope.from_timelines(t0, t1, batch_sizes)
-    sixteen, note = measure_16bit_weights(runner, batch_sizes, eager)
-    envelopes.update(sixteen)
-    if any(LORA_MARK in name for name, _ in runner.model.named_parameters()):
-        envelopes.update(measure_frozen_16bit(runner, batch_sizes))
-    assert runner.batch_info is not None
-    return Measurement(fwd, bwd, envelopes, runner.batch_info, runner.loss_note, input_grad, note, recompute,
-                       eager_block_bytes=eager)
-
-
-EAGER_CLASS: dict[str, str] = {"fp32": "fp32", "bf16": "amp", WEIGHTS_16BIT: "bf16"}
-"""The eager-traffic precision class (estimators/eager_traffic.py) of each profiled activation precision."""
-
-
-def _timelines(runner: StepRunner, batch_sizes: tuple[int, int], precision: ActivationPrecision,
-               ckpt: CheckpointMode, eager: dict[str, tuple[float, float]]) -> tuple[Timeline, Timeline]:
-    """The two timelines of one mode; without checkpointing, the memory-bound bytes of one repeated block per
-    sample (forward, backward: the slope between the two batch sizes, probes/traffic.py) go into ``eager``."""
-    if ckpt != "none" or not runner.blocks or precision not in EAGER_CLASS:
-        return runner.activation_timeline(batch_sizes[0], precision, ckpt), \
-            runner.activation_timeline(batch_sizes[1], precision, ckpt)
-    counters = (TrafficCounter(), TrafficCounter())
-    t0, t1 = (runner.activation_timeline(b, precision, ckpt, traffic=c) for b, c in zip(batch_sizes, counters,
-                                                                                       strict=True))
-    (f0, b0), (f1, b1) = (c.traffic.per_block() for c in counters)
-    n = batch_sizes[1] - batch_sizes[0]
-    eager[EAGER_CLASS[precision]] = (max(0.0, (f1 - f0) / n), max(0.0, (b1 - b0) / n))
-    return t0, t1
-
-
-def measure_16bit_weights(runner: StepRunner, batch_sizes: tuple[int, int],
-                          eager: dict[str, tuple[float, float]] | None = None
-                          ) -> tuple[dict[tuple[ActivationPrecision, CheckpointMode], StepEnvelope], str | None]:
-    """The ``bf16-weights`` envelopes: the model's floating parameters and buffers cast to bf16 (tied weights
-    kept tied), floating inputs cast, no autocast, one warm-up step (bf16 gradients), then the same
-    timelines as the other modes; the model is cast back afterwards. A model that fails to run in bf16
-    (an op without a bf16 kernel, a tensor the model creates in fp32 and mixes with its weights) gets no
-    such envelopes, and a note: its 16-bit recipes are then priced from the autocast fit without its
-    weight copies."""
-    model = runner.model
-    dtypes = {name: t.dtype for name, t in (*model.named_parameters(remove_duplicate=False),
-                                             *model.named_buffers(remove_duplicate=False))}
-    envelopes: dict[tuple[ActivationPrecision, CheckpointMode], StepEnvelope] = {}
-    note = None
-    try:
-        cast_floating(model, lambda _name: torch.bfloat16)
-        runner.input_dtype = torch.bfloat16
-        runner.warm_up(batch_sizes[0])
-        for ckpt in checkpoint_modes(bool(runner.blocks)):
-            t0, t1 = _timelines(runner, batch_sizes, WEIGHTS_16BIT, ckpt, eager if eager is not None else {})
-            envelopes[(WEIGHTS_16BIT, ckpt)] = StepEnvelope.from_timelines(t0, t1, batch_sizes)
-    except ModelFileError as exc:
-        envelopes = {}
-        note = (f"the model does not train with bf16 weights ({exc.problem}): its 16-bit-weight recipes are "
-                "priced from the autocast profile without autocast's weight copies")
-    finally:
-        runner.input_dtype = None
-        cast_floating(model, lambda name: dtypes.get(name))
-    return envelopes, note
-
-
-def measure_frozen_16bit(runner: StepRunner, batch_sizes: tuple[int, int]
-                         ) -> dict[tuple[ActivationPrecision, CheckpointMode], StepEnvelope]:
-    """The ``bf16-frozen`` envelopes of a LoRA model: its frozen parameters cast to bf16, the trainable adapters
-    kept in fp32, steps under bf16 autocast (peft's default on a base loaded in bf16, with a Hugging Face
-    ``Trainer(bf16=True)``): one warm-up step, then the timelines of the other modes; the model is cast back
-    afterwards. A model that fails so gets none (its AMP recipes then use the autocast fit)."""
-    model = runner.model
-    frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
-    dtypes = {name: p.dtype for name, p in model.named_parameters(remove_duplicate=False)}
-    envelopes: dict[tuple[ActivationPrecision, CheckpointMode], StepEnvelope] = {}
-    try:
-        cast_floating(model, lambda name: torch.bfloat16 if name in frozen else None)
-        runner.warm_up(batch_sizes[0], FROZEN_16BIT)
-        for ckpt in checkpoint_modes(bool(runner.blocks)):
-            t0, t1 = (runner.activation_timeline(b, FROZEN_16BIT, ckpt) for b in batch_sizes)
-            envelopes[(FROZEN_16BIT, ckpt)] = StepEnvelope.from_timelines(t0, t1, batch_sizes)
-    except ModelFileError:
-        envelopes = {}
-    finally:
-        cast_floating(model, lambda name: dtypes.get(name))
-    return envelopes
-
-
-def cast_floating(model: nn.Module, dtype_of: Callable[[str], torch.dtype | None]) -> None:
-    """Replace each floating parameter and buffer of ``model`` by a copy in ``dtype_of(its dotted name)``
-    (None or its own dtype: left as it is), keeping tied ones tied. New Parameters, not ``Module.to``:
-    fake tensors cannot be swapped in place across dtypes."""
-    def cast(root: nn.Module) -> None:
-        with torch.no_grad():
-            for prefix, mod in root.named_modules(remove_duplicate=False):
-                for store in ("_parameters", "_buffers"):
-                    table = getattr(mod, store)
-                    for name, t in list(table.items()):
-                        want = dtype_of(f"{prefix}.{name}" if prefix else name)
-                        if t is None or not t.is_floating_point() or want is None or t.dtype == want:
-                            continue
-                        table[name] = (nn.Parameter(t.detach().to(want), requires_grad=t.requires_grad)
-                                       if store == "_parameters" else t.to(want))
-
-    apply_keeping_ties(model, cast)
-
-
 def blocks_of(model: nn.Module, cls: type | None) -> list[nn.Module]:
     """The instances of the repeated block class that sit directly in ModuleLists/Sequentials."""
     if cls is None:
@@ -741,17 +177,6 @@ def measure_fake(meta_model: nn.Module, spec: BatchSpec, contract: ModelContract
                             blocks=blocks_of(model, block_cls))
         return measure(runner, batch_sizes)
 
-
-def extrapolate(one: float, two: float, layers: int, base: int = 1) -> float:
-    """Value at ``layers`` blocks from values at ``base`` and ``base + 1`` blocks (linear in depth)."""
-    return one + (two - one) * (layers - base)
-
-
-def fit_activations(envelopes: Mapping[tuple[ActivationPrecision, CheckpointMode], StepEnvelope]
-                    ) -> tuple[ActivationFit, ...]:
-    """One :class:`ActivationFit` per (precision, checkpointing), fp32 first, no checkpointing first."""
-    modes = sorted(envelopes, key=lambda m: (PRECISION_ORDER.index(m[0]), m[1] != "none"))
-    return tuple(activation_fit(precision, ckpt, envelopes[(precision, ckpt)]) for precision, ckpt in modes)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -857,11 +282,6 @@ def measure_real(contract: ModelContract, meta: nn.Module, spec: BatchSpec, bloc
                  f"and {sizes[1]}; memory that depends on the data (e.g. routing) is what these batches produced")
     return measurement, sizes
 
-
-def _is_grouped_gemm_dtype_error(exc: BaseException) -> bool:
-    """torch._grouped_mm's refusal of fp32 inputs (transformers 5's default experts implementation)."""
-    text = str(exc)
-    return "Expected inputs of BF16 type" in text or "grouped_mm" in text
 
 
 def profile_contract(contract: ModelContract, *, seq_len: int | None = None,

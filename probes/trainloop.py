@@ -196,7 +196,7 @@ def make_optimizer(name: str, params: list[torch.Tensor]) -> Any:
 
 def selective_context() -> Callable[[], Any] | None:
     """``context_fn`` for op-level selective checkpointing, or None when torch lacks it (the static profiler
-    measures the selective activations with this same policy: probes/static.py ``checkpointed``)."""
+    measures the selective activations with this same policy: probes/step_runner.py ``checkpointed``)."""
     try:
         from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
     except ImportError:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from optplan.probes.static import count_params
+from optplan.probes.model_census import count_params
 
 
 def meta_params(build) -> int:

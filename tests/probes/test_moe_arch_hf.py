@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from optplan.estimators.arch import arch_params, arch_small_param_counts, parse_arch
-from optplan.probes.static import small_param_counts
+from optplan.probes.model_census import small_param_counts
 
 transformers = pytest.importorskip("transformers")
 

@@ -10,19 +10,12 @@ import time
 import pytest
 import torch
 
+from optplan.probes.activation_measure import fit_activations, measure
 from optplan.probes.contract import load_contract
 from optplan.probes.loader import profile_model_file
-from optplan.probes.static import (
-    StepRunner,
-    batch_spec,
-    blocks_of,
-    factored_state_elements,
-    find_repeated_block,
-    fit_activations,
-    measure,
-    measure_fake,
-    profile_contract,
-)
+from optplan.probes.model_census import factored_state_elements
+from optplan.probes.static import blocks_of, find_repeated_block, measure_fake, profile_contract
+from optplan.probes.step_runner import StepRunner, batch_spec
 
 BATCHES = (1, 2)
 
@@ -321,7 +314,7 @@ def test_arch_formula_matches_a_built_decoder():
         arch_params,
         arch_small_param_counts,
     )
-    from optplan.probes.static import small_param_counts
+    from optplan.probes.model_census import small_param_counts
 
     nn = torch.nn
     h, heads, kv_heads, ffn, vocab, seq, layers = 16, 4, 2, 40, 50, 12, 3

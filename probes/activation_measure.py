@@ -1,0 +1,180 @@
+"""What the static profile measures on a model instance, and the fits it keeps (probes/static.py has the definitions).
+
+:func:`measure` warms a :class:`~optplan.probes.step_runner.StepRunner` up, counts the step's FLOPs (and what the
+training loop's selective policy re-runs) and records, for every precision (fp32, bf16 autocast) and checkpointing
+mode (none, the op-level selective policy, every repeated block), the live-bytes timelines at two micro-batches,
+whose upper envelope over the micro-batch is the activation fit (probes/envelope.py); then the same with the model
+held in bf16 (``bf16-weights``) and, for LoRA models, with the frozen base in bf16 (``bf16-frozen``). Without
+checkpointing the same steps also count one repeated block's memory-bound bytes per sample by eager precision class
+(probes/traffic.py; ``ModelProfile.eager_layer_bytes_per_token``). :func:`extrapolate` carries a value measured at
+one and two blocks to the full depth; :func:`fit_activations` turns the envelopes into the profile's fits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from optplan.estimators.profile import (
+    FROZEN_16BIT,
+    WEIGHTS_16BIT,
+    ActivationFit,
+    ActivationPrecision,
+    CheckpointMode,
+)
+from optplan.probes.adapters import LORA_MARK
+from optplan.probes.envelope import StepEnvelope, Timeline, activation_fit
+from optplan.probes.loader import ModelFileError
+from optplan.probes.step_runner import BatchInfo, StepRunner, cast_floating
+from optplan.probes.traffic import TrafficCounter
+from optplan.probes.trainloop import selective_context
+
+PRECISIONS: tuple[ActivationPrecision, ...] = ("fp32", "bf16")
+"""The precisions measured on the model as built (fp32 weights), with and without autocast."""
+PRECISION_ORDER: tuple[ActivationPrecision, ...] = (*PRECISIONS, WEIGHTS_16BIT, FROZEN_16BIT)
+"""Every measured precision, in the profile's order; ``bf16-weights`` is measured on the model cast to
+bf16 (:func:`measure_16bit_weights`), ``bf16-frozen`` (LoRA profiles) on its frozen weights cast to bf16
+(:func:`measure_frozen_16bit`)."""
+
+
+@dataclass
+class Measurement:
+    """Raw numbers of one model instance (one depth)."""
+
+    fwd_flops: int
+    bwd_flops: int
+    envelopes: dict[tuple[ActivationPrecision, CheckpointMode], StepEnvelope]
+    batch_info: BatchInfo
+    loss_note: str | None
+    first_block_input_grad: bool | None = None
+    weights_16bit_note: str | None = None
+    selective_recompute_flops: int | None = None
+    eager_block_bytes: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """Memory-bound bytes of one repeated block per sample by eager precision class: (forward, backward)."""
+
+
+def checkpoint_modes(has_blocks: bool) -> tuple[CheckpointMode, ...]:
+    """No checkpointing, and when the model has repeated blocks every block checkpointed in full and under the
+    training loop's selective policy (the latter where torch has ``create_selective_checkpoint_contexts``)."""
+    if not has_blocks:
+        return ("none",)
+    return ("none", "selective", "full") if selective_context() is not None else ("none", "full")
+
+
+def modes_for(has_blocks: bool) -> list[tuple[ActivationPrecision, CheckpointMode]]:
+    return [(p, c) for p in PRECISIONS for c in checkpoint_modes(has_blocks)]
+
+
+def measure(runner: StepRunner, batch_sizes: tuple[int, int], *, flops: bool = True) -> Measurement:
+    """Warm up, count FLOPs at ``batch_sizes[0]`` and fit the activation envelope of every mode from
+    the step's timelines at the two ``batch_sizes``."""
+    input_grad = runner.warm_up(batch_sizes[0])
+    fwd, bwd = runner.flops(batch_sizes[0]) if flops else (0, 0)
+    recompute = None
+    if flops and "selective" in checkpoint_modes(bool(runner.blocks)):  # what the selective policy re-runs
+        recompute = max(0, runner.flops(batch_sizes[0], "selective")[1] - bwd)
+    envelopes = {}
+    eager: dict[str, tuple[float, float]] = {}
+    for precision, ckpt in modes_for(bool(runner.blocks)):
+        t0, t1 = _timelines(runner, batch_sizes, precision, ckpt, eager)
+        envelopes[(precision, ckpt)] = StepEnvelope.from_timelines(t0, t1, batch_sizes)
+    sixteen, note = measure_16bit_weights(runner, batch_sizes, eager)
+    envelopes.update(sixteen)
+    if any(LORA_MARK in name for name, _ in runner.model.named_parameters()):
+        envelopes.update(measure_frozen_16bit(runner, batch_sizes))
+    assert runner.batch_info is not None
+    return Measurement(fwd, bwd, envelopes, runner.batch_info, runner.loss_note, input_grad, note, recompute,
+                       eager_block_bytes=eager)
+
+
+EAGER_CLASS: dict[str, str] = {"fp32": "fp32", "bf16": "amp", WEIGHTS_16BIT: "bf16"}
+"""The eager-traffic precision class (estimators/eager_traffic.py) of each profiled activation precision."""
+
+
+def _timelines(runner: StepRunner, batch_sizes: tuple[int, int], precision: ActivationPrecision,
+               ckpt: CheckpointMode, eager: dict[str, tuple[float, float]]) -> tuple[Timeline, Timeline]:
+    """The two timelines of one mode; without checkpointing, the memory-bound bytes of one repeated block per
+    sample (forward, backward: the slope between the two batch sizes, probes/traffic.py) go into ``eager``."""
+    if ckpt != "none" or not runner.blocks or precision not in EAGER_CLASS:
+        return runner.activation_timeline(batch_sizes[0], precision, ckpt), \
+            runner.activation_timeline(batch_sizes[1], precision, ckpt)
+    counters = (TrafficCounter(), TrafficCounter())
+    t0, t1 = (runner.activation_timeline(b, precision, ckpt, traffic=c) for b, c in zip(batch_sizes, counters,
+                                                                                       strict=True))
+    (f0, b0), (f1, b1) = (c.traffic.per_block() for c in counters)
+    n = batch_sizes[1] - batch_sizes[0]
+    eager[EAGER_CLASS[precision]] = (max(0.0, (f1 - f0) / n), max(0.0, (b1 - b0) / n))
+    return t0, t1
+
+
+def measure_16bit_weights(runner: StepRunner, batch_sizes: tuple[int, int],
+                          eager: dict[str, tuple[float, float]] | None = None
+                          ) -> tuple[dict[tuple[ActivationPrecision, CheckpointMode], StepEnvelope], str | None]:
+    """The ``bf16-weights`` envelopes: the model's floating parameters and buffers cast to bf16 (tied weights
+    kept tied), floating inputs cast, no autocast, one warm-up step (bf16 gradients), then the same
+    timelines as the other modes; the model is cast back afterwards. A model that fails to run in bf16
+    (an op without a bf16 kernel, a tensor the model creates in fp32 and mixes with its weights) gets no
+    such envelopes, and a note: its 16-bit recipes are then priced from the autocast fit without its
+    weight copies."""
+    model = runner.model
+    dtypes = {name: t.dtype for name, t in (*model.named_parameters(remove_duplicate=False),
+                                             *model.named_buffers(remove_duplicate=False))}
+    envelopes: dict[tuple[ActivationPrecision, CheckpointMode], StepEnvelope] = {}
+    note = None
+    try:
+        cast_floating(model, lambda _name: torch.bfloat16)
+        runner.input_dtype = torch.bfloat16
+        runner.warm_up(batch_sizes[0])
+        for ckpt in checkpoint_modes(bool(runner.blocks)):
+            t0, t1 = _timelines(runner, batch_sizes, WEIGHTS_16BIT, ckpt, eager if eager is not None else {})
+            envelopes[(WEIGHTS_16BIT, ckpt)] = StepEnvelope.from_timelines(t0, t1, batch_sizes)
+    except ModelFileError as exc:
+        envelopes = {}
+        note = (f"the model does not train with bf16 weights ({exc.problem}): its 16-bit-weight recipes are "
+                "priced from the autocast profile without autocast's weight copies")
+    finally:
+        runner.input_dtype = None
+        cast_floating(model, lambda name: dtypes.get(name))
+    return envelopes, note
+
+
+def measure_frozen_16bit(runner: StepRunner, batch_sizes: tuple[int, int]
+                         ) -> dict[tuple[ActivationPrecision, CheckpointMode], StepEnvelope]:
+    """The ``bf16-frozen`` envelopes of a LoRA model: its frozen parameters cast to bf16, the trainable adapters
+    kept in fp32, steps under bf16 autocast (peft's default on a base loaded in bf16, with a Hugging Face
+    ``Trainer(bf16=True)``): one warm-up step, then the timelines of the other modes; the model is cast back
+    afterwards. A model that fails so gets none (its AMP recipes then use the autocast fit)."""
+    model = runner.model
+    frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    dtypes = {name: p.dtype for name, p in model.named_parameters(remove_duplicate=False)}
+    envelopes: dict[tuple[ActivationPrecision, CheckpointMode], StepEnvelope] = {}
+    try:
+        cast_floating(model, lambda name: torch.bfloat16 if name in frozen else None)
+        runner.warm_up(batch_sizes[0], FROZEN_16BIT)
+        for ckpt in checkpoint_modes(bool(runner.blocks)):
+            t0, t1 = (runner.activation_timeline(b, FROZEN_16BIT, ckpt) for b in batch_sizes)
+            envelopes[(FROZEN_16BIT, ckpt)] = StepEnvelope.from_timelines(t0, t1, batch_sizes)
+    except ModelFileError:
+        envelopes = {}
+    finally:
+        cast_floating(model, lambda name: dtypes.get(name))
+    return envelopes
+
+
+
+def extrapolate(one: float, two: float, layers: int, base: int = 1) -> float:
+    """Value at ``layers`` blocks from values at ``base`` and ``base + 1`` blocks (linear in depth)."""
+    return one + (two - one) * (layers - base)
+
+
+def fit_activations(envelopes: Mapping[tuple[ActivationPrecision, CheckpointMode], StepEnvelope]
+                    ) -> tuple[ActivationFit, ...]:
+    """One :class:`ActivationFit` per (precision, checkpointing), fp32 first, no checkpointing first."""
+    modes = sorted(envelopes, key=lambda m: (PRECISION_ORDER.index(m[0]), m[1] != "none"))
+    return tuple(activation_fit(precision, ckpt, envelopes[(precision, ckpt)]) for precision, ckpt in modes)
+
+
+__all__ = ["EAGER_CLASS", "PRECISIONS", "PRECISION_ORDER", "Measurement", "checkpoint_modes", "extrapolate",
+           "fit_activations", "measure", "measure_16bit_weights", "measure_frozen_16bit", "modes_for"]
