@@ -25,19 +25,17 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from eager_traffic import PRECISIONS, SHAPES, TERMS, _load, bytes_at, fit  # noqa: E402
+from eager_traffic import PRECISIONS, SHAPES, TERMS, UNIT, _load, bytes_at, fit  # noqa: E402
+from eager_traffic import write_data as write_eager_data  # noqa: E402
 
 from optplan.estimators.eager_traffic import layer_bytes_per_token  # noqa: E402
 from optplan.probes.step_runner import cast_floating  # noqa: E402
@@ -202,20 +200,14 @@ def data_document(fits: dict[str, dict[str, Any]], worst: float) -> dict[str, An
                       "block (gated) and examples/gpt2.py's (plain), each compiled on its own, micro-batch 2 minus 1, "
                       f"fitted over several widths (largest residual {100 * worst:.1f}%); forward and backward in "
                       "one figure (fwd), bwd zero",
-            "unit": "bytes per token per layer = sum of coefficient x width (h, ffn, kv = kv heads x head width, "
-                    "head_dim; gqa = h when k/v heads are repeated)",
+            "unit": UNIT,
             "blocks": fits}
 
 
 def write_data(doc: dict[str, Any]) -> None:
     """Replace estimators/data/compiled_traffic.yaml atomically."""
-    fd, tmp = tempfile.mkstemp(dir=DATA.parent, suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as fh:
-        fh.write("# Compiled (TorchInductor) elementwise traffic of one transformer layer per token (read by "
-                 "optplan.estimators.eager_traffic).\n# Written by `python benchmarks/compiled_traffic.py --write`; "
-                 "do not edit by hand.\n")
-        yaml.safe_dump(doc, fh, sort_keys=False, width=120)
-    os.replace(tmp, DATA)
+    write_eager_data(doc, DATA, "Compiled (TorchInductor) elementwise traffic of one transformer layer per token",
+                     "compiled_traffic.py")
 
 
 if __name__ == "__main__":

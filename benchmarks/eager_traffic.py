@@ -198,20 +198,25 @@ def data_document(fits: dict[str, dict[str, Any]], worst: float) -> dict[str, An
                       "memory-bound ATen operator of one layer reads and writes (fake tensors, micro-batch 2 minus 1) "
                       "on examples/llama.py's block (gated) and examples/gpt2.py's (plain), fitted over several "
                       f"widths (largest residual {100 * worst:.1f}%)",
-            "unit": "bytes per token per layer = sum of coefficient x width (h, ffn, kv = kv heads x head width, "
-                    "head_dim; gqa = h when k/v heads are repeated)",
+            "unit": UNIT,
             "blocks": fits}
 
 
-def write_data(doc: dict[str, Any]) -> None:
-    """Replace estimators/data/eager_traffic.yaml atomically."""
-    fd, tmp = tempfile.mkstemp(dir=DATA.parent, suffix=".tmp")
+UNIT = ("bytes per token per layer = sum of coefficient x width (h, ffn, kv = kv heads x head width, head_dim; gqa = h "
+        "when k/v heads are repeated)")
+"""The packaged coefficients' unit (eager and compiled alike)."""
+
+
+def write_data(doc: dict[str, Any], data: Path = DATA,
+               header: str = "Eager elementwise traffic of one transformer layer per token",
+               benchmark: str = "eager_traffic.py") -> None:
+    """Replace ``data`` (estimators/data/eager_traffic.yaml) atomically with ``doc`` under a generated-file header."""
+    fd, tmp = tempfile.mkstemp(dir=data.parent, suffix=".tmp")
     with os.fdopen(fd, "w", encoding="utf-8") as fh:
-        fh.write("# Eager elementwise traffic of one transformer layer per token (read by "
-                 "optplan.estimators.eager_traffic).\n# Written by `python benchmarks/eager_traffic.py --write`; "
-                 "do not edit by hand.\n")
+        fh.write(f"# {header} (read by optplan.estimators.eager_traffic).\n# Written by `python "
+                 f"benchmarks/{benchmark} --write`; do not edit by hand.\n")
         yaml.safe_dump(doc, fh, sort_keys=False, width=120)
-    os.replace(tmp, DATA)
+    os.replace(tmp, data)
 
 
 if __name__ == "__main__":
