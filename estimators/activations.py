@@ -19,6 +19,7 @@ activations by 1 + (p−1)/(p·v) (Korthikanti et al. §4.2.3). memory.py adds t
 from __future__ import annotations
 
 from optplan.estimators.fp8_activations import fp8_saved_bytes_per_token
+from optplan.estimators.loss_parallel import loss_parallel_extra_bytes_per_sample
 from optplan.estimators.moe_recompute import saved_bytes_per_token
 from optplan.estimators.parallel import layers_per_stage
 from optplan.estimators.params_placement import rank_stages, stage_params
@@ -172,6 +173,8 @@ def _per_sample_stage_bytes(profile: ModelProfile, strategy: Strategy, mode: str
         layer_tp -= s * (rep_save / (t if strategy.sp else 1) + split_save / t)
     layer_input = 2 * s * h * scale / (t if strategy.sp else 1)
     ends_here = ends / (1 if gathers_logits(profile, strategy) else t) if last else 0.0
+    if last:  # PyTorch's loss parallelism holds more fp32 logit-shaped tensors than a fused kernel (loss_parallel.py)
+        ends_here += loss_parallel_extra_bytes_per_sample(profile, strategy, recipe.activation_precision)
     if mode == "full":
         # the recomputed layer's working set exists only in a layer's backward, after the logits and the loss
         # (and their gradient) are freed: the larger of the two beside the kept layer inputs, not their sum
