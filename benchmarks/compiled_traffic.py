@@ -34,7 +34,17 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from eager_traffic import PRECISIONS, SHAPES, TERMS, UNIT, _load, bytes_at, fit  # noqa: E402
+from eager_traffic import (  # noqa: E402
+    GATED_SHAPES,
+    PLAIN_SHAPES,
+    PRECISIONS,
+    SHAPES,
+    TERMS,
+    UNIT,
+    _load,
+    bytes_at,
+    fit,
+)
 from eager_traffic import write_data as write_eager_data  # noqa: E402
 
 from optplan.estimators.eager_traffic import layer_bytes_per_token  # noqa: E402
@@ -101,8 +111,7 @@ def gated_rows(precision: str) -> list[tuple[dict[str, float], tuple[float, floa
     """(widths, (fwd + bwd, 0)) of examples/llama.py's compiled block at eager_traffic.py's shapes."""
     llama = _load("llama")
     rows = []
-    for dim, ffn, heads, kv_heads in ((256, 1024, 4, 4), (256, 768, 4, 2), (512, 1024, 8, 2), (384, 1536, 6, 3),
-                                      (512, 2048, 4, 1), (512, 1536, 8, 8), (384, 1024, 3, 1)):
+    for dim, ffn, heads, kv_heads in GATED_SHAPES:
         cfg = llama.make_config("1B", dim=dim, ffn_dim=ffn, n_heads=heads, n_kv_heads=kv_heads, n_layers=1,
                                 vocab_size=512)
         model = llama.Llama(cfg)
@@ -118,7 +127,7 @@ def plain_rows(precision: str) -> list[tuple[dict[str, float], tuple[float, floa
     """The same for examples/gpt2.py's block, its MLP width set per shape."""
     gpt2 = _load("gpt2")
     rows = []
-    for dim, ffn, heads in ((256, 1024, 4), (256, 512, 4), (512, 1024, 8), (384, 1536, 4)):
+    for dim, ffn, heads in PLAIN_SHAPES:
         cfg = gpt2.GPTConfig(block_size=SEQ, vocab_size=512, n_layer=1, n_head=heads, n_embd=dim, dropout=0.0)
         model = gpt2.GPT(cfg)
         blocks = [m for m in model.modules() if isinstance(m, gpt2.Block)]

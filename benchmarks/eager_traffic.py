@@ -50,6 +50,14 @@ PRECISIONS = ("fp32", "amp", "bf16")
 TERMS = ("h", "ffn", "kv", "head_dim", "gqa")
 
 
+GATED_SHAPES: tuple[tuple[int, int, int, int], ...] = (
+    (256, 1024, 4, 4), (256, 768, 4, 2), (512, 1024, 8, 2), (384, 1536, 6, 3), (512, 2048, 4, 1), (512, 1536, 8, 8),
+    (384, 1024, 3, 1))
+"""(hidden, MLP width, heads, k/v heads) of the Llama blocks counted: enough distinct widths for the five terms."""
+PLAIN_SHAPES: tuple[tuple[int, int, int], ...] = ((256, 1024, 4), (256, 512, 4), (512, 1024, 8), (384, 1536, 4))
+"""(hidden, MLP width, heads) of the GPT-2 blocks counted."""
+
+
 def _load(name: str) -> Any:
     spec = importlib.util.spec_from_file_location(f"_optplan_ref_{name}", ROOT / "examples" / f"{name}.py")
     assert spec and spec.loader
@@ -82,8 +90,7 @@ def gated_rows(precision: str) -> list[tuple[dict[str, float], tuple[float, floa
     """Measured (widths, (fwd, bwd) bytes per token) of examples/llama.py's block at several shapes."""
     llama = _load("llama")
     rows = []
-    for dim, ffn, heads, kv_heads in ((256, 1024, 4, 4), (256, 768, 4, 2), (512, 1024, 8, 2), (384, 1536, 6, 3),
-                                      (512, 2048, 4, 1), (512, 1536, 8, 8), (384, 1024, 3, 1)):
+    for dim, ffn, heads, kv_heads in GATED_SHAPES:
         with FakeTensorMode():
             cfg = llama.make_config("1B", dim=dim, ffn_dim=ffn, n_heads=heads, n_kv_heads=kv_heads, n_layers=2,
                                     vocab_size=512)
@@ -101,7 +108,7 @@ def plain_rows(precision: str) -> list[tuple[dict[str, float], tuple[float, floa
     """The same for examples/gpt2.py's block, its MLP width set per shape (multi-head: kv width = h)."""
     gpt2 = _load("gpt2")
     rows = []
-    for dim, ffn, heads in ((256, 1024, 4), (256, 512, 4), (512, 1024, 8), (384, 1536, 4)):
+    for dim, ffn, heads in PLAIN_SHAPES:
         with FakeTensorMode():
             cfg = gpt2.GPTConfig(block_size=SEQ, vocab_size=512, n_layer=2, n_head=heads, n_embd=dim)
             model = gpt2.GPT(cfg)

@@ -310,7 +310,7 @@ def layer_time(dims: TransformerDims, strategy: Strategy, gpu: GPUSpec, eff: Gpu
     core_flops = 2.0 * heads * (s / c) * s * (qk_d + v_d)
     d = (qk_d + v_d) / 2  # the unfused core's GEMMs below
     if strategy.flash:
-        # the engine's own kernel where it is not the fit's FlashAttention-2 class: attention_kernels.py
+        # the measured kernel the engine runs on this GPU at this sequence length, else the fit (attention_kernels.py)
         f_fwd, f_bwd = flash_fractions(strategy.engine, gpu.name, eff.flash_attention_fraction, eff.flash_backward,
                                        seq=s / c, kernel=attention_kernel)
         core_fwd = CAUSAL_FLASH_FRACTION * core_flops / (other_peak * f_fwd)
