@@ -52,9 +52,12 @@ from typing import Any
 
 from optplan.estimators.arch import parse_arch, profile_from_arch
 from optplan.estimators.estimate import Estimate, estimate
-from optplan.estimators.hardware import Cluster, GPUSpec, find_gpu
+from optplan.estimators.hardware import Cluster, find_gpu
 from optplan.estimators.profile import ModelProfile
 from optplan.estimators.strategy import CheckpointName, PrecisionName, Strategy
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from published_sets import grand_teton_h100  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "benchmarks" / "data" / "torchtitan_published.json"
@@ -70,22 +73,6 @@ SHAPES = {
 ffn_dim_multiplier 1.3/1.3/1.2 with multiple_of 1024/4096/4096 -> 14,336 / 28,672 / 53,248), vocabulary 128,256,
 untied output."""
 GPUS = {"H100-96GB-500W": "H100-SXM", "H200": "H200"}
-H100_NVL_BF16_FLOPS = 835.5e12
-"""NVIDIA H100 datasheet, H100 NVL column: 1,671 TFLOP/s BF16 with sparsity, 835.5 dense."""
-
-
-def grand_teton_h100() -> GPUSpec:
-    """The Grand Teton H100 the torchtitan H100 tables ran on, as its source describes it: 96 GB of HBM2e at 2.4 TB/s,
-    a 500 W power limit, and a peak "between SXM and NVL" (the source does not know it): priced at the midpoint of
-    the two datasheet peaks (0.92 of the SXM's, every dtype), with the H100 SXM's fitted fractions and kernels (the
-    same GH100 die; its name is kept so they apply)."""
-    sxm = find_gpu("H100-SXM")
-    scale = (sxm.peak_flops_for("bf16") + H100_NVL_BF16_FLOPS) / 2 / sxm.peak_flops_for("bf16")
-    return sxm.model_copy(update={"peak_flops": {k: v * scale for k, v in sxm.peak_flops.items()},
-                                  "memory_bandwidth_bytes_per_s": 2.4e12, "memory_bytes": 96 * 2**30,
-                                  "tdp_watts": 500})
-
-
 NIC_BYTES_PER_S = 50e9
 """400 Gb/s RDMA per GPU (every source)."""
 CHECKPOINTING: dict[str, CheckpointName] = {"none": "none", "selective-op": "selective", "full": "full"}
@@ -200,13 +187,29 @@ def plan(row: dict[str, Any]) -> tuple[Strategy, tuple[str, ...]]:
     return strategy, tuple(flags)
 
 
+def cluster_for(row: dict[str, Any]) -> Cluster:
+    """The cluster ``row`` ran on: its GPU as the source describes it, 8 per node, 400 Gb/s per GPU."""
+    gpu = grand_teton_h100() if row["gpu"] == "H100-96GB-500W" else find_gpu(GPUS[row["gpu"]])
+    return Cluster(gpu=gpu, gpus=row["gpus"], gpus_per_node=8, inter_node_bandwidth_bytes_per_s=NIC_BYTES_PER_S)
+
+
+def compile_pairs(rows: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """(eager, compiled) runs of one source that differ only in torch.compile: the measured difference is the eager
+    elementwise kernels' time over Inductor's (benchmarks/fit_time.py identifies the torch engine's multiplier on it)."""
+    same = ("id", "table", "compile", "tokens_per_s_per_gpu", "memory_gib")
+
+    def key(r: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+        return tuple(sorted((k, v) for k, v in r.items() if k not in same))
+
+    compiled = {key(r): r for r in rows if r["compile"]}
+    return [(r, compiled[key(r)]) for r in rows if not r["compile"] and key(r) in compiled]
+
+
 def predict(row: dict[str, Any]) -> Result:
     """optplan's estimate for ``row`` under its closest plan."""
     profile = profile_for(row)
     strategy, flags = plan(row)
-    gpu = grand_teton_h100() if row["gpu"] == "H100-96GB-500W" else find_gpu(GPUS[row["gpu"]])
-    cluster = Cluster(gpu=gpu, gpus=row["gpus"], gpus_per_node=8,
-                      inter_node_bandwidth_bytes_per_s=NIC_BYTES_PER_S)
+    cluster = cluster_for(row)
     with contextlib.redirect_stderr(io.StringIO()):
         est = estimate(profile, cluster, strategy)
     return Result(row=row, strategy=strategy, flags=flags, est=est, measured_tps=float(row["tokens_per_s_per_gpu"]))

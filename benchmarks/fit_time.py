@@ -12,12 +12,19 @@ What is fitted, on what (``benchmarks/published_sets.py`` rows; the held-out hal
 - A100 (llm-foundry A100 40/80 GB rows): flash attention forward and backward fractions only (its GEMM,
   HBM, host and link constants stay vTrain's: benchmarks/fidelity_vtrain.py fits those, and vTrain has no
   flash attention);
-- the torch engine (all llm-foundry rows): the eager elementwise multiplier (the measured per-operator bytes of
-  estimators/eager_traffic.py ÷ what those many small kernels achieve against the streaming HBM fraction) and
-  overlap interference. DeepSpeed takes both (it runs the same eager model); torch.compile's kernels keep
-  ``compile_multiplier`` 1 over Inductor's measured bytes (benchmarks/compiled_traffic.py; stated: generated
-  kernels stream at the HBM fraction the fused count is priced at). The llm-foundry rows ran MPT's own Triton flash
-  attention, the kernel the flash fractions stand for (their rows name it ``fitted``).
+- the stack the llm-foundry rows ran (``llm-foundry-2023`` in the file's ``stacks``: Composer and MPT's eager blocks on
+  torch 1.13/2.1): its eager elementwise multiplier (the measured per-operator bytes of estimators/eager_traffic.py ÷
+  what those kernels achieved against the streaming HBM fraction) and overlap interference, which the torch engine
+  takes (FSDP's NCCL kernels contend the same way). The llm-foundry rows ran MPT's own Triton flash attention, the
+  kernel the flash fractions stand for (their rows name it ``fitted``).
+- the torch engine's eager multiplier, second stage, on a different kind of evidence: torchtitan's measured runs that
+  differ only in torch.compile (benchmarks/fidelity_torchtitan.py ``compile_pairs``: Llama 3 8B on 8 and 128 H100s,
+  torch 2.6, Dec. 2024). The compiled run's elementwise bytes are Inductor's own count (``compile_multiplier`` 1,
+  benchmarks/compiled_traffic.py: generated kernels stream at the HBM fraction the fused count is priced at), so the
+  measured eager − compiled step difference is the eager kernels' time over Inductor's, whatever the GEMM fraction:
+  the multiplier is the one that reproduces it (bisection per pair, the pairs' mean). llm-foundry's 2023 stack needs
+  about twice as much (its fit above); no supported torch (>= 2.4) is that old, so plans take the modern figure.
+  DeepSpeed takes torch's constants (it runs the same eager model).
 Physical bounds (``UPPER``): a fraction of peak cannot exceed the best measured large matmul (H100 SXM
 bf16: ~0.80 of 989 TFLOP/s; S. Bekman, "Machine Learning Engineering", Maximum Achievable Matmul FLOPS),
 flash fractions and the HBM fraction stay below 1, interference in [0, 1].
@@ -42,6 +49,8 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import fidelity_torchtitan  # noqa: E402
+from published_sets import LLMFOUNDRY_STACK as STACK  # noqa: E402
 from published_sets import Row, llmfoundry_rows, split  # noqa: E402
 
 from optplan.estimators.efficiency import (  # noqa: E402
@@ -49,6 +58,7 @@ from optplan.estimators.efficiency import (  # noqa: E402
     GpuEfficiency,
     efficiency_table,
 )
+from optplan.estimators.timing import step_time  # noqa: E402
 
 DATA_FILE = Path(__file__).resolve().parents[1] / "estimators" / "data" / "efficiency.yaml"
 GROUP = {"A100-80GB": "A100-80GB", "A100-40GB": "A100-80GB", "H100-SXM": "H100-SXM"}
@@ -59,8 +69,8 @@ PARAMS: tuple[tuple[str, str, str], ...] = (
     ("gpu", "H100-SXM", "flash_backward_fraction"),
     ("gpu", "A100-80GB", "flash_attention_fraction"),
     ("gpu", "A100-80GB", "flash_backward_fraction"),
-    ("engine", "torch", "elementwise_multiplier"),
-    ("engine", "torch", "overlap_interference"),
+    ("stack", STACK, "elementwise_multiplier"),
+    ("stack", STACK, "overlap_interference"),
 )
 A100_SMS, H100_SMS = 108, 132
 """Streaming multiprocessors (NVIDIA A100 and H100 SXM5 architecture whitepapers)."""
@@ -70,24 +80,29 @@ LOWER = {"overlap_interference": 0.0}
 
 
 class Model:
-    """A set of constants under trial: GPU constants by fit group, engine constants by engine."""
+    """A set of constants under trial: GPU constants by fit group, engine constants by engine, older stacks' by
+    stack."""
 
-    def __init__(self, gpus: dict[str, GpuEfficiency], engines: dict[str, EngineEfficiency]) -> None:
-        self.gpus, self.engines = gpus, engines
+    def __init__(self, gpus: dict[str, GpuEfficiency], engines: dict[str, EngineEfficiency],
+                 stacks: dict[str, EngineEfficiency]) -> None:
+        self.gpus, self.engines, self.stacks = gpus, engines, stacks
+
+    def _table(self, kind: str) -> dict:  # noqa: ANN401 - one of the three tables
+        return {"gpu": self.gpus, "engine": self.engines, "stack": self.stacks}[kind]
 
     def get(self, kind: str, key: str, name: str) -> float:
-        return float(getattr((self.gpus if kind == "gpu" else self.engines)[key], name))
+        return float(getattr(self._table(kind)[key], name))
 
     def with_(self, kind: str, key: str, name: str, value: float) -> Model:
         lo, hi = LOWER.get(name, 1e-12), UPPER.get(name, float("inf"))
         value = min(hi, max(lo, value))
-        gpus, engines = dict(self.gpus), dict(self.engines)
-        table = gpus if kind == "gpu" else engines
-        table[key] = table[key].model_copy(update={name: value})
-        return Model(gpus, engines)
+        tables = {"gpu": dict(self.gpus), "engine": dict(self.engines), "stack": dict(self.stacks)}
+        tables[kind][key] = tables[kind][key].model_copy(update={name: value})
+        return Model(tables["gpu"], tables["engine"], tables["stack"])
 
     def ratio(self, row: Row) -> float:
-        return row.ratio(self.gpus[GROUP[row.gpu]], self.engines[row.strategy.engine])
+        engine = self.stacks[row.engine_stack] if row.engine_stack else self.engines[row.strategy.engine]
+        return row.ratio(self.gpus[GROUP[row.gpu]], engine)
 
 
 def committed() -> Model:
@@ -99,7 +114,10 @@ def committed() -> Model:
                                                    "gemm_wave_outputs": a100.gemm_wave_outputs * H100_SMS / A100_SMS})
     gpus = {k: v if v.flash_backward_fraction else v.model_copy(update={"flash_backward_fraction": v.flash_backward})
             for k, v in gpus.items()}
-    return Model(gpus, dict(table.engines))
+    stacks = dict(table.stacks)
+    if STACK not in stacks:  # first fit with stacks: the stack starts from the torch engine's constants
+        stacks[STACK] = table.engines["torch"]
+    return Model(gpus, dict(table.engines), stacks)
 
 
 def mape(model: Model, rows: list[Row]) -> float:
@@ -127,6 +145,36 @@ def fit(model: Model, rows: list[Row], *, step: float, min_step: float, max_roun
     return best
 
 
+def _pair_gap_s(model: Model, eager: dict, compiled: dict, multiplier: float) -> float:
+    """Predicted eager − compiled step time (s) of one torchtitan pair with the torch multiplier ``multiplier``."""
+    torch_ = model.engines["torch"].model_copy(update={"elementwise_multiplier": multiplier})
+    steps = []
+    for row in (eager, compiled):
+        strategy, _ = fidelity_torchtitan.plan(row)
+        cluster = fidelity_torchtitan.cluster_for(row)
+        steps.append(step_time(fidelity_torchtitan.profile_for(row), strategy, cluster,
+                               efficiency=model.gpus[GROUP[cluster.gpu.name]], engine=torch_).step_s)
+    return steps[0] - steps[1]
+
+
+def eager_multiplier(model: Model) -> tuple[float, list[tuple[str, float]]]:
+    """The torch engine's eager multiplier that reproduces torchtitan's measured eager − compiled step differences
+    (module docstring): the pairs' mean, and each pair's (eager run id, multiplier)."""
+    _, rows = fidelity_torchtitan.load()
+    found = []
+    for eager, compiled in fidelity_torchtitan.compile_pairs(rows):
+        tokens = eager["local_batch"] * eager["seq"]
+        measured_gap_s = tokens / eager["tokens_per_s_per_gpu"] - tokens / compiled["tokens_per_s_per_gpu"]
+        lo, hi = 0.05, 5.0  # the gap grows with the multiplier: bisection
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if _pair_gap_s(model, eager, compiled, mid) < measured_gap_s else (lo, mid)
+        found.append((eager["id"], (lo + hi) / 2))
+    if not found:
+        raise SystemExit("no eager/compiled pairs in benchmarks/data: the torch multiplier cannot be identified")
+    return statistics.fmean(m for _, m in found), found
+
+
 def by_set(model: Model, rows: list[Row]) -> dict[str, float]:
     groups: dict[str, list[Row]] = {}
     for r in rows:
@@ -134,7 +182,8 @@ def by_set(model: Model, rows: list[Row]) -> dict[str, float]:
     return {k: mape(model, v) for k, v in sorted(groups.items())}
 
 
-def write(model: Model, fit_err: dict[str, float], held_err: dict[str, float]) -> None:
+def write(model: Model, fit_err: dict[str, float], held_err: dict[str, float],
+          pair_multipliers: list[tuple[str, float]]) -> None:
     """Update estimators/data/efficiency.yaml with the fitted constants and what produced them."""
     raw = yaml.safe_load(DATA_FILE.read_text(encoding="utf-8"))
     stamp = "; ".join(f"{k}: fit {100 * fit_err[k]:.1f}%, held-out {100 * held_err.get(k, float('nan')):.1f}%"
@@ -150,11 +199,20 @@ def write(model: Model, fit_err: dict[str, float], held_err: dict[str, float]) -
                       + " + flash attention fractions fitted by benchmarks/fit_time.py on the fit half of "
                         f"llm-foundry's 139 A100 runs (torch FSDP) [{stamp}]")
     raw["gpus"] = {"A100-80GB": a100, "A100-40GB": dict(a100), "H100-SXM": h100}
+    stack = model.stacks[STACK].model_dump()
+    stack["source"] = ("fitted by benchmarks/fit_time.py on the fit half of llm-foundry's 191 runs (Composer and MPT's "
+                       "eager blocks on torch 1.13 for the A100 tables, 2.1 for the H100 one; FSDP 1): the eager "
+                       "multiplier over the measured per-operator bytes (estimators/data/eager_traffic.yaml) and the "
+                       f"overlap interference; only those rows use it [{stamp}]")
+    raw["stacks"] = {STACK: stack}
     torch_ = model.engines["torch"].model_dump()
-    torch_["source"] = ("fitted by benchmarks/fit_time.py on the fit half of llm-foundry's 191 runs (Composer, "
-                        "torch FSDP 1, eager): the eager multiplier over the measured per-operator bytes "
-                        "(estimators/data/eager_traffic.yaml) and the overlap interference; compile_multiplier "
-                        f"stated (over Inductor's measured bytes, estimators/data/compiled_traffic.yaml) [{stamp}]")
+    torch_["overlap_interference"] = stack["overlap_interference"]
+    pairs = "; ".join(f"{run} {m:.3f}" for run, m in pair_multipliers)
+    torch_["source"] = ("eager multiplier identified by benchmarks/fit_time.py on torchtitan's measured runs that "
+                        "differ only in torch.compile (torch 2.6, Llama 3 8B on H100: the eager - compiled step "
+                        f"difference over Inductor's measured bytes; per pair: {pairs}); overlap interference from "
+                        "the llm-foundry fit (FSDP's NCCL kernels contend the same way); compile_multiplier stated "
+                        "(over Inductor's measured bytes, estimators/data/compiled_traffic.yaml)")
     raw["engines"]["torch"] = torch_
     deepspeed = raw["engines"]["deepspeed"]
     for key in ("elementwise_multiplier", "eager", "compile_multiplier", "overlap_interference"):
@@ -189,8 +247,14 @@ def main() -> None:
     fit_err, held_err = by_set(model, fit_rows), by_set(model, held)
     print("fitted: fit", {k: f"{100 * v:.1f}%" for k, v in fit_err.items()},
           "held-out", {k: f"{100 * v:.1f}%" for k, v in held_err.items()})
+    model = model.with_("engine", "torch", "overlap_interference", model.get("stack", STACK, "overlap_interference"))
+    multiplier, pairs = eager_multiplier(model)
+    model = model.with_("engine", "torch", "elementwise_multiplier", multiplier)
+    print(f"  engine torch elementwise_multiplier = {multiplier:.4g} (torchtitan eager/compiled pairs: "
+          + ", ".join(f"{run} {m:.3f}" for run, m in pairs) + f"; llm-foundry's 2023 stack "
+          f"{model.get('stack', STACK, 'elementwise_multiplier'):.4g})")
     if args.write:
-        write(model, fit_err, held_err)
+        write(model, fit_err, held_err, pairs)
     print(f"wall time {time.perf_counter() - t0:.1f} s")
 
 

@@ -12,7 +12,9 @@ the measured step time (seconds). Sets:
   as its exports configure it; ``bf16``/``PURE`` rows reduce in bf16 (modelled as the same recipe: their
   fp32 reduction volume is overstated, which the overlap hides). Their attention is MPT's own Triton flash kernel
   (the benchmark script's default ``attn_impl: triton``), the kernel the per-GPU flash fractions are fitted on: the
-  rows price it as ``fitted`` (estimators/attention_kernels.py), not torch SDPA's. Measured step time = global batch ×
+  rows price it as ``fitted`` (estimators/attention_kernels.py), not torch SDPA's, and their eager elementwise
+  kernels as that stack's (``llm-foundry-2023`` in efficiency.yaml's stacks: torch 1.13/2.1 and MPT's code, slower
+  than today's torch engine). Measured step time = global batch ×
   sequence ÷ (tokens/s per GPU × GPUs). A100 tables ran on RoCE at 1,600 Gb/s per node (25 GB/s per
   GPU); the H100 table names no interconnect: 400 Gb/s per GPU (the catalogue default, 8 × NDR per
   node) is assumed.
@@ -34,9 +36,9 @@ from functools import cache
 from pathlib import Path
 
 from optplan.estimators.arch import ArchSpec, parse_arch, profile_from_arch
-from optplan.estimators.efficiency import EngineEfficiency, GpuEfficiency
+from optplan.estimators.efficiency import EngineEfficiency, GpuEfficiency, stack_efficiency
 from optplan.estimators.estimate import estimate
-from optplan.estimators.hardware import Cluster, find_gpu
+from optplan.estimators.hardware import Cluster, GPUSpec, find_gpu
 from optplan.estimators.profile import ModelProfile
 from optplan.estimators.strategy import Strategy
 from optplan.estimators.temporaries import AdamImpl
@@ -45,6 +47,9 @@ from optplan.estimators.timing import TimeBreakdown, step_time
 HERE = Path(__file__).resolve().parent
 LLMFOUNDRY = HERE / "data" / "llmfoundry_mpt_benchmarks.csv"
 LLMFOUNDRY_GPU = {"h100_80gb": "H100-SXM", "a100_80gb": "A100-80GB", "a100_40gb": "A100-40GB"}
+LLMFOUNDRY_STACK = "llm-foundry-2023"
+"""The software the tables ran (efficiency.py ``stacks``): Composer and MPT's eager blocks on torch 1.13 (A100 tables)
+and 2.1 (H100 table: scripts/train/benchmarking/sweep.sh's image at llm-foundry 5e85bd62)."""
 LLMFOUNDRY_NIC_BYTES_PER_S = {"h100_80gb": 50e9, "a100_80gb": 25e9, "a100_40gb": 25e9}
 
 
@@ -61,6 +66,7 @@ class Row:
     extra: dict[str, str] = field(default_factory=dict)
     adam_impl: AdamImpl | None = None  # the AdamW the run used when not its engine's own (temporaries.py)
     attention_kernel: str | None = None  # the attention kernel it ran when not its engine's own (attention_kernels.py)
+    engine_stack: str | None = None  # the older software stack it ran when not today's engine (efficiency.py stacks)
 
     @property
     def gpu(self) -> str:
@@ -68,6 +74,8 @@ class Row:
 
     def time(self, eff: GpuEfficiency | None = None, engine: EngineEfficiency | None = None) -> TimeBreakdown:
         """The predicted step (committed constants through ``estimate``, else ``step_time`` with overrides)."""
+        if engine is None and self.engine_stack is not None:
+            engine = stack_efficiency(self.engine_stack)
         if eff is None and engine is None:
             return estimate(self.profile, self.cluster, self.strategy, adam_impl=self.adam_impl,
                             attention_kernel=self.attention_kernel).time
@@ -108,7 +116,8 @@ def llmfoundry_rows(path: Path = LLMFOUNDRY) -> list[Row]:
             rows.append(Row(set=f"llmfoundry-{gpu}", label=label,
                             profile=_profile(layers, hidden, heads, seq, vocab), cluster=cluster,
                             strategy=strategy, measured_s=measured,
-                            extra={"mfu": raw["MFU"], "precision": raw["Precision"]}, attention_kernel="fitted"))
+                            extra={"mfu": raw["MFU"], "precision": raw["Precision"]}, attention_kernel="fitted",
+                            engine_stack=LLMFOUNDRY_STACK))
     return rows
 
 
@@ -130,6 +139,22 @@ def narayanan_eq3_flops(batch: int, seq: int, layers: int, hidden: int, vocab: i
     return 96.0 * batch * seq * layers * hidden ** 2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
 
 
+H100_NVL_BF16_FLOPS = 835.5e12
+"""NVIDIA H100 datasheet, H100 NVL column: 1,671 TFLOP/s BF16 with sparsity, 835.5 dense."""
+
+
+def grand_teton_h100() -> GPUSpec:
+    """The Grand Teton H100 the torchtitan H100 tables ran on, as its source describes it: 96 GB of HBM2e at 2.4 TB/s,
+    a 500 W power limit, and a peak "between SXM and NVL" (the source does not know it): priced at the midpoint of
+    the two datasheet peaks (0.92 of the SXM's, every dtype), with the H100 SXM's fitted fractions and kernels (the
+    same GH100 die; its name is kept so they apply)."""
+    sxm = find_gpu("H100-SXM")
+    scale = (sxm.peak_flops_for("bf16") + H100_NVL_BF16_FLOPS) / 2 / sxm.peak_flops_for("bf16")
+    return sxm.model_copy(update={"peak_flops": {k: v * scale for k, v in sxm.peak_flops.items()},
+                                  "memory_bandwidth_bytes_per_s": 2.4e12, "memory_bytes": 96 * 2**30,
+                                  "tdp_watts": 500})
+
+
 @dataclass(frozen=True)
 class Paper:
     """A published table row: shape, layout, and what it reported."""
@@ -145,6 +170,7 @@ class Paper:
     source: str
     nic_bytes_per_s: float = 25e9
     gpus_per_node: int = 8  # the NVLink domain: 72 for a GB200 NVL72 rack
+    gpu_spec: Callable[[], GPUSpec] | None = None  # the part as the source describes it when not the catalogue's
 
 
 def _narayanan(params: str, heads: int, hidden: int, layers: int, tp: int, pp: int, gpus: int, batch: int,
@@ -162,10 +188,11 @@ def _narayanan(params: str, heads: int, hidden: int, layers: int, tp: int, pp: i
 
 
 def _tokens_per_gpu(set_: str, label: str, arch: str, seq: int, gpu: str, gpus: int, strategy: Strategy,
-                    tokens_per_gpu_s: float, source: str, nic_bytes_per_s: float, gpus_per_node: int = 8) -> Paper:
+                    tokens_per_gpu_s: float, source: str, nic_bytes_per_s: float, gpus_per_node: int = 8,
+                    gpu_spec: Callable[[], GPUSpec] | None = None) -> Paper:
     return Paper(set=set_, label=label, arch=arch, seq=seq, gpu=gpu, gpus=gpus, strategy=strategy,
                  measured_s=lambda: strategy.global_batch * seq / (tokens_per_gpu_s * gpus), source=source,
-                 nic_bytes_per_s=nic_bytes_per_s, gpus_per_node=gpus_per_node)
+                 nic_bytes_per_s=nic_bytes_per_s, gpus_per_node=gpus_per_node, gpu_spec=gpu_spec)
 
 
 LLAMA3_8B = "layers=32,hidden=4096,heads=32,kv_heads=8,ffn=14336,vocab=128256,gated=1,tied=0"
@@ -183,7 +210,7 @@ TORCHTITAN_ROWS: tuple[Paper, ...] = (
                     "H100-SXM", 8,
                     Strategy(precision="bf16", engine="torch", fsdp="full", dp=8, mbs=2, checkpointing="selective"),
                     5762.0, TORCHTITAN + " (Table 1: H100 96 GB HBM2e at 2.4 TB/s, 500 W: a slower part than the "
-                    "catalogue's H100 SXM)", 50e9),
+                    "catalogue's H100 SXM, priced as grand_teton_h100)", 50e9, gpu_spec=grand_teton_h100),
 )
 """torchtitan's published FSDP runs (tokens/s per GPU). Its "selective op" checkpointing recomputes more than
 Korthikanti's selective recomputation (optplan's ``selective``)."""
@@ -316,7 +343,7 @@ def paper_rows() -> list[Row]:
     out = []
     for p in PAPER:
         prof = profile_from_arch(parse_arch(p.arch, seq_len=p.seq))
-        cluster = Cluster(gpu=find_gpu(p.gpu), gpus=p.gpus, gpus_per_node=p.gpus_per_node,
+        cluster = Cluster(gpu=p.gpu_spec() if p.gpu_spec else find_gpu(p.gpu), gpus=p.gpus, gpus_per_node=p.gpus_per_node,
                           inter_node_bandwidth_bytes_per_s=p.nic_bytes_per_s)
         out.append(Row(set=p.set, label=p.label, profile=prof, cluster=cluster, strategy=p.strategy,
                        measured_s=p.measured_s(), extra={"source": p.source}))

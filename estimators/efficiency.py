@@ -15,10 +15,17 @@ Two kinds of constants, kept apart because they come from different measurements
   torch.compile Inductor's measured bytes for a reference block, times ``compile_multiplier``; in Megatron the
   fused count),
   and how much overlapped communication still slows compute (NCCL kernels occupy SMs and HBM bandwidth
-  while a GEMM runs: the "overlap interference"). torch is fitted on llm-foundry's FSDP runs (A100 and
-  H100); DeepSpeed takes torch's overlap figure (its ZeRO-3 prefetch overlaps the same way; no measured
-  set: stated) and Megatron-DeepSpeed's fused kernels keep the vTrain count (its data-parallel reduction
-  is not overlapped, so interference does not arise).
+  while a GEMM runs: the "overlap interference"). torch's eager multiplier is identified on torchtitan's
+  measured eager-vs-compiled pairs (torch 2.6, H100: the same run with only torch.compile changed isolates the
+  eager elementwise time) and its overlap interference on llm-foundry's FSDP runs (A100 and H100); DeepSpeed
+  takes torch's figures (the same eager model; its ZeRO-3 prefetch overlaps the same way; no measured set:
+  stated) and Megatron-DeepSpeed's fused kernels keep the vTrain count (its data-parallel reduction is not
+  overlapped, so interference does not arise).
+- ``stacks``: an engine family's constants as an older software stack ran them, for the measured rows that ran
+  it and nothing else (no supported torch is that old): ``llm-foundry-2023`` is llm-foundry's MPT on Composer as its
+  2023 benchmark tables ran it (images mosaicml/pytorch 1.13.1 for the A100 tables, 2.1.0 for the H100 ones; eager
+  MPT blocks with low-precision LayerNorm and Triton flash attention), whose elementwise multiplier the llm-foundry
+  fit determines together with the GPUs' GEMM and flash fractions.
 
 Units: fractions are dimensionless; names ending ``_s`` are seconds; wave outputs are GEMM output
 elements. Pure data and lookups; no torch.
@@ -109,6 +116,8 @@ class EfficiencyTable(BaseModel):
     derived: dict[str, Derivation] = Field(default_factory=dict)
     default_gpu: str = Field(description="the fit GPUs without a fit or a derivation take (compute fractions)")
     engines: dict[str, EngineEfficiency]
+    stacks: dict[str, EngineEfficiency] = Field(default_factory=dict, description="an engine family as an older "
+                                                "software stack ran it: only the measured rows that ran it use it")
 
 
 @cache
@@ -161,6 +170,14 @@ def engine_efficiency(engine: str) -> EngineEfficiency:
     return efficiency_table().engines[engine]
 
 
+def stack_efficiency(stack: str) -> EngineEfficiency:
+    """An older software stack's engine constants (``stacks`` in the data file), for the measured rows that ran it."""
+    stacks = efficiency_table().stacks
+    if stack not in stacks:
+        raise KeyError(f"unknown software stack {stack!r}: known are {', '.join(sorted(stacks)) or 'none'}")
+    return stacks[stack]
+
+
 __all__ = ["Derivation", "EfficiencyTable", "EngineEfficiency", "GpuEfficiency", "INTRA_NODE_ALPHA_S",
            "LINK_EFFICIENCY", "default_efficiency", "derivation_for", "efficiency_for", "efficiency_table",
-           "engine_efficiency", "fitted_gpus"]
+           "engine_efficiency", "fitted_gpus", "stack_efficiency"]

@@ -21,7 +21,7 @@ from optplan.estimators.uncertainty import (
 )
 
 MPT_7B = ArchSpec(layers=32, hidden=4096, heads=32, vocab=50368, seq=2048)
-FSDP8 = Strategy(precision="bf16", engine="torch", fsdp="full", dp=8, mbs=4, grad_accum=2, checkpointing="none")
+FSDP8 = Strategy(precision="bf16", engine="torch", fsdp="full", dp=8, mbs=2, grad_accum=2, checkpointing="none")
 
 
 def _cluster(gpu: str = "H100-SXM", gpus: int = 8) -> Cluster:
