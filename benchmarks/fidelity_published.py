@@ -82,6 +82,17 @@ def report(rows: list[Row], worst: int) -> dict[str, float]:
     return out
 
 
+def _files(set_: str) -> str:
+    """Where the rows of measured set ``set_`` come from."""
+    if set_ == "gpu-campaign":
+        return "benchmarks/results, benchmarks/fidelity_gpu_results.py"
+    if set_.startswith("moe:"):
+        return "benchmarks/fidelity_moe.py, benchmarks/data/moe_published.json"
+    if set_.startswith("torchtitan-benchmarks"):
+        return "benchmarks/fidelity_torchtitan.py, benchmarks/data/torchtitan_published.json"
+    return "benchmarks/published_sets.py"
+
+
 def _domain_entry(name: str, rows: list[Row], judged: list[Row]) -> dict[str, object]:
     first = rows[0]
     measured_over_predicted = [1.0 / r.ratio() for r in judged]
@@ -100,10 +111,8 @@ def _domain_entry(name: str, rows: list[Row], judged: list[Row]) -> dict[str, ob
 
     return {
         "name": name, "gpu": first.gpu, "engine": first.strategy.engine,
-        "source": "; ".join(sorted({r.set for r in rows})) + (
-            " (benchmarks/results, benchmarks/fidelity_gpu_results.py)" if first.set == "gpu-campaign"
-            else " (benchmarks/fidelity_moe.py, benchmarks/data/moe_published.json)" if first.set.startswith("moe:")
-            else " (benchmarks/published_sets.py)"),
+        "source": "; ".join(sorted({r.set for r in rows})) + " (" + "; ".join(sorted({_files(r.set) for r in rows}))
+                  + ")",
         "runs": len(rows), "mape": round(_mape([1.0 / x for x in measured_over_predicted]), 4),
         "ratio_low": round(_quantile(measured_over_predicted, 0.05), 4),
         "ratio_high": round(_quantile(measured_over_predicted, 0.95), 4),
@@ -127,14 +136,16 @@ def write_domain(rows: list[Row]) -> None:
     held_ids = {id(r) for r in held}
     from fidelity_gpu_results import campaign_rows
     from fidelity_moe import domain_rows
+    from fidelity_torchtitan import domain_rows as torchtitan_rows
 
-    # the GPU campaign's runs (benchmarks/results) and the published MoE runs: never fitted, all judged
-    rows = [*rows, *campaign_rows(), *domain_rows()]
-    groups: dict[tuple[str, str, str], list[Row]] = defaultdict(list)
+    # the GPU campaign's runs (benchmarks/results), the published MoE runs and torchtitan's benchmark runs:
+    # never fitted, all judged
+    rows = [*rows, *campaign_rows(), *domain_rows(), *torchtitan_rows()]
+    groups: dict[tuple[str, str, str, str], list[Row]] = defaultdict(list)
     for r in rows:
-        groups[(r.gpu, r.strategy.engine, model_kind(r.profile))].append(r)
+        groups[(r.gpu, r.strategy.engine, model_kind(r.profile), r.domain)].append(r)
     sets = []
-    for (gpu, engine, kind), rs in sorted(groups.items()):
+    for (gpu, engine, kind, _), rs in sorted(groups.items()):
         judged = [r for r in rs if r.set not in FITTED_SETS or id(r) in held_ids]
         names = ", ".join(sorted({r.set for r in rs}))
         what = {"flops_only": " FLOPs-only models", "moe": " MoE models"}.get(kind, "")

@@ -215,6 +215,27 @@ def predict(row: dict[str, Any]) -> Result:
     return Result(row=row, strategy=strategy, flags=flags, est=est, measured_tps=float(row["tokens_per_s_per_gpu"]))
 
 
+def domain_rows() -> list[Any]:
+    """The runs of plans optplan makes as ``published_sets.Row`` (rowwise float8 left out: no optplan recipe stands
+    for it), for the time model's measured domain (``fidelity_published.py --write-domain``): a set of their own
+    beside the GPU's other torch runs (which cover single-node FSDP; these tensor, pipeline and float8 plans at up to
+    512 GPUs), and the context-parallel runs another, whose band carries ring attention's measured slowness (flag
+    ``cp``) to the plans it covers."""
+    from published_sets import Row
+
+    out = []
+    for row in load()[1]:
+        if row["float8"] == "rowwise":
+            continue
+        strategy, _ = plan(row)
+        measured_s = strategy.global_batch * row["seq"] / (row["tokens_per_s_per_gpu"] * row["gpus"])
+        cp = row["cp"] > 1
+        out.append(Row(set="torchtitan-benchmarks" + (" (context parallel)" if cp else ""), label=row["id"],
+                       profile=profile_for(row), cluster=cluster_for(row), strategy=strategy, measured_s=measured_s,
+                       domain="torchtitan-cp" if cp else "torchtitan"))
+    return out
+
+
 def mape(ratios: list[float]) -> float:
     """Mean absolute percentage error of predicted ÷ measured step times (%)."""
     return 100.0 * sum(abs(r - 1.0) for r in ratios) / len(ratios) if ratios else float("nan")

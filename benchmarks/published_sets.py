@@ -67,6 +67,7 @@ class Row:
     adam_impl: AdamImpl | None = None  # the AdamW the run used when not its engine's own (temporaries.py)
     attention_kernel: str | None = None  # the attention kernel it ran when not its engine's own (attention_kernels.py)
     engine_stack: str | None = None  # the older software stack it ran when not today's engine (efficiency.py stacks)
+    domain: str = ""  # a measured set of its own in the time domain (fidelity_published.py), else merged per GPU
 
     @property
     def gpu(self) -> str:

@@ -6,7 +6,9 @@ time model was checked against (``data/time_domain.yaml``, written by
 ``benchmarks/results``): for each measured set (one GPU, one engine family, one kind of model: transformer
 shapes, or the models the FLOPs-only path prices) the 5th and 95th percentiles of measured ÷ predicted step
 time over its runs. A GPU's own sets and those of the GPU its figures derive from are both candidates; the
-band rests on the one whose domain covers the strategy best (the least widening below). A strategy is *inside*
+band rests on the one whose domain covers the strategy best (the least widening below; one GPU and engine may
+hold several sets, e.g. torchtitan's H100 runs beside llm-foundry's, and its context-parallel runs apart). A
+strategy is *inside*
 the set's domain when its model size, GPU count, sequence length, micro-batch tokens, parallel degrees,
 precision and checkpointing lie within what the set measured; outside it the band widens:
 
@@ -16,6 +18,7 @@ precision and checkpointing lie within what the set measured; outside it the ban
   nearest set stands in; offload; a precision or checkpointing mode not in the set; MoE layers on a GPU without
   a measured MoE set, twice with expert parallelism; the published MoE runs, benchmarks/fidelity_moe.py, are
   the MoE sets: kind ``moe``);
+- by ``WIDEN_UNMEASURED`` when the set holds fewer than ``MIN_SET_RUNS`` runs;
 - and when the predicted MFU is above the best MFU ever measured on that GPU and precision (the
   envelope), the slow end is at least the time at the envelope: step × predicted MFU ÷ envelope MFU.
 
@@ -43,6 +46,9 @@ WIDEN_PER_OCTAVE = 0.05
 measured sets' error grows by a few percent per doubling of model size or sequence at their edges)."""
 WIDEN_UNMEASURED = 0.10
 """Extra half-width of the log band for each categorical thing never measured (stated default)."""
+MIN_SET_RUNS = 5
+"""A measured set of fewer runs than this gives its band widened by ``WIDEN_UNMEASURED`` (stated: two or three
+runs' 5th-95th percentile says little about the next plan)."""
 UNMEASURED_GPU_BAND = 0.35
 """Half-width of the log band for a GPU with neither a measured set nor a derived one (stated)."""
 
@@ -165,18 +171,19 @@ def _octaves(value: float, lo: float, hi: float) -> float:
     return 0.0
 
 
-def _pick_set(sets: list[MeasuredSet], engine: str) -> tuple[MeasuredSet, bool]:
+def _engine_sets(sets: list[MeasuredSet], engine: str) -> tuple[list[MeasuredSet], bool]:
+    """The sets of ``engine`` (True), else those of the nearest engine that has any (False)."""
     same = [s for s in sets if s.engine == engine]
     if same:
-        return max(same, key=lambda s: s.runs), True
+        return same, True
     # nearest engine: DeepSpeed ZeRO-3 shards like FSDP; ZeRO 0-2 reduce like Megatron-DeepSpeed
     order = {"deepspeed": ("torch", "megatron"), "torch": ("deepspeed", "megatron"),
              "megatron": ("deepspeed", "torch")}[engine]
     for other in order:
         cand = [s for s in sets if s.engine == other]
         if cand:
-            return max(cand, key=lambda s: s.runs), False
-    return max(sets, key=lambda s: s.runs), False
+            return cand, False
+    return list(sets), False
 
 
 def time_band(profile: ModelProfile, strategy: Strategy, cluster: Cluster, *, mfu: float,
@@ -221,7 +228,12 @@ def _band_from(profile: ModelProfile, strategy: Strategy, gpu: str, mfu: float, 
         outside.append("no model without a transformer shape was measured on " + name if kind == "flops_only"
                        else "no transformer was measured on " + name)
     engine = strategy.engine
-    ms, same_engine = _pick_set(same_kind or sets, engine)
+    candidates, same_engine = _engine_sets(same_kind or sets, engine)
+    # one GPU and engine may hold several sets (torchtitan's context-parallel runs apart from its others): the one
+    # that covers the strategy best (the least widening), then the narrower band, then the most runs
+    scored = [(_set_widening(profile, strategy, ms, dom, name, kind), ms) for ms in candidates]
+    (set_widen, set_outside), ms = min(scored, key=lambda x: (round(x[0][0], 9),
+                                                             math.log(x[1].ratio_high / x[1].ratio_low), -x[1].runs))
     if derived is not None:
         widen += derived.widen
         outside.append(f"{gpu}'s own measured runs cover this plan less than {name}'s, which its figures derive "
@@ -229,6 +241,27 @@ def _band_from(profile: ModelProfile, strategy: Strategy, gpu: str, mfu: float, 
     if not same_engine:
         widen += WIDEN_UNMEASURED
         outside.append(f"engine {engine} was never measured on {name}: the {ms.engine} set stands in")
+    widen += set_widen
+    outside.extend(set_outside)
+    low = ms.ratio_low * math.exp(-widen)
+    high = ms.ratio_high * math.exp(widen)
+    envelope = mfu_envelope(gpu, strategy.precision, dom)
+    if envelope is not None and mfu > envelope:
+        high = max(high, mfu / envelope)
+        outside.append(f"predicted MFU {mfu:.0%} is above the best measured on {name} ({envelope:.0%})")
+    basis = (f"{ms.name}: {ms.runs} measured runs, {ms.mape:.1%} MAPE, measured/predicted "
+             f"{ms.ratio_low:.2f}-{ms.ratio_high:.2f} (5th-95th percentile)")
+    return TimeBand(low=min(low, 1.0), high=max(high, 1.0), basis=basis, outside=tuple(outside)), widen
+
+
+def _set_widening(profile: ModelProfile, strategy: Strategy, ms: MeasuredSet, dom: TimeDomain, name: str,
+                  kind: str) -> tuple[float, list[str]]:
+    """The log half-width one measured set ``ms`` adds for what of ``strategy`` lies outside its domain, and why."""
+    outside: list[str] = []
+    widen = 0.0
+    if ms.runs < MIN_SET_RUNS:
+        widen += WIDEN_UNMEASURED
+        outside.append(f"the measured set it rests on ({ms.name.split(':')[0]}) holds only {ms.runs} runs")
     s = strategy
     tokens = profile.tokens_per_sample or 1
     numeric = (("parameters", float(profile.params), ms.params, "{:.3g}"),
@@ -286,16 +319,8 @@ def _band_from(profile: ModelProfile, strategy: Strategy, gpu: str, mfu: float, 
         outside.append("no LoRA step time was measured here" + (
             " (the 4-bit dequantisation's pace rests on LitGPT's A10G runtimes, bitsandbytes 0.42)"
             if s.quant in ("nf4", "nf4-dq") else ""))
-    low = ms.ratio_low * math.exp(-widen)
-    high = ms.ratio_high * math.exp(widen)
-    envelope = mfu_envelope(gpu, s.precision, dom)
-    if envelope is not None and mfu > envelope:
-        high = max(high, mfu / envelope)
-        outside.append(f"predicted MFU {mfu:.0%} is above the best measured on {name} ({envelope:.0%})")
-    basis = (f"{ms.name}: {ms.runs} measured runs, {ms.mape:.1%} MAPE, measured/predicted "
-             f"{ms.ratio_low:.2f}-{ms.ratio_high:.2f} (5th-95th percentile)")
-    return TimeBand(low=min(low, 1.0), high=max(high, 1.0), basis=basis, outside=tuple(outside)), widen
+    return widen, outside
 
 
-__all__ = ["MeasuredSet", "TimeBand", "TimeDomain", "derived_from", "mfu_envelope", "model_kind", "precision_class",
-           "time_band", "time_domain"]
+__all__ = ["MIN_SET_RUNS", "MeasuredSet", "TimeBand", "TimeDomain", "derived_from", "mfu_envelope", "model_kind",
+           "precision_class", "time_band", "time_domain"]

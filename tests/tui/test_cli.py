@@ -379,7 +379,10 @@ def test_compile_prices_fused_kernels_and_megatron_refuses_it() -> None:
     eager = _json(base)
     compiled = _json([*base, "--compile"])
     assert compiled["strategy"]["compile"] is True and eager["strategy"]["compile"] is False
-    assert compiled["time"]["memory_bound_s"] < eager["time"]["memory_bound_s"] / 2
+    # Inductor's kernels move a third of the eager bytes; the step saves about what torchtitan measured for this
+    # model on 8 H100s (14 %: its eager/compiled pair, which the torch engine's eager multiplier reproduces)
+    assert compiled["time"]["memory_bound_s"] < 0.6 * eager["time"]["memory_bound_s"]
+    assert 0.05 < 1 - compiled["time"]["step_s"] / eager["time"]["step_s"] < 0.25
     assert any("torch.compile" in why for why in compiled["time"]["outside_measured"])
     bad = runner.invoke(app, ["estimate", "--arch", LLAMA_ARCH, "--gpu", "H100", "--gpus", "8", "--tp", "8",
                               "--engine", "megatron", "--compile"])
