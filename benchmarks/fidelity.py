@@ -92,6 +92,18 @@ CPU_TIME_REASON = ("the step-time model prices a GPU's FLOP/s, HBM bandwidth and
 LLAMA_CPU_SHAPE = dict(dim=256, n_layers=4, n_heads=4, n_kv_heads=1, ffn_dim=768)
 """examples/llama.py's 1B layout (vocabulary 128256, tied embeddings, GQA, SwiGLU) reduced for CPU runs
 (as benchmarks/fidelity_cpu_memory.py --quick): 36 M parameters, most of them the embedding."""
+EMULATED_BF16_VOCAB = 8192
+"""The CPU Llama's vocabulary where the CPU has no native bf16 (no AVX512-BF16: torch emulates bf16 matmuls some
+20-40x slower than fp32, and the 128K-vocabulary logits of the amp-bf16 cases took ~100 s a step on a 2-core AVX2
+EPYC): the memory comparison is the same mechanism at a smaller embedding, and the quick suite fits its budget."""
+
+
+def llama_cpu_shape() -> dict[str, int]:
+    """``LLAMA_CPU_SHAPE``, with ``EMULATED_BF16_VOCAB`` where this CPU emulates bf16."""
+    import torch
+
+    native = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)()
+    return dict(LLAMA_CPU_SHAPE) if native else {**LLAMA_CPU_SHAPE, "vocab_size": EMULATED_BF16_VOCAB}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -214,7 +226,7 @@ def llama_wrapper(directory: Path, shape: dict[str, int] | None, seq_len: int) -
             return llama.build_model("1B", **SHAPE)
 
         def example_batch(batch_size, seq_len):
-            return torch.randint(0, llama.SIZES["1B"].vocab_size, (batch_size, seq_len))
+            return torch.randint(0, SHAPE.get("vocab_size", llama.SIZES["1B"].vocab_size), (batch_size, seq_len))
 
         loss_fn = llama.loss_fn
         """))
@@ -243,8 +255,8 @@ def models(device: str, tmp: Path) -> dict[str, Model]:
             "gpt2": Model("gpt2", "examples/gpt2.py GPT-2 small (124 M) as is, seq 128", EXAMPLES / "gpt2.py",
                           128, "adamw"),
             "llama": Model("llama", "examples/llama.py 1B layout reduced: " + ", ".join(
-                f"{k} {v}" for k, v in LLAMA_CPU_SHAPE.items()) + " (vocab 128256, tied), seq 128",
-                llama_wrapper(tmp, LLAMA_CPU_SHAPE, 128), 128, "adamw"),
+                f"{k} {v}" for k, v in llama_cpu_shape().items()) + " (vocab 128256 unless given, tied), seq 128",
+                llama_wrapper(tmp, llama_cpu_shape(), 128), 128, "adamw"),
             "resnet": Model("resnet", "examples/resnet.py ResNet-50 as is, 224x224, SGD", EXAMPLES / "resnet.py",
                             None, "sgd"),
             "timm-vit": Model("timm-vit", "timm vit_tiny_patch16_224 (--hf timm config), 224x224, 100 classes",
