@@ -8,8 +8,7 @@ shapes, or the models the FLOPs-only path prices) the 5th and 95th percentiles o
 time over its runs. A GPU's own sets and those of the GPU its figures derive from are both candidates; the
 band rests on the one whose domain covers the strategy best (the least widening below; one GPU and engine may
 hold several sets, e.g. torchtitan's H100 runs beside llm-foundry's, and its context-parallel runs apart). A
-strategy is *inside*
-the set's domain when its model size, GPU count, sequence length, micro-batch tokens, parallel degrees,
+strategy is *inside* the set's domain when its model size, GPU count, sequence length, micro-batch tokens, parallel degrees,
 precision and checkpointing lie within what the set measured; outside it the band widens:
 
 - by ``WIDEN_PER_OCTAVE`` of the log step time per doubling beyond a measured range (parameters, GPUs,
