@@ -38,7 +38,10 @@ fused-Adam JIT build), which the prediction follows (torch's CPU AdamW loop). On
 GPU the 2-process cases are skipped (listed).
 
 Run: ``python benchmarks/fidelity.py [--device cpu|cuda] [--quick] [--models mlp,llama] [--explain]
-[--timeout S] [--ds-torch-optimizer]``. A full CPU run is about 8 min on 2 cores, ``--quick`` about 1 min.
+[--timeout S] [--ds-torch-optimizer]``. A full CPU run is about 8 min on 2 cores; ``--quick`` on the CPU is 8
+cases (no MLP DDP case, no Llama amp-bf16 case with full checkpointing: ``Case.cpu_quick``) with a smaller Llama
+(``LLAMA_CPU_QUICK_SHAPE``: dim 128, 2 layers, vocabulary 2048, seq 64), about 2 min of CPU (each case is mostly its
+child process starting).
 ``--explain`` prints, under each case whose memory error is over the target, the predicted categories
 (memory.py) beside the measured ones (the probe's ``peak_by_category_bytes`` on the CPU). The last line
 reads ``memory: median error X%, max Y%; time: median error Z%, max W%`` (time: after calibration); on
@@ -98,6 +101,13 @@ EMULATED_BF16_VOCAB = 8192
 EPYC): the memory comparison is the same mechanism at a smaller embedding, and the quick suite fits its budget."""
 
 
+LLAMA_CPU_QUICK_SHAPE = dict(dim=128, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=384, vocab_size=2048)
+LLAMA_CPU_QUICK_SEQ = 64
+"""The CPU's --quick Llama (tests/benchmarks/test_gpu_campaign.py runs it in CI): the same layout (GQA, SwiGLU,
+tied embeddings, RoPE) at 0.6 M parameters, seq 64, so that its amp-bf16 cases cost no more than process start-up
+where the CPU emulates bf16 (~0.5 GFLOP/s on a 2-core AVX2 EPYC, 90x below fp32)."""
+
+
 def llama_cpu_shape() -> dict[str, int]:
     """``LLAMA_CPU_SHAPE``, with ``EMULATED_BF16_VOCAB`` where this CPU emulates bf16."""
     import torch
@@ -135,6 +145,15 @@ class Case:
     where: tuple[str, ...] = ("cpu", "cuda")
     procs: int | None = None  # None: 1 for single, else 2
     compile: bool = False  # the plan's torch.compile of each block (GPU cases: the eager twin beside it)
+    # in the CPU's --quick subset (None: as ``quick``). That subset (CI runs it) leaves out what it would only
+    # repeat: the MLP's DDP case (DDP's buckets are checked within 1 % by tests/probes/test_distributed_probe.py;
+    # FSDP and ZeRO-2 stay) and the Llama's amp-bf16 case with full checkpointing (the MLP's amp-bf16 case
+    # checkpoints; the Llama keeps selective)
+    cpu_quick: bool | None = None
+
+    def in_quick(self, device: str) -> bool:
+        """Whether the case is in ``device``'s --quick subset."""
+        return self.quick if device != "cpu" or self.cpu_quick is None else self.cpu_quick
 
     @property
     def nproc(self) -> int:
@@ -148,7 +167,7 @@ SUITE: tuple[Case, ...] = (
     Case("mlp", "fp32", 1, quick=True),
     Case("mlp", "fp32", 4),
     Case("mlp", "amp-bf16", 4, "full", quick=True),
-    Case("mlp", "fp32", 4, mode="ddp", quick=True),
+    Case("mlp", "fp32", 4, mode="ddp", quick=True, cpu_quick=False),
     Case("mlp", "fp32", 4, mode="fsdp-full", quick=True),
     Case("mlp", "fp32", 4, mode="fsdp-grad_op"),
     Case("mlp", "fp32", 4, mode="zero1"),
@@ -169,7 +188,7 @@ SUITE: tuple[Case, ...] = (
     Case("llama", "fp32", 2),
     Case("llama", "amp-bf16", 2, quick=True),
     Case("llama", "fp32", 4, "full"),
-    Case("llama", "amp-bf16", 4, "full", quick=True),
+    Case("llama", "amp-bf16", 4, "full", quick=True, cpu_quick=False),
     Case("llama", "bf16", 2),
     Case("llama", "bf16-pure", 2),
     Case("llama", "amp-bf16", 2, "selective", quick=True),
@@ -247,16 +266,18 @@ def timm_model(directory: Path, architecture: str, side: int, classes: int) -> P
     return write_hf_model_file(find_hf_config(str(folder)), folder)
 
 
-def models(device: str, tmp: Path) -> dict[str, Model]:
+def models(device: str, tmp: Path, *, quick: bool = False) -> dict[str, Model]:
+    """The suite's models as ``device`` runs them (``quick`` on the CPU: the smaller Llama, LLAMA_CPU_QUICK_SHAPE)."""
     if device == "cpu":
+        shape, seq = (LLAMA_CPU_QUICK_SHAPE, LLAMA_CPU_QUICK_SEQ) if quick else (llama_cpu_shape(), 128)
         return {
             "mlp": Model("mlp", "examples/mlp.py as is (in 64, hidden 256, depth 4); micro-batches x16",
                          EXAMPLES / "mlp.py", None, "adamw", mbs_scale=16),
             "gpt2": Model("gpt2", "examples/gpt2.py GPT-2 small (124 M) as is, seq 128", EXAMPLES / "gpt2.py",
                           128, "adamw"),
             "llama": Model("llama", "examples/llama.py 1B layout reduced: " + ", ".join(
-                f"{k} {v}" for k, v in llama_cpu_shape().items()) + " (vocab 128256 unless given, tied), seq 128",
-                llama_wrapper(tmp, llama_cpu_shape(), 128), 128, "adamw"),
+                f"{k} {v}" for k, v in shape.items()) + f" (vocab 128256 unless given, tied), seq {seq}",
+                llama_wrapper(tmp, shape, seq), seq, "adamw"),
             "resnet": Model("resnet", "examples/resnet.py ResNet-50 as is, 224x224, SGD", EXAMPLES / "resnet.py",
                             None, "sgd"),
             "timm-vit": Model("timm-vit", "timm vit_tiny_patch16_224 (--hf timm config), 224x224, 100 classes",
@@ -557,7 +578,8 @@ class SuiteResult:
 
 
 def select_cases(device: str, quick: bool, wanted: set[str] | None) -> list[Case]:
-    return [c for c in SUITE if device in c.where and (c.quick or not quick) and (wanted is None or c.model in wanted)]
+    return [c for c in SUITE
+            if device in c.where and (c.in_quick(device) or not quick) and (wanted is None or c.model in wanted)]
 
 
 def run_suite(device: str, *, quick: bool = False, wanted: set[str] | None = None, timeout_s: float = 300.0,
@@ -585,7 +607,7 @@ def run_suite(device: str, *, quick: bool = False, wanted: set[str] | None = Non
             on_row(row)
 
     with tempfile.TemporaryDirectory(prefix="optplan_fidelity_") as tmp:
-        defs = models(device, Path(tmp))
+        defs = models(device, Path(tmp), quick=quick)
         for key in dict.fromkeys(c.model for c in suite):
             model = defs[key]
             cases = [c for c in suite if c.model == key]

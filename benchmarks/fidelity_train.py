@@ -15,7 +15,7 @@ fp32 and bf16; checkpointing none and full), it
 Run: ``python benchmarks/fidelity_train.py [--quick] [--model FILE]`` (--quick: fp32 without checkpointing
 and bf16 with full checkpointing per engine, 14 runs, ~3 min on 2 cores; the full matrix is 28). The last
 line is ``train.py: max memory error X% over N runs (M ok)``. tests/planner/test_train_script.py runs the
-quick matrix on a small model and asserts on it.
+quick matrix on ``SMALL_GPT2`` and asserts on it (its bf16 cases at ``BF16_TEST_SEQ_LEN``, ``--seq-len 32``).
 """
 
 from __future__ import annotations
@@ -55,6 +55,12 @@ NPROC = 2
 GPU = "H100-SXM"
 SMALL_GPT2 = '{"n_layer": 2, "n_embd": 256, "n_head": 4, "vocab_size": 8192, "block_size": 128}'
 """examples/gpt2.py at a size whose runs take seconds on a CPU (3.7M parameters: more than DeepSpeed's reduce buckets, as in real models)."""
+BF16_TEST_SEQ_LEN = 32
+"""The sequence length tests/planner/test_train_script.py runs its 16-bit cases at (``SMALL_GPT2``, the same
+parameters and DeepSpeed buckets; fp32 cases at 128): on a CPU without native bf16 (AVX2 only) torch emulates bf16
+matmuls ~90x slower than fp32, and a bf16 step of ``SMALL_GPT2`` at 128 tokens takes seconds per rank. What those
+cases add to the fp32 ones, each engine's 16-bit weights, fp32 masters and states under full checkpointing, does
+not depend on the length."""
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "gpt2.py"
 
 

@@ -50,6 +50,17 @@ those models in fidelity, trace and grid.
 On the CPU the step times are measured but not compared (no CPU in the catalogue: predictions are for
 the H100 and marked ``time_comparable: false``); the rest runs as on a GPU. The last line reads
 ``campaign: <sections> written to DIR in N s``.
+
+The CPU's ``--quick`` run (``--device cpu --quick``, tests/benchmarks/test_gpu_campaign.py) is built to cost little
+on 2 shared cores, where each run is mostly a child process importing torch (~4 s of CPU) and bf16 matmuls are
+emulated (~90x slower than fp32 on AVX2): the OOM probe is the MLP under a 1 MiB cap; the microbenchmark runs no
+all-reduce (as on one GPU; tests/probes/test_microbench.py runs the gloo one); fidelity runs the quick subset
+without what other tests already check (fidelity.py's ``Case.cpu_quick``) and a 0.6 M-parameter Llama
+(``LLAMA_CPU_QUICK_SHAPE``); fidelity, trace and grid share one profile per model file (``Campaign.profile``);
+the GPU tests are collected in one pytest process; the exports plan a global batch of 16; the grid is 4 MLP runs
+(micro-batch 16) and recommend's free pick outside it is named, not run. About 280 s of CPU in all (fidelity 120,
+exports 65, grid 40, gpu_tests 20, probes 12, trace 9, start 8), about 410 s wall on 2 cores at twice their load:
+the test passes ``--budget-s 1500``, as the 480 s default is a GPU visit's.
 """
 
 from __future__ import annotations
@@ -68,7 +79,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -198,6 +209,15 @@ class Campaign:
     gpu: GPUSpec | None
     log: Callable[[str], None] = print
     models: frozenset[str] | None = None  # --models: fidelity, trace and grid keep only these
+    profiles: dict[tuple[str, int | None], ModelProfile] = field(default_factory=dict)
+
+    def profile(self, path: Path, seq_len: int | None) -> ModelProfile:
+        """``profile_model_file(path, seq_len=...)``, once per file and sequence length (a profiler child costs
+        seconds of CPU): the fidelity, trace and grid sections share one profile of a model file."""
+        key = (str(path), seq_len)
+        if key not in self.profiles:
+            self.profiles[key] = profile_model_file(path, seq_len=seq_len)
+        return self.profiles[key]
 
     def wants(self, key: str) -> bool:
         """Whether --models keeps the model ``key`` (the grid's and trace's 'llama1b' answers to 'llama')."""
@@ -253,14 +273,16 @@ def median_max(values: Sequence[float]) -> dict[str, float | None]:
 # ---------------------------------------------------------------------------------------------------
 def oom_as_data(c: Campaign) -> dict[str, Any]:
     """A probe whose memory cap is far below what it needs must end with status 'oom' and a reason."""
-    path = EXAMPLES / "gpt2.py"
-    seq = 1024 if c.device == "cuda" else 64
+    # on the CPU the MLP (8 MiB of parameters) under a 1 MiB cap: the tracker's cap is the same path at any size,
+    # without building GPT-2's 124 M parameters
+    path = EXAMPLES / ("gpt2.py" if c.device == "cuda" else "mlp.py")
+    seq = 1024 if c.device == "cuda" else None
     strategy = Strategy(precision="fp32", optimizer="adamw", mbs=8 if c.device == "cuda" else 2, engine="torch")
-    cap = 256 * 2**20 if c.device == "cuda" else 64 * 2**20
+    cap = 256 * 2**20 if c.device == "cuda" else 2**20
     spec = ProbeSpec(model_path=str(path), seq_len=seq, strategy=strategy, device=c.device,  # type: ignore[arg-type]
                      warmup_steps=1, timed_steps=1, memory_cap_bytes=cap)
     result = run_probe(spec, timeout_s=min(240.0, max(30.0, c.left_s())))
-    return {"model": "examples/gpt2.py", "seq_len": seq, "strategy": strategy.label(), "cap_bytes": cap,
+    return {"model": str(path.relative_to(ROOT)), "seq_len": seq, "strategy": strategy.label(), "cap_bytes": cap,
             "status": result.status, "reason": result.reason, "wall_s": result.wall_s,
             "ok": result.status == "oom" and bool(result.reason)}
 
@@ -268,8 +290,11 @@ def oom_as_data(c: Campaign) -> dict[str, Any]:
 def microbench(c: Campaign) -> dict[str, Any]:
     from optplan.probes.microbench import run_microbench
 
+    # no all-reduce on one GPU, nor in the CPU's --quick run (as on one GPU; tests/probes/test_microbench.py runs
+    # the same gloo all-reduce on 2 processes)
     bench = run_microbench(device=c.device, quick=c.quick or c.device == "cpu",  # type: ignore[arg-type]
-                           allreduce_nproc=0 if c.device == "cuda" else 2, timeout_s=min(240.0, max(30.0, c.left_s())))
+                           allreduce_nproc=0 if c.device == "cuda" or c.quick else 2,
+                           timeout_s=min(240.0, max(30.0, c.left_s())))
     doc: dict[str, Any] = {"result": bench.model_dump(mode="json"),
                            "ok": bool(bench.matmul_flops_per_s) and bench.copy_bytes_per_s > 0}
     if c.gpu is not None:  # measured ÷ datasheet: what the efficiency constants should be near
@@ -288,8 +313,10 @@ def gpu_tests(c: Campaign) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="optplan_campaign_pytest_") as tmp:
         report = Path(tmp) / "junit.xml"
         # the microbenchmark test repeats what microbench() measured: left out on the GPU to save its time
+        # on the CPU in one process (-n 0: pyproject's -n auto would start a worker per core only to skip them)
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
-               "tests/probes", "-k", "(cuda and not microbench) or hung" if c.device == "cuda" else "cuda"]
+               "tests/probes", "-k", "(cuda and not microbench) or hung" if c.device == "cuda" else "cuda",
+               *(() if c.device == "cuda" else ("-n", "0"))]
         try:
             proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
                                   timeout=max(30.0, min(300.0, c.left_s())))
@@ -387,6 +414,8 @@ def part_fidelity(c: Campaign) -> dict[str, Any]:
     def on_model(key: str, model: fidelity.Model, profile: ModelProfile | None, profile_s: float) -> None:
         if profile is not None:
             profiles[key] = profile
+            if not model.env:  # profiled as any section would: shared (Campaign.profile)
+                c.profiles.setdefault((str(model.path), model.seq_len), profile)
         c.log(f"fidelity: {key}: {'profiled' if profile else 'profiling failed'} in {profile_s:.1f} s")
 
     def on_row(row: fidelity.Row) -> None:
@@ -508,7 +537,6 @@ def part_trace(c: Campaign) -> dict[str, Any]:
     """Kernel time by category (probes/step_trace.py) beside the predicted step's parts, for a few runs."""
     path = c.out / "trace.json"
     doc = c.doc("trace", gpu=c.gpu_name, time_comparable=c.time_comparable, runs=[])
-    profiles: dict[str, ModelProfile] = {}
     with tempfile.TemporaryDirectory(prefix="optplan_campaign_trace_") as tmp:
         cases = trace_cases(c.device, Path(tmp))
         if c.quick and c.device == "cuda":  # one run per model: GPT-2 at micro-batch 4, the Llama layout at 2
@@ -523,9 +551,7 @@ def part_trace(c: Campaign) -> dict[str, Any]:
             if c.left_s() < 30:
                 doc["runs"].append({"model": key, "strategy": strategy.label(), "skipped": "out of time"})
                 continue
-            if key not in profiles:
-                profiles[key] = profile_model_file(model_path, seq_len=seq)
-            profile = profiles[key]
+            profile = c.profile(model_path, seq)
             block = profile.repeated_block.class_name if profile.repeated_block else None
             spec = ProbeSpec(model_path=str(model_path), seq_len=seq, strategy=strategy, block_class=block,
                              ds_config=fidelity.ds_config(strategy, profile, torch_optimizer=True), device=c.device,  # type: ignore[arg-type]
@@ -572,7 +598,10 @@ def part_exports(c: Campaign) -> dict[str, Any]:
     doc = c.doc("exports", plans=[])
     model = EXAMPLES / ("gpt2.py" if c.device == "cuda" else "mlp.py")
     gpu = ["--gpu", c.gpu.name] if c.gpu is not None else ["--gpu", CPU_STAND_IN_GPU]
+    # CPU: a global batch of 16, not the MLP's 256: the plan (amp-bf16) then steps in well under a second where the
+    # CPU emulates bf16 (~0.5 GFLOP/s on AVX2), and each file still launches through its trainer
     seq = ["--seq-len", "512"] if c.device == "cuda" else []
+    batch = [] if c.device == "cuda" else ["--global-batch", "16"]
     with tempfile.TemporaryDirectory(prefix="optplan_campaign_exports_") as tmp:
         # CPU: the DeepSpeed plan only (its three files; the torch plan's launch.sh and accelerate.yaml run under
         # `optplan validate` with 2 processes in tests/tui/test_cli_probe.py), a GPU both
@@ -587,7 +616,7 @@ def part_exports(c: Campaign) -> dict[str, Any]:
             entry: dict[str, Any] = {"engine": engine, "model": str(model.relative_to(ROOT))}
             # --no-probe --no-calibration: the plan is what the analytic search picks (a GPU would start the
             # probe stage by default, which the grid measures on its own)
-            code, out, err = _optplan(["recommend", str(model), "--gpus", "1", *gpu, *seq, "--engine", engine,
+            code, out, err = _optplan(["recommend", str(model), "--gpus", "1", *gpu, *seq, *batch, "--engine", engine,
                                        "--no-probe", "--no-calibration", "--out", str(folder), "--json"],
                                       timeout_s=max(30.0, min(300.0, c.left_s())))
             entry["recommend_exit_code"] = code
@@ -646,8 +675,9 @@ def grid_models(device: str, quick: bool, tmp: Path) -> list[GridModel]:
     layout (benchmarks/fidelity.py's wrapper pins the size whatever $OPTPLAN_LLAMA_SIZE says), seq 1,024."""
     llama1b = fidelity.llama_wrapper(tmp, None, 1024)
     if device == "cpu":
-        return [GridModel("mlp", EXAMPLES / "mlp.py", None, ("fp32", "amp-bf16"), ("none", "full"), (16, 64),
-                          ("torch",)),
+        # --quick: micro-batch 16 alone, 4 runs (a run is mostly a process start on the CPU; 64 repeats them)
+        return [GridModel("mlp", EXAMPLES / "mlp.py", None, ("fp32", "amp-bf16"), ("none", "full"),
+                          (16,) if quick else (16, 64), ("torch",)),
                 GridModel("gpt2", EXAMPLES / "gpt2.py", 64, ("fp32",), ("none", "full"), (1, 2), ("torch",))][
                     : 1 if quick else 2]
     if quick:
@@ -715,7 +745,7 @@ def _price(profile: ModelProfile, cluster: Cluster, strategy: Strategy) -> Any:
 
 def grid_one(c: Campaign, model: GridModel, doc: dict[str, Any], save: Callable[[], None]) -> dict[str, Any]:
     """Measure one model's grid and judge recommend's pick on it."""
-    profile = profile_model_file(model.path, seq_len=model.seq_len)
+    profile = c.profile(model.path, model.seq_len)
     cluster = c.cluster(1)
     runs: list[dict[str, Any]] = []
     shown = str(model.path.relative_to(ROOT)) if model.path.is_relative_to(ROOT) else "examples/llama.py 1B layout"
@@ -778,7 +808,10 @@ def grid_one(c: Campaign, model: GridModel, doc: dict[str, Any], save: Callable[
     for s in grid:
         run(s, "grid")
     if rec.plan is not None and all(r["strategy"] != rec.plan.label() for r in runs):
-        run(rec.plan, "recommend's free pick (outside the grid: not ranked)")
+        if c.device == "cpu" and c.quick:  # the MLP's batch of 256 in emulated bf16: ~20 s of CPU for a run not ranked
+            entry["recommend_pick_run"] = "not measured in the CPU's --quick run (outside the grid: not ranked)"
+        else:
+            run(rec.plan, "recommend's free pick (outside the grid: not ranked)")
     both = [s for s in measured if s in predicted]
     entry["measured_runs"] = len(measured)
     entry["spearman_predicted_vs_measured"] = spearman([predicted[s] for s in both], [measured[s] for s in both])

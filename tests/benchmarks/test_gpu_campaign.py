@@ -1,5 +1,9 @@
 """benchmarks/gpu_campaign.py's CPU path end to end (issue 16: the CPU run is a test), the results files it
-writes, and ``optplan calibrate`` taking them."""
+writes, and ``optplan calibrate`` taking them.
+
+One real campaign (``results``: ``--device cpu --quick``, about 280 s of CPU, see the campaign's docstring) serves
+every test of its files; two more campaigns measure nothing (a spent budget; sections whose models are filtered
+out) and the bad-input tests call ``main`` in this process."""
 
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ CAMPAIGN = ROOT / "benchmarks" / "gpu_campaign.py"
 runner = CliRunner()
 
 
-def _campaign(*args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
+def _campaign(*args: str, timeout: float = 1800) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, str(CAMPAIGN), *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout)
 
@@ -28,7 +32,9 @@ def _campaign(*args: str, timeout: float = 900) -> subprocess.CompletedProcess[s
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("campaign")
-    proc = _campaign("--device", "cpu", "--quick", "--out", str(out))
+    # the 480 s default budget is a GPU visit's; CI's shared cores get room (~280 s of CPU, 410 s wall at twice the
+    # load) so that no run is left out of time
+    proc = _campaign("--device", "cpu", "--quick", "--budget-s", "1500", "--out", str(out))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1].startswith(
         "campaign: probes, fidelity, trace, gpu_tests, exports, grid written to")
@@ -108,7 +114,7 @@ def test_grid_judges_the_pick_against_measured_runs(results: Path) -> None:
     doc = _load(results, "grid")
     model = doc["models"][0]
     ok = [r for r in model["runs"] if r["status"] == "ok" and r["why"] == "grid"]
-    assert len(ok) >= 8 and all(r["measured_samples_per_s"] > 0 and r["predicted_samples_per_s"] > 0 for r in ok)
+    assert len(ok) >= 4 and all(r["measured_samples_per_s"] > 0 and r["predicted_samples_per_s"] > 0 for r in ok)
     # the planner's choice among the grid's own configurations is ranked; recommend's free pick is shown
     assert model["pick"] in {r["strategy"] for r in ok} and 1 <= model["pick_rank"] <= len(ok)
     assert model["recommend_pick"]
@@ -133,14 +139,23 @@ def test_optplan_calibrate_folds_results_files_into_the_cache(results: Path, tmp
     assert shown.exit_code == 0 and "allocated memory error" in shown.stdout and "wrote 2 calibration(s)" in shown.stdout
 
 
-def test_a_spent_budget_still_writes_every_file(tmp_path: Path) -> None:
-    proc = _campaign("--device", "cpu", "--quick", "--budget-s", "1", "--out", str(tmp_path), timeout=300)
+def test_a_spent_budget_still_writes_every_file_and_models_filter_them(tmp_path: Path) -> None:
+    """Every section's file, with what did not run marked; ``--models mlp`` keeps the MLP in fidelity, trace and
+    grid (each lists it, out of time) and leaves the Llama out. Nothing runs: a start-up's cost."""
+    proc = _campaign("--device", "cpu", "--quick", "--budget-s", "1", "--models", "mlp", "--out", str(tmp_path),
+                     timeout=300)
     assert proc.returncode == 0, proc.stderr
     probes = _load(tmp_path, "probes")
     assert all(probes[k] == {"skipped": "out of time"} for k in ("oom", "microbench"))
     assert probes["gpu_tests"]["skipped"] == "out of time"
-    assert all(c["status"] == "skipped" and c["reason"] == "out of time" for c in _load(tmp_path, "fidelity")["cases"])
-    assert all(m.get("skipped") == "out of time" for m in _load(tmp_path, "grid")["models"])
+    cases = _load(tmp_path, "fidelity")["cases"]
+    assert cases and all(c["status"] == "skipped" and c["reason"] == "out of time" for c in cases)
+    assert {c["model"] for c in cases} == {"mlp"}
+    models = _load(tmp_path, "grid")["models"]
+    assert [m["model"] for m in models] == ["mlp"] and all(m.get("skipped") == "out of time" for m in models)
+    runs = _load(tmp_path, "trace")["runs"]
+    assert [r["model"] for r in runs] == ["mlp"] and runs[0]["skipped"] == "out of time"
+    assert _load(tmp_path, "exports")["plans"] == [{"engine": "deepspeed", "skipped": "out of time"}]
 
 
 def test_sections_run_in_the_order_given_and_models_filter_them(tmp_path: Path) -> None:
@@ -151,11 +166,21 @@ def test_sections_run_in_the_order_given_and_models_filter_them(tmp_path: Path) 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["campaign.log", "grid.json", "trace.json"]
     # the CPU's quick grid and trace hold the MLP alone: --models gpt2 leaves both empty, not skipped
     assert _load(tmp_path, "grid")["models"] == [] and _load(tmp_path, "trace")["runs"] == []
-    proc = _campaign("--device", "cpu", "--quick", "--sections", "trace", "--models", "mlp", "--out",
-                     str(tmp_path / "mlp"), timeout=600)
-    assert proc.returncode == 0, proc.stderr
-    runs = _load(tmp_path / "mlp", "trace")["runs"]
-    assert [r["model"] for r in runs] == ["mlp"] and runs[0]["status"] == "ok"
+    # --models mlp keeping the MLP: test_a_spent_budget_still_writes_every_file_and_models_filter_them; its trace
+    # run measured: the module's campaign (test_trace_says_where_the_step_time_went)
+
+
+def _main(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    """gpu_campaign.main in this process (a child would spend ~4 s of CPU importing torch to print one line):
+    its exit code and stderr. The script's own exit code is main()'s (``sys.exit(main())``), run in ``results``."""
+    sys.path.insert(0, str(CAMPAIGN.parent))
+    try:
+        import gpu_campaign
+    finally:
+        sys.path.remove(str(CAMPAIGN.parent))
+    capsys.readouterr()
+    code = gpu_campaign.main(args)
+    return code, capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("args", "needle"), [
@@ -164,13 +189,14 @@ def test_sections_run_in_the_order_given_and_models_filter_them(tmp_path: Path) 
     (["--device", "cpu", "--sections", "probes,grids"], "unknown grids; choose from probes"),
     (["--device", "cpu", "--models", "gpt3"], "unknown gpt3; choose from mlp"),
 ])
-def test_bad_input_is_one_line_and_exit_2(args: list[str], needle: str, tmp_path: Path) -> None:
-    proc = _campaign(*args, "--out", str(tmp_path / "o"), timeout=120)
-    assert proc.returncode == 2 and needle in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+def test_bad_input_is_one_line_and_exit_2(args: list[str], needle: str, tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = _main([*args, "--out", str(tmp_path / "o")], capsys)
+    assert code == 2 and needle in err and len(err.strip().splitlines()) == 1 and not (tmp_path / "o").exists()
 
 
-def test_out_must_be_a_folder(tmp_path: Path) -> None:
+def test_out_must_be_a_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     f = tmp_path / "file"
     f.write_text("keep me")
-    proc = _campaign("--device", "cpu", "--out", str(f), timeout=120)
-    assert proc.returncode == 2 and "is a file" in proc.stderr and f.read_text() == "keep me"
+    code, err = _main(["--device", "cpu", "--out", str(f)], capsys)
+    assert code == 2 and "is a file" in err and f.read_text() == "keep me"

@@ -21,6 +21,7 @@ from typer.testing import CliRunner
 
 from optplan.estimators.estimate import estimate
 from optplan.estimators.hardware import Cluster, find_gpu
+from optplan.estimators.profile import ModelProfile
 from optplan.estimators.strategy import Strategy
 from optplan.planner.export.context import ExportPlan, NotExportable, export_plan_for
 from optplan.planner.export.registry import render_targets
@@ -133,14 +134,17 @@ priced from the autocast fit)."""
 
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    """The quick matrix of benchmarks/fidelity_train.py on its SMALL_GPT2: the fp32 cases at 128 tokens, the bf16
+    ones at BF16_TEST_SEQ_LEN (bf16 matmuls are emulated, ~90x slower, on an AVX2-only CPU)."""
     bench = _bench()
     os.environ["OPTPLAN_GPT2_CONFIG"] = bench.SMALL_GPT2
     try:
         from optplan.probes.loader import profile_model_file
 
-        profile = profile_model_file(bench.EXAMPLE, seq_len=128)
+        profiles = {"fp32": profile_model_file(bench.EXAMPLE, seq_len=128),
+                    "bf16": profile_model_file(bench.EXAMPLE, seq_len=bench.BF16_TEST_SEQ_LEN)}
         tmp = tmp_path_factory.mktemp("train_matrix")
-        return {case.name: bench.run_case(case, profile, tmp / f"case{i}")
+        return {case.name: bench.run_case(case, profiles[case.precision], tmp / f"case{i}")
                 for i, case in enumerate(bench.cases(quick=True))}
     finally:
         del os.environ["OPTPLAN_GPT2_CONFIG"]
@@ -180,18 +184,34 @@ def test_calibrate_takes_measurements_json(matrix: dict[str, object], tmp_path: 
 # --------------------------------------------------------------------------------------------------
 # bad input: one line each, exit code 2, before any step
 # --------------------------------------------------------------------------------------------------
+TINY_MODEL = ("import torch, torch.nn as nn\n"
+              "def build_model():\n    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))\n"
+              "def example_batch(batch_size, seq_len):\n    return torch.randn(batch_size, 16)\n")
+
+
 @pytest.fixture(scope="module")
-def single(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A one-process DeepSpeed ZeRO-1 plan of a tiny model file, exported (train.py + ds_config.json)."""
+def tiny_profile(tmp_path_factory: pytest.TempPathFactory) -> ModelProfile:
+    """The profile of ``TINY_MODEL`` (profiled once; the tests that copy tiny.py elsewhere re-point its path)."""
     from optplan.probes.loader import profile_model_file
 
+    model = tmp_path_factory.mktemp("tiny") / "tiny.py"
+    model.write_text(TINY_MODEL, encoding="utf-8")
+    return profile_model_file(model)
+
+
+def _tiny_profile_at(profile: ModelProfile, model: Path) -> ModelProfile:
+    """``profile`` of ``TINY_MODEL`` for the copy at ``model`` (the file's own profile: only ``path`` differs)."""
+    assert model.read_text(encoding="utf-8") == TINY_MODEL
+    return profile.model_copy(update={"path": str(model)})
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory: pytest.TempPathFactory, tiny_profile: ModelProfile) -> Path:
+    """A one-process DeepSpeed ZeRO-1 plan of a tiny model file, exported (train.py + ds_config.json)."""
     folder = tmp_path_factory.mktemp("single")
     model = folder / "tiny.py"
-    model.write_text(
-        "import torch, torch.nn as nn\n"
-        "def build_model():\n    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))\n"
-        "def example_batch(batch_size, seq_len):\n    return torch.randn(batch_size, 16)\n", encoding="utf-8")
-    profile = profile_model_file(model)
+    model.write_text(TINY_MODEL, encoding="utf-8")
+    profile = _tiny_profile_at(tiny_profile, model)
     strategy = Strategy(engine="deepspeed", zero=1, dp=1, mbs=4, precision="fp32")
     cluster = Cluster(gpu=find_gpu("H100-SXM"), gpus=1, gpus_per_node=1)
     plan = export_plan_for(strategy, profile, cluster, shown=estimate(profile, cluster, strategy))
@@ -250,11 +270,9 @@ def test_a_dataloader_of_the_wrong_shape(single: Path, tmp_path: Path) -> None:
 # --------------------------------------------------------------------------------------------------
 # accelerate launch (accelerate.yaml starts train.py): on the CPU one process, under the tracker
 # --------------------------------------------------------------------------------------------------
-def _accelerate_plan(folder: Path, gpus: int) -> None:
+def _accelerate_plan(folder: Path, gpus: int, tiny_profile: ModelProfile) -> None:
     """train.py + accelerate.yaml of an amp-bf16 torch plan of the tiny model on ``gpus`` GPUs, in ``folder``."""
-    from optplan.probes.loader import profile_model_file
-
-    profile = profile_model_file(folder / "tiny.py")
+    profile = _tiny_profile_at(tiny_profile, folder / "tiny.py")
     strategy = Strategy(engine="torch", dp=gpus, mbs=4, precision="amp-bf16")
     cluster = Cluster(gpu=find_gpu("H100-SXM"), gpus=gpus, gpus_per_node=gpus)
     plan = export_plan_for(strategy, profile, cluster, shown=estimate(profile, cluster, strategy))
@@ -269,9 +287,10 @@ def _accelerate(folder: Path, *args: str) -> subprocess.CompletedProcess[str]:
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
-def test_accelerate_launch_runs_the_plan_and_matches_the_prediction(single: Path, tmp_path: Path) -> None:
-    (tmp_path / "tiny.py").write_text((single / "tiny.py").read_text(), encoding="utf-8")
-    _accelerate_plan(tmp_path, 1)
+def test_accelerate_launch_runs_the_plan_and_matches_the_prediction(tiny_profile: ModelProfile,
+                                                                    tmp_path: Path) -> None:
+    (tmp_path / "tiny.py").write_text(TINY_MODEL, encoding="utf-8")
+    _accelerate_plan(tmp_path, 1, tiny_profile)
     r = _accelerate(tmp_path, "--cpu", "-m", "optplan.probes.runtime_child", "--train-script", "train.py", "--",
                     "--device", "cpu", "--steps", "2", "--measurements", "m.json")
     assert r.returncode == 0, r.stderr[-2000:]
@@ -283,11 +302,12 @@ def test_accelerate_launch_runs_the_plan_and_matches_the_prediction(single: Path
     assert measured == pytest.approx(predicted, rel=0.02, abs=4096)
 
 
-def test_accelerate_setting_up_fewer_processes_than_started_is_refused(single: Path, tmp_path: Path) -> None:
+def test_accelerate_setting_up_fewer_processes_than_started_is_refused(tiny_profile: ModelProfile,
+                                                                      tmp_path: Path) -> None:
     """A MULTI_GPU accelerate.yaml where no GPU is visible: accelerate starts 2 processes that each set up a
     group of one, which would train two unsynchronised copies; train.py stops with one line instead."""
-    (tmp_path / "tiny.py").write_text((single / "tiny.py").read_text(), encoding="utf-8")
-    _accelerate_plan(tmp_path, 2)
+    (tmp_path / "tiny.py").write_text(TINY_MODEL, encoding="utf-8")
+    _accelerate_plan(tmp_path, 2, tiny_profile)
     assert "distributed_type: MULTI_GPU" in (tmp_path / "accelerate.yaml").read_text()
     r = _accelerate(tmp_path, "train.py", "--device", "cpu", "--steps", "2")
     assert r.returncode != 0

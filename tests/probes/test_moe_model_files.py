@@ -254,14 +254,16 @@ def test_a_stack_of_mlp_blocks_is_not_taken_for_experts() -> None:
 
 def test_lora_adapters_on_list_experts_still_read_as_experts(tmp_path: Path) -> None:
     """LoRA (--finetune lora) wraps every expert's Linear layers: the adapters are not expert matrices, so the experts
-    are still found and profiled by the balanced dispatch (not by the real-run fallback)."""
+    are still found and profiled by the balanced dispatch (not by the real-run fallback). Four experts a layer (the
+    tiny model's eight halved): the adapted Linear layers of each expert are what the profile steps through."""
     from optplan.estimators.finetune import LoraRequest
 
     path = tmp_path / "tiny_moe.py"
-    path.write_text(textwrap.dedent(TINY_MOE))
+    assert TINY_MOE.count("num_experts=8,") == 1
+    path.write_text(textwrap.dedent(TINY_MOE.replace("num_experts=8,", "num_experts=4,")))
     prof = profile_contract(load_contract(path), lora=LoraRequest(rank=4))
     assert prof.adapter is not None and prof.transformer is not None
-    assert prof.transformer.moe == MoeShape(experts=8, topk=2, moe_ffn=32, shared_experts=1, first_dense=1,
+    assert prof.transformer.moe == MoeShape(experts=4, topk=2, moe_ffn=32, shared_experts=1, first_dense=1,
                                             dense_ffn=160)
     assert any("balanced dispatch" in n for n in prof.notes)
     assert not any("real CPU run" in n for n in prof.notes)

@@ -411,7 +411,7 @@ def memories(doc: Any) -> list[dict[str, Any]]:
 TINY = "layers=2,hidden=64,heads=2,seq=256"
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(estimate_argv())
 # found by these properties (a traceback, exhausted memory, a non-finite figure or a bad line before the fix):
 @example(["estimate", "--arch", "layers=1e30,hidden=64,heads=2,seq=256", "--json"])  # OverflowError
@@ -429,7 +429,7 @@ def test_estimate_never_a_traceback_nor_a_bad_figure(argv: list[str]) -> None:
         check_estimate_nulls(doc, argv)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(recommend_argv())
 @example(["recommend", "--arch", TINY, "--gpus", "1" + "0" * 21, "--no-probe", "--json"])  # OverflowError
 @example(["recommend", "--arch", TINY, "--tokens", "1e300", "--price", "1e300", "--no-probe", "--json"])  # Infinity
@@ -478,7 +478,7 @@ def figures(argv: list[str]) -> dict[str, Any]:
     return run.json()
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(valid_config(), st.sampled_from([[], ["--zero", "1"], ["--zero", "2"], ["--zero", "3"], ["--fsdp", "full"],
                                         ["--fsdp", "grad_op"], ["--fsdp", "hybrid"], ["--offload", "optimizer"]]),
        st.integers(1, 7))
@@ -509,7 +509,7 @@ SHARDING_LADDERS: dict[str, list[list[str]]] = {  # each rung shards at least as
 }
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(valid_config(min_dp=2), st.sampled_from(sorted(SHARDING_LADDERS)), st.integers(1, 4))
 def test_sharding_never_increases_per_gpu_model_states(config: tuple[list[str], int], ladder: str,
                                                        mbs: int) -> None:

@@ -25,7 +25,7 @@ from optplan.planner.search import SearchResult, resolve_storage, search
 from optplan.planner.space import SearchSpace, build_space
 
 ARCH = "layers=12,hidden=768,heads=12,vocab=50257,seq=1024"
-KILLS = 20
+KILLS = 8
 CHUNK = 8
 """Groups per recorded chunk in the killed runs (the default 512 would leave one chunk for this space)."""
 
