@@ -20,7 +20,8 @@ targets) on a 16-bit and an fp32 base (no quantised base: 4-bit vision fine-tuni
 (and, on a CPU-only torch, benchmarks/torchvision_ops/install.py).
 
 Run: ``python benchmarks/fidelity_finetune_cpu.py`` (~2 min) or ``--quick``. Last line:
-``finetune cpu: max error X% over N runs``.
+``finetune cpu: max error X% over N runs``. The CI test (tests/probes/test_adapters.py) calls :func:`run` with a
+Llama it has already profiled (:class:`Profiled`, so the profiles serve its own checks too) and a smaller ViT image.
 """
 
 from __future__ import annotations
@@ -66,8 +67,8 @@ DROPOUT_RUNS: tuple[tuple[str, str], ...] = (("bf16-pure", "none"), ("amp-bf16",
 """The same with LoRA dropout: each adapted layer keeps a mask and a dropped input, and the int8 base's kept inputs
 are no longer the adapters' (the profiler measures which are not); the steps run dropout as a GPU does
 (probes/dropout.py)."""
-VIT = {"architecture": "vit_tiny_patch16_224", "num_classes": 100,
-       "pretrained_cfg": {"input_size": [3, 224, 224], "num_classes": 100}}
+VIT: dict[str, Any] = {"architecture": "vit_tiny_patch16_224", "num_classes": 100,
+                       "pretrained_cfg": {"input_size": [3, 224, 224], "num_classes": 100}}
 """A timm config (the timm/... hub layout): ViT-Tiny/16 at 224 x 224 (197 tokens), 100 classes."""
 VIT_RUNS = ("amp-bf16", "bf16-pure", "fp32")
 
@@ -86,6 +87,18 @@ class Row:
     @property
     def error_pct(self) -> float:
         return 100.0 * (self.predicted - self.measured) / self.measured
+
+
+@dataclass
+class Profiled:
+    """A Llama model file the caller has profiled already: ``profile`` with ``request``'s adapters at ``seq`` tokens,
+    ``dropped`` the same with LoRA dropout (``request.dropout`` 0, ``dropped.adapter.dropout`` > 0)."""
+
+    path: Path
+    seq: int
+    request: LoraRequest
+    profile: ModelProfile
+    dropped: ModelProfile
 
 
 def model_file(folder: Path, config: dict[str, Any]) -> Path:
@@ -189,21 +202,27 @@ def quantize(model: torch.nn.Module, quant: str) -> list[torch.Tensor]:
     return states
 
 
-def run(quick: bool, log: Any = print) -> list[Row]:
-    config = LLAMA_QUICK if quick else LLAMA
-    seq = 64 if quick else 128
-    request = LoraRequest(rank=8)
+def run(quick: bool, log: Any = print, *, llama: Profiled | None = None, vit_side: int = 224) -> list[Row]:
+    """The rows of every run (module docstring); ``llama``: that model and its profiles instead of
+    :data:`LLAMA` (:data:`LLAMA_QUICK` when ``quick``) at 128 (64) tokens, rank-8 adapters and :data:`DROPOUT`;
+    ``vit_side``: the ViT's image side in pixels (``model_args.img_size``; 224 as the config names it)."""
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="optplan_finetune_") as tmp:
-        path = model_file(Path(tmp), config)
-        profile = profile_model_file(path, seq_len=seq, lora=request)
+        if llama is None:
+            seq = 64 if quick else 128
+            request = LoraRequest(rank=8)
+            path = model_file(Path(tmp), LLAMA_QUICK if quick else LLAMA)
+            profile = profile_model_file(path, seq_len=seq, lora=request)
+            dropped = profile_model_file(path, seq_len=seq, lora=request.model_copy(update={"dropout": DROPOUT}))
+        else:
+            path, seq, request, profile, dropped = llama.path, llama.seq, llama.request, llama.profile, llama.dropped
+        dropout = dropped.adapter.dropout if dropped.adapter else DROPOUT
         log(f"model: {profile.model_class} {profile.params:,} parameters ({profile.trainable_params:,} LoRA, rank "
             f"{request.rank}, targets {','.join(profile.adapter.targets if profile.adapter else ())}), seq {seq}")
         log(f"{'recipe':<10}{'base':<7}{'ckpt':<6}{'mbs':>4}{'drop':>6} | {'predicted':>10}{'measured':>10}{'err':>9}"
             "   (MiB)")
-        dropped = profile_model_file(path, seq_len=seq, lora=request.model_copy(update={"dropout": DROPOUT}))
         plan = [(r, q, request, profile) for r, q in RUNS]
-        plan += [(r, q, request.model_copy(update={"dropout": DROPOUT}), dropped) for r, q in DROPOUT_RUNS]
+        plan += [(r, q, request.model_copy(update={"dropout": dropout}), dropped) for r, q in DROPOUT_RUNS]
         for recipe, quant, req, prof in plan:
             trainer = LoraTrainer(path, seq, req, recipe, quant)
             for ckpt in ("none", "full"):
@@ -214,7 +233,7 @@ def run(quick: bool, log: Any = print) -> list[Row]:
                     log(row_line(row))
             del trainer
             gc.collect()
-        rows += run_vit(Path(tmp), quick, request, log)
+        rows += run_vit(Path(tmp), quick, request, log, vit_side)
     return rows
 
 
@@ -223,15 +242,17 @@ def row_line(row: Row) -> str:
             f"{row.predicted / MIB:>10.2f}{row.measured / MIB:>10.2f}{row.error_pct:>+8.2f}%")
 
 
-def run_vit(tmp: Path, quick: bool, request: LoraRequest, log: Any) -> list[Row]:
-    """The timm ViT's rows (module docstring)."""
+def run_vit(tmp: Path, quick: bool, request: LoraRequest, log: Any, side: int = 224) -> list[Row]:
+    """The timm ViT's rows (module docstring), at ``side`` x ``side`` pixels."""
     folder = tmp / "vit"
     folder.mkdir()
-    path = model_file(folder, VIT)
+    config = VIT if side == 224 else {**VIT, "model_args": {"img_size": side},
+                                      "pretrained_cfg": {**VIT["pretrained_cfg"], "input_size": [3, side, side]}}
+    path = model_file(folder, config)
     profile = profile_model_file(path, seq_len=None, lora=request)
     log(f"model: {profile.model_class} (timm {VIT['architecture']}) {profile.params:,} parameters "
         f"({profile.trainable_params:,} LoRA, rank {request.rank}, targets "
-        f"{','.join(profile.adapter.targets if profile.adapter else ())}), 224 x 224")
+        f"{','.join(profile.adapter.targets if profile.adapter else ())}), {side} x {side}")
     rows: list[Row] = []
     for recipe in VIT_RUNS[:1] if quick else VIT_RUNS:
         trainer = LoraTrainer(path, None, request, recipe)

@@ -52,12 +52,20 @@ def hf_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny_llama(tmp_path_factory.mktemp("ft"))
 
 
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The module's OPTPLAN_CACHE_DIR: the --hf model file is written once, at one path, so that conftest's
+    shared_profiles profiles each LoRA request of it once (the LoRA plans of 1 and 2 GPUs share one)."""
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.mark.usefixtures("shared_profiles")
 @pytest.mark.parametrize("method,quant,precision,dropout", [("qlora", "nf4-dq", "bf16-pure", 0.05),
                                                             ("lora", "none", "amp-bf16", None)])
-def test_single_gpu_plan_exports_and_trains(hf_model: Path, tmp_path: Path, method: str, quant: str,
+def test_single_gpu_plan_exports_and_trains(hf_model: Path, cache_dir: Path, tmp_path: Path, method: str, quant: str,
                                             precision: str, dropout: float | None) -> None:
     out = tmp_path / "plan"
-    env = {"OPTPLAN_CACHE_DIR": str(tmp_path / "cache")}
+    env = {"OPTPLAN_CACHE_DIR": str(cache_dir)}
     extra = ["--lora-dropout", str(dropout)] if dropout is not None else []
     r = runner.invoke(app, ["recommend", "--hf", str(hf_model / "model"), "--finetune", method, "--gpu", "RTX-4090",
                             "--gpus", "1", "--seq-len", "64", "--no-probe", "--out", str(out), "--json", *extra],
@@ -103,12 +111,13 @@ def test_qlora_plans_without_bitsandbytes_and_says_the_launch_needs_it(hf_model:
     assert json.loads((tmp_path / "o" / "finetune.json").read_text())["bnb"]["load_in_4bit"] is True
 
 
-def test_two_gpu_lora_plan_launches_finetune_py(hf_model: Path, tmp_path: Path) -> None:
+@pytest.mark.usefixtures("shared_profiles")
+def test_two_gpu_lora_plan_launches_finetune_py(hf_model: Path, cache_dir: Path, tmp_path: Path) -> None:
     """launch.sh of a LoRA plan starts finetune.py (train.py trains every parameter): two DDP processes on the CPU."""
     out = tmp_path / "plan"
     r = runner.invoke(app, ["recommend", "--hf", str(hf_model / "model"), "--finetune", "lora", "--gpu", "RTX-4090",
                             "--gpus", "2", "--seq-len", "64", "--global-batch", "8", "--no-probe", "--out", str(out)],
-                      env={"OPTPLAN_CACHE_DIR": str(tmp_path / "cache")})
+                      env={"OPTPLAN_CACHE_DIR": str(cache_dir)})
     assert r.exit_code == 0, r.output
     launch = (out / "launch.sh").read_text()
     assert "DEFAULT_TRAIN_SCRIPT=finetune.py" in launch and "--nproc-per-node 2" in launch
