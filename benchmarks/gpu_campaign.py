@@ -56,7 +56,7 @@ on 2 shared cores, where each run is mostly a child process importing torch (~4 
 emulated (~90x slower than fp32 on AVX2): the OOM probe is the MLP under a 1 MiB cap; the microbenchmark runs no
 all-reduce (as on one GPU; tests/probes/test_microbench.py runs the gloo one); fidelity runs the quick subset
 without what other tests already check (fidelity.py's ``Case.cpu_quick``) and a 0.6 M-parameter Llama
-(``LLAMA_CPU_QUICK_SHAPE``); fidelity, trace and grid share one profile per model file (``Campaign.profile``);
+(``LLAMA_CPU_QUICK_SHAPE``); fidelity, trace and grid share one profile per model file (the profile cache, probes/profile_cache.py);
 the GPU tests are collected in one pytest process; the exports plan a global batch of 16; the grid is 4 MLP runs
 (micro-batch 16) and recommend's free pick outside it is named, not run. About 280 s of CPU in all (fidelity 120,
 exports 65, grid 40, gpu_tests 20, probes 12, trace 9, start 8), about 410 s wall on 2 cores at twice their load:
@@ -79,7 +79,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -209,15 +209,6 @@ class Campaign:
     gpu: GPUSpec | None
     log: Callable[[str], None] = print
     models: frozenset[str] | None = None  # --models: fidelity, trace and grid keep only these
-    profiles: dict[tuple[str, int | None], ModelProfile] = field(default_factory=dict)
-
-    def profile(self, path: Path, seq_len: int | None) -> ModelProfile:
-        """``profile_model_file(path, seq_len=...)``, once per file and sequence length (a profiler child costs
-        seconds of CPU): the fidelity, trace and grid sections share one profile of a model file."""
-        key = (str(path), seq_len)
-        if key not in self.profiles:
-            self.profiles[key] = profile_model_file(path, seq_len=seq_len)
-        return self.profiles[key]
 
     def wants(self, key: str) -> bool:
         """Whether --models keeps the model ``key`` (the grid's and trace's 'llama1b' answers to 'llama')."""
@@ -414,8 +405,6 @@ def part_fidelity(c: Campaign) -> dict[str, Any]:
     def on_model(key: str, model: fidelity.Model, profile: ModelProfile | None, profile_s: float) -> None:
         if profile is not None:
             profiles[key] = profile
-            if not model.env:  # profiled as any section would: shared (Campaign.profile)
-                c.profiles.setdefault((str(model.path), model.seq_len), profile)
         c.log(f"fidelity: {key}: {'profiled' if profile else 'profiling failed'} in {profile_s:.1f} s")
 
     def on_row(row: fidelity.Row) -> None:
@@ -551,7 +540,7 @@ def part_trace(c: Campaign) -> dict[str, Any]:
             if c.left_s() < 30:
                 doc["runs"].append({"model": key, "strategy": strategy.label(), "skipped": "out of time"})
                 continue
-            profile = c.profile(model_path, seq)
+            profile = profile_model_file(model_path, seq_len=seq)
             block = profile.repeated_block.class_name if profile.repeated_block else None
             spec = ProbeSpec(model_path=str(model_path), seq_len=seq, strategy=strategy, block_class=block,
                              ds_config=fidelity.ds_config(strategy, profile, torch_optimizer=True), device=c.device,  # type: ignore[arg-type]
@@ -745,7 +734,7 @@ def _price(profile: ModelProfile, cluster: Cluster, strategy: Strategy) -> Any:
 
 def grid_one(c: Campaign, model: GridModel, doc: dict[str, Any], save: Callable[[], None]) -> dict[str, Any]:
     """Measure one model's grid and judge recommend's pick on it."""
-    profile = c.profile(model.path, model.seq_len)
+    profile = profile_model_file(model.path, seq_len=model.seq_len)
     cluster = c.cluster(1)
     runs: list[dict[str, Any]] = []
     shown = str(model.path.relative_to(ROOT)) if model.path.is_relative_to(ROOT) else "examples/llama.py 1B layout"

@@ -293,6 +293,9 @@ class ModelProfile(_Frozen):
     notes: tuple[str, ...] = ()
     torch_version: str = ""
     profile_s: float = 0.0
+    from_cache: bool = Field(
+        default=False, description="True when this profile was read from the profile cache (probes/profile_cache.py) "
+                                   "instead of made by this run; profile_s is then the time the cached run took")
 
     @property
     def train_flops_per_sample(self) -> float:

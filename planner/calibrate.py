@@ -36,6 +36,7 @@ from optplan.estimators.calibration import Calibration, calibration_key
 from optplan.estimators.errors import OptplanError
 from optplan.estimators.profile import ModelProfile
 from optplan.estimators.strategy import Strategy
+from optplan.probes.cache_dir import cache_dir
 from optplan.probes.runtime import ProbeResult
 
 CACHE_FILE = "calibration.json"
@@ -90,7 +91,7 @@ def profile_hash(profile: ModelProfile) -> str:
     profile leaves out ``adapter`` (None), a model without a tensor-parallel plan ``tensor_plan`` (None), and a
     transformer shape's unset ``head_dim``/``moe``/``mla`` and an adapter's
     :data:`ADAPTER_LATER_FIELDS` at their defaults, so hashes from before those fields existed still match."""
-    skip: dict[str, object] = {name: True for name in ("profile_s", "notes")}
+    skip: dict[str, object] = {name: True for name in ("profile_s", "notes", "from_cache")}
     skip.update({name: True for name in ("adapter", "tensor_plan") if getattr(profile, name) is None})
     shape = profile.transformer
     if shape is not None:  # shape fields added later (head width, MoE, latent attention) count only when set
@@ -156,14 +157,6 @@ def fit_calibration(comparisons: Sequence[ProbeComparison], *, gpu: str, model_h
 
 
 # --- the cache -----------------------------------------------------------------------------------------
-
-def cache_dir() -> Path:
-    """``$OPTPLAN_CACHE_DIR``, else ``$XDG_CACHE_HOME/optplan``, else ``~/.cache/optplan``."""
-    if os.environ.get("OPTPLAN_CACHE_DIR"):
-        return Path(os.environ["OPTPLAN_CACHE_DIR"]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base).expanduser() / "optplan"
-
 
 def cache_path(path: Path | None = None) -> Path:
     return path if path is not None else cache_dir() / CACHE_FILE

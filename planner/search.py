@@ -313,7 +313,8 @@ def check_storage_file(path: Path) -> None:
 def study_name_for(profile: ModelProfile, cluster: Cluster, space: SearchSpace, goal: Goal, method: str,
                    seed: int, calibration: Calibration | None = None) -> str:
     """A name that is the same exactly when the inputs are: rerunning resumes the same study."""
-    doc: dict[str, object] = {"v": STUDY_FORMAT, "profile": profile.model_dump(mode="json", exclude={"profile_s", "notes"}),
+    timings = {"profile_s", "notes", "from_cache"}
+    doc: dict[str, object] = {"v": STUDY_FORMAT, "profile": profile.model_dump(mode="json", exclude=timings),
            "cluster": cluster.model_dump(mode="json"), "space": space.model_dump(mode="json"),
            "goal": goal.model_dump(mode="json"), "method": method, "seed": seed}
     if calibration is not None:

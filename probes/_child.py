@@ -1,7 +1,8 @@
 """Profiler child process: ``python -m optplan.probes._child FILE [--seq-len N] [--model-name NAME]``.
 
 Imports the user's model file, resolves the contract, profiles the model on the meta/fake device and
-prints ONE JSON document to stdout: the ModelProfile (exit code 0) or
+prints ONE JSON document to stdout: the ModelProfile with, under :data:`INPUTS_KEY`, what the profile read
+(:mod:`optplan.probes.input_record`, for the parent's profile cache) (exit code 0), or
 ``{"error": {"problem": ..., "fix": ...}}`` (exit code 3). Anything the user's code prints, even
 from C extensions, goes to stderr: file descriptor 1 is pointed at stderr while user code runs and
 the JSON is written to the saved original stdout.
@@ -26,6 +27,8 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import traceback  # noqa: E402
 from typing import Any  # noqa: E402
+
+from optplan.probes.input_record import INPUTS_KEY, InputRecorder  # noqa: E402
 
 EXIT_OK = 0
 EXIT_MODEL_ERROR = 3
@@ -64,7 +67,7 @@ def _check_syntax(path: str) -> None:
         raise ModelFileError(path, f"is not Python source ({exc})", "pass a .py source file") from None
 
 
-def _run(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
+def _run(args: argparse.Namespace, recorder: InputRecorder) -> tuple[dict[str, Any], int]:
     from optplan.probes.loader import ModelFileError
 
     try:
@@ -76,7 +79,9 @@ def _run(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
         sys.argv = [args.path]  # as if the user ran `python FILE`
         contract = load_contract(args.path, model_name=args.model_name)
         profile = profile_contract(contract, seq_len=args.seq_len, started=_STARTED, lora=lora_request_from(args))
-        return profile.model_dump(mode="json"), EXIT_OK
+        from optplan.probes.profile_cache import own_source_roots
+
+        return {**profile.model_dump(mode="json"), INPUTS_KEY: recorder.report(own_roots=own_source_roots())}, EXIT_OK
     except ModelFileError as exc:
         root: BaseException = exc
         while (nxt := root.__cause__ or root.__context__) is not None:
@@ -94,13 +99,15 @@ def _run(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
 def main(argv: list[str] | None = None) -> int:
     # torch's compile cache folder (created by importing torch._dynamo) is a private one the parent made
     # (TORCHINDUCTOR_CACHE_DIR, see optplan.probes.loader) and removes, even when this process is killed
+    recorder = InputRecorder()
+    recorder.install()  # before the model file or torch is imported: every file and variable they read is seen
     args = _parse_args(argv)
     sys.stdout.flush()
     real_stdout = os.dup(1)
     os.dup2(2, 1)  # user prints (Python and C level) go to stderr
     sys.stdout = sys.stderr
     try:
-        doc, code = _run(args)
+        doc, code = _run(args, recorder)
     finally:
         sys.stderr.flush()
         os.dup2(real_stdout, 1)

@@ -28,7 +28,9 @@ from pydantic import ValidationError
 from optplan.estimators.finetune import LoraRequest
 from optplan.estimators.profile import ModelProfile
 from optplan.probes._pdeathsig import guarded
+from optplan.probes.input_record import INPUTS_KEY
 from optplan.probes.model_errors import ModelFileError, check_model_path, one_line
+from optplan.probes.profile_cache import lookup, profile_cache_dir, request_key, store
 from optplan.probes.waiting import communicate_until
 
 CHILD_MODULE = "optplan.probes._child"
@@ -85,6 +87,13 @@ def _parse_json(stdout: str) -> Any:
 
 def parse_child_output(path: str | os.PathLike[str], returncode: int, stdout: str, stderr: str) -> ModelProfile:
     """Turn the child's exit code and output into a ModelProfile or a ModelFileError."""
+    doc = _child_document(path, returncode, stdout, stderr)
+    doc.pop(INPUTS_KEY, None)
+    return _validated(path, doc)
+
+
+def _child_document(path: str | os.PathLike[str], returncode: int, stdout: str, stderr: str) -> dict[str, Any]:
+    """The child's JSON profile document, or the ModelFileError its exit code and output say."""
     last_err = one_line(_last_line(stderr), 300)
     said = f" (last stderr line: {last_err})" if last_err else ""
     try:
@@ -100,6 +109,10 @@ def parse_child_output(path: str | os.PathLike[str], returncode: int, stdout: st
         what = "crashed" if returncode != EXIT_OK else "printed no JSON profile"
         raise ModelFileError(path, f"the profiler child process {what} ({how}){said}",
                              f"run `{sys.executable} -m {CHILD_MODULE} {path}` to see the full error", detail=stderr)
+    return doc
+
+
+def _validated(path: str | os.PathLike[str], doc: dict[str, Any]) -> ModelProfile:
     try:
         return ModelProfile.model_validate(doc)
     except ValidationError as exc:
@@ -109,7 +122,8 @@ def parse_child_output(path: str | os.PathLike[str], returncode: int, stdout: st
 
 def profile_model_file(path: str | os.PathLike[str], *, seq_len: int | None = None,
                        model_name: str | None = None, timeout_s: float = 600.0,
-                       cancelled: Callable[[], bool] | None = None, lora: LoraRequest | None = None) -> ModelProfile:
+                       cancelled: Callable[[], bool] | None = None, lora: LoraRequest | None = None,
+                       use_cache: bool = True) -> ModelProfile:
     """Profile the model file at ``path`` in a child process and return its ModelProfile.
 
     ``seq_len`` overrides the file's ``OPTPLAN["seq_len"]`` and the model's own maximum length;
@@ -120,11 +134,24 @@ def profile_model_file(path: str | os.PathLike[str], *, seq_len: int | None = No
     including a crash or a timeout of the child. ``cancelled`` is asked every ``POLL_S`` s while the child
     runs: when it turns true the child is killed and :class:`~optplan.estimators.errors.Cancelled` raised;
     so is it on Ctrl-C (KeyboardInterrupt): no profiling child outlives this call.
+
+    With ``use_cache`` (and unless ``OPTPLAN_PROFILE_CACHE=off``), a profile made before from the same file,
+    options and software, whose recorded inputs all still hold, is returned without a child
+    (:mod:`optplan.probes.profile_cache`; its ``from_cache`` is True), and a new one is stored.
     """
     check_model_path(path)
     if seq_len is not None and int(seq_len) < 1:
         raise ModelFileError(path, f"sequence length must be >= 1 (got {seq_len})", "pass --seq-len 1 or more")
     cmd = child_command(path, seq_len=seq_len, model_name=model_name, lora=lora)
+    folder = profile_cache_dir() if use_cache else None
+    key = request_key(path, cmd[4:]) if folder is not None else None
+    if folder is not None and key is not None:
+        hit = lookup(folder, key)
+        if hit is not None:
+            try:
+                return ModelProfile.model_validate({**hit, "from_cache": True})
+            except ValidationError:
+                pass  # an entry this optplan cannot read: profiled again and replaced
     cache = tempfile.mkdtemp(prefix="optplan-profile-")  # torch's compile cache: removed here, whatever happens
     try:
         env = child_process_env()
@@ -132,7 +159,12 @@ def profile_model_file(path: str | os.PathLike[str], *, seq_len: int | None = No
         stdout, stderr, code = _run_child(path, cmd, env, timeout_s, cancelled)
     finally:
         shutil.rmtree(cache, ignore_errors=True)
-    return parse_child_output(path, code, stdout, stderr)
+    doc = _child_document(path, code, stdout, stderr)
+    inputs = doc.pop(INPUTS_KEY, None)
+    profile = _validated(path, doc)
+    if folder is not None and key is not None and isinstance(inputs, dict):
+        store(folder, key, inputs, doc)
+    return profile
 
 
 def _run_child(path: str | os.PathLike[str], cmd: list[str], env: dict[str, str], timeout_s: float,

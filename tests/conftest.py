@@ -3,17 +3,17 @@ torch. ``make_gpu``/``make_profile`` stay importable from here for the tests col
 
 from __future__ import annotations
 
-import hashlib
+import atexit
 import os
-from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
+import shutil
+import tempfile
 
 import pytest
 from factories import make_gpu, make_profile
 
 from optplan.estimators.hardware import Cluster, GPUSpec
 from optplan.estimators.profile import ModelProfile
+from optplan.probes.profile_cache import PROFILE_CACHE_ENV
 
 __all__ = ["make_gpu", "make_profile"]
 
@@ -43,6 +43,21 @@ file collected last would leave one worker running it alone at the end (20.9 min
 hint only: a file missing here still runs, later."""
 
 
+def _session_profile_cache() -> None:
+    """One profile cache for the whole run, shared by the xdist workers (they inherit this process's environment)
+    and by the commands tests start: each model file is profiled once per run (probes/profile_cache.py keys on what
+    the profile read, so an edited file is profiled again), however many tests set their own OPTPLAN_CACHE_DIR.
+    A cache the developer named (``OPTPLAN_PROFILE_CACHE``, ``off`` included) is kept."""
+    if PROFILE_CACHE_ENV not in os.environ:
+        folder = tempfile.mkdtemp(prefix="optplan-test-profiles-")
+        os.environ[PROFILE_CACHE_ENV] = folder
+        if "PYTEST_XDIST_WORKER" not in os.environ:  # the controller made it: it removes it at exit
+            atexit.register(shutil.rmtree, folder, ignore_errors=True)
+
+
+_session_profile_cache()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Move the files of :data:`HEAVY_FIRST` to the front, heaviest first; every file's own order is kept."""
     rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
@@ -67,39 +82,3 @@ def profile() -> ModelProfile:
 @pytest.fixture
 def cluster8(gpu: GPUSpec) -> Cluster:
     return Cluster(gpu=gpu, gpus=8, gpus_per_node=8)
-
-
-_PROFILES: dict[tuple[Any, ...], ModelProfile] = {}
-"""Profiles of model files already profiled in this worker (:func:`shared_profiles`)."""
-
-
-@pytest.fixture
-def shared_profiles(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """In-process commands profile each (model file, options, ``OPTPLAN_*`` environment) once per worker.
-
-    Profiling a model file is a child process that imports torch and runs ~36 fake-tensor steps (10-20 s on a
-    2-core CI machine); the CLI tests run ``estimate``/``recommend`` on the same example files many times to
-    check what the commands print, not the profiler (tests/probes/ checks that). Opt in per file with
-    ``pytestmark = pytest.mark.usefixtures("shared_profiles")``. The key holds the file's bytes, so an edited
-    file is profiled again; errors are not kept (each test sees its own). Commands run in a subprocess are not
-    affected."""
-    import optplan.planner.api as api
-
-    real = api.profile_model_file
-
-    def profile_once(path: str | os.PathLike[str], **kwargs: Any) -> ModelProfile:
-        file = Path(path)
-        content = hashlib.sha256(file.read_bytes()).hexdigest() if file.is_file() else None
-        env = tuple(sorted((k, v) for k, v in os.environ.items()
-                           if k.startswith("OPTPLAN_") and k != "OPTPLAN_CACHE_DIR"))  # where calibrations go
-        options = tuple(sorted((k, repr(v)) for k, v in kwargs.items() if k != "cancelled"))
-        key = (str(path), content, options, env)
-        if content is None or key not in _PROFILES:
-            profile = real(path, **kwargs)
-            if content is None:
-                return profile
-            _PROFILES[key] = profile
-        return _PROFILES[key]
-
-    monkeypatch.setattr(api, "profile_model_file", profile_once)
-    yield

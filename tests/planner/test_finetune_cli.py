@@ -54,12 +54,11 @@ def hf_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The module's OPTPLAN_CACHE_DIR: the --hf model file is written once, at one path, so that conftest's
-    shared_profiles profiles each LoRA request of it once (the LoRA plans of 1 and 2 GPUs share one)."""
+    """The module's OPTPLAN_CACHE_DIR: the --hf model file is written once, at one path, so that the profile cache
+    profiles each LoRA request of it once (the LoRA plans of 1 and 2 GPUs share one)."""
     return tmp_path_factory.mktemp("cache")
 
 
-@pytest.mark.usefixtures("shared_profiles")
 @pytest.mark.parametrize("method,quant,precision,dropout", [("qlora", "nf4-dq", "bf16-pure", 0.05),
                                                             ("lora", "none", "amp-bf16", None)])
 def test_single_gpu_plan_exports_and_trains(hf_model: Path, cache_dir: Path, tmp_path: Path, method: str, quant: str,
@@ -111,7 +110,6 @@ def test_qlora_plans_without_bitsandbytes_and_says_the_launch_needs_it(hf_model:
     assert json.loads((tmp_path / "o" / "finetune.json").read_text())["bnb"]["load_in_4bit"] is True
 
 
-@pytest.mark.usefixtures("shared_profiles")
 def test_two_gpu_lora_plan_launches_finetune_py(hf_model: Path, cache_dir: Path, tmp_path: Path) -> None:
     """launch.sh of a LoRA plan starts finetune.py (train.py trains every parameter): two DDP processes on the CPU."""
     out = tmp_path / "plan"

@@ -13,7 +13,7 @@ from optplan.tui.cli import app, main
 ROOT = Path(__file__).resolve().parents[2]
 EX = ROOT / "examples"
 runner = CliRunner()
-pytestmark = pytest.mark.usefixtures("shared_profiles")  # conftest: each example profiled once per worker
+
 H100 = ["--gpu", "H100-SXM", "--gpus", "8"]
 
 

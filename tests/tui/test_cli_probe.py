@@ -10,8 +10,6 @@ from typer.testing import CliRunner
 
 from optplan.tui.cli import app
 
-pytestmark = pytest.mark.usefixtures("shared_profiles")  # conftest: each model file profiled once per worker
-
 ROOT = Path(__file__).resolve().parents[2]
 MLP = str(ROOT / "examples" / "mlp.py")
 runner = CliRunner()

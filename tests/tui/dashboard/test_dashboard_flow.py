@@ -18,8 +18,6 @@ from optplan.tui.cli import app as cli_app
 from optplan.tui.recommend_args import RecommendArgs
 from optplan.tui.screens.confirm import ConfirmScreen
 
-pytestmark = pytest.mark.usefixtures("shared_profiles")  # conftest: each model file profiled once per worker
-
 ROOT = Path(__file__).resolve().parents[3]
 MLP = ROOT / "examples" / "mlp.py"
 

@@ -1,0 +1,270 @@
+"""The profile cache (probes/profile_cache.py, probes/input_record.py): a profile is reused exactly while what it read
+is unchanged: the model file, the local module it imports, the data file it opens, the environment variable it reads;
+anything else is profiled again. Errors are never cached; ``OPTPLAN_PROFILE_CACHE=off`` and ``use_cache=False`` turn
+it off."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+import optplan.probes.loader as loader
+from optplan.probes.input_record import file_sha256
+from optplan.probes.loader import ModelFileError, profile_model_file
+from optplan.probes.profile_cache import (
+    MAX_VARIANTS,
+    PROFILE_CACHE_ENV,
+    inputs_hold,
+    lookup,
+    profile_cache_dir,
+    request_key,
+    store,
+)
+
+# --- the child's record --------------------------------------------------------------------------------------------
+
+RECORD_SCRIPT = """
+import json, os, sys
+from optplan.probes.input_record import InputRecorder
+rec = InputRecorder()
+rec.install()
+sys.path.insert(0, sys.argv[1])
+os.environ.get("OPTPLAN_TEST_READ")            # read, set
+os.getenv("OPTPLAN_TEST_ABSENT")               # read, absent
+"OPTPLAN_TEST_IN" in os.environ                # membership is a read
+os.environ["OPTPLAN_TEST_OWN"] = "1"           # set here first: not an input
+os.environ.get("OPTPLAN_TEST_OWN")
+env_copy = os.environ.copy()                   # a copy for a subprocess reads nothing
+with open(os.path.join(sys.argv[1], "cfg.json")) as fh:
+    json.load(fh)
+try:
+    open(os.path.join(sys.argv[1], "absent.json"))
+except OSError:
+    pass
+with open(os.path.join(sys.argv[1], "out.txt"), "w") as fh:   # written: not an input
+    fh.write("x")
+import localmod                                 # a sibling module
+import tabulate                                 # an installed package
+import email.parser                             # the standard library
+print(json.dumps(rec.report(own_roots=())))
+"""
+
+
+def _record(tmp_path: Path, env: dict[str, str]) -> dict:
+    (tmp_path / "cfg.json").write_text('{"width": 8}')
+    (tmp_path / "localmod.py").write_text("WIDTH = 8\n")
+    script = tmp_path / "record.py"
+    script.write_text(RECORD_SCRIPT)
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("OPTPLAN_TEST_")}
+    out = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True,
+                         env={**clean, **env}, timeout=120, check=True)
+    return json.loads(out.stdout)
+
+
+def test_the_child_records_what_it_read_and_only_that(tmp_path: Path) -> None:
+    rec = _record(tmp_path, {"OPTPLAN_TEST_READ": "yes", "OPTPLAN_TEST_UNREAD": "x"})
+    files = rec["files"]
+    assert files[str(tmp_path / "cfg.json")] == file_sha256(str(tmp_path / "cfg.json"))
+    assert files[str(tmp_path / "localmod.py")] == file_sha256(str(tmp_path / "localmod.py"))
+    assert files[str(tmp_path / "absent.json")] is None  # a file it looked for and did not find
+    assert str(tmp_path / "out.txt") not in files
+    assert str(tmp_path / "record.py") in files  # the script itself (__main__)
+    assert not any("__pycache__" in f or "/email/" in f or "site-packages" in f for f in files), files
+    assert {k: v for k, v in rec["env"].items() if k.startswith("OPTPLAN_TEST_")} == {
+        "OPTPLAN_TEST_READ": "yes", "OPTPLAN_TEST_ABSENT": None, "OPTPLAN_TEST_IN": None}
+    assert rec["dists"]["tabulate"] == metadata.version("tabulate")
+    assert rec["cwd"] is None  # every path was absolute
+
+
+# --- validation and storage -----------------------------------------------------------------------------------------
+
+def test_inputs_hold_checks_files_env_packages_and_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = tmp_path / "cfg.json"
+    data.write_text("1")
+    monkeypatch.setenv("OPTPLAN_TEST_X", "a")
+    monkeypatch.delenv("OPTPLAN_TEST_Y", raising=False)
+    good = {"files": {str(data): file_sha256(str(data)), str(tmp_path / "gone"): None},
+            "env": {"OPTPLAN_TEST_X": "a", "OPTPLAN_TEST_Y": None}, "dists": {"tabulate": metadata.version("tabulate")},
+            "cwd": None}
+    assert inputs_hold(good)
+    assert not inputs_hold({**good, "dists": {"tabulate": "0.0.1"}})
+    assert not inputs_hold({**good, "dists": {"no-such-dist-optplan": "1"}})
+    assert not inputs_hold({**good, "cwd": str(tmp_path / "elsewhere")})
+    assert inputs_hold({**good, "cwd": os.getcwd()})
+    monkeypatch.setenv("OPTPLAN_TEST_Y", "now set")
+    assert not inputs_hold(good)
+    monkeypatch.delenv("OPTPLAN_TEST_Y")
+    (tmp_path / "gone").write_text("appeared")
+    assert not inputs_hold(good)
+    (tmp_path / "gone").unlink()
+    data.write_text("2")
+    assert not inputs_hold(good)
+
+
+def test_store_keeps_variants_newest_first_and_survives_bad_files(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = tmp_path / "profiles"
+    for i in range(MAX_VARIANTS + 2):
+        assert store(folder, "k", {"env": {"OPTPLAN_TEST_V": str(i)}}, {"n": i})
+    doc = json.loads((folder / "k.json").read_text())
+    assert [v["profile"]["n"] for v in doc["variants"]] == list(range(MAX_VARIANTS + 1, 1, -1))
+    monkeypatch.setenv("OPTPLAN_TEST_V", "3")
+    assert lookup(folder, "k") == {"n": 3}
+    monkeypatch.setenv("OPTPLAN_TEST_V", "0")  # pushed out by newer variants
+    assert lookup(folder, "k") is None
+    assert store(folder, "k", {"env": {"OPTPLAN_TEST_V": "3"}}, {"n": 33})  # same inputs: replaced, not duplicated
+    assert sum(v["inputs"]["env"]["OPTPLAN_TEST_V"] == "3" for v in json.loads((folder / "k.json").read_text())
+               ["variants"]) == 1
+    (folder / "k.json").write_text("{not json")
+    assert lookup(folder, "k") is None
+    assert store(folder, "k", {}, {"n": 1}) and lookup(folder, "k") == {"n": 1}  # a broken entry is replaced
+    blocked = tmp_path / "file-not-folder"
+    blocked.write_text("")
+    assert not store(blocked, "k", {}, {"n": 1})  # cannot write: skipped, no error
+    assert [p.name for p in folder.iterdir()] == ["k.json"]  # no temp file left behind
+
+
+def test_the_cache_folder_and_the_off_switch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(PROFILE_CACHE_ENV, raising=False)
+    monkeypatch.setenv("OPTPLAN_CACHE_DIR", str(tmp_path / "c"))
+    assert profile_cache_dir() == tmp_path / "c" / "profiles"
+    monkeypatch.setenv(PROFILE_CACHE_ENV, str(tmp_path / "p"))
+    assert profile_cache_dir() == tmp_path / "p"
+    for off in ("off", "0", "false", "NO"):
+        monkeypatch.setenv(PROFILE_CACHE_ENV, off)
+        assert profile_cache_dir() is None
+
+
+def test_the_request_key_follows_file_options_and_keyed_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = tmp_path / "m.py"
+    model.write_text("x = 1\n")
+    base = request_key(model, ["--seq-len", "8"])
+    assert base is not None and base == request_key(model, ["--seq-len", "8"])
+    assert request_key(model, ["--seq-len", "16"]) != base
+    monkeypatch.setenv("OPTPLAN_TEST_K", "1")
+    assert request_key(model, ["--seq-len", "8"]) != base
+    monkeypatch.delenv("OPTPLAN_TEST_K")
+    monkeypatch.setenv("OPTPLAN_CACHE_DIR", str(tmp_path / "elsewhere"))  # where caches go is not an input
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "ind"))
+    assert request_key(model, ["--seq-len", "8"]) == base
+    model.write_text("x = 2\n")
+    assert request_key(model, ["--seq-len", "8"]) != base
+    assert request_key(tmp_path / "missing.py", []) is None
+
+
+# --- end to end, with the profiler child ------------------------------------------------------------------------------
+
+MODEL = '''
+import json, os
+from pathlib import Path
+import torch
+import torch.nn as nn
+from tinylayers import Block
+
+WIDTH = json.loads((Path(__file__).parent / "cfg.json").read_text())["width"]
+DEPTH = int(os.environ.get("OPTPLAN_TEST_DEPTH", "2"))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(WIDTH) for _ in range(DEPTH)])
+
+    def forward(self, x, labels=None):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def build_model():
+    return Net()
+
+
+def example_batch(batch_size, seq_len):
+    return torch.randn(batch_size, WIDTH), torch.zeros(batch_size, dtype=torch.long)
+
+
+def loss_fn(out, labels):
+    return out.float().pow(2).mean()
+'''
+
+
+@pytest.fixture
+def tiny(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "cfg.json").write_text('{"width": 16}')
+    (folder / "tinylayers.py").write_text(textwrap.dedent("""
+        import torch.nn as nn
+
+        class Block(nn.Module):
+            def __init__(self, width):
+                super().__init__()
+                self.fc = nn.Linear(width, width)
+
+            def forward(self, x):
+                return x + self.fc(x)
+    """))
+    (folder / "net.py").write_text(MODEL)
+    monkeypatch.setenv(PROFILE_CACHE_ENV, str(tmp_path / "profiles"))
+    monkeypatch.delenv("OPTPLAN_TEST_DEPTH", raising=False)
+    return folder / "net.py"
+
+
+class ChildCounter:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.runs = 0
+        real = loader._run_child
+
+        def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+            self.runs += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(loader, "_run_child", counted)
+
+
+def test_a_profile_is_reused_until_something_it_read_changes(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    children = ChildCounter(monkeypatch)
+    first = profile_model_file(tiny)
+    assert not first.from_cache and children.runs == 1
+    again = profile_model_file(tiny)
+    assert again.from_cache and children.runs == 1
+    assert again.model_dump(exclude={"from_cache"}) == first.model_dump(exclude={"from_cache"})
+    assert first.params == 2 * (16 * 16 + 16)
+
+    (tiny.parent / "tinylayers.py").write_text((tiny.parent / "tinylayers.py").read_text().replace(
+        "nn.Linear(width, width)", "nn.Linear(width, width, bias=False)"))  # the imported sibling module
+    edited = profile_model_file(tiny)
+    assert not edited.from_cache and children.runs == 2 and edited.params == 2 * 16 * 16
+
+    (tiny.parent / "cfg.json").write_text('{"width": 8}')  # the data file it opens
+    narrow = profile_model_file(tiny)
+    assert not narrow.from_cache and children.runs == 3 and narrow.params == 2 * 8 * 8
+
+    monkeypatch.setenv("OPTPLAN_TEST_DEPTH", "3")  # the variable it reads
+    deep = profile_model_file(tiny)
+    assert not deep.from_cache and children.runs == 4 and deep.params == 3 * 8 * 8
+    monkeypatch.delenv("OPTPLAN_TEST_DEPTH")
+    back = profile_model_file(tiny)  # the earlier variant is still there
+    assert back.from_cache and children.runs == 4 and back.params == 2 * 8 * 8
+
+    assert not profile_model_file(tiny, use_cache=False).from_cache and children.runs == 5
+    monkeypatch.setenv(PROFILE_CACHE_ENV, "off")
+    assert not profile_model_file(tiny).from_cache and children.runs == 6
+
+
+def test_errors_are_never_cached(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    children = ChildCounter(monkeypatch)
+    (tiny.parent / "cfg.json").write_text('{"width": "sixteen"}')
+    for expected_runs in (1, 2):
+        with pytest.raises(ModelFileError):
+            profile_model_file(tiny)
+        assert children.runs == expected_runs
+    assert not any(Path(os.environ[PROFILE_CACHE_ENV]).glob("*.json"))
