@@ -1,6 +1,7 @@
 """Wall time of `optplan recommend` end to end (child-process profile + search) on the examples.
 
-Run: python benchmarks/bench_recommend.py   (prints one row per case; no assertions — figures only)
+Run: python benchmarks/bench_recommend.py   (prints one row per case; no assertions — figures only). The profile
+cache is off (``OPTPLAN_PROFILE_CACHE=off``): each row pays for a real profile, as a first run does.
 Target (issue 2): examples/gpt2.py under 30 s on a 2-core CPU machine; 70B Llama profile under 60 s.
 """
 
@@ -33,7 +34,7 @@ def main() -> None:
         before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
         t0 = time.perf_counter()
         run = subprocess.run([exe, "recommend", str(ROOT / path), "--json", *extra], capture_output=True,
-                             text=True, env={**os.environ, **env})
+                             text=True, env={**os.environ, **env, "OPTPLAN_PROFILE_CACHE": "off"})
         wall = time.perf_counter() - t0
         rss = max(before, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss) / 2**20
         try:

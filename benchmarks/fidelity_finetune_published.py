@@ -55,8 +55,8 @@ from optplan.estimators.hardware import Cluster, find_gpu
 from optplan.estimators.memory import MemoryBreakdown
 from optplan.estimators.profile import ModelProfile
 from optplan.estimators.strategy import Strategy
-from optplan.planner.calibrate import cache_dir
 from optplan.planner.hf_source import find_hf_config, write_hf_model_file
+from optplan.probes.cache_dir import cache_dir
 from optplan.probes.loader import profile_model_file
 
 ROOT = Path(__file__).resolve().parents[1]

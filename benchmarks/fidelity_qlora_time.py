@@ -35,7 +35,7 @@ from typing import Any
 from optplan.estimators.estimate import estimate
 from optplan.estimators.finetune import DEQUANT_BANDWIDTH_FRACTION, dequant_bytes_per_layer
 from optplan.estimators.hardware import Cluster, find_gpu
-from optplan.planner.calibrate import cache_dir
+from optplan.probes.cache_dir import cache_dir
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 

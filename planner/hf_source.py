@@ -33,7 +33,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict
 
 from optplan.estimators.errors import OptplanError
-from optplan.planner.calibrate import cache_dir
+from optplan.probes.cache_dir import cache_dir
 
 DEFAULT_HF_SEQ_LEN = 4096
 """The sequence length a ``--hf`` model is profiled at when ``--seq-len`` is not given: its maximum positions,

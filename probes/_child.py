@@ -79,9 +79,7 @@ def _run(args: argparse.Namespace, recorder: InputRecorder) -> tuple[dict[str, A
         sys.argv = [args.path]  # as if the user ran `python FILE`
         contract = load_contract(args.path, model_name=args.model_name)
         profile = profile_contract(contract, seq_len=args.seq_len, started=_STARTED, lora=lora_request_from(args))
-        from optplan.probes.profile_cache import own_source_roots
-
-        return {**profile.model_dump(mode="json"), INPUTS_KEY: recorder.report(own_roots=own_source_roots())}, EXIT_OK
+        return {**profile.model_dump(mode="json"), **_inputs(recorder)}, EXIT_OK
     except ModelFileError as exc:
         root: BaseException = exc
         while (nxt := root.__cause__ or root.__context__) is not None:
@@ -96,12 +94,24 @@ def _run(args: argparse.Namespace, recorder: InputRecorder) -> tuple[dict[str, A
                                  "bug: please report it with the traceback above"}}, EXIT_MODEL_ERROR
 
 
+def _inputs(recorder: InputRecorder) -> dict[str, Any]:
+    """``{INPUTS_KEY: what the profile read}`` for the parent's profile cache; ``{}`` (the parent then keeps
+    nothing) if the record cannot be made: the profile itself stands."""
+    try:
+        from optplan.probes.profile_cache import own_source_roots
+
+        return {INPUTS_KEY: recorder.report(own_roots=own_source_roots())}
+    except Exception:  # noqa: BLE001 - e.g. the working folder was removed while the model ran
+        traceback.print_exc()
+        return {}
+
+
 def main(argv: list[str] | None = None) -> int:
     # torch's compile cache folder (created by importing torch._dynamo) is a private one the parent made
     # (TORCHINDUCTOR_CACHE_DIR, see optplan.probes.loader) and removes, even when this process is killed
+    args = _parse_args(argv)  # first: argparse's own reads (COLUMNS, LANG...) are not the profile's inputs
     recorder = InputRecorder()
     recorder.install()  # before the model file or torch is imported: every file and variable they read is seen
-    args = _parse_args(argv)
     sys.stdout.flush()
     real_stdout = os.dup(1)
     os.dup2(2, 1)  # user prints (Python and C level) go to stderr

@@ -1,24 +1,26 @@
 """Child side of the profile cache: record what a profile read, so that a later run can tell if it still holds.
 
 A profile is a function of the model file, but also of what that file reads while it runs: the local modules it
-imports (a ``layers.py`` beside it), the data files it opens (a ``config.json``), the environment variables it
-looks at (``OPTPLAN_*`` and its own), and the versions of the installed packages it imports (transformers,
-timm). :class:`InputRecorder` records all four in the profiler child (``optplan.probes._child``), using the
-interpreter's own hooks rather than guesses:
+imports (a ``layers.py`` beside it), the data files it opens (a ``config.json``) and the environment variables it
+looks at (``OPTPLAN_*`` and its own). :class:`InputRecorder` records them in the profiler child
+(``optplan.probes._child``) with the interpreter's own hooks rather than guesses:
 
-* files: a :pep:`578` audit hook (``sys.addaudithook``) sees every ``open`` event, whichever API opened the file
-  (``open``, ``os.open``, ``io.open_code`` for imports); plus the ``__file__`` of every module imported, since an
-  import with a valid ``__pycache__`` entry opens the ``.pyc`` and only stats the source;
-* environment: ``os.environ`` is swapped for a subclass of its own class sharing the same data, which records the
-  first value of each key read (``os.getenv``, ``os.environ.get``, ``in``) before this process set it itself;
-* packages: the distribution and version of each module imported from a site-packages folder
-  (``importlib.metadata``).
+* files: a :pep:`578` audit hook (``sys.addaudithook``) sees every ``open`` event raised by Python code (``open``,
+  ``os.open``, ``io.open_code`` for imports); plus the ``__file__`` of every module imported, since an import with
+  a valid ``__pycache__`` entry opens the ``.pyc`` and only stats the source. A file opened for reading that did not
+  exist is recorded as absent (a later one would change the profile);
+* environment: ``os.environ`` is swapped for a subclass of its own class over the same data, which records the
+  SHA-256 of the first value of each key read by name (``os.getenv``, ``os.environ.get``, ``in``; absent: None)
+  before this process set it itself. Values are never stored, so a token a model reads does not reach the disk.
+  Scans (``items()``, ``values()``, ``copy()``: tqdm reads every ``TQDM_*`` so) are not reads of each key;
+  ``dict(os.environ)`` in user code does read each key, and then the whole environment is an input.
 
-Files under the standard library and site-packages are not hashed (the Python version and the package versions
-stand for them), nor optplan's own (the cache key holds a digest of its source). What is *not* seen: a local
-module that would now shadow an installed one, a folder listing, and environment variables read by C/C++ code
-(the parent keys on every ``OPTPLAN_*``, ``TORCH*`` and ``PYTORCH*`` variable for that reason). Standard library
-only: this runs before torch is imported.
+Files under the standard library and the site-packages folders are not hashed (the parent keys on the Python
+version and on the installed distributions), nor optplan's own (the key holds a digest of its source). What is
+*not* seen: files opened by C/C++ code (safetensors, tokenizers), existence checks (``os.path.exists``) and folder
+listings, a local module whose import failed, and environment variables read only by C/C++ code (the parent keys on
+every ``OPTPLAN_*``, ``TORCH*`` and ``PYTORCH*`` variable for that reason). Standard library only: it is installed
+before torch or the model file is imported.
 """
 
 from __future__ import annotations
@@ -26,10 +28,10 @@ from __future__ import annotations
 import hashlib
 import os
 import site
+import stat
 import sys
 import sysconfig
 from collections.abc import Iterable
-from importlib import metadata
 from typing import Any
 
 INPUTS_KEY = "optplan_profile_inputs"
@@ -38,25 +40,36 @@ VOLATILE_ENV = frozenset({"TORCHINDUCTOR_CACHE_DIR", "OPTPLAN_CACHE_DIR", "OPTPL
                           "OPTPLAN_GUARD_PID"})
 """Variables that differ on every run or only say where caches go: never a profile's input."""
 SKIPPED_ROOTS = ("/proc/", "/sys/", "/dev/")
-_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 
 
 def file_sha256(path: str) -> str | None:
-    """SHA-256 hex digest of the file's bytes; None when it is missing or cannot be read."""
+    """SHA-256 hex digest of a regular file's bytes; None when it is missing, cannot be read or is not a regular
+    file (a FIFO is never read: it could block)."""
     digest = hashlib.sha256()
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            return None
         with open(path, "rb") as fh:
             for chunk in iter(lambda: fh.read(1 << 20), b""):
                 digest.update(chunk)
-    except OSError:
+    except (OSError, ValueError):  # ValueError: a path with a NUL byte
         return None
     return digest.hexdigest()
 
 
-def _is_read(mode: object, flags: object) -> bool:
+def value_sha256(value: str | None) -> str | None:
+    """What the cache keeps of an environment value: its SHA-256 (hex), None when the variable is unset."""
+    return None if value is None else hashlib.sha256(value.encode("utf-8", "surrogateescape")).hexdigest()
+
+
+def _is_input(mode: object, flags: object) -> bool:
+    """Whether an ``open`` event reads the file's existing content (``r``, ``rb``, ``r+``; ``os.open`` without
+    ``O_WRONLY``, ``O_TRUNC`` or ``O_CREAT``: tempfile's probe of the temp folder opens a new name ``O_RDWR |
+    O_CREAT | O_EXCL``), rather than only writing it."""
     if isinstance(mode, str):
-        return not any(c in mode for c in "wax+")
-    return isinstance(flags, int) and not flags & _WRITE_FLAGS
+        return "r" in mode
+    return (isinstance(flags, int) and flags & os.O_ACCMODE != os.O_WRONLY
+            and not flags & (os.O_TRUNC | os.O_CREAT))
 
 
 def _under(path: str, roots: Iterable[str]) -> bool:
@@ -122,70 +135,58 @@ class _RecordingEnviron(type(os.environ)):  # type: ignore[misc]
 
 
 class InputRecorder:
-    """Records the files, environment variables and packages a profile read (see the module docstring).
+    """Records the files and environment variables a profile read (see the module docstring).
 
-    :meth:`install` once, first thing in the child (the audit hook cannot be removed: the child is short-lived);
-    :meth:`report` at the end gives the JSON-able record the parent's cache keeps beside the profile."""
+    :meth:`install` once in the child, after its own arguments are parsed and before torch or the model file is
+    imported (the audit hook cannot be removed: the child is short-lived); :meth:`report` at the end gives the
+    JSON-able record the parent's cache keeps beside the profile."""
 
     def __init__(self) -> None:
         self._opened: set[str] = set()
+        self._relative: set[str] = set()
         self._env: dict[str, str | None] = {}
+        self._cwd = ""
 
     def install(self) -> None:
-        opened = self._opened
+        opened, relative = self._opened, self._relative
+        self._cwd = os.getcwd()
 
         def hook(event: str, args: tuple[Any, ...]) -> None:
-            if event == "open" and args and _is_read(args[1] if len(args) > 1 else None,
-                                                     args[2] if len(args) > 2 else None):
-                path = args[0]
-                if isinstance(path, (str, os.PathLike)):
-                    opened.add(os.fspath(path))  # type: ignore[arg-type]
+            if event != "open" or not args or not _is_input(args[1] if len(args) > 1 else None,
+                                                             args[2] if len(args) > 2 else None):
+                return
+            raw = args[0]
+            if isinstance(raw, (str, bytes, os.PathLike)):
+                path = os.fsdecode(raw)
+                full = os.path.abspath(path)  # against the working folder of the moment
+                opened.add(full)
+                if not os.path.isabs(path):
+                    relative.add(full)
 
         sys.addaudithook(hook)
         os.environ = _RecordingEnviron(os.environ, self._env)  # type: ignore[misc]  # noqa: B003 - same data, recorded
 
     def report(self, *, own_roots: Iterable[str]) -> dict[str, Any]:
-        """``{"files": {abs path: sha256 or None}, "env": {name: value or None}, "dists": {name: version},
-        "cwd": working folder or None}``: ``cwd`` only when a file was opened by a relative path."""
-        skip = (*stdlib_roots(), *(os.path.abspath(r) for r in own_roots))
-        sites = site_roots()
-        inductor = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+        """``{"files": {absolute path: sha256 or None}, "env": {name: sha256 of the value or None}, "cwd": the
+        working folder at install, or None}``: ``cwd`` only when a file was opened by a relative path."""
+        env = {k: value_sha256(v) for k, v in sorted(self._env.items()) if k not in VOLATILE_ENV}  # before own reads
+        skip = (*stdlib_roots(), *site_roots(), *(os.path.abspath(r) for r in own_roots))
+        inductor = os.environ.copy().get("TORCHINDUCTOR_CACHE_DIR")  # a scan: not recorded
         skip += (os.path.abspath(inductor),) if inductor else ()
         # opened: kept even when missing (a file looked for and not found), except sys.path's own entries (folders,
         # zips and path-hook names such as an editable install's "__editable__...__path_hook__")
-        candidates = self._opened - set(sys.path)
-        tops: set[str] = set()
-        for name, module in list(sys.modules.items()):
+        entries = {os.path.abspath(p) for p in sys.path}
+        candidates = {p for p in self._opened if p not in entries}
+        for module in list(sys.modules.values()):
             file = getattr(module, "__file__", None)
             if isinstance(file, str) and os.path.isabs(file) and os.path.isfile(file):  # not torch's "_ops.py"
-                candidates.add(file)
-                if _under(file, sites):
-                    tops.add(name.partition(".")[0])
-        relative = False
+                candidates.add(os.path.abspath(file))
         files: dict[str, str | None] = {}
-        for raw in candidates:
-            path = os.path.abspath(raw)
-            if (f"{os.sep}__pycache__{os.sep}" in path or path.startswith(SKIPPED_ROOTS) or _under(path, skip)
-                    or _under(path, sites) or os.path.isdir(path)):
+        for path in candidates:
+            if f"{os.sep}__pycache__{os.sep}" in path or path.startswith(SKIPPED_ROOTS) or _under(path, skip):
                 continue
-            relative = relative or not os.path.isabs(raw)
+            if os.path.exists(path) and not os.path.isfile(path):
+                continue  # a folder, a FIFO, a device: not content
             files[path] = file_sha256(path)
-        env = {k: v for k, v in self._env.items() if k not in VOLATILE_ENV}
-        return {"files": dict(sorted(files.items())), "env": dict(sorted(env.items())),
-                "dists": package_versions(tops), "cwd": os.getcwd() if relative else None}
-
-
-def package_versions(top_level: Iterable[str]) -> dict[str, str]:
-    """``{distribution: version}`` of the installed distributions providing these top-level import names."""
-    wanted = set(top_level)
-    if not wanted:
-        return {}
-    owners = metadata.packages_distributions()
-    versions: dict[str, str] = {}
-    for top in wanted:
-        for dist in owners.get(top, ()):
-            try:
-                versions[dist] = metadata.version(dist)
-            except metadata.PackageNotFoundError:
-                continue
-    return dict(sorted(versions.items()))
+        used_relative = any(p in files for p in self._relative)
+        return {"files": dict(sorted(files.items())), "env": env, "cwd": self._cwd if used_relative else None}

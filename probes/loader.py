@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
@@ -30,7 +31,7 @@ from optplan.estimators.profile import ModelProfile
 from optplan.probes._pdeathsig import guarded
 from optplan.probes.input_record import INPUTS_KEY
 from optplan.probes.model_errors import ModelFileError, check_model_path, one_line
-from optplan.probes.profile_cache import lookup, profile_cache_dir, request_key, store
+from optplan.probes.profile_cache import RecordedInputs, lookup, profile_cache_dir, request_key, store
 from optplan.probes.waiting import communicate_until
 
 CHILD_MODULE = "optplan.probes._child"
@@ -40,14 +41,23 @@ KILL_WAIT_S = 5.0
 """How long the output of a killed profiler child is waited for (s)."""
 
 __all__ = [
-    "ModelFileError", "check_model_path", "one_line", "child_command", "parse_child_output", "profile_model_file",
+    "ModelFileError", "check_model_path", "one_line", "child_command", "child_options", "parse_child_output",
+    "profile_model_file",
 ]
 
 
 def child_command(path: str | os.PathLike[str], *, seq_len: int | None = None,
                   model_name: str | None = None, lora: LoraRequest | None = None) -> list[str]:
     """The command line that profiles ``path`` in a child process (``sys.executable -m ...``)."""
-    cmd = [sys.executable, "-m", CHILD_MODULE, str(path)]
+    return [sys.executable, "-m", CHILD_MODULE, str(path),
+            *child_options(seq_len=seq_len, model_name=model_name, lora=lora)]
+
+
+def child_options(*, seq_len: int | None = None, model_name: str | None = None,
+                  lora: LoraRequest | None = None) -> list[str]:
+    """The profiler child's options after the file (what a profile depends on besides the file: the cache keys on
+    them)."""
+    cmd: list[str] = []
     if seq_len is not None:
         cmd += ["--seq-len", str(int(seq_len))]
     if model_name is not None:
@@ -143,15 +153,9 @@ def profile_model_file(path: str | os.PathLike[str], *, seq_len: int | None = No
     if seq_len is not None and int(seq_len) < 1:
         raise ModelFileError(path, f"sequence length must be >= 1 (got {seq_len})", "pass --seq-len 1 or more")
     cmd = child_command(path, seq_len=seq_len, model_name=model_name, lora=lora)
-    folder = profile_cache_dir() if use_cache else None
-    key = request_key(path, cmd[4:]) if folder is not None else None
-    if folder is not None and key is not None:
-        hit = lookup(folder, key)
-        if hit is not None:
-            try:
-                return ModelProfile.model_validate({**hit, "from_cache": True})
-            except ValidationError:
-                pass  # an entry this optplan cannot read: profiled again and replaced
+    cached = _cache_slot(path, child_options(seq_len=seq_len, model_name=model_name, lora=lora)) if use_cache else None
+    if cached is not None and (hit := _cache_lookup(*cached)) is not None:
+        return hit
     cache = tempfile.mkdtemp(prefix="optplan-profile-")  # torch's compile cache: removed here, whatever happens
     try:
         env = child_process_env()
@@ -162,9 +166,37 @@ def profile_model_file(path: str | os.PathLike[str], *, seq_len: int | None = No
     doc = _child_document(path, code, stdout, stderr)
     inputs = doc.pop(INPUTS_KEY, None)
     profile = _validated(path, doc)
-    if folder is not None and key is not None and isinstance(inputs, dict):
-        store(folder, key, inputs, doc)
+    if cached is not None:
+        _cache_store(*cached, inputs, doc)
     return profile
+
+
+# The profile cache is an accelerator: any failure of it (an unwritable or unknown home folder, a damaged entry)
+# is a miss, never an error of the command.
+
+def _cache_slot(path: str | os.PathLike[str], options: list[str]) -> tuple[Path, str] | None:
+    """(folder, request key) of this profile in the cache, or None: cache off, file unreadable, or no usable folder."""
+    try:
+        folder = profile_cache_dir()
+        key = request_key(path, options) if folder is not None else None
+    except Exception:  # noqa: BLE001 - e.g. RuntimeError from Path.home() with no HOME and no passwd entry
+        return None
+    return (folder, key) if folder is not None and key is not None else None
+
+
+def _cache_lookup(folder: Path, key: str) -> ModelProfile | None:
+    try:
+        hit = lookup(folder, key)
+        return None if hit is None else ModelProfile.model_validate({**hit, "from_cache": True})
+    except Exception:  # noqa: BLE001 - an entry this optplan cannot read: profiled again and replaced
+        return None
+
+
+def _cache_store(folder: Path, key: str, inputs: object, doc: dict[str, Any]) -> None:
+    try:
+        store(folder, key, RecordedInputs.model_validate(inputs), doc)
+    except Exception:  # noqa: BLE001 - no record from the child (it could not make one), or an unwritable folder
+        return
 
 
 def _run_child(path: str | os.PathLike[str], cmd: list[str], env: dict[str, str], timeout_s: float,

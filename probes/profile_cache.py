@@ -1,23 +1,26 @@
 """Parent side of the profile cache: a model file profiled once is not profiled again until something it read changes.
 
-Profiling a model file is a child process that imports torch and runs ~36 fake-tensor steps: 10-20 s for a small
+Profiling a model file is a child process that imports torch and runs ~36 fake-tensor steps: 10-25 s for a small
 model on a 2-core machine, minutes for a large one. ``optplan estimate model.py`` then ``optplan recommend
 model.py`` would pay that twice for the same answer. The cache is a two-level, content-addressed store in the
 manner of ccache's "direct mode" manifests (https://ccache.dev/manual/latest.html#_the_direct_mode):
 
 1. the *request key*, computed here without running anything: SHA-256 over the model file's bytes and path, the
-   profiler options, the Python interpreter and torch version, a digest of optplan's own probes/estimators source,
-   and every ``OPTPLAN_*``/``TORCH*``/``PYTORCH*`` variable and ``PYTHONPATH`` (read by C++ code too, where the
-   child cannot see them);
+   profiler options, the Python interpreter, the installed distributions (every ``*.dist-info``/``*.egg-info``
+   name in the site-packages folders: a package installed, removed or upgraded is a new key, whether or not the
+   model imported it), a digest of optplan's own probes/estimators source, and every
+   ``OPTPLAN_*``/``TORCH*``/``PYTORCH*`` variable and ``PYTHONPATH`` (read by C++ code too, where the child
+   cannot see them);
 2. under that key, up to :data:`MAX_VARIANTS` entries, each a profile with the *inputs* the child recorded while
    making it (:mod:`optplan.probes.input_record`: the local files it opened or imported with their SHA-256, the
-   environment variables its Python code read, the versions of the packages it imported). An entry is used only
-   when every one of those inputs is as recorded.
+   environment variables its Python code read, by the SHA-256 of their values). An entry is used only when every
+   one of those inputs is as recorded.
 
 Entries live in ``$OPTPLAN_PROFILE_CACHE`` if that names a folder, else ``profiles/`` under the cache folder
 (:func:`optplan.probes.cache_dir.cache_dir`); ``OPTPLAN_PROFILE_CACHE=off`` turns the cache off. Errors are never
-cached. Writes are atomic (temp file + rename), so concurrent runs at worst redo a profile; a cache that cannot be
-read or written is skipped, never an error.
+cached. Writes are atomic (temp file + rename), so concurrent runs at worst redo a profile; at most
+:data:`MAX_ENTRIES` keys are kept (the least recently written go first). The loader treats any failure of the cache
+as a miss: a cache can make a command faster, never make it fail.
 """
 
 from __future__ import annotations
@@ -27,20 +30,52 @@ import json
 import os
 import sys
 import tempfile
+import time
 from collections.abc import Mapping, Sequence
-from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from optplan.probes.cache_dir import cache_dir
-from optplan.probes.input_record import VOLATILE_ENV, file_sha256
+from optplan.probes.input_record import VOLATILE_ENV, file_sha256, site_roots, value_sha256
 
 PROFILE_CACHE_ENV = "OPTPLAN_PROFILE_CACHE"
 OFF_VALUES = frozenset({"0", "off", "false", "no", "none"})
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2
 MAX_VARIANTS = 4
 """Entries kept per request key (newest first): one per set of inputs seen, e.g. two values of an env variable."""
+MAX_ENTRIES = 256
+"""Request keys kept in the folder; past it the least recently written are removed (each is ~20-60 KB)."""
+STALE_TEMP_S = 3600.0
+"""A temp file of an interrupted write older than this (s) is removed by the next write."""
 KEYED_ENV_PREFIXES = ("OPTPLAN_", "TORCH", "PYTORCH", "PYTHONPATH")
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class RecordedInputs(_Frozen):
+    """What one profile read (:meth:`optplan.probes.input_record.InputRecorder.report`)."""
+
+    files: dict[str, str | None] = Field(description="absolute path -> SHA-256 of its bytes, None: absent")
+    env: dict[str, str | None] = Field(description="variable -> SHA-256 of its value, None: unset")
+    cwd: str | None = Field(default=None, description="the working folder, when a file was opened by a relative path")
+
+
+class CachedProfile(_Frozen):
+    """A profile document with the inputs it was made from."""
+
+    inputs: RecordedInputs
+    profile: dict[str, Any]
+
+
+class CacheEntry(_Frozen):
+    """One request key's file: its variants, newest first."""
+
+    format: Literal[2] = CACHE_FORMAT
+    variants: tuple[CachedProfile, ...] = ()
 
 
 def profile_cache_dir() -> Path | None:
@@ -61,21 +96,26 @@ def own_source_roots() -> tuple[str, ...]:
 
 
 def source_digest() -> str:
-    """SHA-256 over optplan's probes and estimators source (``.py`` and data ``.json``): a changed profiler is a
+    """SHA-256 over every file of optplan's probes and estimators packages (code and data): a changed profiler is a
     new key, in a development checkout as much as in a new release."""
     digest = hashlib.sha256()
     for root in own_source_roots():
         for file in sorted(Path(root).rglob("*")):
-            if file.suffix in (".py", ".json") and "__pycache__" not in file.parts and file.is_file():
+            if "__pycache__" not in file.parts and file.is_file():
                 digest.update(file.relative_to(root).as_posix().encode() + b"\0" + file.read_bytes() + b"\0")
     return digest.hexdigest()
 
 
-def _dist_version(name: str) -> str | None:
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
+def installed_digest() -> str:
+    """SHA-256 over the names of the installed distributions' metadata folders (``torch-2.13.0+cpu.dist-info``...)
+    in the site-packages folders: one listing per folder, no metadata parsed."""
+    names: list[str] = []
+    for root in site_roots():
+        try:
+            names += [f"{root}/{n}" for n in os.listdir(root) if n.endswith((".dist-info", ".egg-info"))]
+        except OSError:
+            continue
+    return hashlib.sha256("\n".join(sorted(names)).encode()).hexdigest()
 
 
 def keyed_env(environ: Mapping[str, str]) -> dict[str, str]:
@@ -90,64 +130,85 @@ def request_key(path: str | os.PathLike[str], options: Sequence[str]) -> str | N
     if content is None:
         return None
     doc = {"format": CACHE_FORMAT, "optplan": source_digest(), "python": sys.version, "executable": sys.executable,
-           "torch": _dist_version("torch"), "path": os.fspath(path), "resolved": str(Path(path).resolve()),
-           "sha256": content, "options": list(options), "env": keyed_env(os.environ)}
+           "installed": installed_digest(), "path": os.fspath(path), "resolved": str(Path(path).resolve()),
+           "sha256": content, "options": list(options), "env": {k: value_sha256(v) for k, v in
+                                                                 keyed_env(os.environ).items()}}
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
 
-def inputs_hold(inputs: Mapping[str, Any]) -> bool:
-    """Whether every input a cached profile recorded is as it was: file contents, environment values, package
-    versions, and the working folder when the model opened a file by a relative path."""
-    cwd = inputs.get("cwd")
-    if cwd is not None and cwd != os.getcwd():
+def inputs_hold(inputs: RecordedInputs, hashes: dict[str, str | None] | None = None) -> bool:
+    """Whether every input a cached profile recorded is as it was: environment values, the working folder when the
+    model opened a file by a relative path, file contents. ``hashes`` memoises file digests across the variants of
+    one lookup."""
+    if inputs.cwd is not None and inputs.cwd != os.getcwd():
         return False
-    env = inputs.get("env", {})
-    if any(os.environ.get(k) != v for k, v in env.items()):
+    if any(value_sha256(os.environ.get(k)) != v for k, v in inputs.env.items()):
         return False
-    if any(_dist_version(name) != version for name, version in inputs.get("dists", {}).items()):
-        return False
-    return all(file_sha256(path) == digest for path, digest in inputs.get("files", {}).items())
+    memo = {} if hashes is None else hashes
+    for path, digest in inputs.files.items():
+        if path not in memo:
+            memo[path] = file_sha256(path)
+        if memo[path] != digest:
+            return False
+    return True
 
 
 def _entry_path(folder: Path, key: str) -> Path:
     return folder / f"{key}.json"
 
 
-def _read_variants(file: Path) -> list[dict[str, Any]]:
+def read_entry(file: Path) -> CacheEntry:
+    """The entry in ``file``; an empty one when it is missing, unreadable or not this format (it is replaced)."""
     try:
-        doc = json.loads(file.read_text())
-    except (OSError, ValueError):
-        return []
-    if not isinstance(doc, dict) or doc.get("format") != CACHE_FORMAT or not isinstance(doc.get("variants"), list):
-        return []
-    return [v for v in doc["variants"]
-            if isinstance(v, dict) and isinstance(v.get("inputs"), dict) and isinstance(v.get("profile"), dict)]
+        return CacheEntry.model_validate_json(file.read_bytes())
+    except (OSError, ValidationError, ValueError):
+        return CacheEntry()
 
 
 def lookup(folder: Path, key: str) -> dict[str, Any] | None:
     """The cached profile document for ``key`` whose recorded inputs all still hold, or None."""
-    for variant in _read_variants(_entry_path(folder, key)):
-        if inputs_hold(variant["inputs"]):
-            return dict(variant["profile"])
+    hashes: dict[str, str | None] = {}
+    for variant in read_entry(_entry_path(folder, key)).variants:
+        if inputs_hold(variant.inputs, hashes):
+            return dict(variant.profile)
     return None
 
 
-def store(folder: Path, key: str, inputs: Mapping[str, Any], profile: Mapping[str, Any]) -> bool:
+def store(folder: Path, key: str, inputs: RecordedInputs, profile: Mapping[str, Any]) -> bool:
     """Keep ``profile`` under ``key`` with the ``inputs`` it was made from (newest first, at most
     :data:`MAX_VARIANTS`); atomic. False (nothing written) when the folder cannot be written."""
     file = _entry_path(folder, key)
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        variants = [v for v in _read_variants(file) if v["inputs"] != dict(inputs)]
-        variants = [{"inputs": dict(inputs), "profile": dict(profile)}, *variants][:MAX_VARIANTS]
+        kept = [v for v in read_entry(file).variants if v.inputs != inputs]
+        entry = CacheEntry(variants=(CachedProfile(inputs=inputs, profile=dict(profile)), *kept)[:MAX_VARIANTS])
         fd, tmp = tempfile.mkstemp(prefix=".profile-", suffix=".tmp", dir=folder)
         try:
             with os.fdopen(fd, "w") as fh:
-                json.dump({"format": CACHE_FORMAT, "variants": variants}, fh)
+                fh.write(entry.model_dump_json())
             os.replace(tmp, file)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+        prune(folder)
     except OSError:
         return False
     return True
+
+
+def prune(folder: Path, *, max_entries: int = MAX_ENTRIES, now: float | None = None) -> None:
+    """Remove the least recently written entries past ``max_entries`` and temp files left by interrupted writes."""
+    now = time.time() if now is None else now
+    entries: list[tuple[float, Path]] = []
+    for file in folder.iterdir():
+        try:
+            mtime = file.stat().st_mtime
+        except OSError:
+            continue
+        if file.name.startswith(".profile-") and file.suffix == ".tmp":
+            if now - mtime > STALE_TEMP_S:
+                file.unlink(missing_ok=True)
+        elif file.suffix == ".json":
+            entries.append((mtime, file))
+    for _, file in sorted(entries)[:max(0, len(entries) - max_entries)]:
+        file.unlink(missing_ok=True)

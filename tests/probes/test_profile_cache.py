@@ -5,25 +5,29 @@ it off."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
 import sys
 import textwrap
-from importlib import metadata
 from pathlib import Path
 
 import pytest
 
 import optplan.probes.loader as loader
+import optplan.probes.profile_cache as profile_cache
 from optplan.probes.input_record import file_sha256
 from optplan.probes.loader import ModelFileError, profile_model_file
 from optplan.probes.profile_cache import (
     MAX_VARIANTS,
     PROFILE_CACHE_ENV,
+    STALE_TEMP_S,
+    RecordedInputs,
     inputs_hold,
     lookup,
     profile_cache_dir,
+    prune,
     request_key,
     store,
 )
@@ -68,6 +72,10 @@ def _record(tmp_path: Path, env: dict[str, str]) -> dict:
     return json.loads(out.stdout)
 
 
+def _sha(value: str) -> str:
+    return hashlib.sha256(value.encode()).hexdigest()
+
+
 def test_the_child_records_what_it_read_and_only_that(tmp_path: Path) -> None:
     rec = _record(tmp_path, {"OPTPLAN_TEST_READ": "yes", "OPTPLAN_TEST_UNREAD": "x"})
     files = rec["files"]
@@ -78,57 +86,87 @@ def test_the_child_records_what_it_read_and_only_that(tmp_path: Path) -> None:
     assert str(tmp_path / "record.py") in files  # the script itself (__main__)
     assert not any("__pycache__" in f or "/email/" in f or "site-packages" in f for f in files), files
     assert {k: v for k, v in rec["env"].items() if k.startswith("OPTPLAN_TEST_")} == {
-        "OPTPLAN_TEST_READ": "yes", "OPTPLAN_TEST_ABSENT": None, "OPTPLAN_TEST_IN": None}
-    assert rec["dists"]["tabulate"] == metadata.version("tabulate")
+        "OPTPLAN_TEST_READ": _sha("yes"), "OPTPLAN_TEST_ABSENT": None, "OPTPLAN_TEST_IN": None}  # hashes, not values
     assert rec["cwd"] is None  # every path was absolute
+    assert RecordedInputs.model_validate(rec).files == files
 
 
 # --- validation and storage -----------------------------------------------------------------------------------------
 
-def test_inputs_hold_checks_files_env_packages_and_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_inputs_hold_checks_files_env_and_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     data = tmp_path / "cfg.json"
     data.write_text("1")
     monkeypatch.setenv("OPTPLAN_TEST_X", "a")
     monkeypatch.delenv("OPTPLAN_TEST_Y", raising=False)
-    good = {"files": {str(data): file_sha256(str(data)), str(tmp_path / "gone"): None},
-            "env": {"OPTPLAN_TEST_X": "a", "OPTPLAN_TEST_Y": None}, "dists": {"tabulate": metadata.version("tabulate")},
-            "cwd": None}
+    good = RecordedInputs(files={str(data): file_sha256(str(data)), str(tmp_path / "gone"): None},
+                          env={"OPTPLAN_TEST_X": _sha("a"), "OPTPLAN_TEST_Y": None})
     assert inputs_hold(good)
-    assert not inputs_hold({**good, "dists": {"tabulate": "0.0.1"}})
-    assert not inputs_hold({**good, "dists": {"no-such-dist-optplan": "1"}})
-    assert not inputs_hold({**good, "cwd": str(tmp_path / "elsewhere")})
-    assert inputs_hold({**good, "cwd": os.getcwd()})
+    assert not inputs_hold(good.model_copy(update={"cwd": str(tmp_path / "elsewhere")}))
+    assert inputs_hold(good.model_copy(update={"cwd": os.getcwd()}))
+    monkeypatch.setenv("OPTPLAN_TEST_X", "b")
+    assert not inputs_hold(good)
+    monkeypatch.setenv("OPTPLAN_TEST_X", "a")
     monkeypatch.setenv("OPTPLAN_TEST_Y", "now set")
     assert not inputs_hold(good)
     monkeypatch.delenv("OPTPLAN_TEST_Y")
     (tmp_path / "gone").write_text("appeared")
     assert not inputs_hold(good)
     (tmp_path / "gone").unlink()
+    assert inputs_hold(good)
     data.write_text("2")
     assert not inputs_hold(good)
+
+
+def _inputs(value: str) -> RecordedInputs:
+    return RecordedInputs(files={}, env={"OPTPLAN_TEST_V": _sha(value)})
 
 
 def test_store_keeps_variants_newest_first_and_survives_bad_files(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     folder = tmp_path / "profiles"
     for i in range(MAX_VARIANTS + 2):
-        assert store(folder, "k", {"env": {"OPTPLAN_TEST_V": str(i)}}, {"n": i})
+        assert store(folder, "k", _inputs(str(i)), {"n": i})
     doc = json.loads((folder / "k.json").read_text())
     assert [v["profile"]["n"] for v in doc["variants"]] == list(range(MAX_VARIANTS + 1, 1, -1))
     monkeypatch.setenv("OPTPLAN_TEST_V", "3")
     assert lookup(folder, "k") == {"n": 3}
     monkeypatch.setenv("OPTPLAN_TEST_V", "0")  # pushed out by newer variants
     assert lookup(folder, "k") is None
-    assert store(folder, "k", {"env": {"OPTPLAN_TEST_V": "3"}}, {"n": 33})  # same inputs: replaced, not duplicated
-    assert sum(v["inputs"]["env"]["OPTPLAN_TEST_V"] == "3" for v in json.loads((folder / "k.json").read_text())
-               ["variants"]) == 1
-    (folder / "k.json").write_text("{not json")
-    assert lookup(folder, "k") is None
-    assert store(folder, "k", {}, {"n": 1}) and lookup(folder, "k") == {"n": 1}  # a broken entry is replaced
+    assert store(folder, "k", _inputs("3"), {"n": 33})  # same inputs: replaced and moved to the front
+    variants = json.loads((folder / "k.json").read_text())["variants"]
+    assert [v["profile"]["n"] for v in variants] == [33, MAX_VARIANTS + 1, MAX_VARIANTS, 2]
+    for damaged in ("{not json", '{"format": 2, "variants": [{"inputs": {"files": [], "env": {}}, "profile": {}}]}',
+                    '{"format": 1, "variants": []}', "[]"):
+        (folder / "k.json").write_text(damaged)
+        assert lookup(folder, "k") is None
+    assert store(folder, "k", _inputs("3"), {"n": 1})  # a damaged entry is replaced
+    monkeypatch.setenv("OPTPLAN_TEST_V", "3")
+    assert lookup(folder, "k") == {"n": 1}
+
+    def refuse(src: str, dst: str) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(profile_cache.os, "replace", refuse)
+    assert not store(folder, "k", _inputs("4"), {"n": 4})  # cannot write: skipped, no error
+    assert sorted(p.name for p in folder.iterdir()) == ["k.json"]  # its temp file removed
+    monkeypatch.undo()
     blocked = tmp_path / "file-not-folder"
     blocked.write_text("")
-    assert not store(blocked, "k", {}, {"n": 1})  # cannot write: skipped, no error
-    assert [p.name for p in folder.iterdir()] == ["k.json"]  # no temp file left behind
+    assert not store(blocked, "k", _inputs("4"), {"n": 4})
+
+
+def test_prune_drops_the_oldest_entries_and_stale_temp_files(tmp_path: Path) -> None:
+    for i in range(5):
+        (tmp_path / f"{i}.json").write_text("{}")
+        os.utime(tmp_path / f"{i}.json", (1000 + i, 1000 + i))
+    (tmp_path / ".profile-old.tmp").write_text("")
+    os.utime(tmp_path / ".profile-old.tmp", (1000, 1000))
+    (tmp_path / ".profile-new.tmp").write_text("")
+    prune(tmp_path, max_entries=3, now=1000 + STALE_TEMP_S / 2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".profile-new.tmp", ".profile-old.tmp", "2.json", "3.json",
+                                                          "4.json"]
+    prune(tmp_path, max_entries=3, now=1001 + STALE_TEMP_S)
+    assert ".profile-old.tmp" not in {p.name for p in tmp_path.iterdir()}
 
 
 def test_the_cache_folder_and_the_off_switch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -142,21 +180,38 @@ def test_the_cache_folder_and_the_off_switch(tmp_path: Path, monkeypatch: pytest
         assert profile_cache_dir() is None
 
 
-def test_the_request_key_follows_file_options_and_keyed_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_request_key_follows_file_options_env_and_installed_packages(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     model = tmp_path / "m.py"
     model.write_text("x = 1\n")
+    site = tmp_path / "site"
+    site.mkdir()
+    monkeypatch.setattr(profile_cache, "site_roots", lambda: (str(site),))
     base = request_key(model, ["--seq-len", "8"])
     assert base is not None and base == request_key(model, ["--seq-len", "8"])
     assert request_key(model, ["--seq-len", "16"]) != base
-    monkeypatch.setenv("OPTPLAN_TEST_K", "1")
-    assert request_key(model, ["--seq-len", "8"]) != base
-    monkeypatch.delenv("OPTPLAN_TEST_K")
+    for name in ("OPTPLAN_TEST_K", "PYTHONPATH", "TORCH_LOGS"):
+        monkeypatch.setenv(name, "1")
+        assert request_key(model, ["--seq-len", "8"]) != base, name
+        monkeypatch.delenv(name)
     monkeypatch.setenv("OPTPLAN_CACHE_DIR", str(tmp_path / "elsewhere"))  # where caches go is not an input
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "ind"))
+    assert request_key(model, ["--seq-len", "8"]) == base
+    (site / "flash_attn-2.7.0.dist-info").mkdir()  # a package installed, imported by the model or not
+    assert request_key(model, ["--seq-len", "8"]) != base
+    (site / "flash_attn-2.7.0.dist-info").rmdir()
     assert request_key(model, ["--seq-len", "8"]) == base
     model.write_text("x = 2\n")
     assert request_key(model, ["--seq-len", "8"]) != base
     assert request_key(tmp_path / "missing.py", []) is None
+
+
+def test_a_child_that_cannot_record_still_returns_its_profile() -> None:
+    code = ("import json\nimport optplan.probes._child as c\n"
+            "class Broken:\n    def report(self, **kw):\n        raise OSError('the working folder is gone')\n"
+            "print(json.dumps(c._inputs(Broken())))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert json.loads(out.stdout) == {} and "the working folder is gone" in out.stderr
 
 
 # --- end to end, with the profiler child ------------------------------------------------------------------------------
@@ -170,6 +225,7 @@ from tinylayers import Block
 
 WIDTH = json.loads((Path(__file__).parent / "cfg.json").read_text())["width"]
 DEPTH = int(os.environ.get("OPTPLAN_TEST_DEPTH", "2"))
+TOKEN = os.environ.get("MY_TEST_TOKEN")  # read, never stored
 
 
 class Net(nn.Module):
@@ -232,12 +288,22 @@ class ChildCounter:
 
 def test_a_profile_is_reused_until_something_it_read_changes(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     children = ChildCounter(monkeypatch)
+    folder = Path(os.environ[PROFILE_CACHE_ENV])
+    monkeypatch.setenv("MY_TEST_TOKEN", "hunter2-not-on-disk")
+    monkeypatch.setenv("COLUMNS", "123")  # argparse's, not the model's: not an input
     first = profile_model_file(tiny)
     assert not first.from_cache and children.runs == 1
+    monkeypatch.setenv("COLUMNS", "77")
     again = profile_model_file(tiny)
     assert again.from_cache and children.runs == 1
     assert again.model_dump(exclude={"from_cache"}) == first.model_dump(exclude={"from_cache"})
     assert first.params == 2 * (16 * 16 + 16)
+    (entry,) = folder.glob("*.json")
+    recorded = json.loads(entry.read_text())["variants"][0]["inputs"]
+    assert "hunter2" not in entry.read_text() and recorded["env"]["MY_TEST_TOKEN"] == _sha("hunter2-not-on-disk")
+    assert "COLUMNS" not in recorded["env"] and "LANG" not in recorded["env"]
+    assert {Path(f).name for f in recorded["files"]} >= {"cfg.json", "net.py", "tinylayers.py"}
+    assert all(Path(f).is_file() for f in recorded["files"])  # no temp-folder probe, nothing written
 
     (tiny.parent / "tinylayers.py").write_text((tiny.parent / "tinylayers.py").read_text().replace(
         "nn.Linear(width, width)", "nn.Linear(width, width, bias=False)"))  # the imported sibling module
@@ -254,10 +320,29 @@ def test_a_profile_is_reused_until_something_it_read_changes(tiny: Path, monkeyp
     monkeypatch.delenv("OPTPLAN_TEST_DEPTH")
     back = profile_model_file(tiny)  # the earlier variant is still there
     assert back.from_cache and children.runs == 4 and back.params == 2 * 8 * 8
+    monkeypatch.setenv("MY_TEST_TOKEN", "another")
+    assert not profile_model_file(tiny).from_cache and children.runs == 5
 
-    assert not profile_model_file(tiny, use_cache=False).from_cache and children.runs == 5
+    assert not profile_model_file(tiny, use_cache=False).from_cache and children.runs == 6
+    entry.write_text('{"format": 2, "variants": [{"inputs": {"files": {}, "env": {}}, "profile": {"name": 1}}]}')
+    assert not profile_model_file(tiny).from_cache and children.runs == 7  # a damaged entry: a miss, replaced
+    assert profile_model_file(tiny).from_cache and children.runs == 7
     monkeypatch.setenv(PROFILE_CACHE_ENV, "off")
-    assert not profile_model_file(tiny).from_cache and children.runs == 6
+    assert not profile_model_file(tiny).from_cache and children.runs == 8
+
+
+def test_no_usable_cache_folder_is_no_cache_not_an_error(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """HOME unset and no passwd entry (Path.home() raises): the profile is made, nothing is kept."""
+    children = ChildCounter(monkeypatch)
+    for name in (PROFILE_CACHE_ENV, "OPTPLAN_CACHE_DIR", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(name, raising=False)
+
+    def no_home() -> Path:
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setattr(Path, "home", no_home)
+    assert profile_model_file(tiny).params == 2 * (16 * 16 + 16) and children.runs == 1
+    assert profile_model_file(tiny).params and children.runs == 2
 
 
 def test_errors_are_never_cached(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -329,11 +329,17 @@ def test_hand_edited_plan_json_values_are_data(planned: Planned, tmp_path: Path)
 
 
 def test_recommend_writes_only_inside_out(planned: Planned) -> None:
-    """HOME, XDG_CACHE_HOME/CONFIG/DATA, TMPDIR, the working folder and the model's folder stay as they were
-    (no calibration cache: that is written only after probes on a GPU)."""
+    """HOME, XDG_CACHE_HOME/CONFIG/DATA, TMPDIR, the working folder and the model's folder stay as they were, but
+    for the profile cache, in its documented folder ($XDG_CACHE_HOME/optplan/profiles) and holding none of the
+    environment's secrets (no calibration cache: that is written only after probes on a GPU)."""
     assert planned.recommend.returncode == 0, planned.recommend.stderr
     new = planned.changed_by_recommend
-    assert [p for p in new if not inside(p, planned.out)] == []
+    profiles = planned.area / "cache" / "optplan" / "profiles"
+    assert [p for p in new if not inside(p, planned.out) and not inside(p, profiles)] == []
+    entries = [p for p in new if inside(p, profiles) and p.is_file()]
+    assert [p.suffix for p in entries] == [".json"], entries
+    text = entries[0].read_text()
+    assert not [name for name, value in SECRETS.items() if value in text]
     written = {p.name for p in new if p.parent == planned.out}
     assert {"plan.json", "launch.sh", "optplan-study.log"} <= written  # the study journal and its locks too
 
@@ -465,6 +471,7 @@ def test_probe_children_import_nothing_from_the_working_folder(tmp_path: Path) -
     model = tmp_path / "net.py"
     model.write_text(f"PIDS = {str(tmp_path / 'pids')!r}\n" + MODEL + 'OPTPLAN = {"seq_len": 32}\n')
     env = {k: v for k, v in os.environ.items() if not k.startswith("OPTPLAN")}
+    env["OPTPLAN_PROFILE_CACHE"] = str(tmp_path / "profiles")  # not the real ~/.cache
     proc = run_optplan(["recommend", str(model), "--gpu", "H100-SXM", "--gpus", "2", "--probe", "--probe-top-k", "1",
                         "--probe-nproc", "2", "--json"], cwd=cwd, env=env)
     assert proc.returncode == 0, proc.stderr
