@@ -335,7 +335,7 @@ def test_recommend_writes_only_inside_out(planned: Planned) -> None:
     assert planned.recommend.returncode == 0, planned.recommend.stderr
     new = planned.changed_by_recommend
     profiles = planned.area / "cache" / "optplan" / "profiles"
-    assert [p for p in new if not inside(p, planned.out) and not inside(p, profiles)] == []
+    assert [p for p in new if not inside(p, planned.out) and not inside(p, profiles) and not inside(profiles, p)] == []
     entries = [p for p in new if inside(p, profiles) and p.is_file()]
     assert [p.suffix for p in entries] == [".json"], entries
     text = entries[0].read_text()
