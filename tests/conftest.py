@@ -18,27 +18,27 @@ from optplan.probes.profile_cache import PROFILE_CACHE_ENV
 __all__ = ["make_gpu", "make_profile"]
 
 HEAVY_FIRST = (
-    "tests/benchmarks/test_gpu_campaign.py",  # 563 s: the CPU campaign, one module fixture
-    "tests/planner/test_train_script.py",  # 458 s: 14 torchrun runs of train.py
-    "tests/probes/test_adapters.py",  # 398 s
-    "tests/probes/test_distributed_probe.py",  # 336 s
-    "tests/planner/test_hf_timm.py",  # 255 s
-    "tests/tui/test_cli.py",  # 238 s
-    "tests/planner/test_finetune_cli.py",  # 212 s
-    "tests/probes/test_runtime_probe.py",  # 209 s
-    "tests/probes/test_moe_model_files.py",  # 202 s
-    "tests/planner/test_moe_model_file_plan.py",  # 196 s
-    "tests/reliability/test_ctrl_c.py",  # 187 s
-    "tests/tui/test_cli_probe.py",  # 164 s
-    "tests/probes/test_quant_inputs.py",  # 153 s
-    "tests/probes/test_fidelity_tp_cpu.py",  # 143 s
-    "tests/reliability/test_security.py",  # 135 s
-    "tests/reliability/test_probe_faults.py",  # 124 s
-    "tests/probes/test_static_profile.py",  # 119 s
-    "tests/probes/test_model_loader_errors.py",  # 118 s
+    "tests/planner/test_train_script.py",  # 488 s
+    "tests/probes/test_distributed_probe.py",  # 374 s
+    "tests/probes/test_adapters.py",  # 329 s
+    "tests/benchmarks/test_gpu_campaign.py",  # 290 s
+    "tests/planner/test_hf_timm.py",  # 265 s
+    "tests/planner/test_finetune_cli.py",  # 241 s
+    "tests/planner/test_moe_model_file_plan.py",  # 221 s
+    "tests/reliability/test_ctrl_c.py",  # 217 s
+    "tests/probes/test_runtime_probe.py",  # 196 s
+    "tests/probes/test_moe_model_files.py",  # 193 s
+    "tests/probes/test_fidelity_tp_cpu.py",  # 169 s
+    "tests/reliability/test_security.py",  # 158 s
+    "tests/probes/test_static_profile.py",  # 144 s
+    "tests/tui/test_cli.py",  # 140 s
+    "tests/probes/test_model_loader_errors.py",  # 132 s
+    "tests/reliability/test_probe_faults.py",  # 128 s
+    "tests/planner/test_finetune_full_export.py",  # 118 s
+    "tests/planner/test_hf_source.py",  # 114 s
 )
 """The slowest test files (seconds summed from `pytest --durations=0` with both workers, 2-core AVX2 VM whose CPU
-emulates bf16, 2026-11-27, before that day's cuts), scheduled first: pyproject's ``--dist loadfile`` hands whole files to the 2 workers in collection order, so a heavy
+emulates bf16, a clean-clone CI run of 2026-11-28 with the profile cache: 4968 s summed), scheduled first: pyproject's ``--dist loadfile`` hands whole files to the 2 workers in collection order, so a heavy
 file collected last would leave one worker running it alone at the end (20.9 min with the default order). An order
 hint only: a file missing here still runs, later."""
 
