@@ -227,6 +227,11 @@ SMALL_PARAM_LIMIT = 1_000_000
 thresholds are 1e5 by default and 10·h under Hugging Face's "auto" (h <= 1e5 in practice)."""
 
 
+RUN_FIELDS = frozenset({"profile_s", "notes", "from_cache"})
+"""ModelProfile fields that say how one profiling run went, not what the model is: left out of the profile's hash
+(planner/calibrate.py) and of a study's name (planner/search.py)."""
+
+
 class ModelProfile(_Frozen):
     """Static profile of one model at one sequence length (per-sample figures)."""
 

@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from optplan.estimators.calibration import Calibration, calibration_key
 from optplan.estimators.errors import OptplanError
-from optplan.estimators.profile import ModelProfile
+from optplan.estimators.profile import RUN_FIELDS, ModelProfile
 from optplan.estimators.strategy import Strategy
 from optplan.probes.cache_dir import cache_dir
 from optplan.probes.runtime import ProbeResult
@@ -91,7 +91,7 @@ def profile_hash(profile: ModelProfile) -> str:
     profile leaves out ``adapter`` (None), a model without a tensor-parallel plan ``tensor_plan`` (None), and a
     transformer shape's unset ``head_dim``/``moe``/``mla`` and an adapter's
     :data:`ADAPTER_LATER_FIELDS` at their defaults, so hashes from before those fields existed still match."""
-    skip: dict[str, object] = {name: True for name in ("profile_s", "notes", "from_cache")}
+    skip: dict[str, object] = {name: True for name in RUN_FIELDS}
     skip.update({name: True for name in ("adapter", "tensor_plan") if getattr(profile, name) is None})
     shape = profile.transformer
     if shape is not None:  # shape fields added later (head width, MoE, latent attention) count only when set

@@ -49,7 +49,7 @@ from optplan.estimators.calibration import Calibration
 from optplan.estimators.errors import OptplanError
 from optplan.estimators.estimate import Estimate, estimate
 from optplan.estimators.hardware import Cluster
-from optplan.estimators.profile import ModelProfile
+from optplan.estimators.profile import RUN_FIELDS, ModelProfile
 from optplan.estimators.strategy import FSDP_STAGE, Strategy
 from optplan.planner.events import ProgressEvent
 from optplan.planner.simplicity import prefer_simple
@@ -313,8 +313,7 @@ def check_storage_file(path: Path) -> None:
 def study_name_for(profile: ModelProfile, cluster: Cluster, space: SearchSpace, goal: Goal, method: str,
                    seed: int, calibration: Calibration | None = None) -> str:
     """A name that is the same exactly when the inputs are: rerunning resumes the same study."""
-    timings = {"profile_s", "notes", "from_cache"}
-    doc: dict[str, object] = {"v": STUDY_FORMAT, "profile": profile.model_dump(mode="json", exclude=timings),
+    doc: dict[str, object] = {"v": STUDY_FORMAT, "profile": profile.model_dump(mode="json", exclude=set(RUN_FIELDS)),
            "cluster": cluster.model_dump(mode="json"), "space": space.model_dump(mode="json"),
            "goal": goal.model_dump(mode="json"), "method": method, "seed": seed}
     if calibration is not None:
