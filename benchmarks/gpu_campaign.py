@@ -209,10 +209,17 @@ class Campaign:
     gpu: GPUSpec | None
     log: Callable[[str], None] = print
     models: frozenset[str] | None = None  # --models: fidelity, trace and grid keep only these
+    cases: tuple[str, ...] | None = None  # --cases: words a fidelity case's tag must hold (first case kept)
 
     def wants(self, key: str) -> bool:
         """Whether --models keeps the model ``key`` (the grid's and trace's 'llama1b' answers to 'llama')."""
         return self.models is None or key in self.models or key.removesuffix("1b") in self.models
+
+    def keeps_case(self, case: fidelity.Case, first: bool) -> bool:
+        """Whether --cases keeps the fidelity ``case``: each model's first case (its calibration probe) always;
+        another when its tag (``case_tag``) holds every word of one of the comma-separated filters."""
+        return (self.cases is None or first
+                or any(all(w in case_tag(case).split() for w in f.split()) for f in self.cases))
 
     def left_s(self) -> float:
         return self.deadline - time.perf_counter()
@@ -420,14 +427,28 @@ def part_fidelity(c: Campaign) -> dict[str, Any]:
     doc["deepspeed_optimizer"] = ("torch AdamW (foreach) as the client optimizer: no fused-Adam JIT build "
                                   "(no nvcc or time for it on a visit); the prediction follows")
     wanted = None if c.models is None else {case.model for case in fidelity.SUITE if c.wants(case.model)}
+    suite = fidelity.select_cases(c.device, c.quick, wanted)
+    firsts = {id(next(x for x in suite if x.model == key)) for key in {x.model for x in suite}}
+
+    def skip(case: fidelity.Case) -> str | None:
+        if not c.keeps_case(case, id(case) in firsts):
+            return "not in --cases"
+        return ds_error if ds_error and case.mode.startswith("zero") else None
+
     fidelity.run_suite(c.device, quick=c.quick, wanted=wanted, timeout_s=300.0, deadline=c.deadline,
-                       ds_torch_optimizer=True, on_model=on_model, on_row=on_row,
-                       skip=(lambda case: ds_error if ds_error and case.mode.startswith("zero") else None))
+                       ds_torch_optimizer=True, on_model=on_model, on_row=on_row, skip=skip)
     doc["summary"] = fidelity_summary(doc["cases"])
     write_json(path, doc)
     doc["calibration"] = calibration_round_trip(c, path, rows, profiles)
     write_json(path, doc)
     return doc
+
+
+def case_tag(case: fidelity.Case) -> str:
+    """The words --cases matches: precision, mode, ``mbs<N>``, checkpointing and ``compile`` when compiled
+    (e.g. "bf16 single mbs2 selective compile")."""
+    return " ".join([case.precision, case.mode, f"mbs{case.mbs}", case.checkpointing,
+                     *(["compile"] if case.compile else [])])
 
 
 def fidelity_summary(cases: list[dict[str, Any]]) -> dict[str, Any]:
@@ -855,7 +876,7 @@ PARTS: dict[str, tuple[tuple[str, Callable[[Campaign], dict[str, Any]]], ...]] =
     "2": (("exports", part_exports), ("grid", part_grid)),
 }
 SECTIONS: dict[str, Callable[[Campaign], dict[str, Any]]] = {n: fn for part in PARTS.values() for n, fn in part}
-MODEL_KEYS = ("mlp", "gpt2", "llama", "resnet")
+MODEL_KEYS = tuple(dict.fromkeys(case.model for case in fidelity.SUITE))  # mlp, gpt2, llama, resnet, timm-vit, ...
 
 
 def _listed(flag: str, value: str | None, allowed: Sequence[str]) -> tuple[str, ...] | str | None:
@@ -880,7 +901,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated sections to run, in this order, instead of --part's: "
                              + ", ".join(SECTIONS) + " (a GPU visit spends its minutes on what is not yet measured)")
     parser.add_argument("--models", default=None,
-                        help="comma-separated models that fidelity, trace and grid keep: mlp, gpt2, llama, resnet")
+                        help="comma-separated models that fidelity, trace and grid keep: " + ", ".join(MODEL_KEYS))
+    parser.add_argument("--cases", default=None,
+                        help="comma-separated fidelity case filters, each a few words its tag must hold (precision, "
+                             "mode, mbs<N>, none/selective/full, compile), e.g. 'compile,bf16 selective'; each "
+                             "model's first case (its calibration probe) always runs")
     parser.add_argument("--out", type=Path, required=True, help="folder for the JSON results (created)")
     parser.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
                         help="wall-clock budget of this call (s); runs not started in time are recorded as skipped")
@@ -903,6 +928,15 @@ def main(argv: list[str] | None = None) -> int:
     else:
         sections = [s for part in (("1", "2") if args.part == "all" else (args.part,)) for s in PARTS[part]]
     models = frozenset(wanted) if wanted is not None else None
+    case_filters = None
+    if args.cases is not None:
+        case_filters = tuple(f.strip() for f in args.cases.split(",") if f.strip())
+        words = {w for case in fidelity.SUITE for w in case_tag(case).split()}
+        unknown = sorted({w for f in case_filters for w in f.split()} - words)
+        if unknown or not case_filters:
+            print(f"error: --cases {args.cases!r}: unknown word(s) {', '.join(unknown) or '(empty)'}; use words "
+                  f"of a case's tag, e.g. {case_tag(fidelity.SUITE[-1])!r}", file=sys.stderr)
+            return 2
     if args.out.exists() and not args.out.is_dir():
         print(f"error: --out {args.out} is a file: give a folder", file=sys.stderr)
         return 2
@@ -918,7 +952,8 @@ def main(argv: list[str] | None = None) -> int:
 
     args.out.mkdir(parents=True, exist_ok=True)
     c = Campaign(device=device, out=args.out, env=env_record(device), deadline=started + args.budget_s,
-                 quick=args.quick, gpu=gpu, log=log, models=models)
+                 quick=args.quick, gpu=gpu, log=log, models=models,
+                 cases=case_filters)
     log(f"campaign: {device} {c.env['device_name']}; torch {c.env['torch']}, CUDA {c.env['cuda']}, driver "
         f"{c.env['driver']}; commit {c.env['commit']}; budget {args.budget_s:.0f} s"
         + (f"; {gpu_note}" if gpu_note else ""))

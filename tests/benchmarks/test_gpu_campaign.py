@@ -188,6 +188,8 @@ def _main(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str
     (["--device", "cpu", "--budget-s", "0"], "--budget-s must be > 0"),
     (["--device", "cpu", "--sections", "probes,grids"], "unknown grids; choose from probes"),
     (["--device", "cpu", "--models", "gpt3"], "unknown gpt3; choose from mlp"),
+    (["--device", "cpu", "--cases", "bf16 compiled"], "unknown word(s) compiled; use words of a case's tag"),
+    (["--device", "cpu", "--cases", " , "], "unknown word(s) (empty)"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args: list[str], needle: str, tmp_path: Path,
                                           capsys: pytest.CaptureFixture[str]) -> None:
@@ -200,3 +202,21 @@ def test_out_must_be_a_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     f.write_text("keep me")
     code, err = _main(["--device", "cpu", "--out", str(f)], capsys)
     assert code == 2 and "is a file" in err and f.read_text() == "keep me"
+
+
+def test_cases_filter_keeps_the_calibration_probe_and_matching_cases() -> None:
+    """--cases: a filter keeps a case whose tag holds all its words; each model's first case always runs."""
+    sys.path.insert(0, str(CAMPAIGN.parent))
+    try:
+        import fidelity
+        import gpu_campaign
+    finally:
+        sys.path.remove(str(CAMPAIGN.parent))
+    c = gpu_campaign.Campaign(device="cuda", out=Path("."), env={}, deadline=0.0, quick=False, gpu=None,
+                              cases=("compile", "bf16 selective"))
+    llama = [x for x in fidelity.SUITE if x.model == "llama" and "cuda" in x.where]
+    kept = [gpu_campaign.case_tag(x) for i, x in enumerate(llama) if c.keeps_case(x, first=i == 0)]
+    assert kept == ["fp32 single mbs1 none", "bf16 single mbs2 selective", "bf16 single mbs2 none compile",
+                    "bf16 single mbs2 selective compile"]
+    everything = gpu_campaign.Campaign(device="cuda", out=Path("."), env={}, deadline=0.0, quick=False, gpu=None)
+    assert all(everything.keeps_case(x, first=False) for x in llama)
