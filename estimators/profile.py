@@ -280,6 +280,11 @@ class ModelProfile(_Frozen):
                     "backward), by eager precision class (fp32, amp, bf16: estimators/eager_traffic.py), counted on "
                     "the profile's own steps (probes/traffic.py); None for shapes (--arch: the reference "
                     "blocks' coefficients), models without repeated blocks or tokens, and older profiles")
+    eager_layer_ops: dict[str, float] | None = Field(
+        default=None, description="ATen operators one repeated block's forward dispatches in eager mode (views "
+                                  "included), by eager precision class (fp32, amp, bf16; probes/traffic.py); the "
+                                  "host cost of eager op-level selective checkpointing is per operator "
+                                  "(estimators/selective_host.py); None: not measured")
     activations: tuple[ActivationFit, ...]
     transformer: TransformerShape | None = None
     profiled_blocks: int | None = Field(

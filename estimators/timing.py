@@ -98,6 +98,7 @@ from optplan.estimators.pipeline_fsdp import keeps_stage_unsharded
 from optplan.estimators.precision import get_recipe
 from optplan.estimators.profile import ModelProfile
 from optplan.estimators.selective import recompute_flops_per_sample
+from optplan.estimators.selective_host import selective_host_layer_s
 from optplan.estimators.strategy import Strategy
 from optplan.estimators.temporaries import AdamImpl
 from optplan.estimators.tensor_plan import gathers_logits
@@ -392,6 +393,7 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
         layer_ep = overlapped_a2a_s(a2a_pass, a2a_pass, fwd_window, bwd_window, solo)
     layer_device = layer_compute + layer_mem + layer_recompute + layer_tp + layer_cp_exposed + layer_ep
     host_layer = eff.host_layer_pass_s * host_layer_passes(s_)
+    host_layer += selective_host_layer_s(profile, s_, eff.host_layer_pass_s)  # eager op-level policy's host cost
     host_sync = 2 * (t - 1) * eff.host_collective_step_s  # per tensor-parallel collective
     host_layer += tp_collectives * (3 if full else 2) * host_sync
 

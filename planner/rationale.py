@@ -377,6 +377,9 @@ def _checkpointing_line(pick: Estimate, price: Price, space: SearchSpace) -> str
         alt = _neighbour(price, s, checkpointing=mode)
         if alt is not None:
             parts.append(f"{mode} {_vs(pick, alt)}")
+    if runs_op_policy(s) and s.checkpointing == "selective" and not s.compile:
+        # estimators/selective_host.py: measured 1.3-2.3x slower than no checkpointing on a host-paced H200 step
+        parts.append("in eager mode the policy costs host time per operator (priced; --compile traces it once)")
     tail = "; " + "; ".join(parts) if parts else ""
     return (f"{name} activation checkpointing: activations {acts}/GPU, recompute "
             f"{pick.time.recompute_s:.2f} s of the {pick.time.step_s:.2f} s step{tail}")

@@ -53,6 +53,8 @@ class Measurement:
     selective_recompute_flops: int | None = None
     eager_block_bytes: dict[str, tuple[float, float]] = field(default_factory=dict)
     """Memory-bound bytes of one repeated block per sample by eager precision class: (forward, backward)."""
+    eager_block_ops: dict[str, float] = field(default_factory=dict)
+    """ATen operators one repeated block's forward dispatches, by eager precision class (probes/traffic.py)."""
 
 
 def checkpoint_modes(has_blocks: bool) -> tuple[CheckpointMode, ...]:
@@ -77,16 +79,17 @@ def measure(runner: StepRunner, batch_sizes: tuple[int, int], *, flops: bool = T
         recompute = max(0, runner.flops(batch_sizes[0], "selective")[1] - bwd)
     envelopes = {}
     eager: dict[str, tuple[float, float]] = {}
+    ops: dict[str, float] = {}
     for precision, ckpt in modes_for(bool(runner.blocks)):
-        t0, t1 = _timelines(runner, batch_sizes, precision, ckpt, eager)
+        t0, t1 = _timelines(runner, batch_sizes, precision, ckpt, eager, ops)
         envelopes[(precision, ckpt)] = StepEnvelope.from_timelines(t0, t1, batch_sizes)
-    sixteen, note = measure_16bit_weights(runner, batch_sizes, eager)
+    sixteen, note = measure_16bit_weights(runner, batch_sizes, eager, ops)
     envelopes.update(sixteen)
     if any(LORA_MARK in name for name, _ in runner.model.named_parameters()):
         envelopes.update(measure_frozen_16bit(runner, batch_sizes))
     assert runner.batch_info is not None
     return Measurement(fwd, bwd, envelopes, runner.batch_info, runner.loss_note, input_grad, note, recompute,
-                       eager_block_bytes=eager)
+                       eager_block_bytes=eager, eager_block_ops=ops)
 
 
 EAGER_CLASS: dict[str, str] = {"fp32": "fp32", "bf16": "amp", WEIGHTS_16BIT: "bf16"}
@@ -94,9 +97,11 @@ EAGER_CLASS: dict[str, str] = {"fp32": "fp32", "bf16": "amp", WEIGHTS_16BIT: "bf
 
 
 def _timelines(runner: StepRunner, batch_sizes: tuple[int, int], precision: ActivationPrecision,
-               ckpt: CheckpointMode, eager: dict[str, tuple[float, float]]) -> tuple[Timeline, Timeline]:
+               ckpt: CheckpointMode, eager: dict[str, tuple[float, float]],
+               ops: dict[str, float] | None = None) -> tuple[Timeline, Timeline]:
     """The two timelines of one mode; without checkpointing, the memory-bound bytes of one repeated block per
-    sample (forward, backward: the slope between the two batch sizes, probes/traffic.py) go into ``eager``."""
+    sample (forward, backward: the slope between the two batch sizes, probes/traffic.py) go into ``eager``, and
+    the operators one block's forward dispatched (at the first batch size) into ``ops``."""
     if ckpt != "none" or not runner.blocks or precision not in EAGER_CLASS:
         return runner.activation_timeline(batch_sizes[0], precision, ckpt), \
             runner.activation_timeline(batch_sizes[1], precision, ckpt)
@@ -106,12 +111,14 @@ def _timelines(runner: StepRunner, batch_sizes: tuple[int, int], precision: Acti
     (f0, b0), (f1, b1) = (c.traffic.per_block() for c in counters)
     n = batch_sizes[1] - batch_sizes[0]
     eager[EAGER_CLASS[precision]] = (max(0.0, (f1 - f0) / n), max(0.0, (b1 - b0) / n))
+    if ops is not None:
+        ops[EAGER_CLASS[precision]] = counters[0].traffic.ops_per_block()
     return t0, t1
 
 
 def measure_16bit_weights(runner: StepRunner, batch_sizes: tuple[int, int],
-                          eager: dict[str, tuple[float, float]] | None = None
-                          ) -> tuple[dict[tuple[ActivationPrecision, CheckpointMode], StepEnvelope], str | None]:
+                          eager: dict[str, tuple[float, float]] | None = None,
+                          ops: dict[str, float] | None = None) -> tuple[dict[tuple[ActivationPrecision, CheckpointMode], StepEnvelope], str | None]:
     """The ``bf16-weights`` envelopes: the model's floating parameters and buffers cast to bf16 (tied weights
     kept tied), floating inputs cast, no autocast, one warm-up step (bf16 gradients), then the same
     timelines as the other modes; the model is cast back afterwards. A model that fails to run in bf16
@@ -128,7 +135,7 @@ def measure_16bit_weights(runner: StepRunner, batch_sizes: tuple[int, int],
         runner.input_dtype = torch.bfloat16
         runner.warm_up(batch_sizes[0])
         for ckpt in checkpoint_modes(bool(runner.blocks)):
-            t0, t1 = _timelines(runner, batch_sizes, WEIGHTS_16BIT, ckpt, eager if eager is not None else {})
+            t0, t1 = _timelines(runner, batch_sizes, WEIGHTS_16BIT, ckpt, eager if eager is not None else {}, ops)
             envelopes[(WEIGHTS_16BIT, ckpt)] = StepEnvelope.from_timelines(t0, t1, batch_sizes)
     except ModelFileError as exc:
         envelopes = {}

@@ -247,7 +247,8 @@ def _measure_reduced(contract: ModelContract, meta: nn.Module, block: BlockInfo,
         selective_recompute_flops=(None if lo.selective_recompute_flops is None or hi.selective_recompute_flops is None
                                    else round(extrapolate(lo.selective_recompute_flops, hi.selective_recompute_flops,
                                                           layers, base))),
-        eager_block_bytes=hi.eager_block_bytes)  # a mean over the blocks that ran: depth does not change it
+        eager_block_bytes=hi.eager_block_bytes,  # a mean over the blocks that ran: depth does not change it
+        eager_block_ops=hi.eager_block_ops)
     notes.append(f"profiled {base + 1} of {layers} blocks and scaled by layers")
     return measurement, sizes, base + 1
 
@@ -387,6 +388,7 @@ def _profile_contract(contract: ModelContract, *, seq_len: int | None, started: 
             {k: (f / info.tokens_per_sample, b / info.tokens_per_sample)
              for k, (f, b) in measurement.eager_block_bytes.items()}
             if info.input_kind == "tokens" and info.tokens_per_sample and measurement.eager_block_bytes else None),
+        eager_layer_ops=dict(measurement.eager_block_ops) or None,
         activations=fit_activations(measurement.envelopes),
         param_numels=trainable_numels(meta),
         transformer=shape,

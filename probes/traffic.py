@@ -15,7 +15,11 @@ Patterson 2009, CACM 52(4)). This module counts those bytes on the operators a s
   between the moment its output's gradient exists and the moment its input's gradient does (tensor hooks:
   the block's own backward, its residual adds included).
 
-Units: bytes. Used by ``benchmarks/eager_traffic.py`` (the per-token coefficients of
+The same pass counts the ATen operators one block's forward dispatches (every operator with a tensor output,
+views included: ``Traffic.block_forward_ops``): the host cost of eager op-level selective checkpointing is per
+dispatched operator (estimators/selective_host.py).
+
+Units: bytes; operators (a count). Used by ``benchmarks/eager_traffic.py`` (the per-token coefficients of
 ``estimators/data/eager_traffic.yaml``) and by probes/static.py (each profile counts its own block).
 """
 
@@ -83,12 +87,17 @@ class Traffic:
     block_forward_bytes: int = 0
     block_backward_bytes: int = 0
     blocks: int = 0
+    block_forward_ops: int = 0
     by_op: dict[str, int] = field(default_factory=dict)
 
     def per_block(self) -> tuple[float, float]:
         """(forward, backward) bytes of one repeated block (the mean over the blocks that ran)."""
         n = max(1, self.blocks)
         return self.block_forward_bytes / n, self.block_backward_bytes / n
+
+    def ops_per_block(self) -> float:
+        """ATen operators with a tensor output that one repeated block's forward dispatched (the mean)."""
+        return self.block_forward_ops / max(1, self.blocks)
 
 
 class TrafficCounter(TorchDispatchMode):
@@ -104,6 +113,8 @@ class TrafficCounter(TorchDispatchMode):
                            kwargs: dict[str, Any] | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if outs and self.in_block and not self.backward:
+            self.traffic.block_forward_ops += 1
         if not outs or op_class(func) != "memory":  # metadata queries (prim.device, ...) run no kernel
             return out
         moved = sum(_tensor_bytes(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))

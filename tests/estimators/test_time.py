@@ -223,7 +223,9 @@ def test_recompute_adds_one_forward_of_the_layers() -> None:
     assert 0 < sel.recompute_s < full.recompute_s
     # the torch engine's per-op policy re-runs the matmuls the shape says it drops, and the element-wise ops
     op = estimate(prof, c, base.model_copy(update={"checkpointing": "selective"})).time
-    assert 0 < op.recompute_s < full.recompute_s and none.step_s < op.step_s < full.step_s
+    assert 0 < op.recompute_s < full.recompute_s and none.step_s < op.step_s
+    # (its step is not always below full checkpointing's: in eager mode the policy costs host time per operator,
+    # estimators/selective_host.py, which a host-paced step like this one pays; the H200 measured it so)
 
 
 def test_flash_attention_drops_the_score_traffic() -> None:

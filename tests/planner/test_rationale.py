@@ -136,3 +136,23 @@ def test_model_scope_note_names_what_the_time_model_rests_on() -> None:
             assert name.lower() in MODEL_SCOPE_NOTE.lower(), name
     moe_runs = sum(s.runs for s in dom.sets if s.kind == "moe")
     assert f"MoE models judged by {moe_runs} published" in MODEL_SCOPE_NOTE
+
+
+def test_an_eager_selective_pick_says_its_host_cost_and_what_removes_it() -> None:
+    """estimators/selective_host.py: the eager op-level policy costs host time per operator; the checkpointing line
+    says so, and a compiled selective plan (the policy traced once) does not."""
+    from optplan.planner.rationale import _checkpointing_line
+    from optplan.planner.space import build_space
+
+    prof = make_profile().model_copy(update={"eager_layer_ops": {"fp32": 60.0, "amp": 70.0, "bf16": 60.0}})
+    cluster = _cluster(find_gpu("H200"), gpus=1)
+    space = build_space(prof, cluster, global_batch=8)
+
+    def price(s: Strategy):  # type: ignore[no-untyped-def]
+        return estimate(prof, cluster, s)
+
+    eager = estimate(prof, cluster, Strategy(mbs=1, grad_accum=8, checkpointing="selective"))
+    line = _checkpointing_line(eager, price, space)
+    assert line.startswith("selective (per-op") and "host time per operator" in line and "--compile" in line
+    compiled = estimate(prof, cluster, Strategy(mbs=1, grad_accum=8, checkpointing="selective", compile=True))
+    assert "host time per operator" not in _checkpointing_line(compiled, price, space)

@@ -74,6 +74,9 @@ def test_block_attribution_splits_forward_and_backward_per_block() -> None:
     # backward of a block: gelu_backward (read grad and input, write grad) + the residual's gradient sum
     assert bwd >= 3 * e
     assert tr.backward_bytes > tr.block_backward_bytes
+    # operators per block forward (the host cost of eager selective checkpointing is per operator): the linear's
+    # transpose (a view) and matmul, gelu, the residual add; the head's mul and sum and backward are not counted
+    assert tr.ops_per_block() == 4 and tr.block_forward_ops == 8
 
 
 def test_the_profile_counts_its_own_blocks_eager_bytes() -> None:
@@ -90,3 +93,8 @@ def test_the_profile_counts_its_own_blocks_eager_bytes() -> None:
         ref = layer_bytes_per_token(kind="plain", precision=klass, hidden=shape.hidden, ffn=4 * shape.hidden,  # type: ignore[arg-type]
                                     kv=shape.hidden, head_dim=shape.hidden // shape.heads, grouped_query=False)
         assert fwd == pytest.approx(ref[0], rel=0.01) and bwd == pytest.approx(ref[1], rel=0.01)
+    # and the operators one block's forward dispatches: autocast adds its casts to the fp32 count, bf16 weights do
+    # not (a GPT-2 block: two layer norms, the fused qkv and output projections, attention, the MLP, two residuals)
+    ops = prof.eager_layer_ops
+    assert ops is not None and set(ops) == {"fp32", "amp", "bf16"}
+    assert 20 <= ops["fp32"] == ops["bf16"] < ops["amp"] <= 100
