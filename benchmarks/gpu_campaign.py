@@ -578,9 +578,12 @@ def part_trace(c: Campaign) -> dict[str, Any]:
                                 "trace": result.step_trace, "predicted": predicted if c.time_comparable else None})
             busy = (result.step_trace or {}).get("busy_s")
             host = ((result.step_trace or {}).get("host_per_step") or {}).get("aten_self_s")
+            attention = next((k["name"][:60] for k in (result.step_trace or {}).get("top_kernels") or []
+                              if k.get("category") == "attention"), None)  # which SDPA backend ran
             c.log(f"trace: {key} {strategy.label()}: {result.status}"
                   + (f", step {result.step_s * 1e3:.1f} ms, busy {busy * 1e3:.1f} ms" if result.step_s and busy else "")
-                  + (f", host operators {host * 1e3:.1f} ms" if host else ""))
+                  + (f", host operators {host * 1e3:.1f} ms" if host else "")
+                  + (f", attention kernel {attention}" if attention else ""))
             write_json(path, doc)
     write_json(path, doc)
     return doc

@@ -23,7 +23,9 @@ CUDA); the CPU's from the operators' self time (exclusive, so nothing counts twi
 ``record_function`` ranges (``gpu_user_annotation``: ``Optimizer.step#AdamW.step`` spans every AdamW kernel)
 are left out and counted in ``annotations_skipped``: the first H200 visit's trace.json (2026-11-26-H200-visit2)
 counted them, which doubled its ``optimizer`` figures. ``host_per_step`` (:func:`host_time`) is the CPU side:
-operators' self time, CUDA runtime calls and synchronisation, per step.
+operators' self time, CUDA runtime calls and synchronisation, per step. ``top_kernels`` (:func:`top_kernels`)
+names the kernels (or operators) that took the most time, per step: which attention backend SDPA chose (flash,
+cuDNN, memory-efficient), which GEMM library, what the ``other`` time is made of.
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ def trace_steps(step: Callable[[], Any], steps: int, *, cuda: bool, sync: Callab
     host = {k: v / steps for k, v in host_time(events).items()}
     return {"time_by_category_s": per_step, "busy_s": sum(per_step.values()), "step_wall_s": wall,
             "kernels": count / steps, "annotations_skipped": skipped / steps, "host_per_step": host,
+            "top_kernels": top_kernels(events, cuda=cuda, steps=steps),
             "what": "CUDA kernels" if cuda else "ATen operators (self CPU time)"}
 
 
@@ -113,6 +116,36 @@ def _is_annotation(evt: Any) -> bool:
     return "#" in evt.name or evt.name.startswith("ProfilerStep")
 
 
+TOP_KERNELS = 15
+"""Kernels (or operators) named in ``top_kernels``."""
+NAME_CHARS = 160
+"""A kernel name is cut to this many characters (C++ template names run to thousands)."""
+
+
+def top_kernels(events: Any, *, cuda: bool, steps: int = 1, n: int = TOP_KERNELS) -> list[dict[str, Any]]:
+    """The ``n`` kernel names (CUDA) or ATen operators (CPU, self time) with the most time, per step, longest
+    first: name (cut to ``NAME_CHARS``), category, seconds and calls per step. Annotations are left out as in
+    :func:`sum_events`."""
+    from torch.autograd import DeviceType
+
+    totals: dict[str, list[float]] = {}
+    for evt in events:
+        if cuda:
+            if evt.device_type != DeviceType.CUDA or _is_annotation(evt):
+                continue
+            duration_us = evt.time_range.end - evt.time_range.start
+        else:
+            if evt.device_type != DeviceType.CPU or not evt.name.startswith("aten::"):
+                continue
+            duration_us = evt.self_cpu_time_total
+        entry = totals.setdefault(evt.name, [0.0, 0.0])
+        entry[0] += duration_us
+        entry[1] += 1
+    ranked = sorted(totals.items(), key=lambda kv: kv[1][0], reverse=True)[:n]
+    return [{"name": name[:NAME_CHARS], "category": category(name), "s": us * 1e-6 / steps, "calls": calls / steps}
+            for name, (us, calls) in ranked]
+
+
 def sum_events(events: Any, *, cuda: bool) -> tuple[dict[str, float], int, int]:
     """Seconds by category over profiler events, the kernels (or operators) counted, and the device-side
     annotations left out (module docstring; CUDA kernels by their time range, CPU operators by self time)."""
@@ -142,4 +175,4 @@ def sum_events(events: Any, *, cuda: bool) -> tuple[dict[str, float], int, int]:
     return sums, count, skipped
 
 
-__all__ = ["CATEGORIES", "category", "host_time", "sum_events", "trace_steps"]
+__all__ = ["CATEGORIES", "category", "host_time", "sum_events", "top_kernels", "trace_steps"]

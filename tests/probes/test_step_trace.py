@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from optplan.probes.step_trace import category, host_time, sum_events
+from optplan.probes.step_trace import NAME_CHARS, category, host_time, sum_events, top_kernels
 
 
 @pytest.mark.parametrize(("name", "want"), [
@@ -74,3 +74,17 @@ def test_host_side_sums_operators_launches_and_waits() -> None:
     host = host_time(events)
     assert host["aten_self_s"] == pytest.approx(20e-6) and host["ops"] == 2
     assert host["cuda_runtime_s"] == pytest.approx(5e-6) and host["sync_s"] == pytest.approx(300e-6)
+
+
+def test_top_kernels_name_where_the_time_went_per_step() -> None:
+    """The trace names its longest kernels (which SDPA backend ran: flash or cuDNN), per step, longest first."""
+    long_name = "void cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x128" + "<T>" * 100
+    events = [_Event("sm90_xmma_gemm_bf16", "cuda", 300.0), _Event("sm90_xmma_gemm_bf16", "cuda", 300.0),
+              _Event(long_name, "cuda", 500.0), _Event("elementwise_kernel<add>", "cuda", 100.0),
+              _Event("Optimizer.step#AdamW.step", "cuda", 900.0, annotation=True), _Event("aten::mm", "cpu", 40.0)]
+    top = top_kernels(events, cuda=True, steps=2, n=2)
+    assert [t["category"] for t in top] == ["gemm", "attention"]
+    assert top[0]["s"] == pytest.approx(300e-6) and top[0]["calls"] == 1.0  # 600 µs over 2 steps
+    assert top[1]["name"] == long_name[:NAME_CHARS] and top[1]["s"] == pytest.approx(250e-6)
+    cpu = top_kernels(events, cuda=False)
+    assert cpu == [{"name": "aten::mm", "category": "gemm", "s": pytest.approx(40e-6), "calls": 1.0}]
