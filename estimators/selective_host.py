@@ -40,7 +40,8 @@ SAC_OP_HOST_S = 34e-6
 call, the output store or lookup, the re-dispatch) on the H200 machine's host CPU: the least-squares log error of
 the H200 visit's two eager selective runs that take the transformer time model (GPT-2 amp-bf16 mbs 16: +8.2 %, the
 Llama-3 1B layout bf16 mbs 2: -8.1 %; 30 µs gives +4.2 / -13.3 %, 40 µs +14.4 / -0.2 %). In-sample: no other eager
-selective run was measured (the ViT's takes the FLOPs-only model, which has no host term)."""
+selective run was measured. Out of the fit, the ViT's (timm, priced by the FLOPs-only model, whose repeated blocks
+pay the same cost: timing.py) went from -81 % to -57 %: the policy is part of what that host-paced step pays."""
 
 DEFAULT_LAYER_OPS = 100.0
 """Operators per block forward when the profile has no count (an ``--arch`` shape or an older profile): between a

@@ -313,12 +313,20 @@ def _flops_only_step(profile: ModelProfile, strategy: Strategy, cluster: Cluster
                              step_compute_s=work, mb_compute_s=work / m, last_bwd_s=ct.compute_s / p / m * 2 / 3,
                              units=profile.repeated_block.count if profile.repeated_block else 1)
     optimizer_s = ct.optimizer_s / p
+    # the host's floor: one micro-batch's launches and the step's, as the transformer path charges its head
+    # (``host_microbatch_s``, ``host_step_s``), blended with the device work they overlap. The GPU visits
+    # (benchmarks/results/2026-11-2*-H200*) measured a 36 MB MLP at 3-7 ms a step where its kernels take 0.1-0.3 ms
+    # plus what eager op-level selective checkpointing costs the host per repeated block (selective_host.py)
+    mb_device = work / m
+    blocks = profile.repeated_block.count / p if profile.repeated_block else 0.0
+    mb_host = eff.host_microbatch_s + blocks * selective_host_layer_s(profile, strategy, eff.host_layer_pass_s)
+    host_s = m * (blend_s(mb_host, mb_device, eff.overlap_exponent) - mb_device) + eff.host_step_s
     selective = recompute_flops_per_sample(profile, strategy)
     hw = profile.train_flops_per_sample + (
         selective if selective is not None else profile.fwd_flops_per_sample if ct.recompute_s > 0 else 0.0)
     parts = {"compute_s": ct.compute_s / p, "recompute_s": ct.recompute_s / p,
              "memory_bound_s": ct.memory_bound_s / p, "optimizer_s": optimizer_s, "comm_s": dpc.total_s,
-             "exposed_comm_s": dpc.exposed_s, "bubble_s": pipe.bubble_s, "host_overhead_s": 0.0,
+             "exposed_comm_s": dpc.exposed_s, "bubble_s": pipe.bubble_s, "host_overhead_s": host_s,
              "dp_comm_s": dpc.total_s, "exposed_dp_comm_s": dpc.exposed_s}
     tb = _finish(profile, strategy, cluster, parts=parts, efficiency_peak=1.0, hardware_flops_per_sample=hw)
     return tb.model_copy(update={"efficiency": ct.efficiency})
