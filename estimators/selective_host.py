@@ -23,7 +23,7 @@ eager steps 1.3-2.3x slower than no checkpointing and slower than full checkpoin
 84.0 ms none, 194.4 ms selective; compiled, 69.4 and 76.1 ms; GPT-2 amp-bf16 mbs 16: 73.3 none, 81.1 full, 95.2
 selective; a timm ViT-B/16 amp-bf16 mbs 64: 65.2 full, 99.5 selective). On this project's 2-core CPU the same
 policy costs 10-25 µs of host time per operator and crossing beyond full checkpointing on tiny tensors (GPT-2 and
-Llama blocks, fp32: /tmp experiment recorded in that visit's README).
+Llama blocks, fp32; the experiment and its figures are in that visit's README).
 """
 
 from __future__ import annotations

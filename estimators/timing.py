@@ -314,9 +314,9 @@ def _flops_only_step(profile: ModelProfile, strategy: Strategy, cluster: Cluster
                              units=profile.repeated_block.count if profile.repeated_block else 1)
     optimizer_s = ct.optimizer_s / p
     # the host's floor: one micro-batch's launches and the step's, as the transformer path charges its head
-    # (``host_microbatch_s``, ``host_step_s``), blended with the device work they overlap. The GPU visits
+    # (``host_microbatch_s``, ``host_step_s``), plus what eager op-level selective checkpointing costs the host per
+    # repeated block (selective_host.py), blended with the device work they overlap. The GPU visits
     # (benchmarks/results/2026-11-2*-H200*) measured a 36 MB MLP at 3-7 ms a step where its kernels take 0.1-0.3 ms
-    # plus what eager op-level selective checkpointing costs the host per repeated block (selective_host.py)
     mb_device = work / m
     blocks = profile.repeated_block.count / p if profile.repeated_block else 0.0
     mb_host = eff.host_microbatch_s + blocks * selective_host_layer_s(profile, strategy, eff.host_layer_pass_s)
