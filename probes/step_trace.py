@@ -31,7 +31,7 @@ cuDNN, memory-efficient), which GEMM library, what the ``other`` time is made of
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 CATEGORIES = ("gemm", "attention", "optimizer", "communication", "other")
@@ -122,23 +122,30 @@ NAME_CHARS = 160
 """A kernel name is cut to this many characters (C++ template names run to thousands)."""
 
 
+def _timed(events: Any, *, cuda: bool) -> Iterator[tuple[str, float | None]]:
+    """(name, microseconds) of each CUDA kernel (its time range) or CPU ATen operator (its self time); a
+    device-side annotation (:func:`_is_annotation`) comes as (name, None): a span over kernels already counted."""
+    from torch.autograd import DeviceType
+
+    for evt in events:
+        if cuda:
+            if evt.device_type != DeviceType.CUDA:
+                continue
+            # the first H200 trace counted AdamW's step twice: its kernels and this span
+            yield evt.name, None if _is_annotation(evt) else evt.time_range.end - evt.time_range.start
+        elif evt.device_type == DeviceType.CPU and evt.name.startswith("aten::"):
+            yield evt.name, evt.self_cpu_time_total
+
+
 def top_kernels(events: Any, *, cuda: bool, steps: int = 1, n: int = TOP_KERNELS) -> list[dict[str, Any]]:
     """The ``n`` kernel names (CUDA) or ATen operators (CPU, self time) with the most time, per step, longest
     first: name (cut to ``NAME_CHARS``), category, seconds and calls per step. Annotations are left out as in
     :func:`sum_events`."""
-    from torch.autograd import DeviceType
-
     totals: dict[str, list[float]] = {}
-    for evt in events:
-        if cuda:
-            if evt.device_type != DeviceType.CUDA or _is_annotation(evt):
-                continue
-            duration_us = evt.time_range.end - evt.time_range.start
-        else:
-            if evt.device_type != DeviceType.CPU or not evt.name.startswith("aten::"):
-                continue
-            duration_us = evt.self_cpu_time_total
-        entry = totals.setdefault(evt.name, [0.0, 0.0])
+    for name, duration_us in _timed(events, cuda=cuda):
+        if duration_us is None:
+            continue
+        entry = totals.setdefault(name, [0.0, 0.0])
         entry[0] += duration_us
         entry[1] += 1
     ranked = sorted(totals.items(), key=lambda kv: kv[1][0], reverse=True)[:n]
@@ -149,23 +156,13 @@ def top_kernels(events: Any, *, cuda: bool, steps: int = 1, n: int = TOP_KERNELS
 def sum_events(events: Any, *, cuda: bool) -> tuple[dict[str, float], int, int]:
     """Seconds by category over profiler events, the kernels (or operators) counted, and the device-side
     annotations left out (module docstring; CUDA kernels by their time range, CPU operators by self time)."""
-    from torch.autograd import DeviceType
-
     sums = dict.fromkeys(CATEGORIES, 0.0)
     count = skipped = 0
-    for evt in events:
-        if cuda:
-            if evt.device_type != DeviceType.CUDA:
-                continue
-            if _is_annotation(evt):  # the first H200 trace counted AdamW's step twice: kernels + this span
-                skipped += 1
-                continue
-            duration_us = evt.time_range.end - evt.time_range.start
-        else:
-            if evt.device_type != DeviceType.CPU or not evt.name.startswith("aten::"):
-                continue
-            duration_us = evt.self_cpu_time_total
-        sums[category(evt.name)] += duration_us * 1e-6
+    for name, duration_us in _timed(events, cuda=cuda):
+        if duration_us is None:
+            skipped += 1
+            continue
+        sums[category(name)] += duration_us * 1e-6
         count += 1
     if not cuda:  # CPU optimizers run plain operators: their step is the optimizer's own annotation, inclusive
         opt_us = sum(evt.cpu_time_total for evt in events if evt.name.startswith("Optimizer.step#"))
