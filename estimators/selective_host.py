@@ -44,8 +44,9 @@ selective run was measured. Out of the fit, the ViT's (timm, priced by the FLOPs
 pay the same cost: timing.py) went from -81 % to -57 %: the policy is part of what that host-paced step pays."""
 
 DEFAULT_LAYER_OPS = 100.0
-"""Operators per block forward when the profile has no count (an ``--arch`` shape or an older profile): between a
-GPT-2 block's ~64 and a Llama block's ~130 (fp32, counted by probes/traffic.py; stated default)."""
+"""Operators per block forward when the profile has no count (an ``--arch`` shape or an older profile): above both
+blocks probes/traffic.py counted (GPT-2 32-42, Llama-3 76-90 by precision), the slow side for a block not seen
+(stated default)."""
 
 
 def layer_ops(profile: ModelProfile, strategy: Strategy) -> float:

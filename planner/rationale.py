@@ -377,7 +377,7 @@ def _checkpointing_line(pick: Estimate, price: Price, space: SearchSpace) -> str
         alt = _neighbour(price, s, checkpointing=mode)
         if alt is not None:
             parts.append(f"{mode} {_vs(pick, alt)}")
-    if runs_op_policy(s) and s.checkpointing == "selective" and not s.compile:
+    if runs_op_policy(s) and not s.compile:
         # estimators/selective_host.py: measured 1.3-2.3x slower than no checkpointing on a host-paced H200 step
         parts.append("in eager mode the policy costs host time per operator (priced; --compile traces it once)")
     tail = "; " + "; ".join(parts) if parts else ""
