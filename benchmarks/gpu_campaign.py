@@ -69,7 +69,6 @@ import argparse
 import contextlib
 import datetime
 import json
-import math
 import os
 import platform
 import shutil
@@ -89,6 +88,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import fidelity  # noqa: E402
+from campaign_io import ROOT, last_line, run_optplan, write_json  # noqa: E402
+from campaign_launch import part_launch  # noqa: E402
 
 from optplan.estimators.estimate import estimate  # noqa: E402
 from optplan.estimators.hardware import Cluster, GPUSpec, find_gpu  # noqa: E402
@@ -102,7 +103,6 @@ from optplan.planner.search import Goal, rank  # noqa: E402
 from optplan.probes.loader import profile_model_file  # noqa: E402
 from optplan.probes.runtime import ProbeResult, ProbeSpec, run_probe  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 PACKAGES = ("optplan", "torch", "deepspeed", "accelerate", "transformers", "optuna", "pydantic", "textual", "typer",
             "nvidia-ml-py", "numpy")
@@ -169,34 +169,6 @@ def env_record(device: str) -> dict[str, Any]:
     }
 
 
-def _finite(obj: Any) -> Any:
-    """``obj`` with NaN and infinities as None (strict JSON has neither; a NaN loss is a probe's data)."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    return obj
-
-
-def write_json(path: Path, doc: dict[str, Any]) -> None:
-    """Write ``doc`` atomically (temp file in the same folder + rename): a killed run leaves a whole file.
-    NaN and infinities are written as null."""
-    doc = _finite(json.loads(json.dumps(doc, default=str)))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(doc, fh, indent=2, allow_nan=False)
-            fh.write("\n")
-        os.chmod(tmp, 0o644)  # results are committed and shared: readable like any other file
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 @dataclass
 class Campaign:
     """What every section needs: the device, the output folder, the env record and the deadline."""
@@ -210,6 +182,7 @@ class Campaign:
     log: Callable[[str], None] = print
     models: frozenset[str] | None = None  # --models: fidelity, trace and grid keep only these
     cases: tuple[str, ...] | None = None  # --cases: words a fidelity case's tag must hold (first case kept)
+    engines: frozenset[str] | None = None  # --engines: the plans exports and launch keep (torch, deepspeed)
 
     def wants(self, key: str) -> bool:
         """Whether --models keeps the model ``key`` (the grid's and trace's 'llama1b' answers to 'llama')."""
@@ -220,6 +193,17 @@ class Campaign:
         another when its tag (``case_tag``) holds every word of one of the comma-separated filters."""
         return (self.cases is None or first
                 or any(all(w in case_tag(case).split() for w in f.split()) for f in self.cases))
+
+    def wants_engine(self, engine: str) -> bool:
+        """Whether --engines keeps plans on ``engine`` (exports, launch)."""
+        return self.engines is None or engine in self.engines
+
+    def plan_args(self) -> list[str]:
+        """``optplan recommend``'s GPU, sequence and batch for the exports and launch plans. On the CPU a global
+        batch of 16, not the MLP's 256: the plan (amp-bf16) then steps in well under a second where the CPU emulates
+        bf16 (~0.5 GFLOP/s on AVX2), and each file still launches through its trainer."""
+        gpu = self.gpu.name if self.gpu is not None else CPU_STAND_IN_GPU
+        return ["--gpu", gpu, *(["--seq-len", "512"] if self.device == "cuda" else ["--global-batch", "16"])]
 
     def left_s(self) -> float:
         return self.deadline - time.perf_counter()
@@ -592,33 +576,16 @@ def part_trace(c: Campaign) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------------
 # part 2: exports.json
 # ---------------------------------------------------------------------------------------------------
-def _optplan(args: list[str], timeout_s: float) -> tuple[int, str, str]:
-    """Run the optplan command line; a timeout is exit code 124 with what it printed so far."""
-    try:
-        proc = subprocess.run([sys.executable, "-m", "optplan.tui.cli", *args], cwd=ROOT, capture_output=True,
-                              text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired as exc:
-        def text(b: Any) -> str:
-            return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
-        return 124, text(exc.stdout), text(exc.stderr) + f"\ntimed out after {timeout_s:.0f} s"
-    return proc.returncode, proc.stdout, proc.stderr
-
-
 def part_exports(c: Campaign) -> dict[str, Any]:
     """recommend --out for a DeepSpeed and a torch plan on this one GPU (the DeepSpeed plan on the CPU), then validate
     what was written."""
     path = c.out / "exports.json"
     doc = c.doc("exports", plans=[])
     model = EXAMPLES / ("gpt2.py" if c.device == "cuda" else "mlp.py")
-    gpu = ["--gpu", c.gpu.name] if c.gpu is not None else ["--gpu", CPU_STAND_IN_GPU]
-    # CPU: a global batch of 16, not the MLP's 256: the plan (amp-bf16) then steps in well under a second where the
-    # CPU emulates bf16 (~0.5 GFLOP/s on AVX2), and each file still launches through its trainer
-    seq = ["--seq-len", "512"] if c.device == "cuda" else []
-    batch = [] if c.device == "cuda" else ["--global-batch", "16"]
     with tempfile.TemporaryDirectory(prefix="optplan_campaign_exports_") as tmp:
         # CPU: the DeepSpeed plan only (its three files; the torch plan's launch.sh and accelerate.yaml run under
         # `optplan validate` with 2 processes in tests/tui/test_cli_probe.py), a GPU both
-        for engine in ("deepspeed", "torch") if c.device == "cuda" else ("deepspeed",):
+        for engine in [e for e in (("deepspeed", "torch") if c.device == "cuda" else ("deepspeed",)) if c.wants_engine(e)]:
             if c.left_s() < 30:
                 doc["plans"].append({"engine": engine, "skipped": "out of time"})
                 continue
@@ -629,12 +596,12 @@ def part_exports(c: Campaign) -> dict[str, Any]:
             entry: dict[str, Any] = {"engine": engine, "model": str(model.relative_to(ROOT))}
             # --no-probe --no-calibration: the plan is what the analytic search picks (a GPU would start the
             # probe stage by default, which the grid measures on its own)
-            code, out, err = _optplan(["recommend", str(model), "--gpus", "1", *gpu, *seq, *batch, "--engine", engine,
+            code, out, err = run_optplan(["recommend", str(model), "--gpus", "1", *c.plan_args(), "--engine", engine,
                                        "--no-probe", "--no-calibration", "--out", str(folder), "--json"],
                                       timeout_s=max(30.0, min(300.0, c.left_s())))
             entry["recommend_exit_code"] = code
             if code != 0:
-                entry["error"] = err.strip().splitlines()[-1:] or ["no output"]
+                entry["error"] = last_line(out, err)
                 doc["plans"].append(entry)
                 write_json(path, doc)
                 continue
@@ -642,7 +609,7 @@ def part_exports(c: Campaign) -> dict[str, Any]:
             entry["plan"] = rec["plan"]
             entry["files"] = sorted(p.name for p in folder.iterdir())
             per_run = int(max(60.0, min(300.0, c.left_s() / (3 if engine == "deepspeed" else 2))))
-            code, out, err = _optplan(["validate", str(folder), str(model), *seq, "--steps", "2", "--json",
+            code, out, err = run_optplan(["validate", str(folder), str(model), *(["--seq-len", "512"] if c.device == "cuda" else []), "--steps", "2", "--json",
                                        "--timeout", str(per_run)],
                                       timeout_s=max(60.0, min(400.0, c.left_s() + 30)))
             entry["validate_exit_code"] = code
@@ -655,7 +622,7 @@ def part_exports(c: Campaign) -> dict[str, Any]:
                                   "measured_step_s": r["comparison"]["result"]["step_s"],
                                   "notes": r["notes"]} for r in report["runs"]]
             except (json.JSONDecodeError, KeyError, TypeError):
-                entry["error"] = (err or out).strip().splitlines()[-1:] or ["no output"]
+                entry["error"] = last_line(out, err)
             doc["plans"].append(entry)
             for r in entry.get("runs", []):
                 r["file"] = Path(r["file"]).name  # the temporary folder is gone after the run
@@ -876,10 +843,11 @@ def part_grid(c: Campaign) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------------
 PARTS: dict[str, tuple[tuple[str, Callable[[Campaign], dict[str, Any]]], ...]] = {
     "1": (("probes", part_probes), ("fidelity", part_fidelity), ("trace", part_trace), ("gpu_tests", part_gpu_tests)),
-    "2": (("exports", part_exports), ("grid", part_grid)),
+    "2": (("exports", part_exports), ("launch", part_launch), ("grid", part_grid)),
 }
 SECTIONS: dict[str, Callable[[Campaign], dict[str, Any]]] = {n: fn for part in PARTS.values() for n, fn in part}
 MODEL_KEYS = tuple(dict.fromkeys(case.model for case in fidelity.SUITE))  # mlp, gpt2, llama, resnet, timm-vit, ...
+ENGINE_KEYS = ("torch", "deepspeed")
 
 
 def _listed(flag: str, value: str | None, allowed: Sequence[str]) -> tuple[str, ...] | str | None:
@@ -909,6 +877,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated fidelity case filters, each a few words its tag must hold (precision, "
                              "mode, mbs<N>, none/selective/full, compile), e.g. 'compile,bf16 selective'; each "
                              "model's first case (its calibration probe) always runs")
+    parser.add_argument("--engines", default=None,
+                        help="comma-separated engines whose plans exports and launch keep: " + ", ".join(ENGINE_KEYS))
     parser.add_argument("--out", type=Path, required=True, help="folder for the JSON results (created)")
     parser.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
                         help="wall-clock budget of this call (s); runs not started in time are recorded as skipped")
@@ -923,9 +893,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     names = _listed("--sections", args.sections, tuple(SECTIONS))
     wanted = _listed("--models", args.models, MODEL_KEYS)
-    if isinstance(names, str) or isinstance(wanted, str):
-        print(names if isinstance(names, str) else wanted, file=sys.stderr)
-        return 2
+    engines = _listed("--engines", args.engines, ENGINE_KEYS)
+    for listed in (names, wanted, engines):
+        if isinstance(listed, str):
+            print(listed, file=sys.stderr)
+            return 2
     if names is not None:
         sections = [(n, SECTIONS[n]) for n in names]
     else:
@@ -956,7 +928,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     c = Campaign(device=device, out=args.out, env=env_record(device), deadline=started + args.budget_s,
                  quick=args.quick, gpu=gpu, log=log, models=models,
-                 cases=case_filters)
+                 cases=case_filters, engines=frozenset(engines) if engines is not None else None)
     log(f"campaign: {device} {c.env['device_name']}; torch {c.env['torch']}, CUDA {c.env['cuda']}, driver "
         f"{c.env['driver']}; commit {c.env['commit']}; budget {args.budget_s:.0f} s"
         + (f"; {gpu_note}" if gpu_note else ""))

@@ -37,7 +37,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
     proc = _campaign("--device", "cpu", "--quick", "--budget-s", "1500", "--out", str(out))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1].startswith(
-        "campaign: probes, fidelity, trace, gpu_tests, exports, grid written to")
+        "campaign: probes, fidelity, trace, gpu_tests, exports, launch, grid written to")
     return out
 
 
@@ -46,7 +46,7 @@ def _load(out: Path, name: str) -> dict:
 
 
 def test_every_file_carries_the_environment_record(results: Path) -> None:
-    for name in ("probes", "fidelity", "trace", "exports", "grid"):
+    for name in ("probes", "fidelity", "trace", "exports", "launch", "grid"):
         doc = _load(results, name)
         assert doc["format"] == RESULTS_FORMAT and doc["section"] == name
         env = doc["env"]
@@ -110,6 +110,25 @@ def test_exports_launch_through_their_trainers(results: Path) -> None:
     assert doc["summary"]["ok"] == doc["summary"]["launched"] >= 3  # CPU: the DeepSpeed plan's 3 files
 
 
+def test_launch_trains_the_exported_plan_and_calibrate_takes_its_measurements(results: Path) -> None:
+    """The user's path: recommend --out, train.py run with the plan (on the CPU under the live-tensor tracker),
+    its measurements.json through optplan calibrate into an empty cache, recommend again with that cache."""
+    doc = _load(results, "launch")
+    run = doc["runs"][0]
+    assert run["engine"] == "torch" and run["launch_exit_code"] == 0 and "error" not in run, run.get("error")
+    assert any("measured" in line and "vs predicted" in line for line in run["launch_output"])
+    m = run["measurements"]
+    assert m["format"] == "optplan-measurements/1" and m["measured"]["steps"] == 3 and m["measured"]["step_s"] > 0
+    assert m["plan"]["strategy"] == run["first_plan"]
+    (fit,) = run["calibrations"]
+    assert fit["runs"] == 1 and fit["calibration"]["gpu"] == "cpu" and fit["calibration"]["memory_probes"] == 1
+    # the live-tensor tracker's peak against the plan's prediction: the CPU fidelity suite's 2 %
+    assert abs(fit["memory_error_before_pct"]) < 2.0 and abs(fit["memory_error_after_pct"]) <= abs(
+        fit["memory_error_before_pct"])
+    assert run["second_plan"] and run["second_predicted"]["step_s"] > 0
+    assert doc["summary"] == {"launched": 1, "calibrated": 1}
+
+
 def test_grid_judges_the_pick_against_measured_runs(results: Path) -> None:
     doc = _load(results, "grid")
     model = doc["models"][0]
@@ -156,6 +175,7 @@ def test_a_spent_budget_still_writes_every_file_and_models_filter_them(tmp_path:
     runs = _load(tmp_path, "trace")["runs"]
     assert [r["model"] for r in runs] == ["mlp"] and runs[0]["skipped"] == "out of time"
     assert _load(tmp_path, "exports")["plans"] == [{"engine": "deepspeed", "skipped": "out of time"}]
+    assert _load(tmp_path, "launch")["runs"] == [{"engine": "torch", "skipped": "out of time"}]
 
 
 def test_sections_run_in_the_order_given_and_models_filter_them(tmp_path: Path) -> None:
@@ -188,6 +208,7 @@ def _main(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str
     (["--device", "cpu", "--budget-s", "0"], "--budget-s must be > 0"),
     (["--device", "cpu", "--sections", "probes,grids"], "unknown grids; choose from probes"),
     (["--device", "cpu", "--models", "gpt3"], "unknown gpt3; choose from mlp"),
+    (["--device", "cpu", "--engines", "megatron"], "unknown megatron; choose from torch, deepspeed"),
     (["--device", "cpu", "--cases", "bf16 compiled"], "unknown word(s) compiled; use words of a case's tag"),
     (["--device", "cpu", "--cases", " , "], "unknown word(s) (empty)"),
 ])
@@ -220,3 +241,7 @@ def test_cases_filter_keeps_the_calibration_probe_and_matching_cases() -> None:
                     "bf16 single mbs2 selective compile"]
     everything = gpu_campaign.Campaign(device="cuda", out=Path("."), env={}, deadline=0.0, quick=False, gpu=None)
     assert all(everything.keeps_case(x, first=False) for x in llama)
+    assert everything.wants_engine("deepspeed") and c.wants_engine("deepspeed")  # --engines not given: every engine
+    torch_only = gpu_campaign.Campaign(device="cuda", out=Path("."), env={}, deadline=0.0, quick=False, gpu=None,
+                                       engines=frozenset({"torch"}))
+    assert torch_only.wants_engine("torch") and not torch_only.wants_engine("deepspeed")
