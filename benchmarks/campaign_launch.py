@@ -108,26 +108,33 @@ def _predicted(rec: dict[str, Any]) -> dict[str, Any]:
             "mfu": t.get("mfu"), "total_bytes": m.get("total_bytes"), "outside_measured": t.get("outside_measured")}
 
 
+def _ms(predicted: dict[str, Any]) -> str:
+    step = predicted.get("step_s")
+    return "n/a" if step is None else f"{step * 1e3:.0f} ms"
+
+
 def _label(plan: dict[str, Any]) -> str:
     """A plan's short label (``bf16 ZeRO-0 mbs64x8 [deepspeed]``)."""
     return Strategy.model_validate(plan).label()
 
 
-def _line(engine: str, entry: dict[str, Any]) -> str:
+def _line(engine: str, entry: dict[str, Any], device: str) -> str:
     """The campaign log's line for one engine's launch."""
     if "error" in entry:
         return f"launch: {engine}: {entry['error'][0] if entry['error'] else 'failed'}"
     measured = entry["measurements"]["measured"]
     fit = (entry.get("calibrations") or [{}])[0]
+    applied = ("calibrated" if entry.get("second_calibration") else
+               "a CPU run calibrates CPU memory only: no GPU plan uses it" if device == "cpu" else "calibration NOT applied")
 
     def change(what: str) -> str:
         before, after = fit.get(f"{what}_error_before_pct"), fit.get(f"{what}_error_after_pct")
         return "n/a" if before is None or after is None else f"{before:.1f}% -> {after:.1f}%"
 
-    step = entry["first_predicted"].get("step_s")
     return (f"launch: {engine}: {_label(entry['first_plan'])}: measured {measured['step_s'] * 1e3:.0f} ms vs predicted "
-            f"{'n/a' if step is None else f'{step * 1e3:.0f}'} ms; calibrate: step time error {change('time')}, "
-            f"memory error {change('memory')}; next plan {_label(entry['second_plan'])}")
+            f"{_ms(entry['first_predicted'])}; calibrate: step time error {change('time')}, "
+            f"memory error {change('memory')}; next plan {_label(entry['second_plan'])} predicted {_ms(entry['second_predicted'])} "
+            f"({applied})")
 
 
 def part_launch(c: LaunchCampaign) -> dict[str, Any]:
@@ -145,7 +152,7 @@ def part_launch(c: LaunchCampaign) -> dict[str, Any]:
             else:
                 entry = launch_one(c, engine, model, Path(tmp))
                 doc["runs"].append(entry)
-                c.log(_line(engine, entry))
+                c.log(_line(engine, entry, c.device))
             write_json(path, doc)
     doc["summary"] = {"launched": sum("measurements" in r for r in doc["runs"]),
                       "calibrated": sum("second_plan" in r for r in doc["runs"])}

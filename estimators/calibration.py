@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from optplan.estimators.memory import MemoryBreakdown
 from optplan.estimators.timing import TimeBreakdown
 
-__all__ = ["Calibration", "calibrate_memory", "calibrate_time", "calibration_key"]
+__all__ = ["Calibration", "calibrate_memory", "calibrate_time", "calibration_key", "torch_release"]
 
 CALIBRATION_DETAIL = "calibration_correction"
 """``detail_bytes`` key of the calibrated correction of allocated bytes (may be negative)."""
@@ -38,9 +38,18 @@ _ON_DEVICE = ("compute_s", "recompute_s", "memory_bound_s", "optimizer_s", "host
 _COMM = ("comm_s", "exposed_comm_s", "tp_comm_s", "cp_comm_s", "pp_comm_s", "dp_comm_s", "exposed_dp_comm_s")
 
 
+def torch_release(torch_version: str) -> str:
+    """A torch version without its PEP 440 local label (``2.11.0+cu130`` -> ``2.11.0``): the release a calibration
+    is kept for. ``torch.__version__`` carries the build's label where the package metadata that the planner reads
+    may not (the fourth H200 visit's image: ``2.11.0+cu130`` against ``2.11.0``), and a train.py's measurements.json
+    records the former: keyed on the whole string, its calibration was stored where no plan looked it up."""
+    return torch_version.split("+", 1)[0]
+
+
 def calibration_key(gpu: str, model_hash: str, torch_version: str) -> str:
-    """The cache key of one calibration: GPU name, model hash and torch version, joined by ``|``."""
-    return f"{gpu}|{model_hash}|{torch_version}"
+    """The cache key of one calibration: GPU name, model hash and torch release (:func:`torch_release`), joined by
+    ``|``."""
+    return f"{gpu}|{model_hash}|{torch_release(torch_version)}"
 
 
 class Calibration(BaseModel):

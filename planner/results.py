@@ -25,7 +25,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from optplan.estimators.calibration import Calibration
+from optplan.estimators.calibration import Calibration, torch_release
 from optplan.estimators.errors import OptplanError
 from optplan.estimators.strategy import Strategy
 from optplan.planner.calibrate import ProbeComparison, fit_calibration
@@ -168,7 +168,7 @@ def _calibrated_step_s(c: ProbeComparison, cal: Calibration) -> float | None:
 
 
 def calibrations_from_results(paths: Sequence[Path]) -> list[CalibrationFit]:
-    """One fitted calibration per (GPU, model hash, torch version) over every measured case of ``paths``,
+    """One fitted calibration per (GPU, model hash, torch release) over every measured case of ``paths``,
     in first-seen order; groups without a usable measurement (nothing ok) are left out. CPU runs (``gpu``
     "cpu") fit memory only: their times are not comparable with a GPU's."""
     groups: dict[tuple[str, str, str], list[MeasuredCase]] = {}
@@ -176,7 +176,7 @@ def calibrations_from_results(paths: Sequence[Path]) -> list[CalibrationFit]:
         for case in read_results(path):
             if not case.gpu:
                 continue  # a GPU outside the catalogue: no plan can use its calibration
-            groups.setdefault((case.gpu, case.model_hash, case.torch_version), []).append(case)
+            groups.setdefault((case.gpu, case.model_hash, torch_release(case.torch_version)), []).append(case)
     fits = []
     for (gpu, model_hash, torch_ver), cases in groups.items():
         comps = [c.comparison for c in cases]

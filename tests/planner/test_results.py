@@ -83,3 +83,31 @@ def test_nothing_measured_is_an_error_not_an_empty_cache(tmp_path: Path) -> None
     assert out.exit_code == 2 and "nothing to calibrate" in out.stderr and not (tmp_path / "c.json").exists()
     missing = runner.invoke(app, ["calibrate", str(tmp_path / "nope.json")])
     assert missing.exit_code == 2 and "not found" in missing.stderr
+
+
+VISIT4 = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "2026-11-28-H200-visit4"
+
+
+@pytest.mark.parametrize("call", ["c1a", "c2a"])
+def test_a_gpu_train_py_run_calibrates_the_release_plans_look_up(call: str, tmp_path: Path) -> None:
+    """The fourth H200 visit's launched train.py (torch and DeepSpeed plans of GPT-2): its measurements.json records
+    ``torch.__version__`` (2.11.0+cu130) while the planner looks calibrations up by the package metadata's version
+    (2.11.0, what the plan's prediction carries). The calibration must be found under the latter, and it must
+    reproduce the run it was fitted on."""
+    run = json.loads((VISIT4 / call / "launch.json").read_text())["runs"][0]
+    doc = run["measurements"]
+    pred = doc["plan"]["prediction"]
+    assert doc["software"]["torch"] == "2.11.0+cu130" and pred["torch_version"] == "2.11.0"
+    path = tmp_path / "measurements.json"
+    path.write_text(json.dumps(doc), encoding="utf-8")
+    cache = tmp_path / "cache.json"
+    out = runner.invoke(app, ["calibrate", str(path), "--cache", str(cache), "--json"])
+    assert out.exit_code == 0, out.stderr
+    (fit,) = json.loads(out.stdout)["calibrations"]
+    assert fit["time_error_before_pct"] > 15 and fit["time_error_after_pct"] == pytest.approx(0, abs=0.5)
+    cal = load_calibration("H200", pred["model_hash"], pred["torch_version"], path=cache)
+    assert cal is not None and cal.time_probes == 1 and cal.memory_probes == 1
+    measured = doc["measured"]["step_s"]
+    calibrated = cal.compute_scale * pred["uncalibrated_on_device_s"] + cal.comm_scale * pred["uncalibrated_exposed_comm_s"]
+    assert calibrated == pytest.approx(measured, rel=0.01)
+    assert load_calibration("H200", pred["model_hash"], "2.11.0+cu130", path=cache) == cal  # either spelling
