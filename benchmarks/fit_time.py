@@ -217,8 +217,10 @@ def write(model: Model, fit_err: dict[str, float], held_err: dict[str, float],
     deepspeed = raw["engines"]["deepspeed"]
     for key in ("elementwise_multiplier", "eager", "compile_multiplier", "overlap_interference"):
         deepspeed[key] = torch_[key]
-    deepspeed["source"] = ("stated, no measured DeepSpeed set: the torch engine's constants (DeepSpeed trains the same "
-                           "eager model, and ZeRO-3's prefetch overlaps as FSDP's does; ZeRO 0-2 do not overlap)")
+    if deepspeed.get("host_multiplier", 1.0) == 1.0:  # else its source names benchmarks/fit_engine_host.py's fit: kept
+        deepspeed["source"] = ("stated, no measured DeepSpeed set: the torch engine's constants (DeepSpeed trains the "
+                               "same eager model, and ZeRO-3's prefetch overlaps as FSDP's does; ZeRO 0-2 do not "
+                               "overlap)")
     header = "".join(line + "\n" for line in DATA_FILE.read_text(encoding="utf-8").splitlines()
                      if line.startswith("#"))
     body = yaml.safe_dump(raw, sort_keys=False, width=120, allow_unicode=True)

@@ -94,6 +94,9 @@ class EngineEfficiency(BaseModel):
                                                                      "measured bytes under torch.compile")
     overlap_interference: float = Field(ge=0, le=1, description="share of overlapped communication time that "
                                                                 "still delays compute (SMs/HBM taken by NCCL)")
+    host_multiplier: float = Field(default=1.0, gt=0, description="the engine's host time per layer pass, micro-batch "
+                                                                  "and optimizer step ÷ the GPU's fitted eager torch "
+                                                                  "host times (DeepSpeed's engine issues more)")
     source: str = ""
 
 

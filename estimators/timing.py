@@ -297,8 +297,8 @@ def _finish(profile: ModelProfile, strategy: Strategy, cluster: Cluster, *, part
                          **parts)
 
 
-def _flops_only_step(profile: ModelProfile, strategy: Strategy, cluster: Cluster,
-                     eff: GpuEfficiency, adam_impl: AdamImpl | None = None) -> TimeBreakdown:
+def _flops_only_step(profile: ModelProfile, strategy: Strategy, cluster: Cluster, eff: GpuEfficiency,
+                     engine: EngineEfficiency, adam_impl: AdamImpl | None = None) -> TimeBreakdown:
     """Profiles without a transformer shape: compute.py's FLOPs-only model, p equal stages."""
     ct = compute_time(profile, strategy, cluster.gpu, ranks_per_node=min(strategy.dp, cluster.gpus_per_node),
                       hbm_fraction=eff.hbm_fraction, adam_impl=adam_impl)
@@ -319,8 +319,9 @@ def _flops_only_step(profile: ModelProfile, strategy: Strategy, cluster: Cluster
     # (benchmarks/results/2026-11-2*-H200*) measured a 36 MB MLP at 3-7 ms a step where its kernels take 0.1-0.3 ms
     mb_device = work / m
     blocks = profile.repeated_block.count / p if profile.repeated_block else 0.0
-    mb_host = eff.host_microbatch_s + blocks * selective_host_layer_s(profile, strategy, eff.host_layer_pass_s)
-    host_s = m * (blend_s(mb_host, mb_device, eff.overlap_exponent) - mb_device) + eff.host_step_s
+    hm = engine.host_multiplier
+    mb_host = hm * eff.host_microbatch_s + blocks * selective_host_layer_s(profile, strategy, eff.host_layer_pass_s)
+    host_s = m * (blend_s(mb_host, mb_device, eff.overlap_exponent) - mb_device) + hm * eff.host_step_s
     selective = recompute_flops_per_sample(profile, strategy)
     hw = profile.train_flops_per_sample + (
         selective if selective is not None else profile.fwd_flops_per_sample if ct.recompute_s > 0 else 0.0)
@@ -400,7 +401,8 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
         bwd_window = lt.bwd_gemm_s + lt.bwd_elementwise_s + layer_recompute
         layer_ep = overlapped_a2a_s(a2a_pass, a2a_pass, fwd_window, bwd_window, solo)
     layer_device = layer_compute + layer_mem + layer_recompute + layer_tp + layer_cp_exposed + layer_ep
-    host_layer = eff.host_layer_pass_s * host_layer_passes(s_)
+    hm = engine.host_multiplier  # the engine's host work against eager torch's (DeepSpeed's engine issues more)
+    host_layer = hm * eff.host_layer_pass_s * host_layer_passes(s_)
     host_layer += selective_host_layer_s(profile, s_, eff.host_layer_pass_s)  # eager op-level policy's host cost
     host_sync = 2 * (t - 1) * eff.host_collective_step_s  # per tensor-parallel collective
     host_layer += tp_collectives * (3 if full else 2) * host_sync
@@ -458,7 +460,7 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
         layers_dev = layers * layer_device
         layers_host = layers * host_layer
         layers_time = blend_s(layers_host, layers_dev, eff.overlap_exponent)
-        head_host = eff.host_microbatch_s + host_sync * ((1 if first else 0) + (4 if last else 0))
+        head_host = hm * eff.host_microbatch_s + host_sync * ((1 if first else 0) + (4 if last else 0))
         head_time_s = blend_s(head_host, head_dev, eff.overlap_exponent)
         stage_info.append({
             "time": layers_time + head_time_s + p2p_exposed, "params": params_local,
@@ -516,7 +518,7 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
         "comm_s": m * (slow["tp_total"] + slow["pp_total"]) + cp_s + dp_total + m * slow["ep_total"],
         "exposed_comm_s": exposed,
         "bubble_s": pipe.bubble_s,
-        "host_overhead_s": m * slow["host"] + eff.host_step_s,
+        "host_overhead_s": m * slow["host"] + hm * eff.host_step_s,
         "tp_comm_s": tp_s, "cp_comm_s": cp_s, "pp_comm_s": pp_s, "dp_comm_s": dp_total,
         "exposed_dp_comm_s": dp_exposed, "ep_comm_s": ep_s,
     }
@@ -569,11 +571,11 @@ def step_time(profile: ModelProfile, strategy: Strategy, cluster: Cluster, *,
     that ran another, e.g. llm-foundry's MPT Triton flash attention, ``fitted``).
     """
     eff = efficiency or efficiency_for(cluster.gpu)
+    engine = engine or engine_efficiency(strategy.engine)
     dims = transformer_dims(profile)
     if dims is None:
-        return _flops_only_step(profile, strategy, cluster, eff, adam_impl)
-    return _transformer_step(profile, dims, strategy, cluster, eff, engine or engine_efficiency(strategy.engine),
-                             adam_impl, attention_kernel)
+        return _flops_only_step(profile, strategy, cluster, eff, engine, adam_impl)
+    return _transformer_step(profile, dims, strategy, cluster, eff, engine, adam_impl, attention_kernel)
 
 
 __all__ = ["TimeBreakdown", "comm_time_s", "data_parallel_comm", "mfu_peak_flops",
