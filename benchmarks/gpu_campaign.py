@@ -23,6 +23,9 @@ measurement is scripted here and every result is written as JSON under ``--out``
   on this one GPU, then ``optplan validate`` on what was written: ``ds_config.json`` through
   ``deepspeed.initialize``, ``launch.sh`` through torchrun, ``accelerate.yaml`` through
   ``accelerate launch`` (on the CPU the DeepSpeed plan only).
+* ``launch.json`` (part 2, benchmarks/campaign_launch.py): the user's path end to end: ``optplan recommend --out``,
+  the exported ``launch.sh`` run as written, ``optplan calibrate`` on the ``measurements.json`` its train.py wrote,
+  and ``recommend`` again with that calibration (whether it was applied, and the next plan's prediction).
 * ``grid.json`` (part 2): recommendation quality. For two models, every configuration of a small
   single-GPU grid (precision × checkpointing × micro-batch × engine) runs for a few steps; ``recommend``
   searches the same space; the report gives the pick's rank among the measured configurations, its
@@ -37,14 +40,14 @@ Run (``--device`` defaults to cuda when torch sees a GPU):
 
     python benchmarks/gpu_campaign.py --quick --out DIR           # everything, small, one 10-minute call
     python benchmarks/gpu_campaign.py --part 1 --out DIR          # probes + fidelity + calibration
-    python benchmarks/gpu_campaign.py --part 2 --out DIR          # exports + recommendation grid
+    python benchmarks/gpu_campaign.py --part 2 --out DIR          # exports + launch + recommendation grid
     python benchmarks/gpu_campaign.py --device cpu --quick --out DIR   # the CPU path CI runs
     python benchmarks/gpu_campaign.py --sections exports,trace,grid --out DIR   # chosen sections, in order
     python benchmarks/gpu_campaign.py --sections fidelity --models resnet --out DIR   # one model's runs
 
-``--sections`` (probes, fidelity, trace, gpu_tests, exports, grid) replaces ``--part``'s list, so that a visit
+``--sections`` (probes, fidelity, trace, gpu_tests, exports, launch, grid) replaces ``--part``'s list, so that a visit
 spends its minutes on what earlier visits left unmeasured; ``--models`` (mlp, gpt2, llama, resnet, timm-vit, timm-resnet) keeps only
-those models in fidelity, trace and grid.
+those models in fidelity, trace and grid; ``--engines`` (torch, deepspeed) keeps those plans in exports and launch.
 
 ``--budget-s`` (default 540) bounds one call: runs not started in time are recorded as "out of time".
 On the CPU the step times are measured but not compared (no CPU in the catalogue: predictions are for
@@ -57,9 +60,10 @@ emulated (~90x slower than fp32 on AVX2): the OOM probe is the MLP under a 1 MiB
 all-reduce (as on one GPU; tests/probes/test_microbench.py runs the gloo one); fidelity runs the quick subset
 without what other tests already check (fidelity.py's ``Case.cpu_quick``) and a 0.6 M-parameter Llama
 (``LLAMA_CPU_QUICK_SHAPE``); fidelity, trace and grid share one profile per model file (the profile cache, probes/profile_cache.py);
-the GPU tests are collected in one pytest process; the exports plan a global batch of 16; the grid is 4 MLP runs
-(micro-batch 16) and recommend's free pick outside it is named, not run. About 280 s of CPU in all (fidelity 120,
-exports 65, grid 40, gpu_tests 20, probes 12, trace 9, start 8), about 410 s wall on 2 cores at twice their load:
+the GPU tests are collected in one pytest process; the exports and the launch plan a global batch of 16 (the launch:
+the torch plan, 3 steps under the live-tensor tracker); the grid is 4 MLP runs (micro-batch 16) and recommend's free
+pick outside it is named, not run. About 305 s of CPU in all (fidelity 120, exports 65, grid 40, launch 25, gpu_tests
+20, probes 12, trace 9, start 8), about 450 s wall on 2 cores at twice their load:
 the test passes ``--budget-s 1500``, as the 480 s default is a GPU visit's.
 """
 
@@ -716,9 +720,12 @@ def _measure(c: Campaign, model: GridModel, profile: ModelProfile, strategy: Str
     return run_probe(spec, timeout_s=max(30.0, min(240.0, c.left_s())))
 
 
-def _price(profile: ModelProfile, cluster: Cluster, strategy: Strategy) -> Any:
+def _price(profile: ModelProfile, cluster: Cluster, strategy: Strategy, device: str) -> Any:
+    """The estimate of ``strategy`` as the grid runs it (DeepSpeed with torch's AdamW: :func:`_measure`), so that the
+    ranking and the rank correlation compare the predicted and the measured program alike; None when refused."""
     try:
-        return estimate(profile, cluster, strategy)
+        return estimate(profile, cluster, strategy,
+                        adam_impl=fidelity.probe_adam_impl(strategy, device, ds_torch_optimizer=True))
     except Exception:  # noqa: BLE001 - a configuration the estimators refuse is not in the ranking
         return None
 
@@ -741,7 +748,7 @@ def grid_one(c: Campaign, model: GridModel, doc: dict[str, Any], save: Callable[
 
     def price(strategy: Strategy) -> Any:
         if strategy not in priced:
-            priced[strategy] = _price(profile, cluster, strategy)
+            priced[strategy] = _price(profile, cluster, strategy, c.device)
         return priced[strategy]
 
     def run(strategy: Strategy, why: str) -> None:
