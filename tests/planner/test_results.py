@@ -111,3 +111,45 @@ def test_a_gpu_train_py_run_calibrates_the_release_plans_look_up(call: str, tmp_
     calibrated = cal.compute_scale * pred["uncalibrated_on_device_s"] + cal.comm_scale * pred["uncalibrated_exposed_comm_s"]
     assert calibrated == pytest.approx(measured, rel=0.01)
     assert load_calibration("H200", pred["model_hash"], "2.11.0+cu130", path=cache) == cal  # either spelling
+
+
+def test_a_gpu_runs_measurements_improve_the_next_plan_end_to_end(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 17's loop through the user's commands: ``recommend --out`` writes train.py; a run of it on the plan's GPU
+    writes measurements.json (here: its PLAN with a measured step 1.5x the prediction and 2 % more allocated bytes,
+    the torch version spelled as ``torch.__version__`` spells a CUDA build); ``optplan calibrate`` folds it into the
+    cache; the next ``recommend`` of the same model and GPU starts from that calibration (the fourth H200 visit found
+    this link broken by the version's local label)."""
+    import runpy
+
+    from optplan.planner.calibrate import torch_version
+
+    monkeypatch.setenv("OPTPLAN_CACHE_DIR", str(tmp_path / "cache"))
+    model = Path(__file__).resolve().parents[2] / "examples" / "mlp.py"
+    args = ["recommend", str(model), "--gpus", "1", "--gpu", "H100-SXM", "--global-batch", "64", "--engine", "torch",
+            "--no-probe", "--json"]
+    first = runner.invoke(app, [*args, "--out", str(tmp_path / "plan")])
+    assert first.exit_code == 0, first.stderr
+    plan = runpy.run_path(str(tmp_path / "plan" / "train.py"), run_name="not_main")["PLAN"]
+    pred = plan["prediction"]
+    step_s = 1.5 * pred["uncalibrated_step_s"]
+    allocated = int(1.02 * pred["allocated_bytes"])
+    doc = {"format": "optplan-measurements/1", "plan": plan,
+           "measured": {"status": "ok", "steps": 6, "warmup_steps": 2, "step_times_s": [3 * step_s] * 2 + [step_s] * 4,
+                        "step_s": step_s, "peak_allocated_bytes": allocated,
+                        "peak_reserved_bytes": int(1.1 * allocated), "non_torch_bytes": 600 * 2**20},
+           "cluster": {"world_size": 1, "procs_per_node": 1, "device": "cuda", "device_name": "NVIDIA H100 80GB HBM3"},
+           "software": {"torch": torch_version().split("+")[0] + "+cu130"}}
+    measurements = tmp_path / "measurements.json"
+    measurements.write_text(json.dumps(doc), encoding="utf-8")
+    cal = runner.invoke(app, ["calibrate", str(measurements), "--json"])
+    assert cal.exit_code == 0, cal.stderr
+    (fit,) = json.loads(cal.stdout)["calibrations"]
+    assert fit["time_error_before_pct"] == pytest.approx(100 / 3, rel=1e-3) and fit["time_error_after_pct"] < 0.5
+    second = runner.invoke(app, args)
+    assert second.exit_code == 0, second.stderr
+    before, after = json.loads(first.stdout), json.loads(second.stdout)
+    assert before["calibration"] is None and after["calibration"] is not None
+    assert after["calibration"]["compute_scale"] == pytest.approx(fit["calibration"]["compute_scale"])
+    if after["plan"] == before["plan"]:  # the same pick: its step is now the measured one
+        assert after["estimate"]["time"]["step_s"] == pytest.approx(step_s, rel=0.02)
