@@ -268,7 +268,7 @@ def _peaks(gpu: GPUSpec, strategy: Strategy) -> tuple[float, float, int]:
     other = linear
     if dtype == "fp8":  # Transformer Engine: only Linear layers run fp8; attention and logits in bf16
         other = gpu.peak_flops_for("bf16")
-    elem = 4 if recipe.activation_precision == "fp32" else 2
+    elem = recipe.activation_bytes
     return linear, other, elem
 
 

@@ -54,6 +54,12 @@ class Recipe(BaseModel):
     )
     description: str
 
+    @property
+    def activation_bytes(self) -> int:
+        """Bytes per activation element the recipe's non-matmul kernels move: 4 in fp32, 2 in a 16-bit recipe
+        (fp8 included: its norms, attention and residual stream stay bf16, Transformer Engine's recipe)."""
+        return 4 if self.activation_precision == "fp32" else 2
+
 
 RECIPES: dict[str, Recipe] = {
     r.name: r

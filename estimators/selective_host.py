@@ -54,7 +54,7 @@ def layer_ops(profile: ModelProfile, strategy: Strategy) -> float:
     profile's own figure, else the nearest class it measured, else ``DEFAULT_LAYER_OPS``."""
     counts = profile.eager_layer_ops or {}
     recipe = get_recipe(strategy.precision)
-    klass = precision_class(recipe.weight_bytes, 4 if recipe.activation_precision == "fp32" else 2)
+    klass = precision_class(recipe.weight_bytes, recipe.activation_bytes)
     for key in (klass, "amp", "bf16", "fp32"):
         if key in counts:
             return counts[key]

@@ -340,7 +340,7 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
     gpu = cluster.gpu
     s_, t, c, p, v, m = strategy, strategy.tp, strategy.cp, strategy.pp, strategy.vpp, strategy.grad_accum
     recipe = get_recipe(s_.precision)
-    elem = 4 if recipe.activation_precision == "fp32" else 2
+    elem = recipe.activation_bytes
     hbm = gpu.memory_bandwidth_bytes_per_s * eff.hbm_fraction
     pl = placement(s_, cluster.gpus_per_node)
     links = _links(pl, cluster, eff)

@@ -174,9 +174,12 @@ def test_the_h200_band_rests_on_its_own_runs_where_they_cover_the_plan_and_on_th
     big = time_band(profile_from_arch(MPT_7B), FSDP8, _cluster("H200"), mfu=0.0)
     assert big.basis.startswith(_h100_torch().name)
     assert any("own measured runs cover this plan less than H100-SXM's" in r for r in big.outside)
-    # DeepSpeed at world size 1 measured 1.5-5.4x slower than predicted: its band says so
+    # DeepSpeed at world size 1 rests on its own measured runs: their residual band (its engine's host multiplier
+    # priced, fit_engine_host.py: 0.74-1.43x where it was 1.3-3.1x), wider than torch's own
+    ds_set = _h200_set("deepspeed")
     ds = time_band(small, Strategy(precision="bf16", engine="deepspeed", zero=1, mbs=2), _cluster("H200", 1), mfu=0.0)
-    assert ds.basis.startswith(_h200_set("deepspeed").name) and ds.high > 2  # DeepSpeed at ws=1: 1.3-3.1x slower
+    assert ds.basis.startswith(ds_set.name) and ds.high == pytest.approx(max(1.0, ds_set.ratio_high))
+    assert ds.high - ds.low > own.high - own.low
 
 
 def test_models_without_a_transformer_shape_are_judged_by_such_runs() -> None:
