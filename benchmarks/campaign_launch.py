@@ -58,11 +58,9 @@ def launch_one(c: LaunchCampaign, engine: str, model: Path, work: Path) -> dict[
     env = {**os.environ, "OPTPLAN_CACHE_DIR": str(cache),
            "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
     args = ["recommend", str(model), "--gpus", "1", *c.plan_args(), "--engine", engine, "--no-probe", "--json"]
-    code, out, err = run_optplan([*args, "--no-calibration", "--out", str(folder)], max(30.0, min(300.0, c.left_s())),
-                                 env=env)
-    entry["recommend_exit_code"] = code
-    if code != 0:
-        entry["error"] = last_line(out, err)
+    out = _ran(entry, "recommend_exit_code",
+               run_optplan([*args, "--no-calibration", "--out", str(folder)], max(30.0, min(300.0, c.left_s())), env=env))
+    if out is None:
         return entry
     first = json.loads(out)
     entry["first_plan"] = first["plan"]
@@ -76,28 +74,37 @@ def launch_one(c: LaunchCampaign, engine: str, model: Path, work: Path) -> dict[
         how = [sys.executable, "-m", "optplan.probes.runtime_child", "--train-script", str(folder / "train.py"), "--"]
     entry["how"] = " ".join(Path(how[0]).name if i == 0 else a for i, a in enumerate(how)).replace(str(folder), "DIR")
     code, out, err = run_command([*how, *train_args], max(60.0, min(300.0, c.left_s())), cwd=folder, env=env)
-    entry["launch_exit_code"] = code
     entry["launch_output"] = [line for line in out.splitlines() if line.strip()][-8:]
-    if code != 0 or not measurements.is_file():
-        entry["error"] = last_line(out, err)
+    if _ran(entry, "launch_exit_code", (code, out, err)) is None:
+        return entry
+    if not measurements.is_file():
+        entry["error"] = [f"train.py exited 0 without writing {measurements.name}"]
         return entry
     entry["measurements"] = json.loads(measurements.read_text())
-    code, out, err = run_optplan(["calibrate", str(measurements), "--json"], 120.0, env=env)
-    entry["calibrate_exit_code"] = code
-    if code != 0:
-        entry["error"] = last_line(out, err)
+    out = _ran(entry, "calibrate_exit_code", run_optplan(["calibrate", str(measurements), "--json"], 120.0, env=env))
+    if out is None:
         return entry
     entry["calibrations"] = json.loads(out)["calibrations"]
-    code, out, err = run_optplan(args, max(30.0, min(300.0, c.left_s())), env=env)
-    entry["recalibrated_recommend_exit_code"] = code
-    if code != 0:
-        entry["error"] = last_line(out, err)
+    out = _ran(entry, "recalibrated_recommend_exit_code",
+               run_optplan(args, max(30.0, min(300.0, c.left_s())), env=env))
+    if out is None:
         return entry
     second = json.loads(out)
     entry["second_plan"] = second["plan"]
     entry["second_predicted"] = _predicted(second)
     entry["second_calibration"] = second.get("calibration")
     return entry
+
+
+def _ran(entry: dict[str, Any], key: str, result: tuple[int, str, str]) -> str | None:
+    """Record a command's exit code under ``key``: its stdout when it succeeded, else None with its last line as the
+    entry's ``error``."""
+    code, out, err = result
+    entry[key] = code
+    if code != 0:
+        entry["error"] = last_line(out, err)
+        return None
+    return out
 
 
 def _predicted(rec: dict[str, Any]) -> dict[str, Any]:
