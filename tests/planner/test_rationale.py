@@ -22,7 +22,9 @@ def _cluster(gpu=None, gpus: int = 8) -> Cluster:  # type: ignore[no-untyped-def
 
 
 def test_a_tie_break_pick_says_which_plans_tied_and_which_criterion_decided() -> None:
-    rec = recommend(make_profile(), _cluster(), global_batch=256)
+    # a batch of 512 on 8 GPUs: DDP and FSDP grad-op at micro-batch 64 within 5 % of each other (at 256 the DeepSpeed
+    # plans that tied there are host-paced since DeepSpeed's host multiplier, and one plan leads alone)
+    rec = recommend(make_profile(), _cluster(), global_batch=512)
     assert rec.estimate is not None and rec.alternatives
     ties = [r for r in rec.rationale if r.startswith("ties: ")]
     assert len(ties) == 1
