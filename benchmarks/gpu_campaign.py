@@ -32,6 +32,11 @@ measurement is scripted here and every result is written as JSON under ``--out``
   measured throughput as a share of the best measured (target >= 97 %), and Spearman's rank correlation
   of predicted and measured throughput.
 
+This file holds the probes, fidelity (with the calibration round trip) and exports sections and the command line;
+the others have modules of their own beside it: ``campaign_trace.py``, ``campaign_launch.py``, ``campaign_grid.py``,
+with ``campaign_core.py`` (the ``Campaign`` a section is handed, the env record) and ``campaign_io.py`` (atomic JSON
+writes, commands run with a timeout).
+
 Every file holds ``"format": "optplan-results/1"``, an ``env`` record (device, driver, CUDA, torch and
 package versions, the git commit: ``git rev-parse`` here, else ``$OPTPLAN_GIT_COMMIT``) and, where runs
 were measured, ``measured`` (planner/results.py's MeasuredCase list), which ``optplan calibrate`` takes.
@@ -71,19 +76,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
-import os
-import platform
-import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -92,166 +91,27 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import fidelity  # noqa: E402
+from campaign_core import (  # noqa: E402
+    DEFAULT_BUDGET_S,
+    EXAMPLES,
+    Campaign,
+    case_tag,
+    env_record,
+    measured_case,
+    median_max,
+    pct,
+)
+from campaign_grid import part_grid  # noqa: E402
 from campaign_io import ROOT, last_line, run_optplan, write_json  # noqa: E402
 from campaign_launch import part_launch  # noqa: E402
+from campaign_trace import part_trace  # noqa: E402
 
 from optplan.estimators.estimate import estimate  # noqa: E402
-from optplan.estimators.hardware import Cluster, GPUSpec, find_gpu  # noqa: E402
 from optplan.estimators.profile import ModelProfile  # noqa: E402
 from optplan.estimators.strategy import Strategy  # noqa: E402
-from optplan.planner.calibrate import ProbeComparison, load_calibration, profile_hash, save_calibration  # noqa: E402
-from optplan.planner.probe_stage import LocalDevices, compare_spec  # noqa: E402
-from optplan.planner.recommend import recommend  # noqa: E402
-from optplan.planner.results import RESULTS_FORMAT, MeasuredCase, calibrations_from_results  # noqa: E402
-from optplan.planner.search import Goal, rank  # noqa: E402
-from optplan.probes.loader import profile_model_file  # noqa: E402
-from optplan.probes.runtime import ProbeResult, ProbeSpec, run_probe  # noqa: E402
-
-EXAMPLES = ROOT / "examples"
-PACKAGES = ("optplan", "torch", "deepspeed", "accelerate", "transformers", "optuna", "pydantic", "textual", "typer",
-            "nvidia-ml-py", "numpy")
-CPU_STAND_IN_GPU = "H100-SXM"
-"""The catalogue GPU the CPU path predicts for, so that every step runs; its times are not comparable."""
-GRID_SHARE_TARGET = 0.97
-DEFAULT_BUDGET_S = 480.0
-"""Seconds one call may spend measuring: the 600 s command limit less the wheel installs and imports."""
-
-
-# ---------------------------------------------------------------------------------------------------
-# the record every file carries, and atomic writes
-# ---------------------------------------------------------------------------------------------------
-def git_commit() -> str:
-    """The checkout's commit (``+dirty`` when it has changes), else ``$OPTPLAN_GIT_COMMIT``, else 'unknown'."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
-        if head.returncode == 0 and head.stdout.strip():
-            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                                   capture_output=True, text=True, timeout=10)
-            return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return os.environ.get("OPTPLAN_GIT_COMMIT", "unknown (no git checkout; set OPTPLAN_GIT_COMMIT)")
-
-
-def deepspeed_import_error() -> str | None:
-    """None when ``import deepspeed`` works in a fresh interpreter, else its last error line (the GPU
-    machine gets DeepSpeed from wheels; a missing dependency would fail every DeepSpeed run alike)."""
-    try:
-        proc = subprocess.run([sys.executable, "-c", "import deepspeed"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=180)
-    except subprocess.TimeoutExpired:
-        return "import deepspeed took over 180 s"
-    if proc.returncode == 0:
-        return None
-    lines = (proc.stderr or proc.stdout).strip().splitlines()
-    return lines[-1] if lines else f"import deepspeed exited with {proc.returncode}"
-
-
-def env_record(device: str) -> dict[str, Any]:
-    """Device, driver, CUDA, torch and package versions, the commit and the start time."""
-    from optplan.probes.hardware import detect_gpus
-
-    versions = {}
-    for name in PACKAGES:
-        with contextlib.suppress(metadata.PackageNotFoundError):
-            versions[name] = metadata.version(name)
-    report = detect_gpus()
-    return {
-        "device": device,
-        "device_name": fidelity.device_name(device),
-        "catalogue_gpu": (report.devices[0].catalogue_name if report.available and report.devices else None),
-        "driver": report.driver_version,
-        "cuda": torch.version.cuda,
-        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "packages": versions,
-        "commit": git_commit(),
-        "deepspeed_import_error": deepspeed_import_error(),
-        "nvcc": shutil.which("nvcc"),
-        "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
-
-
-@dataclass
-class Campaign:
-    """What every section needs: the device, the output folder, the env record and the deadline."""
-
-    device: str
-    out: Path
-    env: dict[str, Any]
-    deadline: float
-    quick: bool
-    gpu: GPUSpec | None
-    log: Callable[[str], None] = print
-    models: frozenset[str] | None = None  # --models: fidelity, trace and grid keep only these
-    cases: tuple[str, ...] | None = None  # --cases: words a fidelity case's tag must hold (first case kept)
-    engines: frozenset[str] | None = None  # --engines: the plans exports and launch keep (torch, deepspeed)
-
-    def wants(self, key: str) -> bool:
-        """Whether --models keeps the model ``key`` (the grid's and trace's 'llama1b' answers to 'llama')."""
-        return self.models is None or key in self.models or key.removesuffix("1b") in self.models
-
-    def keeps_case(self, case: fidelity.Case, first: bool) -> bool:
-        """Whether --cases keeps the fidelity ``case``: each model's first case (its calibration probe) always;
-        another when its tag (``case_tag``) holds every word of one of the comma-separated filters."""
-        return (self.cases is None or first
-                or any(all(w in case_tag(case).split() for w in f.split()) for f in self.cases))
-
-    def wants_engine(self, engine: str) -> bool:
-        """Whether --engines keeps plans on ``engine`` (exports, launch)."""
-        return self.engines is None or engine in self.engines
-
-    def plan_args(self) -> list[str]:
-        """``optplan recommend``'s GPU, sequence and batch for the exports and launch plans. On the CPU a global
-        batch of 16, not the MLP's 256: the plan (amp-bf16) then steps in well under a second where the CPU emulates
-        bf16 (~0.5 GFLOP/s on AVX2), and each file still launches through its trainer."""
-        gpu = self.gpu.name if self.gpu is not None else CPU_STAND_IN_GPU
-        return ["--gpu", gpu, *(["--seq-len", "512"] if self.device == "cuda" else ["--global-batch", "16"])]
-
-    def left_s(self) -> float:
-        return self.deadline - time.perf_counter()
-
-    def doc(self, section: str, **body: Any) -> dict[str, Any]:
-        return {"format": RESULTS_FORMAT, "section": section, "env": self.env, **body}
-
-    @property
-    def gpu_name(self) -> str:
-        """The calibration key's GPU: the catalogue name, or 'cpu'."""
-        if self.device == "cpu":
-            return "cpu"
-        return self.gpu.name if self.gpu is not None else ""
-
-    def cluster(self, gpus: int = 1) -> Cluster:
-        return Cluster(gpu=self.gpu or find_gpu(CPU_STAND_IN_GPU), gpus=gpus, gpus_per_node=gpus)
-
-    @property
-    def time_comparable(self) -> bool:
-        return self.device == "cuda" and self.gpu is not None
-
-    @property
-    def deepspeed_error(self) -> str | None:
-        why = self.env.get("deepspeed_import_error")
-        return f"deepspeed cannot be imported here: {why}" if why else None
-
-
-def measured_case(c: Campaign, model: str, profile: ModelProfile, comparison: ProbeComparison) -> dict[str, Any]:
-    return MeasuredCase(gpu=c.gpu_name, model=model, model_hash=profile_hash(profile),
-                        torch_version=comparison.result.torch_version or torch.__version__,
-                        comparison=comparison).model_dump(mode="json")
-
-
-def pct(pred: float | None, meas: float | None) -> float | None:
-    """Signed error (predicted − measured) ÷ measured, %."""
-    if pred is None or not meas:
-        return None
-    return 100.0 * (pred - meas) / meas
-
-
-def median_max(values: Sequence[float]) -> dict[str, float | None]:
-    vals = [abs(v) for v in values]
-    return {"median_abs_pct": statistics.median(vals) if vals else None, "max_abs_pct": max(vals) if vals else None,
-            "n": len(vals)}
+from optplan.planner.calibrate import load_calibration, profile_hash, save_calibration  # noqa: E402
+from optplan.planner.results import calibrations_from_results  # noqa: E402
+from optplan.probes.runtime import ProbeSpec, run_probe  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -432,11 +292,6 @@ def part_fidelity(c: Campaign) -> dict[str, Any]:
     return doc
 
 
-def case_tag(case: fidelity.Case) -> str:
-    """The words --cases matches: precision, mode, ``mbs<N>``, checkpointing and ``compile`` when compiled
-    (e.g. "bf16 single mbs2 selective compile")."""
-    return " ".join([case.precision, case.mode, f"mbs{case.mbs}", case.checkpointing,
-                     *(["compile"] if case.compile else [])])
 
 
 def fidelity_summary(cases: list[dict[str, Any]]) -> dict[str, Any]:
@@ -494,87 +349,6 @@ def calibration_round_trip(c: Campaign, results: Path, rows: list[fidelity.Row],
     c.log(f"calibration: {len(fits)} fit(s) written to {cache.name}; used for {sum(u.get('loaded', False) for u in out['used'])} model(s)")
     return out
 
-
-# ---------------------------------------------------------------------------------------------------
-# part 1: trace.json (where the step time goes)
-# ---------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class TraceCase:
-    key: str
-    path: Path
-    seq_len: int | None
-    strategy: Strategy
-
-
-def trace_cases(device: str, tmp: Path) -> list[TraceCase]:
-    """The runs the H200 visit's time errors were largest on (benchmarks/results/2026-11-26-H200): GPT-2 small
-    at micro-batch 4 (28-54 % slower predicted than measured) and 16, the Llama-3 1B layout at 2 and 4 with
-    checkpointing (23-38 % faster predicted), DeepSpeed ZeRO-1 and ZeRO-3 at world size 1 (1.6-5.8x slower
-    measured than predicted), ResNet-50 and the MLP (the FLOPs-only path: 8-90x); on the CPU one small MLP run.
-    --quick on a GPU keeps the first GPT-2 and the first Llama run."""
-    if device == "cpu":
-        return [TraceCase("mlp", EXAMPLES / "mlp.py", None, Strategy(precision="fp32", optimizer="adamw", mbs=16,
-                                                                     engine="torch"))]
-    llama = fidelity.llama_wrapper(tmp, None, 1024)
-    return [
-        *(TraceCase("gpt2", EXAMPLES / "gpt2.py", 1024, Strategy(precision="bf16", mbs=b, engine="torch"))
-          for b in (4, 16)),
-        TraceCase("llama1b", llama, 1024, Strategy(precision="bf16", mbs=2, engine="torch")),
-        TraceCase("llama1b", llama, 1024, Strategy(precision="bf16", mbs=4, checkpointing="full", engine="torch")),
-        TraceCase("llama1b", llama, 1024, Strategy(precision="bf16", mbs=2, engine="deepspeed", zero=1)),
-        TraceCase("llama1b", llama, 1024, Strategy(precision="bf16", mbs=2, checkpointing="full",
-                                                   engine="deepspeed", zero=3)),
-        TraceCase("resnet", EXAMPLES / "resnet.py", None, Strategy(precision="bf16", optimizer="sgd", mbs=32,
-                                                                  engine="torch")),
-        TraceCase("mlp", EXAMPLES / "mlp.py", None, Strategy(precision="fp32", optimizer="adamw", mbs=1024,
-                                                             engine="torch")),
-    ]
-
-
-def part_trace(c: Campaign) -> dict[str, Any]:
-    """Kernel time by category (probes/step_trace.py) beside the predicted step's parts, for a few runs."""
-    path = c.out / "trace.json"
-    doc = c.doc("trace", gpu=c.gpu_name, time_comparable=c.time_comparable, runs=[])
-    with tempfile.TemporaryDirectory(prefix="optplan_campaign_trace_") as tmp:
-        cases = trace_cases(c.device, Path(tmp))
-        if c.quick and c.device == "cuda":  # one run per model: GPT-2 at micro-batch 4, the Llama layout at 2
-            cases = [cases[0], cases[2]]
-        for case in cases:
-            key, model_path, seq, strategy = case.key, case.path, case.seq_len, case.strategy
-            if not c.wants(key):
-                continue
-            if strategy.engine == "deepspeed" and c.deepspeed_error:
-                doc["runs"].append({"model": key, "strategy": strategy.label(), "skipped": c.deepspeed_error})
-                continue
-            if c.left_s() < 30:
-                doc["runs"].append({"model": key, "strategy": strategy.label(), "skipped": "out of time"})
-                continue
-            profile = profile_model_file(model_path, seq_len=seq)
-            block = profile.repeated_block.class_name if profile.repeated_block else None
-            spec = ProbeSpec(model_path=str(model_path), seq_len=seq, strategy=strategy, block_class=block,
-                             ds_config=fidelity.ds_config(strategy, profile, torch_optimizer=True), device=c.device,  # type: ignore[arg-type]
-                             warmup_steps=2 if c.device == "cuda" else 1,
-                             timed_steps=3 if c.device == "cuda" else 1, trace_steps=2 if c.device == "cuda" else 1)
-            result = run_probe(spec, timeout_s=max(30.0, min(240.0, c.left_s())))
-            t = estimate(profile, c.cluster(1), strategy,
-                         adam_impl=fidelity.probe_adam_impl(strategy, c.device, ds_torch_optimizer=True)).time
-            predicted = {"step_s": t.step_s, "compute_s": t.compute_s, "recompute_s": t.recompute_s,
-                         "memory_bound_s": t.memory_bound_s, "optimizer_s": t.optimizer_s,
-                         "host_overhead_s": t.host_overhead_s}
-            doc["runs"].append({"model": key, "strategy": strategy.label(), "status": result.status,
-                                "reason": result.reason, "measured_step_s": result.step_s,
-                                "trace": result.step_trace, "predicted": predicted if c.time_comparable else None})
-            busy = (result.step_trace or {}).get("busy_s")
-            host = ((result.step_trace or {}).get("host_per_step") or {}).get("aten_self_s")
-            attention = next((k["name"][:60] for k in (result.step_trace or {}).get("top_kernels") or []
-                              if k.get("category") == "attention"), None)  # which SDPA backend ran
-            c.log(f"trace: {key} {strategy.label()}: {result.status}"
-                  + (f", step {result.step_s * 1e3:.1f} ms, busy {busy * 1e3:.1f} ms" if result.step_s and busy else "")
-                  + (f", host operators {host * 1e3:.1f} ms" if host else "")
-                  + (f", attention kernel {attention}" if attention else ""))
-            write_json(path, doc)
-    write_json(path, doc)
-    return doc
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -637,211 +411,6 @@ def part_exports(c: Campaign) -> dict[str, Any]:
     doc["summary"] = {"launched": len(launched), "ok": sum(r["status"] == "ok" for r in launched),
                       "files": sorted({r["file"] for r in launched if r["status"] == "ok"})}
     write_json(path, doc)
-    return doc
-
-
-# ---------------------------------------------------------------------------------------------------
-# part 2: grid.json (recommendation quality)
-# ---------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class GridModel:
-    key: str
-    path: Path
-    seq_len: int | None
-    precisions: tuple[str, ...]
-    checkpointing: tuple[str, ...]
-    micro_batches: tuple[int, ...]
-    engines: tuple[str, ...]  # "torch" or "deepspeed-zeroN"
-
-
-def grid_models(device: str, quick: bool, tmp: Path) -> list[GridModel]:
-    """Two models per device (one with --quick on the CPU). On a GPU: GPT-2 small and the Llama-3 1B
-    layout (benchmarks/fidelity.py's wrapper pins the size whatever $OPTPLAN_LLAMA_SIZE says), seq 1,024."""
-    llama1b = fidelity.llama_wrapper(tmp, None, 1024)
-    if device == "cpu":
-        # --quick: micro-batch 16 alone, 4 runs (a run is mostly a process start on the CPU; 64 repeats them)
-        return [GridModel("mlp", EXAMPLES / "mlp.py", None, ("fp32", "amp-bf16"), ("none", "full"),
-                          (16,) if quick else (16, 64), ("torch",)),
-                GridModel("gpt2", EXAMPLES / "gpt2.py", 64, ("fp32",), ("none", "full"), (1, 2), ("torch",))][
-                    : 1 if quick else 2]
-    if quick:
-        return [GridModel("gpt2", EXAMPLES / "gpt2.py", 1024, ("amp-bf16", "bf16"), ("none", "full"), (4, 16),
-                          ("torch",)),
-                GridModel("llama1b", llama1b, 1024, ("bf16",), ("none", "full"), (2, 4), ("torch",))]
-    # 16 runs per model (about 10 s each on an H200): fits one 10-minute call with the exports and the traces
-    return [GridModel("gpt2", EXAMPLES / "gpt2.py", 1024, ("amp-bf16", "bf16"), ("none", "full"), (4, 16),
-                      ("torch", "deepspeed-zero1")),
-            GridModel("llama1b", llama1b, 1024, ("amp-bf16", "bf16"), ("none", "full"), (2, 4),
-                      ("torch", "deepspeed-zero1"))]
-
-
-def grid_strategy(model: GridModel, precision: str, ckpt: str, mbs: int, engine: str) -> Strategy:
-    kwargs: dict[str, Any] = {"precision": precision, "optimizer": "adamw", "mbs": mbs, "checkpointing": ckpt}
-    if engine == "torch":
-        kwargs["engine"] = "torch"
-    else:
-        kwargs.update(engine="deepspeed", zero=int(engine.rsplit("zero", 1)[1]))
-    return Strategy(**kwargs)
-
-
-def spearman(x: Sequence[float], y: Sequence[float]) -> float | None:
-    """Spearman's rank correlation (average ranks for ties); None below 3 points or without spread."""
-    if len(x) < 3:
-        return None
-
-    def ranks(v: Sequence[float]) -> list[float]:
-        order = sorted(range(len(v)), key=lambda i: v[i])
-        r = [0.0] * len(v)
-        i = 0
-        while i < len(order):
-            j = i
-            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
-                j += 1
-            for k in range(i, j + 1):
-                r[order[k]] = (i + j) / 2 + 1
-            i = j + 1
-        return r
-
-    rx, ry = ranks(x), ranks(y)
-    mx, my = statistics.fmean(rx), statistics.fmean(ry)
-    sx = sum((a - mx) ** 2 for a in rx) ** 0.5
-    sy = sum((b - my) ** 2 for b in ry) ** 0.5
-    if not sx or not sy:
-        return None
-    return sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True)) / (sx * sy)
-
-
-def _measure(c: Campaign, model: GridModel, profile: ModelProfile, strategy: Strategy) -> ProbeResult:
-    ds = fidelity.ds_config(strategy, profile, torch_optimizer=True)  # no fused-Adam JIT build on a visit
-    block = profile.repeated_block.class_name if profile.repeated_block else None
-    spec = ProbeSpec(model_path=str(model.path), seq_len=model.seq_len, strategy=strategy, block_class=block,
-                     ds_config=ds, device=c.device, warmup_steps=1 if c.device == "cpu" else 2,  # type: ignore[arg-type]
-                     timed_steps=2 if c.device == "cpu" else 3)
-    return run_probe(spec, timeout_s=max(30.0, min(240.0, c.left_s())))
-
-
-def _price(profile: ModelProfile, cluster: Cluster, strategy: Strategy, device: str) -> Any:
-    """The estimate of ``strategy`` as the grid runs it (DeepSpeed with torch's AdamW: :func:`_measure`), so that the
-    ranking and the rank correlation compare the predicted and the measured program alike; None when refused."""
-    try:
-        return estimate(profile, cluster, strategy,
-                        adam_impl=fidelity.probe_adam_impl(strategy, device, ds_torch_optimizer=True))
-    except Exception:  # noqa: BLE001 - a configuration the estimators refuse is not in the ranking
-        return None
-
-
-def grid_one(c: Campaign, model: GridModel, doc: dict[str, Any], save: Callable[[], None]) -> dict[str, Any]:
-    """Measure one model's grid and judge recommend's pick on it."""
-    profile = profile_model_file(model.path, seq_len=model.seq_len)
-    cluster = c.cluster(1)
-    runs: list[dict[str, Any]] = []
-    shown = str(model.path.relative_to(ROOT)) if model.path.is_relative_to(ROOT) else "examples/llama.py 1B layout"
-    entry: dict[str, Any] = {"model": model.key, "path": shown, "seq_len": model.seq_len,
-                             "params": profile.params, "runs": runs}
-    doc["models"].append(entry)
-    measured: dict[Strategy, float] = {}
-    predicted: dict[Strategy, float] = {}
-
-    local = LocalDevices(device=c.device, name=c.env["device_name"], count=1,
-                         catalogue_name=c.gpu.name if c.gpu is not None else None)
-    priced: dict[Strategy, Any] = {}
-
-    def price(strategy: Strategy) -> Any:
-        if strategy not in priced:
-            priced[strategy] = _price(profile, cluster, strategy, c.device)
-        return priced[strategy]
-
-    def run(strategy: Strategy, why: str) -> None:
-        if c.left_s() < 15:
-            runs.append({"strategy": strategy.label(), "status": "skipped", "reason": "out of time", "why": why})
-            return
-        est = price(strategy)
-        pred = est.samples_per_s if est is not None else None
-        result = _measure(c, model, profile, strategy)
-        meas = (result.samples_per_step / result.step_s) if result.ok and result.step_s else None
-        if pred is not None:
-            predicted[strategy] = pred
-        if meas is not None:
-            measured[strategy] = meas
-        runs.append({"strategy": strategy.label(), "why": why, "status": result.status, "reason": result.reason,
-                     "predicted_samples_per_s": pred, "measured_samples_per_s": meas,
-                     "measured_allocated_bytes": result.peak_allocated_bytes, "probe_wall_s": result.wall_s})
-        if result.status in ("ok", "oom") and est is not None:
-            # predicted as the probe ran it (CPU accounting on the CPU; DeepSpeed with torch's AdamW: _measure)
-            impl = fidelity.probe_adam_impl(strategy, c.device, ds_torch_optimizer=True)
-            comp = compare_spec(profile, cluster, strategy, strategy, local, c.time_comparable, result,
-                                adam_impl=impl)
-            doc["measured"].append(measured_case(c, model.key, profile, comp))
-        c.log(f"grid: {model.key} {strategy.label()}: {result.status}"
-              + (f", measured {meas:.2f} samples/s" if meas else "")
-              + (f", predicted {pred:.2f}" if pred else ""))
-        save()
-
-    engines = tuple(e for e in model.engines if not (e.startswith("deepspeed") and c.deepspeed_error))
-    if len(engines) < len(model.engines):
-        entry["skipped_engines"] = c.deepspeed_error
-    grid = [grid_strategy(model, p, k, b, e) for e in engines for p in model.precisions
-            for k in model.checkpointing for b in model.micro_batches]
-    # the planner's choice among exactly these configurations (its ranking: the band's slow end, then the
-    # simplest of the ties), so that the pick and the measured runs share batch and accumulation
-    fitting = [e for s in grid if (e := price(s)) is not None and e.fits]
-    pick = rank(fitting, Goal())[0].strategy if fitting else None
-    entry["pick"] = pick.label() if pick is not None else None
-    # recommend's free pick over the same precisions and engines, for information (its global batch and
-    # accumulation may differ from the grid's, so it is measured but not ranked)
-    rec = recommend(profile, cluster, precisions=list(model.precisions), optimizers=["adamw"],
-                    engines=sorted({s.engine for s in grid}) or ["torch"], offload=False)
-    entry["recommend_pick"] = rec.plan.label() if rec.plan is not None else None
-    for s in grid:
-        run(s, "grid")
-    if rec.plan is not None and all(r["strategy"] != rec.plan.label() for r in runs):
-        if c.device == "cpu" and c.quick:  # the MLP's batch of 256 in emulated bf16: ~20 s of CPU for a run not ranked
-            entry["recommend_pick_run"] = "not measured in the CPU's --quick run (outside the grid: not ranked)"
-        else:
-            run(rec.plan, "recommend's free pick (outside the grid: not ranked)")
-    both = [s for s in measured if s in predicted]
-    entry["measured_runs"] = len(measured)
-    entry["spearman_predicted_vs_measured"] = spearman([predicted[s] for s in both], [measured[s] for s in both])
-    if measured:
-        in_grid = {s: v for s, v in measured.items() if s in set(grid)}
-        if pick is not None and pick in in_grid:
-            best = max(in_grid, key=in_grid.__getitem__)
-            entry["best_measured"] = {"strategy": best.label(), "samples_per_s": in_grid[best]}
-            order = sorted(in_grid.values(), reverse=True)
-            entry["pick_rank"] = order.index(in_grid[pick]) + 1
-            entry["pick_share_of_best"] = in_grid[pick] / in_grid[best]
-            entry["meets_target"] = entry["pick_share_of_best"] >= GRID_SHARE_TARGET
-        if rec.plan is not None and rec.plan in measured:
-            entry["recommend_pick_samples_per_s"] = measured[rec.plan]
-    save()
-    return entry
-
-
-def part_grid(c: Campaign) -> dict[str, Any]:
-    path = c.out / "grid.json"
-    doc = c.doc("grid", gpu=c.gpu_name, time_comparable=c.time_comparable, target_share_of_best=GRID_SHARE_TARGET,
-                models=[], measured=[])
-
-    def save() -> None:
-        write_json(path, doc)
-
-    with tempfile.TemporaryDirectory(prefix="optplan_campaign_grid_") as tmp:
-        for model in grid_models(c.device, c.quick, Path(tmp)):
-            if not c.wants(model.key):
-                continue
-            if c.left_s() < 30:
-                doc["models"].append({"model": model.key, "skipped": "out of time"})
-                continue
-            try:
-                grid_one(c, model, doc, save)
-            except Exception as exc:  # noqa: BLE001 - one model's failure is data
-                doc["models"].append({"model": model.key, "error": f"{type(exc).__name__}: {exc}"})
-            save()
-    shares = [m["pick_share_of_best"] for m in doc["models"] if "pick_share_of_best" in m]
-    doc["summary"] = {"models": len(doc["models"]), "pick_share_of_best": shares,
-                      "spearman": [m.get("spearman_predicted_vs_measured") for m in doc["models"]],
-                      "meets_target": bool(shares) and all(s >= GRID_SHARE_TARGET for s in shares)}
-    save()
     return doc
 
 
