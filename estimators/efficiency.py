@@ -20,7 +20,9 @@ Two kinds of constants, kept apart because they come from different measurements
   eager elementwise time) and its overlap interference on llm-foundry's FSDP runs (A100 and H100); DeepSpeed
   takes torch's figures (the same eager model; its ZeRO-3 prefetch overlaps the same way; no measured set:
   stated) and Megatron-DeepSpeed's fused kernels keep the vTrain count (its data-parallel reduction is not
-  overlapped, so interference does not arise).
+  overlapped, so interference does not arise). An engine's ``host_multiplier`` scales the GPU's eager host times
+  (1 for torch and Megatron; DeepSpeed's fitted by ``benchmarks/fit_engine_host.py`` on its runs measured on an
+  H200: its engine issues about twice torch's host operators, plus per-step synchronisations).
 - ``stacks``: an engine family's constants as an older software stack ran them, for the measured rows that ran
   it and nothing else (no supported torch is that old): ``llm-foundry-2023`` is llm-foundry's MPT on Composer as its
   2023 benchmark tables ran it (images mosaicml/pytorch 1.13.1 for the A100 tables, 2.1.0 for the H100 ones; eager
