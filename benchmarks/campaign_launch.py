@@ -23,33 +23,18 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
+from campaign_core import EXAMPLES, Campaign
 from campaign_io import ROOT, last_line, run_command, run_optplan, write_json
 
 from optplan.estimators.strategy import Strategy
 
-EXAMPLES = ROOT / "examples"
 STEPS_GPU, STEPS_CPU = 8, 3
 """Optimizer steps train.py runs: on a GPU two warm-up steps and six timed; on the CPU the fewest that time one."""
 
 
-class LaunchCampaign(Protocol):
-    """What the section needs of gpu_campaign.Campaign."""
-
-    device: str
-    out: Path
-
-    def left_s(self) -> float: ...
-    def log(self, line: str) -> None: ...
-    def doc(self, section: str, **body: Any) -> dict[str, Any]: ...
-    def wants_engine(self, engine: str) -> bool: ...
-    @property
-    def deepspeed_error(self) -> str | None: ...
-    def plan_args(self) -> list[str]: ...
-
-
-def launch_one(c: LaunchCampaign, engine: str, model: Path, work: Path) -> dict[str, Any]:
+def launch_one(c: Campaign, engine: str, model: Path, work: Path) -> dict[str, Any]:
     """Steps 1-4 of the module docstring for one engine; every step's outcome is in the returned record."""
     entry: dict[str, Any] = {"engine": engine, "model": str(model.relative_to(ROOT))}
     folder, cache = work / engine, work / f"{engine}-cache"
@@ -144,7 +129,7 @@ def _line(engine: str, entry: dict[str, Any], device: str) -> str:
             f"({applied})")
 
 
-def part_launch(c: LaunchCampaign) -> dict[str, Any]:
+def part_launch(c: Campaign) -> dict[str, Any]:
     """Recommend, launch the exported launch.sh, calibrate on its measurements.json, recommend again."""
     path = c.out / "launch.json"
     doc = c.doc("launch", runs=[])

@@ -24,20 +24,22 @@ from __future__ import annotations
 
 import argparse
 import math
-import re
 import statistics
 import sys
 from pathlib import Path
 
+import yaml
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fidelity_gpu_results import campaign_rows  # noqa: E402
+from fit_time import DATA_FILE as TABLE  # noqa: E402
+from fit_time import DEEPSPEED_EAGER_STATED, write_table  # noqa: E402
 
 from optplan.estimators.efficiency import engine_efficiency  # noqa: E402
 from optplan.estimators.timing import step_time  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-TABLE = ROOT / "estimators" / "data" / "efficiency.yaml"
 GRID = [round(1.0 + 0.05 * i, 2) for i in range(141)]  # 1.00 .. 8.00
 
 
@@ -52,19 +54,16 @@ def _pct(log_errors: list[float]) -> float:
 
 
 def write(multiplier: float, runs: int, before: float, after: float) -> None:
-    """Set ``host_multiplier`` under ``engines: deepspeed:`` in the table, its source line saying how it was fitted."""
-    text = TABLE.read_text(encoding="utf-8")
-    block = re.search(r"(?ms)^  deepspeed:\n(.*?)(?=^  \S)", text)
-    if block is None:
-        raise SystemExit(f"error: no 'deepspeed:' engine block in {TABLE}")
-    body = re.sub(r"(?m)^    host_multiplier:.*\n", "", block.group(1))
-    line = f"    host_multiplier: {multiplier}\n"
-    body = re.sub(r"(?m)^(    overlap_interference:.*\n)", lambda m: m.group(1) + line, body, count=1)
-    body = re.sub(r"(?ms)^    source: .*", "    source: 'stated for the eager constants: the torch engine''s (DeepSpeed "
-                  "trains the same eager model, and ZeRO-3''s prefetch overlaps as FSDP''s does; ZeRO 0-2 do not "
-                  f"overlap); host_multiplier fitted by benchmarks/fit_engine_host.py on {runs} DeepSpeed runs on "
-                  f"H200 (benchmarks/results): step time median |error| {before:.1f}% -> {after:.1f}%'\n", body)
-    TABLE.write_text(text[:block.start(1)] + body + text[block.end(1):], encoding="utf-8")
+    """Set DeepSpeed's ``host_multiplier`` in the table, its source line saying how it was fitted (fit_time.py's
+    writer: the file's header kept, the rest as that fit writes it)."""
+    raw = yaml.safe_load(TABLE.read_text(encoding="utf-8"))
+    deepspeed = raw["engines"]["deepspeed"]
+    deepspeed.pop("source", None)  # written last again, after the multiplier
+    deepspeed["host_multiplier"] = multiplier
+    deepspeed["source"] = (f"stated for the eager constants: {DEEPSPEED_EAGER_STATED}; host_multiplier fitted by "
+                           f"benchmarks/fit_engine_host.py on {runs} DeepSpeed runs on H200 (benchmarks/results): step "
+                           f"time median |error| {before:.1f}% -> {after:.1f}%")
+    write_table(raw, TABLE)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -61,6 +61,9 @@ from optplan.estimators.efficiency import (  # noqa: E402
 from optplan.estimators.timing import step_time  # noqa: E402
 
 DATA_FILE = Path(__file__).resolve().parents[1] / "estimators" / "data" / "efficiency.yaml"
+DEEPSPEED_EAGER_STATED = ("the torch engine's constants (DeepSpeed trains the same eager model, and ZeRO-3's prefetch "
+                          "overlaps as FSDP's does; ZeRO 0-2 do not overlap)")
+"""Why DeepSpeed's eager constants are torch's (no measured DeepSpeed set fits them): part of its source line."""
 GROUP = {"A100-80GB": "A100-80GB", "A100-40GB": "A100-80GB", "H100-SXM": "H100-SXM"}
 """Fit groups: both A100 parts share one set of constants (same GA100 die and clocks)."""
 PARAMS: tuple[tuple[str, str, str], ...] = (
@@ -218,16 +221,18 @@ def write(model: Model, fit_err: dict[str, float], held_err: dict[str, float],
     for key in ("elementwise_multiplier", "eager", "compile_multiplier", "overlap_interference"):
         deepspeed[key] = torch_[key]
     if deepspeed.get("host_multiplier", 1.0) == 1.0:  # else its source names benchmarks/fit_engine_host.py's fit: kept
-        deepspeed["source"] = ("stated, no measured DeepSpeed set: the torch engine's constants (DeepSpeed trains the "
-                               "same eager model, and ZeRO-3's prefetch overlaps as FSDP's does; ZeRO 0-2 do not "
-                               "overlap)")
-    header = "".join(line + "\n" for line in DATA_FILE.read_text(encoding="utf-8").splitlines()
-                     if line.startswith("#"))
-    body = yaml.safe_dump(raw, sort_keys=False, width=120, allow_unicode=True)
-    tmp = DATA_FILE.with_suffix(".yaml.tmp")
-    tmp.write_text(header + body, encoding="utf-8")
-    tmp.replace(DATA_FILE)
+        deepspeed["source"] = f"stated, no measured DeepSpeed set: {DEEPSPEED_EAGER_STATED}"
+    write_table(raw)
     print(f"wrote {DATA_FILE}")
+
+
+def write_table(raw: dict, path: Path = DATA_FILE) -> None:
+    """Write the efficiency table ``raw`` to ``path``, keeping the file's ``#`` header (temp file + rename)."""
+    header = "".join(line + "\n" for line in path.read_text(encoding="utf-8").splitlines() if line.startswith("#"))
+    body = yaml.safe_dump(raw, sort_keys=False, width=120, allow_unicode=True)
+    tmp = path.with_suffix(".yaml.tmp")
+    tmp.write_text(header + body, encoding="utf-8")
+    tmp.replace(path)
 
 
 def main() -> None:
