@@ -267,7 +267,7 @@ def validate_exports(target: Path, profile: ModelProfile, *, model_name: str | N
                     from optplan.planner.export.deepspeed import render_ds_config
                     ds_config = _runnable_ds_config(render_ds_config(probed, plan.buckets), local, notes)
                 if kind == "launch":
-                    from optplan.planner.export.launch import launch_argv
+                    from optplan.planner.export.launch_check import launch_argv
                     argv = launch_argv(path.read_text(encoding="utf-8"))
                     how = f"{Path(argv[0]).name} from {path.name}, {probed.dp} process(es) (plan: {strategy.dp})"
                 else:

@@ -48,14 +48,16 @@ def _deepspeed(plan: ExportPlan, opts: ExportOptions) -> dict[str, str]:
 
 
 def _accelerate(plan: ExportPlan, opts: ExportOptions) -> dict[str, str]:
-    from optplan.planner.export.accelerate import render_accelerate_yaml, validate_accelerate_yaml
+    from optplan.planner.export.accelerate import render_accelerate_yaml
+    from optplan.planner.export.accelerate_check import validate_accelerate_yaml
     text = render_accelerate_yaml(plan, fsdp_version=opts.fsdp_version, train_script=opts.train_script)
     validate_accelerate_yaml(text, plan)
     return {FILE_NAMES["accelerate"]: text}
 
 
 def _torchrun(plan: ExportPlan, opts: ExportOptions) -> dict[str, str]:
-    from optplan.planner.export.launch import render_hostfile, render_launch_sh, validate_launch_sh
+    from optplan.planner.export.launch import render_hostfile, render_launch_sh
+    from optplan.planner.export.launch_check import validate_launch_sh
     text = render_launch_sh(plan, launcher=opts.launcher, train_script=opts.train_script)
     validate_launch_sh(text, plan)
     files = {FILE_NAMES["torchrun"]: text}

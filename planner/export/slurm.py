@@ -34,14 +34,12 @@ from optplan.planner.export.launch import (
     DEFAULT_MASTER_PORT,
     RUNTIME_PLACEHOLDERS,
     bash_comment,
-    check_bash_syntax,
-    check_torchrun_argv,
     default_rdzv_id,
     header_comments,
-    launch_argv,
     launch_block,
     launched_command,
 )
+from optplan.planner.export.launch_check import check_bash_syntax, check_torchrun_argv, launch_argv
 from optplan.planner.validate import ExportValidationError
 
 DEFAULT_CPUS_PER_GPU = 8

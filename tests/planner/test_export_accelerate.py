@@ -17,11 +17,8 @@ import yaml
 from optplan.estimators.buckets import DeepSpeedBuckets
 from optplan.estimators.profile import TransformerShape
 from optplan.estimators.strategy import Strategy
-from optplan.planner.export.accelerate import (
-    MAIN_PROCESS_IP_PLACEHOLDER,
-    render_accelerate_yaml,
-    validate_accelerate_yaml,
-)
+from optplan.planner.export.accelerate import MAIN_PROCESS_IP_PLACEHOLDER, render_accelerate_yaml
+from optplan.planner.export.accelerate_check import validate_accelerate_yaml
 from optplan.planner.export.context import ExportPlan, NotExportable
 from optplan.planner.validate import ExportValidationError
 

@@ -366,7 +366,7 @@ def test_validation_leaves_no_global_state(ds_config_module, good_config):
 
 def test_exporters_do_not_import_deepspeed():
     code = ("import sys; import optplan.planner.export, optplan.planner.export.deepspeed, "
-            "optplan.planner.export.launch, optplan.planner.export.files, optplan.planner.validate; "
+            "optplan.planner.export.launch, optplan.planner.export.launch_check, optplan.planner.export.files, optplan.planner.validate; "
             "sys.exit(1 if 'deepspeed' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 

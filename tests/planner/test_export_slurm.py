@@ -14,14 +14,10 @@ from optplan.estimators.buckets import DeepSpeedBuckets
 from optplan.estimators.errors import OptplanError
 from optplan.estimators.profile import TransformerShape
 from optplan.estimators.strategy import Strategy
-from optplan.planner.export import launch as launch_module
+from optplan.planner.export import launch_check
 from optplan.planner.export.context import ExportPlan, NotExportable
-from optplan.planner.export.launch import (
-    RUNTIME_PLACEHOLDERS,
-    launch_argv,
-    launched_command,
-    render_launch_sh,
-)
+from optplan.planner.export.launch import RUNTIME_PLACEHOLDERS, launched_command, render_launch_sh
+from optplan.planner.export.launch_check import launch_argv
 from optplan.planner.export.slurm import parse_sbatch_directives, render_slurm_sbatch, validate_slurm_sbatch
 from optplan.planner.validate import ExportValidationError
 
@@ -178,7 +174,7 @@ def test_multi_node_round_trip(tmp_path):
     assert (args.rdzv_endpoint, args.rdzv_id) == ("gpu-a:29500", "4242")
     assert args.training_script == NASTY
     assert args.training_script_args == ["--deepspeed", str(tmp_path / "submit" / "ds_config.json"), "--seed", "3"]
-    launch_module.check_torchrun_argv(torchrun_argv, plan, what="slurm.sbatch")
+    launch_check.check_torchrun_argv(torchrun_argv, plan, what="slurm.sbatch")
 
 
 @needs_bash
@@ -190,7 +186,7 @@ def test_megatron_round_trip(tmp_path):
     (checkout / "pretrain_gpt.py").write_text("")
     result, argv = run_sbatch(text, tmp_path, env={"SLURM_NNODES": "16", "MEGATRON_LM": str(checkout)})
     assert result.returncode == 0, result.stderr
-    launch_module.check_torchrun_argv(argv[3:], plan, what="slurm.sbatch")  # Megatron rules included
+    launch_check.check_torchrun_argv(argv[3:], plan, what="slurm.sbatch")  # Megatron rules included
 
 
 @needs_bash
@@ -267,7 +263,7 @@ def test_validate_plan_mismatch():
 
 
 def test_validate_without_bash_warns(monkeypatch):
-    monkeypatch.setattr(launch_module, "_bash_path", lambda: None)
+    monkeypatch.setattr(launch_check, "_bash_path", lambda: None)
     plan = fsdp_hybrid_2nodes()
     with pytest.warns(RuntimeWarning, match="skipped the 'bash -n' syntax check of slurm.sbatch"):
         validate_slurm_sbatch(render_slurm_sbatch(plan), plan)

@@ -14,16 +14,15 @@ from optplan.estimators.buckets import DeepSpeedBuckets
 from optplan.estimators.errors import OptplanError
 from optplan.estimators.profile import TransformerShape
 from optplan.estimators.strategy import Strategy
-from optplan.planner.export import launch as launch_module
+from optplan.planner.export import launch_check
 from optplan.planner.export.context import ExportPlan, NotExportable
 from optplan.planner.export.launch import (
     RUNTIME_PLACEHOLDERS,
-    launch_argv,
     launched_command,
     render_hostfile,
     render_launch_sh,
-    validate_launch_sh,
 )
+from optplan.planner.export.launch_check import launch_argv, validate_launch_sh
 from optplan.planner.validate import ExportValidationError
 
 BASH = shutil.which("bash")
@@ -168,7 +167,7 @@ def test_bash_syntax_with_nasty_names(make, launcher):
     text = render_launch_sh(plan, launcher=launcher, train_script=NASTY, ds_config_name=NASTY_CONFIG)
     assert text.startswith("#!/usr/bin/env bash\n") and "\nset -euo pipefail\n" in text
     assert plan.strategy.label() in text.split("set -euo pipefail")[0]
-    launch_module.check_bash_syntax(text, "launch.sh")
+    launch_check.check_bash_syntax(text, "launch.sh")
     validate_launch_sh(text, plan)
 
 
@@ -212,7 +211,7 @@ def test_single_node_torchrun_round_trip(tmp_path):
     assert args.training_script == NASTY  # quoted through intact, nothing expanded
     assert args.training_script_args == ["--deepspeed", str(tmp_path / "export" / NASTY_CONFIG),
                                          "--lr", "1e-4", "two words"]
-    launch_module.check_torchrun_argv(argv, plan)
+    launch_check.check_torchrun_argv(argv, plan)
 
 
 @needs_bash
@@ -230,7 +229,7 @@ def test_multi_node_torchrun_round_trip(tmp_path):
     assert args.rdzv_endpoint == "10.0.0.1:6000" and args.rdzv_id == "optplan-llama-70b"
     assert not args.standalone
     before = dict(os.environ)
-    parsed = launch_module.check_torchrun_argv(argv, plan)  # runs torchrun's config_from_args too
+    parsed = launch_check.check_torchrun_argv(argv, plan)  # runs torchrun's config_from_args too
     assert parsed.training_script == "train.py"
     assert dict(os.environ) == before  # config_from_args' OMP_NUM_THREADS is undone
 
@@ -300,7 +299,7 @@ def test_deepspeed_launcher_multi_node_round_trip(tmp_path):
     assert result.returncode == 0, result.stderr
     static = launch_argv(text, env=static_env(tmp_path, MASTER_ADDR="gpu-a"))
     assert argv == static + ["--seed", "1"]  # MASTER_ADDR defaults to the hostfile's first host
-    runner = launch_module._import_ds_runner()
+    runner = launch_check._import_ds_runner()
     args = runner.parse_args(argv[1:])
     assert (args.num_nodes, args.num_gpus, args.master_addr, args.master_port) == (2, 8, "gpu-a", 29500)
     assert args.hostfile == str(tmp_path / "export" / "hostfile")
@@ -326,7 +325,7 @@ def test_deepspeed_launcher_single_node_round_trip(tmp_path):
     result, argv, _ = run_script(text, tmp_path, program="deepspeed")
     assert result.returncode == 0, result.stderr
     assert argv == launch_argv(text, env=static_env(tmp_path))
-    args = launch_module._import_ds_runner().parse_args(argv[1:])
+    args = launch_check._import_ds_runner().parse_args(argv[1:])
     assert (args.num_nodes, args.num_gpus, args.user_script) == (1, 8, "train.py")
 
 
@@ -361,7 +360,7 @@ def test_hostfile_with_hosts_and_deepspeed_reader(tmp_path):
     text = render_hostfile(plan, hosts=["a", "b", "c", "d"])
     assert "placeholder" not in text
     (tmp_path / "hostfile").write_text(text)
-    pool = launch_module._import_ds_runner().fetch_hostfile(str(tmp_path / "hostfile"))
+    pool = launch_check._import_ds_runner().fetch_hostfile(str(tmp_path / "hostfile"))
     assert list(pool.items()) == [("a", 8), ("b", 8), ("c", 8), ("d", 8)]
 
 
@@ -480,7 +479,7 @@ def test_validate_megatron_script_checks_megatron_rules():
 
 
 def test_validate_without_bash_warns_and_still_parses(monkeypatch):
-    monkeypatch.setattr(launch_module, "_bash_path", lambda: None)
+    monkeypatch.setattr(launch_check, "_bash_path", lambda: None)
     plan = ds_zero2_1node()
     with pytest.warns(RuntimeWarning, match="bash is not installed"):
         validate_launch_sh(render_launch_sh(plan), plan)
