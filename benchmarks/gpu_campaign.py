@@ -5,9 +5,10 @@ measurement is scripted here and every result is written as JSON under ``--out``
 (a killed run keeps what it measured). Sections, each one file:
 
 * ``probes.json`` (part 1): the GPU paths of the probes: a CUDA OOM becomes data (a probe under a memory
-  cap ends with status "oom", not a crash), the microbenchmarks (matmul per dtype, copy bandwidth)
-  against the catalogue's peaks, and the GPU-only probe tests of ``tests/probes`` (allocator figures,
-  the OOM cap, the hung probe's memory freed after its kill), run by pytest.
+  cap ends with status "oom", not a crash), the microbenchmarks (matmul per dtype, copy bandwidth,
+  a head's GEMMs with an odd vocabulary against a padded one and the alignment exponent they give) against the
+  catalogue's peaks, and the GPU-only probe tests of ``tests/probes`` (allocator figures, the OOM cap, the hung
+  probe's memory freed after its kill), run by pytest.
 * ``fidelity.json`` (part 1): ``benchmarks/fidelity.py``'s suite (GPT-2 small, Llama-3 1B, ResNet-50,
   the MLP; fp32, amp-bf16, bf16, bf16-pure; checkpointing on and off; torch single process and DeepSpeed
   ZeRO-0..3 at world size 1): predicted allocated bytes against ``max_memory_allocated``, the
@@ -148,6 +149,12 @@ def microbench(c: Campaign) -> dict[str, Any]:
                                                  for d, v in bench.matmul_flops_per_s.items()
                                                  if c.gpu.peak_flops.get(d)}  # type: ignore[call-overload]
         doc["copy_share_of_catalogue_hbm"] = bench.copy_bytes_per_s / c.gpu.memory_bandwidth_bytes_per_s
+    # odd-vocabulary GEMMs against padded ones, and the alignment exponent the time model takes from them
+    from optplan.estimators.ceilings import measured_alignment
+
+    doc["unaligned_gemm_slowdown"] = dict(bench.unaligned_gemm_slowdown)
+    alignment = measured_alignment(bench.ceilings())
+    doc["alignment_exponent"] = None if alignment is None else {"dtype": alignment[0], "gamma": alignment[1]}
     return doc
 
 
@@ -196,7 +203,8 @@ def part_probes(c: Campaign) -> dict[str, Any]:
         except Exception as exc:  # noqa: BLE001 - one section's failure is data, the campaign goes on
             doc[name] = {"error": f"{type(exc).__name__}: {exc}"}
         doc[name]["section_s"] = round(time.perf_counter() - t0, 1)
-        shown = {k: v for k, v in doc[name].items() if k in ("status", "ok", "counts", "error", "skipped")}
+        shown = {k: v for k, v in doc[name].items()
+                 if k in ("status", "ok", "counts", "error", "skipped", "unaligned_gemm_slowdown")}
         c.log(f"probes: {name}: {json.dumps(shown)}")
         write_json(path, doc)
     return doc

@@ -21,6 +21,14 @@ ceiling divided by the same fraction (units: FLOP/s and bytes/s):
     peak_flops[d]                    = measured matmul FLOP/s [d] / f_d
     memory_bandwidth_bytes_per_s     = measured copy bytes/s / hbm_fraction
     intra_node_bandwidth_bytes_per_s = measured all-reduce busbw / intra_node_link_fraction
+    gemm_alignment_exponent          = ln(measured unaligned slowdown) / ln(16 / a)
+
+The last one is the γ of the GEMM alignment factor (a/16)^γ (compute.py ``gemm_time_s``; NVIDIA Deep Learning
+Performance Guide, "Matrix Multiplication Background", "Tensor Core Requirements"): the microbenchmark times a
+language-model head's three training GEMMs with an odd vocabulary against a padded one (microbench_child.py),
+so a = 2 bytes in 16-bit and 4 in fp32; the 16-bit figure is used (bf16, else fp16), else fp32's. vTrain's A100
+fit could not separate γ from the cross-entropy bytes per logit (benchmarks/fidelity_vtrain.py): a measured γ
+replaces the fitted one for that machine's plans (timing.py ``step_time``).
 
 and the model, multiplying back by the fraction, predicts exactly the measured figure for the
 benchmark's own operation (a large square GEMM, a large device copy counted as read + write per the
@@ -46,6 +54,7 @@ Caveats the caller should know (stated, not corrected here):
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -72,12 +81,36 @@ class MeasuredCeilings(BaseModel):
     copy_bytes_per_s: PositiveFinite | None = Field(default=None, description="device copy, read + write")
     allreduce_bus_bytes_per_s: PositiveFinite | None = Field(default=None,
                                                              description="all-reduce busbw, per GPU one way")
+    unaligned_gemm_slowdown: dict[Dtype, PositiveFinite] = Field(
+        default_factory=dict, description="per dtype, a head's training GEMMs' time per FLOP with an odd "
+                                          "vocabulary over a padded one (microbench_child.py)")
     source: str = Field(default="", description="where the figures come from (device, tool, date)")
 
     @property
     def empty(self) -> bool:
         """True when nothing was measured."""
-        return not self.matmul_flops_per_s and self.copy_bytes_per_s is None and self.allreduce_bus_bytes_per_s is None
+        return (not self.matmul_flops_per_s and self.copy_bytes_per_s is None and self.allreduce_bus_bytes_per_s is None
+                and not self.unaligned_gemm_slowdown)
+
+
+UNALIGNED_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4}
+"""Alignment in bytes of the microbenchmark's odd dimension per dtype (one element)."""
+
+
+def alignment_exponent_from(slowdown: float, dtype: str) -> float:
+    """γ such that the time model's (a/16)^γ reproduces a measured unaligned/aligned time-per-FLOP ratio
+    (dimensionless): γ = ln(slowdown) / ln(16/a), a = :data:`UNALIGNED_BYTES` [dtype]; 0 when the unaligned
+    GEMM was not slower (noise)."""
+    return max(0.0, math.log(slowdown) / math.log(16.0 / UNALIGNED_BYTES[dtype]))
+
+
+def measured_alignment(measured: MeasuredCeilings) -> tuple[str, float] | None:
+    """(dtype, γ) from the unaligned-GEMM figure the time model takes (bf16, else fp16, else fp32), or None."""
+    for dtype in ("bf16", "fp16", "fp32"):
+        slowdown = measured.unaligned_gemm_slowdown.get(dtype)  # type: ignore[call-overload]
+        if slowdown is not None:
+            return dtype, alignment_exponent_from(slowdown, dtype)
+    return None
 
 
 def gemm_fraction(eff: GpuEfficiency, dtype: str) -> float:
@@ -110,6 +143,10 @@ def gpu_with_measured_ceilings(gpu: GPUSpec, measured: MeasuredCeilings,
     if measured.allreduce_bus_bytes_per_s is not None:
         update["intra_node_bandwidth_bytes_per_s"] = measured.allreduce_bus_bytes_per_s / eff.intra_node_link_fraction
         parts.append("intra-node all-reduce bandwidth")
+    alignment = measured_alignment(measured)
+    if alignment is not None:
+        update["gemm_alignment_exponent"] = alignment[1]
+        parts.append(f"{alignment[0]} unaligned GEMM")
     if gpu.mfu_reference_flops is None:
         from optplan.estimators.timing import mfu_peak_flops
         update["mfu_reference_flops"] = mfu_peak_flops(gpu)  # MFU stays quoted against the datasheet
@@ -153,6 +190,10 @@ def ceiling_report(gpu: GPUSpec, measured: MeasuredCeilings,
         lines.append(f"memory copy: measured {_num(measured.copy_bytes_per_s / 1e9)} GB/s = "
                      f"{_pct(measured.copy_bytes_per_s / sheet)} of datasheet {_num(sheet / 1e9)} "
                      f"(model assumed {_pct(eff.hbm_fraction)})")
+    for dtype, slowdown in measured.unaligned_gemm_slowdown.items():
+        assumed = (16.0 / UNALIGNED_BYTES[dtype]) ** eff.alignment_exponent
+        lines.append(f"{dtype} GEMMs with an odd dimension (an unpadded vocabulary): measured {slowdown:.2f}x the "
+                     f"time per FLOP of padded ones (model assumed {assumed:.2f}x)")
     if measured.allreduce_bus_bytes_per_s is not None:
         sheet = gpu.intra_node_bandwidth_bytes_per_s
         lines.append(f"all-reduce bus bandwidth: measured {_num(measured.allreduce_bus_bytes_per_s / 1e9)} GB/s = "
@@ -161,4 +202,5 @@ def ceiling_report(gpu: GPUSpec, measured: MeasuredCeilings,
     return lines
 
 
-__all__ = ["MeasuredCeilings", "ceiling_report", "gemm_fraction", "gpu_with_measured_ceilings"]
+__all__ = ["UNALIGNED_BYTES", "MeasuredCeilings", "alignment_exponent_from", "ceiling_report", "gemm_fraction",
+           "gpu_with_measured_ceilings", "measured_alignment"]

@@ -37,6 +37,10 @@ class GPUSpec(BaseModel):
     mfu_reference_flops: float | None = Field(
         default=None, gt=0, description="the datasheet dense 16-bit peak MFU is quoted against (FLOP/s), kept "
                                         "when measured ceilings replace peak_flops; None: read peak_flops")
+    gemm_alignment_exponent: float | None = Field(
+        default=None, ge=0, description="γ of the GEMM alignment factor (alignment bytes / 16)^γ measured on this "
+                                        "machine (estimators/ceilings.py, from the microbenchmark's unaligned GEMMs); "
+                                        "None: the GPU's fitted constant (efficiency.py)")
 
     def peak_flops_for(self, dtype: Dtype) -> float:
         """Dense peak FLOP/s for ``dtype``; 0.0 when the GPU has no such math (e.g. fp8 on A100)."""

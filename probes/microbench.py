@@ -82,18 +82,24 @@ class MicrobenchResult(BaseModel):
     allreduce_size_bytes: int = Field(default=0, ge=0, description="the size whose busbw is reported")
     allreduce_bus_bytes_per_s_by_size: dict[int, Positive] = Field(default_factory=dict,
                                                                    description="busbw per all-reduce size")
+    unaligned_gemm_slowdown: dict[str, Positive] = Field(
+        default_factory=dict, description="per dtype, a head's training GEMMs' time per FLOP with an odd vocabulary "
+                                          "over a padded one (microbench_child.py)")
+    unaligned_gemm_shape: dict[str, int] = Field(default_factory=dict, description="m, k, n (odd) and padded_n")
 
     def ceilings(self) -> MeasuredCeilings:
         """The figures as the estimators' :class:`MeasuredCeilings` (dtype names outside
         ``hardware.Dtype`` are dropped; ``source`` names the device and the run)."""
         matmul = {d: v for d, v in self.matmul_flops_per_s.items() if d in DTYPE_ORDER}
+        unaligned = {d: v for d, v in self.unaligned_gemm_slowdown.items() if d in DTYPE_ORDER}
         where = f"optplan microbench on {self.device_name} ({self.device}, torch {self.torch_version}"
         where += ", quick" if self.quick else ""
         if self.allreduce_bus_bytes_per_s is not None:
             where += f", all-reduce over {self.allreduce_ranks} ranks"
         return MeasuredCeilings.model_validate({
             "matmul_flops_per_s": matmul, "copy_bytes_per_s": self.copy_bytes_per_s,
-            "allreduce_bus_bytes_per_s": self.allreduce_bus_bytes_per_s, "source": where + ")"})
+            "allreduce_bus_bytes_per_s": self.allreduce_bus_bytes_per_s, "unaligned_gemm_slowdown": unaligned,
+            "source": where + ")"})
 
 
 def child_command(out: str | os.PathLike[str], *, device: str, quick: bool, allreduce_nproc: int = 0) -> list[str]:
@@ -235,7 +241,7 @@ def _allreduce_ranks(requested: int | None, device: str, cuda_devices: int) -> i
 
 
 RESULT_KEYS = ("device", "device_name", "torch_version", "matmul_flops_per_s", "copy_bytes_per_s", "quick",
-               "matmul_size", "matmul_skipped", "copy_size_bytes")
+               "matmul_size", "matmul_skipped", "copy_size_bytes", "unaligned_gemm_slowdown", "unaligned_gemm_shape")
 ALLREDUCE_KEYS = ("allreduce_bus_bytes_per_s", "allreduce_ranks", "allreduce_size_bytes",
                   "allreduce_bus_bytes_per_s_by_size")
 

@@ -21,6 +21,16 @@ What is measured (units: FLOP/s, bytes/s, bytes, seconds)
   GEMMs, fp8 (e4m3 × e4m3 → bf16, per-tensor scales, full-precision accumulation) through
   ``torch._scaled_mm`` only on GPUs of compute capability >= 8.9. A dtype the device cannot run is
   left out of the result (listed under ``matmul_skipped`` with the reason), never an error.
+- Unaligned GEMMs (``unaligned_gemm_slowdown`` per dtype, bf16/fp16/fp32 on CUDA, fp32 on CPU): the three GEMMs
+  of a linear layer's training step (forward Y = X·Wᵀ, data gradient dY·W, weight gradient dYᵀ·X) of a
+  language-model head, m tokens × k hidden × n vocabulary (CUDA: 8192 × 2048 × 50,304, quick 4096; CPU:
+  256 × 256 × 2,048), once with n padded (50,304 = 393 · 128) and once with the odd n - 1 (50,303: like GPT-2's
+  unpadded 50,257, every row of Y is 2 bytes aligned in 16-bit, 4 in fp32). The figure is the unaligned time per
+  FLOP over the aligned one. Tensor-core kernels load 16-byte vectors (Hopper's TMA needs 16-byte strides): an
+  odd dimension makes cuBLAS fall back to narrow-load kernels (NVIDIA Deep Learning Performance Guide, "Matrix
+  Multiplication Background", "Tensor Core Requirements"). The time model prices this as (a/16)^-γ with a the
+  alignment in bytes (estimators/compute.py ``gemm_time_s``), so γ = ln(slowdown) / ln(16/a)
+  (estimators/ceilings.py ``alignment_exponent_from``).
 - Copy bandwidth: ``dst.copy_(src)`` of a large device buffer (1 GiB on CUDA, 256 MiB quick; 256 MiB
   on CPU, 64 MiB quick; a server CPU's last-level cache can hold that much, so a CPU figure may be
   partly cache bandwidth: CPU runs are for tests, GPUs' L2 is ≤ ~100 MB). Bytes moved = 2 × size per copy (bytes
@@ -77,6 +87,9 @@ GIB = 2**30
 
 # (normal, quick) sizes per device
 MATMUL_N = {"cuda": (8192, 4096), "cpu": (1024, 512)}
+UNALIGNED_SHAPE = {"cuda": ((8192, 2048, 50304), (4096, 2048, 50304)), "cpu": ((256, 256, 2048), (128, 256, 2048))}
+"""(m tokens, k hidden, n padded vocabulary) of the unaligned-GEMM measurement per device, (normal, quick)."""
+UNALIGNED_DTYPES = {"cuda": ("bf16", "fp16", "fp32"), "cpu": ("fp32",)}
 COPY_BYTES = {"cuda": (GIB, 256 * MIB), "cpu": (256 * MIB, 64 * MIB)}
 ALLREDUCE_BYTES = {"cuda": ((16 * MIB, 128 * MIB, GIB), (8 * MIB, 64 * MIB, 256 * MIB)),
                    "cpu": ((MIB, 16 * MIB, 64 * MIB), (256 * 1024, MIB, 4 * MIB))}
@@ -228,6 +241,47 @@ def measure_matmul(device: str, dtypes: list[str], quick: bool) -> dict[str, Any
             "matmul_size": {d: n for d in best}, "matmul_skipped": skipped}
 
 
+def _linear_train_op(m: int, k: int, n: int, tdtype: torch.dtype, device: str) -> Callable[[], object]:
+    """The three GEMMs of one linear layer's training step: Y = X·Wᵀ, dX = dY·W, dW = dYᵀ·X (X m × k, W n × k)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(m, k, device=device, generator=gen).to(tdtype)
+    w = torch.randn(n, k, device=device, generator=gen).to(tdtype)
+    dy = torch.randn(m, n, device=device, generator=gen).to(tdtype)
+    y, dx, dw = (torch.empty(m, n, device=device, dtype=tdtype), torch.empty(m, k, device=device, dtype=tdtype),
+                 torch.empty(n, k, device=device, dtype=tdtype))
+
+    def step() -> object:
+        torch.mm(x, w.t(), out=y)
+        torch.mm(dy, w, out=dx)
+        return torch.mm(dy.t(), x, out=dw)
+
+    return step
+
+
+def measure_unaligned(device: str, dtypes: list[str], quick: bool) -> dict[str, Any]:
+    """Per dtype, the time per FLOP of a head's training GEMMs with an odd vocabulary over a padded one
+    (module docstring); dtypes the device cannot run are left out."""
+    m, k, n = UNALIGNED_SHAPE[device][quick]
+    tdtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    slowdown: dict[str, float] = {}
+    for dtype in [d for d in UNALIGNED_DTYPES[device] if d in dtypes]:
+        if device == "cuda" and dtype == "bf16" and not torch.cuda.is_bf16_supported():
+            continue
+        per_flop = []
+        try:
+            for width in (n, n - 1):
+                op = _linear_train_op(m, k, width, tdtypes[dtype], device)
+                per_flop.append(min(_time_op(op, device, quick)) / (6.0 * m * k * width))
+                del op
+        except (RuntimeError, NotImplementedError, TypeError):  # no kernel (or memory) for this dtype here
+            continue
+        finally:
+            if device == "cuda":
+                torch.cuda.empty_cache()
+        slowdown[dtype] = per_flop[1] / per_flop[0]
+    return {"unaligned_gemm_slowdown": slowdown, "unaligned_gemm_shape": {"m": m, "k": k, "n": n - 1, "padded_n": n}}
+
+
 def measure_copy(device: str, quick: bool) -> dict[str, Any]:
     """Device-to-device copy bandwidth, bytes/s counted as read + write (2 × size per copy)."""
     size = COPY_BYTES[device][quick]
@@ -336,6 +390,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     else:
         dtypes = args.dtypes or list(DTYPES if device == "cuda" else CPU_DTYPES)
         doc.update(measure_matmul(device, dtypes, args.quick))
+        doc.update(measure_unaligned(device, dtypes, args.quick))
         doc.update(measure_copy(device, args.quick))
     doc["wall_s"] = time.perf_counter() - _STARTED
     return doc

@@ -203,6 +203,8 @@ def _print_microbench(out: Console, bench: Any, report: Any) -> None:
         return
     for dtype, flops in bench.matmul_flops_per_s.items():
         out.print(f"  {dtype} matmul: {flops / 1e12:.3g} TFLOP/s")
+    for dtype, slowdown in bench.unaligned_gemm_slowdown.items():
+        out.print(f"  {dtype} GEMMs with an odd dimension: {slowdown:.2f}x the time per FLOP of padded ones")
     out.print(f"  copy: {bench.copy_bytes_per_s / 1e9:.3g} GB/s (read + write)")
     if bench.allreduce_bus_bytes_per_s is not None:
         out.print(f"  all-reduce bus bandwidth over {bench.allreduce_ranks} ranks: "

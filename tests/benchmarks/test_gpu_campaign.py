@@ -8,6 +8,7 @@ out) and the bad-input tests call ``main`` in this process."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -60,6 +61,10 @@ def test_probe_paths_oom_is_data_and_microbench_runs(results: Path) -> None:
     assert doc["oom"]["status"] == "oom" and "memory cap" in doc["oom"]["reason"] and doc["oom"]["ok"]
     bench = doc["microbench"]["result"]
     assert doc["microbench"]["ok"] and bench["matmul_flops_per_s"]["fp32"] > 1e8 and bench["copy_bytes_per_s"] > 1e8
+    slowdown = doc["microbench"]["unaligned_gemm_slowdown"]
+    assert set(slowdown) == {"fp32"} and slowdown == bench["unaligned_gemm_slowdown"]
+    gamma = doc["microbench"]["alignment_exponent"]
+    assert gamma["dtype"] == "fp32" and gamma["gamma"] == pytest.approx(max(0.0, math.log(slowdown["fp32"]) / math.log(4)))
     tests = doc["gpu_tests"]
     assert tests["ok"] and tests["counts"]["skipped"] >= 3 and tests["counts"]["failed"] == 0  # no CUDA here
     assert any("hung" in name for name in tests["tests"])

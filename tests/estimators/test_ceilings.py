@@ -12,9 +12,11 @@ from pydantic import ValidationError
 
 from optplan.estimators.ceilings import (
     MeasuredCeilings,
+    alignment_exponent_from,
     ceiling_report,
     gemm_fraction,
     gpu_with_measured_ceilings,
+    measured_alignment,
 )
 from optplan.estimators.comm import link_for, ring_all_reduce_s
 from optplan.estimators.compute import A100_FIT, DEFAULT_EFFICIENCY, efficiency_for, gemm_time_s
@@ -165,3 +167,58 @@ def test_mfu_stays_quoted_against_the_datasheet(gpu: GPUSpec, profile: ModelProf
     s = Strategy(precision="bf16", dp=8, mbs=4)
     t0, t1 = step_time(profile, s, cluster), step_time(profile, s, cluster.model_copy(update={"gpu": measured}))
     assert t1.mfu / t0.mfu == pytest.approx(t0.step_s / t1.step_s)
+
+
+@pytest.mark.parametrize(("slowdown", "dtype", "gamma"), [
+    (8.0, "bf16", 1.0), (2.0 ** 0.5, "fp16", 1 / 6), (4.0, "fp32", 1.0), (1.0, "bf16", 0.0), (0.9, "bf16", 0.0),
+])
+def test_alignment_exponent_reproduces_the_measured_slowdown(slowdown: float, dtype: str, gamma: float) -> None:
+    """γ such that the model's (a/16)^γ gives the measured ratio back: a = 2 bytes (16-bit odd), 4 (fp32 odd);
+    a measurement where the odd GEMM was not slower (noise) gives 0, never a speed-up."""
+    got = alignment_exponent_from(slowdown, dtype)
+    assert got == pytest.approx(gamma)
+    if slowdown >= 1:
+        a = 2 if dtype != "fp32" else 4
+        assert (16 / a) ** got == pytest.approx(slowdown)
+
+
+def test_measured_alignment_prefers_the_16_bit_figure() -> None:
+    both = MeasuredCeilings(unaligned_gemm_slowdown={"fp32": 4.0, "fp16": 8.0})
+    assert measured_alignment(both) == ("fp16", pytest.approx(1.0))
+    assert measured_alignment(MeasuredCeilings(unaligned_gemm_slowdown={"fp32": 2.0})) == ("fp32", pytest.approx(0.5))
+    assert measured_alignment(MEASURED) is None and not both.empty
+
+
+def _gpt2_dims_profile(profile: ModelProfile, vocab: int) -> ModelProfile:
+    assert profile.transformer is not None
+    return profile.model_copy(update={"transformer": profile.transformer.model_copy(update={"vocab": vocab})})
+
+
+def test_a_measured_alignment_exponent_prices_unpadded_vocabularies_only(profile: ModelProfile) -> None:
+    """The H200 GPT-2 runs (an unpadded 50,257 vocabulary) spent 42 ms in GEMMs where 24 were predicted: a
+    microbenchmark that finds odd GEMMs 6x slower makes the head's GEMMs slower in every plan for that machine,
+    and leaves a padded vocabulary's step time exactly as it was."""
+    gpu = find_gpu("H200")
+    strat = Strategy(precision="bf16", mbs=8, engine="torch")
+    measured = gpu_with_measured_ceilings(gpu, MeasuredCeilings(unaligned_gemm_slowdown={"bf16": 6.0}))
+    assert measured.gemm_alignment_exponent == pytest.approx(alignment_exponent_from(6.0, "bf16"))
+    assert "bf16 unaligned GEMM" in measured.source and gpu.gemm_alignment_exponent is None
+
+    def both(prof: ModelProfile):
+        return (step_time(prof, strat, Cluster(gpu=gpu, gpus=1, gpus_per_node=1)),
+                step_time(prof, strat, Cluster(gpu=measured, gpus=1, gpus_per_node=1)))
+
+    base, slow = both(_gpt2_dims_profile(profile, 50257))
+    assert slow.compute_s > base.compute_s and slow.step_s > base.step_s
+    assert slow.memory_bound_s == pytest.approx(base.memory_bound_s)
+    padded_base, padded = both(_gpt2_dims_profile(profile, 50304))
+    assert padded.step_s == pytest.approx(padded_base.step_s)
+
+
+def test_ceiling_report_states_the_unaligned_slowdown_against_the_model() -> None:
+    gpu = find_gpu("H100-SXM")
+    (line,) = ceiling_report(gpu, MeasuredCeilings(unaligned_gemm_slowdown={"bf16": 3.5}))
+    assumed = 8 ** efficiency_for(gpu).alignment_exponent
+    assert line == (f"bf16 GEMMs with an odd dimension (an unpadded vocabulary): measured 3.50x the time per FLOP "
+                    f"of padded ones (model assumed {assumed:.2f}x)")
+

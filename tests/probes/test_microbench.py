@@ -64,6 +64,10 @@ def test_cpu_matmul_copy_and_allreduce_are_positive_and_sane(cpu_result: Microbe
     assert max(r.allreduce_bus_bytes_per_s_by_size) == r.allreduce_size_bytes
     assert r.allreduce_bus_bytes_per_s_by_size[r.allreduce_size_bytes] == r.allreduce_bus_bytes_per_s
     assert 0 < r.wall_s < 60
+    # the head's training GEMMs with an odd vocabulary against a padded one (fp32 only on the CPU)
+    assert set(r.unaligned_gemm_slowdown) == {"fp32"} and 0.2 < r.unaligned_gemm_slowdown["fp32"] < 20
+    shape = r.unaligned_gemm_shape
+    assert shape["n"] % 2 == 1 and shape["padded_n"] == shape["n"] + 1 and shape["padded_n"] % 128 == 0
 
 
 def test_result_turns_into_measured_ceilings(cpu_result: MicrobenchResult) -> None:
@@ -73,6 +77,7 @@ def test_result_turns_into_measured_ceilings(cpu_result: MicrobenchResult) -> No
     assert c.copy_bytes_per_s == cpu_result.copy_bytes_per_s
     assert c.allreduce_bus_bytes_per_s == cpu_result.allreduce_bus_bytes_per_s
     assert "cpu" in c.source and "2 ranks" in c.source
+    assert c.unaligned_gemm_slowdown == cpu_result.unaligned_gemm_slowdown
     odd = cpu_result.model_copy(update={"matmul_flops_per_s": {"fp32": 1e9, "int8": 5e9}})
     assert set(odd.ceilings().matmul_flops_per_s) == {"fp32"}
 
@@ -180,6 +185,8 @@ def test_cuda_microbench() -> None:
     if torch.cuda.get_device_capability() >= (8, 9):
         assert r.matmul_flops_per_s["fp8"] > r.matmul_flops_per_s["bf16"]
     assert 1e11 < r.copy_bytes_per_s < 2e13
+    assert set(r.unaligned_gemm_slowdown) == {"bf16", "fp16", "fp32"}
+    assert all(0.5 < s < 50 for s in r.unaligned_gemm_slowdown.values()), r.unaligned_gemm_slowdown
     if torch.cuda.device_count() > 1:
         assert r.allreduce_ranks == torch.cuda.device_count() and r.allreduce_bus_bytes_per_s > 1e9
     else:
