@@ -38,7 +38,7 @@ How the bytes are counted, and why not with a bare ``MemTracker``:
   ``untyped_storage()`` is sized to the GLOBAL tensor, holding the rank's shard in ``_local_tensor``. A bare
   ``optplan.probes.memtrack.MemTracker`` counts a DTensor at its global size and the same shard again when its
   local tensor shows up in an op (measured: 149 MB for a 53 MB step). The tracker here is the runtime probe's
-  (``probes.runtime_child.ProbeTracker``: a DTensor counted once, by its local tensor's storage) that, in
+  (``probes.probe_tracker.ProbeTracker``: a DTensor counted once, by its local tensor's storage) that, in
   addition, returns ``NotImplemented`` for every op with a DTensor argument, so that DTensor's own dispatch runs
   the op on the local tensors under the tracker: it also sees the temporaries DTensor makes inside an op
   (redistributions, masks), not only their outputs (checked on a matmul whose sharding makes DTensor re-shard an
@@ -383,7 +383,7 @@ def _tracker_class() -> Any:
     from torch._subclasses.fake_tensor import FakeTensor
     from torch.distributed.tensor import DTensor
 
-    from optplan.probes.runtime_child import ProbeTracker
+    from optplan.probes.probe_tracker import ProbeTracker
 
     class DTensorTracker(ProbeTracker):
         """ProbeTracker (DTensors counted by their local storage) that lets DTensor run each op on the local
@@ -420,7 +420,7 @@ def _own_shards(model: Any) -> int:
     storage of its own; returns how many (module docstring)."""
     import torch
 
-    from optplan.probes.runtime_child import _local
+    from optplan.probes.probe_tracker import local_tensor as _local
 
     owned = 0
     with torch.no_grad():
@@ -438,7 +438,7 @@ def child(spec: dict[str, Any]) -> None:
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
-    from optplan.probes.runtime_child import _live_python_tensors
+    from optplan.probes.probe_tracker import live_python_tensors as _live_python_tensors
 
     config = DistributedConfig(tp_size=TP, fsdp_size=spec["dp"], fsdp_mixed_precision=spec["fsdp_mixed_precision"])
     model = AutoModelForCausalLM.from_pretrained(spec["folder"], dtype=torch.float32, distributed_config=config)

@@ -89,15 +89,13 @@ import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
 import platform  # noqa: E402
-import re  # noqa: E402
 import sys  # noqa: E402
 import traceback  # noqa: E402
-from collections.abc import Callable, Iterator  # noqa: E402
+from collections.abc import Callable  # noqa: E402
 from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
-from torch.utils._pytree import tree_leaves  # noqa: E402
 
 from optplan.probes.contract import (  # noqa: E402
     BATCH_FIX,
@@ -108,10 +106,20 @@ from optplan.probes.contract import (  # noqa: E402
     load_contract,
 )
 from optplan.probes.memtrack import MemTracker  # noqa: E402
-from optplan.probes.model_errors import ModelFileError, one_line  # noqa: E402
+from optplan.probes.model_errors import ModelFileError  # noqa: E402
+from optplan.probes.probe_failures import (  # noqa: E402
+    ProbeFailure,
+    classify,
+    peer_failure,
+)
+from optplan.probes.probe_tracker import (  # noqa: E402
+    ProbeTracker,
+    live_python_tensors,
+    local_tensor,
+    optimizer_chain,
+)
 from optplan.probes.trainloop import (  # noqa: E402
     Trainer,
-    TrainFailure,
     first_param_module,
     max_positions,
     to_device,
@@ -128,222 +136,6 @@ MAX_PREMADE_BATCHES = 4
 DATA_PARALLEL_ONLY = "the probe runs data-parallel strategies only (tp/pp/cp = 1, engines torch and deepspeed)"
 FP8_REFUSED = ("fp8 needs Transformer Engine / torchao fp8 layers, which the probe does not emulate: probe "
                "with precision bf16 (fp8 keeps bf16 weights and fp32 master states)")
-_OOM_MARK = "optplan-probe-oom"
-
-
-# ---------------------------------------------------------------------------------------------------
-# failures
-# ---------------------------------------------------------------------------------------------------
-ProbeFailure = TrainFailure
-"""A readable end of the probe with a status ("error", "oom", "nan" or "pruned"): trainloop's TrainFailure."""
-
-
-class ProbeOOM(ProbeFailure):
-    """Live tensor bytes went over ``memory_cap_bytes`` (raised by :class:`ProbeTracker`)."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__("oom", reason)
-
-    def __str__(self) -> str:  # recognisable after being wrapped by autograd or a collective
-        return f"{_OOM_MARK}: {self.reason}"
-
-
-def _human(n: float) -> str:
-    """Bytes as "812 B", "3.4 KiB", "1.2 MiB", "2.50 GiB"."""
-    if n < 1024:
-        return f"{n:.0f} B"
-    if n < 2**20:
-        return f"{n / 1024:.1f} KiB"
-    if n < 2**30:
-        return f"{n / 2**20:.1f} MiB"
-    return f"{n / 2**30:.2f} GiB"
-
-
-def _exception_chain(exc: BaseException) -> Iterator[BaseException]:
-    seen: set[int] = set()
-    cur: BaseException | None = exc
-    while cur is not None and id(cur) not in seen:
-        seen.add(id(cur))
-        yield cur
-        cur = cur.__cause__ or cur.__context__
-
-
-_PEER_FAILURE = re.compile(
-    r"connection (closed|reset) by peer|broken pipe|remote worker|communicator was aborted|"
-    r"connection refused|socket timeout|ncclremoteerror|rendezvous.*(closed|shut)", re.I)
-
-
-def peer_failure(exc: BaseException) -> bool:
-    """True when ``exc`` says another rank went away (a collective lost its peer): this rank is a victim."""
-    return any(_PEER_FAILURE.search(str(e)) for e in _exception_chain(exc))
-
-
-def classify(exc: BaseException, phase: str) -> tuple[str, str]:
-    """(status, one-line reason) for an exception raised while ``phase`` ran."""
-    for e in _exception_chain(exc):
-        if isinstance(e, ProbeOOM):
-            return "oom", f"{e.reason} during {phase}"
-        if isinstance(e, TrainFailure) or (type(e).__name__ == "TrainFailure" and hasattr(e, "status")):
-            return e.status, e.reason  # this package's, or a generated train.py's (--train-script)
-        if isinstance(e, ModelFileError):
-            return "error", str(e)
-    text = str(exc)
-    if _OOM_MARK in text:
-        return "oom", one_line(text.split(_OOM_MARK + ":", 1)[-1], 400) + f" during {phase}"
-    oom_type = getattr(torch.cuda, "OutOfMemoryError", None)
-    lowered = text.lower()
-    if (oom_type is not None and isinstance(exc, oom_type)) or "cuda out of memory" in lowered:
-        return "oom", one_line(f"CUDA out of memory in {phase}: {cuda_oom_summary(text)}", 400)
-    if isinstance(exc, MemoryError):
-        return "oom", one_line(f"out of host memory in {phase} (MemoryError{': ' + text if text else ''})", 400)
-    if isinstance(exc, RuntimeError) and ("out of memory" in lowered or "can't allocate memory" in lowered):
-        return "oom", one_line(f"out of memory in {phase}: {text}", 400)
-    if phase.startswith(("deepspeed", "importing deepspeed")) and (_OP_BUILD.search(text) or _in_op_build(exc)):
-        return "error", one_line(
-            f"DeepSpeed could not JIT-build an op during {phase} ({exc_text(exc)}): check that g++/ninja (and nvcc "
-            f"with CUDA_HOME on GPU) work and {EXTENSIONS_VAR} is writable, or give a ds_config without an "
-            "'optimizer' section (the probe then passes a torch optimizer)", 500)
-    return "error", one_line(f"{phase} raised {exc_text(exc)}", 400)
-
-
-def _in_op_build(exc: BaseException) -> bool:
-    """Whether ``exc`` (or an exception it chains) was raised inside DeepSpeed's op builder or torch's
-    C++ extension loader (a compiler that fails even its version check says nothing of "build")."""
-    for e in _exception_chain(exc):
-        for frame in traceback.extract_tb(e.__traceback__):
-            name = frame.filename.replace("\\", "/")
-            if "/op_builder/" in name or name.endswith("cpp_extension.py"):
-                return True
-    return False
-
-
-_OP_BUILD = re.compile(r"error building extension|ninja|cuda_home|nvcc|op_builder|\.so: cannot open|"
-                       r"compiled with|jit|cpp_extension", re.I)
-EXTENSIONS_VAR = "TORCH_EXTENSIONS_DIR"
-
-
-def cuda_oom_summary(text: str) -> str:
-    """The useful part of torch's CUDA OOM message: "tried to allocate 20.00 MiB; GPU 0 has a total
-    capacity of 79.19 GiB of which 3.19 MiB is free" (without the allocator advice)."""
-    body = re.sub(r"^\s*CUDA out of memory\.?\s*", "", text.strip())
-    for stop in ("Including non-PyTorch memory", "Of the allocated memory", "If reserved but unallocated"):
-        body = body.split(stop)[0]
-    body = re.sub(r"\s*(Process \d+|This process) has .*? memory in use\.", "", body)
-    parts = [p.strip().rstrip(".") for p in re.split(r"\.\s+", body) if p.strip()]
-    return "; ".join(p[0].lower() + p[1:] if len(p) > 1 and p[1].islower() else p for p in parts)
-
-
-# ---------------------------------------------------------------------------------------------------
-# memory tracking (CPU)
-# ---------------------------------------------------------------------------------------------------
-def _local(t: Any) -> Any:
-    """The local tensor of a DTensor (FSDP2 shards), else ``t``."""
-    local = getattr(t, "_local_tensor", None)
-    return local if isinstance(local, torch.Tensor) else t
-
-
-_SETTLED_COLLECTIVES = frozenset({
-    "allreduce_", "allreduce_coalesced_", "allgather_", "_allgather_base_", "allgather_coalesced_",
-    "allgather_into_tensor_coalesced_", "reduce_scatter_", "_reduce_scatter_base_",
-    "reduce_scatter_tensor_coalesced_", "broadcast_", "reduce_", "alltoall_", "alltoall_base_", "gather_",
-    "scatter_"})
-"""c10d operators whose work :class:`ProbeTracker` waits for and lets settle (not send/recv: a pipeline's
-point-to-point pairs may need the peer's next operation posted first)."""
-
-COLLECTIVE_SETTLE_S = 0.002
-"""How long the main thread sleeps after a collective completed (seconds), so that gloo's worker thread
-finishes its iteration and drops its reference to the work and its tensors (microseconds of work) before
-the step goes on; see :class:`ProbeTracker`."""
-
-
-class ProbeTracker(MemTracker):
-    """MemTracker that sees DTensors' local shards, re-tags storages, and enforces a byte cap.
-
-    On CPU with several ranks, gloo runs each collective on a worker thread that marks the work complete and
-    only then drops its reference to the work, and with it the work's tensors. When the training code dropped
-    its own reference in between (FSDP2 releasing a reduce-scatter input, DeepSpeed a reduced gradient), the
-    buffer was freed on the worker thread microseconds to milliseconds later, and whether that was before or
-    after the step's next peak decided the figure: the same FSDP-full run measured -0.54 %, +0.19 % or
-    -4.85 % against the same prediction. On a GPU the caching allocator frees such a buffer when the last
-    Python reference goes. So every collective (:data:`_SETTLED_COLLECTIVES`) seen in a tracked step is
-    waited for at once and given :data:`COLLECTIVE_SETTLE_S` to settle: the buffers are then freed in program
-    order, on the main thread (in practice: 2 ms is a margin, not a guarantee; two full fidelity_train runs gave
-    identical figures). Only CPU steps under the tracker run so: the probe's memory-tracked steps (never its timed
-    ones) and the steps of a generated train.py run by the probe on CPU (ScriptHooks). DTensor's functional
-    collectives (``_c10d_functional``, transformers' tp_plan) are not settled."""
-
-    def __init__(self, cap_bytes: int | None = None) -> None:
-        super().__init__()
-        self.cap_bytes = cap_bytes
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
-        out = super().__torch_dispatch__(func, types, args, kwargs)
-        if getattr(func, "namespace", None) == "c10d" and func._opname in _SETTLED_COLLECTIVES:
-            leaves = tree_leaves(out)
-            if any(isinstance(t, torch.Tensor) and t.device.type != "cpu" for t in leaves):
-                return out  # gloo on CPU only: NCCL's streams order their own frees
-            works = [w for w in leaves if isinstance(w, torch.ScriptObject) and hasattr(w, "wait")]
-            for work in works:
-                work.wait()
-            if works:
-                time.sleep(COLLECTIVE_SETTLE_S)
-        return out
-
-    def _add(self, t: torch.Tensor, category: str = "activation") -> None:
-        t = _local(t)
-        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
-            return
-        super()._add(t, category)
-        if self.cap_bytes is not None and self.live_bytes > self.cap_bytes:
-            raise ProbeOOM(f"live tensor bytes {self.live_bytes:,} ({_human(self.live_bytes)}) exceed the memory cap "
-                           f"of {self.cap_bytes:,} bytes ({_human(self.cap_bytes)})")
-
-    def retag(self, t: Any, category: str) -> None:
-        """Move a tracked storage's bytes to ``category`` (e.g. an activation that became ``p.grad``)."""
-        key = self._storage_key(_local(t))
-        if key is None or key not in self._sizes:
-            return
-        old = self._category[key]
-        if old == category:
-            return
-        size = self._sizes[key]
-        self._category[key] = category
-        self.live_by_category[old] -= size
-        self.live_by_category[category] = self.live_by_category.get(category, 0) + size
-
-
-def _live_python_tensors(device_type: str) -> list[torch.Tensor]:
-    """Every real tensor object the garbage collector knows of, on ``device_type`` (fake tensors that
-    torch.compile keeps from tracing hold no memory and are skipped)."""
-    try:
-        from torch._subclasses.fake_tensor import FakeTensor
-    except ImportError:  # pragma: no cover
-        FakeTensor = ()  # type: ignore[assignment,misc]  # noqa: N806
-    out: list[torch.Tensor] = []
-    for obj in gc.get_objects():
-        try:
-            if not issubclass(type(obj), torch.Tensor) or isinstance(obj, FakeTensor):
-                continue
-            local = _local(obj)
-            if isinstance(local, FakeTensor) or local.device.type != device_type:
-                continue
-            out.append(obj)
-        except Exception:  # noqa: BLE001 - weak proxies, half-built objects
-            continue
-    return out
-
-
-def _optimizer_chain(opt: Any) -> list[torch.optim.Optimizer]:
-    """The torch optimizers inside ``opt`` (DeepSpeed and master-weight wrappers hold one in ``.optimizer``)."""
-    found: list[torch.optim.Optimizer] = []
-    seen: set[int] = set()
-    cur = opt
-    while cur is not None and id(cur) not in seen and len(seen) < 8:
-        seen.add(id(cur))
-        if isinstance(cur, torch.optim.Optimizer):
-            found.append(cur)
-        cur = getattr(cur, "optimizer", None)
-    return found
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -390,21 +182,21 @@ def tracked_call(trainer: Any, step: Callable[[], torch.Tensor], cap_bytes: int 
     params = list(model.parameters())
     param_keys = set()
     for p in params:
-        key = MemTracker._storage_key(_local(p))
+        key = MemTracker._storage_key(local_tensor(p))
         if key is not None:
             param_keys.add(key)
     tracker.track(params, category="param")
     tracker.track([p.grad for p in params], category="grad")
-    for opt in _optimizer_chain(trainer.master or trainer.optimizer):
+    for opt in optimizer_chain(trainer.master or trainer.optimizer):
         for group in opt.param_groups:
-            masters = [t for t in group["params"] if MemTracker._storage_key(_local(t)) not in param_keys]
+            masters = [t for t in group["params"] if MemTracker._storage_key(local_tensor(t)) not in param_keys]
             tracker.track(masters, category="master")
         tracker.track([v for st in opt.state.values() for v in (st.values() if isinstance(st, dict) else [st])
                        if isinstance(v, torch.Tensor)], category="optimizer")
     tracker.track(list(model.buffers()), category="buffer")
     tracker.track(list(trainer.ddp_buckets.values()), category="bucket")
     tracker.track(inputs, category="input")
-    rest = _live_python_tensors(trainer.device_type)
+    rest = live_python_tensors(trainer.device_type)
     if trainer.fsdp != "none":  # FSDP2's unsharded parameters (storage resized to 0 between uses)
         tracker.track([t for t in rest if isinstance(t, nn.Parameter)], category="unsharded_param")
     tracker.track(rest, category="other")
