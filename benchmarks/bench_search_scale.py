@@ -14,6 +14,9 @@ Run: python benchmarks/bench_search_scale.py
 5. DeepSeek-V3 (671B, 61 layers, 256 experts top-8, MLA; ``--arch`` shape) on 2,048 H100, global batch 15,360 x
    4,096 tokens (its report's): tp, pp with uneven layouts, vpp, cp, ep, DeepEP, the all-to-all overlap. The space
    is ~0.5M points, so the search screens layouts (planner/search.py). Target (issue 19): under 10 s.
+6. DeepSeek-V2-Lite (16B, 27 layers, 64 experts top-6, 2 shared, MLA; ``--arch`` shape) on 32 H100: a mid-size MoE
+   space, under ``ENUMERATE_LIMIT``, so enumerated in full (70 s on a 2-core machine on 2026-11-29, where 2,048 GPUs
+   of DeepSeek-V3 take under 10 s): the figure to bring down.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ LLAMA_70B = "layers=80,hidden=8192,heads=64,kv_heads=8,ffn=28672,vocab=128256,se
 GPT3 = "layers=96,hidden=12288,heads=96,vocab=51200,seq=2048"
 DSV3 = ("layers=61,hidden=7168,heads=128,ffn=18432,vocab=129280,experts=256,topk=8,moe_ffn=2048,shared_experts=1,"
         "first_dense=3,moe_every=1,gated=1,tied=0,kv_lora=512,q_lora=1536,rope_dim=64,nope_dim=128,v_dim=128,seq=4096")
+DSV2_LITE = ("layers=27,hidden=2048,heads=16,ffn=10944,vocab=102400,experts=64,topk=6,moe_ffn=1408,shared_experts=2,"
+             "first_dense=1,moe_every=1,gated=1,tied=0,kv_lora=512,rope_dim=64,nope_dim=128,v_dim=128,seq=4096")
 
 
 def _rss_gib() -> float:
@@ -71,6 +76,12 @@ def main() -> None:
     dsv3 = profile_from_arch(parse_arch(DSV3))
     h100_2k, _ = resolve_cluster(gpu="H100-SXM", gpus=2048, gpus_per_node=8)
     rec = _timed("DeepSeek-V3 671B, 2,048 x H100, gb 15360", profile=dsv3, cluster=h100_2k, global_batch=15360)
+    s = rec.search  # type: ignore[attr-defined]
+    print(f"  ({s.method}: {s.layouts - s.layouts_screened_out:,} of {s.layouts:,} layouts enumerated in full)")
+
+    lite = profile_from_arch(parse_arch(DSV2_LITE))
+    h100_32, _ = resolve_cluster(gpu="H100-SXM", gpus=32, gpus_per_node=8)
+    rec = _timed("DeepSeek-V2-Lite 16B, 32 x H100", profile=lite, cluster=h100_32)
     s = rec.search  # type: ignore[attr-defined]
     print(f"  ({s.method}: {s.layouts - s.layouts_screened_out:,} of {s.layouts:,} layouts enumerated in full)")
 
