@@ -28,7 +28,7 @@ Performance Guide, "Matrix Multiplication Background", "Tensor Core Requirements
 language-model head's three training GEMMs with an odd vocabulary against a padded one (microbench_child.py),
 so a = 2 bytes in 16-bit and 4 in fp32; the 16-bit figure is used (bf16, else fp16), else fp32's. vTrain's A100
 fit could not separate γ from the cross-entropy bytes per logit (benchmarks/fidelity_vtrain.py): a measured γ
-replaces the fitted one for that machine's plans (timing.py ``step_time``).
+replaces the fitted one for that machine's plans (efficiency.py ``efficiency_for``).
 
 and the model, multiplying back by the fraction, predicts exactly the measured figure for the
 benchmark's own operation (a large square GEMM, a large device copy counted as read + write per the
@@ -94,7 +94,8 @@ class MeasuredCeilings(BaseModel):
 
 
 UNALIGNED_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4}
-"""Alignment in bytes of the microbenchmark's odd dimension per dtype (one element)."""
+"""Alignment in bytes of the microbenchmark's odd dimension per dtype (one element), in the order
+:func:`measured_alignment` prefers them."""
 
 
 def alignment_exponent_from(slowdown: float, dtype: str) -> float:
@@ -106,7 +107,7 @@ def alignment_exponent_from(slowdown: float, dtype: str) -> float:
 
 def measured_alignment(measured: MeasuredCeilings) -> tuple[str, float] | None:
     """(dtype, γ) from the unaligned-GEMM figure the time model takes (bf16, else fp16, else fp32), or None."""
-    for dtype in ("bf16", "fp16", "fp32"):
+    for dtype in UNALIGNED_BYTES:  # bf16, fp16, fp32
         slowdown = measured.unaligned_gemm_slowdown.get(dtype)  # type: ignore[call-overload]
         if slowdown is not None:
             return dtype, alignment_exponent_from(slowdown, dtype)

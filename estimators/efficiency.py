@@ -160,9 +160,14 @@ def default_efficiency() -> GpuEfficiency:
 
 
 def efficiency_for(gpu: GPUSpec) -> GpuEfficiency:
-    """The constants for ``gpu``: its fit, else its derivation, else :func:`default_efficiency`."""
+    """The constants for ``gpu``: its fit, else its derivation, else :func:`default_efficiency`; a GEMM alignment
+    exponent measured on the machine (``GPUSpec.gemm_alignment_exponent``, estimators/ceilings.py) replaces the
+    fitted one."""
     found = _resolved().get(gpu.name)
-    return found if found is not None else default_efficiency()
+    eff = found if found is not None else default_efficiency()
+    if gpu.gemm_alignment_exponent is not None:
+        return eff.model_copy(update={"alignment_exponent": gpu.gemm_alignment_exponent})
+    return eff
 
 
 def derivation_for(gpu_name: str) -> Derivation | None:

@@ -568,16 +568,14 @@ def step_time(profile: ModelProfile, strategy: Strategy, cluster: Cluster, *,
               adam_impl: AdamImpl | None = None, attention_kernel: str | None = None) -> TimeBreakdown:
     """Time of one optimizer step of ``strategy`` on ``cluster`` with throughput, MFU and HFU.
 
-    ``efficiency`` overrides the GPU's constants and ``engine`` the engine family's (efficiency.py); a GEMM
-    alignment exponent measured on the machine (``GPUSpec.gemm_alignment_exponent``) replaces either's; the
+    ``efficiency`` overrides the GPU's constants (``efficiency_for(gpu)``, with the GEMM alignment exponent measured
+    on the machine when the spec carries one) and ``engine`` the engine family's (efficiency.py); the
     fitting benchmarks (fidelity_vtrain.py, fit_time.py) fit them through these. ``adam_impl`` overrides the
     engine's own AdamW implementation (a torch client optimizer under DeepSpeed, as the probes run it), and
     ``attention_kernel`` the attention kernel the engine runs on that GPU (attention_kernels.py: a measured run
     that ran another, e.g. llm-foundry's MPT Triton flash attention, ``fitted``).
     """
     eff = efficiency or efficiency_for(cluster.gpu)
-    if cluster.gpu.gemm_alignment_exponent is not None:  # measured on this machine (ceilings.py)
-        eff = eff.model_copy(update={"alignment_exponent": cluster.gpu.gemm_alignment_exponent})
     engine = engine or engine_efficiency(strategy.engine)
     dims = transformer_dims(profile)
     if dims is None:

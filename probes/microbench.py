@@ -86,6 +86,8 @@ class MicrobenchResult(BaseModel):
         default_factory=dict, description="per dtype, a head's training GEMMs' time per FLOP with an odd vocabulary "
                                           "over a padded one (microbench_child.py)")
     unaligned_gemm_shape: dict[str, int] = Field(default_factory=dict, description="m, k, n (odd) and padded_n")
+    unaligned_gemm_skipped: dict[str, str] = Field(default_factory=dict,
+                                                   description="dtype -> why its unaligned GEMMs were not measured")
 
     def ceilings(self) -> MeasuredCeilings:
         """The figures as the estimators' :class:`MeasuredCeilings` (dtype names outside
@@ -241,7 +243,8 @@ def _allreduce_ranks(requested: int | None, device: str, cuda_devices: int) -> i
 
 
 RESULT_KEYS = ("device", "device_name", "torch_version", "matmul_flops_per_s", "copy_bytes_per_s", "quick",
-               "matmul_size", "matmul_skipped", "copy_size_bytes", "unaligned_gemm_slowdown", "unaligned_gemm_shape")
+               "matmul_size", "matmul_skipped", "copy_size_bytes", "unaligned_gemm_slowdown", "unaligned_gemm_shape",
+               "unaligned_gemm_skipped")
 ALLREDUCE_KEYS = ("allreduce_bus_bytes_per_s", "allreduce_ranks", "allreduce_size_bytes",
                   "allreduce_bus_bytes_per_s_by_size")
 

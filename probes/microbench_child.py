@@ -260,12 +260,14 @@ def _linear_train_op(m: int, k: int, n: int, tdtype: torch.dtype, device: str) -
 
 def measure_unaligned(device: str, dtypes: list[str], quick: bool) -> dict[str, Any]:
     """Per dtype, the time per FLOP of a head's training GEMMs with an odd vocabulary over a padded one
-    (module docstring); dtypes the device cannot run are left out."""
+    (module docstring); a dtype the device cannot run is left out, with why (``unaligned_gemm_skipped``)."""
     m, k, n = UNALIGNED_SHAPE[device][quick]
     tdtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     slowdown: dict[str, float] = {}
+    skipped: dict[str, str] = {}
     for dtype in [d for d in UNALIGNED_DTYPES[device] if d in dtypes]:
         if device == "cuda" and dtype == "bf16" and not torch.cuda.is_bf16_supported():
+            skipped[dtype] = "this GPU has no bf16 math"
             continue
         per_flop = []
         try:
@@ -273,13 +275,15 @@ def measure_unaligned(device: str, dtypes: list[str], quick: bool) -> dict[str, 
                 op = _linear_train_op(m, k, width, tdtypes[dtype], device)
                 per_flop.append(min(_time_op(op, device, quick)) / (6.0 * m * k * width))
                 del op
-        except (RuntimeError, NotImplementedError, TypeError):  # no kernel (or memory) for this dtype here
+        except Exception as exc:  # noqa: BLE001 - no kernel, or no memory, for this dtype here: data, not a failure
+            skipped[dtype] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
             continue
         finally:
             if device == "cuda":
                 torch.cuda.empty_cache()
         slowdown[dtype] = per_flop[1] / per_flop[0]
-    return {"unaligned_gemm_slowdown": slowdown, "unaligned_gemm_shape": {"m": m, "k": k, "n": n - 1, "padded_n": n}}
+    return {"unaligned_gemm_slowdown": slowdown, "unaligned_gemm_skipped": skipped,
+            "unaligned_gemm_shape": {"m": m, "k": k, "n": n - 1, "padded_n": n}}
 
 
 def measure_copy(device: str, quick: bool) -> dict[str, Any]:
