@@ -7,8 +7,9 @@ Every candidate is priced by the analytic estimators (well under a millisecond e
   first that does not fit (per-GPU memory grows with the micro-batch). Each chunk of groups records its
   Pareto front and best candidates into the Optuna study as completed trials, with the study's
   ``groups_done`` mark, so a killed search resumes where it stopped and a finished one is not repeated.
-- ``screen``: spaces above :data:`ENUMERATE_LIMIT` points (pipeline-parallel MoE layouts on thousands of
-  GPUs: DeepSeek-V3 on 2,048 H100s has ~0.5M). A two-stage enumeration: every layout is first priced through
+- ``screen``: spaces above :data:`ENUMERATE_LIMIT` points with more layouts than the screen keeps (MoE spaces
+  from a few tens of GPUs: DeepSeek-V2-Lite on 32 H100s has 191k points in 459 layouts; pipeline-parallel MoE
+  layouts on thousands of GPUs: DeepSeek-V3 on 2,048 H100s has ~0.5M). A two-stage enumeration: every layout is first priced through
   one probe group (the most sharded setting of each engine that runs it, the first precision and optimizer,
   selective recomputation, or full where nothing else fits: its micro-batches ascending as above), the layouts
   are ranked by their best probe, and the :func:`screen_keep` best are then enumerated over every group. What
@@ -58,11 +59,19 @@ from optplan.planner.space import Group, Layout, SearchSpace, Sharding, strategy
 SearchMethod = Literal["auto", "enumerate", "screen", "nsga2", "tpe"]
 Objective = Literal["throughput", "time", "cost"]
 OBJECTIVES: tuple[str, ...] = ("throughput", "time", "cost")
-ENUMERATE_LIMIT = 200_000
-"""Spaces up to this many points are enumerated; larger ones are screened (``auto``). Optuna's samplers draw the
-axes independently, and on spaces this large most draws are illegal combinations (pruned trials count against
-the trial budget: 16 legal plans of 3,000 trials on DeepSeek-V3 at 2,048 GPUs), so they are used only when asked."""
-SCREEN_KEEP_LAYOUTS = 96
+ENUMERATE_LIMIT = 20_000
+"""Spaces up to this many points are enumerated; larger ones are screened (``auto``) when they have more layouts
+than the screen keeps (:func:`auto_method`). Measured (benchmarks/bench_screen_agreement.py, 2026-11-29, 13
+dense and MoE spaces of 7k-199k points on 8-64 GPUs): the screen's pick was the full enumeration's in 13 of 13
+(DeepSeek-V2-Lite on 32 H100: 191k points, 83 s enumerated, 11.5 s screened; see :data:`SCREEN_KEEP_LAYOUTS`). Optuna's
+samplers draw the axes independently, and on spaces this large most draws are illegal combinations (pruned trials
+count against the trial budget: 16 legal plans of 3,000 trials on DeepSeek-V3 at 2,048 GPUs), so they are used
+only when asked."""
+SCREEN_KEEP_LAYOUTS = 32
+"""The screen enumerates at least this many layouts in full (:func:`screen_keep`). Measured
+(benchmarks/bench_screen_agreement.py, 2026-11-29): keeping 32 found the full enumeration's pick in 13 of 13 spaces
+(dense and MoE, 8-64 GPUs, memory-tight ones whose picks offload or recompute included), as keeping 96 did, at
+2-11x less wall time than enumerating (96: 1.1-5.9x)."""
 SCREEN_KEEP_SHARE = 0.04
 DEFAULT_TRIALS = 3000
 MEMORY_CONSTRAINT_KEY = "memory_excess_gib"
@@ -463,10 +472,19 @@ def _enumerate(pricer: Pricer, space: SearchSpace, study: optuna.Study, goal: Go
     return evaluated, resumed
 
 
+def auto_method(space: SearchSpace, size: int | None = None) -> Literal["enumerate", "screen"]:
+    """What ``auto`` runs on ``space`` (``size``: its point count, when already counted): the full enumeration up to
+    :data:`ENUMERATE_LIMIT` points, and wherever the screen would keep every layout anyway (it would price each
+    layout's probe and then enumerate them all); else the screen."""
+    points = space.size if size is None else size
+    layouts = len(space.layouts)
+    return "enumerate" if points <= ENUMERATE_LIMIT or layouts <= screen_keep(layouts) else "screen"
+
+
 def screen_keep(layouts: int) -> int:
     """How many layouts the screen enumerates in full: :data:`SCREEN_KEEP_LAYOUTS`, or
-    :data:`SCREEN_KEEP_SHARE` of them when that is more (stated defaults: DeepSeek-V3 on 2,048 H100s keeps 96 of
-    2,382 layouts and its pick is the full enumeration's)."""
+    :data:`SCREEN_KEEP_SHARE` of them when that is more (DeepSeek-V3 on 2,048 H100s keeps 95 of 2,382 layouts and
+    its pick is the full enumeration's)."""
     return max(SCREEN_KEEP_LAYOUTS, int(SCREEN_KEEP_SHARE * layouts))
 
 
@@ -580,9 +598,8 @@ def search(profile: ModelProfile, cluster: Cluster, space: SearchSpace, *, goal:
     goal.check()
     notify = on_progress or (lambda _e: None)
     size = space.size
-    chosen: Literal["enumerate", "screen", "nsga2", "tpe"] = (
-        "enumerate" if method == "enumerate" or (method == "auto" and size <= ENUMERATE_LIMIT)
-        else ("screen" if method in ("auto", "screen") else ("tpe" if method == "tpe" else "nsga2")))
+    chosen: Literal["enumerate", "screen", "nsga2", "tpe"] = auto_method(space, size) if method == "auto" \
+        else method  # type: ignore[assignment]
     name = study_name or study_name_for(profile, cluster, space, goal, chosen, seed, calibration)
     pricer = Pricer(profile, cluster, calibration, on_priced=on_trial)
     screened_out = 0

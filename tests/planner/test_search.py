@@ -408,6 +408,28 @@ def test_screen_enumerates_the_best_layouts_and_finds_the_enumerated_pick(monkey
     assert screened.ranked[0].strategy == full.ranked[0].strategy
 
 
+def test_auto_screens_only_where_the_screen_would_drop_layouts(monkeypatch) -> None:
+    """``auto`` enumerates up to ENUMERATE_LIMIT points, and above it still enumerates a space whose layouts the
+    screen would all keep (probing them first would only add work); above the limit with more layouts than the
+    screen keeps, it screens."""
+    import optplan.planner.search as search_mod
+    from optplan.estimators.hardware import find_gpu
+
+    prof = profile_from_arch(parse_arch(
+        "layers=13,hidden=2048,heads=16,ffn=8192,vocab=32000,gated=1,tied=0,experts=64,topk=8,moe_ffn=512,seq=4096"))
+    cluster = Cluster(gpu=find_gpu("H100-SXM"), gpus=8, gpus_per_node=8)
+    space = build_space(prof, cluster, global_batch=512, engines=("megatron",))
+    layouts = len(space.layouts)
+    assert search_mod.auto_method(space) == ("enumerate" if space.size <= search_mod.ENUMERATE_LIMIT else "screen")
+    monkeypatch.setattr(search_mod, "ENUMERATE_LIMIT", space.size - 1)
+    monkeypatch.setattr(search_mod, "SCREEN_KEEP_LAYOUTS", layouts)  # the screen would keep every layout
+    assert search_mod.auto_method(space) == "enumerate"
+    monkeypatch.setattr(search_mod, "SCREEN_KEEP_LAYOUTS", layouts - 1)
+    assert search_mod.auto_method(space) == "screen"
+    monkeypatch.setattr(search_mod, "ENUMERATE_LIMIT", space.size)
+    assert search_mod.auto_method(space) == "enumerate"
+
+
 def test_nsga2_repairs_illegal_draws_instead_of_wasting_trials() -> None:
     """Optuna draws the axes independently; a draw that is no legal point (a sharding the layout's engine lacks, a
     micro-batch that does not divide its batch) is repaired to the nearest legal one, so most trials price a
