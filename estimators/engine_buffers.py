@@ -24,7 +24,7 @@ from optplan.estimators.finetune import (
     int8_checkpoint_kept_bytes,
 )
 from optplan.estimators.fsdp_grad_sync import accumulated_grad_bytes, fsdp_reduce_bytes, syncs_once_per_step
-from optplan.estimators.parallel import layers_per_stage, placement
+from optplan.estimators.parallel import layers_per_stage, shard_ranks
 from optplan.estimators.params_placement import param_split, stage_params
 from optplan.estimators.pipeline_fsdp import keeps_stage_unsharded, unsharded_stage_params_bytes
 from optplan.estimators.precision import Recipe, get_recipe
@@ -150,7 +150,7 @@ def buffers_with_moments(profile: ModelProfile, strategy: Strategy, stage: int,
             inflight, moments = zero3_prefetch_params(profile, strategy)
             items["zero3_prefetch_buffer"] = (round(inflight * weight), moments)
             persistent = persistent_params(profile, buckets.stage3_param_persistence_threshold)
-            shard = placement(strategy, gpus_per_node).shard.ranks
+            shard = shard_ranks(strategy, gpus_per_node)
             # kept whole on every rank; the sharded states already count 1/shard of them
             items["zero3_persistent_params"] = (round(persistent * recipe.weight_bytes * (1 - 1 / shard)), None)
     elif strategy.engine == "torch" and (dpcp > 1 or strategy.fsdp != "none"):
@@ -192,7 +192,7 @@ def buffers_with_moments(profile: ModelProfile, strategy: Strategy, stage: int,
                     accumulated_grad_bytes(moved, trainable_share, strategy.precision), BEFORE_GRADS)
                 items["fsdp_accumulated_root_grads"] = (
                     accumulated_grad_bytes(root, trainable_share, strategy.precision), THROUGH_BACKWARD)
-            shard = placement(strategy, gpus_per_node).shard.ranks
+            shard = shard_ranks(strategy, gpus_per_node)
             if strategy.fsdp == "hybrid" and block and dpcp > shard:
                 items["hsdp_all_reduce_outputs"] = (round(blocks / shard * reduce_bytes), WHILE_GRADS)
     dequantized = dequantized_weight_bytes(profile.adapter, strategy.quant)

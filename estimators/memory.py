@@ -79,7 +79,7 @@ from optplan.estimators.engine_buffers import (  # noqa: F401  (re-exported: cal
 )
 from optplan.estimators.library_workspaces import cublas_workspace_bytes
 from optplan.estimators.optimizers import optimizer_sees_flat_params, optimizer_state_bytes_per_param
-from optplan.estimators.parallel import placement
+from optplan.estimators.parallel import shard_ranks
 from optplan.estimators.params_placement import (  # noqa: F401  (re-exported: callers import them from here)
     ParamSplit,
     param_split,
@@ -232,7 +232,7 @@ def _deepspeed_grad_partition_bytes(profile: ModelProfile, strategy: Strategy, s
     """``grads_in_partition`` of the worst rank (bytes): exact from the parameter sizes when the profile
     has them and there is no model parallelism, else the ideal 1/N share."""
     recipe = get_recipe(strategy.precision)
-    n_d = placement(strategy, gpus_per_node).shard.ranks
+    n_d = shard_ranks(strategy, gpus_per_node)
     if profile.param_numels and not strategy.model_parallel:
         return deepspeed_grad_partition_elements(tuple(profile.param_numels), n_d) * recipe.grad_bytes
     psi_train = stage_params(profile, strategy, stage) * (
@@ -255,7 +255,7 @@ def model_states(profile: ModelProfile, strategy: Strategy, *, stage: int = 0,
     psi_train = psi * train_share
     # what sharding divides: every expert over the dp·cp ranks (expert_parallel.py); = psi without experts
     psi_sharded = stage_params_all_experts(profile, strategy, stage)
-    n_d = placement(strategy, gpus_per_node).shard.ranks
+    n_d = shard_ranks(strategy, gpus_per_node)
     k = recipe.master_bytes + optimizer_state_bytes_per_param(
         strategy.optimizer, recipe, profile, flat_params=optimizer_sees_flat_params(strategy))
     shard = strategy.shard_stage
@@ -305,7 +305,7 @@ def _grad_bytes_by_moment(states: ModelStates, profile: ModelProfile, strategy: 
     recipe = get_recipe(strategy.precision)
     psi_train = stage_params(profile, strategy, stage) * (
         profile.trainable_params / profile.params if profile.params else 0.0)
-    averaged = round(psi_train * recipe.grad_bytes / placement(strategy, gpus_per_node).shard.ranks)
+    averaged = round(psi_train * recipe.grad_bytes / shard_ranks(strategy, gpus_per_node))
     kept = averaged if strategy.grad_accum > 1 else 0
     return states.grads_bytes + kept, kept, averaged
 

@@ -77,6 +77,17 @@ def placement(strategy: Strategy, gpus_per_node: int) -> Placement:
                      etp=grp(s.expert_tp, 1))
 
 
+def shard_ranks(strategy: Strategy, gpus_per_node: int) -> int:
+    """Ranks of the ZeRO/FSDP sharding group (count): ``placement(strategy, gpus_per_node).shard.ranks`` without
+    placing the other groups (memory asks for it several times per candidate)."""
+    dpcp = strategy.dp * strategy.cp
+    if strategy.fsdp == "hybrid":
+        nodes = group_nodes(dpcp, strategy.tp, gpus_per_node)
+        if nodes > 1:
+            return max(1, dpcp // nodes)
+    return dpcp
+
+
 def placement_notes(strategy: Strategy, cluster: Cluster) -> tuple[str, ...]:
     """A note when the tensor-parallel group spans nodes: its per-layer collectives then run over the
     inter-node link (``comm.link_for``: the NICs of the group's GPUs in one node together), which Megatron-LM

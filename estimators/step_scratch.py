@@ -12,7 +12,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from optplan.estimators.optimizers import optimizer_sees_flat_params
-from optplan.estimators.parallel import placement
+from optplan.estimators.parallel import shard_ranks
 from optplan.estimators.params_placement import stage_params
 from optplan.estimators.precision import get_recipe
 from optplan.estimators.profile import ModelProfile
@@ -99,7 +99,7 @@ def optimizer_step_scratch_bytes(profile: ModelProfile, strategy: Strategy, *, s
         return round(DEEPSPEED_STEP_FLATTEN_BYTES * trainable)
     fp32_grad = flat_copy = freed = 0.0
     if _deepspeed_zero12_converts(strategy):
-        elements = trainable / placement(strategy, gpus_per_node).shard.ranks
+        elements = trainable / shard_ranks(strategy, gpus_per_node)
         if strategy.zero == 3:  # the partition is already one flat tensor, kept through the step
             elements = min(elements, DEEPSPEED_SUB_GROUP_ELEMENTS)
         else:
@@ -120,7 +120,7 @@ def _adam_step_scratch(profile: ModelProfile, strategy: Strategy, share: float, 
     if impl == "fused":  # no scratch: skip the per-tensor sizes (the search's hot path, deep models)
         return 0
     if strategy.shard_stage >= 1:
-        share /= placement(strategy, gpus_per_node).shard.ranks
+        share /= shard_ranks(strategy, gpus_per_node)
     # DeepSpeed ZeRO >= 1 hands the optimizer one flat fp32 partition: a single tensor of the rank's share
     numels = () if optimizer_sees_flat_params(strategy) else tuple(profile.param_numels)
     recipe = get_recipe(strategy.precision)

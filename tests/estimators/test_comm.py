@@ -22,7 +22,7 @@ from optplan.estimators.comm import (
 )
 from optplan.estimators.estimate import estimate
 from optplan.estimators.hardware import Cluster
-from optplan.estimators.parallel import placement
+from optplan.estimators.parallel import placement, shard_ranks
 from optplan.estimators.strategy import Strategy
 
 LINK = Link(bandwidth_bytes_per_s=100e9, alpha_s=0.0)
@@ -72,6 +72,22 @@ def test_placement_picks_intra_and_inter_node_links() -> None:
     assert dp.alpha_s == INTER_NODE_ALPHA_S
     pl2 = placement(Strategy(tp=2, dp=4), 8)  # everything in one node
     assert not link_for(pl2.grad_reduce, cluster).inter_node
+
+
+@pytest.mark.parametrize("fsdp", ["none", "full", "hybrid"])
+def test_shard_ranks_is_the_placed_shard_group(fsdp: str) -> None:
+    """``shard_ranks`` (what memory asks for) is the shard group ``placement`` places, HSDP's node-local one
+    included, on nodes of 4 and 8 GPUs."""
+    seen = set()
+    for tp in (1, 2, 8):
+        for cp in (1, 2):
+            for dp in (1, 2, 4, 16):
+                s = Strategy(tp=tp, cp=cp, dp=dp, fsdp=fsdp, engine="torch" if fsdp != "none" else "megatron")
+                for per_node in (4, 8):
+                    n = shard_ranks(s, per_node)
+                    assert n == placement(s, per_node).shard.ranks
+                    seen.add(n)
+    assert len(seen) > 3  # the grid reached sharded groups of several sizes (and HSDP's node-local ones)
 
 
 def test_data_parallel_across_nodes_is_slower() -> None:
