@@ -24,7 +24,8 @@ from typing import NamedTuple
 import optplan.planner.search as search_mod
 from optplan.estimators.arch import parse_arch, profile_from_arch
 from optplan.estimators.hardware import Cluster, find_gpu
-from optplan.planner.search import Goal, screen_keep, search
+from optplan.planner.goal import Goal
+from optplan.planner.search import screen_keep, search
 from optplan.planner.space import build_space
 
 LLAMA_8B = "layers=32,hidden=4096,heads=32,kv_heads=8,ffn=14336,vocab=128256,seq=8192,gated=1,tied=0"

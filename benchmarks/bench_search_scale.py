@@ -32,8 +32,8 @@ from optplan.estimators.arch import parse_arch, profile_from_arch  # noqa: E402
 from optplan.estimators.estimate import estimate  # noqa: E402
 from optplan.estimators.strategy import Strategy  # noqa: E402
 from optplan.planner.api import load_profile, resolve_cluster  # noqa: E402
+from optplan.planner.goal import Goal  # noqa: E402
 from optplan.planner.recommend import recommend  # noqa: E402
-from optplan.planner.search import Goal  # noqa: E402
 
 LLAMA_70B = "layers=80,hidden=8192,heads=64,kv_heads=8,ffn=28672,vocab=128256,seq=4096,gated=1,tied=0"
 GPT3 = "layers=96,hidden=12288,heads=96,vocab=51200,seq=2048"

@@ -23,9 +23,9 @@ from optplan.estimators.estimate import estimate  # noqa: E402
 from optplan.estimators.hardware import Cluster  # noqa: E402
 from optplan.estimators.profile import ModelProfile  # noqa: E402
 from optplan.estimators.strategy import Strategy  # noqa: E402
+from optplan.planner.goal import Goal, rank  # noqa: E402
 from optplan.planner.probe_stage import LocalDevices, compare_spec  # noqa: E402
 from optplan.planner.recommend import recommend  # noqa: E402
-from optplan.planner.search import Goal, rank  # noqa: E402
 from optplan.probes.loader import profile_model_file  # noqa: E402
 from optplan.probes.runtime import ProbeResult, ProbeSpec, run_probe  # noqa: E402
 

@@ -58,7 +58,8 @@ from optplan.planner.calibrate import (
     torch_version,
 )
 from optplan.planner.events import ProgressEvent
-from optplan.planner.search import Goal, rank, resolve_storage
+from optplan.planner.goal import Goal, rank
+from optplan.planner.search import resolve_storage
 from optplan.probes.runtime import ProbeResult, ProbeSpec, run_probe
 
 DEFAULT_TOP_K = 4

@@ -17,7 +17,7 @@ from optplan.estimators.selective import runs_op_policy
 from optplan.estimators.strategy import Strategy
 from optplan.estimators.uncertainty import derived_from, mfu_envelope, precision_class
 from optplan.estimators.units import gib
-from optplan.planner.search import TIE_TOLERANCE, Goal, band_factor, rank_by_figure
+from optplan.planner.goal import TIE_TOLERANCE, Goal, band_factor, rank_by_figure
 from optplan.planner.simplicity import CRITERIA, simplicity_key, tie_break
 from optplan.planner.space import Layout, SearchSpace
 

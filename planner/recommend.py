@@ -21,6 +21,7 @@ from optplan.estimators.profile import ModelProfile
 from optplan.estimators.strategy import Strategy
 from optplan.planner.events import ProgressEvent
 from optplan.planner.export.context import ExportPlan, export_plan_for
+from optplan.planner.goal import Goal, pareto_front
 from optplan.planner.probe_stage import (
     LocalDevices,
     ProbeOptions,
@@ -31,7 +32,7 @@ from optplan.planner.probe_stage import (
     run_probe_stage,
 )
 from optplan.planner.rationale import rationale
-from optplan.planner.search import Goal, Pricer, SearchMethod, pareto_front, search
+from optplan.planner.search import Pricer, SearchMethod, search
 from optplan.planner.space import build_space
 from optplan.planner.suggest import what_would_fit
 

@@ -4,7 +4,7 @@ A predicted difference smaller than the prediction's own uncertainty is no reaso
 parts (issue 15, "a search that does not chase its errors"). The best plan ``A`` is the first of the ranking
 by the robust figure (``Goal.rank_key``: the band's slow end); plan ``B`` *ties* with it when both are of the
 same class (feasible; for time/cost with a deadline, meeting it or not; for time with a deadline, the same
-GPU count) and ``B``'s robust figure is within ``search.TIE_TOLERANCE`` (5 %, the model's typical
+GPU count) and ``B``'s robust figure is within ``goal.TIE_TOLERANCE`` (5 %, the model's typical
 error on one measured run) of ``A``'s - ``Goal.ties``, which says why this is not the overlap of the two
 absolute bands (they share most of their error). Among the tied plans the simplest is chosen,
 by this order (``simplicity_key``, lower is simpler), each criterion deciding only when the ones before
@@ -31,8 +31,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from optplan.estimators.estimate import Estimate
 from optplan.estimators.strategy import Strategy
 
-if TYPE_CHECKING:  # search.py imports this module; the Goal is only passed in
-    from optplan.planner.search import Goal
+if TYPE_CHECKING:  # goal.py imports this module; the Goal is only passed in
+    from optplan.planner.goal import Goal
 
 CRITERIA: tuple[str, ...] = ("fewer model-parallel dimensions", "no offload", "less sharding",
                              "fewer virtual pipeline stages", "less recomputation")

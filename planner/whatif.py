@@ -11,8 +11,8 @@ from pydantic import BaseModel, ConfigDict
 from optplan.estimators.estimate import Estimate
 from optplan.estimators.hardware import Cluster
 from optplan.estimators.units import gib
+from optplan.planner.goal import Goal
 from optplan.planner.recommend import with_cost
-from optplan.planner.search import Goal
 
 
 class WhatIf(BaseModel):

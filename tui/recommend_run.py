@@ -19,8 +19,8 @@ from optplan.estimators.profile import ModelProfile
 from optplan.planner.events import ProgressEvent
 from optplan.planner.export.registry import ExportOptions
 from optplan.planner.finetune import FinetuneChoice
+from optplan.planner.goal import Goal
 from optplan.planner.recommend import Recommendation
-from optplan.planner.search import Goal
 from optplan.tui.recommend_args import (
     ENGINES,
     LAUNCHERS,
@@ -56,7 +56,7 @@ def prepare_recommend(args: RecommendArgs, *, check_out: bool = True) -> Prepare
     (the folder is created).
     """
     from optplan.planner.api import check_out_dir, check_search_options, resolve_cluster
-    from optplan.planner.search import OBJECTIVES
+    from optplan.planner.goal import OBJECTIVES
     from optplan.planner.space import parse_gpus_range
 
     a = args

@@ -218,7 +218,7 @@ def probes_table(rec: Recommendation) -> Table | None:
 
 
 def _screen_text(rec: Recommendation) -> str:
-    """', 96 of 2,382 layouts in full' for a screened search (planner/search.py), else ''."""
+    """', 100 of 2,517 layouts in full' for a screened search (planner/search.py), else ''."""
     s = rec.search
     if s.method != "screen":
         return ""

@@ -127,7 +127,8 @@ def test_cache_round_trip_keeps_other_entries_and_rejects_foreign_files(tmp_path
 # --- the stage -------------------------------------------------------------------------------------------
 
 def _ranked() -> list[Any]:
-    from optplan.planner.search import Goal, search
+    from optplan.planner.goal import Goal
+    from optplan.planner.search import search
     from optplan.planner.space import build_space
 
     space = build_space(PROFILE, CLUSTER, global_batch=64, engines=("deepspeed", "torch"), offload=False)

@@ -11,9 +11,9 @@ from optplan.estimators.estimate import estimate
 from optplan.estimators.hardware import Cluster, find_gpu
 from optplan.estimators.strategy import Strategy
 from optplan.estimators.uncertainty import mfu_envelope
+from optplan.planner.goal import Goal
 from optplan.planner.rationale import _envelope_line, _sharding_line, _ties_line
 from optplan.planner.recommend import recommend
-from optplan.planner.search import Goal
 from optplan.planner.simplicity import CRITERIA, simplicity_key
 
 

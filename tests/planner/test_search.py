@@ -13,8 +13,9 @@ from optplan.estimators.errors import OptplanError
 from optplan.estimators.estimate import estimate
 from optplan.estimators.hardware import Cluster
 from optplan.estimators.validity import check_strategy
+from optplan.planner.goal import Goal, pareto_front, rank, rank_by_figure
 from optplan.planner.recommend import recommend
-from optplan.planner.search import Goal, pareto_front, rank, rank_by_figure, search
+from optplan.planner.search import search
 from optplan.planner.simplicity import simplicity_key
 from optplan.planner.space import build_space, parse_gpus_range, strategy_of
 from optplan.planner.suggest import fewest_gpus_zero3

@@ -8,7 +8,7 @@ from conftest import make_gpu, make_profile
 from optplan.estimators.estimate import Estimate, estimate
 from optplan.estimators.hardware import Cluster
 from optplan.estimators.strategy import Strategy
-from optplan.planner.search import TIE_TOLERANCE, Goal, rank, rank_by_figure
+from optplan.planner.goal import TIE_TOLERANCE, Goal, rank, rank_by_figure
 from optplan.planner.simplicity import CRITERIA, prefer_simple, simplicity_key, tie_break
 
 PROFILE = make_profile()

@@ -11,7 +11,7 @@ from textual.widgets import DataTable, ProgressBar, Static
 
 from optplan.estimators.estimate import Estimate
 from optplan.estimators.strategy import Strategy
-from optplan.planner.search import pareto_front, rank
+from optplan.planner.goal import pareto_front, rank
 from optplan.tui.fmt import gib_text
 from optplan.tui.screens.base import DashboardScreen
 from optplan.tui.widgets.pareto_plot import ParetoPlot

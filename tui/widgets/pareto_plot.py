@@ -8,7 +8,7 @@ from textual_plotext import PlotextPlot
 
 from optplan.estimators.estimate import Estimate
 from optplan.estimators.units import gib
-from optplan.planner.search import Goal
+from optplan.planner.goal import Goal
 
 
 def _axes(e: Estimate, goal: Goal) -> tuple[float, float]:
