@@ -104,6 +104,18 @@ MARGIN_NOTE_MARK = "at the median allocator margin measured"
 """Text every :func:`margin_note` holds (a calibration that measured the margin drops the note)."""
 
 
+def fits_at_high_margin(allocated_bytes: float, capacity_bytes: int, strategy: Strategy,
+                        context_override_bytes: int | None = None) -> bool:
+    """Whether ``allocated_bytes`` of live tensors fit ``capacity_bytes`` at the 90th percentile of the measured
+    allocator margins and contexts (the module's table; ``context_override_bytes``: a context a probe measured):
+    the plan fits on most workloads measured, not only on the median one."""
+    table = allocator_overhead()
+    margin = _spread(table.margin, margin_class(strategy))
+    context = _spread(table.context_bytes, context_class(strategy))
+    ctx = context.high if context_override_bytes is None else context_override_bytes
+    return allocated_bytes * (1 + margin.high) + ctx <= capacity_bytes
+
+
 def margin_note(allocated_bytes: float, capacity_bytes: int, strategy: Strategy,
                 context_override_bytes: int | None = None) -> str | None:
     """One note when the plan's fit depends on where in the measured spread the allocator's margin lands: it fits
@@ -138,4 +150,4 @@ def margin_note(allocated_bytes: float, capacity_bytes: int, strategy: Strategy,
 
 
 __all__ = ["AllocatorOverhead", "MeasuredSpread", "allocator_overhead", "context_bytes", "context_class",
-           "fragmentation_fraction", "margin_class", "margin_note", "MARGIN_NOTE_MARK"]
+           "fits_at_high_margin", "fragmentation_fraction", "margin_class", "margin_note", "MARGIN_NOTE_MARK"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from optplan.estimators.allocator_overhead import MARGIN_NOTE_MARK, margin_note
+from optplan.estimators.allocator_overhead import MARGIN_NOTE_MARK, fits_at_high_margin, margin_note
 from optplan.estimators.calibration import CALIBRATION_DETAIL, Calibration, calibrate_memory, calibrate_time
 from optplan.estimators.cost import CostEstimate
 from optplan.estimators.efficiency import derivation_for, fitted_gpus
@@ -54,6 +54,10 @@ class Estimate(BaseModel):
     hfu: float
     fits: bool
     reason: str
+    fits_at_high_margin: bool | None = Field(
+        default=None, description="fits also at the 90th percentile of the allocator margins and contexts measured "
+                                  "(allocator_overhead.py), not only at their median; with a margin a probe measured "
+                                  "(calibration), the same as fits. None: not known (a file of an older optplan)")
     cost: CostEstimate | None = Field(default=None, description="when a token budget is given")
     notes: tuple[str, ...] = Field(default=(), description="caveats of this estimate's models")
 
@@ -176,14 +180,18 @@ def calibrate_estimate(estimate: Estimate, cal: Calibration | None) -> Estimate:
                     f"from {cal.time_probes} probe(s)")
     note = f"calibrated on {cal.gpu} (torch {cal.torch_version or '?'}): " + "; ".join(said)
     kept = estimate.notes
+    robust = estimate.fits_at_high_margin
     if cal.calibrates_memory:  # the allocated bytes moved: the margin note is redone on them, or gone if measured
         kept = tuple(n for n in kept if MARGIN_NOTE_MARK not in n)
+        robust = memory.fits
         if cal.fragmentation_fraction is None:
             allocated = memory.total_bytes - memory.overhead_bytes + memory.detail_bytes.get(CALIBRATION_DETAIL, 0)
             margin = margin_note(allocated, memory.capacity_bytes, estimate.strategy, cal.context_bytes)
             kept += (margin,) if margin else ()
+            robust = fits_at_high_margin(allocated, memory.capacity_bytes, estimate.strategy, cal.context_bytes)
     return estimate.model_copy(update={
         "memory": memory, "time": time, "fits": memory.fits, "reason": estimate_reason(memory),
+        "fits_at_high_margin": robust,
         "samples_per_s": time.samples_per_s, "tokens_per_s": time.tokens_per_s,
         "model_tflops_per_gpu": time.model_tflops_per_gpu, "mfu": time.mfu, "hfu": time.hfu,
         "notes": (*kept, note)})
@@ -204,7 +212,8 @@ def estimate(profile: ModelProfile, cluster: Cluster, strategy: Strategy, *,
                        memory.detail_bytes.get("paged_optimizer_state_off_gpu", 0))
     band = time_band(profile, strategy, cluster, mfu=time.mfu)
     time = with_band(time, band)
-    margin = margin_note(memory.total_bytes - memory.overhead_bytes, memory.capacity_bytes, strategy)
+    allocated = memory.total_bytes - memory.overhead_bytes
+    margin = margin_note(allocated, memory.capacity_bytes, strategy)
     notes = (estimate_notes(profile, strategy, cluster) + placement_notes(strategy, cluster) + band_notes(band)
              + paging_notes(memory, strategy) + _optimizer_step_notes(profile, strategy, time, adam_impl)
              + ((margin,) if margin else ()))
@@ -213,5 +222,6 @@ def estimate(profile: ModelProfile, cluster: Cluster, strategy: Strategy, *,
         global_batch=strategy.global_batch, samples_per_s=time.samples_per_s, tokens_per_s=time.tokens_per_s,
         model_tflops_per_gpu=time.model_tflops_per_gpu, mfu=time.mfu, hfu=time.hfu, fits=memory.fits,
         reason=estimate_reason(memory),
+        fits_at_high_margin=fits_at_high_margin(allocated, memory.capacity_bytes, strategy),
     )
     return calibrate_estimate(result, calibration)

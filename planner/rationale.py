@@ -18,7 +18,7 @@ from optplan.estimators.strategy import Strategy
 from optplan.estimators.uncertainty import derived_from, mfu_envelope, precision_class
 from optplan.estimators.units import gib
 from optplan.planner.goal import TIE_TOLERANCE, Goal, band_factor, rank_by_figure
-from optplan.planner.simplicity import CRITERIA, simplicity_key, tie_break
+from optplan.planner.simplicity import MARGIN_CRITERION, TIE_CRITERIA, tie_break, tie_key
 from optplan.planner.space import Layout, SearchSpace
 
 Price = Callable[[Strategy], "Estimate | None"]
@@ -117,12 +117,16 @@ def _ties_line(pick: Estimate, ranked: Sequence[Estimate], goal: Goal) -> str | 
         who, figure = "fastest to train", _time_band(goal, best)
     else:
         who, figure = "cheapest to train", _hours_band(goal, best)
-    i = CRITERIA.index(tb.criterion)
-    detail = f"{simplicity_key(pick.strategy)[i]} vs {simplicity_key(best.strategy)[i]}"
     others = len(tb.tied) - 1
-    return (f"ties: {others} plan{'s' if others != 1 else ''} within {TIE_TOLERANCE:.0%} (the time model's "
-            f"typical error) of the {who} at the band's slow end ({best.strategy.label()} at {figure}); picked "
-            f"the simplest: {tb.criterion} ({detail})")
+    lead = (f"ties: {others} plan{'s' if others != 1 else ''} within {TIE_TOLERANCE:.0%} (the time model's "
+            f"typical error) of the {who} at the band's slow end ({best.strategy.label()} at {figure}); ")
+    if tb.criterion == MARGIN_CRITERION:
+        return (lead + f"picked one that {tb.criterion} ({_gib(pick.memory.total_bytes)} of "
+                f"{_gib(pick.memory.capacity_bytes)}; the fastest fits only at the median margin: "
+                f"{_gib(best.memory.total_bytes)}), then the simplest")
+    i = TIE_CRITERIA.index(tb.criterion)
+    detail = f"{tie_key(pick)[i]} vs {tie_key(best)[i]}"
+    return lead + f"picked the simplest: {tb.criterion} ({detail})"
 
 
 def _envelope_line(pick: Estimate) -> str:

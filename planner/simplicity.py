@@ -6,10 +6,13 @@ by the robust figure (``Goal.rank_key``: the band's slow end); plan ``B`` *ties*
 same class (feasible; for time/cost with a deadline, meeting it or not; for time with a deadline, the same
 GPU count) and ``B``'s robust figure is within ``goal.TIE_TOLERANCE`` (5 %, the model's typical
 error on one measured run) of ``A``'s - ``Goal.ties``, which says why this is not the overlap of the two
-absolute bands (they share most of their error). Among the tied plans the simplest is chosen,
-by this order (``simplicity_key``, lower is simpler), each criterion deciding only when the ones before
-it are equal:
+absolute bands (they share most of their error). Among the tied plans one that fits at the 90th percentile of
+the allocator margins measured is taken before one that fits only at their median (``Estimate.fits_at_high_margin``,
+estimators/allocator_overhead.py: the margin varies with the workload, and a plan that fits only at the median may
+run out of memory where a tied one would not); then the simplest is chosen, by this order (``simplicity_key``,
+lower is simpler), each criterion deciding only when the ones before it are equal (``tie_key``):
 
+0. fits at the 90th percentile of the measured allocator margins;
 1. fewer model-parallel dimensions: the count of tp > 1, pp > 1 and cp > 1 (the Strategy has no expert
    parallelism to count);
 2. no offload: the count of offloaded states (optimizer states, parameters);
@@ -37,6 +40,9 @@ if TYPE_CHECKING:  # goal.py imports this module; the Goal is only passed in
 CRITERIA: tuple[str, ...] = ("fewer model-parallel dimensions", "no offload", "less sharding",
                              "fewer virtual pipeline stages", "less recomputation")
 """The names of ``simplicity_key``'s components, in order."""
+MARGIN_CRITERION = "fits at the allocator's 90th-percentile margin"
+TIE_CRITERIA: tuple[str, ...] = (MARGIN_CRITERION, *CRITERIA)
+"""The names of ``tie_key``'s components, in order."""
 _RECOMPUTE = {"none": 0, "selective": 1, "moe": 1, "full": 2}
 
 
@@ -50,6 +56,12 @@ def simplicity_key(strategy: Strategy) -> tuple[int, ...]:
             _RECOMPUTE[s.checkpointing])
 
 
+def tie_key(estimate: Estimate) -> tuple[int, ...]:
+    """The tie-break's order over tied plans, one component per ``TIE_CRITERIA`` entry; lower first: 0 when the
+    plan fits at the 90th-percentile allocator margin (or that is not known), then ``simplicity_key``."""
+    return (int(estimate.fits_at_high_margin is False), *simplicity_key(estimate.strategy))
+
+
 class TieBreak(BaseModel):
     """The outcome of the tie-break over a ranking: the plan first by the robust figure, the plans tied
     with it (itself included, in ranking order), the one chosen, and the criterion that set it apart."""
@@ -59,8 +71,8 @@ class TieBreak(BaseModel):
     best: Estimate = Field(description="first by the robust figure")
     tied: tuple[Estimate, ...] = Field(description="every plan that ties with best (Goal.ties), best included")
     chosen: Estimate
-    criterion: str | None = Field(default=None, description="the CRITERIA entry that decided; None when the "
-                                                            "best is also the simplest")
+    criterion: str | None = Field(default=None, description="the TIE_CRITERIA entry that decided; None when the "
+                                                            "best is also the first by tie_key")
 
     @property
     def changed(self) -> bool:
@@ -73,11 +85,11 @@ def tie_break(ranked: tuple[Estimate, ...] | list[Estimate], goal: Goal) -> TieB
         return None
     best = ranked[0]
     tied = tuple(e for e in ranked if e.fits and goal.ties(best, e))
-    chosen = min(tied, key=lambda e: simplicity_key(e.strategy))  # min keeps the first of equals: rank order
+    chosen = min(tied, key=tie_key)  # min keeps the first of equals: rank order
     criterion = None
     if chosen.strategy != best.strategy:
-        mine, theirs = simplicity_key(chosen.strategy), simplicity_key(best.strategy)
-        criterion = next(name for name, a, b in zip(CRITERIA, mine, theirs, strict=True) if a != b)
+        mine, theirs = tie_key(chosen), tie_key(best)
+        criterion = next(name for name, a, b in zip(TIE_CRITERIA, mine, theirs, strict=True) if a != b)
     return TieBreak(best=best, tied=tied, chosen=chosen, criterion=criterion)
 
 
@@ -89,4 +101,5 @@ def prefer_simple(ranked: tuple[Estimate, ...], goal: Goal) -> tuple[Estimate, .
     return (tb.chosen, *(e for e in ranked if e is not tb.chosen))
 
 
-__all__ = ["CRITERIA", "TieBreak", "prefer_simple", "simplicity_key", "tie_break"]
+__all__ = ["CRITERIA", "MARGIN_CRITERION", "TIE_CRITERIA", "TieBreak", "prefer_simple", "simplicity_key", "tie_break",
+           "tie_key"]

@@ -12,6 +12,7 @@ from optplan.estimators.allocator_overhead import (
     allocator_overhead,
     context_bytes,
     context_class,
+    fits_at_high_margin,
     fragmentation_fraction,
     margin_class,
     margin_note,
@@ -88,6 +89,11 @@ def test_a_fit_that_depends_on_the_margin_s_spread_says_so() -> None:
     assert MARGIN_NOTE_MARK in short  # a calibration can drop either
     assert margin_note(allocated, int(2 * high_need), s) is None  # fits at any measured margin
     assert margin_note(allocated, int(low_need / 2), s) is None  # fits at none
+    # the same boundary as a flag: only a capacity at or above the 90th percentile's need fits robustly
+    assert not fits_at_high_margin(allocated, int((median_need + high_need) / 2), s)
+    assert fits_at_high_margin(allocated, int(high_need) + 1, s)
+    assert not fits_at_high_margin(allocated, int(high_need) - 1, s)
+    assert fits_at_high_margin(allocated, int(high_need) - 1, s, context_override_bytes=int(context.high) - 2**20)
 
 
 def test_the_estimate_carries_the_note_until_a_probe_measures_the_margin() -> None:
@@ -105,10 +111,15 @@ def test_the_estimate_carries_the_note_until_a_probe_measures_the_margin() -> No
     small = gpu.model_copy(update={"name": "H100-SXM", "memory_bytes": int(usable / 0.98)})
     est = estimate(prof, Cluster(gpu=small, gpus=1, gpus_per_node=8), s)
     assert est.fits and any(MARGIN_NOTE_MARK in n for n in est.notes)
+    assert est.fits_at_high_margin is False  # the flag the tie-break reads (planner/simplicity.py)
+    roomy = estimate(prof, Cluster(gpu=gpu, gpus=1, gpus_per_node=8), s)
+    assert roomy.fits_at_high_margin is True and not any(MARGIN_NOTE_MARK in n for n in roomy.notes)
     measured = Calibration(gpu="H100-SXM", model_hash="x", fragmentation_fraction=0.05, memory_probes=1)
     assert not any(MARGIN_NOTE_MARK in n for n in calibrate_estimate(est, measured).notes)
+    assert calibrate_estimate(est, measured).fits_at_high_margin is True  # a measured margin: fits is the answer
     scaled_only = Calibration(gpu="H100-SXM", model_hash="x", allocated_scale=1.0, memory_probes=1)
     assert any(MARGIN_NOTE_MARK in n for n in calibrate_estimate(est, scaled_only).notes)
+    assert calibrate_estimate(est, scaled_only).fits_at_high_margin is False
     # a probe that measured 30 % more tensors: the plan no longer fits, and no note says it fits
     bigger = calibrate_estimate(est, Calibration(gpu="H100-SXM", model_hash="x", allocated_scale=1.3, memory_probes=1))
     assert not bigger.fits and not any(n.startswith("memory: fits at") for n in bigger.notes)
