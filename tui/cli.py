@@ -369,7 +369,7 @@ def recommend(
     tokens: Annotated[float | None, typer.Option("--tokens", help="token budget to train: time, GPU-hours, cost")] = None,
     price: Annotated[float | None, typer.Option("--price", help="price per GPU-hour (USD)")] = None,
     deadline: Annotated[str | None, typer.Option("--deadline", help="train within this time (30d, 720h): with --objective time, the fewest GPUs that meet it")] = None,
-    method: Annotated[str, typer.Option("--method", help="auto, enumerate, nsga2 or tpe")] = "auto",
+    method: Annotated[str, typer.Option("--method", help="auto (enumerate up to 20,000 points, else screen the layouts), enumerate, screen, nsga2 or tpe")] = "auto",
     trials: Annotated[int | None, typer.Option("--trials", help="trials for nsga2/tpe (default min(space, 3000))")] = None,
     seed: Annotated[int, typer.Option("--seed", help="sampler seed (the search is deterministic for a seed)")] = 0,
     storage: Annotated[str | None, typer.Option("--storage", help="Optuna storage: a journal file, a .db (SQLite) file or a database URL (default: optplan-study.log under --out)")] = None,
