@@ -104,16 +104,26 @@ MARGIN_NOTE_MARK = "at the median allocator margin measured"
 """Text every :func:`margin_note` holds (a calibration that measured the margin drops the note)."""
 
 
+Percentile = Literal["low", "median", "high"]
+
+
+def needed_bytes(allocated_bytes: float, strategy: Strategy, at: Percentile,
+                 context_override_bytes: int | None = None) -> float:
+    """Device bytes a step of ``allocated_bytes`` live tensors needs at the ``at`` percentile (10th, median, 90th)
+    of the measured allocator margins and contexts (bytes); ``context_override_bytes``: a context a probe measured
+    (calibration.py) in place of the table's."""
+    table = allocator_overhead()
+    fraction = getattr(_spread(table.margin, margin_class(strategy)), at)
+    context = getattr(_spread(table.context_bytes, context_class(strategy)), at)
+    return allocated_bytes * (1 + fraction) + (context if context_override_bytes is None else context_override_bytes)
+
+
 def fits_at_high_margin(allocated_bytes: float, capacity_bytes: int, strategy: Strategy,
                         context_override_bytes: int | None = None) -> bool:
     """Whether ``allocated_bytes`` of live tensors fit ``capacity_bytes`` at the 90th percentile of the measured
-    allocator margins and contexts (the module's table; ``context_override_bytes``: a context a probe measured):
-    the plan fits on most workloads measured, not only on the median one."""
-    table = allocator_overhead()
-    margin = _spread(table.margin, margin_class(strategy))
-    context = _spread(table.context_bytes, context_class(strategy))
-    ctx = context.high if context_override_bytes is None else context_override_bytes
-    return allocated_bytes * (1 + margin.high) + ctx <= capacity_bytes
+    allocator margins and contexts (:func:`needed_bytes`): the plan fits on most workloads measured, not only on
+    the median one."""
+    return needed_bytes(allocated_bytes, strategy, "high", context_override_bytes) <= capacity_bytes
 
 
 def margin_note(allocated_bytes: float, capacity_bytes: int, strategy: Strategy,
@@ -125,29 +135,27 @@ def margin_note(allocated_bytes: float, capacity_bytes: int, strategy: Strategy,
     ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` against fragmentation ("CUDA semantics: optimizing memory
     usage with PYTORCH_CUDA_ALLOC_CONF": a segment grows instead of new segments being split); optplan never
     measured that mode."""
-    table = allocator_overhead()
-    margin = _spread(table.margin, margin_class(strategy))
-    context = _spread(table.context_bytes, context_class(strategy))
+    margin = _spread(allocator_overhead().margin, margin_class(strategy))
 
-    def need(fraction: float, context_bytes: float) -> float:
-        measured = context_override_bytes
-        return allocated_bytes * (1 + fraction) + (context_bytes if measured is None else measured)
+    def need(at: Percentile) -> float:
+        return needed_bytes(allocated_bytes, strategy, at, context_override_bytes)
 
     gib = GIB_BYTES
-    median_fits = need(margin.median, context.median) <= capacity_bytes
+    median_fits = need("median") <= capacity_bytes
     cap = f"{capacity_bytes / gib:.1f} GiB"
-    if median_fits and need(margin.high, context.high) > capacity_bytes:
+    if median_fits and need("high") > capacity_bytes:
         return (f"memory: fits {MARGIN_NOTE_MARK} ({100 * margin.median:.0f} % of the "
                 f"allocated peak, {margin.runs} runs on one GPU), not at the 90th percentile's "
-                f"({100 * margin.high:.0f} %: {need(margin.high, context.high) / gib:.1f} GiB of {cap}); "
+                f"({100 * margin.high:.0f} %: {need('high') / gib:.1f} GiB of {cap}); "
                 "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True may lower the margin")
-    if not median_fits and need(margin.low, context.low) <= capacity_bytes:
+    if not median_fits and need("low") <= capacity_bytes:
         return (f"memory: does not fit {MARGIN_NOTE_MARK} ({100 * margin.median:.0f} % of the "
                 f"allocated peak, {margin.runs} runs on one GPU) but would at the 10th percentile's "
-                f"({100 * margin.low:.0f} %: {need(margin.low, context.low) / gib:.1f} GiB of {cap}); a short run "
+                f"({100 * margin.low:.0f} %: {need('low') / gib:.1f} GiB of {cap}); a short run "
                 "of the plan on the GPU shows its own (train.py's step lines, finetune.py --dry-run)")
     return None
 
 
 __all__ = ["AllocatorOverhead", "MeasuredSpread", "allocator_overhead", "context_bytes", "context_class",
-           "fits_at_high_margin", "fragmentation_fraction", "margin_class", "margin_note", "MARGIN_NOTE_MARK"]
+           "fits_at_high_margin", "fragmentation_fraction", "margin_class", "margin_note", "needed_bytes",
+           "MARGIN_NOTE_MARK"]

@@ -9,7 +9,7 @@ Every candidate is priced by the analytic estimators (well under a millisecond e
   ``groups_done`` mark, so a killed search resumes where it stopped and a finished one is not repeated.
 - ``screen``: spaces above :data:`ENUMERATE_LIMIT` points with more layouts than the screen keeps (MoE spaces
   from a few tens of GPUs: DeepSeek-V2-Lite on 32 H100s has 191k points in 459 layouts; pipeline-parallel MoE
-  layouts on thousands of GPUs: DeepSeek-V3 on 2,048 H100s has ~0.5M). A two-stage enumeration: every layout is first priced through
+  layouts on thousands of GPUs: DeepSeek-V3 on 2,048 H100s has 733k in 2,517). A two-stage enumeration: every layout is first priced through
   one probe group (the most sharded setting of each engine that runs it, the first precision and optimizer,
   selective recomputation, or full where nothing else fits: its micro-batches ascending as above), the layouts
   are ranked by their best probe, and the :func:`screen_keep` best are then enumerated over every group. What
@@ -54,17 +54,18 @@ from optplan.planner.space import Group, Layout, SearchSpace, Sharding, strategy
 SearchMethod = Literal["auto", "enumerate", "screen", "nsga2", "tpe"]
 ENUMERATE_LIMIT = 20_000
 """Spaces up to this many points are enumerated; larger ones are screened (``auto``) when they have more layouts
-than the screen keeps (:func:`auto_method`). Measured (benchmarks/bench_screen_agreement.py, 2026-11-29, 13
-dense and MoE spaces of 7k-199k points on 8-64 GPUs): the screen's pick was the full enumeration's in 13 of 13
-(DeepSeek-V2-Lite on 32 H100: 191k points, 83 s enumerated, 11.5 s screened; see :data:`SCREEN_KEEP_LAYOUTS`). Optuna's
+than the screen keeps (:func:`auto_method`). Measured (benchmarks/bench_screen_agreement.py, 2026-11-29, 16
+dense and MoE spaces of 7k-733k points on 8-2,048 GPUs, the three objectives): the screen's pick was the full
+enumeration's in 16 of 16 (DeepSeek-V2-Lite on 32 H100: 191k points, 83 s enumerated, 11.5 s screened; see
+:data:`SCREEN_KEEP_LAYOUTS`). Optuna's
 samplers draw the axes independently, and on spaces this large most draws are illegal combinations (pruned trials
 count against the trial budget: 16 legal plans of 3,000 trials on DeepSeek-V3 at 2,048 GPUs), so they are used
 only when asked."""
 SCREEN_KEEP_LAYOUTS = 32
 """The screen enumerates at least this many layouts in full (:func:`screen_keep`). Measured
-(benchmarks/bench_screen_agreement.py, 2026-11-29): keeping 32 found the full enumeration's pick in 13 of 13 spaces
-(dense and MoE, 8-64 GPUs, memory-tight ones whose picks offload or recompute included), as keeping 96 did, at
-2-11x less wall time than enumerating (96: 1.1-5.9x)."""
+(benchmarks/bench_screen_agreement.py, 2026-11-29): keeping 32 found the full enumeration's pick in 15 of 15 spaces
+(dense and MoE, 8-4,096 GPUs, the three objectives, memory-tight ones whose picks offload or recompute included),
+as keeping 96 did; on the spaces ``auto`` screens, at 2.5-11x less wall time than enumerating (96: 1.4-5.9x)."""
 SCREEN_KEEP_SHARE = 0.04
 DEFAULT_TRIALS = 3000
 MEMORY_CONSTRAINT_KEY = "memory_excess_gib"
@@ -338,7 +339,7 @@ def auto_method(space: SearchSpace, size: int | None = None) -> Literal["enumera
 
 def screen_keep(layouts: int) -> int:
     """How many layouts the screen enumerates in full: :data:`SCREEN_KEEP_LAYOUTS`, or
-    :data:`SCREEN_KEEP_SHARE` of them when that is more (DeepSeek-V3 on 2,048 H100s keeps 95 of 2,382 layouts and
+    :data:`SCREEN_KEEP_SHARE` of them when that is more (DeepSeek-V3 on 2,048 H100s keeps 100 of 2,517 layouts and
     its pick is the full enumeration's)."""
     return max(SCREEN_KEEP_LAYOUTS, int(SCREEN_KEEP_SHARE * layouts))
 
