@@ -374,7 +374,7 @@ def validate_finetune(config_text: str, script_text: str, plan: ExportPlan) -> N
         raise ExportValidationError(f"finetune.json has no quantisation for the plan's {s.quant} base: re-export")
     full_hf = adapter is None and s.tp == 1  # the hf export's arguments: checked as hf_training_args.json is
     if full_hf:
-        from optplan.planner.export.hf import validate_hf_training_args
+        from optplan.planner.export.hf_check import validate_hf_training_args
 
         ds = None
         if s.engine == "deepspeed":

@@ -74,7 +74,8 @@ def _slurm(plan: ExportPlan, opts: ExportOptions) -> dict[str, str]:
 
 
 def _hf(plan: ExportPlan, opts: ExportOptions) -> dict[str, str]:
-    from optplan.planner.export.hf import render_hf_training_args, validate_hf_training_args
+    from optplan.planner.export.hf import render_hf_training_args
+    from optplan.planner.export.hf_check import validate_hf_training_args
     text = render_hf_training_args(plan)
     ds = _ds_config(plan) if plan.strategy.engine == "deepspeed" else None
     validate_hf_training_args(text, plan, ds_config=ds)
@@ -82,7 +83,8 @@ def _hf(plan: ExportPlan, opts: ExportOptions) -> dict[str, str]:
 
 
 def _lightning(plan: ExportPlan, opts: ExportOptions) -> dict[str, str]:
-    from optplan.planner.export.lightning import render_lightning_json, validate_lightning_json
+    from optplan.planner.export.lightning import render_lightning_json
+    from optplan.planner.export.lightning_check import validate_lightning_json
     text = render_lightning_json(plan)
     validate_lightning_json(text, plan)
     return {FILE_NAMES["lightning"]: text}

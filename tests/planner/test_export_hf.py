@@ -23,14 +23,9 @@ from optplan.estimators.errors import OptplanError
 from optplan.estimators.strategy import Strategy
 from optplan.planner.export.context import ExportPlan, NotExportable
 from optplan.planner.export.deepspeed import ADAMW_PARAMS, render_ds_config
-from optplan.planner.export.hf import (
-    OPTIM_NAMES,
-    hf_notes,
-    hf_training_args,
-    json_value_fits,
-    render_hf_training_args,
-    validate_hf_training_args,
-)
+from optplan.planner.export.hf import OPTIM_NAMES, hf_notes, hf_training_args, render_hf_training_args
+from optplan.planner.export.hf_check import validate_hf_training_args
+from optplan.planner.export.json_types import json_value_fits
 from optplan.planner.validate import ExportValidationError
 
 GOLDEN = Path(__file__).parent / "golden" / "hf"
@@ -552,7 +547,7 @@ def test_checkpointing_field_follows_the_installed_transformers(monkeypatch: pyt
     check must read either name."""
     from transformers import TrainingArguments
 
-    from optplan.planner.export import hf
+    from optplan.planner.export import hf, hf_check
 
     assert hf.checkpointing_field((5, 17)) == hf.checkpointing_field((5, 22)) == "gradient_checkpointing"
     assert hf.checkpointing_field((5, 23)) == hf.checkpointing_field((6, 0)) == "activation_checkpointing"
@@ -568,14 +563,14 @@ def test_checkpointing_field_follows_the_installed_transformers(monkeypatch: pyt
     assert args["gradient_checkpointing"] is True
     assert args["gradient_checkpointing_kwargs"] == {"use_reentrant": False}
     assert not new & set(args)
-    hf._check_fields(args, OldArgs)
-    hf._check_plan(args, plan, OldArgs)
+    hf_check._check_fields(args, OldArgs)
+    hf_check._check_plan(args, plan, OldArgs)
     with pytest.raises(ExportValidationError, match="gradient_checkpointing|activation_checkpointing"):
-        hf._check_plan({**args, "gradient_checkpointing": False}, plan, OldArgs)
+        hf_check._check_plan({**args, "gradient_checkpointing": False}, plan, OldArgs)
     # the same plan under the installed release: the new names, and the old file is still read as planned
     monkeypatch.undo()
     assert "activation_checkpointing" in args_of(plan)
-    hf._check_plan(args, plan, TrainingArguments)
+    hf_check._check_plan(args, plan, TrainingArguments)
 
 
 def test_compile_plans_set_torch_compile() -> None:

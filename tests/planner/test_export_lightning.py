@@ -29,8 +29,8 @@ from optplan.planner.export.lightning import (
     lightning_spec,
     lightning_trainer_kwargs,
     render_lightning_json,
-    validate_lightning_json,
 )
+from optplan.planner.export.lightning_check import validate_lightning_json
 from optplan.planner.validate import ExportValidationError
 
 GOLDEN = Path(__file__).parent / "golden" / "lightning"

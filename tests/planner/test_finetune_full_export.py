@@ -160,7 +160,7 @@ def test_deepspeed_full_plan_writes_its_ds_config(model_file: Path) -> None:
 @pytest.mark.parametrize("strategy", [{"dp": 4, "fsdp": "full", "grad_accum": 4},
                                       {"tp": 2, "dp": 2, "fsdp": "full", "grad_accum": 4}])
 def test_fsdp_accumulation_syncs_each_micro_batch(model_file: Path, tmp_path: Path, strategy: dict) -> None:
-    """The Trainer would accumulate FSDP gradients unsharded (no_sync) without sync_each_batch (export/hf.py)."""
+    """The Trainer would accumulate FSDP gradients unsharded (no_sync) without sync_each_batch (export/hf.py writes it, export/hf_check.py refuses it)."""
     cfg = _write(_plan(model_file, **strategy), tmp_path / "out")
     assert cfg["sft"]["accelerator_config"] == {"gradient_accumulation_kwargs": {"sync_each_batch": True}}
     plain = _write(_plan(model_file, **{**strategy, "grad_accum": 1}), tmp_path / "one")
