@@ -23,7 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import fidelity  # noqa: E402
+import fidelity_report  # noqa: E402
+import fidelity_suite  # noqa: E402
 from campaign_io import ROOT  # noqa: E402
 
 from optplan.estimators.hardware import Cluster, GPUSpec, find_gpu  # noqa: E402
@@ -82,7 +83,7 @@ def env_record(device: str) -> dict[str, Any]:
     report = detect_gpus()
     return {
         "device": device,
-        "device_name": fidelity.device_name(device),
+        "device_name": fidelity_report.device_name(device),
         "catalogue_gpu": (report.devices[0].catalogue_name if report.available and report.devices else None),
         "driver": report.driver_version,
         "cuda": torch.version.cuda,
@@ -116,7 +117,7 @@ class Campaign:
         """Whether --models keeps the model ``key`` (the grid's and trace's 'llama1b' answers to 'llama')."""
         return self.models is None or key in self.models or key.removesuffix("1b") in self.models
 
-    def keeps_case(self, case: fidelity.Case, first: bool) -> bool:
+    def keeps_case(self, case: fidelity_suite.Case, first: bool) -> bool:
         """Whether --cases keeps the fidelity ``case``: each model's first case (its calibration probe) always;
         another when its tag (``case_tag``) holds every word of one of the comma-separated filters."""
         return (self.cases is None or first
@@ -178,7 +179,7 @@ def median_max(values: Sequence[float]) -> dict[str, float | None]:
             "n": len(vals)}
 
 
-def case_tag(case: fidelity.Case) -> str:
+def case_tag(case: fidelity_suite.Case) -> str:
     """The words --cases matches: precision, mode, ``mbs<N>``, checkpointing and ``compile`` when compiled
     (e.g. "bf16 single mbs2 selective compile")."""
     return " ".join([case.precision, case.mode, f"mbs{case.mbs}", case.checkpointing,

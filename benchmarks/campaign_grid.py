@@ -16,6 +16,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import fidelity  # noqa: E402
+import fidelity_suite  # noqa: E402
 from campaign_core import EXAMPLES, GRID_SHARE_TARGET, Campaign, measured_case  # noqa: E402
 from campaign_io import ROOT, write_json  # noqa: E402
 
@@ -45,7 +46,7 @@ class GridModel:
 def grid_models(device: str, quick: bool, tmp: Path) -> list[GridModel]:
     """Two models per device (one with --quick on the CPU). On a GPU: GPT-2 small and the Llama-3 1B
     layout (benchmarks/fidelity.py's wrapper pins the size whatever $OPTPLAN_LLAMA_SIZE says), seq 1,024."""
-    llama1b = fidelity.llama_wrapper(tmp, None, 1024)
+    llama1b = fidelity_suite.llama_wrapper(tmp, None, 1024)
     if device == "cpu":
         # --quick: micro-batch 16 alone, 4 runs (a run is mostly a process start on the CPU; 64 repeats them)
         return [GridModel("mlp", EXAMPLES / "mlp.py", None, ("fp32", "amp-bf16"), ("none", "full"),

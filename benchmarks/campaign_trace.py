@@ -13,6 +13,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import fidelity  # noqa: E402
+import fidelity_suite  # noqa: E402
 from campaign_core import EXAMPLES, Campaign  # noqa: E402
 from campaign_io import write_json  # noqa: E402
 
@@ -39,7 +40,7 @@ def trace_cases(device: str, tmp: Path) -> list[TraceCase]:
     if device == "cpu":
         return [TraceCase("mlp", EXAMPLES / "mlp.py", None, Strategy(precision="fp32", optimizer="adamw", mbs=16,
                                                                      engine="torch"))]
-    llama = fidelity.llama_wrapper(tmp, None, 1024)
+    llama = fidelity_suite.llama_wrapper(tmp, None, 1024)
     return [
         *(TraceCase("gpt2", EXAMPLES / "gpt2.py", 1024, Strategy(precision="bf16", mbs=b, engine="torch"))
           for b in (4, 16)),

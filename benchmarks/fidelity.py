@@ -55,13 +55,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import platform
-import statistics
 import sys
 import tempfile
-import textwrap
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -69,10 +66,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from fidelity_report import (
+    Row,
+    catalogue_gpu,
+    device_name,
+    explain_lines,
+    format_row,
+    header,
+    stats,
+)
+from fidelity_suite import SUITE, Case, Model, label_of, models, strategy_of
 
 from optplan.estimators.calibration import Calibration
 from optplan.estimators.estimate import estimate
-from optplan.estimators.hardware import Cluster, GPUSpec, find_gpu
+from optplan.estimators.hardware import Cluster, GPUSpec
 from optplan.estimators.memory import MemoryBreakdown, memory_breakdown
 from optplan.estimators.profile import ModelProfile
 from optplan.estimators.strategy import Strategy
@@ -80,11 +87,10 @@ from optplan.estimators.temporaries import AdamImpl
 from optplan.planner.calibrate import ProbeComparison, profile_hash
 from optplan.planner.export.deepspeed import render_ds_config
 from optplan.probes.loader import profile_model_file
-from optplan.probes.runtime import ProbeResult, ProbeSpec, run_probe
+from optplan.probes.runtime import ProbeSpec, run_probe
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
-MIB = 2**20
 CAPACITY = 2**50  # "unlimited": whether a plan fits is irrelevant here
 CPU_MEMORY_TARGET = 2.0
 GPU_MEMORY_TARGET = (5.0, 10.0)  # median, max
@@ -92,291 +98,8 @@ GPU_TIME_TARGET = 10.0  # median, calibrated
 CPU_TIME_REASON = ("the step-time model prices a GPU's FLOP/s, HBM bandwidth and NCCL links; no CPU is in "
                    "the catalogue, and 2 shared cores time noisily")
 
-LLAMA_CPU_SHAPE = dict(dim=256, n_layers=4, n_heads=4, n_kv_heads=1, ffn_dim=768)
-"""examples/llama.py's 1B layout (vocabulary 128256, tied embeddings, GQA, SwiGLU) reduced for CPU runs
-(as benchmarks/fidelity_cpu_memory.py --quick): 36 M parameters, most of them the embedding."""
-EMULATED_BF16_VOCAB = 8192
-"""The CPU Llama's vocabulary where the CPU has no native bf16 (no AVX512-BF16: torch emulates bf16 matmuls some
-20-40x slower than fp32, and the 128K-vocabulary logits of the amp-bf16 cases took ~100 s a step on a 2-core AVX2
-EPYC): the memory comparison is the same mechanism at a smaller embedding, and the quick suite fits its budget."""
-
-
-LLAMA_CPU_QUICK_SHAPE = dict(dim=128, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=384, vocab_size=2048)
-LLAMA_CPU_QUICK_SEQ = 64
-"""The CPU's --quick Llama (tests/benchmarks/test_gpu_campaign.py runs it in CI): the same layout (GQA, SwiGLU,
-tied embeddings, RoPE) at 0.6 M parameters, seq 64, so that its amp-bf16 cases cost no more than process start-up
-where the CPU emulates bf16 (~0.5 GFLOP/s on a 2-core AVX2 EPYC, 90x below fp32)."""
-
-
-def llama_cpu_shape() -> dict[str, int]:
-    """``LLAMA_CPU_SHAPE``, with ``EMULATED_BF16_VOCAB`` where this CPU emulates bf16."""
-    import torch
-
-    native = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)()
-    return dict(LLAMA_CPU_SHAPE) if native else {**LLAMA_CPU_SHAPE, "vocab_size": EMULATED_BF16_VOCAB}
-
-
-# ---------------------------------------------------------------------------------------------------
-# the suite
-# ---------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Model:
-    """One model file, as this device runs it."""
-
-    key: str
-    describe: str
-    path: Path
-    seq_len: int | None
-    optimizer: str
-    mbs_scale: int = 1
-    env: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Case:
-    """One (model, strategy) case: ``mode`` is single, ddp, fsdp-full, fsdp-grad_op or zero1/2/3."""
-
-    model: str
-    precision: str
-    mbs: int
-    checkpointing: str = "none"
-    mode: str = "single"
-    quick: bool = False
-    where: tuple[str, ...] = ("cpu", "cuda")
-    procs: int | None = None  # None: 1 for single, else 2
-    compile: bool = False  # the plan's torch.compile of each block (GPU cases: the eager twin beside it)
-    # in the CPU's --quick subset (None: as ``quick``). That subset (CI runs it) leaves out what it would only
-    # repeat: the MLP's DDP case (DDP's buckets are checked within 1 % by tests/probes/test_distributed_probe.py;
-    # FSDP and ZeRO-2 stay) and the Llama's amp-bf16 case with full checkpointing (the MLP's amp-bf16 case
-    # checkpoints; the Llama keeps selective)
-    cpu_quick: bool | None = None
-
-    def in_quick(self, device: str) -> bool:
-        """Whether the case is in ``device``'s --quick subset."""
-        return self.quick if device != "cpu" or self.cpu_quick is None else self.cpu_quick
-
-    @property
-    def nproc(self) -> int:
-        if self.procs is not None:
-            return self.procs
-        return 1 if self.mode == "single" else 2
-
-
-SUITE: tuple[Case, ...] = (
-    # the first case of each model is single-process: on a GPU it is the model's calibration probe
-    Case("mlp", "fp32", 1, quick=True),
-    Case("mlp", "fp32", 4),
-    Case("mlp", "amp-bf16", 4, "full", quick=True),
-    Case("mlp", "fp32", 4, mode="ddp", quick=True, cpu_quick=False),
-    Case("mlp", "fp32", 4, mode="fsdp-full", quick=True),
-    Case("mlp", "fp32", 4, mode="fsdp-grad_op"),
-    Case("mlp", "fp32", 4, mode="zero1"),
-    Case("mlp", "fp32", 4, mode="zero2", quick=True),
-    Case("mlp", "fp32", 4, mode="zero3"),
-    Case("mlp", "fp32", 4, mode="zero0", procs=1, quick=True),
-    Case("gpt2", "fp32", 1),
-    Case("gpt2", "fp32", 4),
-    Case("gpt2", "amp-bf16", 4),
-    Case("gpt2", "fp32", 4, "full"),
-    Case("gpt2", "amp-bf16", 4, "full"),
-    Case("gpt2", "amp-bf16", 4, "selective"),
-    Case("gpt2", "bf16", 2, where=("cuda",), quick=True),
-    Case("gpt2", "bf16-pure", 2, where=("cuda",)),
-    Case("gpt2", "bf16", 2, where=("cuda",), compile=True),
-    Case("gpt2", "fp32", 2, mode="ddp", where=("cuda",)),
-    Case("llama", "fp32", 1, quick=True),
-    Case("llama", "fp32", 2),
-    Case("llama", "amp-bf16", 2, quick=True),
-    Case("llama", "fp32", 4, "full"),
-    Case("llama", "amp-bf16", 4, "full", quick=True, cpu_quick=False),
-    Case("llama", "bf16", 2),
-    Case("llama", "bf16-pure", 2),
-    Case("llama", "amp-bf16", 2, "selective", quick=True),
-    Case("llama", "bf16", 2, "selective", where=("cuda",)),
-    Case("llama", "bf16", 2, where=("cuda",), compile=True),  # eager vs compiled: the elementwise pricing
-    Case("llama", "bf16", 2, "selective", where=("cuda",), compile=True),
-    Case("llama", "fp32", 2, mode="ddp"),
-    Case("llama", "fp32", 2, mode="fsdp-full"),
-    Case("llama", "fp32", 2, "full", mode="fsdp-grad_op"),
-    Case("llama", "fp32", 2, "selective", mode="fsdp-full"),
-    Case("llama", "fp32", 2, mode="zero1"),
-    Case("llama", "fp32", 2, mode="zero2"),
-    Case("llama", "fp32", 2, "full", mode="zero3"),
-    Case("llama", "bf16", 2, mode="fsdp-full", where=("cuda",)),
-    Case("llama", "bf16", 2, mode="zero2", where=("cuda",)),
-    Case("llama", "bf16", 2, mode="zero3", where=("cuda",)),
-    Case("resnet", "fp32", 1),
-    Case("resnet", "fp32", 2),
-    Case("resnet", "amp-bf16", 2),
-    Case("resnet", "fp32", 4, "full"),
-    Case("resnet", "bf16", 2, where=("cuda",), quick=True),
-    # timm through --hf (transformers' TimmWrapperForImageClassification over timm.create_model)
-    Case("timm-vit", "fp32", 2),
-    Case("timm-vit", "amp-bf16", 4, "full"),
-    Case("timm-vit", "amp-bf16", 4, "selective"),
-    Case("timm-vit", "fp32", 2, mode="fsdp-full"),
-    Case("timm-vit", "bf16", 4, where=("cuda",)),
-    Case("timm-resnet", "fp32", 2),
-    Case("timm-resnet", "amp-bf16", 2),
-    # DeepSpeed at world size 1 (a one-GPU machine runs no 2-process case): ZeRO-0..3 on the Llama layout
-    Case("llama", "bf16", 2, mode="zero0", procs=1, where=("cuda",), quick=True),
-    Case("llama", "bf16", 2, mode="zero1", procs=1, where=("cuda",)),
-    Case("llama", "bf16", 2, mode="zero2", procs=1, where=("cuda",)),
-    Case("llama", "bf16", 2, "full", mode="zero3", procs=1, where=("cuda",), quick=True),
-    Case("gpt2", "amp-bf16", 2, mode="zero2", procs=1, where=("cuda",)),
-)
-
-
-def llama_wrapper(directory: Path, shape: dict[str, int] | None, seq_len: int) -> Path:
-    """A model file building examples/llama.py's 1B layout with ``shape`` overrides (None: as is)."""
-    path = directory / "llama_fidelity.py"
-    path.write_text(textwrap.dedent(f"""
-        import importlib.util, sys
-        import torch
-        spec = importlib.util.spec_from_file_location("optplan_example_llama", {str(EXAMPLES / "llama.py")!r})
-        llama = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = llama
-        spec.loader.exec_module(llama)
-
-        SHAPE = {shape or {}!r}
-        OPTPLAN = {{"seq_len": {seq_len}, "optimizer": "adamw"}}
-
-        def build_model():
-            return llama.build_model("1B", **SHAPE)
-
-        def example_batch(batch_size, seq_len):
-            return torch.randint(0, SHAPE.get("vocab_size", llama.SIZES["1B"].vocab_size), (batch_size, seq_len))
-
-        loss_fn = llama.loss_fn
-        """))
-    return path
-
-
-def timm_model(directory: Path, architecture: str, side: int, classes: int) -> Path:
-    """The model file ``optplan --hf`` generates for a timm config of ``architecture`` (the timm/... hub layout:
-    ``architecture``, ``num_classes``, ``pretrained_cfg.input_size``) at ``side`` x ``side`` pixels. Building it
-    needs timm (and, on a CPU-only torch, benchmarks/torchvision_ops/install.py)."""
-    from optplan.planner.hf_source import find_hf_config, write_hf_model_file
-
-    folder = directory / architecture
-    folder.mkdir(parents=True, exist_ok=True)
-    config = {"architecture": architecture, "num_classes": classes,
-              "pretrained_cfg": {"input_size": [3, side, side], "num_classes": classes}}
-    (folder / "config.json").write_text(json.dumps(config), encoding="utf-8")
-    return write_hf_model_file(find_hf_config(str(folder)), folder)
-
-
-def models(device: str, tmp: Path, *, quick: bool = False) -> dict[str, Model]:
-    """The suite's models as ``device`` runs them (``quick`` on the CPU: the smaller Llama, LLAMA_CPU_QUICK_SHAPE)."""
-    if device == "cpu":
-        shape, seq = (LLAMA_CPU_QUICK_SHAPE, LLAMA_CPU_QUICK_SEQ) if quick else (llama_cpu_shape(), 128)
-        return {
-            "mlp": Model("mlp", "examples/mlp.py as is (in 64, hidden 256, depth 4); micro-batches x16",
-                         EXAMPLES / "mlp.py", None, "adamw", mbs_scale=16),
-            "gpt2": Model("gpt2", "examples/gpt2.py GPT-2 small (124 M) as is, seq 128", EXAMPLES / "gpt2.py",
-                          128, "adamw"),
-            "llama": Model("llama", "examples/llama.py 1B layout reduced: " + ", ".join(
-                f"{k} {v}" for k, v in shape.items()) + f" (vocab 128256 unless given, tied), seq {seq}",
-                llama_wrapper(tmp, shape, seq), seq, "adamw"),
-            "resnet": Model("resnet", "examples/resnet.py ResNet-50 as is, 224x224, SGD", EXAMPLES / "resnet.py",
-                            None, "sgd"),
-            "timm-vit": Model("timm-vit", "timm vit_tiny_patch16_224 (--hf timm config), 224x224, 100 classes",
-                              timm_model(tmp, "vit_tiny_patch16_224", 224, 100), None, "adamw"),
-            "timm-resnet": Model("timm-resnet", "timm resnet18 (--hf timm config), 160x160, 100 classes",
-                                 timm_model(tmp, "resnet18", 160, 100), None, "adamw"),
-        }
-    return {
-        "mlp": Model("mlp", "examples/mlp.py as is; micro-batches x256", EXAMPLES / "mlp.py", None, "adamw",
-                     mbs_scale=256),
-        "gpt2": Model("gpt2", "examples/gpt2.py GPT-2 small (124 M), seq 1024; micro-batches x4",
-                      EXAMPLES / "gpt2.py", 1024, "adamw", mbs_scale=4),
-        "llama": Model("llama", "examples/llama.py Llama-3 1B as is, seq 1024", llama_wrapper(tmp, None, 1024),
-                       1024, "adamw"),
-        "resnet": Model("resnet", "examples/resnet.py ResNet-50, 224x224, SGD; micro-batches x16",
-                        EXAMPLES / "resnet.py", None, "sgd", mbs_scale=16),
-        "timm-vit": Model("timm-vit", "timm vit_base_patch16_224 (--hf timm config), 224x224, 1000 classes; "
-                          "micro-batches x16", timm_model(tmp, "vit_base_patch16_224", 224, 1000), None, "adamw",
-                          mbs_scale=16),
-        "timm-resnet": Model("timm-resnet", "timm resnet50 (--hf timm config), 224x224, 1000 classes; "
-                             "micro-batches x16", timm_model(tmp, "resnet50", 224, 1000), None, "adamw",
-                             mbs_scale=16),
-    }
-
-
-def strategy_of(case: Case, model: Model) -> Strategy:
-    kwargs: dict[str, Any] = {"precision": case.precision, "optimizer": model.optimizer,
-                              "mbs": case.mbs * model.mbs_scale, "checkpointing": case.checkpointing,
-                              "dp": case.nproc, "engine": "torch", "compile": case.compile}
-    if case.mode == "fsdp-full":
-        kwargs["fsdp"] = "full"
-    elif case.mode == "fsdp-grad_op":
-        kwargs["fsdp"] = "grad_op"
-    elif case.mode.startswith("zero"):
-        kwargs.update(engine="deepspeed", zero=int(case.mode[4:]))
-    return Strategy(**kwargs)
-
-
-def label_of(case: Case, strategy: Strategy) -> str:
-    mode = {"single": "torch", "ddp": "DDP", "fsdp-full": "FSDP-full", "fsdp-grad_op": "FSDP-grad_op",
-            "zero0": "ZeRO-0", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3"}[case.mode]
-    ckpt = {"full": " ckpt", "selective": " sel"}.get(case.checkpointing, "")
-    return f"{case.precision} {mode} mbs{strategy.mbs}{ckpt}{' compile' if case.compile else ''}"
-
-
-# ---------------------------------------------------------------------------------------------------
 # one case
 # ---------------------------------------------------------------------------------------------------
-@dataclass
-class Row:
-    model: str
-    label: str
-    nproc: int
-    result: ProbeResult | None  # None: skipped
-    skipped: str = ""
-    memory: MemoryBreakdown | None = None
-    pred_bytes: int | None = None
-    pred_step_s: float | None = None
-    cal_step_s: float | None = None
-    is_calibration: bool = False
-    time_note: str = ""
-    comparison: ProbeComparison | None = None  # what calibration and the results file keep
-
-    @property
-    def ok(self) -> bool:
-        return self.result is not None and self.result.ok
-
-    @property
-    def meas_bytes(self) -> int | None:
-        return self.result.peak_allocated_bytes if self.result is not None else None
-
-    @property
-    def mem_err(self) -> float | None:
-        return abs_err(self.pred_bytes, self.meas_bytes) if self.ok else None
-
-    @property
-    def time_err(self) -> float | None:
-        return abs_err(self.pred_step_s, self.result.step_s) if self.ok and self.result else None
-
-    @property
-    def cal_err(self) -> float | None:
-        if not self.ok or self.is_calibration or self.result is None:
-            return None
-        return abs_err(self.cal_step_s, self.result.step_s)
-
-
-def abs_err(pred: float | None, meas: float | None) -> float | None:
-    """|pred - meas| / meas in percent (None when either is missing)."""
-    if pred is None or not meas:
-        return None
-    return 100.0 * abs(pred - meas) / meas
-
-
-def signed(pred: float | None, meas: float | None) -> str:
-    if pred is None or not meas:
-        return "n/a"
-    return f"{100.0 * (pred - meas) / meas:+.2f}%"
-
-
 @contextlib.contextmanager
 def environment(extra: dict[str, str]) -> Iterator[None]:
     """``os.environ`` with ``extra`` set (the profiler child inherits the environment)."""
@@ -464,105 +187,6 @@ class Runner:
         return row
 
 
-# ---------------------------------------------------------------------------------------------------
-# printing
-# ---------------------------------------------------------------------------------------------------
-def header(device: str) -> str:
-    head = (f"{'model':<12}{'strategy':<28}{'np':>3} | {'pred MiB':>9}{'meas MiB':>9}{'err':>10} |")
-    if device == "cuda":
-        head += f" {'pred ms':>9}{'meas ms':>9}{'err':>10} | {'calib ms':>9}{'err':>10} |"
-    else:
-        head += f" {'step1 s':>7} |"
-    return head + f" {'probe s':>7}"
-
-
-def mib(n: int | None) -> str:
-    return f"{n / MIB:>9.1f}" if n is not None else f"{'n/a':>9}"
-
-
-def ms(s: float | None) -> str:
-    return f"{1e3 * s:>9.1f}" if s is not None else f"{'n/a':>9}"
-
-
-def format_row(row: Row, device: str) -> str:
-    start = f"{row.model:<12}{row.label:<28}{row.nproc:>3} | "
-    if row.result is None:
-        return start + f"skipped: {row.skipped}"
-    r = row.result
-    if not r.ok:
-        return start + f"{mib(row.pred_bytes)}{'':>9}{'':>10} | {r.status.upper()}: {r.reason} ({r.wall_s:.0f} s)"
-    line = start + f"{mib(row.pred_bytes)}{mib(row.meas_bytes)}{signed(row.pred_bytes, row.meas_bytes):>10} |"
-    if device == "cuda":
-        line += f" {ms(row.pred_step_s)}{ms(r.step_s)}{signed(row.pred_step_s, r.step_s):>10} |"
-        if row.is_calibration:
-            line += f" {'(calibration probe)':>19} |"
-        else:
-            line += f" {ms(row.cal_step_s)}{signed(row.cal_step_s, r.step_s):>10} |"
-    else:
-        step = f"{r.step_s:>7.2f}" if r.step_s is not None else f"{'n/a':>7}"
-        line += f" {step} |"
-    line += f" {r.wall_s:>7.1f}"
-    if row.time_note:
-        line += f"  [{row.time_note}]"
-    return line
-
-
-def explain_lines(row: Row) -> list[str]:
-    """Predicted categories (memory.py) and measured ones (the probe's tracker, CPU) of one case, MiB."""
-    m, r = row.memory, row.result
-    if m is None or r is None:
-        return []
-
-    def part(name: str, n: float) -> str:
-        return f"{name} {n / MIB:.2f}"
-
-    items = {k: v for k, v in m.detail_bytes.items() if k not in ("cuda_context", "fragmentation_margin")}
-    pred = [part("params", m.params_bytes), part("grads", m.grads_bytes), part("optim", m.optimizer_bytes),
-            part("acts", m.activations_bytes)] + [part(k, v) for k, v in items.items()]
-    lines = ["      predicted: " + ", ".join(pred)]
-    if r.peak_by_category_bytes:
-        meas = [part(k, v) for k, v in sorted(r.peak_by_category_bytes.items(), key=lambda kv: -kv[1])]
-        lines.append("      measured:  " + ", ".join(meas))
-    elif r.peak_reserved_bytes is not None:
-        lines.append(f"      measured:  max allocated {(r.peak_allocated_bytes or 0) / MIB:.2f}, max reserved "
-                     f"{r.peak_reserved_bytes / MIB:.2f}, outside the allocator {(r.non_torch_bytes or 0) / MIB:.2f}")
-    for note in r.notes:
-        lines.append(f"      note: {note}")
-    return lines
-
-
-def stats(values: list[float]) -> tuple[str, str]:
-    if not values:
-        return "n/a", "n/a"
-    return f"{statistics.median(values):.2f}%", f"{max(values):.2f}%"
-
-
-def device_name(device: str) -> str:
-    if device == "cuda":
-        return f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}"
-    name = platform.processor() or platform.machine() or "cpu"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
-            if line.lower().startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    return f"{name} ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
-
-
-def catalogue_gpu() -> tuple[GPUSpec | None, str]:
-    """The detected GPU's catalogue entry, or None and why."""
-    from optplan.probes.hardware import detect_gpus
-
-    report = detect_gpus()
-    if not report.available or not report.devices:
-        return None, f"no GPU detected ({report.reason})"
-    first = report.devices[0]
-    if first.catalogue_name is None:
-        return None, f"{first.name} is not in the GPU catalogue: time not predicted"
-    return find_gpu(first.catalogue_name), ""
-
-
-# ---------------------------------------------------------------------------------------------------
 # the run
 # ---------------------------------------------------------------------------------------------------
 @dataclass

@@ -4,7 +4,7 @@ a GPU keeps judging the work after the visit).
 ``benchmarks/gpu_campaign.py`` writes each measured run as a ``MeasuredCase`` (planner/results.py) in
 ``fidelity.json`` and ``grid.json``: the strategy that ran, on which GPU, and what the probe measured
 (``torch.cuda.max_memory_allocated``, the median step time). This script profiles the same models here on
-the meta device (the campaign's own definitions: ``fidelity.models("cuda")`` and the grid's GPT-2 and
+the meta device (the campaign's own definitions: ``fidelity_suite.models("cuda")`` and the grid's GPT-2 and
 Llama-3 1B layout at sequence 1,024), predicts each run again with the current estimators (memory.py's
 allocated bytes on ``cuda``; ``estimate``'s uncalibrated step time on the GPU it ran on) and prints the errors.
 A run measured in several calls counts once (the last call's, which timed more steps). The profile is
@@ -32,6 +32,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import fidelity  # noqa: E402
+import fidelity_suite  # noqa: E402
 
 from optplan.estimators.estimate import estimate  # noqa: E402
 from optplan.estimators.hardware import Cluster, find_gpu  # noqa: E402
@@ -99,7 +100,7 @@ def latest_cases(files: list[Path]) -> list[tuple[MeasuredCase, str]]:
 def profiles(cases: list[tuple[MeasuredCase, str]]) -> dict[str, ModelProfile]:
     """Today's profile of every model the cases ran, by model key (the campaign's own model definitions)."""
     with tempfile.TemporaryDirectory(prefix="optplan_gpu_results_") as tmp:
-        defs = fidelity.models("cuda", Path(tmp))
+        defs = fidelity_suite.models("cuda", Path(tmp))
         out = {}
         for key in sorted({c.model for c, _ in cases}):
             model = defs[key]

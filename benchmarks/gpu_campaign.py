@@ -92,6 +92,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import fidelity  # noqa: E402
+import fidelity_report  # noqa: E402
+import fidelity_suite  # noqa: E402
 from campaign_core import (  # noqa: E402
     DEFAULT_BUDGET_S,
     EXAMPLES,
@@ -234,7 +236,7 @@ def part_gpu_tests(c: Campaign) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------------
 # part 1: fidelity.json and the calibration round trip
 # ---------------------------------------------------------------------------------------------------
-def row_record(row: fidelity.Row) -> dict[str, Any]:
+def row_record(row: fidelity_report.Row) -> dict[str, Any]:
     r = row.result
     return {
         "model": row.model, "label": row.label, "nproc": row.nproc,
@@ -259,33 +261,33 @@ def row_record(row: fidelity.Row) -> dict[str, Any]:
 def part_fidelity(c: Campaign) -> dict[str, Any]:
     path = c.out / "fidelity.json"
     profiles: dict[str, ModelProfile] = {}
-    rows: list[fidelity.Row] = []
+    rows: list[fidelity_report.Row] = []
     doc = c.doc("fidelity", gpu=c.gpu_name, targets={
         "cpu_memory_pct": fidelity.CPU_MEMORY_TARGET, "gpu_memory_median_max_pct": fidelity.GPU_MEMORY_TARGET,
         "gpu_time_calibrated_median_pct": fidelity.GPU_TIME_TARGET}, cases=[], measured=[])
 
-    def on_model(key: str, model: fidelity.Model, profile: ModelProfile | None, profile_s: float) -> None:
+    def on_model(key: str, model: fidelity_suite.Model, profile: ModelProfile | None, profile_s: float) -> None:
         if profile is not None:
             profiles[key] = profile
         c.log(f"fidelity: {key}: {'profiled' if profile else 'profiling failed'} in {profile_s:.1f} s")
 
-    def on_row(row: fidelity.Row) -> None:
+    def on_row(row: fidelity_report.Row) -> None:
         rows.append(row)
         doc["cases"].append(row_record(row))
         if row.comparison is not None and row.result is not None and row.model in profiles:
             doc["measured"].append(measured_case(c, row.model, profiles[row.model], row.comparison))
-        c.log("fidelity: " + fidelity.format_row(row, c.device))
+        c.log("fidelity: " + fidelity_report.format_row(row, c.device))
         doc["summary"] = fidelity_summary(doc["cases"])
         write_json(path, doc)
 
     ds_error = c.deepspeed_error
     doc["deepspeed_optimizer"] = ("torch AdamW (foreach) as the client optimizer: no fused-Adam JIT build "
                                   "(no nvcc or time for it on a visit); the prediction follows")
-    wanted = None if c.models is None else {case.model for case in fidelity.SUITE if c.wants(case.model)}
+    wanted = None if c.models is None else {case.model for case in fidelity_suite.SUITE if c.wants(case.model)}
     suite = fidelity.select_cases(c.device, c.quick, wanted)
     firsts = {id(next(x for x in suite if x.model == key)) for key in {x.model for x in suite}}
 
-    def skip(case: fidelity.Case) -> str | None:
+    def skip(case: fidelity_suite.Case) -> str | None:
         if not c.keeps_case(case, id(case) in firsts):
             return "not in --cases"
         return ds_error if ds_error and case.mode.startswith("zero") else None
@@ -315,7 +317,7 @@ def fidelity_summary(cases: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def calibration_round_trip(c: Campaign, results: Path, rows: list[fidelity.Row],
+def calibration_round_trip(c: Campaign, results: Path, rows: list[fidelity_report.Row],
                            profiles: dict[str, ModelProfile]) -> dict[str, Any]:
     """Fit the results into a cache file, read each entry back and price one measured case with it."""
     cache = c.out / "calibration_cache.json"
@@ -429,7 +431,7 @@ PARTS: dict[str, tuple[tuple[str, Callable[[Campaign], dict[str, Any]]], ...]] =
     "2": (("exports", part_exports), ("launch", part_launch), ("grid", part_grid)),
 }
 SECTIONS: dict[str, Callable[[Campaign], dict[str, Any]]] = {n: fn for part in PARTS.values() for n, fn in part}
-MODEL_KEYS = tuple(dict.fromkeys(case.model for case in fidelity.SUITE))  # mlp, gpt2, llama, resnet, timm-vit, ...
+MODEL_KEYS = tuple(dict.fromkeys(case.model for case in fidelity_suite.SUITE))  # mlp, gpt2, llama, resnet, timm-vit, ...
 ENGINE_KEYS = ("torch", "deepspeed")
 
 
@@ -489,17 +491,17 @@ def main(argv: list[str] | None = None) -> int:
     case_filters = None
     if args.cases is not None:
         case_filters = tuple(f.strip() for f in args.cases.split(",") if f.strip())
-        words = {w for case in fidelity.SUITE for w in case_tag(case).split()}
+        words = {w for case in fidelity_suite.SUITE for w in case_tag(case).split()}
         unknown = sorted({w for f in case_filters for w in f.split()} - words)
         if unknown or not case_filters:
             print(f"error: --cases {args.cases!r}: unknown word(s) {', '.join(unknown) or '(empty)'}; use words "
-                  f"of a case's tag, e.g. {case_tag(fidelity.SUITE[-1])!r}", file=sys.stderr)
+                  f"of a case's tag, e.g. {case_tag(fidelity_suite.SUITE[-1])!r}", file=sys.stderr)
             return 2
     if args.out.exists() and not args.out.is_dir():
         print(f"error: --out {args.out} is a file: give a folder", file=sys.stderr)
         return 2
     started = time.perf_counter()
-    gpu, gpu_note = fidelity.catalogue_gpu() if device == "cuda" else (None, "")
+    gpu, gpu_note = fidelity_report.catalogue_gpu() if device == "cuda" else (None, "")
     log_lines: list[str] = []
 
     def log(line: str) -> None:

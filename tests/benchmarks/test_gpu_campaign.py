@@ -234,13 +234,13 @@ def test_cases_filter_keeps_the_calibration_probe_and_matching_cases() -> None:
     """--cases: a filter keeps a case whose tag holds all its words; each model's first case always runs."""
     sys.path.insert(0, str(CAMPAIGN.parent))
     try:
-        import fidelity
+        import fidelity_suite
         import gpu_campaign
     finally:
         sys.path.remove(str(CAMPAIGN.parent))
     c = gpu_campaign.Campaign(device="cuda", out=Path("."), env={}, deadline=0.0, quick=False, gpu=None,
                               cases=("compile", "bf16 selective"))
-    llama = [x for x in fidelity.SUITE if x.model == "llama" and "cuda" in x.where]
+    llama = [x for x in fidelity_suite.SUITE if x.model == "llama" and "cuda" in x.where]
     kept = [gpu_campaign.case_tag(x) for i, x in enumerate(llama) if c.keeps_case(x, first=i == 0)]
     assert kept == ["fp32 single mbs1 none", "bf16 single mbs2 selective", "bf16 single mbs2 none compile",
                     "bf16 single mbs2 selective compile"]

@@ -99,7 +99,7 @@ amp-bf16 steps, emulated on an AVX2 CPU, cost a quarter); the prediction's mecha
 
 
 def _vit_at_side(timm_model: Callable[[Path, str, int, int], Path]) -> Callable[[Path, str, int, int], Path]:
-    """fidelity.timm_model with the ViT built for :data:`VIT_SIDE` x :data:`VIT_SIDE` (``model_args.img_size``, as a
+    """fidelity_suite.timm_model with the ViT built for :data:`VIT_SIDE` x :data:`VIT_SIDE` (``model_args.img_size``, as a
     timm hub config sets it); other models as fidelity builds them."""
 
     def build(directory: Path, architecture: str, side: int, classes: int) -> Path:
@@ -123,8 +123,9 @@ def test_timm_models_train_on_the_cpu_as_predicted(monkeypatch: pytest.MonkeyPat
     pytest.importorskip("timm")
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import fidelity
+    import fidelity_suite
 
-    monkeypatch.setattr(fidelity, "timm_model", _vit_at_side(fidelity.timm_model))
+    monkeypatch.setattr(fidelity_suite, "timm_model", _vit_at_side(fidelity_suite.timm_model))
     wanted = {"timm-vit", "timm-resnet"}
     result = fidelity.run_suite("cpu", wanted=wanted)
     assert len(result.rows) == len(fidelity.select_cases("cpu", False, wanted)) >= 6
