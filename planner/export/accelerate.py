@@ -46,8 +46,9 @@ defaults and behaviours follow accelerate 1.15.0:
 Plans accelerate cannot run as planned raise ``NotExportable`` with one line naming the fix: pipeline
 parallelism outside Megatron-LM, tensor/context parallelism on the DeepSpeed engine or under FSDP1,
 DDP composed with TP, context parallelism without FSDP, Megatron plans with interleaved pipelines,
-without full recompute or in an autocast/pure/fp8 precision, and DeepSpeed plans whose ds_config.json
-the DeepSpeed exporter refuses.
+without full recompute or in an autocast/pure/fp8 precision, DeepSpeed plans whose ds_config.json
+the DeepSpeed exporter refuses, and torch plans without FSDP in the ``bf16``/``fp16`` recipes (16-bit weights with
+fp32 masters: accelerate's ``mixed_precision`` is autocast there, ``context.refuse_autocast_for_16bit_weights``).
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ from optplan.planner.export.context import (
     SELECTIVE_CHECKPOINTING_HOWTO,
     ExportPlan,
     NotExportable,
+    refuse_autocast_for_16bit_weights,
 )
 
 ACCELERATE_VERSION = "1.15.0"
@@ -189,6 +191,7 @@ def _torch_layout(plan: ExportPlan, fsdp_version: int) -> _Layout:
         )
     model_parallel = strategy.tp > 1 or strategy.cp > 1
     if strategy.fsdp == "none":
+        refuse_autocast_for_16bit_weights(plan, f"accelerate's mixed_precision: {_MIXED_PRECISION[strategy.precision]}")
         if strategy.cp > 1:
             raise NotExportable(
                 f"accelerate's context parallelism needs FSDP2 (Accelerator.maybe_context_parallel), and this "

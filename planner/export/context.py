@@ -121,6 +121,27 @@ class ExportPlan(BaseModel):
         return self.nodes > 1
 
 
+def refuse_autocast_for_16bit_weights(plan: ExportPlan, switch: str) -> None:
+    """Raise NotExportable when ``switch`` (a trainer's 16-bit setting, e.g. accelerate's ``mixed_precision: bf16``)
+    would run this plan as autocast over fp32 weights although the plan priced 16-bit weights with fp32 masters.
+
+    On the torch engine without FSDP (DDP, one GPU) the trainers' 16-bit switches are autocast: fp32 parameters,
+    each matmul's weight cast per use, autocast's saved casts (the ``amp-bf16``/``amp-fp16`` recipes). The
+    ``bf16``/``fp16`` recipes hold 16-bit weights and gradients and step fp32 master copies (what train.py runs,
+    probes/trainloop.py ``MasterWeights``): the same 16 bytes of model state per parameter with AdamW, but other
+    activations, profiled separately (``bf16-weights`` vs ``bf16`` autocast: a small GPT-2 at micro-batch 256 held
+    19.4 GiB of activations as planned and 31.9 GiB under autocast). Under FSDP the same switches set FSDP's
+    MixedPrecision(param_dtype=16-bit) over fp32 shards: 16-bit weights in compute, as planned."""
+    s = plan.strategy
+    if s.engine == "torch" and s.fsdp == "none" and s.precision in ("bf16", "fp16"):
+        amp = f"amp-{s.precision}"
+        raise NotExportable(
+            f"{switch} runs autocast over fp32 weights without FSDP (the {amp} recipe), not this plan's {s.precision} "
+            f"weights with fp32 master copies, and autocast holds other activations than the plan priced: launch "
+            f"the plan's train.py (launch.sh), or plan with --precision {amp}"
+        )
+
+
 def export_plan_for(strategy: Strategy, profile: ModelProfile, cluster: Cluster, *,
                     shown: Estimate | None = None) -> ExportPlan:
     """The ExportPlan of ``strategy`` for ``profile`` on ``cluster``.

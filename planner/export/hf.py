@@ -15,8 +15,8 @@ transformers 5.23 (``training_args.py``, ``trainer.py``, ``trainer_optimizer.py`
   (DDP), or FSDP's MixedPrecisionPolicy(param_dtype=reduce_dtype=bf16|fp16) over fp32 sharded parameters
   (accelerate ``FullyShardedDataParallelPlugin.set_mixed_precision``; ``fsdp2_prepare_model`` upcasts
   16-bit parameters to fp32 masters). For an unsharded model that is the same 16 bytes/parameter of model
-  state with AdamW as the ``bf16``/``fp16`` recipes (2 + 2 + 12 against 4 + 4 + 8), so the plan's estimate
-  holds. Under DeepSpeed the flags must equal ds_config's ``bf16.enabled``/``fp16.enabled``
+  state with AdamW as the ``bf16``/``fp16`` recipes (2 + 2 + 12 against 4 + 4 + 8), but autocast holds other
+  activations, so torch plans without FSDP in those recipes are refused (below). Under DeepSpeed the flags must equal ds_config's ``bf16.enabled``/``fp16.enabled``
   (``HfTrainerDeepSpeedConfig.trainer_config_process`` records a mismatch otherwise): ``bf16`` and
   ``bf16-pure`` -> ``bf16: true`` (the pure-bf16 keys live in ds_config.json); ``fp16`` -> ``fp16: true``;
   the AMP recipes -> both false, because their ds_config disables ``bf16``/``fp16`` and autocasts through
@@ -47,7 +47,8 @@ transformers 5.23 (``training_args.py``, ``trainer.py``, ``trainer_optimizer.py`
   -> ``ddp_find_unused_parameters: false`` (the Trainer's default is true for models outside
   ``PreTrainedModel``, an extra pass over the graph every step).
 
-Refused plans (``NotExportable``, one line naming the fix): the megatron engine; tensor, pipeline or
+Refused plans (``NotExportable``, one line naming the fix): the megatron engine; the ``bf16``/``fp16`` recipes on the torch engine without FSDP (16-bit
+weights with fp32 masters, which ``bf16: true`` runs as autocast: ``context.refuse_autocast_for_16bit_weights``); tensor, pipeline or
 context parallelism; fp8 (TrainingArguments has no fp8 switch); ``bf16-pure`` on the torch engine (no
 TrainingArguments switch keeps bf16 parameters: ``bf16: true`` is autocast, and accelerate upcasts FSDP
 parameters to fp32 masters); hybrid FSDP (FSDP2's HSDP needs an accelerate ``ParallelismConfig`` object,
@@ -67,7 +68,12 @@ from typing import Any
 
 from optplan.estimators.errors import OptplanError
 from optplan.estimators.strategy import Strategy
-from optplan.planner.export.context import SELECTIVE_CHECKPOINTING_HOWTO, ExportPlan, NotExportable
+from optplan.planner.export.context import (
+    SELECTIVE_CHECKPOINTING_HOWTO,
+    ExportPlan,
+    NotExportable,
+    refuse_autocast_for_16bit_weights,
+)
 from optplan.planner.export.deepspeed import ADAMW_PARAMS, SGD_PARAMS
 
 TRANSFORMERS_VERSION_READ = "5.23.0"
@@ -138,6 +144,7 @@ def _check_exportable(plan: ExportPlan) -> None:
             raise NotExportable(str(exc)) from exc
         return
     # torch engine
+    refuse_autocast_for_16bit_weights(plan, f"TrainingArguments' {s.precision}=true")
     if s.precision == "bf16-pure":
         raise NotExportable(
             "TrainingArguments have no pure-bf16 switch (bf16=true is autocast over fp32 parameters, and accelerate "

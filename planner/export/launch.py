@@ -163,9 +163,12 @@ def _torch_notes(plan: ExportPlan) -> list[str]:
         "bf16": "precision bf16: keep fp32 parameters (the sharded master copy) and set mixed_precision="
                 "MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) (FSDP2: "
                 "mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32); "
-                "DDP: torch.autocast('cuda', torch.bfloat16)).",
+                "DDP or one GPU: model.to(torch.bfloat16) and fp32 master copies that the optimizer steps, copied back "
+                "into the bf16 parameters after each step, as train.py's MasterWeights does; not autocast, which "
+                "holds other activations than the plan priced).",
         "fp16": "precision fp16: MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float32) with "
-                "torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler (DDP: torch.amp.GradScaler).",
+                "torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler (DDP or one GPU: model.to(torch.float16) "
+                "with fp32 master copies and a dynamic loss scale, as train.py's MasterWeights does).",
         "amp-bf16": "precision amp-bf16: fp32 model, forward under torch.autocast('cuda', dtype=torch.bfloat16); "
                     "no FSDP MixedPrecision.",
         "amp-fp16": "precision amp-fp16: fp32 model, forward under torch.autocast('cuda', dtype=torch.float16) "

@@ -54,7 +54,8 @@ Mappings:
   ``torch_autocast`` section autocasts; Lightning must not add a bf16/fp16 mode). Lightning's
   ``_format_precision_config`` leaves config sections that exist alone.
 
-Refused plans (``NotExportable``, one line naming the fix): the megatron engine; tp/pp/cp > 1 (Lightning's
+Refused plans (``NotExportable``, one line naming the fix): the megatron engine; the ``bf16``/``fp16`` recipes on the torch engine without FSDP
+("bf16-mixed" is autocast there: ``context.refuse_autocast_for_16bit_weights``); tp/pp/cp > 1 (Lightning's
 ModelParallelStrategy needs the model's own parallelisation code); fp8 with FSDP or DeepSpeed (their
 precision plugins take no "transformer-engine"); FSDP without a repeated block class; a world size that does
 not fill whole nodes; and every deepspeed-engine plan ds_config cannot express
@@ -74,7 +75,12 @@ from typing import Any
 
 from optplan.estimators.errors import OptplanError
 from optplan.estimators.strategy import Strategy
-from optplan.planner.export.context import SELECTIVE_CHECKPOINTING_HOWTO, ExportPlan, NotExportable
+from optplan.planner.export.context import (
+    SELECTIVE_CHECKPOINTING_HOWTO,
+    ExportPlan,
+    NotExportable,
+    refuse_autocast_for_16bit_weights,
+)
 from optplan.planner.export.deepspeed import ADAMW_PARAMS, DEFAULT_NVME_PATH, SGD_PARAMS
 
 LIGHTNING_VERSION_READ = "2.6.6"
@@ -145,6 +151,7 @@ def _check_exportable(plan: ExportPlan) -> None:
         except OptplanError as exc:
             raise NotExportable(str(exc)) from exc
         return
+    refuse_autocast_for_16bit_weights(plan, f"Lightning's precision '{_TORCH_PRECISION[s.precision]}'")
     if s.precision == "fp8" and s.fsdp != "none":
         raise NotExportable(
             "Lightning's FSDP precision plugin has no 'transformer-engine' (fp8) mode: use DDP (--fsdp none) for "

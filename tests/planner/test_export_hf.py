@@ -38,6 +38,10 @@ BUCKETS = DeepSpeedBuckets(
 
 
 def make_plan(*, block_class: str | None = "Block", gpus_per_node: int = 8, **strategy: Any) -> ExportPlan:
+    """Torch plans without FSDP default to amp-bf16: the trainers' 16-bit switch is autocast there, and plans with
+    16-bit weights and fp32 masters (bf16, fp16) are refused (test_autocast_switch_refuses_16bit_weight_plans)."""
+    if strategy.get("engine") == "torch" and strategy.get("fsdp", "none") == "none":
+        strategy.setdefault("precision", "amp-bf16")
     return ExportPlan(
         strategy=Strategy(**strategy), model="gpt2", model_path="examples/gpt2.py", block_class=block_class,
         params=124_439_808, seq_len=1024, buckets=BUCKETS, gpu="H100-SXM", gpus_per_node=gpus_per_node,
@@ -161,14 +165,15 @@ def test_fsdp_plugin_args_are_what_the_plan_says() -> None:
 
 
 @pytest.mark.parametrize("engine, precision, bf16, fp16", [
-    ("torch", "fp32", False, False), ("torch", "amp-bf16", True, False), ("torch", "bf16", True, False),
+    ("torch", "fp32", False, False), ("torch", "amp-bf16", True, False), ("torch", "bf16", True, False),  # FSDP
     ("torch", "amp-fp16", False, True), ("torch", "fp16", False, True),
     ("deepspeed", "fp32", False, False), ("deepspeed", "amp-bf16", False, False), ("deepspeed", "bf16", True, False),
     ("deepspeed", "amp-fp16", False, False), ("deepspeed", "fp16", False, True),
     ("deepspeed", "bf16-pure", True, False),
 ])
 def test_precision_flags(engine: str, precision: str, bf16: bool, fp16: bool) -> None:
-    plan = make_plan(engine=engine, zero=2 if engine == "deepspeed" else 0, precision=precision, dp=8)
+    plan = make_plan(engine=engine, zero=2 if engine == "deepspeed" else 0, precision=precision, dp=8,
+                     fsdp="full" if (engine, precision) in (("torch", "bf16"), ("torch", "fp16")) else "none")
     args = check(plan)
     assert (args["bf16"], args["fp16"]) == (bf16, fp16)
 
@@ -580,3 +585,14 @@ def test_compile_plans_set_torch_compile() -> None:
     assert any("torch_compile" in n for n in hf_notes(make_plan(engine="torch", dp=8, compile=True)))
     ds = check(make_plan(engine="deepspeed", zero=2, dp=8, mbs=2, compile=True))
     assert ds["torch_compile"] is True
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("dp", [1, 8])
+def test_autocast_switch_refuses_16bit_weight_plans(precision: str, dp: int) -> None:
+    """Without FSDP the trainer's 16-bit switch is autocast over fp32 weights: a plan priced with 16-bit weights and
+    fp32 masters is refused in one line that names train.py and the amp recipe; under FSDP it is exported."""
+    with pytest.raises(NotExportable, match=f"--precision amp-{precision}") as err:
+        render_hf_training_args(make_plan(engine="torch", dp=dp, precision=precision))
+    assert "train.py" in str(err.value) and "\n" not in str(err.value)
+    render_hf_training_args(make_plan(engine="torch", dp=8, precision=precision, fsdp="full"))

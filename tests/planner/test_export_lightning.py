@@ -43,6 +43,10 @@ BUCKETS = DeepSpeedBuckets(
 
 
 def make_plan(*, block_class: str | None = "Block", gpus_per_node: int = 8, **strategy: Any) -> ExportPlan:
+    """Torch plans without FSDP default to amp-bf16: the trainers' 16-bit switch is autocast there, and plans with
+    16-bit weights and fp32 masters (bf16, fp16) are refused (test_autocast_switch_refuses_16bit_weight_plans)."""
+    if strategy.get("engine") == "torch" and strategy.get("fsdp", "none") == "none":
+        strategy.setdefault("precision", "amp-bf16")
     return ExportPlan(
         strategy=Strategy(**strategy), model="gpt2", model_path="examples/gpt2.py", block_class=block_class,
         params=124_439_808, seq_len=1024, buckets=BUCKETS, gpu="H100-SXM", gpus_per_node=gpus_per_node,
@@ -237,7 +241,8 @@ def test_cpu_trainer_from_the_helper() -> None:
     ("deepspeed", "bf16", "bf16-mixed"), ("deepspeed", "fp16", "16-mixed"), ("deepspeed", "bf16-pure", "bf16-true"),
 ])
 def test_precisions(engine: str, precision: str, expected: str) -> None:
-    plan = make_plan(engine=engine, zero=2 if engine == "deepspeed" else 0, precision=precision, dp=8)
+    fsdp = "full" if (engine, precision) in (("torch", "bf16"), ("torch", "fp16")) else "none"  # DDP: refused
+    plan = make_plan(engine=engine, zero=2 if engine == "deepspeed" else 0, precision=precision, dp=8, fsdp=fsdp)
     assert check(plan)["precision"] == expected
 
 
@@ -463,3 +468,14 @@ def test_equivalent_spellings_are_accepted() -> None:
 def test_compile_plans_say_how_to_compile_under_lightning() -> None:
     assert any("block.compile()" in n for n in lightning_notes(make_plan(engine="torch", dp=8, compile=True)))
     assert not any("torch.compile" in n for n in lightning_notes(make_plan(engine="torch", dp=8)))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("dp", [1, 8])
+def test_autocast_switch_refuses_16bit_weight_plans(precision: str, dp: int) -> None:
+    """Without FSDP the trainer's 16-bit switch is autocast over fp32 weights: a plan priced with 16-bit weights and
+    fp32 masters is refused in one line that names train.py and the amp recipe; under FSDP it is exported."""
+    with pytest.raises(NotExportable, match=f"--precision amp-{precision}") as err:
+        render_lightning_json(make_plan(engine="torch", dp=dp, precision=precision))
+    assert "train.py" in str(err.value) and "\n" not in str(err.value)
+    render_lightning_json(make_plan(engine="torch", dp=8, precision=precision, fsdp="full"))

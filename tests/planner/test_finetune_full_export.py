@@ -101,7 +101,8 @@ def test_full_fine_tune_trains_with_sft_trainer(hf_model: Path, tmp_path: Path) 
     out = tmp_path / "plan"
     env = {"OPTPLAN_CACHE_DIR": str(tmp_path / "cache")}
     r = runner.invoke(app, ["recommend", "--hf", str(hf_model / "model"), "--finetune", "full", "--gpu", "H100-SXM",
-                            "--gpus", "1", "--seq-len", "64", "--no-probe", "--engine", "torch", "--out", str(out)],
+                            "--gpus", "1", "--seq-len", "64", "--no-probe", "--engine", "torch", "--precision",
+                            "amp-bf16", "--out", str(out)],  # SFTTrainer's bf16 switch is autocast without FSDP
                       env=env)
     assert r.exit_code == 0, r.output
     cfg = json.loads((out / "finetune.json").read_text())  # written under "all": an --hf model
