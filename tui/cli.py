@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
+import click
 import typer
 from pydantic import ValidationError
 from rich.console import Console
@@ -30,6 +31,8 @@ EXIT_INTERRUPTED = 130
 """Exit code after Ctrl-C (128 + SIGINT, as shells report it)."""
 EXIT_TERMINATED = 143
 """Exit code after SIGTERM (128 + SIGTERM): ``kill``, ``scancel``, a container stop."""
+EXIT_INTERNAL = 3
+"""Exit code after an unexpected error inside optplan (a bug, not bad input): one line, the traceback with --debug."""
 
 
 class Terminated(KeyboardInterrupt):
@@ -113,6 +116,15 @@ def _guard(ctx: typer.Context, body: Callable[[], T]) -> T:
     except KeyboardInterrupt as err:  # Ctrl-C: child processes are already stopped by the layer that started them
         _fail(str(err) or "interrupted")
         raise typer.Exit(code=_interrupted_code(err)) from None
+    except (typer.Exit, typer.Abort, click.exceptions.ClickException):
+        raise
+    except Exception as err:  # a bug: one line that says so (the traceback with --debug), never a bare traceback
+        if debug:
+            raise
+        text = " ".join(str(err).split())
+        _fail(f"internal error in optplan ({type(err).__name__}{': ' + text if text else ''}): this is a bug, not "
+              "your input; rerun with --debug for the traceback and report it")
+        raise typer.Exit(code=EXIT_INTERNAL) from None
 
 
 def _stderr() -> Console:

@@ -138,6 +138,27 @@ def test_bad_input_is_one_line_exit_2_no_traceback(argv: list[str], needle: str,
     assert "Traceback" not in err
 
 
+def test_an_internal_error_is_one_line_and_exit_3(monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """A bug inside optplan (here: the --arch parser raising what no user input should cause) prints one line that
+    says so and points at --debug, exits 3 (not 2: the input was fine), no traceback; --debug shows it."""
+    import optplan.planner.api as api
+
+    def broken(text: str, **_kw: object) -> None:
+        raise ZeroDivisionError("division by zero")
+
+    monkeypatch.setattr(api, "parse_arch", broken)
+    with pytest.raises(SystemExit) as exc:
+        main(["profile", "--arch", "layers=2,hidden=64,heads=2"])
+    assert exc.value.code == 3
+    err = capsys.readouterr().err
+    lines = [line for line in err.strip().splitlines() if line]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert "internal error" in lines[0] and "ZeroDivisionError" in lines[0] and "--debug" in lines[0]
+    result = runner.invoke(app, ["--debug", "profile", "--arch", "layers=2,hidden=64,heads=2"])
+    assert result.exit_code != 0 and isinstance(result.exception, ZeroDivisionError)
+
+
 def test_debug_shows_the_traceback() -> None:
     result = runner.invoke(app, ["--debug", "recommend", "no_such_model.py"])
     assert result.exit_code != 0 and result.exception is not None
