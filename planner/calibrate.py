@@ -116,6 +116,12 @@ def torch_version() -> str:
         return ""
 
 
+def _median_abs_error(pairs: Sequence[tuple[float, float]]) -> float:
+    """Median of |predicted - measured| / measured over (predicted, measured) pairs (a fraction; 0 for none)."""
+    errs = [abs(pred - meas) / meas for pred, meas in pairs if meas]
+    return statistics.median(errs) if errs else 0.0
+
+
 def fit_calibration(comparisons: Sequence[ProbeComparison], *, gpu: str, model_hash: str,
                     torch_version: str = "") -> Calibration | None:
     """The Calibration the probes support (see the module docstring), or None when no probe measured."""
@@ -145,7 +151,16 @@ def fit_calibration(comparisons: Sequence[ProbeComparison], *, gpu: str, model_h
     parts = []
     if mem:
         parts.append(f"memory from {len(mem)} probe(s)")
-    if timed:
+    before = _median_abs_error([(c.predicted_step_s, c.measured_step_s) for c in timed])  # type: ignore[misc]
+    after = _median_abs_error([(compute_scale * c.predicted_on_device_s + comm_scale * c.predicted_exposed_comm_s,  # type: ignore[operator]
+                                c.measured_step_s) for c in timed])  # type: ignore[misc]
+    if timed and after >= before:  # one pair of scales misses these runs more than none: keep time uncalibrated
+        ratios = sorted(c.time_ratio for c in timed)  # type: ignore[type-var]
+        parts.append(f"time not calibrated: one compute scale ({compute_scale:.3f}) would fit its {len(timed)} runs "
+                     f"worse than none (median error {100 * before:.1f}% -> {100 * after:.1f}%, measured/predicted "
+                     f"{ratios[0]:.2f}-{ratios[-1]:.2f}: the model misses something that differs between them)")
+        timed, compute_scale, comm_scale = [], 1.0, 1.0
+    elif timed:
         parts.append(f"time from {len(timed)} probe(s) ({len(quiet)} without communication)")
     return Calibration(
         gpu=gpu, model_hash=model_hash, torch_version=torch_version,

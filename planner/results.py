@@ -65,7 +65,10 @@ class CalibrationFit(BaseModel):
     def line(self) -> str:
         c = self.calibration
         parts = [f"{c.gpu} {self.model} (torch {c.torch_version or '?'}): {self.runs} run(s)"]
-        if self.time_error_before_pct is not None and self.time_error_after_pct is not None:
+        refused = c.source.find("time not calibrated")
+        if refused >= 0:  # one scale would have fitted its own runs worse: the step time stays uncalibrated
+            parts.append("step " + c.source[refused:].split("; ")[0])
+        elif self.time_error_before_pct is not None and self.time_error_after_pct is not None:
             parts.append(f"step time error {self.time_error_before_pct:.1f}% -> {self.time_error_after_pct:.1f}% "
                          f"(compute x {c.compute_scale:.3f}, communication x {c.comm_scale:.3f})")
         if self.memory_error_before_pct is not None and self.memory_error_after_pct is not None:
