@@ -63,9 +63,16 @@ class Goal(BaseModel):
     def gpu_hours(self, e: Estimate, end: BandEnd = "nominal") -> float:
         return e.gpus * self.train_time_s(e, end) / 3600
 
-    def meets_deadline(self, e: Estimate) -> bool:
-        """The nominal time to train is within the deadline (the deadline's meaning is unchanged)."""
-        return self.deadline_s is None or self.train_time_s(e) <= self.deadline_s
+    def meets_deadline(self, e: Estimate, end: BandEnd = "nominal") -> bool:
+        """The time to train at the band's ``end`` is within the deadline (True without a deadline)."""
+        return self.deadline_s is None or self.train_time_s(e, end) <= self.deadline_s
+
+    def deadline_class(self, e: Estimate) -> int:
+        """0: meets the deadline even at the band's slow end; 1: at the nominal time only (the band says it may
+        miss); 2: misses it (0 without a deadline)."""
+        if self.meets_deadline(e, "slow"):
+            return 0
+        return 1 if self.meets_deadline(e) else 2
 
     @property
     def by_throughput(self) -> bool:
@@ -81,15 +88,16 @@ class Goal(BaseModel):
         return self.gpu_hours(e, end)
 
     def class_key(self, e: Estimate) -> tuple[float, ...]:
-        """What comes before the figure: feasible first, then (time/cost with a deadline) plans that meet it,
-        and for the time objective with a deadline the fewest GPUs. Only plans of one class can tie."""
+        """What comes before the figure: feasible first, then (time/cost with a deadline) plans that meet it even at
+        their band's slow end, then those that meet it at their nominal time only (``deadline_class``), and for the
+        time objective with a deadline the fewest GPUs. Only plans of one class can tie."""
         head: tuple[float, ...] = (0.0 if e.fits else 1.0,)
         if self.by_throughput or self.deadline_s is None:
             return head
-        met = self.meets_deadline(e)
+        met = self.deadline_class(e)  # robustly met first, then met at the nominal time only, then missed
         if self.objective == "time":  # the fewest GPUs that meet the deadline, then the fastest
-            return (*head, 0.0 if met else 1.0, e.gpus if met else 0.0)
-        return (*head, 0.0 if met else 1.0)
+            return (*head, float(met), e.gpus if met < 2 else 0.0)
+        return (*head, float(met))
 
     def rank_key(self, e: Estimate) -> tuple[float, ...]:
         """Ascending sort key: the class (``class_key``), then the robust figure (the band's slow end),

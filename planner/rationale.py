@@ -95,8 +95,10 @@ def _headline(pick: Estimate, evaluated: int, goal: Goal, simplest: bool = False
              else "")
     cost = f"{_hours_band(goal, pick)}{money}"
     if goal.objective == "time" and goal.deadline_s is not None:
-        met = "meets" if goal.meets_deadline(pick) else "misses"
-        what = f"fewest GPUs ({pick.gpus}) that train {goal.tokens:.3g} tokens by the deadline"
+        level = goal.deadline_class(pick)
+        met = ("meets", "meets at the nominal time only: the band's slow end is past", "misses")[level]
+        what = (f"fewest GPUs ({pick.gpus}) that train {goal.tokens:.3g} tokens by the deadline" if level < 2 else
+                f"fastest plan ({pick.gpus} GPUs) to train {goal.tokens:.3g} tokens, none meeting the deadline")
         return (f"{lead}{what} of {evaluated} candidates priced: {_time_band(goal, pick)} ({met} "
                 f"{_days(goal.deadline_s)}), {cost}; {figures}")
     what = "fastest to train" if goal.objective == "time" else "cheapest to train"

@@ -81,10 +81,12 @@ class ClusterSummary(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     gpu: str
-    gpus: int
+    gpus: int = Field(description="GPUs planned for; with a range of GPU counts the largest searched")
     gpus_per_node: int
     memory_bytes: int
     detected: bool
+    gpu_counts: tuple[int, ...] | None = Field(default=None, description="the GPU counts searched (--gpus-range); "
+                                                                        "None: gpus only")
 
 
 class Recommendation(BaseModel):
@@ -234,9 +236,10 @@ def recommend(profile: ModelProfile, cluster: Cluster, *, global_batch: int | No
                             feasible=len(feasible), resumed=result.resumed, layouts=len(space.layouts),
                             layouts_screened_out=result.layouts_screened_out, objective=goal.objective,
                             study_name=result.study.study_name, storage=None if storage is None else str(storage))
-    cluster_summary = ClusterSummary(gpu=cluster.gpu.name, gpus=max(space.gpu_counts),
+    counts = space.gpu_counts
+    cluster_summary = ClusterSummary(gpu=cluster.gpu.name, gpus=max(counts),
                                      gpus_per_node=cluster.gpus_per_node, memory_bytes=cluster.gpu.memory_bytes,
-                                     detected=cluster.detected)
+                                     detected=cluster.detected, gpu_counts=counts if len(counts) > 1 else None)
     common = dict(model=profile.name, model_path=profile.path, cluster=cluster_summary, global_batch=gb,
                   seq_len=profile.seq_len, search=summary, objective=goal.objective, tokens=goal.tokens,
                   deadline_s=goal.deadline_s, probes=report, calibration=calibration)
@@ -247,6 +250,10 @@ def recommend(profile: ModelProfile, cluster: Cluster, *, global_batch: int | No
         if goal.deadline_s is not None and not goal.meets_deadline(pick):
             all_notes.append(f"no searched plan trains {goal.tokens:.3g} tokens within the deadline: this is the "
                              "fastest; widen --gpus-range or relax --deadline")
+        elif goal.deadline_s is not None and not goal.meets_deadline(pick, "slow"):
+            all_notes.append(f"no searched plan meets the deadline at its band's slow end ({goal.train_time_s(pick, 'slow') / 86400:.1f} "
+                             f"days for this one): this one meets it at its nominal time only; widen --gpus-range or "
+                             "relax --deadline for a margin")
         lines = rationale(pick, ranked, pricer, space, goal, result.evaluated + result.resumed) + probe_text
         return Recommendation(
             **common, fits=True, plan=pick.strategy, estimate=pick,  # type: ignore[arg-type]

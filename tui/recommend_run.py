@@ -97,6 +97,9 @@ def prepare_recommend(args: RecommendArgs, *, check_out: bool = True) -> Prepare
     if a.gpus_range is not None:
         counts = parse_gpus_range(a.gpus_range, target.gpus_per_node)
         target = target.model_copy(update={"gpus": max(counts)})
+        span = f"{min(counts)}-{max(counts)}"  # the count is searched: say so where the note gave one count
+        notes = [f"planning for {span} x {target.gpu.name} (--gpus-range: the GPU count is searched)"
+                 if n.startswith("planning for ") else n for n in notes]
     check_search_options(target, global_batch=a.global_batch, precisions=a.precision)
     if a.global_batch is not None and a.runs_a_model and "megatron" not in (a.engine or ()):
         # a model file trains data-parallel (DeepSpeed/torch): dp is the GPU count, known before profiling

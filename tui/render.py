@@ -229,7 +229,8 @@ def print_recommendation(console: Console, rec: Recommendation, profile: ModelPr
     """The full human report of a recommendation."""
     console.print(profile_summary(profile))
     c = rec.cluster
-    console.print(f"cluster: {c.gpus} x {c.gpu} ({_g(c.memory_bytes)} GiB each, {c.gpus_per_node} per node"
+    size = f"{c.gpus}" if not c.gpu_counts else f"{min(c.gpu_counts)}-{max(c.gpu_counts)} (searched)"
+    console.print(f"cluster: {size} x {c.gpu} ({_g(c.memory_bytes)} GiB each, {c.gpus_per_node} per node"
                   f"{', detected' if c.detected else ''}); searched {rec.search.evaluated} plans "
                   f"({rec.search.method}{_screen_text(rec)}), {rec.search.feasible} fit")
     for note in rec.notes:

@@ -184,11 +184,35 @@ def test_time_objective_with_deadline_takes_the_fewest_gpus() -> None:
     assert rec.estimate is not None and rec.estimate.cost is not None
     assert rec.estimate.cost.train_time_s <= goal.deadline_s
     assert rec.estimate.gpus < fastest.estimate.gpus
-    # every plan on fewer GPUs misses the deadline
+    # the pick meets the deadline even at its band's slow end, and every plan on fewer GPUs does not
+    assert goal.meets_deadline(rec.estimate, "slow")
     space = build_space(prof, c, global_batch=384, gpu_counts=counts, engines=["deepspeed", "torch"])
     result = search(prof, c, space, goal=goal)
-    assert all(not goal.meets_deadline(e) for e in result.feasible if e.gpus < rec.estimate.gpus)
+    assert all(not goal.meets_deadline(e, "slow") for e in result.feasible if e.gpus < rec.estimate.gpus)
     assert "deadline" in rec.rationale[0] and any("GPUs of the 8-64 searched" in line for line in rec.rationale)
+
+
+def test_a_deadline_met_only_at_the_nominal_time_ranks_after_one_met_at_the_slow_end() -> None:
+    """The deadline classes: met at the band's slow end, met at the nominal time only, missed; a pick of the middle
+    class says so in the rationale and a note."""
+    prof = make_profile(params=1_000_000_000, hidden=2048, layers=24)
+    c = _cluster(gpus=64)
+    counts = parse_gpus_range("8:64", 8)
+    fastest = recommend(prof, c, global_batch=384, gpu_counts=counts, goal=Goal(objective="time", tokens=2e10))
+    e = fastest.estimate
+    assert e is not None and e.cost is not None
+    nominal, slow = Goal(objective="time", tokens=2e10).train_time_s(e), Goal(objective="time", tokens=2e10).train_time_s(e, "slow")
+    assert slow > nominal
+    between = Goal(objective="time", tokens=2e10, deadline_s=(nominal + slow) / 2)
+    assert between.deadline_class(e) == 1 and between.meets_deadline(e) and not between.meets_deadline(e, "slow")
+    assert Goal(objective="time", tokens=2e10, deadline_s=slow * 1.01).deadline_class(e) == 0
+    assert Goal(objective="time", tokens=2e10, deadline_s=nominal * 0.99).deadline_class(e) == 2
+    assert between.class_key(e) > Goal(objective="time", tokens=2e10, deadline_s=slow * 1.01).class_key(e)
+    rec = recommend(prof, c, global_batch=384, gpu_counts=counts, goal=between)
+    assert rec.estimate is not None
+    assert between.deadline_class(rec.estimate) == 1  # no plan meets it at its slow end: said, not hidden
+    assert "nominal time only" in rec.rationale[0]
+    assert any("band's slow end" in n for n in rec.notes)
 
 
 def test_cost_objective_minimises_gpu_hours() -> None:
