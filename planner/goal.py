@@ -53,6 +53,8 @@ class Goal(BaseModel):
             raise OptplanError(f"--objective {self.objective} needs --tokens (the token budget to train)")
         if self.deadline_s is not None and self.tokens is None:
             raise OptplanError("--deadline needs --tokens (the token budget to train in that time)")
+        if self.price_per_gpu_hour is not None and self.tokens is None:
+            raise OptplanError("--price needs --tokens (the token budget whose training it prices)")
 
     def train_time_s(self, e: Estimate, end: BandEnd = "nominal") -> float:
         """Time to train the token budget (s) at the band's ``end``; inf without a token model."""

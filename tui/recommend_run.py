@@ -89,7 +89,8 @@ def prepare_recommend(args: RecommendArgs, *, check_out: bool = True) -> Prepare
         raise OptplanError(f"--global-batch must be >= 1 (got {a.global_batch})")
     goal = Goal(objective=a.objective, tokens=a.tokens, price_per_gpu_hour=a.price,  # type: ignore[arg-type]
                 deadline_s=parse_duration_s(a.deadline) if a.deadline is not None else None)
-    goal.check()
+    if a.tokens is not None or not a.runs_a_model:
+        goal.check()  # a model file's OPTPLAN["tokens"] may still give the budget: checked once it is read
     if a.gpus_range is not None and a.gpus is not None:
         raise OptplanError("give --gpus or --gpus-range, not both")
     target, notes = resolve_cluster(gpu=a.gpu, gpus=a.gpus, gpus_per_node=a.gpus_per_node, cluster_file=a.cluster)
@@ -158,6 +159,16 @@ def gpu_present() -> bool:
     return detect_hardware().available
 
 
+def goal_for(prepared: PreparedRecommend, prof: ModelProfile) -> Goal:
+    """The options' goal, its token budget from the model file's ``OPTPLAN["tokens"]`` when --tokens is not given
+    (README: the file's defaults), checked (one line when a goal still lacks the budget it needs)."""
+    goal = prepared.goal
+    if goal.tokens is None and prof.defaults.tokens:
+        goal = goal.model_copy(update={"tokens": float(prof.defaults.tokens)})
+    goal.check()
+    return goal
+
+
 def run_recommend(prepared: PreparedRecommend, prof: ModelProfile, *,
                   on_progress: Callable[[ProgressEvent], None] | None = None,
                   on_trial: Callable[[Estimate], None] | None = None,
@@ -168,6 +179,7 @@ def run_recommend(prepared: PreparedRecommend, prof: ModelProfile, *,
     from optplan.planner.recommend import recommend
 
     a = prepared.args
+    goal = goal_for(prepared, prof)
     gb = global_batch_for(prepared, prof)
     if a.out is not None and a.storage is None:
         try:
@@ -186,7 +198,7 @@ def run_recommend(prepared: PreparedRecommend, prof: ModelProfile, *,
     choice = finetune_choice(a)
     precisions = a.precision or choice.precisions(prepared.cluster.gpu.supports_bf16)
     return recommend(prof, prepared.cluster, global_batch=gb, precisions=precisions, optimizers=a.optimizer,
-                     engines=a.engine, gpu_counts=prepared.gpu_counts, goal=prepared.goal, offload=a.offload,
+                     engines=a.engine, gpu_counts=prepared.gpu_counts, goal=goal, offload=a.offload,
                      compile_blocks=a.compile_,
                      method=a.method, seed=a.seed, n_trials=a.trials,  # type: ignore[arg-type]
                      storage=prepared.storage, notes=prepared.notes, calibration=cal, probe=probe_options,

@@ -20,7 +20,7 @@ from optplan.estimators.estimate import Estimate
 from optplan.estimators.profile import ModelProfile
 from optplan.planner.events import ProgressEvent
 from optplan.planner.recommend import Recommendation
-from optplan.tui.recommend_run import PreparedRecommend, gpu_present, profile_for, run_recommend
+from optplan.tui.recommend_run import PreparedRecommend, goal_for, gpu_present, profile_for, run_recommend
 
 TRIAL_BATCH_S = 0.1
 
@@ -108,4 +108,6 @@ def run_session(prepared: PreparedRecommend, sink: Sink, *, profile: ModelProfil
     rec = run_recommend(prepared, profile, on_progress=on_progress, on_trial=on_trial, gpu_here=gpu_here,
                         cancelled=cancelled)
     batcher.flush()
+    # the goal the search ran (the model file's OPTPLAN["tokens"] may have given its budget): the screens rank with it
+    prepared = prepared.model_copy(update={"goal": goal_for(prepared, profile)})
     return PlanResult(prepared=prepared, profile=profile, recommendation=rec)

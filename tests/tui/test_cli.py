@@ -420,3 +420,25 @@ def test_recommend_compile_plans_compile_and_eager_plans_say_what_it_would_save(
     compiled = _json([*base, "--compile"])
     assert compiled["plan"]["compile"] is True
     assert compiled["estimate"]["time"]["step_s"] < eager["estimate"]["time"]["step_s"]
+
+
+def test_a_model_files_optplan_tokens_is_the_budget(tmp_path: Path) -> None:
+    """README: OPTPLAN's ``tokens`` is a default: --objective time takes it when --tokens is not given (it was
+    refused as missing); without it anywhere the one-line error stands; --price alone is refused, not ignored."""
+    model = tmp_path / "tiny.py"
+    model.write_text("import torch\nfrom torch import nn\n"
+                     "OPTPLAN = {'seq_len': 32, 'tokens': 5e9}\n"
+                     "def build_model():\n    return nn.Sequential(nn.Embedding(256, 32), nn.Linear(32, 256))\n")
+    result = runner.invoke(app, ["recommend", str(model), "--objective", "time", "--gpus", "2", "--no-probe",
+                                 "--json"], env={"OPTPLAN_CACHE_DIR": str(tmp_path / "cache")})
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    assert doc["tokens"] == pytest.approx(5e9) and doc["objective"] == "time"
+    assert doc["estimate"]["cost"]["train_time_s"] == pytest.approx(5e9 / doc["estimate"]["tokens_per_s"], rel=1e-6)
+    model.write_text(model.read_text().replace(", 'tokens': 5e9", ""))
+    missing = runner.invoke(app, ["recommend", str(model), "--objective", "time", "--gpus", "2", "--no-probe"],
+                            env={"OPTPLAN_CACHE_DIR": str(tmp_path / "cache")})
+    assert missing.exit_code == 2 and "needs --tokens" in missing.output
+    price = runner.invoke(app, ["recommend", "--arch", "layers=2,hidden=64,heads=2,seq=128", "--gpus", "2",
+                                "--price", "2"])
+    assert price.exit_code == 2 and "--price needs --tokens" in price.output
