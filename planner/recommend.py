@@ -152,7 +152,7 @@ def recommend(profile: ModelProfile, cluster: Cluster, *, global_batch: int | No
               probe_bench: Callable[..., Any] | None = None,
               on_trial: Callable[[Estimate], None] | None = None,
               cancelled: Callable[[], bool] | None = None, quant: str = "none",
-              compile_blocks: bool = False) -> Recommendation:
+              compile_blocks: bool = False, checkpointing: Sequence[str] | None = None) -> Recommendation:
     """Search the space of ``profile`` on ``cluster`` (or on each of ``gpu_counts``) and explain the pick.
 
     ``global_batch`` (samples) defaults to the model file's OPTPLAN value; None leaves it free. For a model
@@ -171,6 +171,9 @@ def recommend(profile: ModelProfile, cluster: Cluster, *, global_batch: int | No
 
     ``compile_blocks`` makes the torch and DeepSpeed plans compile each repeated block with torch.compile (priced as
     fused elementwise kernels; the exports apply it); Megatron plans run their own fused kernels either way.
+
+    ``checkpointing`` limits the activation checkpointing modes searched (none, selective, full, moe; default: every
+    mode the profile supports).
 
     ``quant`` holds the frozen base of a LoRA profile (finetune.QuantName); LoRA plans are not probed yet (the
     probe child trains the model as built), which a note says.
@@ -203,7 +206,7 @@ def recommend(profile: ModelProfile, cluster: Cluster, *, global_batch: int | No
         cluster, ceiling_notes = measured_cluster(cluster, probe_local, bench=probe_bench, cancelled=cancelled)
     space = build_space(profile, cluster, global_batch=gb, precisions=precisions, optimizers=optimizers,
                         engines=engines, gpu_counts=gpu_counts, offload=offload, quant=quant,
-                        compile_blocks=compile_blocks)
+                        compile_blocks=compile_blocks, checkpointing=checkpointing)
     if not space.layouts:
         raise OptplanError(f"no parallel layout uses {cluster.gpus} GPUs for {profile.name}: change --gpus")
     if gb is not None and not any(gb % lay.dp == 0 for lay in space.layouts):

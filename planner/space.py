@@ -399,6 +399,13 @@ def build_space(profile: ModelProfile, cluster: Cluster, *, global_batch: int | 
                             deepep=cluster.gpu.name in DEEPEP_GPUS)
     if checkpointing is not None:
         ckpt = tuple(dict.fromkeys(checkpointing))
+        can = profile.supports_checkpointing or profile.transformer is not None
+        if not can and set(ckpt) - {"none"}:
+            raise OptplanError(f"--checkpointing {' '.join(m for m in ckpt if m != 'none')}: {profile.name} has no "
+                               "repeated blocks to checkpoint: drop --checkpointing (or use none)")
+        if "moe" in ckpt and (profile.transformer is None or profile.transformer.moe is None):
+            raise OptplanError(f"--checkpointing moe recomputes MoE layers and {profile.name} has none: use none, "
+                               "selective or full")
     elif profile.supports_checkpointing or profile.transformer is not None:
         ckpt = ("none", "selective", "full") if profile.transformer is not None else ("none", "full")
         if profile.transformer is not None and profile.transformer.moe is not None and "megatron" in chosen_engines:

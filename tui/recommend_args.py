@@ -72,6 +72,7 @@ class RecommendArgs(FinetuneChoice):
     global_batch_tokens: float | None = None
     seq_len: int | None = None
     precision: tuple[str, ...] | None = None
+    checkpointing: tuple[str, ...] | None = None
     optimizer: tuple[str, ...] | None = None
     engine: tuple[str, ...] | None = None
     offload: bool = True

@@ -68,6 +68,8 @@ def prepare_recommend(args: RecommendArgs, *, check_out: bool = True) -> Prepare
         check_choice("--precision", value, PRECISIONS)
     for value in a.optimizer or ():
         check_choice("--optimizer", value, OPTIMIZERS)
+    for value in a.checkpointing or ():
+        check_choice("--checkpointing", value, ("none", "selective", "full", "moe"))
     for value in a.engine or ():
         check_choice("--engine", value, ENGINES)
     for flag, number in (("params", a.params), ("tokens", a.tokens), ("global-batch-tokens", a.global_batch_tokens)):
@@ -199,7 +201,7 @@ def run_recommend(prepared: PreparedRecommend, prof: ModelProfile, *,
     precisions = a.precision or choice.precisions(prepared.cluster.gpu.supports_bf16)
     return recommend(prof, prepared.cluster, global_batch=gb, precisions=precisions, optimizers=a.optimizer,
                      engines=a.engine, gpu_counts=prepared.gpu_counts, goal=goal, offload=a.offload,
-                     compile_blocks=a.compile_,
+                     compile_blocks=a.compile_, checkpointing=a.checkpointing,
                      method=a.method, seed=a.seed, n_trials=a.trials,  # type: ignore[arg-type]
                      storage=prepared.storage, notes=prepared.notes, calibration=cal, probe=probe_options,
                      on_progress=on_progress, on_trial=on_trial, cancelled=cancelled, quant=choice.quant_name())

@@ -442,3 +442,18 @@ def test_a_model_files_optplan_tokens_is_the_budget(tmp_path: Path) -> None:
     price = runner.invoke(app, ["recommend", "--arch", "layers=2,hidden=64,heads=2,seq=128", "--gpus", "2",
                                 "--price", "2"])
     assert price.exit_code == 2 and "--price needs --tokens" in price.output
+
+
+def test_recommend_limits_the_checkpointing_searched() -> None:
+    """--checkpointing (repeatable) is what the export errors' "plan with --checkpointing full" asks for: every plan
+    shown uses a named mode; a mode the model cannot run is one line."""
+    arch = ["recommend", "--arch", "layers=4,hidden=256,heads=4,seq=128", "--gpus", "2"]
+    result = runner.invoke(app, [*arch, "--checkpointing", "full", "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    assert {doc["plan"]["checkpointing"], *(a["plan"]["checkpointing"] for a in doc["alternatives"])} == {"full"}
+    both = json.loads(runner.invoke(app, [*arch, "--checkpointing", "none", "--checkpointing", "full", "--json"]).output)
+    assert {both["plan"]["checkpointing"], *(a["plan"]["checkpointing"] for a in both["alternatives"])} <= {"none", "full"}
+    for bad, needle in ((["--checkpointing", "sometimes"], "unknown --checkpointing"), (["--checkpointing", "moe"], "has none")):
+        r = runner.invoke(app, [*arch, *bad])
+        assert r.exit_code == 2 and needle in r.output, r.output
