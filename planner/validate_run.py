@@ -101,6 +101,20 @@ def _plan_beside(folder: Path) -> ExportPlan | None:
     return export
 
 
+def check_same_model(plan: ExportPlan, profile: ModelProfile, path: Path) -> None:
+    """One line when the plan.json beside ``path`` was planned for another model file than the one given: its
+    predictions (and the launch files' batch and sharding) are that model's, so a run of this one checks nothing.
+    A file of the same name elsewhere (a copied folder) is taken as the same model."""
+    planned, given = plan.model_path, profile.path
+    if not planned or not given:
+        return
+    a, b = Path(planned), Path(given)
+    if a.name == b.name or a.resolve() == b.resolve():
+        return
+    raise OptplanError(f"{path.parent / 'plan.json'} was planned for {planned}, not {given}: validate with that model "
+                       "file, or re-plan for this one (optplan recommend MODEL --out DIR)")
+
+
 def strategy_from_ds_config(cfg: dict[str, Any], source: str = "ds_config.json") -> Strategy:
     """The Strategy a ds_config.json describes (data parallel, DeepSpeed engine)."""
     try:
@@ -114,8 +128,9 @@ def strategy_from_ds_config(cfg: dict[str, Any], source: str = "ds_config.json")
         raise OptplanError(f"{source}: train_batch_size {batch} is not micro-batch {mbs} x accumulation {accum} x "
                            "GPUs: fix the batch triple or re-export it")
     zero = cfg.get("zero_optimization") or {}
-    precision = ("bf16" if (cfg.get("bf16") or {}).get("enabled") else
-                 "fp16" if (cfg.get("fp16") or {}).get("enabled") else "fp32")
+    from optplan.probes.trainloop import ds_config_recipe  # the one reading of bf16 / fp16 / torch_autocast
+
+    precision = ds_config_recipe(cfg)
     kind = str((cfg.get("optimizer") or {}).get("type") or "adamw").lower()
     optimizer = "sgd" if kind == "sgd" else "adamw"
     offload_opt = ((zero.get("offload_optimizer") or {}).get("device") or "none")
@@ -245,6 +260,8 @@ def validate_exports(target: Path, profile: ModelProfile, *, model_name: str | N
     with tempfile.TemporaryDirectory(prefix="optplan_validate_") as scratch:
         for path in files:
             plan = _plan_beside(path.parent)
+            if plan is not None:
+                check_same_model(plan, profile, path)
             kind = _kind(path)
             ds_config = None
             extra: dict[str, Any] = {}

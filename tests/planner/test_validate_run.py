@@ -54,3 +54,35 @@ def test_an_absolute_reference_that_needs_nothing_is_used_as_is(tmp_path: Path,
     monkeypatch.setattr("shutil.which", lambda name: "/usr/local/cuda/bin/nvcc")
     path = _export(tmp_path, ref=str(tmp_path / "ds_config.json"))
     assert _accelerate_config_for_run(path, tmp_path / "unused", GPU, []) == path
+
+
+@pytest.mark.parametrize("precision", ["fp32", "amp-bf16", "amp-fp16", "bf16", "fp16", "bf16-pure"])
+def test_a_ds_config_alone_reads_back_the_precision_it_was_exported_with(precision: str) -> None:
+    """validate on a ds_config.json without its plan.json prices the recipe the file runs: the torch_autocast
+    section of the AMP recipes included (it was read as fp32)."""
+    from optplan.estimators.buckets import DeepSpeedBuckets
+    from optplan.estimators.strategy import Strategy
+    from optplan.planner.export.deepspeed import render_ds_config
+    from optplan.planner.validate_run import strategy_from_ds_config
+
+    s = Strategy(engine="deepspeed", zero=2, dp=4, mbs=2, grad_accum=3, precision=precision)  # type: ignore[arg-type]
+    buckets = DeepSpeedBuckets(reduce_bucket_size=1, allgather_bucket_size=1, stage3_prefetch_bucket_size=1,
+                               stage3_param_persistence_threshold=1, stage3_max_live_parameters=1)
+    back = strategy_from_ds_config(render_ds_config(s, buckets))
+    assert (back.precision, back.zero, back.dp, back.mbs, back.grad_accum) == (precision, 2, 4, 2, 3)
+
+
+def test_a_plan_for_another_model_file_is_refused(tmp_path: Path) -> None:
+    from optplan.estimators.errors import OptplanError
+    from optplan.planner.validate_run import check_same_model
+
+    class Plan:
+        model_path = "examples/gpt2.py"
+
+    class Profile:
+        path = "/work/examples/mlp.py"
+
+    with pytest.raises(OptplanError, match="was planned for examples/gpt2.py, not /work/examples/mlp.py"):
+        check_same_model(Plan(), Profile(), tmp_path / "ds_config.json")  # type: ignore[arg-type]
+    Profile.path = "/elsewhere/gpt2.py"  # the same file name in a copied folder: taken as the same model
+    check_same_model(Plan(), Profile(), tmp_path / "ds_config.json")  # type: ignore[arg-type]
