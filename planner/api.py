@@ -204,7 +204,19 @@ def export_plan(rec: Recommendation, out_dir: Path, *, force: bool, targets: Seq
     from optplan.planner.export.files import write_files
 
     files, skipped = render_exports(rec, targets, options)
-    return write_files(out_dir, files, force=force), skipped
+    written = write_files(out_dir, files, force=force)
+    if "all" in targets:  # the whole set: an export file of another plan left in the folder would launch that plan
+        stale = stale_exports(out_dir, files)
+        if stale:
+            skipped = [*skipped, f"left in {out_dir} from an earlier plan, not this one's: {', '.join(stale)} (remove "
+                                 f"{'it' if len(stale) == 1 else 'them'}: launched, {'it' if len(stale) == 1 else 'they'} "
+                                 "would run that plan)"]
+    return written, skipped
+
+
+def stale_exports(out_dir: Path, files: dict[str, str]) -> list[str]:
+    """Export file names (``FILE_NAMES``) in ``out_dir`` that ``files`` (a whole export set) does not hold."""
+    return sorted(n for n in FILE_NAMES.values() if n not in files and (Path(out_dir) / n).is_file())
 
 
 def write_exports(out_dir: Path, files: dict[str, str], *, force: bool) -> list[Path]:

@@ -267,9 +267,11 @@ def validate_exports(target: Path, profile: ModelProfile, *, model_name: str | N
             extra: dict[str, Any] = {}
             if kind == "deepspeed":
                 cfg = _read_json(path)
+                if plan is not None and plan.strategy.engine != "deepspeed":
+                    raise OptplanError(f"{path} is not the plan's beside it (plan.json: {plan.strategy.label()}, no "
+                                       "DeepSpeed): it is left from an earlier plan; remove it, or validate a folder "
+                                       "that recommend --out wrote for it")
                 strategy = plan.strategy if plan is not None else strategy_from_ds_config(cfg, str(path))
-                if strategy.engine != "deepspeed":
-                    strategy = strategy_from_ds_config(cfg, str(path))
                 probed, notes = _local_strategy(strategy, local)
                 ds_config = _scaled_ds_config(cfg, probed)
                 ds_config = _runnable_ds_config(ds_config, local, notes)

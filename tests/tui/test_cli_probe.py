@@ -102,3 +102,16 @@ def test_hardware_microbench_quick_json() -> None:
     bench = doc["microbench"]
     assert doc["hardware"]["available"] is False and bench["device"] == "cpu"
     assert bench["matmul_flops_per_s"]["fp32"] > 1e8 and bench["copy_bytes_per_s"] > 1e8
+
+
+def test_a_replanned_folder_says_what_an_earlier_plan_left(tmp_path: Path) -> None:
+    """recommend --out --force over a DeepSpeed plan's folder with a torch plan: the earlier ds_config.json is named
+    as left over (launched, it would run the old plan), and validate refuses it in one line."""
+    out = tmp_path / "plan"
+    _run(["recommend", MLP, "--gpus", "2", "--engine", "deepspeed", "--precision", "fp32", "--no-probe", "--out", str(out)])
+    result = runner.invoke(app, ["recommend", MLP, "--gpus", "2", "--engine", "torch", "--precision", "fp32",
+                                 "--no-probe", "--out", str(out), "--force"])
+    assert result.exit_code == 0, result.stderr
+    assert "from an earlier plan, not this one's: ds_config.json" in " ".join(result.stdout.split())
+    stale = runner.invoke(app, ["validate", str(out / "ds_config.json"), MLP, "--steps", "1"])
+    assert stale.exit_code == 2 and "left from an earlier plan" in stale.stderr and "Traceback" not in stale.stderr
