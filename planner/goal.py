@@ -103,10 +103,13 @@ class Goal(BaseModel):
 
     def rank_key(self, e: Estimate) -> tuple[float, ...]:
         """Ascending sort key: the class (``class_key``), then the robust figure (the band's slow end),
-        then for cost the robust time to train, then headroom, then the GPU count."""
+        then for cost the robust time to train, then the nominal figure, then headroom, then the GPU count."""
         body: tuple[float, ...] = (self.figure(e, "slow"),)
         if not self.by_throughput and self.objective == "cost":
             body = (*body, self.train_time_s(e, "slow"))
+        # the nominal figure breaks equal slow ends: plans predicted above the best measured MFU all have their slow
+        # end at that envelope's time (uncertainty.py), which the nominal prediction still orders
+        body = (*body, self.figure(e, "nominal"))
         return (*self.class_key(e), *body, -float(e.memory.headroom_bytes), float(e.gpus))
 
     def ties(self, best: Estimate, other: Estimate) -> bool:
