@@ -90,10 +90,13 @@ class Goal(BaseModel):
         return self.gpu_hours(e, end)
 
     def class_key(self, e: Estimate) -> tuple[float, ...]:
-        """What comes before the figure: feasible first, then (time/cost with a deadline) plans that meet it even at
+        """What comes before the figure: feasible first, those that fit at the allocator's 90th-percentile margin
+        before those that fit only at its median, then (time/cost with a deadline) plans that meet it even at
         their band's slow end, then those that meet it at their nominal time only (``deadline_class``), and for the
         time objective with a deadline the fewest GPUs. Only plans of one class can tie."""
-        head: tuple[float, ...] = (0.0 if e.fits else 1.0,)
+        # a plan that fits only at the median of the measured allocator margins may run out of memory: one that fits
+        # at their 90th percentile goes first (estimators/allocator_overhead.py; None: unknown, taken as fitting)
+        head: tuple[float, ...] = (0.0 if e.fits else 1.0, 1.0 if e.fits and e.fits_at_high_margin is False else 0.0)
         if self.by_throughput or self.deadline_s is None:
             return head
         met = self.deadline_class(e)  # robustly met first, then met at the nominal time only, then missed

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from optplan.estimators.allocator_overhead import needed_bytes
 from optplan.estimators.estimate import Estimate
 from optplan.estimators.precision import get_recipe
 from optplan.estimators.selective import runs_op_policy
@@ -18,7 +19,7 @@ from optplan.estimators.strategy import Strategy
 from optplan.estimators.uncertainty import derived_from, mfu_envelope, precision_class
 from optplan.estimators.units import gib
 from optplan.planner.goal import TIE_TOLERANCE, Goal, band_factor, rank_by_figure
-from optplan.planner.simplicity import MARGIN_CRITERION, TIE_CRITERIA, tie_break, tie_key
+from optplan.planner.simplicity import TIE_CRITERIA, tie_break, tie_key
 from optplan.planner.space import Layout, SearchSpace
 
 Price = Callable[[Strategy], "Estimate | None"]
@@ -122,13 +123,26 @@ def _ties_line(pick: Estimate, ranked: Sequence[Estimate], goal: Goal) -> str | 
     others = len(tb.tied) - 1
     lead = (f"ties: {others} plan{'s' if others != 1 else ''} within {TIE_TOLERANCE:.0%} (the time model's "
             f"typical error) of the {who} at the band's slow end ({best.strategy.label()} at {figure}); ")
-    if tb.criterion == MARGIN_CRITERION:
-        return (lead + f"picked one that {tb.criterion} ({_gib(pick.memory.total_bytes)} of "
-                f"{_gib(pick.memory.capacity_bytes)}; the fastest fits only at the median margin: "
-                f"{_gib(best.memory.total_bytes)}), then the simplest")
     i = TIE_CRITERIA.index(tb.criterion)
     detail = f"{tie_key(pick)[i]} vs {tie_key(best)[i]}"
     return lead + f"picked the simplest: {tb.criterion} ({detail})"
+
+
+def _margin_line(pick: Estimate, ranked: Sequence[Estimate], goal: Goal) -> str | None:
+    """When faster plans were passed over because they fit only at the median of the measured allocator margins
+    (Goal.class_key): how many, the fastest of them and what it needs at the 90th percentile."""
+    if pick.fits_at_high_margin is False:
+        return None
+    risky = [e for e in ranked if e.fits and e.fits_at_high_margin is False and goal.figure(e) < goal.figure(pick)]
+    if not risky:  # faster by the robust figure (the band's slow end), the ranking's own measure
+        return None
+    best = min(risky, key=goal.figure)
+    need = needed_bytes(best.memory.total_bytes - best.memory.overhead_bytes, best.strategy, "high")
+    n = len(risky)
+    return (f"memory margin: {n} faster plan{'s' if n != 1 else ''} fit{'' if n != 1 else 's'} only at the median of "
+            f"the allocator margins measured, and may run out of memory (the fastest, {best.strategy.label()}: "
+            f"{_step(best.time.step_s)} a step, {_gib(best.memory.total_bytes)} of {_gib(best.memory.capacity_bytes)} "
+            f"at the median, {_gib(int(need))} at the 90th percentile); this plan fits at the 90th percentile")
 
 
 def _envelope_line(pick: Estimate) -> str:
@@ -438,7 +452,8 @@ def rationale(pick: Estimate, ranked: Sequence[Estimate], price: Price, space: S
               evaluated: int) -> list[str]:
     """The chosen plan's decisions, one line each, with the numbers behind them."""
     ties = _ties_line(pick, ranked, goal)
-    lines = [_headline(pick, evaluated, goal, simplest=ties is not None), ties, _envelope_line(pick),
+    lines = [_headline(pick, evaluated, goal, simplest=ties is not None), ties, _margin_line(pick, ranked, goal),
+             _envelope_line(pick),
              _gpus_line(pick, ranked, space, goal), _layout_line(pick, ranked), _ep_line(pick, price, ranked),
              _sharding_line(pick, price, ranked, goal), _offload_line(pick, price), _precision_line(pick, price, space),
              _optimizer_line(pick, price, space), _mbs_line(pick, price, space),

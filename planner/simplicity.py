@@ -6,13 +6,12 @@ by the robust figure (``Goal.rank_key``: the band's slow end); plan ``B`` *ties*
 same class (feasible; for time/cost with a deadline, meeting it or not; for time with a deadline, the same
 GPU count) and ``B``'s robust figure is within ``goal.TIE_TOLERANCE`` (5 %, the model's typical
 error on one measured run) of ``A``'s - ``Goal.ties``, which says why this is not the overlap of the two
-absolute bands (they share most of their error). Among the tied plans one that fits at the 90th percentile of
-the allocator margins measured is taken before one that fits only at their median (``Estimate.fits_at_high_margin``,
-estimators/allocator_overhead.py: the margin varies with the workload, and a plan that fits only at the median may
-run out of memory where a tied one would not); then the simplest is chosen, by this order (``simplicity_key``,
-lower is simpler), each criterion deciding only when the ones before it are equal (``tie_key``):
+absolute bands (they share most of their error). Tied plans are of one memory class too: ``Goal.class_key`` ranks a
+plan that fits at the 90th percentile of the allocator margins measured before one that fits only at their median
+(``Estimate.fits_at_high_margin``, estimators/allocator_overhead.py), so a plan that may run out of memory never ties
+with one that does not. Among the tied plans the simplest is chosen, by this order (``simplicity_key``, lower is
+simpler), each criterion deciding only when the ones before it are equal (``tie_key``):
 
-0. fits at the 90th percentile of the measured allocator margins;
 1. fewer model-parallel dimensions: the count of tp > 1, pp > 1 and cp > 1 (the Strategy has no expert
    parallelism to count);
 2. no offload: the count of offloaded states (optimizer states, parameters);
@@ -40,8 +39,7 @@ if TYPE_CHECKING:  # goal.py imports this module; the Goal is only passed in
 CRITERIA: tuple[str, ...] = ("fewer model-parallel dimensions", "no offload", "less sharding",
                              "fewer virtual pipeline stages", "less recomputation")
 """The names of ``simplicity_key``'s components, in order."""
-MARGIN_CRITERION = "fits at the allocator's 90th-percentile margin"
-TIE_CRITERIA: tuple[str, ...] = (MARGIN_CRITERION, *CRITERIA)
+TIE_CRITERIA: tuple[str, ...] = CRITERIA
 """The names of ``tie_key``'s components, in order."""
 _RECOMPUTE = {"none": 0, "selective": 1, "moe": 1, "full": 2}
 
@@ -57,9 +55,9 @@ def simplicity_key(strategy: Strategy) -> tuple[int, ...]:
 
 
 def tie_key(estimate: Estimate) -> tuple[int, ...]:
-    """The tie-break's order over tied plans, one component per ``TIE_CRITERIA`` entry; lower first: 0 when the
-    plan fits at the 90th-percentile allocator margin (or that is not known), then ``simplicity_key``."""
-    return (int(estimate.fits_at_high_margin is False), *simplicity_key(estimate.strategy))
+    """The tie-break's order over tied plans, one component per ``TIE_CRITERIA`` entry (``simplicity_key``);
+    lower first."""
+    return simplicity_key(estimate.strategy)
 
 
 class TieBreak(BaseModel):
@@ -101,5 +99,5 @@ def prefer_simple(ranked: tuple[Estimate, ...], goal: Goal) -> tuple[Estimate, .
     return (tb.chosen, *(e for e in ranked if e is not tb.chosen))
 
 
-__all__ = ["CRITERIA", "MARGIN_CRITERION", "TIE_CRITERIA", "TieBreak", "prefer_simple", "simplicity_key", "tie_break",
+__all__ = ["CRITERIA", "TIE_CRITERIA", "TieBreak", "prefer_simple", "simplicity_key", "tie_break",
            "tie_key"]

@@ -419,7 +419,8 @@ def test_recommend_compile_plans_compile_and_eager_plans_say_what_it_would_save(
     assert any("--compile" in line for line in eager["rationale"])
     compiled = _json([*base, "--compile"])
     assert compiled["plan"]["compile"] is True
-    assert compiled["estimate"]["time"]["step_s"] < eager["estimate"]["time"]["step_s"]
+    # the throughput objective's figure (the picks' micro-batches may differ, so not the step time)
+    assert compiled["estimate"]["time"]["samples_per_s"] > eager["estimate"]["time"]["samples_per_s"]
 
 
 def test_a_model_files_optplan_tokens_is_the_budget(tmp_path: Path) -> None:
