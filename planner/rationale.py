@@ -139,7 +139,8 @@ def _margin_line(pick: Estimate, ranked: Sequence[Estimate], goal: Goal) -> str 
     best = min(risky, key=goal.figure)
     need = needed_bytes(best.memory.total_bytes - best.memory.overhead_bytes, best.strategy, "high")
     n = len(risky)
-    return (f"memory margin: {n} faster plan{'s' if n != 1 else ''} fit{'' if n != 1 else 's'} only at the median of "
+    return (f"memory margin: {n} plan{'s' if n != 1 else ''} faster at the band's slow end fit{'' if n != 1 else 's'} "
+            f"only at the median of "
             f"the allocator margins measured, and may run out of memory (the fastest, {best.strategy.label()}: "
             f"{_step(best.time.step_s)} a step, {_gib(best.memory.total_bytes)} of {_gib(best.memory.capacity_bytes)} "
             f"at the median, {_gib(int(need))} at the 90th percentile); this plan fits at the 90th percentile")

@@ -91,7 +91,7 @@ def test_a_plan_that_fits_only_at_the_median_allocator_margin_ranks_after_one_th
     assert goal.class_key(safe) < goal.class_key(risky) and not goal.ties(risky, safe)
     assert rank([risky, safe], goal)[0] is safe and rank_by_figure([risky, safe], goal)[0] is safe
     line = _margin_line(safe, [safe, risky], goal)
-    assert line is not None and "1 faster plan fits only at the median" in line and "90th percentile" in line
+    assert line is not None and "1 plan faster at the band's slow end fits only at the median" in line and "90th percentile" in line
     assert _margin_line(risky, [risky, safe], goal) is None  # said only of a pick that fits at the 90th
     unknown = risky.model_copy(update={"fits_at_high_margin": None})  # an older file's estimate: not held back
     assert rank([unknown, safe], goal)[0] is unknown
