@@ -230,9 +230,13 @@ def print_recommendation(console: Console, rec: Recommendation, profile: ModelPr
     console.print(profile_summary(profile))
     c = rec.cluster
     size = f"{c.gpus}" if not c.gpu_counts else f"{min(c.gpu_counts)}-{max(c.gpu_counts)} (searched)"
+    s = rec.search
+    searched = (f"searched {s.evaluated} plans" if not s.resumed else
+                f"resumed the study in {s.storage or 'its storage'}: {s.resumed} plans it recorded re-priced "
+                f"(the earlier run priced more and recorded its best), {s.evaluated} new")
     console.print(f"cluster: {size} x {c.gpu} ({_g(c.memory_bytes)} GiB each, {c.gpus_per_node} per node"
-                  f"{', detected' if c.detected else ''}); searched {rec.search.evaluated} plans "
-                  f"({rec.search.method}{_screen_text(rec)}), {rec.search.feasible} fit")
+                  f"{', detected' if c.detected else ''}); {searched} "
+                  f"({s.method}{_screen_text(rec)}), {s.feasible} fit")
     for note in rec.notes:
         console.print(f"note: {note}", style="dim")
     probes = probes_table(rec)

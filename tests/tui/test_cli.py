@@ -458,3 +458,16 @@ def test_recommend_limits_the_checkpointing_searched() -> None:
     for bad, needle in ((["--checkpointing", "sometimes"], "unknown --checkpointing"), (["--checkpointing", "moe"], "has none")):
         r = runner.invoke(app, [*arch, *bad])
         assert r.exit_code == 2 and needle in r.output, r.output
+
+
+def test_a_resumed_study_says_so_in_the_header(tmp_path: Path) -> None:
+    """A rerun on a finished study re-prices only what it recorded: the header says so instead of 'searched 0
+    plans' beside a count of recorded plans."""
+    args = ["recommend", "--arch", "layers=4,hidden=256,heads=4,seq=128", "--gpus", "2", "--storage",
+            str(tmp_path / "s.log")]
+    first = runner.invoke(app, args)
+    assert first.exit_code == 0 and "searched " in first.output and "resumed" not in first.output
+    again = runner.invoke(app, args)
+    text = " ".join(again.output.split())
+    assert again.exit_code == 0 and "resumed the study in" in text and "plans it recorded re-priced" in text
+    assert "searched 0 plans" not in text
