@@ -13,7 +13,7 @@ from optplan.estimators.precision import get_recipe
 from optplan.estimators.profile import ModelProfile
 from optplan.estimators.units import gib
 from optplan.planner.recommend import Recommendation
-from optplan.tui.fmt import duration, gib_text, si
+from optplan.tui.fmt import duration, gib_text, long_duration, si
 
 _g = gib_text
 _si = si
@@ -253,11 +253,12 @@ def print_recommendation(console: Console, rec: Recommendation, profile: ModelPr
         cost = rec.estimate.cost if isinstance(rec.estimate, Estimate) else None
         if cost is not None:
             money = f", ${cost.cost_usd:,.0f}" if cost.cost_usd is not None else ""
-            console.print(f"to train {cost.tokens:.3g} tokens: {cost.train_time_s / 86400:,.1f} days on "
+            console.print(f"to train {cost.tokens:.3g} tokens: {long_duration(cost.train_time_s)} on "
                           f"{rec.estimate.gpus} GPUs, {cost.gpu_hours:,.0f} GPU-hours{money}")
         if rec.pareto:
             axes = "throughput vs headroom" if rec.objective == "throughput" else "time vs cost"
-            console.print(f"Pareto front ({axes}): {len(rec.pareto)} plans (in --json and PLAN.md)", style="dim")
+            n = len(rec.pareto)
+            console.print(f"Pareto front ({axes}): {n} plan{'s' if n != 1 else ''} (in --json and PLAN.md)", style="dim")
     else:
         console.print(Panel("\n".join([rec.rationale[0], "", "what would fit:"]
                                       + [f"- {s}" for s in rec.suggestions]),
