@@ -39,7 +39,7 @@ BUCKETS = DeepSpeedBuckets(
 
 def make_plan(*, block_class: str | None = "Block", gpus_per_node: int = 8, **strategy: Any) -> ExportPlan:
     """Torch plans without FSDP default to amp-bf16: the trainers' 16-bit switch is autocast there, and plans with
-    16-bit weights and fp32 masters (bf16, fp16) are refused (test_autocast_switch_refuses_16bit_weight_plans)."""
+    16-bit weights and fp32 masters (bf16, fp16) are refused (test_export_registry.py)."""
     if strategy.get("engine") == "torch" and strategy.get("fsdp", "none") == "none":
         strategy.setdefault("precision", "amp-bf16")
     return ExportPlan(
@@ -585,14 +585,3 @@ def test_compile_plans_set_torch_compile() -> None:
     assert any("torch_compile" in n for n in hf_notes(make_plan(engine="torch", dp=8, compile=True)))
     ds = check(make_plan(engine="deepspeed", zero=2, dp=8, mbs=2, compile=True))
     assert ds["torch_compile"] is True
-
-
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
-@pytest.mark.parametrize("dp", [1, 8])
-def test_autocast_switch_refuses_16bit_weight_plans(precision: str, dp: int) -> None:
-    """Without FSDP the trainer's 16-bit switch is autocast over fp32 weights: a plan priced with 16-bit weights and
-    fp32 masters is refused in one line that names train.py and the amp recipe; under FSDP it is exported."""
-    with pytest.raises(NotExportable, match=f"--precision amp-{precision}") as err:
-        render_hf_training_args(make_plan(engine="torch", dp=dp, precision=precision))
-    assert "train.py" in str(err.value) and "\n" not in str(err.value)
-    render_hf_training_args(make_plan(engine="torch", dp=8, precision=precision, fsdp="full"))

@@ -117,3 +117,30 @@ def test_plan_md_gives_the_step_band_and_why_it_is_out_of_domain(ds_rec) -> None
     assert f"band {t.step_s_low:.3f}-{t.step_s_high:.3f} s ({t.band_basis})" in md
     for why in t.outside_measured:
         assert f"- out of the measured domain: {why}" in md
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("dp", [1, 8])
+@pytest.mark.parametrize("target", ["accelerate", "hf", "lightning"])
+def test_autocast_switches_refuse_16bit_weight_plans(target: str, precision: str, dp: int) -> None:
+    """Without FSDP the trainers' 16-bit switch (accelerate's mixed_precision, TrainingArguments' bf16/fp16,
+    Lightning's bf16-mixed/16-mixed) is autocast over fp32 weights: a plan priced with 16-bit weights and fp32
+    masters is refused in one line naming train.py and the amp recipe; under FSDP (16-bit compute over fp32
+    shards, as planned) and with the amp recipe it is written."""
+    from optplan.estimators.buckets import DeepSpeedBuckets
+    from optplan.estimators.strategy import Strategy
+    from optplan.planner.export.context import ExportPlan
+
+    def plan(**kw: object) -> ExportPlan:
+        return ExportPlan(strategy=Strategy(engine="torch", **kw), model="gpt2", model_path="examples/gpt2.py",  # type: ignore[arg-type]
+                          block_class="Block", params=124_439_808, seq_len=1024, gpu="H100-SXM", gpus_per_node=8,
+                          buckets=DeepSpeedBuckets(reduce_bucket_size=1, allgather_bucket_size=1,
+                                                   stage3_prefetch_bucket_size=1, stage3_param_persistence_threshold=1,
+                                                   stage3_max_live_parameters=1))
+
+    with pytest.raises(OptplanError, match=f"--precision amp-{precision}") as err:
+        render_targets(plan(dp=dp, precision=precision), [target])
+    assert "train.py" in str(err.value) and "\n" not in str(err.value)
+    for ok in (plan(dp=8, precision=precision, fsdp="full"), plan(dp=dp, precision=f"amp-{precision}")):
+        files, skipped = render_targets(ok, [target])
+        assert files and not skipped, skipped
