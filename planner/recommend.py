@@ -271,7 +271,7 @@ def recommend(profile: ModelProfile, cluster: Cluster, *, global_batch: int | No
     gpus = max(space.gpu_counts)
     why = (f"no searched plan fits {gpus} x {cluster.gpu.name}: the leanest needs "
            f"{closest.memory.total_bytes / 2**30:.1f} GiB per GPU ({closest.strategy.label()}) of "
-           f"{cluster.gpu.memory_bytes / 2**30:.1f} GiB") if closest is not None else (
+           f"{closest.memory.capacity_bytes / 2**30:.1f} GiB usable") if closest is not None else (
            f"no searched plan can run {profile.name} on {gpus} x {cluster.gpu.name}")
     big = pricer.cluster_for(gpus)
     lines, behind = what_would_fit(profile, big, space)

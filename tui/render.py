@@ -260,6 +260,6 @@ def print_recommendation(console: Console, rec: Recommendation, profile: ModelPr
             n = len(rec.pareto)
             console.print(f"Pareto front ({axes}): {n} plan{'s' if n != 1 else ''} (in --json and PLAN.md)", style="dim")
     else:
-        console.print(Panel("\n".join([rec.rationale[0], "", "what would fit:"]
-                                      + [f"- {s}" for s in rec.suggestions]),
+        console.print(Panel(Text("\n".join([rec.rationale[0], "", "what would fit:"]  # Text: "[megatron]" is no markup
+                                           + [f"- {s}" for s in rec.suggestions])),
                             title="NO PLAN FITS", title_align="left", border_style="red"))

@@ -471,3 +471,14 @@ def test_a_resumed_study_says_so_in_the_header(tmp_path: Path) -> None:
     text = " ".join(again.output.split())
     assert again.exit_code == 0 and "resumed the study in" in text and "plans it recorded re-priced" in text
     assert "searched 0 plans" not in text
+
+
+def test_nothing_fits_names_the_leanest_plan_whole_against_the_usable_memory() -> None:
+    """The NO PLAN FITS panel prints plan labels as text ('[megatron]' was swallowed as markup) and compares with the
+    usable GiB the table uses (it said the datasheet's 80.0)."""
+    result = runner.invoke(app, ["recommend", "--arch", "layers=80,hidden=8192,heads=64,kv_heads=8,ffn=28672,"
+                                 "vocab=128256,gated=1,tied=0,seq=4096", "--gpus", "8", "--gpu", "H100-SXM",
+                                 "--no-offload"])
+    text = " ".join(result.output.replace("│", " ").split())
+    assert result.exit_code == 1 and "NO PLAN FITS" in text
+    assert "[megatron]) of 78.4 GiB usable" in text and " )" not in text
