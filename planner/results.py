@@ -84,6 +84,9 @@ def read_results(path: Path) -> list[MeasuredCase]:
     except FileNotFoundError:
         raise OptplanError(f"results file {path} not found: pass a measurements.json that train.py wrote, or "
                            "a fidelity.json or grid.json that benchmarks/gpu_campaign.py wrote") from None
+    except IsADirectoryError:
+        raise OptplanError(f"results file {path} is a folder: pass the measurements.json (or fidelity.json, grid.json) "
+                           "in it") from None
     except OSError as exc:
         raise OptplanError(f"cannot read results file {path} ({exc.strerror or exc}): fix its permissions") from None
     try:

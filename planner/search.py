@@ -150,6 +150,8 @@ def check_storage_file(path: Path) -> None:
     """An existing ``--storage`` file that is plainly not a study (garbage, another program's file) is an
     OptplanError before anything runs or is written: a ``.db`` must be SQLite, a journal's first complete
     line a JSON object (an incomplete first line is left to Optuna, which repairs a torn write)."""
+    if path.is_dir():
+        raise OptplanError(f"--storage {path} is a folder: give a file in it, e.g. {path / 'study.log'}")
     if not path.is_file() or path.stat().st_size == 0:
         return
     try:

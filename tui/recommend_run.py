@@ -115,6 +115,10 @@ def prepare_recommend(args: RecommendArgs, *, check_out: bool = True) -> Prepare
     if study is not None and "://" not in study:
         from optplan.planner.search import check_storage_file
         check_storage_file(Path(study))  # a garbage --storage file fails before profiling
+        folder = Path(study).parent
+        if not folder.is_dir() and (a.out is None or folder.resolve() != a.out.resolve()):  # --out's is created later
+            raise OptplanError(f"--storage {study}: the folder {folder} does not exist: create it, or choose another "
+                               "--storage")
     if a.out is not None:
         if check_out:
             check_out_dir(a.out, force=a.force)
@@ -183,7 +187,7 @@ def run_recommend(prepared: PreparedRecommend, prof: ModelProfile, *,
     a = prepared.args
     goal = goal_for(prepared, prof)
     gb = global_batch_for(prepared, prof)
-    if a.out is not None and a.storage is None:
+    if a.out is not None:  # the search writes its study there (by default) and the exports after it
         try:
             a.out.mkdir(parents=True, exist_ok=True)
         except OSError as exc:

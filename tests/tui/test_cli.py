@@ -482,3 +482,20 @@ def test_nothing_fits_names_the_leanest_plan_whole_against_the_usable_memory() -
     text = " ".join(result.output.replace("│", " ").split())
     assert result.exit_code == 1 and "NO PLAN FITS" in text
     assert "[megatron]) of 78.4 GiB usable" in text and " )" not in text
+
+
+def test_storage_and_results_paths_are_checked_in_one_line(tmp_path: Path) -> None:
+    """A --storage in a missing folder, or a folder, and a results folder given to calibrate: one line each that
+    names the fix (they said the file was 'not an optplan study' and 'fix its permissions'); a --storage inside the
+    --out folder about to be created works."""
+    arch = ["recommend", "--arch", "layers=2,hidden=64,heads=2,seq=64", "--gpus", "2"]
+    missing = runner.invoke(app, [*arch, "--storage", str(tmp_path / "no" / "s.log")])
+    assert missing.exit_code == 2 and "does not exist: create it" in missing.output
+    folder = runner.invoke(app, [*arch, "--storage", str(tmp_path)])
+    assert folder.exit_code == 2 and "is a folder: give a file in it" in folder.output
+    results = runner.invoke(app, ["calibrate", str(tmp_path)])
+    assert results.exit_code == 2 and "is a folder: pass the measurements.json" in results.output
+    out = tmp_path / "plan"
+    inside = runner.invoke(app, [*arch, "--storage", str(out / "s.log"), "--out", str(out)])
+    assert inside.exit_code == 0, inside.output
+    assert (out / "s.log").is_file() and (out / "plan.json").is_file()
