@@ -116,10 +116,14 @@ def torch_version() -> str:
         return ""
 
 
-def _median_abs_error(pairs: Sequence[tuple[float, float]]) -> float:
-    """Median of |predicted - measured| / measured over (predicted, measured) pairs (a fraction; 0 for none)."""
+TIME_NOT_CALIBRATED = "time not calibrated"
+"""How ``Calibration.source`` begins the reason a fit left the step time uncalibrated (results.py prints it)."""
+
+
+def median_abs_error(pairs: Sequence[tuple[float, float]]) -> float | None:
+    """Median of |predicted - measured| / measured over (predicted, measured) pairs (a fraction; None for none)."""
     errs = [abs(pred - meas) / meas for pred, meas in pairs if meas]
-    return statistics.median(errs) if errs else 0.0
+    return statistics.median(errs) if errs else None
 
 
 def fit_calibration(comparisons: Sequence[ProbeComparison], *, gpu: str, model_hash: str,
@@ -151,12 +155,12 @@ def fit_calibration(comparisons: Sequence[ProbeComparison], *, gpu: str, model_h
     parts = []
     if mem:
         parts.append(f"memory from {len(mem)} probe(s)")
-    before = _median_abs_error([(c.predicted_step_s, c.measured_step_s) for c in timed])  # type: ignore[misc]
-    after = _median_abs_error([(compute_scale * c.predicted_on_device_s + comm_scale * c.predicted_exposed_comm_s,  # type: ignore[operator]
-                                c.measured_step_s) for c in timed])  # type: ignore[misc]
+    before = median_abs_error([(c.predicted_step_s, c.measured_step_s) for c in timed]) or 0.0  # type: ignore[misc]
+    after = median_abs_error([(compute_scale * c.predicted_on_device_s + comm_scale * c.predicted_exposed_comm_s,  # type: ignore[operator]
+                               c.measured_step_s) for c in timed]) or 0.0  # type: ignore[misc]
     if timed and after >= before:  # one pair of scales misses these runs more than none: keep time uncalibrated
         ratios = sorted(c.time_ratio for c in timed)  # type: ignore[type-var]
-        parts.append(f"time not calibrated: one compute scale ({compute_scale:.3f}) would fit its {len(timed)} runs "
+        parts.append(f"{TIME_NOT_CALIBRATED}: one compute scale ({compute_scale:.3f}) would fit its {len(timed)} runs "
                      f"worse than none (median error {100 * before:.1f}% -> {100 * after:.1f}%, measured/predicted "
                      f"{ratios[0]:.2f}-{ratios[-1]:.2f}: the model misses something that differs between them)")
         timed, compute_scale, comm_scale = [], 1.0, 1.0

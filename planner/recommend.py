@@ -250,10 +250,11 @@ def recommend(profile: ModelProfile, cluster: Cluster, *, global_batch: int | No
         pick = with_cost(feasible[0], goal, cluster)
         if pick.strategy.engine == "megatron" and _is_model_file(profile):
             all_notes.append(MEGATRON_FILE_NOTE)
-        if goal.deadline_s is not None and not goal.meets_deadline(pick):
+        level = goal.deadline_class(pick)  # 0 without a deadline
+        if level == 2:
             all_notes.append(f"no searched plan trains {goal.tokens:.3g} tokens within the deadline: this is the "
                              "fastest; widen --gpus-range or relax --deadline")
-        elif goal.deadline_s is not None and not goal.meets_deadline(pick, "slow"):
+        elif level == 1:
             all_notes.append(f"no searched plan meets the deadline at its band's slow end ({goal.train_time_s(pick, 'slow') / 86400:.1f} "
                              f"days for this one): this one meets it at its nominal time only; widen --gpus-range or "
                              "relax --deadline for a margin")

@@ -18,7 +18,6 @@ before and after it (median absolute relative error, %), so a user sees what the
 from __future__ import annotations
 
 import json
-import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from optplan.estimators.calibration import Calibration, torch_release
 from optplan.estimators.errors import OptplanError
 from optplan.estimators.strategy import Strategy
-from optplan.planner.calibrate import ProbeComparison, fit_calibration
+from optplan.planner.calibrate import TIME_NOT_CALIBRATED, ProbeComparison, fit_calibration, median_abs_error
 from optplan.probes.model_errors import one_line
 from optplan.probes.runtime import ProbeResult, ProbeSpec
 
@@ -65,9 +64,9 @@ class CalibrationFit(BaseModel):
     def line(self) -> str:
         c = self.calibration
         parts = [f"{c.gpu} {self.model} (torch {c.torch_version or '?'}): {self.runs} run(s)"]
-        refused = c.source.find("time not calibrated")
+        refused = c.source.find(TIME_NOT_CALIBRATED)
         if refused >= 0:  # one scale would have fitted its own runs worse: the step time stays uncalibrated
-            parts.append("step " + c.source[refused:].split("; ")[0])
+            parts.append("step " + c.source[refused:].split("; ")[0])  # fit_calibration joins its parts with "; "
         elif self.time_error_before_pct is not None and self.time_error_after_pct is not None:
             parts.append(f"step time error {self.time_error_before_pct:.1f}% -> {self.time_error_after_pct:.1f}% "
                          f"(compute x {c.compute_scale:.3f}, communication x {c.comm_scale:.3f})")
@@ -163,8 +162,8 @@ def case_from_measurements(doc: dict[str, Any], path: Path) -> MeasuredCase:
 
 
 def _median_pct(pairs: Sequence[tuple[float, float]]) -> float | None:
-    errs = [100.0 * abs(pred - meas) / meas for pred, meas in pairs if meas]
-    return statistics.median(errs) if errs else None
+    err = median_abs_error(pairs)
+    return None if err is None else 100.0 * err
 
 
 def _calibrated_step_s(c: ProbeComparison, cal: Calibration) -> float | None:
