@@ -32,6 +32,7 @@ from optplan.probes.hardware import (
     sample_gpus,
 )
 from optplan.probes.loader import profile_model_file
+from optplan.probes.model_errors import ModelFileError
 
 EXPORT_NAMES = tuple(FILE_NAMES.values())
 EXPORT_TARGETS: tuple[str, ...] = tuple(TARGETS)
@@ -77,6 +78,12 @@ def resolve_model(path: Path | str | None, *, arch: str | None = None, seq_len: 
         moe = _hf_moe_profile(hf, hf_class, path, seq_len, model_name, lora)
         if moe is not None:
             return moe
+        try:
+            return load_profile(path, seq_len=seq_len, model_name=model_name, cancelled=cancelled, lora=lora)
+        except ModelFileError as exc:  # named by what the user typed, not by the cache file optplan wrote
+            if Path(exc.path).name != path.name:
+                raise
+            raise ModelFileError(f"--hf {hf}", exc.problem, exc.fix, detail=exc.detail) from None
     return load_profile(path, seq_len=seq_len, model_name=model_name, cancelled=cancelled,  # type: ignore[arg-type]
                         lora=lora)
 

@@ -17,7 +17,8 @@ through ``TimmWrapperForImageClassification`` (transformers' ``is_timm_config_di
 channels from ``pretrained_cfg.input_size``, the classes from ``num_classes``), which calls
 ``timm.create_model(architecture, pretrained=False, **model_args)``. It is written once to the optplan cache (``hf/<name>-<hash>.py``, atomic),
 so profiling, probes, exports and train.py treat it as any model file. Its ``OPTPLAN["seq_len"]`` is the
-config's maximum positions capped at :data:`DEFAULT_HF_SEQ_LEN` (``--seq-len`` overrides).
+config's maximum positions capped at :data:`DEFAULT_HF_SEQ_LEN` (``--seq-len`` overrides); a config.json that names
+none gets its transformers class's default (GPT-2's 1024), read by the generated file when it is imported.
 """
 
 from __future__ import annotations
@@ -44,9 +45,10 @@ LABELLED_SUFFIXES = ("ForCausalLM", "LMHeadModel", "ForMaskedLM", "ForConditiona
 IMAGE_SUFFIXES = ("ForImageClassification",)
 """Vision classes whose forward takes ``pixel_values`` and ``labels`` and returns the loss (transformers' ViT,
 DeiT, Swin, ConvNeXt, ResNet... image classification heads)."""
-NO_CACHE_MODEL_TYPES = ("falcon", "gemma2", "gemma3", "gemma3_text")
+NO_CACHE_MODEL_TYPES = ("falcon", "gemma2", "gemma3", "gemma3_text", "gpt2")
 """Model types whose generated file turns the generation cache off: with it on, their fake-tensor profile fails in
-backward (keys grown to twice the sequence). Not for every model: with the cache off, transformers materialises the
+backward (keys grown to twice the sequence; GPT-2's attention, given no mask, then slices the grown keys in the
+checkpointed recompute: "aten.slice.Tensor encountered during backward but not found in storage"). Not for every model: with the cache off, transformers materialises the
 causal mask on fake tensors (it cannot check the mask's values), which over-counts a Llama's activations by ~2 %
 (benchmarks/fidelity_finetune_cpu.py), while a real step holds the same bytes either way."""
 DEFAULT_IMAGE_SIZE = 224
@@ -199,6 +201,11 @@ def hf_model_file_text(source: HfSource) -> str:
     image = source.model_class.endswith(IMAGE_SUFFIXES)
     seq = min(source.max_positions, DEFAULT_HF_SEQ_LEN) if source.max_positions else DEFAULT_HF_SEQ_LEN
     defaults: dict[str, object] = {"name": source.name} if image else {"name": source.name, "seq_len": seq}
+    # a config.json without its maximum positions takes its class's default (GPT-2: 1024 positions), which only
+    # transformers knows: the file reads it when imported (see _default_seq_len below)
+    runtime_seq = not image and not source.max_positions
+    optplan_line = (f"OPTPLAN = {{'name': {source.name!r}, 'seq_len': _default_seq_len()}}" if runtime_seq
+                    else f"OPTPLAN = {defaults!r}")
     lines = [
         f'"""{GENERATED_MARK} {source.spec} (optplan --hf): {source.model_class}',
         "built from config.json with transformers and random weights (no weights are read). Edit freely: it is a",
@@ -209,7 +216,24 @@ def hf_model_file_text(source: HfSource) -> str:
         "",
         f"CONFIG_PATH = {source.config_path!r}",
         f"MODEL_CLASS = {source.model_class!r}",
-        f"OPTPLAN = {defaults!r}",
+        *([
+            "",
+            "",
+            "def _default_seq_len():",
+            f"    \"\"\"config.json names no maximum positions: its class's default, at most {DEFAULT_HF_SEQ_LEN}.\"\"\"",
+            "    try:",
+            "        config = transformers.AutoConfig.from_pretrained(CONFIG_PATH)",
+            "    except (ValueError, KeyError):",
+            f"        return {DEFAULT_HF_SEQ_LEN}  # build_model() says why it cannot be read",
+            f"    for key in {MAX_POSITION_KEYS!r}:",
+            "        value = getattr(config, key, None)",
+            "        if isinstance(value, int) and value > 0:",
+            f"            return min(value, {DEFAULT_HF_SEQ_LEN})",
+            f"    return {DEFAULT_HF_SEQ_LEN}",
+            "",
+            "",
+        ] if runtime_seq else []),
+        optplan_line,
         "",
         "",
         "class HfModelError(ValueError):",

@@ -166,7 +166,8 @@ def _runnable_ds_config(cfg: dict[str, Any], local: LocalDevices, notes: list[st
         return cfg
     section = dict(cfg["optimizer"])
     section["params"] = {**(section.get("params") or {}), "torch_adam": True}
-    notes.append(why)
+    if why not in notes:  # an accelerate.yaml run reaches here twice (its plan's ds_config and the file's)
+        notes.append(why)
     return {**cfg, "optimizer": section}
 
 

@@ -1,7 +1,8 @@
 """The ``optplan`` command line (typer). Faces only: every decision is made by optplan.planner.
 
 Every user-fixable problem (OptplanError) prints one line on stderr and exits 2, with no traceback
-unless ``--debug`` is given.
+unless ``--debug`` is given (tui/cli_errors.py: the exit codes and messages); the flags several commands share are
+typed once in tui/cli_options.py.
 """
 
 from __future__ import annotations
@@ -14,117 +15,52 @@ import signal
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any
 
-import click
 import typer
-from pydantic import ValidationError
 from rich.console import Console
 
 from optplan.estimators.errors import OptplanError
+from optplan.tui.cli_errors import (
+    EXIT_INTERRUPTED,
+    Terminated,
+    guard,
+    interrupted_code,
+    on_sigterm,
+    usage_error_type,
+    usage_message,
+)
+from optplan.tui.cli_options import (
+    COMPILE_HELP,
+    ArchOpt,
+    ClusterOpt,
+    FinetuneOpt,
+    GpnOpt,
+    GpuOpt,
+    GpusOpt,
+    HfClassOpt,
+    HfOpt,
+    JsonOpt,
+    LoraAlphaOpt,
+    LoraDropoutOpt,
+    LoraRankOpt,
+    LoraTargetsOpt,
+    NameOpt,
+    OptModelFile,
+    QuantOpt,
+    SeqOpt,
+)
 from optplan.tui.recommend_args import OPTIMIZERS, PRECISIONS, RecommendArgs
 from optplan.tui.recommend_args import check_choice as _check_choice
 from optplan.tui.recommend_args import check_finite as _check_finite
-
-T = TypeVar("T")
-EXIT_INTERRUPTED = 130
-"""Exit code after Ctrl-C (128 + SIGINT, as shells report it)."""
-EXIT_TERMINATED = 143
-"""Exit code after SIGTERM (128 + SIGTERM): ``kill``, ``scancel``, a container stop."""
-EXIT_INTERNAL = 3
-"""Exit code after an unexpected error inside optplan (a bug, not bad input): one line, the traceback with --debug."""
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised in the main thread like Ctrl-C so that the same clean-up runs (probe trees killed,
-    exports rolled back, the study left resumable)."""
-
-
-def _on_sigterm(_signum: int, _frame: object) -> None:
-    raise Terminated("terminated")
-
-
-def _interrupted_code(err: KeyboardInterrupt) -> int:
-    return EXIT_TERMINATED if isinstance(err, Terminated) else EXIT_INTERRUPTED
 
 app = typer.Typer(
     name="optplan", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
     help="Plan how to train a PyTorch model fast without running out of memory.",
 )
 
-OptModelFile = Annotated[Path | None, typer.Argument(help="the model file (or give --hf or --arch instead)",
-                                                     show_default=False)]
-HfOpt = Annotated[str | None, typer.Option(
-    "--hf", help="a Hugging Face model instead of a file: a config.json, a model folder or a hub id in the local cache (never downloaded)")]
-HfClassOpt = Annotated[str | None, typer.Option("--hf-class", help="the transformers class for --hf (default: the config's architectures[0])")]
-ArchOpt = Annotated[str | None, typer.Option(
-    "--arch", help="a decoder by shape instead of a file: layers=L,hidden=H,heads=A[,kv_heads=K][,ffn=F][,vocab=V][,seq=S][,gated=1][,tied=0]")]
-FinetuneOpt = Annotated[str, typer.Option("--finetune", help="full (every parameter trains), lora (adapters on a 16-bit base) or qlora (adapters on a 4-bit NF4 base)")]
-LoraRankOpt = Annotated[int | None, typer.Option("--lora-rank", help="LoRA rank r (default 16)")]
-LoraAlphaOpt = Annotated[float | None, typer.Option("--lora-alpha", help="LoRA alpha (default 2 x rank)")]
-LoraDropoutOpt = Annotated[float | None, typer.Option("--lora-dropout", help="peft lora_dropout of the adapters, 0 <= p < 1 (default 0; a dropout keeps a mask and a dropped copy of each adapted layer's input)")]
-LoraTargetsOpt = Annotated[str | None, typer.Option("--lora-targets", help="comma-separated layer names to adapt (default: the linear layers of the repeated blocks, e.g. q_proj,...,down_proj)")]
-QuantOpt = Annotated[str | None, typer.Option("--quant", help="frozen base of a LoRA run: none, int8, nf4 or nf4-dq (default: nf4-dq for qlora, none for lora)")]
-GpuOpt = Annotated[str | None, typer.Option("--gpu", help="GPU to plan for (default: detected, else H100-SXM)")]
-GpusOpt = Annotated[int | None, typer.Option("--gpus", help="number of GPUs (default: detected, else 8)")]
-GpnOpt = Annotated[int | None, typer.Option("--gpus-per-node", help="GPUs per node (default: min(gpus, 8))")]
-SeqOpt = Annotated[int | None, typer.Option("--seq-len", help="sequence length (default: OPTPLAN or model max)")]
-JsonOpt = Annotated[bool, typer.Option("--json", help="print a stable JSON document instead of tables")]
-NameOpt = Annotated[str | None, typer.Option("--model-name", help="which model when the file defines several")]
-COMPILE_HELP = ("torch.compile each repeated block (torch and deepspeed engines): Inductor fuses the elementwise "
-                "ops between GEMMs, priced as fused kernels (eager plans are priced by the measured per-operator "
-                "bytes); the exports compile too")
-ClusterOpt = Annotated[Path | None, typer.Option("--cluster", help="cluster YAML: gpu, gpus_per_node, nodes[, bandwidths, price, power]")]
-
-
 class _State:
     debug: bool = False
-
-
-def _fail(message: str) -> typer.Exit:
-    Console(stderr=True, highlight=False, soft_wrap=True).print(f"error: {message}", style="red", markup=False)
-    return typer.Exit(code=2)
-
-
-def _validation_message(err: ValidationError) -> str:
-    """One line for a pydantic error on flag values: the flag, the problem, the given value."""
-    first = err.errors()[0]
-    loc = [str(p) for p in first.get("loc", ())]
-    msg = str(first.get("msg", err)).removeprefix("Value error, ")
-    if not loc:
-        return f"invalid combination of options: {msg}"
-    given = first.get("input")
-    return f"invalid --{loc[-1].replace('_', '-')} {given!r}: {msg} (see --help)"
-
-
-def _guard(ctx: typer.Context, body: Callable[[], T]) -> T:
-    """Run a command body; turn user-fixable errors into one line + exit 2 (traceback with --debug)."""
-    debug = bool(ctx.obj and ctx.obj.get("debug"))
-    try:
-        return body()
-    except OptplanError as err:
-        if debug:
-            detail = getattr(err, "detail", "")
-            if detail:
-                sys.stderr.write(f"--- output of the model file's child process ---\n{detail.rstrip()}\n---\n")
-            raise
-        raise _fail(str(err)) from None
-    except ValidationError as err:
-        if debug:
-            raise
-        raise _fail(_validation_message(err)) from None
-    except KeyboardInterrupt as err:  # Ctrl-C: child processes are already stopped by the layer that started them
-        _fail(str(err) or "interrupted")
-        raise typer.Exit(code=_interrupted_code(err)) from None
-    except (typer.Exit, typer.Abort, click.exceptions.ClickException):
-        raise
-    except Exception as err:  # a bug: one line that says so (the traceback with --debug), never a bare traceback
-        if debug:
-            raise
-        text = " ".join(str(err).split())
-        _fail(f"internal error in optplan ({type(err).__name__}{': ' + text if text else ''}): this is a bug, not "
-              "your input; rerun with --debug for the traceback and report it")
-        raise typer.Exit(code=EXIT_INTERNAL) from None
 
 
 def _stderr() -> Console:
@@ -163,7 +99,7 @@ def profile(ctx: typer.Context, model: OptModelFile = None, hf: HfOpt = None, hf
         else:
             _stdout().print(profile_table(prof))
 
-    _guard(ctx, body)
+    guard(ctx, body)
 
 
 @app.command()
@@ -199,7 +135,7 @@ def hardware(ctx: typer.Context, as_json: JsonOpt = False,
         if bench is not None:
             _print_microbench(out, bench, report)
 
-    _guard(ctx, body)
+    guard(ctx, body)
 
 
 def _print_microbench(out: Console, bench: Any, report: Any) -> None:
@@ -331,7 +267,7 @@ def estimate(
             out.print(f"note: {note}", style="dim")
         out.print(estimate_table(est))
 
-    _guard(ctx, body)
+    guard(ctx, body)
 
 
 @app.command()
@@ -360,7 +296,7 @@ def chinchilla(
         _stdout().print(f"compute-optimal by {how}: {point.params:.3g} parameters, {point.tokens:.3g} tokens, "
                         f"{point.flops:.3g} FLOPs, predicted loss {point.loss:.3f} nats/token")
 
-    _guard(ctx, body)
+    guard(ctx, body)
 
 
 @app.command()
@@ -438,7 +374,7 @@ def recommend(
         if not rec.fits:
             raise typer.Exit(code=1)
 
-    _guard(ctx, body)
+    guard(ctx, body)
 
 
 def _options_of(source: Callable[..., None], *, drop: tuple[str, ...]) -> Callable[[Callable[..., None]], Callable[..., None]]:
@@ -473,7 +409,7 @@ def dashboard(ctx: typer.Context, **options: Any) -> None:
             _stderr().print(f"search stopped; the study in {outcome.storage} resumes when you run the same "
                             "command again", style="yellow")
 
-    _guard(ctx, body)
+    guard(ctx, body)
 
 
 @contextlib.contextmanager
@@ -545,7 +481,7 @@ def validate_cmd(
         if not report.ok:
             raise typer.Exit(code=1)
 
-    _guard(ctx, body)
+    guard(ctx, body)
 
 
 @app.command("calibrate")
@@ -575,7 +511,7 @@ def calibrate_cmd(
             out.print(fit.line(), markup=False)
         out.print(f"wrote {len(fits)} calibration(s) to {', '.join(sorted(set(written.values())))}", markup=False)
 
-    _guard(ctx, body)
+    guard(ctx, body)
 
 
 @app.command("export")
@@ -605,27 +541,7 @@ def export_cmd(
         for why in skipped:
             console.print(f"not written: {why}", style="dim")
 
-    _guard(ctx, body)
-
-
-def _usage_error_type() -> type[Exception]:
-    """click's UsageError as this typer uses it (typer >= 0.20 vendors click as typer._click)."""
-    return next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
-
-
-def _usage_message(err: Exception) -> str:
-    """click's message, or for a value typer's pydantic coercion refused (``--gpus eight``), one naming the
-    flag, the value given and the type expected: ``invalid --gpus 'eight': expected a valid integer``."""
-    cause = err.__cause__
-    param = getattr(err, "param", None)
-    if isinstance(cause, ValidationError) and param is not None and cause.errors():
-        first = cause.errors()[0]
-        flags = [o for o in getattr(param, "opts", ()) if o.startswith("--")]
-        flag = flags[0] if flags else str(getattr(param, "name", "value")).upper()
-        reason = str(first.get("msg", "")).split(", unable to")[0]
-        reason = reason.replace("Input should be", "expected", 1)
-        return f"invalid {flag} {first.get('input')!r}: {reason}"
-    return str(err.format_message())  # type: ignore[attr-defined]
+    guard(ctx, body)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -633,10 +549,10 @@ def main(argv: list[str] | None = None) -> None:
     # bitsandbytes (imported by the exporters' checks through peft/transformers) warns on import about optional
     # CPU kernels; with no handler Python prints it to stderr, which must hold only optplan's own lines
     logging.getLogger("bitsandbytes").addHandler(logging.NullHandler())
-    usage_error = _usage_error_type()
+    usage_error = usage_error_type()
     previous = None
     with contextlib.suppress(ValueError):  # not the main thread (an embedding caller): leave SIGTERM alone
-        previous = signal.signal(signal.SIGTERM, _on_sigterm)
+        previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
         _run(argv, usage_error)
     finally:
@@ -653,14 +569,14 @@ def _run(argv: list[str] | None, usage_error: type[Exception]) -> None:
             sys.exit(0)
         ctx = getattr(err, "ctx", None)
         hint = f" (see {ctx.command_path} --help)" if ctx is not None else ""
-        sys.stderr.write(f"error: {_usage_message(err)}{hint}\n")
+        sys.stderr.write(f"error: {usage_message(err)}{hint}\n")
         sys.exit(2)
     except typer.Abort:
         sys.stderr.write("error: interrupted\n")
         sys.exit(EXIT_INTERRUPTED)
     except KeyboardInterrupt as err:
         sys.stderr.write(f"error: {err or 'interrupted'}\n")
-        sys.exit(_interrupted_code(err))
+        sys.exit(interrupted_code(err))
     sys.exit(code if isinstance(code, int) else 0)
 
 

@@ -203,3 +203,21 @@ def test_a_sliding_window_model_profiles_without_a_generation_cache(tmp_path: Pa
     r = runner.invoke(app, ["profile", "--hf", str(_folder(tmp_path, "gemma2", doc)), "--seq-len", "256", "--json"])
     assert r.exit_code == 0, r.output
     assert json.loads(r.output)["model_class"] == "Gemma2ForCausalLM"
+
+
+def test_gpt2_without_its_positions_profiles_at_its_class_default_and_errors_name_the_hf_spec(tmp_path: Path) -> None:
+    """A GPT-2 config.json that names no n_positions: the generated file reads GPT2Config's default (1024) instead of
+    profiling at 4096 positions the model does not have, and profiles (GPT-2 with the generation cache on fails in a
+    checkpointed recompute: NO_CACHE_MODEL_TYPES). An error in the profile names ``--hf SPEC``, not the cache file."""
+    pytest.importorskip("transformers")
+    doc = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 4,
+           "vocab_size": 500}
+    folder = _folder(tmp_path, "gpt2", doc)
+    text = hf_model_file_text(find_hf_config(str(folder)))
+    assert "'seq_len': _default_seq_len()" in text and "use_cache = False" in text
+    r = runner.invoke(app, ["profile", "--hf", str(folder), "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["seq_len"] == 1024
+    r = runner.invoke(app, ["profile", "--hf", str(folder), "--seq-len", "2048"])
+    assert r.exit_code == 2 and r.stderr.startswith(f"error: --hf {folder}: sequence length 2048"), r.stderr
+    assert "1024 positions" in r.stderr and ".cache" not in r.stderr

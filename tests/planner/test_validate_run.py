@@ -45,6 +45,8 @@ def test_without_nvcc_a_gpu_run_uses_torch_adam_and_with_it_the_fused_kernel(tmp
     notes: list[str] = []
     assert _runnable_ds_config(DS, GPU, notes)["optimizer"]["params"]["torch_adam"] is True
     assert "no nvcc" in notes[0]
+    _runnable_ds_config(DS, GPU, notes)  # an accelerate.yaml run asks twice: its note is said once
+    assert len(notes) == 1
     monkeypatch.setattr("shutil.which", lambda name: "/usr/local/cuda/bin/nvcc")
     assert _runnable_ds_config(DS, GPU, []) is DS  # DeepSpeed builds its fused Adam
 
