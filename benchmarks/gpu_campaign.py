@@ -370,8 +370,9 @@ def part_exports(c: Campaign) -> dict[str, Any]:
     doc = c.doc("exports", plans=[])
     model = EXAMPLES / ("gpt2.py" if c.device == "cuda" else "mlp.py")
     with tempfile.TemporaryDirectory(prefix="optplan_campaign_exports_") as tmp:
-        # CPU: the DeepSpeed plan only (its three files; the torch plan's launch.sh and accelerate.yaml run under
-        # `optplan validate` with 2 processes in tests/tui/test_cli_probe.py), a GPU both
+        # CPU: the DeepSpeed plan only (its three files, planned for 2 GPUs, bf16, and run on one process: the batch
+        # scaled to it; the torch plan's launch.sh and accelerate.yaml run under `optplan validate` in
+        # tests/tui/test_cli_probe.py), a GPU both, planned for its one GPU
         for engine in [e for e in (("deepspeed", "torch") if c.device == "cuda" else ("deepspeed",)) if c.wants_engine(e)]:
             if c.left_s() < 30:
                 doc["plans"].append({"engine": engine, "skipped": "out of time"})
@@ -383,7 +384,8 @@ def part_exports(c: Campaign) -> dict[str, Any]:
             entry: dict[str, Any] = {"engine": engine, "model": str(model.relative_to(ROOT))}
             # --no-probe --no-calibration: the plan is what the analytic search picks (a GPU would start the
             # probe stage by default, which the grid measures on its own)
-            code, out, err = run_optplan(["recommend", str(model), "--gpus", "1", *c.plan_args(), "--engine", engine,
+            gpus = "1" if c.device == "cuda" else "2"
+            code, out, err = run_optplan(["recommend", str(model), "--gpus", gpus, *c.plan_args(), "--engine", engine,
                                        "--no-probe", "--no-calibration", "--out", str(folder), "--json"],
                                       timeout_s=max(30.0, min(300.0, c.left_s())))
             entry["recommend_exit_code"] = code

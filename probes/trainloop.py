@@ -600,7 +600,8 @@ class Trainer:
     # -- the strategy -------------------------------------------------------------------------------
     def apply_precision(self, model: nn.Module) -> None:
         low = {"bf16": torch.bfloat16, "fp16": torch.float16, "bf16-pure": torch.bfloat16}
-        if self.engine == "deepspeed":
+        plugin = getattr(getattr(self.accelerator, "state", None), "deepspeed_plugin", None)
+        if self.engine == "deepspeed" and (not self.use_accelerate or plugin is not None):
             # the ds_config's sections decide; its bf16/fp16 engines hold the module in 16 bits and do not
             # cast the inputs, so float inputs are cast as a DeepSpeed training script does
             recipe = ds_config_recipe(self.ds_config or {})
@@ -608,7 +609,8 @@ class Trainer:
             self.loss_autocast_dtype = AUTOCAST_DTYPES.get(recipe)
             return
         if self.use_accelerate:
-            # accelerate's mixed_precision (autocast over fp32 weights) decides
+            # accelerate's mixed_precision (autocast over fp32 weights) decides; so it does for a DeepSpeed plan's
+            # accelerate.yaml launched without its DeepSpeed plugin (`accelerate launch --cpu`): the module stays fp32
             self.loss_autocast_dtype = AUTOCAST_DTYPES.get(self.precision)
             return
         p = self.precision

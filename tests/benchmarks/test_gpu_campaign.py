@@ -113,6 +113,15 @@ def test_exports_launch_through_their_trainers(results: Path) -> None:
     assert {f for _, f in launched} >= {"ds_config.json", "launch.sh", "accelerate.yaml"}
     assert all(r["status"] == "ok" and r["started"] and r["fits"] for r in launched.values()), launched
     assert doc["summary"]["ok"] == doc["summary"]["launched"] >= 3  # CPU: the DeepSpeed plan's 3 files
+    # the CPU's DeepSpeed plan is for 2 GPUs (bf16: its accelerate.yaml, launched without the DeepSpeed plugin on
+    # the CPU, keeps the module fp32 and so its inputs), run on 1 process: each file's batch is scaled to it
+    # (DeepSpeed checks train_batch_size against micro-batch x accumulation x world size), and DeepSpeed's Adam runs
+    # as torch's (no fused-Adam JIT build on the CPU), said once per file
+    plan = next(p["plan"] for p in doc["plans"] if p["engine"] == "deepspeed")
+    assert plan["dp"] == 2 and plan["precision"] == "bf16", plan
+    for name in ("ds_config.json", "launch.sh", "accelerate.yaml"):
+        notes = launched[("deepspeed", name)]["notes"]
+        assert any("ran 1 of the plan's 2" in n for n in notes) and sum("torch_adam: true" in n for n in notes) == 1, notes
 
 
 def test_launch_trains_the_exported_plan_and_calibrate_takes_its_measurements(results: Path) -> None:

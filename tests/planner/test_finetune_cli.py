@@ -95,15 +95,17 @@ def test_export_refuses_full_training_plans_for_finetune(tmp_path: Path) -> None
     assert r.exit_code == 2 and "needs a Hugging Face model" in r.output and "--hf" in r.output
 
 
-def test_qlora_plans_without_bitsandbytes_and_says_the_launch_needs_it(hf_model: Path, tmp_path: Path) -> None:
+def test_qlora_plans_without_bitsandbytes_and_says_the_launch_needs_it(hf_model: Path, cache_dir: Path,
+                                                                       tmp_path: Path) -> None:
     """bitsandbytes missing (a None entry in sys.modules makes its import fail): the plan and its exports are
-    still made (the formats are priced from formulas), and a note names what the launch needs."""
+    still made (the formats are priced from formulas), and a note names what the launch needs. (The module's cache
+    folder: the profile of rank-16 adapters without dropout is the LoRA plan's above, not made again.)"""
     code = ("import sys; sys.modules['bitsandbytes'] = None\n"
             "from optplan.tui.cli import main\n"
             f"main(['recommend', '--hf', {str(hf_model / 'model')!r}, '--finetune', 'qlora', '--gpu', 'RTX-4090', "
             f"'--gpus', '1', '--seq-len', '64', '--no-probe', '--out', {str(tmp_path / 'o')!r}])\n")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "OPTPLAN_CACHE_DIR": str(tmp_path / "cache"), "COLUMNS": "200"})
+                         env={**os.environ, "OPTPLAN_CACHE_DIR": str(cache_dir), "COLUMNS": "200"})
     assert run.returncode == 0, run.stderr[-3000:]
     assert "bitsandbytes cannot be imported here" in run.stdout and "pip install bitsandbytes" in run.stdout
     assert "Traceback" not in run.stdout + run.stderr

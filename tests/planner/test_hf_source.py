@@ -205,7 +205,8 @@ def test_a_sliding_window_model_profiles_without_a_generation_cache(tmp_path: Pa
     assert json.loads(r.output)["model_class"] == "Gemma2ForCausalLM"
 
 
-def test_gpt2_without_its_positions_profiles_at_its_class_default_and_errors_name_the_hf_spec(tmp_path: Path) -> None:
+def test_gpt2_without_its_positions_profiles_at_its_class_default_and_errors_name_the_hf_spec(tmp_path: Path,
+                                                                                             hub: Path) -> None:
     """A GPT-2 config.json that names no n_positions: the generated file reads GPT2Config's default (1024) instead of
     profiling at 4096 positions the model does not have, and profiles (GPT-2 with the generation cache on fails in a
     checkpointed recompute: NO_CACHE_MODEL_TYPES). An error in the profile names ``--hf SPEC``, not the cache file."""

@@ -84,9 +84,10 @@ def assert_no_leftovers(pid_file: Path) -> None:
 DP_MBS = 2
 """The data-parallel probes' micro-batch: one the profile measured, so that the prediction tests check the engines'
 terms, not extrapolation; the same probes serve the tests of what each engine keeps and trains."""
-EXPORTED = {"ddp": {}, "fsdp-full": {"fsdp": "full"}, "fsdp-grad_op": {"fsdp": "grad_op"},
-            "zero2": {"engine": "deepspeed", "zero": 2}, "zero3": {"engine": "deepspeed", "zero": 3}}
-"""The engines as optplan exports them (Strategy fields; DeepSpeed with render_ds_config's ds_config)."""
+EXPORTED = {"ddp": {}, "fsdp-full": {"fsdp": "full"}, "zero3": {"engine": "deepspeed", "zero": 3}}
+"""The engines as optplan exports them (Strategy fields; DeepSpeed with render_ds_config's ds_config). FSDP2's
+grad_op and DeepSpeed's ZeRO-1/2 as exported run in tests/planner/test_train_script.py's matrix (the same training
+loop, probes/trainloop.py, under the same tracker, each within 2 % of the prediction): not run twice here."""
 
 
 @pytest.fixture(scope="module")
@@ -98,8 +99,8 @@ def tiny_lm_profile(tiny_lm_module_file: Path) -> ModelProfile:
 
 @pytest.fixture(scope="module")
 def dp_probes(tiny_lm_module_file: Path, tiny_lm_profile: ModelProfile) -> dict[str, ProbeResult]:
-    """Real 2-rank fp32 probes of the same model at micro-batch ``DP_MBS``: DDP, FSDP2 full and grad_op, DeepSpeed
-    ZeRO-2 with small buckets (``zero_config``), and ZeRO-2 and ZeRO-3 as optplan exports them (render_ds_config's
+    """Real 2-rank fp32 probes of the same model at micro-batch ``DP_MBS``: DDP, FSDP2 full, DeepSpeed
+    ZeRO-2 with small buckets (``zero_config``), and ZeRO-3 as optplan exports it (render_ds_config's
     buckets and overlap_comm; without its "optimizer" section: the probe passes torch's AdamW, no fused-Adam JIT
     build)."""
     from optplan.planner.export.deepspeed import render_ds_config
@@ -122,7 +123,7 @@ def dp_results(dp_probes: dict[str, ProbeResult]) -> dict[str, ProbeResult]:
     return {"ddp": dp_probes["ddp"], "fsdp": dp_probes["fsdp-full"], "zero2": dp_probes["zero2-small-buckets"]}
 
 
-@pytest.mark.parametrize("name", ["ddp", "fsdp-full", "fsdp-grad_op", "zero2-small-buckets", "zero2", "zero3"])
+@pytest.mark.parametrize("name", ["ddp", "fsdp-full", "zero2-small-buckets", "zero3"])
 def test_data_parallel_probe_runs(dp_probes: dict[str, ProbeResult], name: str) -> None:
     r = dp_probes[name]
     assert r.ok, f"{r.reason}\n{r.tail}"
@@ -170,8 +171,7 @@ def predicted_vs_measured(dp_probes: dict[str, ProbeResult],
     return out
 
 
-@pytest.mark.parametrize(("name", "tolerance"), [("ddp", 0.01), ("fsdp-full", 0.08), ("fsdp-grad_op", 0.08),
-                                                 ("zero2", 0.03), ("zero3", 0.02)])
+@pytest.mark.parametrize(("name", "tolerance"), [("ddp", 0.01), ("fsdp-full", 0.08), ("zero3", 0.02)])
 def test_sharded_memory_predictions_match_real_runs(predicted_vs_measured: dict[str, tuple[int, int]],
                                                     name: str, tolerance: float) -> None:
     """The estimators' DDP buckets, FSDP2 gathered units and DeepSpeed partitions and buckets, each added at

@@ -61,23 +61,20 @@ def test_probe_flags_are_checked(args: list[str], needle: str) -> None:
     assert needle in result.stderr and "Traceback" not in result.stderr
 
 
-@pytest.mark.parametrize("engine", ["torch", "deepspeed"])
-def test_validate_runs_the_exported_launch_files(tmp_path: Path, engine: str) -> None:
+def test_validate_runs_the_exported_launch_files(tmp_path: Path) -> None:
+    """A torch plan's launch.sh and accelerate.yaml under ``optplan validate`` (a DeepSpeed plan's three files run
+    the same way in benchmarks/gpu_campaign.py's CPU run: tests/benchmarks/test_gpu_campaign.py)."""
+    engine = "torch"
     out = tmp_path / "plan"
     _run(["recommend", MLP, "--gpus", "2", "--engine", engine, "--precision", "fp32", "--no-offload",
           "--out", str(out)])
     doc = json.loads(_run(["validate", str(out), MLP, "--steps", "1", "--json"]))
     runs = {Path(r["file"]).name: r for r in doc["runs"]}
-    expected = {"launch.sh", "accelerate.yaml"} | ({"ds_config.json"} if engine == "deepspeed" else set())
-    assert set(runs) == expected
+    assert set(runs) == {"launch.sh", "accelerate.yaml"}
     for run in runs.values():
         assert run["started"] is True and run["fits"] is True, run
         assert run["comparison"]["result"]["status"] == "ok"
         assert any("ran 1 of the plan's 2" in n for n in run["notes"])
-    if engine == "deepspeed":
-        ds = runs["ds_config.json"]["comparison"]["result"]["spec"]["ds_config"]
-        assert ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"]
-        assert ds["optimizer"]["params"]["torch_adam"] is True  # no fused-Adam JIT build on the CPU
 
 
 def test_validate_reports_a_config_that_does_not_start(tmp_path: Path) -> None:
