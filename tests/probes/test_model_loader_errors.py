@@ -269,9 +269,13 @@ def test_the_profiler_leaves_nothing_in_tmpdir(write_model, tmp_path, monkeypatc
     if how == "cancel":
         with pytest.raises(Cancelled):
             profile_model_file(path, cancelled=marker.exists)
-    elif how == "timeout":
-        with pytest.raises(ModelFileError, match="did not finish within 20 s"):
-            profile_model_file(path, timeout_s=20)
+    elif how == "timeout":  # killed once build_model() runs (8 s, else once more with 20 s on a loaded machine)
+        for timeout in (8, 20):
+            with pytest.raises(ModelFileError, match=f"did not finish within {timeout} s"):
+                profile_model_file(path, timeout_s=timeout)
+            if marker.exists():
+                break
+        assert marker.exists()
     else:
         assert profile_model_file(path).params == 20
     assert sorted(p.name for p in tmp.iterdir()) == []

@@ -147,13 +147,17 @@ def test_segfault_names_the_signal(tiny_lm_file: Path) -> None:
 
 
 def test_timeout_kills_everything(tiny_lm_file: Path, tmp_path: Path) -> None:
-    pid_file = tmp_path / "pids"
-    started = time.monotonic()
-    # 20 s: the child must import torch and reach forward before it is killed, which takes ~10 s on a loaded 2-core
-    # machine (CI ran it beside another worker's real runs)
-    r = probe(tiny_lm_file, timeout_s=20, env={"PROBE_TEST_MODE": "sleep", "PROBE_TEST_PID_FILE": str(pid_file)})
-    assert r.status == "timeout" and r.reason == "killed after 20 s"
-    assert time.monotonic() - started < 35
+    # the child must import torch and reach forward before it is killed, which takes ~10 s on a loaded 2-core
+    # machine (CI ran it beside another worker's real runs): 10 s first, and once more with 20 s where it had not
+    for attempt, timeout in enumerate((10, 20)):
+        pid_file = tmp_path / f"pids{attempt}"
+        started = time.monotonic()
+        r = probe(tiny_lm_file, timeout_s=timeout,
+                  env={"PROBE_TEST_MODE": "sleep", "PROBE_TEST_PID_FILE": str(pid_file)})
+        assert r.status == "timeout" and r.reason == f"killed after {timeout} s"
+        assert time.monotonic() - started < timeout + 15
+        if pids_in(pid_file):
+            break
     pids = pids_in(pid_file)
     assert pids, "the child never reached forward"
     assert not [p for p in pids if alive(p)]
