@@ -60,12 +60,17 @@ def search_states(profile: ModelProfile, cluster: Cluster, *, global_batch: int 
     return space, rank_states(priced, space)
 
 
+def _named(strategy: Strategy) -> str:
+    """The plan's label with its engine, once: torch plans' labels carry ``[torch]`` already."""
+    label = strategy.label()
+    return label if f"[{strategy.engine}]" in label else f"{label} ({strategy.engine})"
+
+
 def states_rationale(pick: StatesEstimate, ranked: Sequence[StatesEstimate]) -> list[str]:
     """Why this sharding: the cheaper ones that do not fit, with their GiB."""
     s, m = pick.strategy, pick.memory
     states = m.params_bytes + m.grads_bytes + m.optimizer_bytes
-    lines = [f"least sharding whose model states fit, of {len(ranked)} priced: {s.label()} "
-             f"({s.engine}) holds {gib(states):.1f} GiB of states + {gib(m.buffers_bytes + m.overhead_bytes):.1f} "
+    lines = [f"least sharding whose model states fit, of {len(ranked)} priced: {_named(s)} holds {gib(states):.1f} GiB of states + {gib(m.buffers_bytes + m.overhead_bytes):.1f} "
              f"GiB buffers/overhead per GPU, {gib(m.headroom_bytes):.1f} GiB left for activations"]
     cheaper = [e for e in ranked if _cost_rank(e.strategy) < _cost_rank(s) and not e.fits]
     seen: set[tuple[int, int, int]] = set()
@@ -74,7 +79,7 @@ def states_rationale(pick: StatesEstimate, ranked: Sequence[StatesEstimate]) -> 
         if key in seen:
             continue
         seen.add(key)
-        lines.append(f"{e.strategy.label()} ({e.strategy.engine}) needs {gib(e.memory.total_bytes):.1f} > "
+        lines.append(f"{_named(e.strategy)} needs {gib(e.memory.total_bytes):.1f} > "
                      f"{gib(e.memory.capacity_bytes):.1f} GiB per GPU")
     if m.host_bytes:
         lines.append(f"CPU offload: {gib(m.host_bytes):.1f} GiB host memory per GPU, "

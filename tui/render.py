@@ -171,17 +171,18 @@ def plans_table(rec: Recommendation) -> Table:
     ``step_s_high``, the step's unit); throughput varies inversely. Fits an 80-column terminal.
     """
     usable = _g(rec.estimate.memory.capacity_bytes) if rec.estimate else "?"
+    rows = ([rec.estimate] if rec.estimate else []) + [a.estimate for a in rec.alternatives]
+    # the band's legend where a row has a step time (--params plans price memory only)
+    legend = (Text("[band]: where the step time lies, from measured runs' errors (wider outside them); throughput "
+                   "varies inversely; ranked by the band's slow end", style="dim")
+              if any(isinstance(e, Estimate) for e in rows) else None)
     table = Table(title=f"best plans (GiB per GPU, {usable} usable)", title_justify="left", box=box.SIMPLE_HEAD,
-                  pad_edge=False, caption=Text("[band]: where the step time lies, from measured runs' errors "
-                                               "(wider outside them); throughput varies inversely; ranked by the "
-                                               "band's slow end", style="dim"),
-                  caption_justify="left")
+                  pad_edge=False, caption=legend, caption_justify="left")
     table.add_column("#", justify="right", no_wrap=True)
     table.add_column("plan", overflow="fold")
     for col in ("states", "acts", "other", "total", "step", "tokens/s" if rec.seq_len else "samples/s",
                 "MFU"):
         table.add_column(col, justify="right", no_wrap=True)
-    rows = ([rec.estimate] if rec.estimate else []) + [a.estimate for a in rec.alternatives]
     for i, e in enumerate(rows, start=1):
         m = e.memory
         timed = isinstance(e, Estimate)

@@ -42,6 +42,19 @@ def test_plans_table_shows_every_step_band_and_fits_80_columns(rec: Recommendati
     assert "[band]" in out and "slow end" in out
 
 
+def test_a_params_only_table_has_no_band_legend() -> None:
+    """--params plans price memory only (no step time in any row): the band's legend and its "ranked by the band's
+    slow end" would describe nothing shown."""
+    from optplan.estimators.params_only import profile_from_params
+
+    params_rec = recommend(profile_from_params(7e9), Cluster(gpu=find_gpu("H100-SXM"), gpus=16, gpus_per_node=8))
+    out = _text(plans_table(params_rec))
+    assert "bf16" in out and " - " in out  # rows, without step times
+    assert "[band]" not in out and "slow end" not in out
+    torch_lines = [line for line in params_rec.rationale if "[torch]" in line]
+    assert torch_lines and not any("(torch)" in line for line in torch_lines)  # the engine said once
+
+
 def test_plan_labels_keep_their_engine_tag(rec: Recommendation) -> None:
     torch_rows = [e for e in _rows(rec) if e.strategy.engine == "torch"]
     assert torch_rows, "expected a torch plan among the best on H100 (DDP/FSDP)"
