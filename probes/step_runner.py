@@ -13,6 +13,7 @@ dtype (tied weights kept tied). What is measured and how it is fitted: probes/ac
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
@@ -144,6 +145,21 @@ class BatchInfo:
     tokens_per_sample: int | None
 
 
+def raised_in_file(exc: BaseException, path: str) -> int | None:
+    """The line of ``path`` (the model file) that raised ``exc`` when its innermost frame is there, else None (the
+    exception came from a library: torch's layers refusing a batch's shape or dtype, a wrong call signature)."""
+    tb = exc.__traceback__
+    if tb is None:
+        return None
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    try:
+        same = os.path.samefile(tb.tb_frame.f_code.co_filename, path)
+    except OSError:
+        return None
+    return tb.tb_lineno if same else None
+
+
 @dataclass
 class StepRunner:
     """Runs forward + loss + backward steps of one model, on real tensors or (inside an active
@@ -201,6 +217,12 @@ class StepRunner:
                     "weights, beside an [experts, hidden] router weight) to profile them with a balanced dispatch",
                     "write the MoE layer as router + experts (probes/moe_layers.py says what is read), or plan it from "
                     "its shape with --hf CONFIG or --arch ...,experts=E,topk=K,moe_ffn=F") from None
+            line = raised_in_file(exc, self.display)
+            if line is not None:  # the model's own code raised, not a layer refusing the batch
+                raise ModelFileError(self.display, f"forward raised {exc_text(exc)} at line {line} of the model "
+                                     f"file, on {self.spec.describe(b)}",
+                                     "fix forward at that line, or make example_batch(batch_size, seq_len) return "
+                                     "what it expects (optplan --debug shows the traceback)") from None
             raise ModelFileError(self.display, f"the model rejected {self.spec.describe(b)}: forward raised "
                                  f"{exc_text(exc)}", self.spec.fix) from None
 

@@ -105,6 +105,31 @@ def test_example_batch_rejected_by_forward(write_model):
                  "make example_batch(batch_size, seq_len) return what forward takes")
 
 
+def test_forward_raising_in_the_model_file_is_named_as_the_model_s_bug(write_model):
+    """An exception raised by the model file's own forward (not a torch layer refusing the batch) names its line,
+    and does not blame example_batch."""
+    path = write_model("""
+        import torch, torch.nn as nn
+
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.l = nn.Linear(8, 8)
+
+            def forward(self, x):
+                raise ValueError("my bug in forward")
+
+        def build_model():
+            return M()
+
+        def example_batch(batch_size, seq_len):
+            return torch.randn(batch_size, 8)
+        """)
+    err = expect_error(path, "forward raised ValueError: my bug in forward at line 10 of the model file",
+                       "fix forward at that line")
+    assert "rejected" not in err.problem
+
+
 def test_example_batch_raises(write_model):
     path = write_model("""
         import torch.nn as nn
