@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import os
 import tempfile
-import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
+from sleeping_probe import killed_while_sleeping, pids_in
 
 from optplan.estimators.profile import ModelProfile
 from optplan.estimators.strategy import Strategy
@@ -40,11 +41,6 @@ def spec(path: Path, **kw: Any) -> ProbeSpec:
     kw.setdefault("warmup_steps", 1)
     kw.setdefault("timed_steps", 3)
     return ProbeSpec(model_path=str(path), strategy=Strategy(**strat), **kw)
-
-
-def pids_in(path: Path) -> list[int]:
-    """The pids the test model wrote (PROBE_TEST_PID_FILE), once each."""
-    return sorted({int(x) for x in path.read_text().split()}) if path.exists() else []
 
 
 
@@ -294,18 +290,7 @@ def test_nan_on_one_rank_stops_every_rank(tiny_lm_file: Path) -> None:
 
 
 def test_timeout_under_torchrun_kills_every_rank(tiny_lm_file: Path, tmp_path: Path) -> None:
-    # both ranks must import torch and reach their first forward (and write their pids) before the kill, which took
-    # over 8 s on a busy 2-core machine and more than 20 s at a load of 10 (the ranks sleep after it): 15 s first,
-    # and where a rank had not got there, once more with 40 s
-    for attempt, timeout in enumerate((15, 40)):
-        pid_file = tmp_path / f"pids{attempt}"
-        started = time.monotonic()
-        r = dist_probe(tiny_lm_file, timeout_s=timeout,
-                       env={"PROBE_TEST_MODE": "sleep", "PROBE_TEST_PID_FILE": str(pid_file)})
-        assert r.status == "timeout" and r.reason == f"killed after {timeout} s"
-        assert time.monotonic() - started < timeout + 20
-        if len(pids_in(pid_file)) == 2:
-            break
+    _, pid_file = killed_while_sleeping(partial(dist_probe, tiny_lm_file), tmp_path, (15, 40), ranks=2)
     assert len(pids_in(pid_file)) == 2
     assert_no_leftovers(pid_file)
 

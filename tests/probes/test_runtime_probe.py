@@ -12,12 +12,14 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from pydantic import ValidationError
+from sleeping_probe import killed_while_sleeping, pids_in
 
 from optplan.estimators.strategy import Strategy
 from optplan.probes.distributed import alive, processes_with_env
@@ -46,11 +48,6 @@ def in_parallel(*calls: Any) -> list[ProbeResult]:
     """Run probes ``(path, kwargs)`` two at a time (2 CPU cores)."""
     with ThreadPoolExecutor(max_workers=2) as pool:
         return list(pool.map(lambda c: probe(c[0], **c[1]), calls))
-
-
-def pids_in(path: Path) -> list[int]:
-    """The pids the test model wrote (PROBE_TEST_PID_FILE), once each."""
-    return sorted({int(x) for x in path.read_text().split()}) if path.exists() else []
 
 
 
@@ -147,17 +144,7 @@ def test_segfault_names_the_signal(tiny_lm_file: Path) -> None:
 
 
 def test_timeout_kills_everything(tiny_lm_file: Path, tmp_path: Path) -> None:
-    # the child must import torch and reach forward before it is killed, which takes ~10 s on a loaded 2-core
-    # machine (CI ran it beside another worker's real runs): 10 s first, and once more with 20 s where it had not
-    for attempt, timeout in enumerate((10, 20)):
-        pid_file = tmp_path / f"pids{attempt}"
-        started = time.monotonic()
-        r = probe(tiny_lm_file, timeout_s=timeout,
-                  env={"PROBE_TEST_MODE": "sleep", "PROBE_TEST_PID_FILE": str(pid_file)})
-        assert r.status == "timeout" and r.reason == f"killed after {timeout} s"
-        assert time.monotonic() - started < timeout + 15
-        if pids_in(pid_file):
-            break
+    _, pid_file = killed_while_sleeping(partial(probe, tiny_lm_file), tmp_path, (10, 20), ranks=1)
     pids = pids_in(pid_file)
     assert pids, "the child never reached forward"
     assert not [p for p in pids if alive(p)]
