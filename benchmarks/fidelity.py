@@ -38,8 +38,9 @@ fused-Adam JIT build), which the prediction follows (torch's CPU AdamW loop). On
 GPU the 2-process cases are skipped (listed).
 
 Run: ``python benchmarks/fidelity.py [--device cpu|cuda] [--quick] [--models mlp,llama] [--explain]
-[--timeout S] [--ds-torch-optimizer]``. A full CPU run is about 8 min on 2 cores; ``--quick`` on the CPU is 8
-cases (no MLP DDP case, no Llama amp-bf16 case with full checkpointing: ``Case.cpu_quick``) with a smaller Llama
+[--timeout S] [--ds-torch-optimizer]``. A full CPU run is about 8 min on 2 cores; ``--quick`` on the CPU is 6
+single-process cases (no MLP DDP, FSDP2 or ZeRO-2 case, no Llama amp-bf16 case with full checkpointing:
+``Case.cpu_quick``) with a smaller Llama
 (``LLAMA_CPU_QUICK_SHAPE``: dim 128, 2 layers, vocabulary 2048, seq 64), about 2 min of CPU (each case is mostly its
 child process starting).
 ``--explain`` prints, under each case whose memory error is over the target, the predicted categories

@@ -70,9 +70,9 @@ class Case:
     procs: int | None = None  # None: 1 for single, else 2
     compile: bool = False  # the plan's torch.compile of each block (GPU cases: the eager twin beside it)
     # in the CPU's --quick subset (None: as ``quick``). That subset (CI runs it) leaves out what it would only
-    # repeat: the MLP's DDP case (DDP's buckets are checked within 1 % by tests/probes/test_distributed_probe.py;
-    # FSDP and ZeRO-2 stay) and the Llama's amp-bf16 case with full checkpointing (the MLP's amp-bf16 case
-    # checkpoints; the Llama keeps selective)
+    # repeat: the MLP's DDP, FSDP2 and ZeRO-2 cases (the same training loop's 2-rank runs are checked within 2 %
+    # by tests/planner/test_train_script.py's matrix and tests/probes/test_distributed_probe.py) and the Llama's
+    # amp-bf16 case with full checkpointing (the MLP's amp-bf16 case checkpoints; the Llama keeps selective)
     cpu_quick: bool | None = None
 
     def in_quick(self, device: str) -> bool:
@@ -92,10 +92,10 @@ SUITE: tuple[Case, ...] = (
     Case("mlp", "fp32", 4),
     Case("mlp", "amp-bf16", 4, "full", quick=True),
     Case("mlp", "fp32", 4, mode="ddp", quick=True, cpu_quick=False),
-    Case("mlp", "fp32", 4, mode="fsdp-full", quick=True),
+    Case("mlp", "fp32", 4, mode="fsdp-full", quick=True, cpu_quick=False),
     Case("mlp", "fp32", 4, mode="fsdp-grad_op"),
     Case("mlp", "fp32", 4, mode="zero1"),
-    Case("mlp", "fp32", 4, mode="zero2", quick=True),
+    Case("mlp", "fp32", 4, mode="zero2", quick=True, cpu_quick=False),
     Case("mlp", "fp32", 4, mode="zero3"),
     Case("mlp", "fp32", 4, mode="zero0", procs=1, quick=True),
     Case("gpt2", "fp32", 1),

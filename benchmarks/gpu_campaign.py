@@ -68,7 +68,7 @@ without what other tests already check (fidelity.py's ``Case.cpu_quick``) and a 
 (``LLAMA_CPU_QUICK_SHAPE``); fidelity, trace and grid share one profile per model file (the profile cache, probes/profile_cache.py);
 the GPU tests are collected in one pytest process; the exports and the launch plan a global batch of 16 (the launch:
 the torch plan, 3 steps under the live-tensor tracker); the grid is 4 MLP runs (micro-batch 16) and recommend's free
-pick outside it is named, not run. About 305 s of CPU in all (fidelity 120, exports 65, grid 40, launch 25, gpu_tests
+pick outside it is named, not run. About 280 s of CPU in all (fidelity 95 with its 6 single-process cases, exports 65, grid 40, launch 25, gpu_tests
 20, probes 12, trace 9, start 8), about 450 s wall on 2 cores at twice their load:
 the test passes ``--budget-s 1500``, as the 480 s default is a GPU visit's.
 """

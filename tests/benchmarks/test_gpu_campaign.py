@@ -87,9 +87,8 @@ def test_fidelity_memory_and_the_calibration_round_trip(results: Path) -> None:
     doc = _load(results, "fidelity")
     s = doc["summary"]
     errors = {f'{c["model"]} {c["label"]} x{c["nproc"]}': c["memory_error_pct"] for c in doc["cases"]}
-    assert s["ok"] == s["cases"] >= 8, errors
-    # every case within 2 %, FSDP on gloo included: the tracker lets each collective settle (ProbeTracker), so
-    # gloo's worker thread no longer frees a reduce-scatter's buffers before or after the next peak by chance
+    assert s["ok"] == s["cases"] >= 6, errors  # the 2-rank engines run in test_train_script.py's matrix
+    # every case within 2 %
     off = {name: round(err, 2) for name, err in errors.items() if abs(err) > 2.0}
     assert not off, off
     assert any(c["label"].startswith("fp32 ZeRO-0") and c["nproc"] == 1 for c in doc["cases"])
