@@ -41,6 +41,7 @@ from importlib import resources
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
+from optplan.estimators.eager_host import HOST_KERNEL_S
 from optplan.estimators.hardware import GPUSpec
 
 LINK_EFFICIENCY = 0.75
@@ -68,6 +69,8 @@ class GpuEfficiency(BaseModel):
     host_layer_pass_s: float = Field(ge=0, description="host time to issue one layer's forward (s)")
     host_microbatch_s: float = Field(ge=0, description="host time per micro-batch per stage (s)")
     host_step_s: float = Field(ge=0, description="host time per optimizer step (s)")
+    host_kernel_s: float = Field(default=HOST_KERNEL_S, ge=0,
+                                 description="host time to issue one eager kernel (s; estimators/eager_host.py)")
     host_collective_step_s: float = Field(ge=0, description="host-side wait per ring step of a blocking "
                                                             "tensor-parallel collective (s)")
     overlap_exponent: float = Field(ge=1, description="p of the host/device p-norm blend")

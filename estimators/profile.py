@@ -211,6 +211,17 @@ class TransformerShape(_Frozen):
         return 8 * self.hidden if self.gated else 10 * self.hidden
 
 
+class EagerStep(_Frozen):
+    """The kernels one micro-batch's eager step launches, counted on the profile's own step without checkpointing
+    (probes/traffic.py: every ATen operator with a tensor output but views and aliases; counts, at the model's full
+    depth). The host issues them one by one (estimators/eager_host.py)."""
+
+    forward_kernels: float = Field(ge=0, description="kernels of the forward and the loss")
+    backward_kernels: float = Field(ge=0, description="kernels of the backward (gradient accumulation included)")
+    block_forward_kernels: float = Field(default=0.0, ge=0, description="kernels of one repeated block's forward "
+                                                                          "(what full checkpointing replays per block)")
+
+
 class ModelDefaults(_Frozen):
     """The model file's ``OPTPLAN`` dict, parsed (never executed)."""
 
@@ -285,6 +296,11 @@ class ModelProfile(_Frozen):
                                   "included), by eager precision class (fp32, amp, bf16; probes/traffic.py); the "
                                   "host cost of eager op-level selective checkpointing is per operator "
                                   "(estimators/selective_host.py); None: not measured")
+    eager_step: dict[str, EagerStep] | None = Field(
+        default=None, description="the kernels one micro-batch's eager step launches, by eager precision class (fp32, "
+                                  "amp, bf16; probes/traffic.py): the host's work of a model without a transformer "
+                                  "shape (estimators/eager_host.py); None: not measured (an --arch shape, an older "
+                                  "profile)")
     activations: tuple[ActivationFit, ...]
     transformer: TransformerShape | None = None
     profiled_blocks: int | None = Field(

@@ -87,6 +87,7 @@ from optplan.estimators.compute import (
     optimizer_step_s,
     transformer_dims,
 )
+from optplan.estimators.eager_host import eager_microbatch_host_s
 from optplan.estimators.efficiency import EngineEfficiency, engine_efficiency
 from optplan.estimators.ep_overlap import overlapped_a2a_s, solo_fraction
 from optplan.estimators.finetune import DEQUANT_BANDWIDTH_FRACTION, dequant_bytes_per_layer
@@ -324,7 +325,10 @@ def _flops_only_step(profile: ModelProfile, strategy: Strategy, cluster: Cluster
     mb_device = work / m
     blocks = profile.repeated_block.count / p if profile.repeated_block else 0.0
     hm = engine.host_multiplier
-    mb_host = hm * eff.host_microbatch_s + blocks * selective_host_layer_s(profile, strategy, eff.host_layer_pass_s)
+    # the kernels the profile counted, each issued by the host (eager_host.py), where it has them and runs eager
+    eager = eager_microbatch_host_s(profile, strategy, eff.host_kernel_s)
+    mb_host = hm * (eff.host_microbatch_s if eager is None else eager)
+    mb_host += blocks * selective_host_layer_s(profile, strategy, eff.host_layer_pass_s)
     host_s = m * (blend_s(mb_host, mb_device, eff.overlap_exponent) - mb_device) + hm * eff.host_step_s
     selective = recompute_flops_per_sample(profile, strategy)
     hw = profile.train_flops_per_sample + (

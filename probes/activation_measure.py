@@ -6,7 +6,8 @@ mode (none, the op-level selective policy, every repeated block), the live-bytes
 whose upper envelope over the micro-batch is the activation fit (probes/envelope.py); then the same with the model
 held in bf16 (``bf16-weights``) and, for LoRA models, with the frozen base in bf16 (``bf16-frozen``). Without
 checkpointing the same steps also count one repeated block's memory-bound bytes per sample by eager precision class
-(probes/traffic.py; ``ModelProfile.eager_layer_bytes_per_token``). :func:`extrapolate` carries a value measured at
+(probes/traffic.py; ``ModelProfile.eager_layer_bytes_per_token``) and, with or without blocks, the kernels the step
+launches (``ModelProfile.eager_step``, the host's work: estimators/eager_host.py). :func:`extrapolate` carries a value measured at
 one and two blocks to the full depth; :func:`fit_activations` turns the envelopes into the profile's fits.
 """
 
@@ -23,12 +24,13 @@ from optplan.estimators.profile import (
     ActivationFit,
     ActivationPrecision,
     CheckpointMode,
+    EagerStep,
 )
 from optplan.probes.adapters import LORA_MARK
 from optplan.probes.envelope import StepEnvelope, Timeline, activation_fit
 from optplan.probes.loader import ModelFileError
 from optplan.probes.step_runner import BatchInfo, StepRunner, cast_floating
-from optplan.probes.traffic import TrafficCounter
+from optplan.probes.traffic import Traffic, TrafficCounter
 from optplan.probes.trainloop import selective_context
 
 PRECISIONS: tuple[ActivationPrecision, ...] = ("fp32", "bf16")
@@ -55,6 +57,9 @@ class Measurement:
     """Memory-bound bytes of one repeated block per sample by eager precision class: (forward, backward)."""
     eager_block_ops: dict[str, float] = field(default_factory=dict)
     """ATen operators one repeated block's forward dispatches, by eager precision class (probes/traffic.py)."""
+    eager_step: dict[str, EagerStep] = field(default_factory=dict)
+    """The kernels one micro-batch's step launches without checkpointing, by eager precision class, at the first
+    batch size (probes/traffic.py)."""
 
 
 def checkpoint_modes(has_blocks: bool) -> tuple[CheckpointMode, ...]:
@@ -80,16 +85,17 @@ def measure(runner: StepRunner, batch_sizes: tuple[int, int], *, flops: bool = T
     envelopes = {}
     eager: dict[str, tuple[float, float]] = {}
     ops: dict[str, float] = {}
+    kernels: dict[str, EagerStep] = {}
     for precision, ckpt in modes_for(bool(runner.blocks)):
-        t0, t1 = _timelines(runner, batch_sizes, precision, ckpt, eager, ops)
+        t0, t1 = _timelines(runner, batch_sizes, precision, ckpt, eager, ops, kernels)
         envelopes[(precision, ckpt)] = StepEnvelope.from_timelines(t0, t1, batch_sizes)
-    sixteen, note = measure_16bit_weights(runner, batch_sizes, eager, ops)
+    sixteen, note = measure_16bit_weights(runner, batch_sizes, eager, ops, kernels)
     envelopes.update(sixteen)
     if any(LORA_MARK in name for name, _ in runner.model.named_parameters()):
         envelopes.update(measure_frozen_16bit(runner, batch_sizes))
     assert runner.batch_info is not None
     return Measurement(fwd, bwd, envelopes, runner.batch_info, runner.loss_note, input_grad, note, recompute,
-                       eager_block_bytes=eager, eager_block_ops=ops)
+                       eager_block_bytes=eager, eager_block_ops=ops, eager_step=kernels)
 
 
 EAGER_CLASS: dict[str, str] = {"fp32": "fp32", "bf16": "amp", WEIGHTS_16BIT: "bf16"}
@@ -98,27 +104,42 @@ EAGER_CLASS: dict[str, str] = {"fp32": "fp32", "bf16": "amp", WEIGHTS_16BIT: "bf
 
 def _timelines(runner: StepRunner, batch_sizes: tuple[int, int], precision: ActivationPrecision,
                ckpt: CheckpointMode, eager: dict[str, tuple[float, float]],
-               ops: dict[str, float] | None = None) -> tuple[Timeline, Timeline]:
+               ops: dict[str, float] | None = None,
+               kernels: dict[str, EagerStep] | None = None) -> tuple[Timeline, Timeline]:
     """The two timelines of one mode; without checkpointing, the memory-bound bytes of one repeated block per
-    sample (forward, backward: the slope between the two batch sizes, probes/traffic.py) go into ``eager``, and
-    the operators one block's forward dispatched (at the first batch size) into ``ops``."""
-    if ckpt != "none" or not runner.blocks or precision not in EAGER_CLASS:
+    sample (forward, backward: the slope between the two batch sizes, probes/traffic.py) go into ``eager``, the
+    operators one block's forward dispatched (at the first batch size) into ``ops`` and the kernels the whole step
+    launched (:func:`eager_step`, at the first batch size) into ``kernels``."""
+    if ckpt != "none" or precision not in EAGER_CLASS:
         return runner.activation_timeline(batch_sizes[0], precision, ckpt), \
             runner.activation_timeline(batch_sizes[1], precision, ckpt)
     counters = (TrafficCounter(), TrafficCounter())
     t0, t1 = (runner.activation_timeline(b, precision, ckpt, traffic=c) for b, c in zip(batch_sizes, counters,
                                                                                        strict=True))
+    first = counters[0].traffic
+    if kernels is not None:
+        kernels[EAGER_CLASS[precision]] = eager_step(first)
+    if not runner.blocks:
+        return t0, t1
     (f0, b0), (f1, b1) = (c.traffic.per_block() for c in counters)
     n = batch_sizes[1] - batch_sizes[0]
     eager[EAGER_CLASS[precision]] = (max(0.0, (f1 - f0) / n), max(0.0, (b1 - b0) / n))
     if ops is not None:
-        ops[EAGER_CLASS[precision]] = counters[0].traffic.ops_per_block()
+        ops[EAGER_CLASS[precision]] = first.ops_per_block()
     return t0, t1
+
+
+def eager_step(traffic: Traffic) -> EagerStep:
+    """The kernels of one counted step: forward (with the loss), backward, one repeated block's forward."""
+    return EagerStep(forward_kernels=traffic.forward_kernels, backward_kernels=traffic.backward_kernels,
+                     block_forward_kernels=traffic.kernels_per_block())
 
 
 def measure_16bit_weights(runner: StepRunner, batch_sizes: tuple[int, int],
                           eager: dict[str, tuple[float, float]] | None = None,
-                          ops: dict[str, float] | None = None) -> tuple[dict[tuple[ActivationPrecision, CheckpointMode], StepEnvelope], str | None]:
+                          ops: dict[str, float] | None = None,
+                          kernels: dict[str, EagerStep] | None = None,
+                          ) -> tuple[dict[tuple[ActivationPrecision, CheckpointMode], StepEnvelope], str | None]:
     """The ``bf16-weights`` envelopes: the model's floating parameters and buffers cast to bf16 (tied weights
     kept tied), floating inputs cast, no autocast, one warm-up step (bf16 gradients), then the same
     timelines as the other modes; the model is cast back afterwards. A model that fails to run in bf16
@@ -135,7 +156,8 @@ def measure_16bit_weights(runner: StepRunner, batch_sizes: tuple[int, int],
         runner.input_dtype = torch.bfloat16
         runner.warm_up(batch_sizes[0])
         for ckpt in checkpoint_modes(bool(runner.blocks)):
-            t0, t1 = _timelines(runner, batch_sizes, WEIGHTS_16BIT, ckpt, eager if eager is not None else {}, ops)
+            t0, t1 = _timelines(runner, batch_sizes, WEIGHTS_16BIT, ckpt, eager if eager is not None else {}, ops,
+                                kernels)
             envelopes[(WEIGHTS_16BIT, ckpt)] = StepEnvelope.from_timelines(t0, t1, batch_sizes)
     except ModelFileError as exc:
         envelopes = {}
@@ -176,6 +198,15 @@ def extrapolate(one: float, two: float, layers: int, base: int = 1) -> float:
     return one + (two - one) * (layers - base)
 
 
+def deeper_step(one: EagerStep, two: EagerStep, layers: int, base: int = 1) -> EagerStep:
+    """``two``'s step (measured at ``base + 1`` blocks) carried to ``layers`` blocks with ``one``'s (at ``base``):
+    whole-step kernels linear in depth, one block's kept."""
+    def line(field: str) -> float:
+        return max(0.0, extrapolate(getattr(one, field), getattr(two, field), layers, base))
+
+    return two.model_copy(update={f: line(f) for f in ("forward_kernels", "backward_kernels")})
+
+
 def fit_activations(envelopes: Mapping[tuple[ActivationPrecision, CheckpointMode], StepEnvelope]
                     ) -> tuple[ActivationFit, ...]:
     """One :class:`ActivationFit` per (precision, checkpointing), fp32 first, no checkpointing first."""
@@ -183,5 +214,5 @@ def fit_activations(envelopes: Mapping[tuple[ActivationPrecision, CheckpointMode
     return tuple(activation_fit(precision, ckpt, envelopes[(precision, ckpt)]) for precision, ckpt in modes)
 
 
-__all__ = ["EAGER_CLASS", "PRECISIONS", "PRECISION_ORDER", "Measurement", "checkpoint_modes", "extrapolate",
+__all__ = ["EAGER_CLASS", "deeper_step", "eager_step", "PRECISIONS", "PRECISION_ORDER", "Measurement", "checkpoint_modes", "extrapolate",
            "fit_activations", "measure", "measure_16bit_weights", "measure_frozen_16bit", "modes_for"]

@@ -76,6 +76,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from optplan.estimators.profile import ModelProfile
 from optplan.probes.activation_measure import (
     Measurement,
+    deeper_step,
     extrapolate,
     fit_activations,
     measure,
@@ -248,7 +249,9 @@ def _measure_reduced(contract: ModelContract, meta: nn.Module, block: BlockInfo,
                                    else round(extrapolate(lo.selective_recompute_flops, hi.selective_recompute_flops,
                                                           layers, base))),
         eager_block_bytes=hi.eager_block_bytes,  # a mean over the blocks that ran: depth does not change it
-        eager_block_ops=hi.eager_block_ops)
+        eager_block_ops=hi.eager_block_ops,
+        eager_step={k: deeper_step(lo.eager_step[k], step, layers, base)
+                    for k, step in hi.eager_step.items() if k in lo.eager_step})
     notes.append(f"profiled {base + 1} of {layers} blocks and scaled by layers")
     return measurement, sizes, base + 1
 
@@ -389,6 +392,7 @@ def _profile_contract(contract: ModelContract, *, seq_len: int | None, started: 
              for k, (f, b) in measurement.eager_block_bytes.items()}
             if info.input_kind == "tokens" and info.tokens_per_sample and measurement.eager_block_bytes else None),
         eager_layer_ops=dict(measurement.eager_block_ops) or None,
+        eager_step=dict(measurement.eager_step) or None,
         activations=fit_activations(measurement.envelopes),
         param_numels=trainable_numels(meta),
         transformer=shape,

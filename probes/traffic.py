@@ -17,7 +17,9 @@ Patterson 2009, CACM 52(4)). This module counts those bytes on the operators a s
 
 The same pass counts the ATen operators one block's forward dispatches (every operator with a tensor output,
 views included: ``Traffic.block_forward_ops``): the host cost of eager op-level selective checkpointing is per
-dispatched operator (estimators/selective_host.py).
+dispatched operator (estimators/selective_host.py); and the kernels the step launches (every operator with a tensor
+output but views: ``forward_kernels``, ``backward_kernels``, ``block_forward_kernels``), the host's work of an eager
+step (estimators/eager_host.py).
 
 Units: bytes; operators (a count). Used by ``benchmarks/eager_traffic.py`` (the per-token coefficients of
 ``estimators/data/eager_traffic.yaml``) and by probes/static.py (each profile counts its own block).
@@ -88,6 +90,9 @@ class Traffic:
     block_backward_bytes: int = 0
     blocks: int = 0
     block_forward_ops: int = 0
+    forward_kernels: int = 0
+    backward_kernels: int = 0
+    block_forward_kernels: int = 0
     by_op: dict[str, int] = field(default_factory=dict)
 
     def per_block(self) -> tuple[float, float]:
@@ -98,6 +103,11 @@ class Traffic:
     def ops_per_block(self) -> float:
         """ATen operators with a tensor output that one repeated block's forward dispatched (the mean)."""
         return self.block_forward_ops / max(1, self.blocks)
+
+    def kernels_per_block(self) -> float:
+        """Kernels (operators with a tensor output, views excluded) one repeated block's forward launched (the
+        mean; 0 without blocks)."""
+        return self.block_forward_kernels / max(1, self.blocks)
 
 
 class TrafficCounter(TorchDispatchMode):
@@ -113,13 +123,22 @@ class TrafficCounter(TorchDispatchMode):
                            kwargs: dict[str, Any] | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-        if outs and self.in_block and not self.backward:
-            self.traffic.block_forward_ops += 1
-        if not outs or op_class(func) != "memory":  # metadata queries (prim.device, ...) run no kernel
+        if not outs:  # metadata queries (prim.device, ...) run no kernel
+            return out
+        klass = op_class(func)
+        tr = self.traffic
+        if self.in_block and not self.backward:
+            tr.block_forward_ops += 1
+            tr.block_forward_kernels += klass != "view"
+        if klass != "view":
+            if self.backward:
+                tr.backward_kernels += 1
+            else:
+                tr.forward_kernels += 1
+        if klass != "memory":
             return out
         moved = sum(_tensor_bytes(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
         moved += sum(_tensor_bytes(t) for t in outs)
-        tr = self.traffic
         name = func.overloadpacket.__name__
         tr.by_op[name] = tr.by_op.get(name, 0) + moved
         if self.backward:

@@ -69,6 +69,7 @@ def hf_model_folder(model_path: str) -> str | None:
 
 def _check_exportable(plan: ExportPlan) -> str:
     s, adapter = plan.strategy, plan.adapter
+    _require_hf(plan)  # first: no other setting makes a plain model file loadable by from_pretrained
     if s.engine == "megatron":
         raise NotExportable("finetune.py runs TRL's SFTTrainer, which cannot launch Megatron-LM: plan with --engine "
                             "torch or deepspeed")
@@ -115,13 +116,19 @@ def _check_exportable(plan: ExportPlan) -> str:
 CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 
 
-def _hf_folder(plan: ExportPlan) -> str:
-    from optplan.planner.hf_source import generated_model_file
-
+def _require_hf(plan: ExportPlan) -> str:
+    """The Hugging Face folder the plan's model file was generated from; NotExportable for a plain model file."""
     folder = hf_model_folder(plan.model_path)
     if folder is None:
         raise NotExportable("finetune.py loads the weights with from_pretrained, which needs a Hugging Face model: "
                             "plan with --hf CONFIG_OR_ID")
+    return folder
+
+
+def _hf_folder(plan: ExportPlan) -> str:
+    from optplan.planner.hf_source import generated_model_file
+
+    folder = _require_hf(plan)
     generated = generated_model_file(plan.model_path)
     match = re.search(r"^MODEL_CLASS = (['\"])(.+?)\1$", generated[1], re.MULTILINE) if generated else None
     cls = match.group(2) if match else "AutoModelForCausalLM"

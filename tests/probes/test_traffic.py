@@ -77,6 +77,9 @@ def test_block_attribution_splits_forward_and_backward_per_block() -> None:
     # operators per block forward (the host cost of eager selective checkpointing is per operator): the linear's
     # transpose (a view) and matmul, gelu, the residual add; the head's mul and sum and backward are not counted
     assert tr.ops_per_block() == 4 and tr.block_forward_ops == 8
+    # kernels (the host issues each: estimators/eager_host.py): the same less the view, plus the head's mul and sum
+    assert tr.kernels_per_block() == 3 and tr.block_forward_kernels == 6 and tr.forward_kernels == 8
+    assert tr.backward_kernels >= 2 * 3  # each block's gelu_backward, its matmuls' gradients...
 
 
 def test_the_profile_counts_its_own_blocks_eager_bytes() -> None:
@@ -98,3 +101,11 @@ def test_the_profile_counts_its_own_blocks_eager_bytes() -> None:
     ops = prof.eager_layer_ops
     assert ops is not None and set(ops) == {"fp32", "amp", "bf16"}
     assert 20 <= ops["fp32"] == ops["bf16"] < ops["amp"] <= 100
+    # and the kernels of the whole step (views excluded) at the full depth, 12 blocks: autocast's casts add to the
+    # fp32 count, the backward launches more than the forward, the head's few kernels sit outside the blocks
+    kernels = prof.eager_step
+    assert kernels is not None and set(kernels) == {"fp32", "amp", "bf16"}
+    assert kernels["fp32"] == kernels["bf16"] and kernels["amp"].forward_kernels > kernels["fp32"].forward_kernels
+    for k in kernels.values():
+        assert 0 < k.block_forward_kernels <= ops["amp"] and k.backward_kernels > k.forward_kernels
+        assert 12 * k.block_forward_kernels < k.forward_kernels <= 12 * k.block_forward_kernels + 20

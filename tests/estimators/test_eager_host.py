@@ -1,0 +1,77 @@
+"""The host time of an eager step from the kernels it launches (estimators/eager_host.py): models without a
+transformer shape whose profile counted its kernels pay per kernel in the strategy's precision class, full
+checkpointing replays the blocks' kernels, and where the host paces the step (a small ResNet-like micro-batch) the
+step takes about kernels x the per-kernel time."""
+
+from __future__ import annotations
+
+import pytest
+
+from optplan.estimators.eager_host import (
+    HOST_KERNEL_S,
+    eager_microbatch_host_s,
+    microbatch_kernels,
+    step_kernels,
+)
+from optplan.estimators.efficiency import efficiency_for
+from optplan.estimators.estimate import estimate
+from optplan.estimators.hardware import Cluster, find_gpu
+from optplan.estimators.profile import EagerStep, ModelProfile
+from optplan.estimators.strategy import Strategy
+from tests.factories import make_profile
+
+H200 = find_gpu("H200")
+CLUSTER = Cluster(gpu=H200, gpus=1, gpus_per_node=1)
+KERNELS = {"fp32": EagerStep(forward_kernels=230.0, backward_kernels=340.0, block_forward_kernels=14.0),
+           "amp": EagerStep(forward_kernels=290.0, backward_kernels=400.0, block_forward_kernels=17.0)}
+
+
+def _conv_net(kernels: dict[str, EagerStep] | None = KERNELS, params: int = 25_000_000) -> ModelProfile:
+    """A ResNet-50-sized profile without a transformer shape (16 repeated blocks), with or without kernel counts."""
+    prof = make_profile(params=params, layers=16, seq=80, tokens=False).model_copy(update={"transformer": None})
+    return prof.model_copy(update={"eager_step": kernels})
+
+
+def _s(**kw: object) -> Strategy:
+    return Strategy(**{"precision": "fp32", "engine": "torch", "mbs": 32, **kw})  # type: ignore[arg-type]
+
+
+def test_the_count_follows_the_precision_class_checkpointing_and_stages() -> None:
+    prof = _conv_net()
+    assert step_kernels(prof, _s()) == KERNELS["fp32"]
+    assert step_kernels(prof, _s(precision="amp-bf16")) == KERNELS["amp"]  # autocast's casts are its own
+    # a class not counted takes the nearest one counted: bf16 weights -> autocast's (amp first)
+    assert step_kernels(prof, _s(precision="bf16")) == KERNELS["amp"]
+    assert microbatch_kernels(prof, _s()) == 230 + 340
+    assert microbatch_kernels(prof, _s(checkpointing="full")) == 230 + 340 + 16 * 14  # every block replayed
+    assert microbatch_kernels(prof, _s(pp=2)) == pytest.approx((230 + 340) / 2)  # a stage's share
+    assert eager_microbatch_host_s(prof, _s(), 20e-6) == pytest.approx(570 * 20e-6)
+    # compiled (fused kernels) or uncounted (an --arch shape, an older profile): the caller keeps its constant
+    assert eager_microbatch_host_s(prof, _s(compile=True), 20e-6) is None
+    assert step_kernels(_conv_net(None), _s()) is None and eager_microbatch_host_s(_conv_net(None), _s(), 1e-5) is None
+
+
+def test_a_host_paced_step_takes_its_kernels_and_the_device_hides_them_when_longer() -> None:
+    """ResNet-50 at micro-batch 32 in 16-bit on an H200: the GPU's work is a few ms, its ~700 kernels take the host
+    ~18 ms (the H200 visits measured 17.4 ms, where the fixed per-micro-batch constant predicted 3.5 ms)."""
+    eff = efficiency_for(H200)
+    assert eff.host_kernel_s == HOST_KERNEL_S
+    amp = _s(precision="amp-bf16")
+    counted = estimate(_conv_net(), CLUSTER, amp).time
+    fixed = estimate(_conv_net(None), CLUSTER, amp).time
+    host = (290 + 400) * HOST_KERNEL_S
+    assert counted.step_s >= host  # the host paces it: at least every kernel issued
+    assert counted.step_s > 2 * fixed.step_s and counted.host_overhead_s > fixed.host_overhead_s
+    # more kernels, more time, where the host paces the step
+    more = {k: v.model_copy(update={"forward_kernels": 2 * v.forward_kernels}) for k, v in KERNELS.items()}
+    assert estimate(_conv_net(more), CLUSTER, amp).time.step_s > counted.step_s * 1.2
+    # a 100x larger model at a large micro-batch keeps the GPU busier than the host: the kernels are mostly hidden
+    big = _s(precision="amp-bf16", mbs=256)
+    heavy, heavy_more = (estimate(_conv_net(k, params=2_500_000_000), CLUSTER, big).time.step_s for k in (KERNELS, more))
+    assert (heavy_more - heavy) / heavy < 0.05
+
+
+def test_compiled_steps_keep_the_fixed_constant() -> None:
+    s = _s(precision="amp-bf16", compile=True)
+    assert estimate(_conv_net(), CLUSTER, s).time.step_s == pytest.approx(
+        estimate(_conv_net(None), CLUSTER, s).time.step_s, rel=1e-12)
