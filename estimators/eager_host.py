@@ -23,7 +23,7 @@ constant) nor for transformer shapes (timing.py prices their host per layer pass
 
 from __future__ import annotations
 
-from optplan.estimators.eager_traffic import precision_class
+from optplan.estimators.eager_traffic import class_figure
 from optplan.estimators.precision import get_recipe
 from optplan.estimators.profile import EagerStep, ModelProfile
 from optplan.estimators.strategy import Strategy
@@ -49,13 +49,8 @@ so a 16-bit convolution net at a much larger micro-batch will be predicted too f
 def step_kernels(profile: ModelProfile, strategy: Strategy) -> EagerStep | None:
     """The profile's kernel count in ``strategy``'s eager precision class, else the nearest class it counted
     (amp, bf16, fp32); None when the profile counted none (an ``--arch`` shape, an older profile)."""
-    counts = profile.eager_step or {}
     recipe = get_recipe(strategy.precision)
-    klass = precision_class(recipe.weight_bytes, recipe.activation_bytes)
-    for key in (klass, "amp", "bf16", "fp32"):
-        if key in counts:
-            return counts[key]
-    return None
+    return class_figure(profile.eager_step or {}, recipe.weight_bytes, recipe.activation_bytes)
 
 
 def microbatch_kernels(profile: ModelProfile, strategy: Strategy) -> float | None:

@@ -36,12 +36,15 @@ Units: bytes per token per layer; h, F, kv (kv heads × head width) and d (head 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from functools import cache
 from importlib import resources
-from typing import Literal
+from typing import Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict
+
+T = TypeVar("T")
 
 BlockKind = Literal["gated", "plain"]
 PrecisionClass = Literal["fp32", "amp", "bf16"]
@@ -88,6 +91,15 @@ def precision_class(weight_bytes: int, activation_bytes: int) -> PrecisionClass:
     if activation_bytes >= 4:
         return "fp32"
     return "amp" if weight_bytes >= 4 else "bf16"
+
+
+def class_figure(by_class: Mapping[str, T], weight_bytes: int, activation_bytes: int) -> T | None:
+    """A profile's per-class figure (``ModelProfile.eager_layer_ops``, ``eager_step``) for a recipe's bytes: its own
+    class's, else the nearest class counted (amp, bf16, fp32, in that order); None when it counted none."""
+    for key in (precision_class(weight_bytes, activation_bytes), "amp", "bf16", "fp32"):
+        if key in by_class:
+            return by_class[key]
+    return None
 
 
 def layer_bytes_per_token(*, kind: BlockKind, precision: PrecisionClass, hidden: float, ffn: float, kv: float,

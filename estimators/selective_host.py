@@ -29,7 +29,7 @@ Llama blocks, fp32; the experiment and its figures are in that visit's README).
 from __future__ import annotations
 
 from optplan.estimators.compute import SELECTIVE_HOST_PASSES
-from optplan.estimators.eager_traffic import precision_class
+from optplan.estimators.eager_traffic import class_figure
 from optplan.estimators.precision import get_recipe
 from optplan.estimators.profile import ModelProfile
 from optplan.estimators.selective import runs_op_policy
@@ -52,13 +52,9 @@ blocks probes/traffic.py counted (GPT-2 32-42, Llama-3 76-90 by precision), the 
 def layer_ops(profile: ModelProfile, strategy: Strategy) -> float:
     """ATen operators one repeated block's forward dispatches in ``strategy``'s precision class (a count): the
     profile's own figure, else the nearest class it measured, else ``DEFAULT_LAYER_OPS``."""
-    counts = profile.eager_layer_ops or {}
     recipe = get_recipe(strategy.precision)
-    klass = precision_class(recipe.weight_bytes, recipe.activation_bytes)
-    for key in (klass, "amp", "bf16", "fp32"):
-        if key in counts:
-            return counts[key]
-    return DEFAULT_LAYER_OPS
+    ops = class_figure(profile.eager_layer_ops or {}, recipe.weight_bytes, recipe.activation_bytes)
+    return DEFAULT_LAYER_OPS if ops is None else ops
 
 
 def selective_host_layer_s(profile: ModelProfile, strategy: Strategy, host_layer_pass_s: float) -> float:
