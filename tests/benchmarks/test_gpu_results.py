@@ -54,7 +54,8 @@ def test_todays_memory_model_meets_the_h200_gpt2_runs() -> None:
 
 
 def test_the_committed_domain_holds_the_campaigns_sets_as_the_benchmark_writes_them() -> None:
-    """estimators/data/time_domain.yaml's H200 sets are fidelity_published.py --write-domain's, from these runs."""
+    """estimators/data/time_domain.yaml's H200 sets are fidelity_published.py --write-domain's, from these runs, and
+    the host time per eager kernel is fit_eager_host.py's."""
     import yaml
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -75,3 +76,14 @@ def test_the_committed_domain_holds_the_campaigns_sets_as_the_benchmark_writes_t
         assert mine["runs"] == fresh["runs"], key
         assert mine["ratio_low"] == pytest.approx(fresh["ratio_low"], abs=2e-3), key
         assert mine["ratio_high"] == pytest.approx(fresh["ratio_high"], abs=2e-3), key
+    # and estimators/eager_host.py's HOST_KERNEL_S is what benchmarks/fit_eager_host.py fits on the same runs (the
+    # eager ones of models without a transformer shape), pricing them better than the fixed host constant it replaced
+    import fit_eager_host
+
+    from optplan.estimators.eager_host import HOST_KERNEL_S
+
+    eager = fit_eager_host.eager_rows(rows)
+    assert len({r.label.split(" ", 1)[0] for r in eager}) >= 3 and len(eager) >= 10
+    best, fixed_pct, fitted_pct = fit_eager_host.fit(eager)
+    assert best == pytest.approx(HOST_KERNEL_S, abs=0.6e-6) and fitted_pct < 0.6 * fixed_pct
+
