@@ -7,8 +7,8 @@ whose upper envelope over the micro-batch is the activation fit (probes/envelope
 held in bf16 (``bf16-weights``) and, for LoRA models, with the frozen base in bf16 (``bf16-frozen``). Without
 checkpointing the same steps also count one repeated block's memory-bound bytes per sample by eager precision class
 (probes/traffic.py; ``ModelProfile.eager_layer_bytes_per_token``) and, with or without blocks, the kernels the step
-launches (``ModelProfile.eager_step``, the host's work: estimators/eager_host.py). :func:`extrapolate` carries a value measured at
-one and two blocks to the full depth; :func:`fit_activations` turns the envelopes into the profile's fits.
+launches (``ModelProfile.eager_step``, the host's work: estimators/eager_host.py). :func:`extrapolate` carries a value
+measured at one and two blocks to the full depth; :func:`fit_activations` turns the envelopes into the profile's fits.
 """
 
 from __future__ import annotations
@@ -113,19 +113,19 @@ def _timelines(runner: StepRunner, batch_sizes: tuple[int, int], precision: Acti
     if ckpt != "none" or precision not in EAGER_CLASS:
         return runner.activation_timeline(batch_sizes[0], precision, ckpt), \
             runner.activation_timeline(batch_sizes[1], precision, ckpt)
-    counters = (TrafficCounter(), TrafficCounter())
-    t0, t1 = (runner.activation_timeline(b, precision, ckpt, traffic=c) for b, c in zip(batch_sizes, counters,
-                                                                                       strict=True))
-    first = counters[0].traffic
+    first, second = TrafficCounter(), TrafficCounter()
+    t0 = runner.activation_timeline(batch_sizes[0], precision, ckpt, traffic=first)
+    # the per-sample slope of the blocks' bytes needs the second step counted too; the kernels do not
+    t1 = runner.activation_timeline(batch_sizes[1], precision, ckpt, traffic=second if runner.blocks else None)
     if kernels is not None:
-        kernels[EAGER_CLASS[precision]] = eager_step(first)
+        kernels[EAGER_CLASS[precision]] = eager_step(first.traffic)
     if not runner.blocks:
         return t0, t1
-    (f0, b0), (f1, b1) = (c.traffic.per_block() for c in counters)
+    (f0, b0), (f1, b1) = first.traffic.per_block(), second.traffic.per_block()
     n = batch_sizes[1] - batch_sizes[0]
     eager[EAGER_CLASS[precision]] = (max(0.0, (f1 - f0) / n), max(0.0, (b1 - b0) / n))
     if ops is not None:
-        ops[EAGER_CLASS[precision]] = first.ops_per_block()
+        ops[EAGER_CLASS[precision]] = first.traffic.ops_per_block()
     return t0, t1
 
 
@@ -214,5 +214,6 @@ def fit_activations(envelopes: Mapping[tuple[ActivationPrecision, CheckpointMode
     return tuple(activation_fit(precision, ckpt, envelopes[(precision, ckpt)]) for precision, ckpt in modes)
 
 
-__all__ = ["EAGER_CLASS", "deeper_step", "eager_step", "PRECISIONS", "PRECISION_ORDER", "Measurement", "checkpoint_modes", "extrapolate",
-           "fit_activations", "measure", "measure_16bit_weights", "measure_frozen_16bit", "modes_for"]
+__all__ = ["EAGER_CLASS", "PRECISIONS", "PRECISION_ORDER", "Measurement", "checkpoint_modes", "deeper_step",
+           "eager_step", "extrapolate", "fit_activations", "measure", "measure_16bit_weights", "measure_frozen_16bit",
+           "modes_for"]
