@@ -90,6 +90,8 @@ def _files(set_: str) -> str:
         return "benchmarks/fidelity_moe.py, benchmarks/data/moe_published.json"
     if set_.startswith("torchtitan-benchmarks"):
         return "benchmarks/fidelity_torchtitan.py, benchmarks/data/torchtitan_published.json"
+    if set_.startswith("convnets-"):
+        return "benchmarks/fidelity_convnets.py, benchmarks/data/convnets_published.json"
     return "benchmarks/published_sets.py"
 
 
@@ -134,13 +136,14 @@ def write_domain(rows: list[Row]) -> None:
 
     _, held = split(rows)
     held_ids = {id(r) for r in held}
+    from fidelity_convnets import domain_rows as convnet_rows
     from fidelity_gpu_results import campaign_rows
     from fidelity_moe import domain_rows
     from fidelity_torchtitan import domain_rows as torchtitan_rows
 
-    # the GPU campaign's runs (benchmarks/results), the published MoE runs and torchtitan's benchmark runs:
-    # never fitted, all judged
-    rows = [*rows, *campaign_rows(), *domain_rows(), *torchtitan_rows()]
+    # the GPU campaign's runs (benchmarks/results), the published MoE runs, torchtitan's benchmark runs and the
+    # published convolution-net runs (fidelity_convnets.py: two constants fitted on 38 of them): all judged
+    rows = [*rows, *campaign_rows(), *domain_rows(), *torchtitan_rows(), *convnet_rows()]
     groups: dict[tuple[str, str, str, str], list[Row]] = defaultdict(list)
     for r in rows:
         groups[(r.gpu, r.strategy.engine, model_kind(r.profile), r.domain)].append(r)

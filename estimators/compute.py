@@ -77,6 +77,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from optplan.estimators.attention_kernels import flash_fractions
 from optplan.estimators.cast_traffic import autocast_cast_bytes_per_microbatch
+from optplan.estimators.counted_traffic import counted_step, seconds_per_flop
+from optplan.estimators.counted_traffic import memory_s as counted_memory_s
 from optplan.estimators.eager_traffic import layer_bytes_per_token, precision_class
 from optplan.estimators.efficiency import (
     EngineEfficiency,
@@ -471,30 +473,51 @@ def matmul_efficiency(profile: ModelProfile, strategy: Strategy) -> float:
 
 def compute_time(profile: ModelProfile, strategy: Strategy, gpu: GPUSpec, *,
                  ranks_per_node: int = 1, hbm_fraction: float = 1.0,
-                 adam_impl: AdamImpl | None = None) -> ComputeTime:
+                 adam_impl: AdamImpl | None = None, gemm_peak_fraction: float | None = None) -> ComputeTime:
     """FLOPs-only model (profiles without a transformer shape): forward+backward, recompute (full: one more
     forward; the op-level selective policy: the matmul FLOPs the profile measured it re-running, selective.py),
     memory-bound and optimizer-step time of one step on one GPU without model parallelism (seconds).
 
+    An eager step whose profile counted its bytes and FLOPs is priced from them (estimators/counted_traffic.py:
+    GEMMs at the GPU's ``gemm_peak_fraction``, convolutions at TF32 under fp32, the counted bytes); otherwise the
+    FLOPs at :func:`matmul_efficiency` and ``ACTIVATION_TRAFFIC_PASSES`` over the saved activations.
     ``ranks_per_node`` GPUs share one host's CPU Adam throughput under optimizer offload.
     """
     recipe = get_recipe(strategy.precision)
     peak = gpu.peak_flops_for(recipe.compute_dtype)
     eff = matmul_efficiency(profile, strategy)
     samples = strategy.mbs * strategy.grad_accum
-    compute_s = profile.train_flops_per_sample * samples / (peak * eff)
+    counted = counted_step(profile, strategy) if gemm_peak_fraction is not None else None
+    full = strategy.checkpointing == "full" and profile.supports_checkpointing
+    if counted is not None:
+        assert gemm_peak_fraction is not None
+        saturation = eff / MAX_EFFICIENCY[recipe.compute_dtype]
+
+        def fraction(dtype: str) -> float:
+            return min(MAX_GEMM_FRACTION, gemm_peak_fraction * GEMM_DTYPE_FRACTION.get(dtype, 1.0)) * saturation
+
+        flop_s = seconds_per_flop(counted, profile, strategy, gpu, fraction)
+        eff = 1.0 / (flop_s * peak)
+    else:
+        flop_s = 1.0 / (peak * eff)
+    compute_s = profile.train_flops_per_sample * samples * flop_s
     recompute_s = 0.0
     passes = ACTIVATION_TRAFFIC_PASSES
-    if strategy.checkpointing == "full" and profile.supports_checkpointing:
-        recompute_s = profile.fwd_flops_per_sample * samples / (peak * eff)
+    if full:
+        recompute_s = profile.fwd_flops_per_sample * samples * flop_s
         passes += 1
     elif (selective := recompute_flops_per_sample(profile, strategy)) is not None:
-        recompute_s = selective * samples / (peak * eff)  # the matmuls the op-level policy re-runs (selective.py)
-    traffic = profile.activation(recipe.activation_precision, "none").bytes_at(strategy.mbs)
-    memory_bound_s = strategy.grad_accum * passes * traffic / gpu.memory_bandwidth_bytes_per_s
-    casts = autocast_cast_bytes_per_microbatch(recipe, params=float(profile.params),
-                                               trainable=float(profile.trainable_params), recompute=recompute_s > 0)
-    memory_bound_s += strategy.grad_accum * casts / (gpu.memory_bandwidth_bytes_per_s * hbm_fraction)
+        recompute_s = selective * samples * flop_s  # the matmuls the op-level policy re-runs (selective.py)
+    if counted is not None:
+        replay = strategy if full else strategy.model_copy(update={"checkpointing": "none"})
+        memory_bound_s = strategy.grad_accum * counted_memory_s(counted, replay, gpu, hbm_fraction)
+    else:
+        traffic = profile.activation(recipe.activation_precision, "none").bytes_at(strategy.mbs)
+        memory_bound_s = strategy.grad_accum * passes * traffic / gpu.memory_bandwidth_bytes_per_s
+        casts = autocast_cast_bytes_per_microbatch(recipe, params=float(profile.params),
+                                                   trainable=float(profile.trainable_params),
+                                                   recompute=recompute_s > 0)
+        memory_bound_s += strategy.grad_accum * casts / (gpu.memory_bandwidth_bytes_per_s * hbm_fraction)
     shard_ranks = strategy.dp if strategy.zero >= 1 else 1
     optimizer_s = optimizer_step_s(float(profile.params), strategy, gpu, profile, shard_ranks=shard_ranks,
                                    ranks_per_node=ranks_per_node, hbm_fraction=hbm_fraction, adam_impl=adam_impl)

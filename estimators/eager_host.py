@@ -28,22 +28,26 @@ from optplan.estimators.precision import get_recipe
 from optplan.estimators.profile import EagerStep, ModelProfile
 from optplan.estimators.strategy import Strategy
 
-HOST_KERNEL_S = 26.5e-6
+HOST_KERNEL_S = 27.5e-6
 """Host seconds per eager kernel on the GPU visits' machine (one H200, its host CPU, torch 2.11 eager): fitted by
 benchmarks/fit_eager_host.py on the 15 eager runs of models without a transformer shape under
 benchmarks/results/2026-11-2*-H200* (the MLP example, torchvision's and timm's ResNet-50, timm's ViT-B/16: 98-1,049
-kernels a micro-batch, 3-99 ms a step): step time median |error| 31.0 % with the fixed per-micro-batch constant ->
-14.3 %; fitted with each model left out, 26.0-31.5 µs and 17.8 %. ResNet-50 at micro-batch 32 in bf16: -80 % ->
--11 % (torchvision), -82 % -> -8 % (timm). Left: timm's ViT with full or selective checkpointing stays 38-47 % fast
-(checkpointing's own saved-tensor hooks are host work not counted here) and the MLP under DeepSpeed ZeRO-0 slow
-(DeepSpeed's host multiplier, fit_engine_host.py, was fitted on per-layer host times). The visits' traces agree on the
-host side: ~6-9 µs of host time per profiled ATen operator (benchmarks/results/2026-11-28-H200-visit3), several of
-which (nested calls, views) make one kernel here, and an MLP step whose kernels kept the GPU busy 1.1 of 3.4 ms.
+kernels a micro-batch, 3-99 ms a step), with their device work priced from the bytes and FLOPs their profiles
+counted (estimators/counted_traffic.py): step time median |error| 31.0 % with the fixed per-micro-batch constant ->
+15.3 %; fitted with each model left out, 26.0-29.5 µs and 18.5 % (26.5 µs, 14.3 %, when the device work was the
+FLOPs-only constants'). ResNet-50 at micro-batch 32 in bf16: -80 % -> -5 % (torchvision), -82 % -> -4 % (timm, AMP).
+Left: timm's ViT with full or selective checkpointing stays 36-39 % fast (checkpointing's own saved-tensor hooks are
+host work not counted here) and the MLP under DeepSpeed ZeRO-0 slow (DeepSpeed's host multiplier,
+fit_engine_host.py, was fitted on per-layer host times). The visits' traces agree on the host side: ~6-9 µs of host
+time per profiled ATen operator (benchmarks/results/2026-11-28-H200-visit3), several of which (nested calls, views)
+make one kernel here, and an MLP step whose kernels kept the GPU busy 1.1 of 3.4 ms.
 
-Not modelled, and said so: ResNet-50's 16-bit step also keeps the GPU busy 15.5 of its 17.4 ms (the second visit's
-trace: 11.7 ms of element-wise kernels, batch norm over NCHW 16-bit tensors running far below the HBM rate) where
-the FLOPs-only model prices ~3 ms of device work; host and device happen to take about as long at micro-batch 32,
-so a 16-bit convolution net at a much larger micro-batch will be predicted too fast."""
+Not settled, and said so: ResNet-50's bf16 step keeps the GPU busy 15.5 of its 17.4 ms at micro-batch 32 (the
+second visit's trace: 11.7 ms of kernels outside the GEMM names, batch norm over NCHW 16-bit tensors among them);
+the counted bytes price 6.5 ms of device work there (counted_traffic.py, fitted on Volta and Ampere runs), so on
+this H200 stack the device side may be ~2x short, which the host time per kernel, fitted on the same steps, would
+then partly carry: a 16-bit convolution net at micro-batch 128 is priced 28 ms where the trace scaled with the
+batch says up to ~60. The fidelity suite's GPU-only ResNet-50 AMP cases at micro-batch 64 and 128 measure it."""
 
 
 def step_kernels(profile: ModelProfile, strategy: Strategy) -> EagerStep | None:

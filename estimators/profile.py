@@ -214,12 +214,27 @@ class TransformerShape(_Frozen):
 class EagerStep(_Frozen):
     """The kernels one micro-batch's eager step launches, counted on the profile's own step without checkpointing
     (probes/traffic.py: every ATen operator with a tensor output but views and aliases; counts, at the model's full
-    depth). The host issues them one by one (estimators/eager_host.py)."""
+    depth), and what its kernels move and compute. The host issues the kernels one by one (estimators/eager_host.py);
+    the device time of a model without a transformer shape comes from the bytes and FLOPs
+    (estimators/counted_traffic.py)."""
 
     forward_kernels: float = Field(ge=0, description="kernels of the forward and the loss")
     backward_kernels: float = Field(ge=0, description="kernels of the backward (gradient accumulation included)")
     block_forward_kernels: float = Field(default=0.0, ge=0, description="kernels of one repeated block's forward "
                                                                           "(what full checkpointing replays per block)")
+    memory_bytes_per_sample: float | None = Field(
+        default=None, ge=0, description="bytes the step's memory-bound kernels read and write per sample (forward and "
+                                        "backward; None: not counted, an older profile)")
+    memory_bytes_fixed: float = Field(default=0.0, ge=0, description="of those, what a micro-batch moves whatever "
+                                                                     "its size (gradient accumulation, casts) (bytes)")
+    memory_forward_bytes_per_sample: float = Field(default=0.0, ge=0, description="of the bytes per sample, the "
+                                                                                  "forward's (full checkpointing "
+                                                                                  "moves them again)")
+    conv_flops_per_sample: float = Field(default=0.0, ge=0, description="convolution FLOPs per sample (forward, input "
+                                                                        "and weight gradients)")
+    nchw_conv_bytes_per_sample: float = Field(
+        default=0.0, ge=0, description="activation bytes per sample of the convolutions on channels-first (NCHW) "
+                                       "tensors: inputs, outputs and their gradients")
 
 
 class ModelDefaults(_Frozen):

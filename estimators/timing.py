@@ -306,7 +306,7 @@ def _flops_only_step(profile: ModelProfile, strategy: Strategy, cluster: Cluster
                      engine: EngineEfficiency, adam_impl: AdamImpl | None = None) -> TimeBreakdown:
     """Profiles without a transformer shape: compute.py's FLOPs-only model, p equal stages."""
     ct = compute_time(profile, strategy, cluster.gpu, ranks_per_node=min(strategy.dp, cluster.gpus_per_node),
-                      hbm_fraction=eff.hbm_fraction, adam_impl=adam_impl)
+                      hbm_fraction=eff.hbm_fraction, adam_impl=adam_impl, gemm_peak_fraction=eff.gemm_peak_fraction)
     pl = placement(strategy, cluster.gpus_per_node)
     links = _links(pl, cluster, eff)
     p, m = strategy.pp, strategy.grad_accum

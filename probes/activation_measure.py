@@ -58,8 +58,8 @@ class Measurement:
     eager_block_ops: dict[str, float] = field(default_factory=dict)
     """ATen operators one repeated block's forward dispatches, by eager precision class (probes/traffic.py)."""
     eager_step: dict[str, EagerStep] = field(default_factory=dict)
-    """The kernels one micro-batch's step launches without checkpointing, by eager precision class, at the first
-    batch size (probes/traffic.py)."""
+    """The kernels one micro-batch's step launches without checkpointing (at the first batch size) and its counted
+    traffic per sample, by eager precision class (probes/traffic.py)."""
 
 
 def checkpoint_modes(has_blocks: bool) -> tuple[CheckpointMode, ...]:
@@ -115,10 +115,10 @@ def _timelines(runner: StepRunner, batch_sizes: tuple[int, int], precision: Acti
             runner.activation_timeline(batch_sizes[1], precision, ckpt)
     first, second = TrafficCounter(), TrafficCounter()
     t0 = runner.activation_timeline(batch_sizes[0], precision, ckpt, traffic=first)
-    # the per-sample slope of the blocks' bytes needs the second step counted too; the kernels do not
-    t1 = runner.activation_timeline(batch_sizes[1], precision, ckpt, traffic=second if runner.blocks else None)
+    # the per-sample slopes (the blocks' bytes, the step's bytes and convolutions) need the second step counted too
+    t1 = runner.activation_timeline(batch_sizes[1], precision, ckpt, traffic=second)
     if kernels is not None:
-        kernels[EAGER_CLASS[precision]] = eager_step(first.traffic)
+        kernels[EAGER_CLASS[precision]] = eager_step(first.traffic, second.traffic, batch_sizes)
     if not runner.blocks:
         return t0, t1
     (f0, b0), (f1, b1) = first.traffic.per_block(), second.traffic.per_block()
@@ -129,10 +129,23 @@ def _timelines(runner: StepRunner, batch_sizes: tuple[int, int], precision: Acti
     return t0, t1
 
 
-def eager_step(traffic: Traffic) -> EagerStep:
-    """The kernels of one counted step: forward (with the loss), backward, one repeated block's forward."""
-    return EagerStep(forward_kernels=traffic.forward_kernels, backward_kernels=traffic.backward_kernels,
-                     block_forward_kernels=traffic.kernels_per_block())
+def eager_step(first: Traffic, second: Traffic, batch_sizes: tuple[int, int]) -> EagerStep:
+    """One counted step at each of ``batch_sizes``: the kernels (forward with the loss, backward, one repeated
+    block's forward; the first step's) and the per-sample slopes of the memory-bound bytes, the convolutions' FLOPs
+    and their channels-first activation bytes, with the bytes' intercept (what a micro-batch moves whatever its
+    size: gradient accumulation, the parameters' casts)."""
+    n = batch_sizes[1] - batch_sizes[0]
+
+    def slope(field: str) -> float:
+        return max(0.0, (getattr(second, field) - getattr(first, field)) / n)
+
+    moved = [t.forward_bytes + t.backward_bytes for t in (first, second)]
+    per_sample = max(0.0, (moved[1] - moved[0]) / n)
+    return EagerStep(forward_kernels=first.forward_kernels, backward_kernels=first.backward_kernels,
+                     block_forward_kernels=first.kernels_per_block(), memory_bytes_per_sample=per_sample,
+                     memory_bytes_fixed=max(0.0, moved[0] - per_sample * batch_sizes[0]),
+                     memory_forward_bytes_per_sample=slope("forward_bytes"),
+                     conv_flops_per_sample=slope("conv_flops"), nchw_conv_bytes_per_sample=slope("nchw_conv_bytes"))
 
 
 def measure_16bit_weights(runner: StepRunner, batch_sizes: tuple[int, int],
@@ -202,9 +215,18 @@ def deeper_step(one: EagerStep, two: EagerStep, layers: int, base: int = 1) -> E
     """``two``'s step (measured at ``base + 1`` blocks) carried to ``layers`` blocks with ``one``'s (at ``base``):
     whole-step kernels linear in depth, one block's kept."""
     def line(field: str) -> float:
-        return max(0.0, extrapolate(getattr(one, field), getattr(two, field), layers, base))
+        value = getattr(two, field)
+        if value is None:
+            return value
+        return max(0.0, extrapolate(getattr(one, field) or 0.0, value, layers, base))
 
-    return two.model_copy(update={f: line(f) for f in ("forward_kernels", "backward_kernels")})
+    return two.model_copy(update={f: line(f) for f in DEPTH_FIELDS})
+
+
+DEPTH_FIELDS: tuple[str, ...] = ("forward_kernels", "backward_kernels", "memory_bytes_per_sample", "memory_bytes_fixed",
+                                 "memory_forward_bytes_per_sample", "conv_flops_per_sample",
+                                 "nchw_conv_bytes_per_sample")
+"""The ``EagerStep`` figures of the whole step, linear in depth (one block's are kept as measured)."""
 
 
 def fit_activations(envelopes: Mapping[tuple[ActivationPrecision, CheckpointMode], StepEnvelope]

@@ -4,8 +4,9 @@ active ``FakeTensorMode``) fake ones, turning user-code failures into one-line `
 :class:`StepRunner` makes the batch (``example_batch`` or an inferred token batch, :func:`batch_spec`), runs the
 step under bf16 autocast as a GPU runs it (:func:`step_autocast`) and with its repeated blocks checkpointed as the
 training loop checkpoints them (:func:`checkpointed`), counts the step's FLOPs (``FlopCounterMode``, the math SDPA
-kernel) and records the live tensor bytes after every allocation, split into the step's phases
-(probes/envelope.py ``PHASES``: hooks on the first block, the model's outputs and the parameters' gradients) and,
+kernel; grouped convolutions' backward by probes/flop_formulas.py) and records the live tensor bytes after every
+allocation, split into the step's phases (probes/envelope.py ``PHASES``: hooks on the first block, the model's
+outputs and the parameters' gradients) and,
 when asked, the memory-bound kernels' traffic (probes/traffic.py). :func:`cast_floating` holds a model in another
 dtype (tied weights kept tied). What is measured and how it is fitted: probes/activation_measure.py.
 """
@@ -37,6 +38,7 @@ from optplan.probes.contract import (
     first_tensor,
 )
 from optplan.probes.envelope import PHASES, Timeline
+from optplan.probes.flop_formulas import FLOP_FIXES
 from optplan.probes.loader import ModelFileError
 from optplan.probes.memtrack import MemTracker
 from optplan.probes.traffic import TrafficCounter, block_attribution
@@ -295,11 +297,11 @@ class StepRunner:
         ``checkpointing`` the backward's count includes what it recomputes."""
         batch = self.make_batch(b)
         with _math_sdpa(), checkpointed(self.blocks, checkpointing):
-            with FlopCounterMode(display=False) as fwd_counter:
+            with FlopCounterMode(display=False, custom_mapping=FLOP_FIXES) as fwd_counter:
                 out = self.forward(batch, b)
                 loss = self.loss(out, batch)
             del out
-            with FlopCounterMode(display=False) as bwd_counter:
+            with FlopCounterMode(display=False, custom_mapping=FLOP_FIXES) as bwd_counter:
                 self.backward(loss)
         self.model.zero_grad(set_to_none=False)
         return int(fwd_counter.get_total_flops()), int(bwd_counter.get_total_flops())

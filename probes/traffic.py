@@ -15,6 +15,12 @@ Patterson 2009, CACM 52(4)). This module counts those bytes on the operators a s
   between the moment its output's gradient exists and the moment its input's gradient does (tensor hooks:
   the block's own backward, its residual adds included).
 
+For the convolutions the same pass counts their FLOPs (``Traffic.conv_flops``: forward, input and weight gradients,
+probes/flop_formulas.py) and the activation bytes (inputs, outputs and their gradients, weights left out) of those
+that run on a 4-D/5-D tensor not in ``torch.channels_last`` layout (``Traffic.nchw_conv_bytes``): what the
+FLOPs-only step prices at TF32 under fp32 and the layout transposes of 16-bit convolutions
+(estimators/counted_traffic.py).
+
 The same pass counts the ATen operators one block's forward dispatches (every operator with a tensor output,
 views included: ``Traffic.block_forward_ops``): the host cost of eager op-level selective checkpointing is per
 dispatched operator (estimators/selective_host.py); and the kernels the step launches (every operator with a tensor
@@ -36,6 +42,9 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import conv_flop_count
+
+from optplan.probes.flop_formulas import convolution_backward_flop
 
 GEMM_OPS: frozenset[str] = frozenset({
     "mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "_scaled_mm", "_grouped_mm", "_scaled_grouped_mm",
@@ -93,6 +102,8 @@ class Traffic:
     forward_kernels: int = 0
     backward_kernels: int = 0
     block_forward_kernels: int = 0
+    conv_flops: int = 0
+    nchw_conv_bytes: int = 0
     by_op: dict[str, int] = field(default_factory=dict)
 
     def per_block(self) -> tuple[float, float]:
@@ -135,6 +146,8 @@ class TrafficCounter(TorchDispatchMode):
                 tr.backward_kernels += 1
             else:
                 tr.forward_kernels += 1
+        if klass == "gemm" and func.overloadpacket.__name__ in CONV_OPS:
+            _count_convolution(tr, func.overloadpacket.__name__, args, outs)
         if klass != "memory":
             return out
         moved = sum(_tensor_bytes(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
@@ -150,6 +163,37 @@ class TrafficCounter(TorchDispatchMode):
             if self.in_block:
                 tr.block_forward_bytes += moved
         return out
+
+
+CONV_OPS: frozenset[str] = frozenset({"convolution", "convolution_backward"})
+"""The ATen convolution operators every ``nn.ConvNd`` forward and backward dispatches."""
+
+
+def _shape(t: Any) -> list[int]:
+    return list(t.shape)
+
+
+def _channels_first(t: Any) -> bool:
+    """A 4-D or 5-D activation not laid out channels-last (its channels are not the innermost dimension; a layout
+    both ways, e.g. one pixel, counts as channels-last: no transpose is needed)."""
+    if not isinstance(t, torch.Tensor) or t.dim() not in (4, 5):
+        return False
+    fmt = torch.channels_last if t.dim() == 4 else torch.channels_last_3d
+    return not t.is_contiguous(memory_format=fmt)
+
+
+def _count_convolution(tr: Traffic, name: str, args: tuple[Any, ...], outs: list[torch.Tensor]) -> None:
+    """A convolution's FLOPs and, on a channels-first activation, its activation bytes (module docstring)."""
+    if name == "convolution":
+        x, w, transposed = args[0], args[1], bool(args[6]) if len(args) > 6 else False
+        tr.conv_flops += conv_flop_count(_shape(x), _shape(w), _shape(outs[0]), transposed=transposed)
+        activations = [x, outs[0]]
+    else:  # convolution_backward(grad_output, input, weight, bias_sizes, stride, padding, dilation, transposed, ...)
+        grad_out, x, w = args[0], args[1], args[2]
+        tr.conv_flops += convolution_backward_flop(_shape(grad_out), _shape(x), _shape(w), *args[3:])
+        activations = [grad_out, x] + ([outs[0]] if outs and outs[0].shape == x.shape else [])
+    if _channels_first(activations[0]):
+        tr.nchw_conv_bytes += sum(_tensor_bytes(t) for t in activations)
 
 
 def _first_grad_tensor(value: Any) -> torch.Tensor | None:

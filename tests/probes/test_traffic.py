@@ -105,7 +105,70 @@ def test_the_profile_counts_its_own_blocks_eager_bytes() -> None:
     # fp32 count, the backward launches more than the forward, the head's few kernels sit outside the blocks
     kernels = prof.eager_step
     assert kernels is not None and set(kernels) == {"fp32", "amp", "bf16"}
-    assert kernels["fp32"] == kernels["bf16"] and kernels["amp"].forward_kernels > kernels["fp32"].forward_kernels
+    counts = {k: (v.forward_kernels, v.backward_kernels, v.block_forward_kernels) for k, v in kernels.items()}
+    assert counts["fp32"] == counts["bf16"] and kernels["amp"].forward_kernels > kernels["fp32"].forward_kernels
+    # and what the step's memory-bound kernels move per sample: 16-bit weights and activations move about half of
+    # fp32's, the forward less than the whole; no convolutions
+    fp32, bf16 = kernels["fp32"], kernels["bf16"]
+    assert fp32.memory_bytes_per_sample and bf16.memory_bytes_per_sample
+    assert 0.4 < bf16.memory_bytes_per_sample / fp32.memory_bytes_per_sample < 0.6
+    assert 0 < fp32.memory_forward_bytes_per_sample < fp32.memory_bytes_per_sample
+    assert fp32.conv_flops_per_sample == 0 and fp32.nchw_conv_bytes_per_sample == 0
     for k in kernels.values():
         assert 0 < k.block_forward_kernels <= ops["amp"] and k.backward_kernels > k.forward_kernels
         assert 12 * k.block_forward_kernels < k.forward_kernels <= 12 * k.block_forward_kernels + 20
+
+
+class _ConvNet(nn.Module):
+    def __init__(self, groups: int = 1) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 16, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(16)
+        self.conv2 = nn.Conv2d(16, 16, 3, padding=1, groups=groups, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv2(torch.relu(self.bn(self.conv1(x)))).mean()
+
+
+@pytest.mark.parametrize("groups", [1, 16])
+def test_convolutions_count_their_flops_and_channels_first_activation_bytes(groups: int) -> None:
+    """Each convolution's FLOPs (forward, input and weight gradients; grouped ones as probes/flop_formulas.py counts
+    them) and, laid out NCHW, its activation bytes; channels-last moves the same bytes elsewhere but no layout's."""
+    b, side = 2, 8
+    found = {}
+    for layout in (torch.contiguous_format, torch.channels_last):
+        net = _ConvNet(groups).to(memory_format=layout)  # small real tensors
+        x = torch.randn(b, 3, side, side).contiguous(memory_format=layout)
+        with TrafficCounter() as counter:
+            loss = net(x)
+            forward_only = counter.traffic.nchw_conv_bytes
+            counter.backward = True
+            loss.backward()
+        found[layout] = (counter.traffic, forward_only)
+    pixels = b * side * side
+    conv1 = 2 * pixels * 16 * 3 * 9  # no input gradient for the first convolution: forward + weight gradient
+    conv2 = 2 * pixels * 16 * (16 // groups) * 9  # forward + input + weight gradients
+    (nchw, _), (nhwc, nhwc_forward) = found[torch.contiguous_format], found[torch.channels_last]
+    assert nchw.conv_flops == nhwc.conv_flops == 2 * conv1 + 3 * conv2
+    # channels-last convolutions need no transpose (the mean's gradient arrives contiguous, so conv2's backward
+    # does on this CPU: counted, as on a GPU)
+    assert nhwc_forward == 0 and nhwc.nchw_conv_bytes < nchw.nchw_conv_bytes
+    act = 4 * pixels  # one fp32 channel of the batch, bytes
+    # forward: conv1 reads 3 channels, writes 16; conv2 reads 16, writes 16; backward: conv2 reads its output's
+    # gradient and input and writes the input's gradient (48), conv1 reads its output's gradient and input (19)
+    assert nchw.nchw_conv_bytes == act * ((3 + 16) + (16 + 16) + 48 + 19)
+    assert nchw.forward_bytes == nhwc.forward_bytes > 0
+
+
+def test_the_profile_of_a_conv_net_counts_per_sample_slopes() -> None:
+    """examples/resnet.py's profile: memory-bound bytes, convolution FLOPs and channels-first bytes per sample; the
+    convolutions are nearly all of the step's FLOPs (the fc layer the rest)."""
+    from optplan.probes.loader import profile_model_file
+
+    prof = profile_model_file(Path(__file__).resolve().parents[2] / "examples" / "resnet.py")
+    step = (prof.eager_step or {})["amp"]
+    assert step.memory_bytes_per_sample and step.memory_bytes_per_sample > 100e6  # ResNet-50: ~285 MB in 16 bits
+    assert 0.99 < step.conv_flops_per_sample / prof.train_flops_per_sample <= 1.0
+    assert step.nchw_conv_bytes_per_sample > 0.2 * step.memory_bytes_per_sample
+    fp32 = (prof.eager_step or {})["fp32"]
+    assert fp32.memory_bytes_per_sample and fp32.memory_bytes_per_sample > 1.5 * step.memory_bytes_per_sample
