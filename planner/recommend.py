@@ -43,7 +43,9 @@ MODEL_SCOPE_NOTE = ("time model fitted on measured runs: A100 Megatron (vTrain; 
                     "GB200 derived from H100 (attention at cuDNN's measured speed on Hopper Megatron and Blackwell), "
                     "the H200 also measured on one GPU by optplan's GPU campaign (torch and DeepSpeed at "
                     "world size 1, models up to 1.2B: benchmarks/results); MoE models judged by 23 published Megatron-"
-                    "Core, NeMo and DeepSeek runs on H100 and B200 (benchmarks/fidelity_moe.py); other GPUs use their "
+                    "Core, NeMo and DeepSeek runs on H100 and B200 (benchmarks/fidelity_moe.py); models without a "
+                    "transformer shape (convolution nets) judged by 46 published timm and DeepLearningExamples runs on "
+                    "the RTX 3090, V100 and A100 (benchmarks/fidelity_convnets.py); other GPUs use their "
                     "datasheet peaks with "
                     "default efficiencies and a wide band until probes calibrate them; each estimate's band "
                     "(time.step_s_low-step_s_high) says how sure it is")
