@@ -146,6 +146,13 @@ SUITE: tuple[Case, ...] = (
     Case("timm-vit", "bf16", 4, where=("cuda",)),
     Case("timm-resnet", "fp32", 2),
     Case("timm-resnet", "amp-bf16", 2),
+    # timm's ResNet-50 as fidelity_convnets.py writes it (SGD, 1000 classes), channels-first and channels-last twins:
+    # the counted-traffic model's layout term (estimators/counted_traffic.py NCHW_TRANSPOSE_PASSES, fitted on an
+    # RTX 3090) and TF32 convolutions under fp32, first measured on Hopper
+    Case("r50-nchw", "amp-bf16", 8, where=("cuda",)),
+    Case("r50-nhwc", "amp-bf16", 8, where=("cuda",)),
+    Case("r50-nchw", "fp32", 4, where=("cuda",)),
+    Case("r50-nhwc", "fp32", 4, where=("cuda",)),
     # DeepSpeed at world size 1 (a one-GPU machine runs no 2-process case): ZeRO-0..3 on the Llama layout
     Case("llama", "bf16", 2, mode="zero0", procs=1, where=("cuda",), quick=True),
     Case("llama", "bf16", 2, mode="zero1", procs=1, where=("cuda",)),
@@ -194,6 +201,14 @@ def timm_model(directory: Path, architecture: str, side: int, classes: int) -> P
     return write_hf_model_file(find_hf_config(str(folder)), folder)
 
 
+def convnet_model(directory: Path, architecture: str, side: int, layout: str) -> Path:
+    """benchmarks/fidelity_convnets.py's model file of a timm ``architecture`` at ``side`` pixels in ``layout``
+    (nchw or nhwc: model and input in ``torch.channels_last``), the file its published rows are priced with."""
+    import fidelity_convnets  # imports timm: only where a convnet model is asked for
+
+    return fidelity_convnets.model_file(directory, (architecture, side, layout))
+
+
 def models(device: str, tmp: Path, *, quick: bool = False) -> dict[str, Model]:
     """The suite's models as ``device`` runs them (``quick`` on the CPU: the smaller Llama, LLAMA_CPU_QUICK_SHAPE)."""
     if device == "cpu":
@@ -228,6 +243,10 @@ def models(device: str, tmp: Path, *, quick: bool = False) -> dict[str, Model]:
         "timm-resnet": Model("timm-resnet", "timm resnet50 (--hf timm config), 224x224, 1000 classes; "
                              "micro-batches x16", timm_model(tmp, "resnet50", 224, 1000), None, "adamw",
                              mbs_scale=16),
+        **{f"r50-{layout}": Model(f"r50-{layout}", f"timm resnet50 model file (fidelity_convnets.py), 224x224, "
+                                  f"{'channels-last' if layout == 'nhwc' else 'channels-first'}, SGD; micro-batches x16",
+                                  convnet_model(tmp, "resnet50", 224, layout), None, "sgd", mbs_scale=16)
+           for layout in ("nchw", "nhwc")},
     }
 
 
