@@ -117,7 +117,7 @@ class Result:
     def in_band(self) -> bool:
         """Whether the measured step lies inside the estimate's band (``time.step_s_low``-``step_s_high``)."""
         t = self.est.time
-        measured_s = t.step_s * self.ratio
+        measured_s = t.step_s / self.ratio  # ratio = predicted ÷ measured step time
         return t.step_s_low <= measured_s <= t.step_s_high
 
     @property

@@ -54,13 +54,13 @@ Caveats the caller should know (stated, not corrected here):
 
 from __future__ import annotations
 
-import math
 from typing import Annotated, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from optplan.estimators.compute import GpuEfficiency, efficiency_for
 from optplan.estimators.compute import _fraction as _gemm_fraction
+from optplan.estimators.gemm_alignment import UNALIGNED_BYTES, alignment_exponent_from
 from optplan.estimators.hardware import Dtype, GPUSpec
 
 PositiveFinite = Annotated[float, Field(gt=0, allow_inf_nan=False)]
@@ -91,18 +91,6 @@ class MeasuredCeilings(BaseModel):
         """True when nothing was measured."""
         return (not self.matmul_flops_per_s and self.copy_bytes_per_s is None and self.allreduce_bus_bytes_per_s is None
                 and not self.unaligned_gemm_slowdown)
-
-
-UNALIGNED_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4}
-"""Alignment in bytes of the microbenchmark's odd dimension per dtype (one element), in the order
-:func:`measured_alignment` prefers them."""
-
-
-def alignment_exponent_from(slowdown: float, dtype: str) -> float:
-    """γ such that the time model's (a/16)^γ reproduces a measured unaligned/aligned time-per-FLOP ratio
-    (dimensionless): γ = ln(slowdown) / ln(16/a), a = :data:`UNALIGNED_BYTES` [dtype]; 0 when the unaligned
-    GEMM was not slower (noise)."""
-    return max(0.0, math.log(slowdown) / math.log(16.0 / UNALIGNED_BYTES[dtype]))
 
 
 def measured_alignment(measured: MeasuredCeilings) -> tuple[str, float] | None:
@@ -192,7 +180,7 @@ def ceiling_report(gpu: GPUSpec, measured: MeasuredCeilings,
                      f"{_pct(measured.copy_bytes_per_s / sheet)} of datasheet {_num(sheet / 1e9)} "
                      f"(model assumed {_pct(eff.hbm_fraction)})")
     for dtype, slowdown in measured.unaligned_gemm_slowdown.items():
-        assumed = (16.0 / UNALIGNED_BYTES[dtype]) ** eff.alignment_exponent
+        assumed = (16.0 / UNALIGNED_BYTES[dtype]) ** eff.alignment_exponent if UNALIGNED_BYTES[dtype] <= 2 else 1.0
         lines.append(f"{dtype} GEMMs with an odd dimension (an unpadded vocabulary): measured {slowdown:.2f}x the "
                      f"time per FLOP of padded ones (model assumed {assumed:.2f}x)")
     if measured.allreduce_bus_bytes_per_s is not None:

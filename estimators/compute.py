@@ -160,19 +160,23 @@ def _align_bytes(dim: float, elem_bytes: int) -> int:
 
 
 def gemm_time_s(m: float, n: float, k: float, *, batch: float = 1.0, peak_flops: float, bandwidth_bytes_per_s: float,
-                eff: GpuEfficiency, elem_bytes: int = 2, fraction: float | None = None) -> float:
+                eff: GpuEfficiency, elem_bytes: int = 2, fraction: float | None = None, aligned: bool = False) -> float:
     """One (batched) GEMM C[m×n] = A[m×k]·B[k×n], ``batch`` times (seconds).
 
     Roofline: max(2·m·n·k·batch / (peak · f · x/(x+½) · (a/16)^γ), bytes / (hbm · BW)) with x the output
-    elements per wave and a the worst dimension's alignment in bytes; bytes = elem·(mk + kn + mn)·batch.
+    elements per wave and a the worst dimension's alignment in bytes; bytes = elem·(mk + kn + mn)·batch. The
+    alignment factor is the tensor cores' (16- and 8-bit elements): fp32 GEMMs run SIMT kernels that measured
+    1.02x on an odd dimension (gemm_alignment.py) and take none; nor do dimensions derived from parameter counts
+    (``aligned``: an MLP width read as its weights ÷ 2h, which a router or a gate makes no GEMM's dimension).
     """
     if m <= 0 or n <= 0 or k <= 0 or batch <= 0:
         return 0.0
     flops = 2.0 * m * n * k * batch
     x = m * n * batch / eff.gemm_wave_outputs
-    align = min(_align_bytes(m, elem_bytes), _align_bytes(n, elem_bytes), _align_bytes(k, elem_bytes))
+    align = 16 if aligned else min(_align_bytes(m, elem_bytes), _align_bytes(n, elem_bytes), _align_bytes(k, elem_bytes))
     f = eff.gemm_peak_fraction if fraction is None else fraction
-    rate = peak_flops * f * x / (x + 0.5) * (align / 16.0) ** eff.alignment_exponent
+    gamma = eff.alignment_exponent if elem_bytes <= 2 else 0.0
+    rate = peak_flops * f * x / (x + 0.5) * (align / 16.0) ** gamma
     mem = elem_bytes * (m * k + k * n + m * n) * batch / (bandwidth_bytes_per_s * eff.hbm_fraction)
     return max(flops / rate, mem)
 
@@ -208,6 +212,10 @@ class TransformerDims(BaseModel):
         default=None, description="the profile's own measured eager bytes of one layer per token (forward, backward) "
                                   "by precision class (ModelProfile.eager_layer_bytes_per_token); None: the "
                                   "reference block's (eager_traffic.py)")
+    eager_head_bytes_per_token: dict[str, float] | None = Field(
+        default=None, description="the profile's counted eager bytes per token outside the repeated blocks (final "
+                                  "norm, logits and loss, forward + backward) by precision class (eager_head_bytes); "
+                                  "None: the GPU's fitted bytes per logit")
 
 
 def transformer_dims(profile: ModelProfile) -> TransformerDims | None:
@@ -241,7 +249,34 @@ def transformer_dims(profile: ModelProfile) -> TransformerDims | None:
     return TransformerDims.model_construct(hidden=h, layers=shape.layers, heads=a, kv_heads=kv, seq=int(seq),
                            vocab=shape.vocab or 0, mlp_params=mlp, per_layer_params=per_layer,
                            attn_params=0.0 if standard else attn, qk_head_dim=qk, v_head_dim=v,
-                           gated=bool(shape.gated), eager_bytes_per_token=profile.eager_layer_bytes_per_token)
+                           gated=bool(shape.gated), eager_bytes_per_token=profile.eager_layer_bytes_per_token,
+                           eager_head_bytes_per_token=eager_head_bytes(profile, shape.layers, int(seq)))
+
+
+def eager_head_bytes(profile: ModelProfile, layers: int, seq: int) -> dict[str, float] | None:
+    """Memory-bound bytes per token that the model's eager step moves outside its repeated blocks, forward and
+    backward, by precision class (bytes): the whole step's counted bytes per sample (``ModelProfile.eager_step``,
+    probes/traffic.py, every operator the model file's step dispatches) less ``layers`` blocks' counted bytes
+    (``eager_layer_bytes_per_token``), over ``seq`` tokens. What is left is the final norm, the logits' and the
+    loss's element-wise kernels (log-softmax, its backward, the gradient's fill), the embedding's gather: GPT-2
+    small under bf16 counts 16.3 bytes per logit, under autocast 34.8 (the loss in fp32), where the Megatron fit's
+    constant says 90.3 (its vocabulary-parallel cross entropy in fp32 with its own passes); the H200 traced 10.5 ms
+    of log-softmax forward and backward at micro-batch 64 x 1,024 (benchmarks/results/2026-11-29-H200-visit5) where
+    90.3 bytes price 75 ms. None without a counted step or blocks; a class whose remainder is not positive is left
+    out (the fitted constant prices it)."""
+    steps, blocks = profile.eager_step, profile.eager_layer_bytes_per_token
+    if not steps or not blocks or seq <= 0 or layers <= 0:
+        return None
+    found: dict[str, float] = {}
+    for klass, step in steps.items():
+        per_sample = step.memory_bytes_per_sample
+        block = blocks.get(klass)
+        if per_sample is None or block is None:
+            continue
+        rest = per_sample / seq - layers * (block[0] + block[1])
+        if rest > 0:
+            found[klass] = rest
+    return found or None
 
 
 class LayerTime(BaseModel):
@@ -301,7 +336,8 @@ def layer_time(dims: TransformerDims, strategy: Strategy, gpu: GPUSpec, eff: Gpu
     mlp_fwd = 0.0
     for i, (m_, n_, k_) in enumerate(((tokens, qkv_n / t, h), (tokens, h, o_k / t), (tokens, ffn / t, h),
                                       (tokens, h, ffn / t))):
-        f_, b_ = gemm_train_time_s(m_, n_, k_, **kw)
+        # the MLP's width is its weights ÷ 2h (1.5 F when gated, a router's h·E added): no dimension to align
+        f_, b_ = gemm_train_time_s(m_, n_, k_, **kw, aligned=i >= 2)  # type: ignore[arg-type]
         fwd += f_
         bwd += b_
         if i >= 2:
@@ -385,8 +421,12 @@ class HeadTime(BaseModel):
     logits_fwd_flops: float
 
 
-def head_time(dims: TransformerDims, strategy: Strategy, gpu: GPUSpec, eff: GpuEfficiency) -> HeadTime:
-    """Vocabulary-parallel embedding and logits/cross entropy of one micro-batch (module docstring)."""
+def head_time(dims: TransformerDims, strategy: Strategy, gpu: GPUSpec, eff: GpuEfficiency,
+              engine: EngineEfficiency | None = None) -> HeadTime:
+    """Vocabulary-parallel embedding and logits/cross entropy of one micro-batch (module docstring). An eager engine
+    (torch, DeepSpeed: the model file's own loss, compiled blocks or not) moves the bytes its profile counted
+    outside the blocks (:func:`eager_head_bytes`, split across tensor ranks with the vocabulary) at the layers'
+    element-wise rate and multiplier; Megatron, or a profile without the count, ``logits_bytes_per_element``."""
     if not dims.vocab:
         return HeadTime.model_construct(embedding_s=0.0, logits_gemm_s=0.0, logits_elementwise_s=0.0, logits_fwd_flops=0.0)
     s, t, c, b, h = dims.seq, strategy.tp, strategy.cp, strategy.mbs, dims.hidden
@@ -401,6 +441,11 @@ def head_time(dims: TransformerDims, strategy: Strategy, gpu: GPUSpec, eff: GpuE
     f_, b_ = gemm_train_time_s(tokens, v_local, h, **kw)
     ce = eff.logits_bytes_per_element * tokens * v_local / hbm
     norm = eff.elementwise_factor * 5.0 * tokens * h * elem / hbm  # final layer norm: fwd 2, bwd 3 passes
+    family = engine or engine_efficiency(strategy.engine)
+    counted = (dims.eager_head_bytes_per_token or {}).get(
+        precision_class(get_recipe(strategy.precision).weight_bytes, elem)) if family.eager else None
+    if counted is not None:  # the final norm is in the count
+        ce, norm = family.elementwise_multiplier * counted * tokens / t * eff.elementwise_factor / hbm, 0.0
     # embedding: gather forward, dense V/t × h gradient written in backward
     embed = (2.0 * tokens * h * elem + v_local * h * elem) / hbm
     return HeadTime.model_construct(embedding_s=embed, logits_gemm_s=f_ + b_, logits_elementwise_s=ce + norm,

@@ -1,4 +1,4 @@
-"""Host time of an eager step from the kernels it launches (models without a transformer shape).
+"""Host time of an eager step from the kernels it launches (any model the torch or DeepSpeed engine runs eagerly).
 
 An eager PyTorch step is a Python program that issues one CUDA kernel per ATen operator (the dispatcher's unit;
 views launch none). The host's cost per kernel (the module call, autograd's bookkeeping, the dispatcher, cuDNN's
@@ -7,7 +7,7 @@ a small micro-batch, a 36 MB MLP) is paced by the host, not the GPU: the step ta
 host time however fast the device is (the "overhead-bound" regime: H. He, "Making Deep Learning Go Brrrr From First
 Principles", 2022; PyTorch's performance tuning guide, "CPU-bound" training). Per micro-batch (seconds):
 
-    host = (forward + backward + replay) x host_kernel_s
+    host = (forward + backward + replay) x host_kernel_s + blocks x checkpoint_block_s   (full checkpointing)
 
 ``forward`` and ``backward`` are the kernels the profile counted on its own step in the strategy's precision class
 (``ModelProfile.eager_step``: fp32, bf16 autocast with its casts, bf16 weights; probes/traffic.py), and
@@ -17,8 +17,11 @@ op-level selective checkpointing's extra host work is estimators/selective_host.
 share (÷ pp). ``host_kernel_s`` is the GPU system's (efficiency.py ``GpuEfficiency.host_kernel_s``: the host CPU
 and driver that launch, fitted by benchmarks/fit_eager_host.py on the GPU visits' step times).
 
-Not used under ``torch.compile`` (fused kernels, fewer launches: the compiled step keeps the fitted per-micro-batch
-constant) nor for transformer shapes (timing.py prices their host per layer pass, ``host_layer_pass_s``).
+A transformer's step spreads it over its layers (timing.py: each layer its share, the head's included) and
+DeepSpeed multiplies it by its engine's host multiplier (benchmarks/fit_engine_host.py). Not used under
+``torch.compile`` (fused kernels, fewer launches: the compiled step keeps the fitted per-layer-pass and
+per-micro-batch constants), for Megatron (its own fused step, not the model file's) nor for a profile without counts
+(an ``--arch`` shape, an older profile): those keep the constants.
 """
 
 from __future__ import annotations
@@ -28,26 +31,30 @@ from optplan.estimators.precision import get_recipe
 from optplan.estimators.profile import EagerStep, ModelProfile
 from optplan.estimators.strategy import Strategy
 
-HOST_KERNEL_S = 27.5e-6
-"""Host seconds per eager kernel on the GPU visits' machine (one H200, its host CPU, torch 2.11 eager): fitted by
-benchmarks/fit_eager_host.py on the 15 eager runs of models without a transformer shape under
-benchmarks/results/2026-11-2*-H200* (the MLP example, torchvision's and timm's ResNet-50, timm's ViT-B/16: 98-1,049
-kernels a micro-batch, 3-99 ms a step), with their device work priced from the bytes and FLOPs their profiles
-counted (estimators/counted_traffic.py): step time median |error| 31.0 % with the fixed per-micro-batch constant ->
-15.3 %; fitted with each model left out, 26.0-29.5 µs and 18.5 % (26.5 µs, 14.3 %, when the device work was the
-FLOPs-only constants'). ResNet-50 at micro-batch 32 in bf16: -80 % -> -5 % (torchvision), -82 % -> -4 % (timm, AMP).
-Left: timm's ViT with full or selective checkpointing stays 36-39 % fast (checkpointing's own saved-tensor hooks are
-host work not counted here) and the MLP under DeepSpeed ZeRO-0 slow (DeepSpeed's host multiplier,
-fit_engine_host.py, was fitted on per-layer host times). The visits' traces agree on the host side: ~6-9 µs of host
-time per profiled ATen operator (benchmarks/results/2026-11-28-H200-visit3), several of which (nested calls, views)
-make one kernel here, and an MLP step whose kernels kept the GPU busy 1.1 of 3.4 ms.
+CHECKPOINT_BLOCK_HOST_S = 0.40e-3
+"""Host seconds per repeated block and micro-batch that full activation checkpointing adds beyond its replayed
+kernels (torch.utils.checkpoint: the saved-tensor hooks, the RNG state stashed and restored, the re-entry into
+autograd): fitted with ``HOST_KERNEL_S`` by benchmarks/fit_eager_host.py on the 13 fully checkpointed torch runs
+among the H200 visits' (GPT-2 small at micro-batch 4 measured 47.0 ms checkpointed against 23.6 ms not, its device
+work about 4 ms more)."""
 
-Not settled, and said so: ResNet-50's bf16 step keeps the GPU busy 15.5 of its 17.4 ms at micro-batch 32 (the
-second visit's trace: 11.7 ms of kernels outside the GEMM names, batch norm over NCHW 16-bit tensors among them);
-the counted bytes price 6.5 ms of device work there (counted_traffic.py, fitted on Volta and Ampere runs), so on
-this H200 stack the device side may be ~2x short, which the host time per kernel, fitted on the same steps, would
-then partly carry: a 16-bit convolution net at micro-batch 128 is priced 28 ms where the trace scaled with the
-batch says up to ~60. The fidelity suite's GPU-only ResNet-50 AMP cases at micro-batch 64 and 128 measure it."""
+HOST_KERNEL_S = 28.0e-6
+"""Host seconds per eager kernel on the GPU visits' machine (one H200, its host CPU, torch 2.11 eager): fitted by
+benchmarks/fit_eager_host.py, with ``CHECKPOINT_BLOCK_HOST_S``, on the 49 eager torch-engine runs under
+benchmarks/results/2026-11-2*-H200* (GPT-2 small, the Llama-3 1B layout, the MLP example, torchvision's and timm's
+ResNet-50 in both layouts, timm's ViT-B/16: 98-3,069 kernels a micro-batch, 3-1,837 ms a step), with their device
+work priced from the bytes and FLOPs their profiles counted: step time median |error| 24.4 % with the fixed
+constants (per layer pass and micro-batch for transformers, Megatron's fit) -> 10.8 %; fitted with each model left
+out, 26.5-31.0 µs and 11.6 %. GPT-2 small at micro-batch 4 in bf16: +83 % -> +11 %; ResNet-50 at micro-batch 32 in
+bf16: -87 % -> -37 % (its device side, below). The visits' traces agree on the host side: ~5-9 µs of host time per
+profiled ATen operator, several of which (nested calls, views) make one kernel here.
+
+Not settled, and said so: the kernels differ in host cost (the Llama layout's many small element-wise kernels, RMS
+norm and rotary embedding written out, cost less each: its micro-batch-2 bf16 step is priced 20 % slow, GPT-2's
+amp-bf16 micro-batch 4 35 % slow); the ResNet-50 16-bit steps in channels-first layout are slow on the device side
+(the fifth visit's trace at micro-batch 128: 55 of 57 ms busy, batch norm's channels-first kernels 31 ms of it,
+against 29 ms busy for the channels-last twin), which counted_traffic.py's layout term, fitted on an RTX 3090, does
+not reach on Hopper; timm's ViT with full or selective checkpointing stays 34-36 % fast."""
 
 
 def step_kernels(profile: ModelProfile, strategy: Strategy) -> EagerStep | None:
@@ -69,13 +76,18 @@ def microbatch_kernels(profile: ModelProfile, strategy: Strategy) -> float | Non
     return (kernels.forward_kernels + kernels.backward_kernels + replay) / strategy.pp
 
 
-def eager_microbatch_host_s(profile: ModelProfile, strategy: Strategy, host_kernel_s: float) -> float | None:
-    """Host seconds to issue one micro-batch's kernels on one stage (module docstring); None when the profile
-    counted no kernels or the strategy compiles (the caller then keeps its per-micro-batch constant)."""
+def eager_microbatch_host_s(profile: ModelProfile, strategy: Strategy, host_kernel_s: float,
+                            checkpoint_block_s: float = 0.0) -> float | None:
+    """Host seconds to issue one micro-batch's kernels on one stage (module docstring), plus ``checkpoint_block_s``
+    per repeated block under full checkpointing (torch.utils.checkpoint's own host work per block: module docstring);
+    None when the profile counted no kernels or the strategy compiles (the caller then keeps its constants)."""
     if strategy.compile:
         return None
     kernels = microbatch_kernels(profile, strategy)
-    return None if kernels is None else kernels * host_kernel_s
+    if kernels is None:
+        return None
+    blocks = profile.repeated_block.count / strategy.pp if profile.repeated_block is not None else 0.0
+    return kernels * host_kernel_s + (blocks * checkpoint_block_s if strategy.checkpointing == "full" else 0.0)
 
 
-__all__ = ["HOST_KERNEL_S", "eager_microbatch_host_s", "microbatch_kernels", "step_kernels"]
+__all__ = ["CHECKPOINT_BLOCK_HOST_S", "HOST_KERNEL_S", "eager_microbatch_host_s", "microbatch_kernels", "step_kernels"]

@@ -41,7 +41,8 @@ from importlib import resources
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
-from optplan.estimators.eager_host import HOST_KERNEL_S
+from optplan.estimators.eager_host import CHECKPOINT_BLOCK_HOST_S, HOST_KERNEL_S
+from optplan.estimators.gemm_alignment import catalogue_alignment
 from optplan.estimators.hardware import GPUSpec
 
 LINK_EFFICIENCY = 0.75
@@ -71,6 +72,9 @@ class GpuEfficiency(BaseModel):
     host_step_s: float = Field(ge=0, description="host time per optimizer step (s)")
     host_kernel_s: float = Field(default=HOST_KERNEL_S, ge=0,
                                  description="host time to issue one eager kernel (s; estimators/eager_host.py)")
+    host_checkpoint_block_s: float = Field(default=CHECKPOINT_BLOCK_HOST_S, ge=0,
+                                           description="host time full checkpointing adds per block and micro-batch "
+                                                       "beyond its replayed kernels (s; estimators/eager_host.py)")
     host_collective_step_s: float = Field(ge=0, description="host-side wait per ring step of a blocking "
                                                             "tensor-parallel collective (s)")
     overlap_exponent: float = Field(ge=1, description="p of the host/device p-norm blend")
@@ -165,11 +169,14 @@ def default_efficiency() -> GpuEfficiency:
 def efficiency_for(gpu: GPUSpec) -> GpuEfficiency:
     """The constants for ``gpu``: its fit, else its derivation, else :func:`default_efficiency`; a GEMM alignment
     exponent measured on the machine (``GPUSpec.gemm_alignment_exponent``, estimators/ceilings.py) replaces the
-    fitted one."""
+    fitted one, else one measured on a GPU of the same kind (gemm_alignment.py, data/gemm_alignment.yaml)."""
     found = _resolved().get(gpu.name)
     eff = found if found is not None else default_efficiency()
     if gpu.gemm_alignment_exponent is not None:
         return eff.model_copy(update={"alignment_exponent": gpu.gemm_alignment_exponent})
+    catalogue = catalogue_alignment(gpu.name)
+    if catalogue is not None:
+        return eff.model_copy(update={"alignment_exponent": catalogue[0], "source": f"{eff.source}; {catalogue[1]}"})
     return eff
 
 

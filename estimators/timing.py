@@ -16,7 +16,7 @@ Composition (one optimizer step; the slowest pipeline stage and the slowest rank
   2021 §2.2), the optimizer step (memory-bound) and a per-step host overhead.
 - Host times are the GPU's fitted eager-torch constants (efficiency.py ``GpuEfficiency``: per layer pass, micro-batch
   and step) times the engine's ``host_multiplier`` (DeepSpeed's engine issues about twice eager torch's host
-  operators plus per-step synchronisations: 2.55, fitted by benchmarks/fit_engine_host.py on the DeepSpeed runs
+  operators plus per-step synchronisations: 2.1, fitted by benchmarks/fit_engine_host.py on the DeepSpeed runs
   measured on an H200, benchmarks/results/2026-11-28-H200-visit4).
 - Data-parallel volumes (ZeRO paper, arXiv 1910.02054 §7): stages 0-1 all-reduce the gradients once
   per step; stage 2 reduce-scatters them at every micro-step and all-gathers the updated weights; stage 3
@@ -326,7 +326,7 @@ def _flops_only_step(profile: ModelProfile, strategy: Strategy, cluster: Cluster
     blocks = profile.repeated_block.count / p if profile.repeated_block else 0.0
     hm = engine.host_multiplier
     # the kernels the profile counted, each issued by the host (eager_host.py), where it has them and runs eager
-    eager = eager_microbatch_host_s(profile, strategy, eff.host_kernel_s)
+    eager = eager_microbatch_host_s(profile, strategy, eff.host_kernel_s, eff.host_checkpoint_block_s)
     mb_host = hm * (eff.host_microbatch_s if eager is None else eager)
     mb_host += blocks * selective_host_layer_s(profile, strategy, eff.host_layer_pass_s)
     host_s = m * (blend_s(mb_host, mb_device, eff.overlap_exponent) - mb_device) + hm * eff.host_step_s
@@ -353,7 +353,7 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
     pl = placement(s_, cluster.gpus_per_node)
     links = _links(pl, cluster, eff)
     lt = layer_time(dims, s_, gpu, eff, engine, attention_kernel=attention_kernel)
-    ht = head_time(dims, s_, gpu, eff)
+    ht = head_time(dims, s_, gpu, eff, engine)
     tokens = s_.mbs * dims.seq / c
     h = dims.hidden
     full = s_.checkpointing == "full"
@@ -410,7 +410,14 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
         layer_ep = overlapped_a2a_s(a2a_pass, a2a_pass, fwd_window, bwd_window, solo)
     layer_device = layer_compute + layer_mem + layer_recompute + layer_tp + layer_cp_exposed + layer_ep
     hm = engine.host_multiplier  # the engine's host work against eager torch's (DeepSpeed's engine issues more)
-    host_layer = hm * eff.host_layer_pass_s * host_layer_passes(s_)
+    # an eager engine issues the kernels the profile counted (eager_host.py), each layer its share of the
+    # micro-batch's (the head's included); else, or compiled, the fitted constant per layer pass and micro-batch
+    counted = (eager_microbatch_host_s(profile, s_, eff.host_kernel_s, eff.host_checkpoint_block_s)
+               if engine.eager else None)
+    if counted is None:
+        host_layer, head_host_base = hm * eff.host_layer_pass_s * host_layer_passes(s_), hm * eff.host_microbatch_s
+    else:
+        host_layer, head_host_base = hm * counted * p / dims.layers, 0.0
     host_layer += selective_host_layer_s(profile, s_, eff.host_layer_pass_s)  # eager op-level policy's host cost
     host_sync = 2 * (t - 1) * eff.host_collective_step_s  # per tensor-parallel collective
     host_layer += tp_collectives * (3 if full else 2) * host_sync
@@ -468,7 +475,7 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
         layers_dev = layers * layer_device
         layers_host = layers * host_layer
         layers_time = blend_s(layers_host, layers_dev, eff.overlap_exponent)
-        head_host = hm * eff.host_microbatch_s + host_sync * ((1 if first else 0) + (4 if last else 0))
+        head_host = head_host_base + host_sync * ((1 if first else 0) + (4 if last else 0))
         head_time_s = blend_s(head_host, head_dev, eff.overlap_exponent)
         stage_info.append({
             "time": layers_time + head_time_s + p2p_exposed, "params": params_local,

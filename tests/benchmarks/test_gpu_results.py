@@ -76,14 +76,18 @@ def test_the_committed_domain_holds_the_campaigns_sets_as_the_benchmark_writes_t
         assert mine["runs"] == fresh["runs"], key
         assert mine["ratio_low"] == pytest.approx(fresh["ratio_low"], abs=2e-3), key
         assert mine["ratio_high"] == pytest.approx(fresh["ratio_high"], abs=2e-3), key
-    # and estimators/eager_host.py's HOST_KERNEL_S is what benchmarks/fit_eager_host.py fits on the same runs (the
-    # eager ones of models without a transformer shape), pricing them better than the fixed host constant it replaced
+    # and estimators/eager_host.py's HOST_KERNEL_S and CHECKPOINT_BLOCK_HOST_S are what benchmarks/fit_eager_host.py
+    # fits on the same runs (the eager torch-engine ones, transformers among them), pricing them better than the fixed
+    # host constants they replaced
     import fit_eager_host
 
-    from optplan.estimators.eager_host import HOST_KERNEL_S
+    from optplan.estimators.eager_host import CHECKPOINT_BLOCK_HOST_S, HOST_KERNEL_S
 
     eager = fit_eager_host.eager_rows(rows)
-    assert len({r.label.split(" ", 1)[0] for r in eager}) >= 3 and len(eager) >= 10
-    best, fixed_pct, fitted_pct = fit_eager_host.fit(eager)
-    assert best == pytest.approx(HOST_KERNEL_S, abs=0.6e-6) and fitted_pct < 0.6 * fixed_pct
+    assert len({r.label.split(" ", 1)[0] for r in eager}) >= 5 and len(eager) >= 40
+    assert any(r.strategy.checkpointing == "full" for r in eager)
+    best, block, fixed_pct, fitted_pct = fit_eager_host.fit(eager)
+    assert best == pytest.approx(HOST_KERNEL_S, abs=0.6e-6)
+    assert block == pytest.approx(CHECKPOINT_BLOCK_HOST_S, abs=0.06e-3)
+    assert fitted_pct < 0.6 * fixed_pct
 

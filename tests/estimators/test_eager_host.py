@@ -75,3 +75,33 @@ def test_compiled_steps_keep_the_fixed_constant() -> None:
     s = _s(precision="amp-bf16", compile=True)
     assert estimate(_conv_net(), CLUSTER, s).time.step_s == pytest.approx(
         estimate(_conv_net(None), CLUSTER, s).time.step_s, rel=1e-12)
+
+
+def test_full_checkpointing_adds_its_own_host_time_per_block() -> None:
+    """torch.utils.checkpoint's hooks and RNG stash per block are host work beyond the replayed kernels."""
+    prof = _conv_net()
+    plain = eager_microbatch_host_s(prof, _s(checkpointing="full"), 20e-6)
+    assert plain == pytest.approx((570 + 16 * 14) * 20e-6)
+    assert eager_microbatch_host_s(prof, _s(checkpointing="full"), 20e-6, 1e-3) == pytest.approx(plain + 16 * 1e-3)
+    assert eager_microbatch_host_s(prof, _s(checkpointing="full", pp=2), 20e-6, 1e-3) == pytest.approx(
+        (plain + 16 * 1e-3) / 2)
+    assert eager_microbatch_host_s(prof, _s(), 20e-6, 1e-3) == pytest.approx(570 * 20e-6)  # no checkpointing: none
+
+
+def test_a_transformer_run_eagerly_pays_its_counted_kernels_and_megatron_its_constants() -> None:
+    """GPT-2 small's step counts 515 kernels a micro-batch in bf16: the host time follows them under torch (the
+    H200 measured 23.6 ms at micro-batch 4 where the per-layer-pass constants priced 38 ms); Megatron's step is not
+    the model file's, so it keeps the constants."""
+    from tests.factories import make_profile
+
+    step = EagerStep(forward_kernels=129.0, backward_kernels=386.0, block_forward_kernels=10.0)
+    prof = make_profile().model_copy(update={"eager_step": {"bf16": step, "amp": step, "fp32": step}})
+    s = Strategy(precision="bf16", engine="torch", mbs=1)
+    counted, fixed = estimate(prof, CLUSTER, s).time, estimate(prof.model_copy(update={"eager_step": None}), CLUSTER, s).time
+    assert counted.host_overhead_s != pytest.approx(fixed.host_overhead_s, rel=1e-3)
+    more = prof.model_copy(update={"eager_step": {k: step.model_copy(update={"backward_kernels": 2 * 386.0})
+                                                  for k in ("bf16", "amp", "fp32")}})
+    assert estimate(more, CLUSTER, s).time.step_s > counted.step_s  # host-paced at micro-batch 1: more kernels, slower
+    mega = Strategy(precision="bf16", engine="megatron", mbs=1)
+    assert estimate(prof, CLUSTER, mega).time.step_s == pytest.approx(
+        estimate(prof.model_copy(update={"eager_step": None}), CLUSTER, mega).time.step_s, rel=1e-12)

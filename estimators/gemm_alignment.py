@@ -1,0 +1,72 @@
+"""GEMM alignment measured on a GPU: the exponent γ of the time model's alignment factor (a/16)^γ.
+
+A GEMM whose dimension is not a multiple of 16 bytes (an odd vocabulary such as GPT-2's 50,257) cannot use the
+GPU's fastest kernels: cuBLAS falls back to kernels that load one element at a time. compute.py's
+``gemm_time_s`` divides the achieved rate by (16/a)^γ, a the worst dimension's alignment in bytes (NVIDIA, "Matrix
+Multiplication Background User's Guide", Tensor Core Requirements: dimensions a multiple of 16 bytes). γ was fitted
+on the A100 (efficiency.yaml) where no measured set has an odd dimension; the microbenchmark measures it
+(probes/microbench.py ``unaligned_gemm_slowdown``: the same GEMMs with the odd and the padded dimension):
+
+    γ = ln(slowdown) / ln(16 / a)      a = one element of the dtype, in bytes (dimensionless)
+
+``data/gemm_alignment.yaml`` keeps the measured slowdowns by GPU and the catalogue GPUs each applies to (the same
+die and library). The 16-bit figure sets γ (the dtypes the tensor cores run; bf16 first). fp32 GEMMs take no
+alignment factor at all (compute.py): on the H200 the odd fp32 GEMM ran 1.02x the padded one's time per FLOP (SIMT
+kernels, no 16-byte vector loads to lose).
+"""
+
+from __future__ import annotations
+
+import math
+from functools import cache
+from importlib import resources
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+UNALIGNED_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4}
+"""Alignment in bytes of the microbenchmark's odd dimension per dtype (one element), in the order a γ is taken."""
+
+
+def alignment_exponent_from(slowdown: float, dtype: str) -> float:
+    """γ such that (a/16)^γ reproduces a measured unaligned/aligned time-per-FLOP ratio (dimensionless):
+    γ = ln(slowdown) / ln(16/a), a = :data:`UNALIGNED_BYTES` [dtype]; 0 when the unaligned GEMM was not slower."""
+    return max(0.0, math.log(slowdown) / math.log(16.0 / UNALIGNED_BYTES[dtype]))
+
+
+class MeasuredAlignment(BaseModel):
+    """One GPU's measured unaligned-GEMM slowdowns (dimensionless, per dtype) and where they come from."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    slowdown: dict[str, float] = Field(description="unaligned / aligned time per FLOP, by dtype")
+    shape: dict[str, int] = Field(default_factory=dict, description="the GEMM measured (m, n, k, padded_n)")
+    applies_to: tuple[str, ...] = Field(description="catalogue GPU names that run the same kernels")
+    source: str
+
+    def exponent(self) -> float | None:
+        """γ from the first 16-bit dtype measured (bf16, then fp16), or None."""
+        for dtype in ("bf16", "fp16"):
+            if dtype in self.slowdown:
+                return alignment_exponent_from(self.slowdown[dtype], dtype)
+        return None
+
+
+@cache
+def measured_table() -> dict[str, MeasuredAlignment]:
+    """``data/gemm_alignment.yaml``'s measurements by the GPU they were taken on."""
+    text = resources.files("optplan.estimators").joinpath("data/gemm_alignment.yaml").read_text(encoding="utf-8")
+    raw = yaml.safe_load(text) or {}
+    return {name: MeasuredAlignment(**entry) for name, entry in (raw.get("measured") or {}).items()}
+
+
+def catalogue_alignment(gpu_name: str) -> tuple[float, str] | None:
+    """(γ, a note naming the measurement) for a catalogue GPU a measurement applies to, or None."""
+    for measured_on, m in measured_table().items():
+        gamma = m.exponent()
+        if gpu_name in m.applies_to and gamma is not None:
+            return gamma, f"GEMM alignment exponent {gamma:.3f} measured on the {measured_on} (data/gemm_alignment.yaml)"
+    return None
+
+
+__all__ = ["UNALIGNED_BYTES", "MeasuredAlignment", "alignment_exponent_from", "catalogue_alignment", "measured_table"]

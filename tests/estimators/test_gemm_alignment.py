@@ -1,0 +1,46 @@
+"""GEMM alignment measured on a GPU (estimators/gemm_alignment.py, data/gemm_alignment.yaml): the H200's odd-vocabulary
+head GEMMs ran 5.4x the padded ones' time per FLOP in bf16 and 1.02x in fp32 (the fifth H200 visit). Hopper GPUs
+take the measured exponent, the A100 keeps its fit, a machine's own microbenchmark overrides both, and fp32 GEMMs
+take no alignment factor."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from optplan.estimators.compute import gemm_time_s
+from optplan.estimators.efficiency import efficiency_for
+from optplan.estimators.gemm_alignment import alignment_exponent_from, catalogue_alignment, measured_table
+from optplan.estimators.hardware import find_gpu
+
+
+def test_the_h200_measurement_sets_hoppers_exponent_and_leaves_the_a100_fit() -> None:
+    h200 = measured_table()["H200"]
+    gamma = h200.exponent()
+    assert gamma == pytest.approx(math.log(h200.slowdown["bf16"]) / math.log(8.0))
+    assert 0.7 < gamma < 0.9  # 5.4x at one element of alignment (2 of 16 bytes)
+    for name in ("H200", "H100-SXM", "H100-PCIe"):
+        found = catalogue_alignment(name)
+        assert found is not None and found[0] == pytest.approx(gamma)
+        eff = efficiency_for(find_gpu(name))
+        assert eff.alignment_exponent == pytest.approx(gamma) and "gemm_alignment.yaml" in eff.source
+    a100 = efficiency_for(find_gpu("A100-80GB"))
+    assert catalogue_alignment("A100-80GB") is None and a100.alignment_exponent < 0.3  # its vTrain fit
+    # the machine's own microbenchmark wins over the catalogue's measurement
+    mine = find_gpu("H200").model_copy(update={"gemm_alignment_exponent": 0.3})
+    assert efficiency_for(mine).alignment_exponent == 0.3
+    assert alignment_exponent_from(0.9, "bf16") == 0.0  # noise: not slower
+
+
+def test_an_odd_dimension_slows_16_bit_gemms_by_the_measured_factor_and_fp32_not_at_all() -> None:
+    gpu = find_gpu("H200")
+    eff = efficiency_for(gpu)
+    kw = {"peak_flops": gpu.peak_flops_for("bf16"), "bandwidth_bytes_per_s": gpu.memory_bandwidth_bytes_per_s,
+          "eff": eff}
+    # the microbenchmark's head GEMM: compute-bound, so the ratio is the alignment factor alone
+    odd, padded = (gemm_time_s(8192, n, 2048, elem_bytes=2, **kw) for n in (50303, 50304))  # type: ignore[arg-type]
+    assert odd / padded == pytest.approx(measured_table()["H200"].slowdown["bf16"] * 50303 / 50304, rel=1e-3)
+    fp32 = dict(kw, peak_flops=gpu.peak_flops_for("fp32"))
+    odd32, padded32 = (gemm_time_s(8192, n, 2048, elem_bytes=4, **fp32) for n in (50303, 50304))  # type: ignore[arg-type]
+    assert odd32 / padded32 == pytest.approx(1.0, abs=1e-4)
