@@ -170,11 +170,19 @@ def efficiency_for(gpu: GPUSpec) -> GpuEfficiency:
     """The constants for ``gpu``: its fit, else its derivation, else :func:`default_efficiency`; a GEMM alignment
     exponent measured on the machine (``GPUSpec.gemm_alignment_exponent``, estimators/ceilings.py) replaces the
     fitted one, else one measured on a GPU of the same kind (gemm_alignment.py, data/gemm_alignment.yaml)."""
-    found = _resolved().get(gpu.name)
-    eff = found if found is not None else default_efficiency()
+    eff = _catalogue_efficiency(gpu.name)
     if gpu.gemm_alignment_exponent is not None:
         return eff.model_copy(update={"alignment_exponent": gpu.gemm_alignment_exponent})
-    catalogue = catalogue_alignment(gpu.name)
+    return eff
+
+
+@cache
+def _catalogue_efficiency(name: str) -> GpuEfficiency:
+    """A catalogue GPU's constants: its fit, else its derivation, else the default; the GEMM alignment exponent
+    measured on a GPU of its kind where one was (gemm_alignment.py). One object per name (cached)."""
+    found = _resolved().get(name)
+    eff = found if found is not None else default_efficiency()
+    catalogue = catalogue_alignment(name)
     if catalogue is not None:
         return eff.model_copy(update={"alignment_exponent": catalogue[0], "source": f"{eff.source}; {catalogue[1]}"})
     return eff
