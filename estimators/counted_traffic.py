@@ -26,8 +26,9 @@ Patterson 2009, "Roofline", CACM 52(4), eq. 1: time = work / attainable rate), p
 * NCHW tensor-core convolutions: cuDNN's tensor-core convolutions want channels-last, so a channels-first
   activation is transposed around each 16-bit or TF32 convolution (``nchwToNhwcKernel`` and back);
   ``nchw_conv_bytes_per_sample`` are those convolutions' activation bytes (inputs, outputs and their gradients),
-  ``NCHW_TRANSPOSE_PASSES`` the extra passes over them, fitted on the 16-bit runs. Not for fp32 convolutions on
-  CUDA cores (a GPU without TF32: SIMT kernels take NCHW).
+  ``NCHW_TRANSPOSE_PASSES`` the extra passes over them, fitted on the 16-bit runs; a GPU where they were measured
+  takes its own by convolution math (conv_layout.py: Hopper's batch-norm and transposes cost 6-10x the 3090's).
+  Not for fp32 convolutions on CUDA cores (a GPU without TF32: SIMT kernels take NCHW).
 * full checkpointing moves the forward's bytes again; op-level selective recomputation re-runs matmuls only
   (compute.py prices them).
 
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from optplan.estimators.conv_layout import nchw_passes
 from optplan.estimators.eager_traffic import class_figure
 from optplan.estimators.hardware import GPUSpec
 from optplan.estimators.precision import get_recipe
@@ -92,8 +94,10 @@ def memory_s(step: EagerStep, strategy: Strategy, gpu: GPUSpec, hbm_fraction: fl
     moved = step.memory_bytes_per_sample * m + step.memory_bytes_fixed
     if strategy.checkpointing == "full":
         moved += step.memory_forward_bytes_per_sample * m
-    if get_recipe(strategy.precision).activation_bytes == 2 or tf32_convolutions(strategy, gpu):
-        moved += NCHW_TRANSPOSE_PASSES * step.nchw_conv_bytes_per_sample * m
+    tf32 = tf32_convolutions(strategy, gpu)
+    if get_recipe(strategy.precision).activation_bytes == 2 or tf32:
+        passes = nchw_passes(gpu.name, tf32=tf32, default=NCHW_TRANSPOSE_PASSES)  # Hopper's measured (conv_layout.py)
+        moved += passes * step.nchw_conv_bytes_per_sample * m
     return TRAFFIC_FACTOR * moved / (gpu.memory_bandwidth_bytes_per_s * hbm_fraction)
 
 

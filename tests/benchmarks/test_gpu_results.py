@@ -91,3 +91,22 @@ def test_the_committed_domain_holds_the_campaigns_sets_as_the_benchmark_writes_t
     assert block == pytest.approx(CHECKPOINT_BLOCK_HOST_S, abs=0.06e-3)
     assert fitted_pct < 0.6 * fixed_pct
 
+
+
+def test_hoppers_channels_first_passes_are_what_fit_conv_layout_fits_on_the_committed_runs() -> None:
+    """estimators/data/conv_layout.yaml's H200 passes are benchmarks/fit_conv_layout.py's on the committed runs, and
+    they price the channels-first ResNet-50 runs better than the RTX 3090's fit."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import fit_conv_layout
+
+    from optplan.estimators.conv_layout import measured_layout
+
+    first, _ = fit_conv_layout.layout_rows()
+    assert {fit_conv_layout.math_of(r) for r in first} == {"16bit", "tf32"} and len(first) >= 8
+    found = fit_conv_layout.fit(first)
+    h200 = measured_layout()["H200"]
+    assert found["16bit"] == pytest.approx(h200.passes_16bit, abs=0.26)
+    assert found["tf32"] == pytest.approx(h200.passes_tf32, abs=0.26)
+    before = fit_conv_layout._pct([fit_conv_layout._log_error(r, None, None) for r in first])
+    after = fit_conv_layout._pct([fit_conv_layout._log_error(r, h200.passes_16bit, h200.passes_tf32) for r in first])
+    assert after < 0.5 * before
