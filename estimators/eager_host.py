@@ -50,8 +50,8 @@ GPT-2 small at micro-batch 4 in bf16: +83 % -> +8 %. The visits' traces agree on
 time per profiled ATen operator, several of which (nested calls, views) make one kernel here.
 
 Not settled, and said so: the kernels differ in host cost (the Llama layout's many small element-wise kernels, RMS
-norm and rotary embedding written out, cost less each: its micro-batch-2 bf16 step is priced 20 % slow, GPT-2's
-amp-bf16 micro-batch 4 35 % slow); timm's ViT with full or selective checkpointing stays 30-37 % fast."""
+norm and rotary embedding written out, cost less each: its micro-batch-2 bf16 step is priced 17 % slow, GPT-2's
+amp-bf16 micro-batch 4 30 % slow); timm's ViT with full or selective checkpointing stays 27-37 % fast."""
 
 
 def step_kernels(profile: ModelProfile, strategy: Strategy) -> EagerStep | None:
