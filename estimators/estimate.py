@@ -31,6 +31,7 @@ from optplan.estimators.timing import TimeBreakdown, comm_time_s, mfu_peak_flops
 from optplan.estimators.uncertainty import TimeBand, time_band
 from optplan.estimators.units import gib
 from optplan.estimators.validity import check_strategy
+from optplan.estimators.vocab_padding import vocab_padding_notes
 
 __all__ = ["Estimate", "StatesEstimate", "TimeBreakdown", "comm_time_s", "estimate", "estimate_reason", "estimate_states",
            "mfu_peak_flops"]
@@ -216,7 +217,7 @@ def estimate(profile: ModelProfile, cluster: Cluster, strategy: Strategy, *,
     margin = margin_note(allocated, memory.capacity_bytes, strategy)
     notes = (estimate_notes(profile, strategy, cluster) + placement_notes(strategy, cluster) + band_notes(band)
              + paging_notes(memory, strategy) + _optimizer_step_notes(profile, strategy, time, adam_impl)
-             + ((margin,) if margin else ()))
+             + vocab_padding_notes(profile, strategy, cluster, time.step_s) + ((margin,) if margin else ()))
     result = Estimate(notes=notes,
         strategy=strategy, gpu=cluster.gpu.name, gpus=strategy.world_size, memory=memory, time=time,
         global_batch=strategy.global_batch, samples_per_s=time.samples_per_s, tokens_per_s=time.tokens_per_s,
