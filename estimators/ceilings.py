@@ -60,7 +60,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from optplan.estimators.compute import GpuEfficiency, efficiency_for
 from optplan.estimators.compute import _fraction as _gemm_fraction
-from optplan.estimators.gemm_alignment import UNALIGNED_BYTES, alignment_exponent_from
+from optplan.estimators.gemm_measured import UNALIGNED_BYTES, alignment_exponent_from
 from optplan.estimators.hardware import Dtype, GPUSpec
 
 PositiveFinite = Annotated[float, Field(gt=0, allow_inf_nan=False)]

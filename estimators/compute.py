@@ -166,7 +166,7 @@ def gemm_time_s(m: float, n: float, k: float, *, batch: float = 1.0, peak_flops:
     Roofline: max(2·m·n·k·batch / (peak · f · x/(x+½) · (a/16)^γ), bytes / (hbm · BW)) with x the output
     elements per wave and a the worst dimension's alignment in bytes; bytes = elem·(mk + kn + mn)·batch. The
     alignment factor is the tensor cores' (16- and 8-bit elements): fp32 GEMMs run SIMT kernels that measured
-    1.02x on an odd dimension (gemm_alignment.py) and take none; nor do dimensions derived from parameter counts
+    1.02x on an odd dimension (gemm_measured.py) and take none; nor do dimensions derived from parameter counts
     (``aligned``: an MLP width read as its weights ÷ 2h, which a router or a gate makes no GEMM's dimension).
     """
     if m <= 0 or n <= 0 or k <= 0 or batch <= 0:
@@ -310,6 +310,10 @@ def _peaks(gpu: GPUSpec, strategy: Strategy) -> tuple[float, float, int]:
 
 
 def _fraction(eff: GpuEfficiency, dtype: str) -> float:
+    """A large GEMM's achieved / peak in ``dtype``: the fp32 fraction measured on the GPU where there is one
+    (gemm_measured.py), else the fitted 16-bit fraction times the dtype's stated ratio, capped."""
+    if dtype == "fp32" and eff.fp32_gemm_fraction is not None:
+        return eff.fp32_gemm_fraction
     return min(MAX_GEMM_FRACTION, eff.gemm_peak_fraction * GEMM_DTYPE_FRACTION.get(dtype, 1.0))
 
 
@@ -518,7 +522,8 @@ def matmul_efficiency(profile: ModelProfile, strategy: Strategy) -> float:
 
 def compute_time(profile: ModelProfile, strategy: Strategy, gpu: GPUSpec, *,
                  ranks_per_node: int = 1, hbm_fraction: float = 1.0,
-                 adam_impl: AdamImpl | None = None, gemm_peak_fraction: float | None = None) -> ComputeTime:
+                 adam_impl: AdamImpl | None = None, gemm_peak_fraction: float | None = None,
+                 fp32_gemm_fraction: float | None = None) -> ComputeTime:
     """FLOPs-only model (profiles without a transformer shape): forward+backward, recompute (full: one more
     forward; the op-level selective policy: the matmul FLOPs the profile measured it re-running, selective.py),
     memory-bound and optimizer-step time of one step on one GPU without model parallelism (seconds).
@@ -539,6 +544,8 @@ def compute_time(profile: ModelProfile, strategy: Strategy, gpu: GPUSpec, *,
         saturation = eff / MAX_EFFICIENCY[recipe.compute_dtype]
 
         def fraction(dtype: str) -> float:
+            if dtype == "fp32" and fp32_gemm_fraction is not None:  # measured on the GPU (gemm_measured.py)
+                return fp32_gemm_fraction * saturation
             return min(MAX_GEMM_FRACTION, gemm_peak_fraction * GEMM_DTYPE_FRACTION.get(dtype, 1.0)) * saturation
 
         flop_s = seconds_per_flop(counted, profile, strategy, gpu, fraction)

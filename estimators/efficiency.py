@@ -42,7 +42,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
 from optplan.estimators.eager_host import CHECKPOINT_BLOCK_HOST_S, HOST_KERNEL_S
-from optplan.estimators.gemm_alignment import catalogue_alignment
+from optplan.estimators.gemm_measured import catalogue_alignment, catalogue_fp32_fraction
 from optplan.estimators.hardware import GPUSpec
 
 LINK_EFFICIENCY = 0.75
@@ -67,6 +67,9 @@ class GpuEfficiency(BaseModel):
     flash_attention_fraction: float = Field(gt=0, le=1, description="flash attention forward: achieved / peak")
     flash_backward_fraction: float = Field(default=0.0, ge=0, le=1,
                                            description="flash attention backward: achieved / peak (0: as forward)")
+    fp32_gemm_fraction: float | None = Field(default=None, gt=0, le=1,
+                                             description="an fp32 (SIMT) GEMM's achieved / fp32 peak, measured "
+                                                         "(gemm_measured.py); None: compute.py's stated ratio")
     host_layer_pass_s: float = Field(ge=0, description="host time to issue one layer's forward (s)")
     host_microbatch_s: float = Field(ge=0, description="host time per micro-batch per stage (s)")
     host_step_s: float = Field(ge=0, description="host time per optimizer step (s)")
@@ -169,7 +172,7 @@ def default_efficiency() -> GpuEfficiency:
 def efficiency_for(gpu: GPUSpec) -> GpuEfficiency:
     """The constants for ``gpu``: its fit, else its derivation, else :func:`default_efficiency`; a GEMM alignment
     exponent measured on the machine (``GPUSpec.gemm_alignment_exponent``, estimators/ceilings.py) replaces the
-    fitted one, else one measured on a GPU of the same kind (gemm_alignment.py, data/gemm_alignment.yaml)."""
+    fitted one, else one measured on a GPU of the same kind (gemm_measured.py, data/gemm_measured.yaml)."""
     eff = _catalogue_efficiency(gpu.name)
     if gpu.gemm_alignment_exponent is not None:
         return eff.model_copy(update={"alignment_exponent": gpu.gemm_alignment_exponent})
@@ -179,12 +182,16 @@ def efficiency_for(gpu: GPUSpec) -> GpuEfficiency:
 @cache
 def _catalogue_efficiency(name: str) -> GpuEfficiency:
     """A catalogue GPU's constants: its fit, else its derivation, else the default; the GEMM alignment exponent
-    measured on a GPU of its kind where one was (gemm_alignment.py). One object per name (cached)."""
+    measured on a GPU of its kind where one was (gemm_measured.py). One object per name (cached)."""
     found = _resolved().get(name)
     eff = found if found is not None else default_efficiency()
     catalogue = catalogue_alignment(name)
     if catalogue is not None:
-        return eff.model_copy(update={"alignment_exponent": catalogue[0], "source": f"{eff.source}; {catalogue[1]}"})
+        eff = eff.model_copy(update={"alignment_exponent": catalogue[0], "source": f"{eff.source}; {catalogue[1]}"})
+    fp32 = catalogue_fp32_fraction(name)
+    if fp32 is not None:
+        eff = eff.model_copy(update={"fp32_gemm_fraction": fp32,
+                                     "source": f"{eff.source}; fp32 GEMM fraction {fp32:.2f} measured"})
     return eff
 
 

@@ -16,7 +16,7 @@ Composition (one optimizer step; the slowest pipeline stage and the slowest rank
   2021 §2.2), the optimizer step (memory-bound) and a per-step host overhead.
 - Host times are the GPU's fitted eager-torch constants (efficiency.py ``GpuEfficiency``: per layer pass, micro-batch
   and step) times the engine's ``host_multiplier`` (DeepSpeed's engine issues about twice eager torch's host
-  operators plus per-step synchronisations: 1.95, fitted by benchmarks/fit_engine_host.py on the DeepSpeed runs
+  operators plus per-step synchronisations: 2.1, fitted by benchmarks/fit_engine_host.py on the DeepSpeed runs
   measured on an H200, benchmarks/results/2026-11-28-H200-visit4).
 - Data-parallel volumes (ZeRO paper, arXiv 1910.02054 §7): stages 0-1 all-reduce the gradients once
   per step; stage 2 reduce-scatters them at every micro-step and all-gathers the updated weights; stage 3
@@ -306,7 +306,8 @@ def _flops_only_step(profile: ModelProfile, strategy: Strategy, cluster: Cluster
                      engine: EngineEfficiency, adam_impl: AdamImpl | None = None) -> TimeBreakdown:
     """Profiles without a transformer shape: compute.py's FLOPs-only model, p equal stages."""
     ct = compute_time(profile, strategy, cluster.gpu, ranks_per_node=min(strategy.dp, cluster.gpus_per_node),
-                      hbm_fraction=eff.hbm_fraction, adam_impl=adam_impl, gemm_peak_fraction=eff.gemm_peak_fraction)
+                      hbm_fraction=eff.hbm_fraction, adam_impl=adam_impl, gemm_peak_fraction=eff.gemm_peak_fraction,
+                      fp32_gemm_fraction=eff.fp32_gemm_fraction)
     pl = placement(strategy, cluster.gpus_per_node)
     links = _links(pl, cluster, eff)
     p, m = strategy.pp, strategy.grad_accum

@@ -2,7 +2,7 @@
 
 A vocabulary that is not a multiple of 8 elements (GPT-2's 50,257) makes every logits GEMM unaligned: cuBLAS runs
 its fallback kernels, which the fifth H200 visit measured at 5.4x the time per FLOP of the padded GEMMs in bf16
-(gemm_alignment.py; GPT-2 small's three head GEMMs took 120 of its 228 ms at micro-batch 64 x 1,024). Padding the
+(gemm_measured.py; GPT-2 small's three head GEMMs took 120 of its 228 ms at micro-batch 64 x 1,024). Padding the
 embedding and the output layer to a multiple of 64 (nanoGPT's ``vocab_size=50304``; Megatron's
 ``--make-vocab-size-divisible-by``, which is why Megatron plans never pay it) costs a few unused rows and removes
 it. The saving is the head's GEMM time (compute.py ``head_time``) at the vocabulary as it is less at the padded one,
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from optplan.estimators.compute import _align_bytes, head_time, transformer_dims
 from optplan.estimators.efficiency import efficiency_for
-from optplan.estimators.gemm_alignment import catalogue_alignment
+from optplan.estimators.gemm_measured import catalogue_alignment
 from optplan.estimators.hardware import Cluster
 from optplan.estimators.precision import get_recipe
 from optplan.estimators.profile import ModelProfile

@@ -1,4 +1,5 @@
-"""GEMM alignment measured on a GPU: the exponent γ of the time model's alignment factor (a/16)^γ.
+"""GEMM figures measured on a GPU: the exponent γ of the time model's alignment factor (a/16)^γ, and the fraction of
+its fp32 peak an fp32 GEMM reaches.
 
 A GEMM whose dimension is not a multiple of 16 bytes (an odd vocabulary such as GPT-2's 50,257) cannot use the
 GPU's fastest kernels: cuBLAS falls back to kernels that load one element at a time. compute.py's
@@ -9,10 +10,15 @@ on the A100 (efficiency.yaml) where no measured set has an odd dimension; the mi
 
     γ = ln(slowdown) / ln(16 / a)      a = one element of the dtype, in bytes (dimensionless)
 
-``data/gemm_alignment.yaml`` keeps the measured slowdowns by GPU and the catalogue GPUs each applies to (the same
-die and library). The 16-bit figure sets γ (the dtypes the tensor cores run; bf16 first). fp32 GEMMs take no
-alignment factor at all (compute.py): on the H200 the odd fp32 GEMM ran 1.02x the padded one's time per FLOP (SIMT
-kernels, no 16-byte vector loads to lose).
+The 16-bit figure sets γ (the dtypes the tensor cores run; bf16 first). fp32 GEMMs take no alignment factor at all
+(compute.py): on the H200 the odd fp32 GEMM ran 1.02x the padded one's time per FLOP (SIMT kernels, no 16-byte
+vector loads to lose). Their speed is measured too: compute.py's stated fp32 fraction (1.4x the 16-bit GEMM
+fraction, capped at 0.9: "SIMT SGEMM reaches ~80-90 % of its lower peak") met 0.76 on the H200 (51.0 of 67 TFLOP/s
+at 8192³), and the fitted 16-bit fractions do not constrain it (every fitted set trained in 16-bit), so the measured
+fraction replaces it.
+
+``data/gemm_measured.yaml`` keeps the measurements by GPU and the catalogue GPUs each applies to (the same die and
+library).
 """
 
 from __future__ import annotations
@@ -40,6 +46,8 @@ class MeasuredAlignment(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     slowdown: dict[str, float] = Field(description="unaligned / aligned time per FLOP, by dtype")
+    fp32_gemm_fraction: float | None = Field(default=None, gt=0, le=1,
+                                             description="an 8192³ fp32 GEMM's achieved / catalogue fp32 peak")
     shape: dict[str, int] = Field(default_factory=dict, description="the GEMM measured (m, n, k, padded_n)")
     applies_to: tuple[str, ...] = Field(description="catalogue GPU names that run the same kernels")
     source: str
@@ -54,10 +62,18 @@ class MeasuredAlignment(BaseModel):
 
 @cache
 def measured_table() -> dict[str, MeasuredAlignment]:
-    """``data/gemm_alignment.yaml``'s measurements by the GPU they were taken on."""
-    text = resources.files("optplan.estimators").joinpath("data/gemm_alignment.yaml").read_text(encoding="utf-8")
+    """``data/gemm_measured.yaml``'s measurements by the GPU they were taken on."""
+    text = resources.files("optplan.estimators").joinpath("data/gemm_measured.yaml").read_text(encoding="utf-8")
     raw = yaml.safe_load(text) or {}
     return {name: MeasuredAlignment(**entry) for name, entry in (raw.get("measured") or {}).items()}
+
+
+def catalogue_fp32_fraction(gpu_name: str) -> float | None:
+    """The fp32 GEMM fraction measured on a GPU of ``gpu_name``'s kind, or None."""
+    for m in measured_table().values():
+        if gpu_name in m.applies_to and m.fp32_gemm_fraction is not None:
+            return m.fp32_gemm_fraction
+    return None
 
 
 def catalogue_alignment(gpu_name: str) -> tuple[float, str] | None:
@@ -65,8 +81,9 @@ def catalogue_alignment(gpu_name: str) -> tuple[float, str] | None:
     for measured_on, m in measured_table().items():
         gamma = m.exponent()
         if gpu_name in m.applies_to and gamma is not None:
-            return gamma, f"GEMM alignment exponent {gamma:.3f} measured on the {measured_on} (data/gemm_alignment.yaml)"
+            return gamma, f"GEMM alignment exponent {gamma:.3f} measured on the {measured_on} (data/gemm_measured.yaml)"
     return None
 
 
-__all__ = ["UNALIGNED_BYTES", "MeasuredAlignment", "alignment_exponent_from", "catalogue_alignment", "measured_table"]
+__all__ = ["UNALIGNED_BYTES", "MeasuredAlignment", "alignment_exponent_from", "catalogue_alignment",
+           "catalogue_fp32_fraction", "measured_table"]
