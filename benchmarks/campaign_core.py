@@ -40,6 +40,9 @@ CPU_STAND_IN_GPU = "H100-SXM"
 GRID_SHARE_TARGET = 0.97
 DEFAULT_BUDGET_S = 480.0
 """Seconds one call may spend measuring: the 600 s command limit less the wheel installs and imports."""
+DEFAULT_JOBS = 3
+"""Probes at once (probe_pool.py): one stepping on the device, two importing. The H200 visits' probes spent 6-15 s
+before their first step and 1-3 s stepping, so three keep the device busy without many processes waiting."""
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -112,6 +115,7 @@ class Campaign:
     models: frozenset[str] | None = None  # --models: fidelity, trace and grid keep only these
     cases: tuple[str, ...] | None = None  # --cases: words a fidelity case's tag must hold (first case kept)
     engines: frozenset[str] | None = None  # --engines: the plans exports and launch keep (torch, deepspeed)
+    jobs: int = 1  # --jobs: probes at once in fidelity, trace and grid, taking the device in turn (probe_pool.py)
 
     def wants(self, key: str) -> bool:
         """Whether --models keeps the model ``key`` (the grid's and trace's 'llama1b' answers to 'llama')."""

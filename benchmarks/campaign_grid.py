@@ -19,6 +19,7 @@ import fidelity  # noqa: E402
 import fidelity_suite  # noqa: E402
 from campaign_core import EXAMPLES, GRID_SHARE_TARGET, Campaign, measured_case  # noqa: E402
 from campaign_io import ROOT, write_json  # noqa: E402
+from probe_pool import ProbePool  # noqa: E402
 
 from optplan.estimators.estimate import estimate  # noqa: E402
 from optplan.estimators.hardware import Cluster  # noqa: E402
@@ -27,8 +28,7 @@ from optplan.estimators.strategy import Strategy  # noqa: E402
 from optplan.planner.goal import Goal, rank  # noqa: E402
 from optplan.planner.probe_stage import LocalDevices, compare_spec  # noqa: E402
 from optplan.planner.recommend import recommend  # noqa: E402
-from optplan.probes.loader import profile_model_file  # noqa: E402
-from optplan.probes.runtime import ProbeResult, ProbeSpec, run_probe  # noqa: E402
+from optplan.probes.runtime import ProbeResult, ProbeSpec  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -100,13 +100,13 @@ def spearman(x: Sequence[float], y: Sequence[float]) -> float | None:
     return sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True)) / (sx * sy)
 
 
-def _measure(c: Campaign, model: GridModel, profile: ModelProfile, strategy: Strategy) -> ProbeResult:
+def _measure(c: Campaign, pool: ProbePool, model: GridModel, profile: ModelProfile, strategy: Strategy) -> ProbeResult:
     ds = fidelity.ds_config(strategy, profile, torch_optimizer=True)  # no fused-Adam JIT build on a visit
     block = profile.repeated_block.class_name if profile.repeated_block else None
     spec = ProbeSpec(model_path=str(model.path), seq_len=model.seq_len, strategy=strategy, block_class=block,
                      ds_config=ds, device=c.device, warmup_steps=1 if c.device == "cpu" else 2,  # type: ignore[arg-type]
                      timed_steps=2 if c.device == "cpu" else 3)
-    return run_probe(spec, timeout_s=max(30.0, min(240.0, c.left_s())))
+    return pool.run_probe(spec, timeout_s=max(30.0, min(240.0, c.left_s())))
 
 
 def _price(profile: ModelProfile, cluster: Cluster, strategy: Strategy, device: str) -> Any:
@@ -119,9 +119,13 @@ def _price(profile: ModelProfile, cluster: Cluster, strategy: Strategy, device: 
         return None
 
 
-def grid_one(c: Campaign, model: GridModel, doc: dict[str, Any], save: Callable[[], None]) -> dict[str, Any]:
-    """Measure one model's grid and judge recommend's pick on it."""
-    profile = profile_model_file(model.path, seq_len=model.seq_len)
+def grid_one(c: Campaign, pool: ProbePool, model: GridModel, doc: dict[str, Any],
+             save: Callable[[], None]) -> dict[str, Any]:
+    """Measure one model's grid and judge recommend's pick on it (the runs ``pool.jobs`` at a time)."""
+    profiled = pool.profile(model.path, model.seq_len).result()
+    if profiled.profile is None:
+        raise RuntimeError(f"profiling failed: {profiled.error}")
+    profile = profiled.profile
     cluster = c.cluster(1)
     runs: list[dict[str, Any]] = []
     shown = str(model.path.relative_to(ROOT)) if model.path.is_relative_to(ROOT) else "examples/llama.py 1B layout"
@@ -140,13 +144,16 @@ def grid_one(c: Campaign, model: GridModel, doc: dict[str, Any], save: Callable[
             priced[strategy] = _price(profile, cluster, strategy, c.device)
         return priced[strategy]
 
-    def run(strategy: Strategy, why: str) -> None:
-        if c.left_s() < 15:
+    def measure(strategy: Strategy) -> ProbeResult | None:
+        """In a worker: the run (None: out of time)."""
+        return None if c.left_s() < 15 else _measure(c, pool, model, profile, strategy)
+
+    def record(strategy: Strategy, why: str, result: ProbeResult | None) -> None:
+        if result is None:
             runs.append({"strategy": strategy.label(), "status": "skipped", "reason": "out of time", "why": why})
             return
         est = price(strategy)
         pred = est.samples_per_s if est is not None else None
-        result = _measure(c, model, profile, strategy)
         meas = (result.samples_per_step / result.step_s) if result.ok and result.step_s else None
         if pred is not None:
             predicted[strategy] = pred
@@ -154,7 +161,8 @@ def grid_one(c: Campaign, model: GridModel, doc: dict[str, Any], save: Callable[
             measured[strategy] = meas
         runs.append({"strategy": strategy.label(), "why": why, "status": result.status, "reason": result.reason,
                      "predicted_samples_per_s": pred, "measured_samples_per_s": meas,
-                     "measured_allocated_bytes": result.peak_allocated_bytes, "probe_wall_s": result.wall_s})
+                     "measured_allocated_bytes": result.peak_allocated_bytes, "probe_wall_s": result.wall_s,
+                     "device_wait_s": result.device_wait_s})
         if result.status in ("ok", "oom") and est is not None:
             # predicted as the probe ran it (CPU accounting on the CPU; DeepSpeed with torch's AdamW: _measure)
             impl = fidelity.probe_adam_impl(strategy, c.device, ds_torch_optimizer=True)
@@ -181,13 +189,14 @@ def grid_one(c: Campaign, model: GridModel, doc: dict[str, Any], save: Callable[
     rec = recommend(profile, cluster, precisions=list(model.precisions), optimizers=["adamw"],
                     engines=sorted({s.engine for s in grid}) or ["torch"], offload=False)
     entry["recommend_pick"] = rec.plan.label() if rec.plan is not None else None
-    for s in grid:
-        run(s, "grid")
-    if rec.plan is not None and all(r["strategy"] != rec.plan.label() for r in runs):
+    todo = [(s, "grid") for s in grid]
+    if rec.plan is not None and rec.plan.label() not in {s.label() for s in grid}:
         if c.device == "cpu" and c.quick:  # the MLP's batch of 256 in emulated bf16: ~20 s of CPU for a run not ranked
             entry["recommend_pick_run"] = "not measured in the CPU's --quick run (outside the grid: not ranked)"
         else:
-            run(rec.plan, "recommend's free pick (outside the grid: not ranked)")
+            todo.append((rec.plan, "recommend's free pick (outside the grid: not ranked)"))
+    for (s, why), result in zip(todo, pool.ordered(measure, [s for s, _ in todo]), strict=True):
+        record(s, why, result)
     both = [s for s in measured if s in predicted]
     entry["measured_runs"] = len(measured)
     entry["spearman_predicted_vs_measured"] = spearman([predicted[s] for s in both], [measured[s] for s in both])
@@ -214,7 +223,8 @@ def part_grid(c: Campaign) -> dict[str, Any]:
     def save() -> None:
         write_json(path, doc)
 
-    with tempfile.TemporaryDirectory(prefix="optplan_campaign_grid_") as tmp:
+    with (tempfile.TemporaryDirectory(prefix="optplan_campaign_grid_") as tmp,
+          ProbePool(c.jobs, Path(tmp)) as pool):
         for model in grid_models(c.device, c.quick, Path(tmp)):
             if not c.wants(model.key):
                 continue
@@ -222,7 +232,7 @@ def part_grid(c: Campaign) -> dict[str, Any]:
                 doc["models"].append({"model": model.key, "skipped": "out of time"})
                 continue
             try:
-                grid_one(c, model, doc, save)
+                grid_one(c, pool, model, doc, save)
             except Exception as exc:  # noqa: BLE001 - one model's failure is data
                 doc["models"].append({"model": model.key, "error": f"{type(exc).__name__}: {exc}"})
             save()

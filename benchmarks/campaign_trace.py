@@ -16,11 +16,12 @@ import fidelity  # noqa: E402
 import fidelity_suite  # noqa: E402
 from campaign_core import EXAMPLES, Campaign  # noqa: E402
 from campaign_io import write_json  # noqa: E402
+from probe_pool import ProbePool  # noqa: E402
 
 from optplan.estimators.estimate import estimate  # noqa: E402
+from optplan.estimators.profile import ModelProfile  # noqa: E402
 from optplan.estimators.strategy import Strategy  # noqa: E402
-from optplan.probes.loader import profile_model_file  # noqa: E402
-from optplan.probes.runtime import ProbeSpec, run_probe  # noqa: E402
+from optplan.probes.runtime import ProbeResult, ProbeSpec  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -69,39 +70,50 @@ def part_trace(c: Campaign) -> dict[str, Any]:
         cases = trace_cases(c.device, Path(tmp))
         if c.quick and c.device == "cuda":  # one run per model: GPT-2 at micro-batch 4, the Llama layout at 2
             cases = [next(t for t in cases if t.key == key) for key in ("gpt2", "llama1b")]
-        for case in cases:
-            key, model_path, seq, strategy = case.key, case.path, case.seq_len, case.strategy
-            if not c.wants(key):
-                continue
-            if strategy.engine == "deepspeed" and c.deepspeed_error:
-                doc["runs"].append({"model": key, "strategy": strategy.label(), "skipped": c.deepspeed_error})
-                continue
+        wanted = [case for case in cases if c.wants(case.key)]
+
+        def measure(case: TraceCase) -> tuple[ModelProfile, ProbeResult] | str:
+            """In a worker: the traced run, or why it did not run."""
+            if case.strategy.engine == "deepspeed" and c.deepspeed_error:
+                return c.deepspeed_error
             if c.left_s() < 30:
-                doc["runs"].append({"model": key, "strategy": strategy.label(), "skipped": "out of time"})
-                continue
-            profile = profile_model_file(model_path, seq_len=seq)
+                return "out of time"
+            profile = pool.profile(case.path, case.seq_len).result().profile
+            if profile is None:
+                return "profiling failed"
             block = profile.repeated_block.class_name if profile.repeated_block else None
-            spec = ProbeSpec(model_path=str(model_path), seq_len=seq, strategy=strategy, block_class=block,
-                             ds_config=fidelity.ds_config(strategy, profile, torch_optimizer=True), device=c.device,  # type: ignore[arg-type]
+            spec = ProbeSpec(model_path=str(case.path), seq_len=case.seq_len, strategy=case.strategy,
+                             block_class=block, device=c.device,  # type: ignore[arg-type]
+                             ds_config=fidelity.ds_config(case.strategy, profile, torch_optimizer=True),
                              warmup_steps=2 if c.device == "cuda" else 1,
                              timed_steps=3 if c.device == "cuda" else 1, trace_steps=2 if c.device == "cuda" else 1)
-            result = run_probe(spec, timeout_s=max(30.0, min(240.0, c.left_s())))
-            t = estimate(profile, c.cluster(1), strategy,
-                         adam_impl=fidelity.probe_adam_impl(strategy, c.device, ds_torch_optimizer=True)).time
-            predicted = {"step_s": t.step_s, "compute_s": t.compute_s, "recompute_s": t.recompute_s,
-                         "memory_bound_s": t.memory_bound_s, "optimizer_s": t.optimizer_s,
-                         "host_overhead_s": t.host_overhead_s}
-            doc["runs"].append({"model": key, "strategy": strategy.label(), "status": result.status,
-                                "reason": result.reason, "measured_step_s": result.step_s,
-                                "trace": result.step_trace, "predicted": predicted if c.time_comparable else None})
-            busy = (result.step_trace or {}).get("busy_s")
-            host = ((result.step_trace or {}).get("host_per_step") or {}).get("aten_self_s")
-            attention = next((k["name"][:60] for k in (result.step_trace or {}).get("top_kernels") or []
-                              if k.get("category") == "attention"), None)  # which SDPA backend ran
-            c.log(f"trace: {key} {strategy.label()}: {result.status}"
-                  + (f", step {result.step_s * 1e3:.1f} ms, busy {busy * 1e3:.1f} ms" if result.step_s and busy else "")
-                  + (f", host operators {host * 1e3:.1f} ms" if host else "")
-                  + (f", attention kernel {attention}" if attention else ""))
-            write_json(path, doc)
+            return profile, pool.run_probe(spec, timeout_s=max(30.0, min(240.0, c.left_s())))
+
+        with ProbePool(c.jobs, Path(tmp)) as pool:
+            for case, done in zip(wanted, pool.ordered(measure, wanted), strict=True):
+                key, strategy = case.key, case.strategy
+                if isinstance(done, str):
+                    doc["runs"].append({"model": key, "strategy": strategy.label(), "skipped": done})
+                    write_json(path, doc)
+                    continue
+                profile, result = done
+                t = estimate(profile, c.cluster(1), strategy,
+                             adam_impl=fidelity.probe_adam_impl(strategy, c.device, ds_torch_optimizer=True)).time
+                predicted = {"step_s": t.step_s, "compute_s": t.compute_s, "recompute_s": t.recompute_s,
+                             "memory_bound_s": t.memory_bound_s, "optimizer_s": t.optimizer_s,
+                             "host_overhead_s": t.host_overhead_s}
+                doc["runs"].append({"model": key, "strategy": strategy.label(), "status": result.status,
+                                    "reason": result.reason, "measured_step_s": result.step_s,
+                                    "trace": result.step_trace, "predicted": predicted if c.time_comparable else None,
+                                    "probe_wall_s": result.wall_s, "device_wait_s": result.device_wait_s})
+                busy = (result.step_trace or {}).get("busy_s")
+                host = ((result.step_trace or {}).get("host_per_step") or {}).get("aten_self_s")
+                attention = next((k["name"][:60] for k in (result.step_trace or {}).get("top_kernels") or []
+                                  if k.get("category") == "attention"), None)  # which SDPA backend ran
+                c.log(f"trace: {key} {strategy.label()}: {result.status}"
+                      + (f", step {result.step_s * 1e3:.1f} ms, busy {busy * 1e3:.1f} ms" if result.step_s and busy else "")
+                      + (f", host operators {host * 1e3:.1f} ms" if host else "")
+                      + (f", attention kernel {attention}" if attention else ""))
+                write_json(path, doc)
     write_json(path, doc)
     return doc

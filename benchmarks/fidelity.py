@@ -62,6 +62,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -77,6 +78,7 @@ from fidelity_report import (
     stats,
 )
 from fidelity_suite import SUITE, Case, Model, label_of, models, strategy_of
+from probe_pool import ProbePool, Profiled
 
 from optplan.estimators.calibration import Calibration
 from optplan.estimators.estimate import estimate
@@ -87,8 +89,7 @@ from optplan.estimators.strategy import Strategy
 from optplan.estimators.temporaries import AdamImpl
 from optplan.planner.calibrate import ProbeComparison, profile_hash
 from optplan.planner.export.deepspeed import render_ds_config
-from optplan.probes.loader import profile_model_file
-from optplan.probes.runtime import ProbeSpec, run_probe
+from optplan.probes.runtime import ProbeResult, ProbeSpec, run_probe
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -146,13 +147,17 @@ class Runner:
     nproc_available: int
     timeout_s: float
     ds_torch_optimizer: bool
+    pool: ProbePool | None = None  # None: each probe alone, in this thread
 
-    def run_case(self, case: Case, model: Model, profile: ModelProfile, cal: Calibration | None) -> Row:
-        strategy = strategy_of(case, model)
-        label = label_of(case, strategy)
+    def refuses(self, case: Case) -> str | None:
+        """Why ``case`` cannot run here, or None."""
         if case.nproc > self.nproc_available:
-            return Row(model.key, label, case.nproc, None,
-                       skipped=f"needs {case.nproc} devices, {self.nproc_available} available")
+            return f"needs {case.nproc} devices, {self.nproc_available} available"
+        return None
+
+    def probe(self, case: Case, model: Model, profile: ModelProfile, timeout_s: float | None = None) -> ProbeResult:
+        """Run ``case`` for real (through the pool when there is one)."""
+        strategy = strategy_of(case, model)
         block = profile.repeated_block.class_name if profile.repeated_block else None
         spec = ProbeSpec(
             model_path=str(model.path), seq_len=model.seq_len, strategy=strategy, block_class=block,
@@ -163,7 +168,17 @@ class Runner:
             # defaults (2 warm-up + 5 timed steps).
             warmup_steps=(0 if case.nproc == 1 else 1) if self.device == "cpu" else 2,
             timed_steps=1 if self.device == "cpu" else 5)
-        result = run_probe(spec, timeout_s=self.timeout_s, env=model.env or None)
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        if self.pool is not None:
+            return self.pool.run_probe(spec, timeout_s=timeout, env=model.env or None)
+        return run_probe(spec, timeout_s=timeout, env=model.env or None)
+
+    def row(self, case: Case, model: Model, profile: ModelProfile, result: ProbeResult,
+            cal: Calibration | None) -> Row:
+        """The case's row: ``result`` beside the predicted memory and step time (and the calibrated step with
+        ``cal``)."""
+        strategy = strategy_of(case, model)
+        label = label_of(case, strategy)
         memory = predict_memory(profile, strategy, self.device, case.nproc, self.ds_torch_optimizer,
                                 self.gpu.name if self.gpu is not None else None)
         row = Row(model.key, label, case.nproc, result, memory=memory,
@@ -186,6 +201,13 @@ class Runner:
             predicted_exposed_comm_s=comm, predicted_allocated_bytes=row.pred_bytes or 0,
             predicted_total_bytes=memory.total_bytes, time_comparable=row.pred_step_s is not None, result=result)
         return row
+
+    def run_case(self, case: Case, model: Model, profile: ModelProfile, cal: Calibration | None) -> Row:
+        """Probe ``case`` and make its row."""
+        why = self.refuses(case)
+        if why is not None:
+            return Row(model.key, label_of(case, strategy_of(case, model)), case.nproc, None, skipped=why)
+        return self.row(case, model, profile, self.probe(case, model, profile), cal)
 
 
 # the run
@@ -211,69 +233,95 @@ def run_suite(device: str, *, quick: bool = False, wanted: set[str] | None = Non
               ds_torch_optimizer: bool = False, deadline: float | None = None,
               on_model: Callable[[str, Model, ModelProfile | None, float], None] | None = None,
               on_row: Callable[[Row], None] | None = None,
-              skip: Callable[[Case], str | None] | None = None) -> SuiteResult:
+              skip: Callable[[Case], str | None] | None = None, jobs: int = 1) -> SuiteResult:
     """Run the suite's cases for ``device`` (profile each model once, probe each case, predict it).
 
     ``deadline`` (a ``time.perf_counter()`` value): cases not started by then are recorded as skipped
     ("out of time") and each probe's timeout ends at the deadline (plus 20 s), so a caller with a wall-clock
     limit still gets every result so far. ``on_model`` is called after each model's profile (None when
-    profiling failed), ``on_row`` after each case; ``skip`` may name a reason to leave a case out (e.g.
-    DeepSpeed cannot be imported)."""
+    profiling failed), ``on_row`` after each case, both in the suite's order; ``skip`` may name a reason to leave
+    a case out (e.g. DeepSpeed cannot be imported). ``jobs`` > 1: that many probes at once, taking the device in
+    turn (probe_pool.py), and the models profiled ahead, several at once; the rows are the same, in the same
+    order (a model's calibration is its first case's, whichever finishes first)."""
     gpu, gpu_note = (catalogue_gpu() if device == "cuda" else (None, ""))
     nproc_available = torch.cuda.device_count() if device == "cuda" else 2
-    runner = Runner(device=device, gpu=gpu, nproc_available=nproc_available, timeout_s=timeout_s,
-                    ds_torch_optimizer=ds_torch_optimizer or device == "cpu")
     out = SuiteResult(device=device, gpu=gpu, gpu_note=gpu_note)
     suite = select_cases(device, quick, wanted)
 
-    def add(row: Row) -> None:
-        out.rows.append(row)
-        if on_row is not None:
-            on_row(row)
-
-    with tempfile.TemporaryDirectory(prefix="optplan_fidelity_") as tmp:
+    with tempfile.TemporaryDirectory(prefix="optplan_fidelity_") as tmp, ProbePool(jobs, Path(tmp)) as pool:
+        runner = Runner(device=device, gpu=gpu, nproc_available=nproc_available, timeout_s=timeout_s,
+                        ds_torch_optimizer=ds_torch_optimizer or device == "cpu", pool=pool)
         defs = models(device, Path(tmp), quick=quick)
-        for key in dict.fromkeys(c.model for c in suite):
+        keys = list(dict.fromkeys(c.model for c in suite))
+
+        def late() -> bool:
+            return deadline is not None and time.perf_counter() > deadline
+
+        def profile_of(key: str) -> Future[Profiled] | None:
+            """The model's profile, started now if it was not (None: out of time before it started)."""
+            made = pool.started_profile(defs[key].path, defs[key].seq_len, defs[key].env or None)
+            if made is None and not late():
+                made = pool.profile(defs[key].path, defs[key].seq_len, defs[key].env or None)
+            return made
+
+        if jobs > 1:  # every profile ahead, before the probes that wait for them
+            for key in keys:
+                profile_of(key)
+
+        def work(case: Case) -> ProbeResult | str:
+            """In a worker: the case's probe, or why it did not run."""
+            model = defs[case.model]
+            why = skip(case) if skip is not None else None
+            if why is None:
+                why = runner.refuses(case)
+            if why is None and late():
+                why = "out of time"
+            if why is not None:
+                return why
+            made = profile_of(case.model)
+            if made is None:
+                return "out of time"
+            profiled = made.result()
+            if profiled.profile is None:
+                return f"profiling failed: {profiled.error}"
+            if late():
+                return "out of time"
+            left = timeout_s if deadline is None else max(10.0, min(timeout_s, deadline - time.perf_counter() + 20.0))
+            return runner.probe(case, model, profiled.profile, left)
+
+        futures = {id(case): pool.submit(work, case) for case in suite} if jobs > 1 else {}
+        for key in keys:
             model = defs[key]
-            cases = [c for c in suite if c.model == key]
             out.describe[key] = model.describe
-            if deadline is not None and time.perf_counter() > deadline:
-                for case in cases:
-                    add(Row(key, label_of(case, strategy_of(case, model)), case.nproc, None, skipped="out of time"))
-                continue
-            t0 = time.perf_counter()
-            try:
-                with environment(model.env):
-                    profile = profile_model_file(model.path, seq_len=model.seq_len)
-            except Exception as exc:  # noqa: BLE001 - one model's failure leaves the others
-                if on_model is not None:
-                    on_model(key, model, None, time.perf_counter() - t0)
-                for case in cases:
-                    add(Row(key, label_of(case, strategy_of(case, model)), case.nproc, None,
-                            skipped=f"profiling failed: {exc}"))
-                continue
-            out.model_hashes[key] = profile_hash(profile)
-            if on_model is not None:
-                on_model(key, model, profile, time.perf_counter() - t0)
+            profile: ModelProfile | None = None
+            announced = False
             cal: Calibration | None = None
-            for case in cases:
-                why = skip(case) if skip is not None else None
-                if why is None and deadline is not None and time.perf_counter() > deadline:
-                    why = "out of time"
-                if why is not None:
-                    add(Row(key, label_of(case, strategy_of(case, model)), case.nproc, None, skipped=why))
-                    continue
-                if deadline is not None:
-                    runner.timeout_s = max(10.0, min(timeout_s, deadline - time.perf_counter() + 20.0))
-                row = runner.run_case(case, model, profile, cal)
-                if (cal is None and device == "cuda" and row.ok and row.pred_step_s and row.result
-                        and row.result.step_s and case.nproc == 1):
-                    cal = Calibration(gpu=gpu.name if gpu else "", model_hash=profile_hash(profile),
-                                      torch_version=row.result.torch_version,
-                                      compute_scale=row.result.step_s / row.pred_step_s, time_probes=1,
-                                      source=f"fidelity: {row.label}")
-                    row.is_calibration = True
-                add(row)
+            for case in (c for c in suite if c.model == key):
+                done = futures[id(case)].result() if futures else work(case)
+                if not announced and (made := pool.started_profile(model.path, model.seq_len, model.env or None)):
+                    announced = True
+                    profiled = made.result()
+                    profile = profiled.profile
+                    if profile is not None:
+                        out.model_hashes[key] = profile_hash(profile)
+                    if on_model is not None:
+                        on_model(key, model, profile, profiled.seconds)
+                label = label_of(case, strategy_of(case, model))
+                if isinstance(done, str):
+                    row = Row(key, label, case.nproc, None, skipped=done)
+                else:
+                    assert profile is not None
+                    row = runner.row(case, model, profile, done, cal)
+                    if (cal is None and device == "cuda" and row.ok and row.pred_step_s and row.result
+                            and row.result.step_s and case.nproc == 1):
+                        cal = Calibration(gpu=gpu.name if gpu else "", model_hash=profile_hash(profile),
+                                          torch_version=row.result.torch_version,
+                                          compute_scale=row.result.step_s / row.pred_step_s, time_probes=1,
+                                          source=f"fidelity: {row.label}")
+                        row.is_calibration = True
+                out.rows.append(row)
+                if on_row is not None:
+                    on_row(row)
     return out
 
 
@@ -292,7 +340,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ds-torch-optimizer", action="store_true",
                         help="cuda: run DeepSpeed with a torch AdamW instead of its ds_config optimizer "
                              "(always so on the CPU)")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="probes at once, taking the device in turn (benchmarks/probe_pool.py); default 1")
     args = parser.parse_args(argv)
+    if args.jobs < 1:
+        print(f"error: --jobs must be >= 1 (got {args.jobs})", file=sys.stderr)
+        return 2
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         print(f"--device cuda: torch {torch.__version__} sees no CUDA device", file=sys.stderr)
@@ -326,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
             print(flush=True)
 
     suite = run_suite(device, quick=args.quick, wanted=wanted, timeout_s=args.timeout,
-                      ds_torch_optimizer=args.ds_torch_optimizer, on_model=on_model, on_row=on_row)
+                      ds_torch_optimizer=args.ds_torch_optimizer, on_model=on_model, on_row=on_row, jobs=args.jobs)
     rows = suite.rows
     wall = time.perf_counter() - started
     failed = [r for r in rows if r.result is not None and not r.ok]

@@ -55,7 +55,10 @@ Run (``--device`` defaults to cuda when torch sees a GPU):
 spends its minutes on what earlier visits left unmeasured; ``--models`` (mlp, gpt2, llama, resnet, timm-vit, timm-resnet) keeps only
 those models in fidelity, trace and grid; ``--engines`` (torch, deepspeed) keeps those plans in exports and launch.
 
-``--budget-s`` (default 540) bounds one call: runs not started in time are recorded as "out of time".
+``--budget-s`` (default 480) bounds one call: runs not started in time are recorded as "out of time".
+``--jobs`` (default 3) runs that many probes of fidelity, trace and grid at once: each imports while another steps,
+and each takes the device in turn after its imports (benchmarks/probe_pool.py; the visits' probes spent 6-15 s before
+their first step and 1-3 s stepping); the models are profiled ahead, four at once. ``--jobs 1``: one at a time.
 On the CPU the step times are measured but not compared (no CPU in the catalogue: predictions are for
 the H100 and marked ``time_comparable: false``); the rest runs as on a GPU. The last line reads
 ``campaign: <sections> written to DIR in N s``.
@@ -96,6 +99,7 @@ import fidelity_report  # noqa: E402
 import fidelity_suite  # noqa: E402
 from campaign_core import (  # noqa: E402
     DEFAULT_BUDGET_S,
+    DEFAULT_JOBS,
     EXAMPLES,
     Campaign,
     case_tag,
@@ -254,6 +258,7 @@ def row_record(row: fidelity_report.Row) -> dict[str, Any]:
         "calibrated_time_error_pct": (pct(row.cal_step_s, r.step_s)
                                       if r is not None and row.ok and not row.is_calibration else None),
         "is_calibration_probe": row.is_calibration, "probe_wall_s": r.wall_s if r is not None else None,
+        "setup_s": r.setup_s if r is not None else None, "device_wait_s": r.device_wait_s if r is not None else None,
         "note": row.time_note,
     }
 
@@ -293,7 +298,7 @@ def part_fidelity(c: Campaign) -> dict[str, Any]:
         return ds_error if ds_error and case.mode.startswith("zero") else None
 
     fidelity.run_suite(c.device, quick=c.quick, wanted=wanted, timeout_s=300.0, deadline=c.deadline,
-                       ds_torch_optimizer=True, on_model=on_model, on_row=on_row, skip=skip)
+                       ds_torch_optimizer=True, on_model=on_model, on_row=on_row, skip=skip, jobs=c.jobs)
     doc["summary"] = fidelity_summary(doc["cases"])
     write_json(path, doc)
     doc["calibration"] = calibration_round_trip(c, path, rows, profiles)
@@ -466,6 +471,9 @@ def main(argv: list[str] | None = None) -> int:
                              "model's first case (its calibration probe) always runs")
     parser.add_argument("--engines", default=None,
                         help="comma-separated engines whose plans exports and launch keep: " + ", ".join(ENGINE_KEYS))
+    parser.add_argument("--jobs", type=int, default=DEFAULT_JOBS,
+                        help=f"probes at once in fidelity, trace and grid (default {DEFAULT_JOBS}): each imports while "
+                             "another steps, and takes the device in turn (benchmarks/probe_pool.py); 1: one at a time")
     parser.add_argument("--out", type=Path, required=True, help="folder for the JSON results (created)")
     parser.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
                         help="wall-clock budget of this call (s); runs not started in time are recorded as skipped")
@@ -477,6 +485,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.budget_s <= 0:
         print("error: --budget-s must be > 0 (seconds)", file=sys.stderr)
+        return 2
+    if args.jobs < 1:
+        print(f"error: --jobs must be >= 1 (got {args.jobs}); 1 runs one probe at a time", file=sys.stderr)
         return 2
     names = _listed("--sections", args.sections, tuple(SECTIONS))
     wanted = _listed("--models", args.models, MODEL_KEYS)
@@ -515,9 +526,9 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     c = Campaign(device=device, out=args.out, env=env_record(device), deadline=started + args.budget_s,
                  quick=args.quick, gpu=gpu, log=log, models=models,
-                 cases=case_filters, engines=frozenset(engines) if engines is not None else None)
+                 cases=case_filters, engines=frozenset(engines) if engines is not None else None, jobs=args.jobs)
     log(f"campaign: {device} {c.env['device_name']}; torch {c.env['torch']}, CUDA {c.env['cuda']}, driver "
-        f"{c.env['driver']}; commit {c.env['commit']}; budget {args.budget_s:.0f} s"
+        f"{c.env['driver']}; commit {c.env['commit']}; budget {args.budget_s:.0f} s; jobs {args.jobs}"
         + (f"; {gpu_note}" if gpu_note else ""))
     written = []
     for name, fn in sections:

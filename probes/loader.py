@@ -20,7 +20,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -133,7 +133,7 @@ def _validated(path: str | os.PathLike[str], doc: dict[str, Any]) -> ModelProfil
 def profile_model_file(path: str | os.PathLike[str], *, seq_len: int | None = None,
                        model_name: str | None = None, timeout_s: float = 600.0,
                        cancelled: Callable[[], bool] | None = None, lora: LoraRequest | None = None,
-                       use_cache: bool = True) -> ModelProfile:
+                       use_cache: bool = True, env: Mapping[str, str] | None = None) -> ModelProfile:
     """Profile the model file at ``path`` in a child process and return its ModelProfile.
 
     ``seq_len`` overrides the file's ``OPTPLAN["seq_len"]`` and the model's own maximum length;
@@ -143,7 +143,9 @@ def profile_model_file(path: str | os.PathLike[str], *, seq_len: int | None = No
     Raises :class:`ModelFileError` (one line: file, problem, fix) for anything that goes wrong,
     including a crash or a timeout of the child. ``cancelled`` is asked every ``POLL_S`` s while the child
     runs: when it turns true the child is killed and :class:`~optplan.estimators.errors.Cancelled` raised;
-    so is it on Ctrl-C (KeyboardInterrupt): no profiling child outlives this call.
+    so is it on Ctrl-C (KeyboardInterrupt): no profiling child outlives this call. ``env``: variables the child
+    gets on top of this process's environment (and the cache keys by), without touching ``os.environ`` (so
+    threads may profile different files with different variables at once).
 
     With ``use_cache`` (and unless ``OPTPLAN_PROFILE_CACHE=off``), a profile made before from the same file,
     options and software, whose recorded inputs all still hold, is returned without a child
@@ -153,14 +155,16 @@ def profile_model_file(path: str | os.PathLike[str], *, seq_len: int | None = No
     if seq_len is not None and int(seq_len) < 1:
         raise ModelFileError(path, f"sequence length must be >= 1 (got {seq_len})", "pass --seq-len 1 or more")
     cmd = child_command(path, seq_len=seq_len, model_name=model_name, lora=lora)
-    cached = _cache_slot(path, child_options(seq_len=seq_len, model_name=model_name, lora=lora)) if use_cache else None
-    if cached is not None and (hit := _cache_lookup(*cached)) is not None:
+    environ = {**os.environ, **(env or {})}
+    options = child_options(seq_len=seq_len, model_name=model_name, lora=lora)
+    cached = _cache_slot(path, options, environ) if use_cache else None
+    if cached is not None and (hit := _cache_lookup(*cached, environ)) is not None:
         return hit
     cache = tempfile.mkdtemp(prefix="optplan-profile-")  # torch's compile cache: removed here, whatever happens
     try:
-        env = child_process_env()
-        env.setdefault("TORCHINDUCTOR_CACHE_DIR", cache)
-        stdout, stderr, code = _run_child(path, cmd, env, timeout_s, cancelled)
+        child_env = {**child_process_env(), **(env or {})}
+        child_env.setdefault("TORCHINDUCTOR_CACHE_DIR", cache)
+        stdout, stderr, code = _run_child(path, cmd, child_env, timeout_s, cancelled)
     finally:
         shutil.rmtree(cache, ignore_errors=True)
     doc = _child_document(path, code, stdout, stderr)
@@ -174,19 +178,20 @@ def profile_model_file(path: str | os.PathLike[str], *, seq_len: int | None = No
 # The profile cache is an accelerator: any failure of it (an unwritable or unknown home folder, a damaged entry)
 # is a miss, never an error of the command.
 
-def _cache_slot(path: str | os.PathLike[str], options: list[str]) -> tuple[Path, str] | None:
+def _cache_slot(path: str | os.PathLike[str], options: list[str],
+                environ: Mapping[str, str]) -> tuple[Path, str] | None:
     """(folder, request key) of this profile in the cache, or None: cache off, file unreadable, or no usable folder."""
     try:
         folder = profile_cache_dir()
-        key = request_key(path, options) if folder is not None else None
+        key = request_key(path, options, environ) if folder is not None else None
     except Exception:  # noqa: BLE001 - e.g. RuntimeError from Path.home() with no HOME and no passwd entry
         return None
     return (folder, key) if folder is not None and key is not None else None
 
 
-def _cache_lookup(folder: Path, key: str) -> ModelProfile | None:
+def _cache_lookup(folder: Path, key: str, environ: Mapping[str, str]) -> ModelProfile | None:
     try:
-        hit = lookup(folder, key)
+        hit = lookup(folder, key, environ)
         return None if hit is None else ModelProfile.model_validate({**hit, "from_cache": True})
     except Exception:  # noqa: BLE001 - an entry this optplan cannot read: profiled again and replaced
         return None

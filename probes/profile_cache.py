@@ -124,25 +124,29 @@ def keyed_env(environ: Mapping[str, str]) -> dict[str, str]:
             if k.startswith(KEYED_ENV_PREFIXES) and k not in VOLATILE_ENV}
 
 
-def request_key(path: str | os.PathLike[str], options: Sequence[str]) -> str | None:
-    """The request key (hex) of profiling ``path`` with the child's ``options``; None if the file cannot be read."""
+def request_key(path: str | os.PathLike[str], options: Sequence[str],
+                environ: Mapping[str, str] | None = None) -> str | None:
+    """The request key (hex) of profiling ``path`` with the child's ``options`` in ``environ`` (the child's
+    environment; default ``os.environ``); None if the file cannot be read."""
     content = file_sha256(os.fspath(path))
     if content is None:
         return None
     doc = {"format": CACHE_FORMAT, "optplan": source_digest(), "python": sys.version, "executable": sys.executable,
            "installed": installed_digest(), "path": os.fspath(path), "resolved": str(Path(path).resolve()),
            "sha256": content, "options": list(options), "env": {k: value_sha256(v) for k, v in
-                                                                 keyed_env(os.environ).items()}}
+                                                                 keyed_env(os.environ if environ is None else environ).items()}}
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
 
-def inputs_hold(inputs: RecordedInputs, hashes: dict[str, str | None] | None = None) -> bool:
-    """Whether every input a cached profile recorded is as it was: environment values, the working folder when the
-    model opened a file by a relative path, file contents. ``hashes`` memoises file digests across the variants of
-    one lookup."""
+def inputs_hold(inputs: RecordedInputs, hashes: dict[str, str | None] | None = None,
+                environ: Mapping[str, str] | None = None) -> bool:
+    """Whether every input a cached profile recorded is as it was: environment values (in ``environ``, the child's
+    environment; default ``os.environ``), the working folder when the model opened a file by a relative path, file
+    contents. ``hashes`` memoises file digests across the variants of one lookup."""
+    env = os.environ if environ is None else environ
     if inputs.cwd is not None and inputs.cwd != os.getcwd():
         return False
-    if any(value_sha256(os.environ.get(k)) != v for k, v in inputs.env.items()):
+    if any(value_sha256(env.get(k)) != v for k, v in inputs.env.items()):
         return False
     memo = {} if hashes is None else hashes
     for path, digest in inputs.files.items():
@@ -165,11 +169,11 @@ def read_entry(file: Path) -> CacheEntry:
         return CacheEntry()
 
 
-def lookup(folder: Path, key: str) -> dict[str, Any] | None:
-    """The cached profile document for ``key`` whose recorded inputs all still hold, or None."""
+def lookup(folder: Path, key: str, environ: Mapping[str, str] | None = None) -> dict[str, Any] | None:
+    """The cached profile document for ``key`` whose recorded inputs all still hold (in ``environ``), or None."""
     hashes: dict[str, str | None] = {}
     for variant in read_entry(_entry_path(folder, key)).variants:
-        if inputs_hold(variant.inputs, hashes):
+        if inputs_hold(variant.inputs, hashes, environ):
             return dict(variant.profile)
     return None
 

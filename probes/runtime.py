@@ -84,11 +84,18 @@ class ProbeSpec(BaseModel):
     accelerate_config: str | None = Field(
         default=None, description="an accelerate.yaml: start the child with `accelerate launch --config_file` and "
                                   "prepare model and optimizer with accelerate.Accelerator (optplan validate)")
+    device_lock: str | None = Field(
+        default=None, description="a lock file (POSIX flock) the child takes exclusively after importing the model "
+                                  "file and before its first use of the device, held to its end: probes run "
+                                  "concurrently share one GPU in turn (one process only; the campaign's --jobs)")
 
     @model_validator(mode="after")
     def _check(self) -> ProbeSpec:
         if self.strategy.engine == "deepspeed" and self.ds_config is None:
             raise ValueError("strategy.engine is deepspeed: pass ds_config (the dict for deepspeed.initialize)")
+        if self.device_lock is not None and self.nproc != 1:
+            raise ValueError("device_lock is for one-process probes (the ranks of one probe would wait on each "
+                             "other): hold the lock around the whole probe instead")
         return self
 
 
@@ -131,6 +138,10 @@ class ProbeResult(BaseModel):
                                   "(time_by_category_s), busy_s, step_wall_s, kernels per step (probes/step_trace.py)")
     setup_s: float | None = Field(default=None, description="child start to the first step: imports, model build, "
                                                             "wrapping, deepspeed.initialize (s, max over ranks)")
+    device_wait_s: float | None = Field(default=None, description="spec.device_lock: time spent waiting for the "
+                                                                  "lock, inside setup_s (s)")
+    device_acquired_at: float | None = Field(default=None, description="spec.device_lock: when the child took the "
+                                                                       "lock (Unix time, s)")
     checkpointing_applied: str | None = Field(default=None, description="checkpointing the child applied "
                                                                         "(none/selective/full)")
 
@@ -267,6 +278,9 @@ def _merge(spec: ProbeSpec, docs: dict[int, dict[str, Any]], code: int | None, l
         out["step_trace"] = first["step_trace"]
     setups = [d.get("setup_s") for d in docs.values() if isinstance(d.get("setup_s"), (int, float))]
     out["setup_s"] = max(setups) if setups else None
+    for key in ("device_wait_s", "device_acquired_at"):
+        if isinstance(first.get(key), (int, float)):
+            out[key] = float(first[key])
 
     status, reason, rank = _decide(spec, docs, code, log, timed_out, timeout_s)
     out.update(status=status, reason=reason, failed_rank=rank)

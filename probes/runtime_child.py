@@ -11,6 +11,9 @@ training environment (torch only) next to the user's own stack.
 
 What one probe does (every rank does the same):
 
+0. imports the model file; with ``spec.device_lock`` (one process only) it then waits for an exclusive
+   ``flock`` on that file and holds it to the end, before its first use of the device: probes started
+   together overlap their imports, never their device work (``device_wait_s`` in the result);
 1. seeds torch with ``spec.seed`` and builds the model with the file's builder on the real device
    (a module-level instance is moved there), reseeds with ``seed + rank`` for the data;
 2. applies the strategy: precision (see below), activation checkpointing of the repeated block
@@ -239,6 +242,7 @@ class Probe(Trainer):
         self.result = result
         self.batches: list[Any] = []
         self.tracker: ProbeTracker | None = None
+        self._device_lock_fd: int | None = None
         self.track_ddp_buckets = self.device_type == "cpu"  # DDP's flat gradient buckets, by index
 
     @property
@@ -274,12 +278,42 @@ class Probe(Trainer):
         return device
 
     # -- the model ----------------------------------------------------------------------------------
-    def build(self, device: torch.device) -> ModelContract:
+    def load(self) -> ModelContract:
+        """Import the model file (its module-level code and imports: no model is built yet)."""
         self.phase = "loading the model file"
         path = self.spec["model_path"]
         sys.argv = [path]  # as if the user ran `python FILE`
         contract = load_contract(path, model_name=self.spec.get("model_name"), plain_defaults=True)
         self.notes.extend(n for n in contract.notes if self.rank == 0)
+        return contract
+
+    def wait_for_device(self) -> None:
+        """With ``spec["device_lock"]`` (a file path), take an exclusive ``flock`` on it before the first use of the
+        device and hold it until the process ends, so that probes started together share one GPU in turn: their
+        imports and model-file loading overlap, their device work (and so every timed step, the CUDA context and
+        every memory figure) does not. Without it: nothing. The wait is recorded as ``device_wait_s``."""
+        path = self.spec.get("device_lock")
+        if not path:
+            return
+        import fcntl
+
+        self.phase = "waiting for the device (another probe holds its lock)"
+        t0 = time.perf_counter()
+        fd = os.open(str(path), os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)  # released by the kernel when this process ends, however it ends
+        self._device_lock_fd = fd
+        self.result["device_wait_s"] = round(time.perf_counter() - t0, 3)
+        self.result["device_acquired_at"] = time.time()
+
+    def preload_engine(self) -> None:
+        """Import DeepSpeed before the device wait (an import touches no device: it overlaps with another probe's
+        steps). A failing import is left to the engine's own setup, which reports it."""
+        if self.engine == "deepspeed" and self.spec.get("device_lock"):
+            with contextlib.suppress(Exception):
+                import deepspeed  # noqa: F401
+
+    def build(self, device: torch.device, contract: ModelContract) -> None:
+        """Build the model from ``contract`` on ``device`` (a module-level instance is moved there)."""
         torch.manual_seed(int(self.spec.get("seed", 0)))
         self.phase = contract.source
         if contract.source.startswith("instance "):
@@ -300,7 +334,6 @@ class Probe(Trainer):
         model.train()
         self.model = model
         self.loss_fn = contract.loss_fn
-        return contract
 
     def seq_len(self, contract: ModelContract, model: nn.Module) -> int:
         if self.spec.get("seq_len"):
@@ -419,9 +452,12 @@ class Probe(Trainer):
     # -- the whole run ------------------------------------------------------------------------------
     def run(self) -> None:
         self.check_strategy()
+        contract = self.load()
+        self.preload_engine()
+        self.wait_for_device()
         device = self.setup_device()
         self.setup_distributed()
-        contract = self.build(device)
+        self.build(device, contract)
         assert self.model is not None
         self.setup_training(self.model, device)
         self.phase = "making the batches"

@@ -353,3 +353,19 @@ def test_errors_are_never_cached(tiny: Path, monkeypatch: pytest.MonkeyPatch) ->
             profile_model_file(tiny)
         assert children.runs == expected_runs
     assert not any(Path(os.environ[PROFILE_CACHE_ENV]).glob("*.json"))
+
+
+def test_env_reaches_the_child_and_keys_the_cache_without_touching_os_environ(
+        tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``env=`` (threads profiling different files with different variables at once): the child reads it, the cache
+    keeps one variant per value and finds each again by it, and this process's environment is left alone."""
+    children = ChildCounter(monkeypatch)
+    deep = profile_model_file(tiny, env={"OPTPLAN_TEST_DEPTH": "3"})
+    assert not deep.from_cache and deep.params == 3 * (16 * 16 + 16) and children.runs == 1
+    assert "OPTPLAN_TEST_DEPTH" not in os.environ
+    plain = profile_model_file(tiny)
+    assert not plain.from_cache and plain.params == 2 * (16 * 16 + 16) and children.runs == 2
+    again = profile_model_file(tiny, env={"OPTPLAN_TEST_DEPTH": "3"})
+    assert again.from_cache and again.params == deep.params and children.runs == 2
+    monkeypatch.setenv("OPTPLAN_TEST_DEPTH", "3")  # the same value from the environment: the same profile
+    assert profile_model_file(tiny).from_cache and children.runs == 2

@@ -1,0 +1,154 @@
+"""Probes run several at a time on one device, taking it in turn (the campaign's ``--jobs``).
+
+A probe on a GPU visit spends most of its wall time before its first step: a fresh Python importing torch,
+optplan's child, the model file (timm, transformers) and DeepSpeed. The visits' logs show 6-15 s of setup
+for 0.5-3 s of steps (``ProbeResult.setup_s`` against ``wall_s``). So ``jobs`` probes start together and
+each takes an exclusive ``flock`` on one lock file after its imports and before its first use of the device
+(``ProbeSpec.device_lock``, probes/runtime_child.py ``wait_for_device``), holding it to its end: the imports
+overlap, the device work does not. No CUDA context exists outside the lock, so every timed step, every
+``max_memory_allocated`` and the non-torch bytes (driver total - free - reserved) are as when run alone.
+
+A probe of several processes (torchrun) cannot take the lock in its ranks (they would wait on each other):
+the pool holds the same lock around the whole probe instead. Profiles (fake-tensor child processes, CPU
+only) run in a pool of their own ahead of the probes that need them.
+
+``jobs=1`` runs everything in the caller's thread, in order, as before this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from optplan.estimators.profile import ModelProfile
+from optplan.probes.loader import profile_model_file
+from optplan.probes.runtime import ProbeResult, ProbeSpec, run_probe
+
+T = TypeVar("T")
+U = TypeVar("U")
+
+PROFILE_JOBS = 4
+"""Profiles made at once when ``jobs`` > 1 (each a single-threaded fake-tensor child)."""
+
+
+@contextlib.contextmanager
+def held(lock: Path | None) -> Iterator[None]:
+    """An exclusive ``flock`` on ``lock`` for the block (None: nothing)."""
+    if lock is None:
+        yield
+        return
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+@dataclass(frozen=True)
+class Profiled:
+    """A model file's profile (None when profiling failed: ``error`` says why) and how long it took (s)."""
+
+    profile: ModelProfile | None
+    seconds: float
+    error: str
+
+
+ProfileKey = tuple[str, int | None, tuple[tuple[str, str], ...]]
+
+
+def _profile_key(path: Path, seq_len: int | None, env: Mapping[str, str] | None) -> ProfileKey:
+    return str(path), seq_len, tuple(sorted((env or {}).items()))
+
+
+def _done(fn: Callable[[], T]) -> Future[T]:
+    future: Future[T] = Future()
+    try:
+        future.set_result(fn())
+    except BaseException as exc:  # noqa: BLE001 - handed to whoever asks for the result
+        future.set_exception(exc)
+    return future
+
+
+class ProbePool:
+    """Runs probes ``jobs`` at a time sharing one device through ``folder/device.lock``.
+
+    Use as a context manager; :meth:`submit` runs a callable on a worker (at once, in this thread, with
+    ``jobs=1``), :meth:`run_probe` is what a worker calls to probe, :meth:`profile` makes (or returns the
+    future of) a model file's profile."""
+
+    def __init__(self, jobs: int, folder: Path) -> None:
+        if jobs < 1:
+            raise ValueError(f"jobs must be >= 1 (got {jobs})")
+        self.jobs = jobs
+        self.lock = folder / "device.lock" if jobs > 1 else None
+        self._probes = ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="probe") if jobs > 1 else None
+        self._profilers = (ThreadPoolExecutor(max_workers=PROFILE_JOBS, thread_name_prefix="profile")
+                           if jobs > 1 else None)
+        self._profiles: dict[ProfileKey, Future[Profiled]] = {}
+        self._guard = threading.Lock()
+
+    def __enter__(self) -> ProbePool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for pool in (self._probes, self._profilers):
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+        """``fn(*args)`` on a probe worker (``jobs=1``: now, in this thread)."""
+        if self._probes is None:
+            return _done(lambda: fn(*args))
+        return self._probes.submit(fn, *args)
+
+    def ordered(self, fn: Callable[[U], T], items: Sequence[U]) -> Iterator[T]:
+        """``fn(item)`` for each item, yielded in the items' order: with ``jobs=1`` each computed when asked for
+        (a caller that stops early starts no more), else all submitted at once to the probe workers."""
+        if self._probes is None:
+            for item in items:
+                yield fn(item)
+            return
+        futures = [self._probes.submit(fn, item) for item in items]
+        for future in futures:
+            yield future.result()
+
+    def profile(self, path: Path, seq_len: int | None, env: Mapping[str, str] | None = None) -> Future[Profiled]:
+        """The future :class:`Profiled` of ``path``, started once per (path, seq_len, env) (``jobs=1``: made now)."""
+        key = _profile_key(path, seq_len, env)
+
+        def make() -> Profiled:
+            t0 = time.perf_counter()
+            try:
+                return Profiled(profile_model_file(path, seq_len=seq_len, env=env), time.perf_counter() - t0, "")
+            except Exception as exc:  # noqa: BLE001 - a model file that cannot be profiled is a result
+                return Profiled(None, time.perf_counter() - t0, str(exc))
+
+        with self._guard:
+            if key not in self._profiles:
+                self._profiles[key] = (_done(make) if self._profilers is None else self._profilers.submit(make))
+            return self._profiles[key]
+
+    def started_profile(self, path: Path, seq_len: int | None,
+                        env: Mapping[str, str] | None = None) -> Future[Profiled] | None:
+        """The future of ``path``'s profile if :meth:`profile` started it, else None."""
+        with self._guard:
+            return self._profiles.get(_profile_key(path, seq_len, env))
+
+    def run_probe(self, spec: ProbeSpec, *, timeout_s: float, env: Mapping[str, str] | None = None) -> ProbeResult:
+        """``run_probe(spec)`` taking the device in turn: a one-process probe waits in its child
+        (``device_lock``), a multi-process one here around the whole run."""
+        if self.lock is None:
+            return run_probe(spec, timeout_s=timeout_s, env=env)
+        if spec.nproc == 1:
+            return run_probe(spec.model_copy(update={"device_lock": str(self.lock)}), timeout_s=timeout_s, env=env)
+        with held(self.lock):
+            return run_probe(spec, timeout_s=timeout_s, env=env)

@@ -1,0 +1,104 @@
+"""benchmarks/probe_pool.py: probes run several at a time, taking the device in turn (the campaign's ``--jobs``).
+
+The lock is real (``flock`` on a file, taken by the probe child after its imports and before its first use of the
+device, held to its end), so the tests hold it from here and watch a probe wait for it; and the fidelity suite run
+with ``jobs=2`` gives the rows, in the suite's order, that the memory figures make exact."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import fidelity  # noqa: E402
+from probe_pool import ProbePool, held  # noqa: E402
+
+from optplan.estimators.strategy import Strategy  # noqa: E402
+from optplan.probes.runtime import ProbeSpec, run_probe  # noqa: E402
+
+MLP = ROOT / "examples" / "mlp.py"
+
+
+def _spec(**kw: object) -> ProbeSpec:
+    return ProbeSpec(model_path=str(MLP), strategy=Strategy(precision="fp32", optimizer="adamw", mbs=16, engine="torch"),
+                     warmup_steps=0, timed_steps=1, **kw)  # type: ignore[arg-type]
+
+
+def test_a_probe_waits_for_the_device_lock_after_its_imports(tmp_path: Path) -> None:
+    lock = tmp_path / "device.lock"
+    held_s = 6.0
+    with ThreadPoolExecutor(max_workers=1) as ex, held(lock):
+        t0 = time.perf_counter()
+        future = ex.submit(run_probe, _spec(device_lock=str(lock)), timeout_s=120)
+        time.sleep(held_s)
+        assert not future.done()  # imported, built nothing: waiting for the lock this thread holds
+    result = future.result()
+    assert result.ok, result.reason + "\n" + result.tail
+    assert result.device_wait_s is not None and result.device_acquired_at is not None
+    # it waited for the rest of the hold, less its own start (interpreter, torch, the model file: ~2-5 s here)
+    assert 0.5 < result.device_wait_s < held_s
+    assert result.setup_s is not None and result.setup_s >= result.device_wait_s
+    assert time.perf_counter() - t0 >= held_s
+    alone = run_probe(_spec(), timeout_s=120)  # without a lock: no wait recorded, the same memory
+    assert alone.device_wait_s is None and alone.peak_allocated_bytes == result.peak_allocated_bytes
+
+
+def test_the_lock_is_one_process_only() -> None:
+    with pytest.raises(ValidationError, match="one-process"):
+        ProbeSpec(model_path=str(MLP), strategy=Strategy(precision="fp32", mbs=4, engine="torch", dp=2), nproc=2,
+                  device_lock="/tmp/x.lock")
+
+
+def test_held_excludes_other_holders_in_the_same_process(tmp_path: Path) -> None:
+    lock = tmp_path / "l"
+    order: list[str] = []
+    def second() -> None:
+        with held(lock):
+            order.append("second")
+
+    with held(lock):
+        t = threading.Thread(target=second)
+        t.start()
+        time.sleep(0.5)
+        order.append("first done")
+    t.join(10)
+    assert order == ["first done", "second"]
+
+
+def test_ordered_keeps_order_and_one_job_runs_lazily(tmp_path: Path) -> None:
+    calls: list[int] = []
+
+    def slow_first(i: int) -> int:
+        calls.append(i)
+        time.sleep(0.3 if i == 0 else 0.0)
+        return i * 10
+
+    with ProbePool(3, tmp_path) as pool:
+        assert list(pool.ordered(slow_first, [0, 1, 2, 3])) == [0, 10, 20, 30]
+    calls.clear()
+    with ProbePool(1, tmp_path) as pool:
+        it = pool.ordered(slow_first, [0, 1, 2])
+        assert next(it) == 0 and calls == [0]  # the rest not started until asked for
+    with pytest.raises(ValueError, match="jobs"):
+        ProbePool(0, tmp_path)
+
+
+def test_the_fidelity_suite_with_two_jobs_gives_every_row_in_order() -> None:
+    serial_order = [c for c in fidelity.select_cases("cpu", True, {"mlp", "llama"})]
+    suite = fidelity.run_suite("cpu", quick=True, wanted={"mlp", "llama"}, jobs=2)
+    assert [(r.model, r.nproc) for r in suite.rows] == [(c.model, c.nproc) for c in serial_order]
+    assert set(suite.model_hashes) == {"mlp", "llama"}
+    for row in suite.rows:
+        assert row.ok, (row.label, row.result.reason if row.result else row.skipped)
+        assert row.mem_err is not None and row.mem_err < fidelity.CPU_MEMORY_TARGET, row.label
+        assert row.result is not None and row.result.device_wait_s is not None
+    acquired = sorted(r.result.device_acquired_at for r in suite.rows if r.result and r.result.device_acquired_at)
+    assert len(acquired) == len(suite.rows)
