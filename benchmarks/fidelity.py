@@ -202,13 +202,6 @@ class Runner:
             predicted_total_bytes=memory.total_bytes, time_comparable=row.pred_step_s is not None, result=result)
         return row
 
-    def run_case(self, case: Case, model: Model, profile: ModelProfile, cal: Calibration | None) -> Row:
-        """Probe ``case`` and make its row."""
-        why = self.refuses(case)
-        if why is not None:
-            return Row(model.key, label_of(case, strategy_of(case, model)), case.nproc, None, skipped=why)
-        return self.row(case, model, profile, self.probe(case, model, profile), cal)
-
 
 # the run
 # ---------------------------------------------------------------------------------------------------
