@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -31,6 +31,7 @@ from optplan.estimators.hardware import Cluster, GPUSpec, find_gpu  # noqa: E402
 from optplan.estimators.profile import ModelProfile  # noqa: E402
 from optplan.planner.calibrate import ProbeComparison, profile_hash  # noqa: E402
 from optplan.planner.results import RESULTS_FORMAT, MeasuredCase  # noqa: E402
+from optplan.probes.runtime import ProbeResult  # noqa: E402
 
 EXAMPLES = ROOT / "examples"
 PACKAGES = ("optplan", "torch", "deepspeed", "accelerate", "transformers", "optuna", "pydantic", "textual", "typer",
@@ -116,6 +117,8 @@ class Campaign:
     cases: tuple[str, ...] | None = None  # --cases: words a fidelity case's tag must hold (first case kept)
     engines: frozenset[str] | None = None  # --engines: the plans exports and launch keep (torch, deepspeed)
     jobs: int = 1  # --jobs: probes at once in fidelity, trace and grid, taking the device in turn (probe_pool.py)
+    traced: dict[tuple[str, str], tuple[ModelProfile, ProbeResult]] = field(default_factory=dict)
+    """The fidelity section's traced runs, by (model, case label): the trace section reports them without a probe."""
 
     def wants(self, key: str) -> bool:
         """Whether --models keeps the model ``key`` (the grid's and trace's 'llama1b' answers to 'llama')."""
@@ -181,6 +184,20 @@ def median_max(values: Sequence[float]) -> dict[str, float | None]:
     vals = [abs(v) for v in values]
     return {"median_abs_pct": statistics.median(vals) if vals else None, "max_abs_pct": max(vals) if vals else None,
             "n": len(vals)}
+
+
+def device_held_s(result: ProbeResult | None) -> float | None:
+    """How long a probe held the device lock (s): from taking it to handing it over, else to its exit (what bounds a
+    section's time when probes run ``--jobs`` at a time); None without a lock."""
+    marks = result.timeline_s if result is not None else {}
+    end = marks.get("released", marks.get("exited"))
+    return round(end - marks["device_acquired"], 3) if "device_acquired" in marks and end is not None else None
+
+
+def spread(values: Sequence[float]) -> dict[str, float | int | None]:
+    """Median, min, max and sum of ``values``, and how many."""
+    return {"median": statistics.median(values) if values else None, "min": min(values) if values else None,
+            "max": max(values) if values else None, "sum": round(sum(values), 3), "n": len(values)}
 
 
 def case_tag(case: fidelity_suite.Case) -> str:

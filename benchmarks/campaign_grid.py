@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import fidelity  # noqa: E402
 import fidelity_suite  # noqa: E402
-from campaign_core import EXAMPLES, GRID_SHARE_TARGET, Campaign, measured_case  # noqa: E402
+from campaign_core import EXAMPLES, GRID_SHARE_TARGET, Campaign, device_held_s, measured_case  # noqa: E402
 from campaign_io import ROOT, write_json  # noqa: E402
 from probe_pool import ProbePool  # noqa: E402
 
@@ -162,7 +162,8 @@ def grid_one(c: Campaign, pool: ProbePool, model: GridModel, doc: dict[str, Any]
         runs.append({"strategy": strategy.label(), "why": why, "status": result.status, "reason": result.reason,
                      "predicted_samples_per_s": pred, "measured_samples_per_s": meas,
                      "measured_allocated_bytes": result.peak_allocated_bytes, "probe_wall_s": result.wall_s,
-                     "device_wait_s": result.device_wait_s})
+                     "device_wait_s": result.device_wait_s, "device_held_s": device_held_s(result),
+                     "timeline_s": result.timeline_s})
         if result.status in ("ok", "oom") and est is not None:
             # predicted as the probe ran it (CPU accounting on the CPU; DeepSpeed with torch's AdamW: _measure)
             impl = fidelity.probe_adam_impl(strategy, c.device, ds_torch_optimizer=True)

@@ -155,8 +155,10 @@ class Runner:
             return f"needs {case.nproc} devices, {self.nproc_available} available"
         return None
 
-    def probe(self, case: Case, model: Model, profile: ModelProfile, timeout_s: float | None = None) -> ProbeResult:
-        """Run ``case`` for real (through the pool when there is one)."""
+    def probe(self, case: Case, model: Model, profile: ModelProfile, timeout_s: float | None = None,
+              trace_steps: int = 0) -> ProbeResult:
+        """Run ``case`` for real (through the pool when there is one); ``trace_steps`` more steps under
+        torch.profiler after the timed ones and the memory figures (the campaign's trace section)."""
         strategy = strategy_of(case, model)
         block = profile.repeated_block.class_name if profile.repeated_block else None
         spec = ProbeSpec(
@@ -167,7 +169,7 @@ class Runner:
             # rebuilds its buckets in the second step); CPU times are shown, not compared. CUDA: the probe's
             # defaults (2 warm-up + 5 timed steps).
             warmup_steps=(0 if case.nproc == 1 else 1) if self.device == "cpu" else 2,
-            timed_steps=1 if self.device == "cpu" else 5)
+            timed_steps=1 if self.device == "cpu" else 5, trace_steps=trace_steps)
         timeout = self.timeout_s if timeout_s is None else timeout_s
         if self.pool is not None:
             return self.pool.run_probe(spec, timeout_s=timeout, env=model.env or None)
@@ -226,7 +228,8 @@ def run_suite(device: str, *, quick: bool = False, wanted: set[str] | None = Non
               ds_torch_optimizer: bool = False, deadline: float | None = None,
               on_model: Callable[[str, Model, ModelProfile | None, float], None] | None = None,
               on_row: Callable[[Row], None] | None = None,
-              skip: Callable[[Case], str | None] | None = None, jobs: int = 1) -> SuiteResult:
+              skip: Callable[[Case], str | None] | None = None, jobs: int = 1,
+              trace: Callable[[Case, Model], int] | None = None) -> SuiteResult:
     """Run the suite's cases for ``device`` (profile each model once, probe each case, predict it).
 
     ``deadline`` (a ``time.perf_counter()`` value): cases not started by then are recorded as skipped
@@ -235,7 +238,8 @@ def run_suite(device: str, *, quick: bool = False, wanted: set[str] | None = Non
     profiling failed), ``on_row`` after each case, both in the suite's order; ``skip`` may name a reason to leave
     a case out (e.g. DeepSpeed cannot be imported). ``jobs`` > 1: that many probes at once, taking the device in
     turn (probe_pool.py), and the models profiled ahead, several at once; the rows are the same, in the same
-    order (a model's calibration is its first case's, whichever finishes first)."""
+    order (a model's calibration is its first case's, whichever finishes first). ``trace`` may ask for traced steps
+    after a case's timed ones (``ProbeResult.step_trace``; its step time and memory are as without)."""
     gpu, gpu_note = (catalogue_gpu() if device == "cuda" else (None, ""))
     nproc_available = torch.cuda.device_count() if device == "cuda" else 2
     out = SuiteResult(device=device, gpu=gpu, gpu_note=gpu_note)
@@ -280,7 +284,7 @@ def run_suite(device: str, *, quick: bool = False, wanted: set[str] | None = Non
             if late():
                 return "out of time"
             left = timeout_s if deadline is None else max(10.0, min(timeout_s, deadline - time.perf_counter() + 20.0))
-            return runner.probe(case, model, profiled.profile, left)
+            return runner.probe(case, model, profiled.profile, left, trace(case, model) if trace is not None else 0)
 
         futures = {id(case): pool.submit(work, case) for case in suite} if jobs > 1 else {}
         for key in keys:

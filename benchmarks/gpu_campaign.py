@@ -103,15 +103,17 @@ from campaign_core import (  # noqa: E402
     EXAMPLES,
     Campaign,
     case_tag,
+    device_held_s,
     env_record,
     measured_case,
     median_max,
     pct,
+    spread,
 )
 from campaign_grid import part_grid  # noqa: E402
 from campaign_io import ROOT, last_line, run_optplan, write_json  # noqa: E402
 from campaign_launch import part_launch  # noqa: E402
-from campaign_trace import part_trace  # noqa: E402
+from campaign_trace import part_trace, trace_steps_for  # noqa: E402
 
 from optplan.estimators.estimate import estimate  # noqa: E402
 from optplan.estimators.profile import ModelProfile  # noqa: E402
@@ -259,7 +261,8 @@ def row_record(row: fidelity_report.Row) -> dict[str, Any]:
                                       if r is not None and row.ok and not row.is_calibration else None),
         "is_calibration_probe": row.is_calibration, "probe_wall_s": r.wall_s if r is not None else None,
         "setup_s": r.setup_s if r is not None else None, "device_wait_s": r.device_wait_s if r is not None else None,
-        "note": row.time_note,
+        "device_held_s": device_held_s(r), "timeline_s": r.timeline_s if r is not None else None,
+        "traced": r is not None and r.step_trace is not None, "note": row.time_note,
     }
 
 
@@ -278,6 +281,8 @@ def part_fidelity(c: Campaign) -> dict[str, Any]:
 
     def on_row(row: fidelity_report.Row) -> None:
         rows.append(row)
+        if row.result is not None and row.result.step_trace is not None and row.model in profiles:
+            c.traced[(row.model, row.label)] = (profiles[row.model], row.result)  # the trace section's
         doc["cases"].append(row_record(row))
         if row.comparison is not None and row.result is not None and row.model in profiles:
             doc["measured"].append(measured_case(c, row.model, profiles[row.model], row.comparison))
@@ -298,7 +303,8 @@ def part_fidelity(c: Campaign) -> dict[str, Any]:
         return ds_error if ds_error and case.mode.startswith("zero") else None
 
     fidelity.run_suite(c.device, quick=c.quick, wanted=wanted, timeout_s=300.0, deadline=c.deadline,
-                       ds_torch_optimizer=True, on_model=on_model, on_row=on_row, skip=skip, jobs=c.jobs)
+                       ds_torch_optimizer=True, on_model=on_model, on_row=on_row, skip=skip, jobs=c.jobs,
+                       trace=trace_steps_for(c))
     doc["summary"] = fidelity_summary(doc["cases"])
     write_json(path, doc)
     doc["calibration"] = calibration_round_trip(c, path, rows, profiles)
@@ -319,6 +325,7 @@ def fidelity_summary(cases: list[dict[str, Any]]) -> dict[str, Any]:
         "time_uncalibrated": median_max([x["time_error_pct"] for x in ok if x["time_error_pct"] is not None]),
         "time_calibrated": median_max([x["calibrated_time_error_pct"] for x in ok
                                        if x["calibrated_time_error_pct"] is not None]),
+        "device_held_s": spread([x["device_held_s"] for x in cases if x.get("device_held_s") is not None]),
     }
 
 

@@ -4,8 +4,9 @@ A probe on a GPU visit spends most of its wall time before its first step: a fre
 optplan's child, the model file (timm, transformers) and DeepSpeed. The visits' logs show 6-15 s of setup
 for 0.5-3 s of steps (``ProbeResult.setup_s`` against ``wall_s``). So ``jobs`` probes start together and
 each takes an exclusive ``flock`` on one lock file after its imports and before its first use of the device
-(``ProbeSpec.device_lock``, probes/runtime_child.py ``wait_for_device``), holding it to its end: the imports
-overlap, the device work does not. No CUDA context exists outside the lock, so every timed step, every
+(``ProbeSpec.device_lock``, probes/device_lock.py), holding it until its device memory is back with the driver
+(handed over just before the exit): the imports overlap, and the next probe's context creation overlaps this one's
+teardown, but no device work does. No CUDA context exists outside the lock, so every timed step, every
 ``max_memory_allocated`` and the non-torch bytes (driver total - free - reserved) are as when run alone.
 
 A probe of several processes (torchrun) cannot take the lock in its ranks (they would wait on each other):
@@ -18,8 +19,6 @@ only) run in a pool of their own ahead of the probes that need them.
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -29,6 +28,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from optplan.estimators.profile import ModelProfile
+from optplan.probes.device_lock import acquire
 from optplan.probes.loader import profile_model_file
 from optplan.probes.runtime import ProbeResult, ProbeSpec, run_probe
 
@@ -45,12 +45,11 @@ def held(lock: Path | None) -> Iterator[None]:
     if lock is None:
         yield
         return
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+    taken = acquire(str(lock))
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
-        os.close(fd)  # releases the lock
+        taken.release()
 
 
 @dataclass(frozen=True)

@@ -2,16 +2,19 @@
 
 :class:`ProbeTracker` is what the probe child (:mod:`optplan.probes.runtime_child`) and a generated train.py run
 by it on the CPU count live bytes with; :func:`live_python_tensors` and :func:`optimizer_chain` find what a step
-left alive (benchmarks/fidelity_tp_cpu.py uses them too). Standard library and torch only.
+left alive (benchmarks/fidelity_tp_cpu.py uses them too); :func:`tracked_call` runs one optimizer step under it
+with everything alive registered first. Standard library and torch only.
 """
 
 from __future__ import annotations
 
 import gc
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
 from optplan.probes.memtrack import MemTracker
@@ -128,4 +131,65 @@ def optimizer_chain(opt: Any) -> list[torch.optim.Optimizer]:
     return found
 
 
-__all__ = ["COLLECTIVE_SETTLE_S", "ProbeTracker", "live_python_tensors", "local_tensor", "optimizer_chain"]
+def tracked_call(trainer: Any, step: Callable[[], torch.Tensor], cap_bytes: int | None,
+                 inputs: list[Any]) -> tuple[torch.Tensor, ProbeTracker]:
+    """Run ``step`` (one optimizer step of ``trainer``, a :class:`~optplan.probes.trainloop.Trainer` of this
+    package or of a generated train.py) under a ProbeTracker with everything alive registered first: the
+    CPU memory figures. ``trainer.tracker`` stays set when the step raises, so the reason names it.
+
+    A full garbage collection comes first: tensors held only by reference cycles (FSDP2 leaves a unit's
+    unsharded parameters in one after the first steps) are freed whenever Python's cyclic collector next
+    runs, which depends on how many objects the process allocated so far, so without it the same run counted
+    them on one machine and not on another (+4.9 % on FSDP-full, measured in CI). A long run's steady state,
+    the figure a plan is for, has collected them."""
+    gc.collect()
+    model = trainer.model
+    tracker = ProbeTracker(cap_bytes)
+    params = list(model.parameters())
+    param_keys = set()
+    for p in params:
+        key = MemTracker._storage_key(local_tensor(p))
+        if key is not None:
+            param_keys.add(key)
+    tracker.track(params, category="param")
+    tracker.track([p.grad for p in params], category="grad")
+    for opt in optimizer_chain(trainer.master or trainer.optimizer):
+        for group in opt.param_groups:
+            masters = [t for t in group["params"] if MemTracker._storage_key(local_tensor(t)) not in param_keys]
+            tracker.track(masters, category="master")
+        tracker.track([v for st in opt.state.values() for v in (st.values() if isinstance(st, dict) else [st])
+                       if isinstance(v, torch.Tensor)], category="optimizer")
+    tracker.track(list(model.buffers()), category="buffer")
+    tracker.track(list(trainer.ddp_buckets.values()), category="bucket")
+    tracker.track(inputs, category="input")
+    rest = live_python_tensors(trainer.device_type)
+    if trainer.fsdp != "none":  # FSDP2's unsharded parameters (storage resized to 0 between uses)
+        tracker.track([t for t in rest if isinstance(t, nn.Parameter)], category="unsharded_param")
+    tracker.track(rest, category="other")
+    hooks = []
+    for p in params:
+        if p.requires_grad and hasattr(p, "register_post_accumulate_grad_hook"):
+            hooks.append(p.register_post_accumulate_grad_hook(
+                lambda q: tracker.retag(q.grad, "grad") if q.grad is not None else None))
+
+    def retag_grads() -> None:  # gradients made by backward are "grad" from the optimizer step on
+        for p in params:
+            if p.grad is not None:
+                tracker.retag(p.grad, "grad")
+
+    previous = trainer.before_optimizer_step
+    trainer.before_optimizer_step = retag_grads
+    trainer.tracker = tracker
+    try:
+        with tracker, tracker.watch_resizes():  # FSDP2 frees/gathers parameters by storage resizes
+            loss = step()
+    finally:
+        for h in hooks:
+            h.remove()
+        trainer.before_optimizer_step = previous
+    trainer.tracker = None
+    return loss, tracker
+
+
+__all__ = ["COLLECTIVE_SETTLE_S", "ProbeTracker", "live_python_tensors", "local_tensor", "optimizer_chain",
+           "tracked_call"]

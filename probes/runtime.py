@@ -16,6 +16,7 @@ runs in a bare training environment: ``env`` and the Python executable are the c
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import shutil
 import subprocess
@@ -28,6 +29,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from optplan.estimators.strategy import Strategy
+from optplan.probes.device_lock import lock_from_env
 from optplan.probes.distributed import (
     child_env,
     crash_location,
@@ -144,6 +146,14 @@ class ProbeResult(BaseModel):
                                                                        "lock (Unix time, s)")
     checkpointing_applied: str | None = Field(default=None, description="checkpointing the child applied "
                                                                         "(none/selective/full)")
+    timeline_s: dict[str, float] = Field(
+        default_factory=dict, description="rank 0's marks, seconds since its process started: imported (model file "
+                                          "and engine), device_acquired (spec.device_lock), device_ready, built, "
+                                          "set_up, first_step, stepped, measured, traced, released (the device lock "
+                                          "handed over before the exit), exited (seen by the parent) (s)")
+    device_handed_over: bool | None = Field(
+        default=None, description="spec.device_lock: whether the child released the lock before exiting, its device "
+                                  "memory returned (probes/device_lock.py); False: kept to the exit")
 
     @property
     def ok(self) -> bool:
@@ -172,6 +182,9 @@ def run_probe(spec: ProbeSpec, *, timeout_s: float = 300.0, env: Mapping[str, st
     and the status is "timeout". ``env``: extra environment variables for the child, on top of
     ``os.environ`` (``TORCH_EXTENSIONS_DIR`` defaults to ``~/.cache/optplan/torch_extensions``).
 
+    ``$OPTPLAN_DEVICE_LOCK`` (in ``os.environ`` or ``env``): the lock file a one-process ``spec`` without its own
+    ``device_lock`` takes (probes/device_lock.py).
+
     ``cancelled``: asked every ``POLL_S`` s while the child runs; when it turns true every process of
     the probe is stopped (within about a second) and :class:`~optplan.estimators.errors.Cancelled` is raised.
 
@@ -179,6 +192,9 @@ def run_probe(spec: ProbeSpec, *, timeout_s: float = 300.0, env: Mapping[str, st
     ProbeResult with the status and a one-line reason.
     """
     started = time.perf_counter()
+    lock = lock_from_env(spec.nproc, {**os.environ, **(env or {})}) if spec.device_lock is None else None
+    if lock is not None:  # $OPTPLAN_DEVICE_LOCK: share the device with the other optplan probes in turn
+        spec = spec.model_copy(update={"device_lock": lock})
     base = {"spec": spec, "world_size": spec.nproc,
             "samples_per_step": spec.strategy.mbs * spec.strategy.grad_accum * spec.nproc}
     refused = _preflight(spec)
@@ -207,12 +223,13 @@ def run_probe(spec: ProbeSpec, *, timeout_s: float = 300.0, env: Mapping[str, st
         except BaseException:  # Ctrl-C, a signal or a cancel in the parent: leave no probe process behind
             terminate_tree(proc, token, grace_s=0.5)
             raise
+        ended_at = time.time()
         terminate_tree(proc, token, grace_s=3.0 if timed_out else 0.5)  # also any process left behind
         code = proc.returncode
         tail = read_tail(log_path)
         log_end = read_tail(log_path, lines=400, max_chars=60000)
         docs = _read_rank_files(out_path, spec.nproc)
-        merged = _merge(spec, docs, code, log_end, timed_out, timeout_s)
+        merged = _merge(spec, docs, code, log_end, timed_out, timeout_s, ended_at)
         return ProbeResult(**base, **merged, tail=tail, exit_code=code,
                            wall_s=round(time.perf_counter() - started, 3))
     finally:
@@ -244,7 +261,7 @@ def _max_opt(values: list[Any]) -> int | None:
 
 
 def _merge(spec: ProbeSpec, docs: dict[int, dict[str, Any]], code: int | None, log: str, timed_out: bool,
-           timeout_s: float) -> dict[str, Any]:
+           timeout_s: float, ended_at: float | None = None) -> dict[str, Any]:
     """Fields of the ProbeResult from the rank results, the exit code and the log's end."""
     out: dict[str, Any] = {}
     first = docs.get(0) or (docs[min(docs)] if docs else {})
@@ -281,6 +298,12 @@ def _merge(spec: ProbeSpec, docs: dict[int, dict[str, Any]], code: int | None, l
     for key in ("device_wait_s", "device_acquired_at"):
         if isinstance(first.get(key), (int, float)):
             out[key] = float(first[key])
+    if isinstance(first.get("device_handed_over"), bool):
+        out["device_handed_over"] = first["device_handed_over"]
+    timeline = {str(k): float(v) for k, v in (first.get("timeline_s") or {}).items() if isinstance(v, (int, float))}
+    if isinstance(first.get("started_at"), (int, float)) and ended_at is not None:
+        timeline["exited"] = round(ended_at - float(first["started_at"]), 3)
+    out["timeline_s"] = timeline
 
     status, reason, rank = _decide(spec, docs, code, log, timed_out, timeout_s)
     out.update(status=status, reason=reason, failed_rank=rank)

@@ -87,14 +87,12 @@ drop_working_folder()  # before torch: no stray numpy.py from the working folder
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import faulthandler  # noqa: E402
-import gc  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
 import platform  # noqa: E402
 import sys  # noqa: E402
 import traceback  # noqa: E402
-from collections.abc import Callable  # noqa: E402
 from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
@@ -108,19 +106,15 @@ from optplan.probes.contract import (  # noqa: E402
     exc_text,
     load_contract,
 )
-from optplan.probes.memtrack import MemTracker  # noqa: E402
+from optplan.probes.device_lock import DeviceLock  # noqa: E402
+from optplan.probes.device_lock import acquire as acquire_device  # noqa: E402
 from optplan.probes.model_errors import ModelFileError  # noqa: E402
 from optplan.probes.probe_failures import (  # noqa: E402
     ProbeFailure,
     classify,
     peer_failure,
 )
-from optplan.probes.probe_tracker import (  # noqa: E402
-    ProbeTracker,
-    live_python_tensors,
-    local_tensor,
-    optimizer_chain,
-)
+from optplan.probes.probe_tracker import ProbeTracker, tracked_call  # noqa: E402
 from optplan.probes.trainloop import (  # noqa: E402
     Trainer,
     first_param_module,
@@ -168,66 +162,6 @@ def _die_with_parent() -> None:
 # ---------------------------------------------------------------------------------------------------
 # the probe
 # ---------------------------------------------------------------------------------------------------
-def tracked_call(trainer: Any, step: Callable[[], torch.Tensor], cap_bytes: int | None,
-                 inputs: list[Any]) -> tuple[torch.Tensor, ProbeTracker]:
-    """Run ``step`` (one optimizer step of ``trainer``, a :class:`~optplan.probes.trainloop.Trainer` of this
-    package or of a generated train.py) under a ProbeTracker with everything alive registered first: the
-    CPU memory figures. ``trainer.tracker`` stays set when the step raises, so the reason names it.
-
-    A full garbage collection comes first: tensors held only by reference cycles (FSDP2 leaves a unit's
-    unsharded parameters in one after the first steps) are freed whenever Python's cyclic collector next
-    runs, which depends on how many objects the process allocated so far, so without it the same run counted
-    them on one machine and not on another (+4.9 % on FSDP-full, measured in CI). A long run's steady state,
-    the figure a plan is for, has collected them."""
-    gc.collect()
-    model = trainer.model
-    tracker = ProbeTracker(cap_bytes)
-    params = list(model.parameters())
-    param_keys = set()
-    for p in params:
-        key = MemTracker._storage_key(local_tensor(p))
-        if key is not None:
-            param_keys.add(key)
-    tracker.track(params, category="param")
-    tracker.track([p.grad for p in params], category="grad")
-    for opt in optimizer_chain(trainer.master or trainer.optimizer):
-        for group in opt.param_groups:
-            masters = [t for t in group["params"] if MemTracker._storage_key(local_tensor(t)) not in param_keys]
-            tracker.track(masters, category="master")
-        tracker.track([v for st in opt.state.values() for v in (st.values() if isinstance(st, dict) else [st])
-                       if isinstance(v, torch.Tensor)], category="optimizer")
-    tracker.track(list(model.buffers()), category="buffer")
-    tracker.track(list(trainer.ddp_buckets.values()), category="bucket")
-    tracker.track(inputs, category="input")
-    rest = live_python_tensors(trainer.device_type)
-    if trainer.fsdp != "none":  # FSDP2's unsharded parameters (storage resized to 0 between uses)
-        tracker.track([t for t in rest if isinstance(t, nn.Parameter)], category="unsharded_param")
-    tracker.track(rest, category="other")
-    hooks = []
-    for p in params:
-        if p.requires_grad and hasattr(p, "register_post_accumulate_grad_hook"):
-            hooks.append(p.register_post_accumulate_grad_hook(
-                lambda q: tracker.retag(q.grad, "grad") if q.grad is not None else None))
-
-    def retag_grads() -> None:  # gradients made by backward are "grad" from the optimizer step on
-        for p in params:
-            if p.grad is not None:
-                tracker.retag(p.grad, "grad")
-
-    previous = trainer.before_optimizer_step
-    trainer.before_optimizer_step = retag_grads
-    trainer.tracker = tracker
-    try:
-        with tracker, tracker.watch_resizes():  # FSDP2 frees/gathers parameters by storage resizes
-            loss = step()
-    finally:
-        for h in hooks:
-            h.remove()
-        trainer.before_optimizer_step = previous
-    trainer.tracker = None
-    return loss, tracker
-
-
 class Probe(Trainer):
     """One rank's run of a ProbeSpec (a dict) through :class:`~optplan.probes.trainloop.Trainer` (the code
     of the generated train.py); fills ``self.result``."""
@@ -242,7 +176,7 @@ class Probe(Trainer):
         self.result = result
         self.batches: list[Any] = []
         self.tracker: ProbeTracker | None = None
-        self._device_lock_fd: int | None = None
+        self.device_lock: DeviceLock | None = None
         self.track_ddp_buckets = self.device_type == "cpu"  # DDP's flat gradient buckets, by index
 
     @property
@@ -289,28 +223,46 @@ class Probe(Trainer):
 
     def wait_for_device(self) -> None:
         """With ``spec["device_lock"]`` (a file path), take an exclusive ``flock`` on it before the first use of the
-        device and hold it until the process ends, so that probes started together share one GPU in turn: their
+        device (:mod:`optplan.probes.device_lock`), so that probes started together share one GPU in turn: their
         imports and model-file loading overlap, their device work (and so every timed step, the CUDA context and
         every memory figure) does not. Without it: nothing. The wait is recorded as ``device_wait_s``."""
         path = self.spec.get("device_lock")
         if not path:
             return
-        import fcntl
-
         self.phase = "waiting for the device (another probe holds its lock)"
-        t0 = time.perf_counter()
-        fd = os.open(str(path), os.O_RDWR | os.O_CREAT, 0o600)
-        fcntl.flock(fd, fcntl.LOCK_EX)  # released by the kernel when this process ends, however it ends
-        self._device_lock_fd = fd
-        self.result["device_wait_s"] = round(time.perf_counter() - t0, 3)
-        self.result["device_acquired_at"] = time.time()
+        self.device_lock = acquire_device(str(path))
+        self.result["device_wait_s"] = self.device_lock.wait_s
+        self.result["device_acquired_at"] = self.device_lock.acquired_at
+        self.mark("device_acquired")
 
-    def preload_engine(self) -> None:
-        """Import DeepSpeed before the device wait (an import touches no device: it overlaps with another probe's
-        steps). A failing import is left to the engine's own setup, which reports it."""
-        if self.engine == "deepspeed" and self.spec.get("device_lock"):
+    def mark(self, name: str) -> None:
+        """Record ``name`` in the result's ``timeline_s``: seconds since this process started (where a probe's
+        time goes: imports, the wait, the context, the build, the steps, the hand-over)."""
+        self.result.setdefault("timeline_s", {})[name] = round(time.perf_counter() - _STARTED, 3)
+
+    def preload(self) -> None:
+        """With a device lock, import before the wait what the device work would import on first use, so that it
+        overlaps with another probe's steps instead of holding the device: DeepSpeed; ``torch._dynamo``, which the
+        first optimizer's construction imports (``torch._compile``'s lazy import: 1.0-2.6 s of the lock on this
+        project's CPU, 815 modules); inductor under torch.compile; the profiler for traced steps; FSDP and
+        checkpointing when the strategy uses them. No import here touches the device. A failing import is left to
+        the code that needs it, which reports it."""
+        if not self.spec.get("device_lock"):
+            return
+        import importlib
+
+        wanted = ["torch._dynamo", "torch.utils.checkpoint"]
+        if self.engine == "deepspeed":
+            wanted.append("deepspeed")
+        if self.compile:
+            wanted.append("torch._inductor.compile_fx")
+        if self.fsdp != "none":
+            wanted.append("torch.distributed.fsdp")
+        if int(self.spec.get("trace_steps") or 0):
+            wanted += ["torch.profiler", "optplan.probes.step_trace"]
+        for name in wanted:
             with contextlib.suppress(Exception):
-                import deepspeed  # noqa: F401
+                importlib.import_module(name)
 
     def build(self, device: torch.device, contract: ModelContract) -> None:
         """Build the model from ``contract`` on ``device`` (a module-level instance is moved there)."""
@@ -427,6 +379,8 @@ class Probe(Trainer):
             dt, bad = self.reduce_max([dt, bad])  # the highest rank with a non-finite loss, plus one
             losses.append(value)
             self.result["losses"] = losses
+            if k == 0:
+                self.mark("first_step")  # the first step's one-time work: kernels loaded, plans built, autotuning
             kind = "warm-up" if k < warmup else "timed"
             if bad:
                 shown = str(value) if not math.isfinite(value) else "not finite"
@@ -441,87 +395,67 @@ class Probe(Trainer):
             if k == warmup and limit is not None and dt > float(limit):
                 raise ProbeFailure("pruned", f"the first timed step took {dt:.3g} s, slower than the limit of "
                                              f"{float(limit):g} s")
-        traced = int(self.spec.get("trace_steps") or 0)
-        if traced:  # after the timed steps: the profiler's overhead stays out of the step time
-            from optplan.probes.step_trace import trace_steps
-
-            self.phase = "traced steps"
-            self.result["step_trace"] = trace_steps(lambda: self.one_step(self.batch_for), traced,
-                                                    cuda=self.device_type == "cuda", sync=self.sync)
 
     # -- the whole run ------------------------------------------------------------------------------
     def run(self) -> None:
         self.check_strategy()
         contract = self.load()
-        self.preload_engine()
+        self.preload()
+        self.mark("imported")
         self.wait_for_device()
         device = self.setup_device()
         self.setup_distributed()
+        self.mark("device_ready")
         self.build(device, contract)
+        self.mark("built")
         assert self.model is not None
         self.setup_training(self.model, device)
+        self.mark("set_up")
         self.phase = "making the batches"
         self.make_batches(contract, self.model, device)
         self.run_steps()
+        self.mark("stepped")
         self.phase = "finishing"
+        self.read_device_memory()
+        self.run_traced_steps()
+
+    def read_device_memory(self) -> None:
+        """CUDA: the run's allocator peaks and the non-torch bytes, read after the timed steps and before any
+        traced step (the profiler's own device buffers are not the training's)."""
         if self.device_type == "cuda":
             torch.cuda.synchronize()
+            if self.device_lock is not None:  # the probe that handed the device over holds its context until it exits
+                self.result["previous_exit_wait_s"] = self.device_lock.wait_for_previous_exit()
             self.result["peak_allocated_bytes"] = int(torch.cuda.max_memory_allocated())
             self.result["peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved())
             free, total = torch.cuda.mem_get_info()
             self.result["non_torch_bytes"] = int(max(0, total - free - torch.cuda.memory_reserved()))
+        self.mark("measured")
+
+    def run_traced_steps(self) -> None:
+        """``spec["trace_steps"]`` extra steps under torch.profiler, after the timed steps and the memory figures
+        (its overhead stays out of both)."""
+        traced = int(self.spec.get("trace_steps") or 0)
+        if not traced:
+            return
+        from optplan.probes.step_trace import trace_steps
+
+        self.phase = "traced steps"
+        self.result["step_trace"] = trace_steps(lambda: self.one_step(self.batch_for), traced,
+                                                cuda=self.device_type == "cuda", sync=self.sync)
+        self.mark("traced")
+
+    def drop_device_state(self) -> None:
+        """Let go of everything this probe holds on the device (before :meth:`DeviceLock.hand_over`)."""
+        for name in ("model", "optimizer", "master", "scaler", "engine_obj", "accelerator", "runner", "loss_fn",
+                     "before_optimizer_step", "tracker"):
+            if hasattr(self, name):
+                setattr(self, name, None)
+        self.batches.clear()
+        self.ddp_buckets = {}
+
         if self.master is not None and self.master.skipped_steps:
             self.notes.append(f"fp16 loss scaling skipped {self.master.skipped_steps} step(s) on overflow")
-
-
-class ScriptHooks:
-    """Hooks for a generated train.py run by the probe (``--train-script``): on CPU every step from the second
-    on runs under the live-tensor tracker, and the largest peak goes into its measurements.json as
-    ``peak_allocated_bytes`` (what a GPU's ``max_memory_allocated`` says of the whole run): the maximum over
-    steps and ranks. Each collective settles before the step goes on (:class:`ProbeTracker`), so a buffer gloo's
-    worker thread holds is freed in program order, not by chance."""
-
-    TRACKED_STEP = 1
-    """The first step index tracked (DDP rebuilds its gradient buckets in the second step)."""
-
-    def __init__(self, cap_bytes: int | None) -> None:
-        self.cap_bytes = cap_bytes
-        self.peak: int | None = None
-        self.by_category: dict[str, int] = {}
-        self.tracked_steps = 0
-
-    def run_step(self, trainer: Any, index: int, step: Callable[[], torch.Tensor]) -> torch.Tensor:
-        if trainer.device_type != "cpu" or index < self.TRACKED_STEP:
-            return step()
-        trainer.track_ddp_buckets = True
-        loss, tracker = tracked_call(trainer, step, self.cap_bytes, [])
-        peak, = trainer.reduce_max([float(tracker.peak_bytes)])
-        self.tracked_steps += 1
-        if self.peak is None or int(peak) > self.peak:
-            self.peak = int(peak)
-            self.by_category = {k: int(v) for k, v in tracker.peak_by_category.items() if v > 0}
-        return loss
-
-    def measured(self) -> dict[str, Any]:
-        if self.peak is None:
-            return {}
-        return {"peak_allocated_bytes": self.peak, "peak_by_category_bytes": self.by_category,
-                "memory_source": f"optplan's live-tensor tracker (CPU): peak live tensor bytes of steps 2 to "
-                                 f"{self.tracked_steps + 1}, max over steps and ranks"}
-
-
-def run_train_script(path: str, cap_bytes: int | None, argv: list[str]) -> int:
-    """Import a generated train.py and run its ``main`` with :class:`ScriptHooks` (its exit code)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("optplan_train_script", path)
-    if spec is None or spec.loader is None:
-        print(f"error: {path} cannot be imported as a Python module", file=sys.stderr)
-        return EXIT_FAILED
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return int(module.main(argv, ScriptHooks(cap_bytes)))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -540,22 +474,28 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _train_script_args(argv: list[str]) -> tuple[str, int | None, list[str]] | None:
-    """``--train-script PATH [--memory-cap-bytes N] [-- train.py's arguments]``, or None for a probe spec."""
-    if not argv or argv[0] != "--train-script":
-        return None
-    parser = argparse.ArgumentParser(prog="python -m optplan.probes.runtime_child --train-script",
-                                     description="Run a generated train.py with the CPU live-tensor tracker.")
-    parser.add_argument("--train-script", required=True, help="the generated train.py")
-    parser.add_argument("--memory-cap-bytes", type=int, default=None, help="live tensor bytes that count as oom")
-    rest = argv[argv.index("--") + 1:] if "--" in argv else []
-    mine = argv[:argv.index("--")] if "--" in argv else argv
-    args = parser.parse_args(mine)
-    return args.train_script, args.memory_cap_bytes, rest
+def hand_over(probe: Probe, result: dict[str, Any]) -> None:
+    """A finished probe holding the device lock releases it before exiting, when its device memory is back with
+    the driver (:meth:`~optplan.probes.device_lock.DeviceLock.hand_over`): ``device_handed_over`` and, on CUDA,
+    ``device_residue_bytes`` in the result; a failure here leaves the lock to the process's exit."""
+    lock = probe.device_lock
+    assert lock is not None
+    try:
+        residue = lock.hand_over(probe.device_type, probe.drop_device_state)
+    except Exception as exc:  # noqa: BLE001 - the result is already measured: keep the lock to the exit
+        result["notes"].append(f"the device lock was kept to the exit: freeing the device raised {exc_text(exc)}")
+        return
+    result["device_handed_over"] = not lock.held
+    if residue is not None:
+        result["device_residue_bytes"] = residue
+    if not lock.held:
+        probe.mark("released")
 
 
 def main(argv: list[str] | None = None) -> int:
-    script = _train_script_args(list(sys.argv[1:] if argv is None else argv))
+    from optplan.probes.train_script_child import run_train_script, train_script_args
+
+    script = train_script_args(list(sys.argv[1:] if argv is None else argv))
     if script is not None:  # a generated train.py, measured: the same Trainer, the user's own loop
         _die_with_parent()
         return run_train_script(*script)
@@ -566,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout = sys.stderr
     faulthandler.enable(file=sys.stderr, all_threads=True)
     rank = int(os.environ.get("RANK", "0"))
-    result: dict[str, Any] = {
+    result: dict[str, Any] = {"started_at": round(time.time() - (time.perf_counter() - _STARTED), 3),
         "status": "ok", "reason": "", "rank": rank, "world_size": int(os.environ.get("WORLD_SIZE", "1")),
         "device_name": "", "torch_version": torch.__version__, "step_times_s": [], "losses": [],
         "peak_allocated_bytes": None, "peak_reserved_bytes": None, "non_torch_bytes": None,
@@ -597,6 +537,8 @@ def main(argv: list[str] | None = None) -> int:
             and result["status"] == "ok" and probe.device_type == "cpu":
         result["notes"].append("no memory figure: the tracked step did not run")
     code = EXIT_OK if result["status"] in ("ok", "pruned") else EXIT_FAILED
+    if probe is not None and probe.device_lock is not None and code == EXIT_OK:
+        hand_over(probe, result)
     try:
         write_json_atomic(rank_out_path(args.out, rank), result)
     finally:
