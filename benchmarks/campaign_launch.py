@@ -14,6 +14,10 @@ For each engine (a torch plan and a DeepSpeed plan on a GPU; the torch plan on t
 
 The record (``launch.json``) keeps the plans, the lines train.py printed, its ``measurements.json`` (step times,
 peak allocated and reserved memory, MFU), the calibration's before/after errors and the second plan.
+
+With ``--jobs`` > 1 the two engines' chains run at once: their recommend and calibrate steps overlap, and each
+launch holds one lock file for its whole run (train.py is the user's own program and takes no lock itself), so the
+launches, and the step times calibrate takes, are one at a time.
 """
 
 from __future__ import annotations
@@ -22,11 +26,13 @@ import json
 import os
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from campaign_core import EXAMPLES, Campaign
 from campaign_io import ROOT, last_line, run_command, run_optplan, write_json
+from probe_pool import held
 
 from optplan.estimators.strategy import Strategy
 
@@ -34,8 +40,9 @@ STEPS_GPU, STEPS_CPU = 8, 3
 """Optimizer steps train.py runs: on a GPU two warm-up steps and six timed; on the CPU the fewest that time one."""
 
 
-def launch_one(c: Campaign, engine: str, model: Path, work: Path) -> dict[str, Any]:
-    """Steps 1-4 of the module docstring for one engine; every step's outcome is in the returned record."""
+def launch_one(c: Campaign, engine: str, model: Path, work: Path, lock: Path | None = None) -> dict[str, Any]:
+    """Steps 1-4 of the module docstring for one engine; every step's outcome is in the returned record. ``lock``:
+    held around step 2 (the launch), so that engines run together take the device in turn."""
     entry: dict[str, Any] = {"engine": engine, "model": str(model.relative_to(ROOT))}
     folder, cache = work / engine, work / f"{engine}-cache"
     cache.mkdir(parents=True, exist_ok=True)
@@ -58,7 +65,8 @@ def launch_one(c: Campaign, engine: str, model: Path, work: Path) -> dict[str, A
     else:  # CPU memory is measured under optplan's live-tensor tracker (calibrate takes no CPU run without it)
         how = [sys.executable, "-m", "optplan.probes.runtime_child", "--train-script", str(folder / "train.py"), "--"]
     entry["how"] = " ".join(Path(how[0]).name if i == 0 else a for i, a in enumerate(how)).replace(str(folder), "DIR")
-    code, out, err = run_command([*how, *train_args], max(60.0, min(300.0, c.left_s())), cwd=folder, env=env)
+    with held(lock):
+        code, out, err = run_command([*how, *train_args], max(60.0, min(300.0, c.left_s())), cwd=folder, env=env)
     entry["launch_output"] = [line for line in out.splitlines() if line.strip()][-8:]
     if _ran(entry, "launch_exit_code", (code, out, err)) is None:
         return entry
@@ -136,16 +144,23 @@ def part_launch(c: Campaign) -> dict[str, Any]:
     model = EXAMPLES / ("gpt2.py" if c.device == "cuda" else "mlp.py")
     engines = [e for e in (("torch", "deepspeed") if c.device == "cuda" else ("torch",)) if c.wants_engine(e)]
     with tempfile.TemporaryDirectory(prefix="optplan_campaign_launch_") as tmp:
-        for engine in engines:
+        lock = Path(tmp) / "device.lock" if c.jobs > 1 else None
+
+        def one(engine: str) -> dict[str, Any]:
             if c.left_s() < 60:
-                doc["runs"].append({"engine": engine, "skipped": "out of time"})
-            elif engine == "deepspeed" and c.deepspeed_error:
-                doc["runs"].append({"engine": engine, "skipped": c.deepspeed_error})
-            else:
-                entry = launch_one(c, engine, model, Path(tmp))
+                return {"engine": engine, "skipped": "out of time"}
+            if engine == "deepspeed" and c.deepspeed_error:
+                return {"engine": engine, "skipped": c.deepspeed_error}
+            entry = launch_one(c, engine, model, Path(tmp), lock)
+            c.log(_line(engine, entry, c.device))
+            return entry
+
+        # --jobs > 1: the engines' chains at once; their recommend and calibrate steps (CPU) overlap, their
+        # launches take the device in turn
+        with ThreadPoolExecutor(max_workers=len(engines) if c.jobs > 1 and engines else 1) as pool:
+            for entry in pool.map(one, engines):
                 doc["runs"].append(entry)
-                c.log(_line(engine, entry, c.device))
-            write_json(path, doc)
+                write_json(path, doc)
     doc["summary"] = {"launched": sum("measurements" in r for r in doc["runs"]),
                       "calibrated": sum("second_plan" in r for r in doc["runs"])}
     write_json(path, doc)

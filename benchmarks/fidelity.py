@@ -55,13 +55,11 @@ calibration; GPU step time median <= 10 % after one calibration probe per model.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 import platform
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -102,21 +100,6 @@ CPU_TIME_REASON = ("the step-time model prices a GPU's FLOP/s, HBM bandwidth and
 
 # one case
 # ---------------------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def environment(extra: dict[str, str]) -> Iterator[None]:
-    """``os.environ`` with ``extra`` set (the profiler child inherits the environment)."""
-    saved = {k: os.environ.get(k) for k in extra}
-    os.environ.update(extra)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def ds_config(strategy: Strategy, profile: ModelProfile, torch_optimizer: bool) -> dict[str, Any] | None:
     if strategy.engine != "deepspeed":
         return None

@@ -104,8 +104,7 @@ def profiles(cases: list[tuple[MeasuredCase, str]]) -> dict[str, ModelProfile]:
         out = {}
         for key in sorted({c.model for c, _ in cases}):
             model = defs[key]
-            with fidelity.environment(model.env):
-                out[key] = profile_model_file(model.path, seq_len=model.seq_len)
+            out[key] = profile_model_file(model.path, seq_len=model.seq_len, env=model.env or None)
     return out
 
 

@@ -16,11 +16,12 @@ measurement is scripted here and every result is written as JSON under ``--out``
   the uncalibrated and the calibrated prediction. Then ``calibration``: the results are fitted into a
   calibration cache (``planner/results.py``, what ``optplan calibrate fidelity.json`` does), read back and
   used for an estimate, and the step-time error before and after is recorded.
-* ``trace.json`` (part 1): where the step time goes: a few runs (those the first H200 visit's time errors were
-  largest on) with two extra steps under ``torch.profiler`` (``ProbeSpec.trace_steps``, probes/step_trace.py),
-  their kernel time per step by category (GEMM, attention, optimizer, communication, other) beside the
-  predicted step's parts (compute, memory-bound, optimizer, host).
-* ``exports.json`` (part 2): ``optplan recommend --out`` for a DeepSpeed and a torch plan of a model file
+* ``trace.json`` (part 1, benchmarks/campaign_trace.py): where the step time goes: a few of the fidelity suite's
+  runs (those the H200 visits' time errors were largest on) with two extra steps under ``torch.profiler`` after their
+  timed steps (``ProbeSpec.trace_steps``, probes/step_trace.py), their kernel time per step by category (GEMM,
+  attention, optimizer, communication, other) beside the predicted step's parts (compute, memory-bound, optimizer,
+  host). The fidelity section traces these runs in its own probes; the trace section runs only the rest.
+* ``exports.json`` (part 2, benchmarks/campaign_exports.py): ``optplan recommend --out`` for a DeepSpeed and a torch plan of a model file
   on this one GPU, then ``optplan validate`` on what was written: ``ds_config.json`` through
   ``deepspeed.initialize``, ``launch.sh`` through torchrun, ``accelerate.yaml`` through
   ``accelerate launch`` (on the CPU the DeepSpeed plan only).
@@ -33,8 +34,9 @@ measurement is scripted here and every result is written as JSON under ``--out``
   measured throughput as a share of the best measured (target >= 97 %), and Spearman's rank correlation
   of predicted and measured throughput.
 
-This file holds the probes, fidelity (with the calibration round trip) and exports sections and the command line;
-the others have modules of their own beside it: ``campaign_trace.py``, ``campaign_launch.py``, ``campaign_grid.py``,
+This file holds the probes and fidelity (with the calibration round trip) sections and the command line; the others
+have modules of their own beside it: ``campaign_trace.py``, ``campaign_exports.py``, ``campaign_launch.py``,
+``campaign_grid.py``,
 with ``campaign_core.py`` (the ``Campaign`` a section is handed, the env record) and ``campaign_io.py`` (atomic JSON
 writes, commands run with a timeout).
 
@@ -110,8 +112,9 @@ from campaign_core import (  # noqa: E402
     pct,
     spread,
 )
+from campaign_exports import part_exports  # noqa: E402
 from campaign_grid import part_grid  # noqa: E402
-from campaign_io import ROOT, last_line, run_optplan, write_json  # noqa: E402
+from campaign_io import ROOT, write_json  # noqa: E402
 from campaign_launch import part_launch  # noqa: E402
 from campaign_trace import part_trace, trace_steps_for  # noqa: E402
 
@@ -370,71 +373,6 @@ def calibration_round_trip(c: Campaign, results: Path, rows: list[fidelity_repor
     c.log(f"calibration: {len(fits)} fit(s) written to {cache.name}; used for {sum(u.get('loaded', False) for u in out['used'])} model(s)")
     return out
 
-
-
-# ---------------------------------------------------------------------------------------------------
-# part 2: exports.json
-# ---------------------------------------------------------------------------------------------------
-def part_exports(c: Campaign) -> dict[str, Any]:
-    """recommend --out for a DeepSpeed and a torch plan on this one GPU (the DeepSpeed plan on the CPU), then validate
-    what was written."""
-    path = c.out / "exports.json"
-    doc = c.doc("exports", plans=[])
-    model = EXAMPLES / ("gpt2.py" if c.device == "cuda" else "mlp.py")
-    with tempfile.TemporaryDirectory(prefix="optplan_campaign_exports_") as tmp:
-        # CPU: the DeepSpeed plan only (its three files, planned for 2 GPUs, bf16, and run on one process: the batch
-        # scaled to it; the torch plan's launch.sh and accelerate.yaml run under `optplan validate` in
-        # tests/tui/test_cli_probe.py), a GPU both, planned for its one GPU
-        for engine in [e for e in (("deepspeed", "torch") if c.device == "cuda" else ("deepspeed",)) if c.wants_engine(e)]:
-            if c.left_s() < 30:
-                doc["plans"].append({"engine": engine, "skipped": "out of time"})
-                continue
-            if engine == "deepspeed" and c.deepspeed_error:
-                doc["plans"].append({"engine": engine, "skipped": c.deepspeed_error})
-                continue
-            folder = Path(tmp) / engine
-            entry: dict[str, Any] = {"engine": engine, "model": str(model.relative_to(ROOT))}
-            # --no-probe --no-calibration: the plan is what the analytic search picks (a GPU would start the
-            # probe stage by default, which the grid measures on its own)
-            gpus = "1" if c.device == "cuda" else "2"
-            code, out, err = run_optplan(["recommend", str(model), "--gpus", gpus, *c.plan_args(), "--engine", engine,
-                                       "--no-probe", "--no-calibration", "--out", str(folder), "--json"],
-                                      timeout_s=max(30.0, min(300.0, c.left_s())))
-            entry["recommend_exit_code"] = code
-            if code != 0:
-                entry["error"] = last_line(out, err)
-                doc["plans"].append(entry)
-                write_json(path, doc)
-                continue
-            rec = json.loads(out)
-            entry["plan"] = rec["plan"]
-            entry["files"] = sorted(p.name for p in folder.iterdir())
-            per_run = int(max(60.0, min(300.0, c.left_s() / (3 if engine == "deepspeed" else 2))))
-            code, out, err = run_optplan(["validate", str(folder), str(model), *(["--seq-len", "512"] if c.device == "cuda" else []), "--steps", "2", "--json",
-                                       "--timeout", str(per_run)],
-                                      timeout_s=max(60.0, min(400.0, c.left_s() + 30)))
-            entry["validate_exit_code"] = code
-            try:
-                report = json.loads(out)
-                entry["runs"] = [{"file": r["file"], "how": r["how"], "started": r["started"], "fits": r["fits"],
-                                  "status": r["comparison"]["result"]["status"],
-                                  "reason": r["comparison"]["result"]["reason"],
-                                  "predicted_step_s": r["comparison"]["predicted_step_s"],
-                                  "measured_step_s": r["comparison"]["result"]["step_s"],
-                                  "notes": r["notes"]} for r in report["runs"]]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                entry["error"] = last_line(out, err)
-            doc["plans"].append(entry)
-            for r in entry.get("runs", []):
-                r["file"] = Path(r["file"]).name  # the temporary folder is gone after the run
-            c.log(f"exports: {engine}: recommend {entry['recommend_exit_code']}, validate {code}: "
-                  + ", ".join(f"{r['file']} {r['status']}" for r in entry.get("runs", [])))
-            write_json(path, doc)
-    launched = [r for p in doc["plans"] for r in p.get("runs", [])]
-    doc["summary"] = {"launched": len(launched), "ok": sum(r["status"] == "ok" for r in launched),
-                      "files": sorted({r["file"] for r in launched if r["status"] == "ok"})}
-    write_json(path, doc)
-    return doc
 
 
 # ---------------------------------------------------------------------------------------------------

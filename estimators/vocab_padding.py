@@ -15,8 +15,8 @@ A note names it when it is at least ``NOTE_SHARE`` of the step.
 
 from __future__ import annotations
 
-from optplan.estimators.compute import _align_bytes, head_time, transformer_dims
-from optplan.estimators.efficiency import efficiency_for
+from optplan.estimators.compute import TransformerDims, _align_bytes, head_time, transformer_dims
+from optplan.estimators.efficiency import GpuEfficiency, efficiency_for
 from optplan.estimators.gemm_measured import catalogue_alignment
 from optplan.estimators.hardware import Cluster
 from optplan.estimators.precision import get_recipe
@@ -34,27 +34,34 @@ def padded_vocab(vocab: int) -> int:
     return -(-vocab // PAD_MULTIPLE) * PAD_MULTIPLE
 
 
-def padding_saving_s(profile: ModelProfile, strategy: Strategy, cluster: Cluster) -> float:
-    """Seconds per step that padding the vocabulary would save (module docstring); 0 when it is aligned, unknown,
-    or the engine pads it itself (Megatron)."""
-    dims = transformer_dims(profile)
+def _saving_s(dims: TransformerDims | None, strategy: Strategy, cluster: Cluster, eff: GpuEfficiency) -> float:
     if dims is None or not dims.vocab or dims.vocab % PAD_MULTIPLE == 0 or strategy.engine == "megatron":
         return 0.0
-    eff = efficiency_for(cluster.gpu)
     now = head_time(dims, strategy, cluster.gpu, eff).logits_gemm_s
     padded = head_time(dims.model_copy(update={"vocab": padded_vocab(dims.vocab)}), strategy, cluster.gpu,
                        eff).logits_gemm_s
     return max(0.0, now - padded) * strategy.grad_accum
 
 
+def padding_saving_s(profile: ModelProfile, strategy: Strategy, cluster: Cluster) -> float:
+    """Seconds per step that padding the vocabulary would save (module docstring); 0 when it is aligned, unknown,
+    or the engine pads it itself (Megatron)."""
+    return _saving_s(transformer_dims(profile), strategy, cluster, efficiency_for(cluster.gpu))
+
+
 def vocab_padding_notes(profile: ModelProfile, strategy: Strategy, cluster: Cluster, step_s: float) -> tuple[str, ...]:
-    """One note when padding the vocabulary would save at least :data:`NOTE_SHARE` of the step."""
-    saved = padding_saving_s(profile, strategy, cluster)
-    if step_s <= 0 or saved < NOTE_SHARE * step_s:
+    """One note when padding the vocabulary would save at least :data:`NOTE_SHARE` of the step (the model's
+    dimensions and the GPU's efficiencies read once)."""
+    dims = transformer_dims(profile)
+    if dims is None or not dims.vocab or dims.vocab % PAD_MULTIPLE == 0 or step_s <= 0:
         return ()
-    vocab = transformer_dims(profile).vocab  # type: ignore[union-attr]
+    eff = efficiency_for(cluster.gpu)
+    saved = _saving_s(dims, strategy, cluster, eff)
+    if saved < NOTE_SHARE * step_s:
+        return ()
+    vocab = dims.vocab
     elem = get_recipe(strategy.precision).activation_bytes
-    slowdown = (16.0 / _align_bytes(vocab, elem)) ** efficiency_for(cluster.gpu).alignment_exponent
+    slowdown = (16.0 / _align_bytes(vocab, elem)) ** eff.alignment_exponent
     measured = catalogue_alignment(cluster.gpu.name)
     basis = ("this machine's microbenchmark" if cluster.gpu.gemm_alignment_exponent is not None
              else "measured on the same kind of GPU" if measured is not None else "the GPU's fitted exponent")

@@ -26,6 +26,8 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +40,7 @@ from optplan.estimators.strategy import Strategy
 from optplan.planner.calibrate import ProbeComparison
 from optplan.planner.export.context import FILE_NAMES, ExportPlan
 from optplan.planner.probe_stage import LocalDevices, compare_spec, describe_result, local_devices
+from optplan.probes.device_lock import DEVICE_LOCK_ENV
 from optplan.probes.runtime import ProbeResult, ProbeSpec, run_probe
 
 RUNNABLE = ("ds_config.json", "launch.sh", "accelerate.yaml")
@@ -249,66 +252,102 @@ def _kind(path: Path) -> str:
     return "accelerate"
 
 
+@dataclass(frozen=True)
+class _Prepared:
+    """One exported file, ready to run: the spec, and what the report says of it."""
+
+    path: Path
+    how: str
+    plan: ExportPlan | None
+    strategy: Strategy
+    probed: Strategy
+    notes: tuple[str, ...]
+    spec: ProbeSpec
+
+
+def _prepare(path: Path, profile: ModelProfile, model_name: str | None, local: LocalDevices, scratch: Path,
+             warmup_steps: int, timed_steps: int) -> _Prepared:
+    """Read one exported file (and plan.json beside it) into the probe spec that runs it."""
+    block = profile.repeated_block.class_name if profile.repeated_block else None
+    plan = _plan_beside(path.parent)
+    if plan is not None:
+        check_same_model(plan, profile, path)
+    kind = _kind(path)
+    ds_config = None
+    extra: dict[str, Any] = {}
+    if kind == "deepspeed":
+        cfg = _read_json(path)
+        if plan is not None and plan.strategy.engine != "deepspeed":
+            raise OptplanError(f"{path} is not the plan's beside it (plan.json: {plan.strategy.label()}, no "
+                               "DeepSpeed): it is left from an earlier plan; remove it, or validate a folder "
+                               "that recommend --out wrote for it")
+        strategy = plan.strategy if plan is not None else strategy_from_ds_config(cfg, str(path))
+        probed, notes = _local_strategy(strategy, local)
+        ds_config = _scaled_ds_config(cfg, probed)
+        ds_config = _runnable_ds_config(ds_config, local, notes)
+        how = f"deepspeed.initialize with {path.name}, {probed.dp} process(es) (plan: {strategy.dp})"
+    else:
+        if plan is None:
+            raise OptplanError(f"{path} needs the plan.json beside it (the strategy it launches): validate the "
+                               "folder recommend --out wrote")
+        strategy = plan.strategy
+        probed, notes = _local_strategy(strategy, local)
+        if probed.engine == "deepspeed":
+            from optplan.planner.export.deepspeed import render_ds_config
+            ds_config = _runnable_ds_config(render_ds_config(probed, plan.buckets), local, notes)
+        if kind == "launch":
+            from optplan.planner.export.launch_check import launch_argv
+            argv = launch_argv(path.read_text(encoding="utf-8"))
+            how = f"{Path(argv[0]).name} from {path.name}, {probed.dp} process(es) (plan: {strategy.dp})"
+        else:
+            run_yaml = _accelerate_config_for_run(path, scratch, local, notes)
+            extra["accelerate_config"] = str(run_yaml.resolve())
+            if local.device == "cpu":
+                notes.append("on the CPU `accelerate launch --cpu` runs without the config's FSDP/DeepSpeed "
+                             "plugin: this checks that accelerate reads the file and the model trains, "
+                             "not the sharding")
+            how = f"accelerate launch --config_file {path.name}, {probed.dp} process(es) (plan: {strategy.dp})"
+    spec = ProbeSpec(model_path=profile.path, model_name=model_name, seq_len=profile.seq_len, strategy=probed,
+                     block_class=block, ds_config=ds_config, device=local.device, nproc=probed.dp,
+                     warmup_steps=warmup_steps, timed_steps=timed_steps, **extra)
+    return _Prepared(path=path, how=how, plan=plan, strategy=strategy, probed=probed, notes=tuple(notes), spec=spec)
+
+
 def validate_exports(target: Path, profile: ModelProfile, *, model_name: str | None = None,
                      local: LocalDevices | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, warmup_steps: int = 1,
-                     timed_steps: int = 3, runner: Callable[..., ProbeResult] = run_probe) -> ValidationReport:
-    """Run every runnable exported file under ``target`` with the model of ``profile`` for a few steps."""
+                     timed_steps: int = 3, runner: Callable[..., ProbeResult] = run_probe,
+                     jobs: int = 1) -> ValidationReport:
+    """Run every runnable exported file under ``target`` with the model of ``profile`` for a few steps.
+
+    ``jobs`` > 1: that many files run at once when each runs as one process, taking the device in turn
+    (probes/device_lock.py: ``$OPTPLAN_DEVICE_LOCK``, else a lock of this call's own): their imports overlap, their
+    device work, step times and memory figures do not. Runs of several processes cannot share the device so (the
+    ranks of one run would wait on each other): they run one at a time, as with ``jobs=1``."""
+    if jobs < 1:
+        raise OptplanError(f"jobs must be >= 1 (got {jobs})")
     target = Path(target)
     files = files_to_run(target)
     local = local or local_devices()
-    runs: list[ValidationRun] = []
-    block = profile.repeated_block.class_name if profile.repeated_block else None
     with tempfile.TemporaryDirectory(prefix="optplan_validate_") as scratch:
-        for path in files:
-            plan = _plan_beside(path.parent)
-            if plan is not None:
-                check_same_model(plan, profile, path)
-            kind = _kind(path)
-            ds_config = None
-            extra: dict[str, Any] = {}
-            if kind == "deepspeed":
-                cfg = _read_json(path)
-                if plan is not None and plan.strategy.engine != "deepspeed":
-                    raise OptplanError(f"{path} is not the plan's beside it (plan.json: {plan.strategy.label()}, no "
-                                       "DeepSpeed): it is left from an earlier plan; remove it, or validate a folder "
-                                       "that recommend --out wrote for it")
-                strategy = plan.strategy if plan is not None else strategy_from_ds_config(cfg, str(path))
-                probed, notes = _local_strategy(strategy, local)
-                ds_config = _scaled_ds_config(cfg, probed)
-                ds_config = _runnable_ds_config(ds_config, local, notes)
-                how = f"deepspeed.initialize with {path.name}, {probed.dp} process(es) (plan: {strategy.dp})"
-            else:
-                if plan is None:
-                    raise OptplanError(f"{path} needs the plan.json beside it (the strategy it launches): validate the "
-                                       "folder recommend --out wrote")
-                strategy = plan.strategy
-                probed, notes = _local_strategy(strategy, local)
-                if probed.engine == "deepspeed":
-                    from optplan.planner.export.deepspeed import render_ds_config
-                    ds_config = _runnable_ds_config(render_ds_config(probed, plan.buckets), local, notes)
-                if kind == "launch":
-                    from optplan.planner.export.launch_check import launch_argv
-                    argv = launch_argv(path.read_text(encoding="utf-8"))
-                    how = f"{Path(argv[0]).name} from {path.name}, {probed.dp} process(es) (plan: {strategy.dp})"
-                else:
-                    run_yaml = _accelerate_config_for_run(path, Path(scratch), local, notes)
-                    extra["accelerate_config"] = str(run_yaml.resolve())
-                    if local.device == "cpu":
-                        notes.append("on the CPU `accelerate launch --cpu` runs without the config's FSDP/DeepSpeed "
-                                     "plugin: this checks that accelerate reads the file and the model trains, "
-                                     "not the sharding")
-                    how = f"accelerate launch --config_file {path.name}, {probed.dp} process(es) (plan: {strategy.dp})"
-            spec = ProbeSpec(model_path=profile.path, model_name=model_name, seq_len=profile.seq_len, strategy=probed,
-                             block_class=block, ds_config=ds_config, device=local.device, nproc=probed.dp,
-                             warmup_steps=warmup_steps, timed_steps=timed_steps, **extra)
-            result = runner(spec, timeout_s=timeout_s)
-            cluster = _cluster_for(plan, strategy)
-            comparable = local.device == "cuda" and local.catalogue_name == cluster.gpu.name
-            comparison = compare_spec(profile, cluster, strategy, probed, local, comparable, result)
-            started = result.status in ("ok", "oom", "nan", "pruned") or bool(result.step_times_s)
-            fits = True if result.status in ("ok", "nan", "pruned") else False if result.status == "oom" else None
-            runs.append(ValidationRun(file=str(path), how=how, started=started, fits=fits, comparison=comparison,
-                                      notes=(*notes, *result.notes)))
+        prepared = [_prepare(path, profile, model_name, local, Path(scratch), warmup_steps, timed_steps)
+                    for path in files]
+        if jobs > 1 and len(prepared) > 1 and all(p.spec.nproc == 1 for p in prepared):
+            lock = os.environ.get(DEVICE_LOCK_ENV, "").strip() or str(Path(scratch) / "device.lock")
+            prepared = [replace(p, spec=p.spec.model_copy(update={"device_lock": p.spec.device_lock or lock}))
+                        for p in prepared]
+            with ThreadPoolExecutor(max_workers=min(jobs, len(prepared))) as pool:
+                results = list(pool.map(lambda p: runner(p.spec, timeout_s=timeout_s), prepared))
+        else:
+            results = [runner(p.spec, timeout_s=timeout_s) for p in prepared]
+    runs: list[ValidationRun] = []
+    for p, result in zip(prepared, results, strict=True):
+        cluster = _cluster_for(p.plan, p.strategy)
+        comparable = local.device == "cuda" and local.catalogue_name == cluster.gpu.name
+        comparison = compare_spec(profile, cluster, p.strategy, p.probed, local, comparable, result)
+        started = result.status in ("ok", "oom", "nan", "pruned") or bool(result.step_times_s)
+        fits = True if result.status in ("ok", "nan", "pruned") else False if result.status == "oom" else None
+        runs.append(ValidationRun(file=str(p.path), how=p.how, started=started, fits=fits, comparison=comparison,
+                                  notes=(*p.notes, *result.notes)))
     return ValidationReport(target=str(target), model_path=profile.path, device=local.device, runs=tuple(runs))
 
 

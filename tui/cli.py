@@ -452,6 +452,7 @@ def validate_cmd(
     timeout: Annotated[float, typer.Option("--timeout", help="seconds before one run is killed")] = 600.0,
     steps: Annotated[int, typer.Option("--steps", help="timed steps per run (after one warm-up step)")] = 3,
     nproc: Annotated[int | None, typer.Option("--nproc", help="local processes (default: local GPUs, 1 on CPU)")] = None,
+    jobs: Annotated[int, typer.Option("--jobs", help="files run at once when each runs as one process: their start-ups overlap, they take the device in turn")] = 1,
     seq_len: SeqOpt = None, model_name: NameOpt = None, as_json: JsonOpt = False,
 ) -> None:
     """Run the exported launch configs for a few steps: started, fits, step time against the prediction."""
@@ -461,7 +462,7 @@ def validate_cmd(
 
     def body() -> None:
         _check_finite("timeout", timeout)
-        for flag, count in (("steps", steps), ("nproc", nproc)):
+        for flag, count in (("steps", steps), ("nproc", nproc), ("jobs", jobs)):
             if count is not None and count < 1:
                 raise OptplanError(f"--{flag} must be >= 1 (got {count})")
         files_to_run(target)  # a bad target fails before profiling
@@ -469,7 +470,7 @@ def validate_cmd(
             prof = resolve_model(model, arch=None, seq_len=seq_len, model_name=model_name, params=None)
         with _stderr().status("running the exported configs..."):
             report = validate_exports(target, prof, model_name=model_name, local=local_devices(nproc),
-                                      timeout_s=timeout, timed_steps=steps)
+                                      timeout_s=timeout, timed_steps=steps, jobs=jobs)
         if as_json:
             typer.echo(json.dumps(report.model_dump(mode="json"), indent=2))
         else:

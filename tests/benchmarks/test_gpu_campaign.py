@@ -71,10 +71,17 @@ def test_probe_paths_oom_is_data_and_microbench_runs(results: Path) -> None:
 
 
 def test_trace_says_where_the_step_time_went(results: Path) -> None:
-    """A traced run's per-category operator time (probes/step_trace.py) adds up to most of its traced step."""
+    """A traced run's per-category operator time (probes/step_trace.py) adds up to most of its traced step. The run
+    is the fidelity section's own probe of that case, traced after its timed steps: nothing was run twice, and its
+    memory figure is the untraced one."""
     doc = _load(results, "trace")
     run = doc["runs"][0]
     assert run["status"] == "ok" and run["measured_step_s"] > 0
+    assert run["source"] == "fidelity" and run["case"] == "fp32 torch mbs16"
+    fid = next(x for x in _load(results, "fidelity")["cases"] if x["model"] == "mlp" and x["label"] == run["case"])
+    assert fid["traced"] and fid["measured_step_s"] == run["measured_step_s"]
+    assert abs(fid["memory_error_pct"]) < 2.0
+    assert sum(x["traced"] for x in _load(results, "fidelity")["cases"]) == 1  # only the trace section's case
     trace = run["trace"]
     cats = trace["time_by_category_s"]
     assert set(cats) == {"gemm", "attention", "optimizer", "communication", "other"}
@@ -88,6 +95,8 @@ def test_fidelity_memory_and_the_calibration_round_trip(results: Path) -> None:
     s = doc["summary"]
     errors = {f'{c["model"]} {c["label"]} x{c["nproc"]}': c["memory_error_pct"] for c in doc["cases"]}
     assert s["ok"] == s["cases"] >= 6, errors  # the 2-rank engines run in test_train_script.py's matrix
+    # --jobs 3 (the default): every probe took the device lock and handed it over before its exit
+    assert s["device_held_s"]["n"] == s["cases"] and all("released" in c["timeline_s"] for c in doc["cases"])
     # every case within 2 %
     off = {name: round(err, 2) for name, err in errors.items() if abs(err) > 2.0}
     assert not off, off
@@ -112,6 +121,8 @@ def test_exports_launch_through_their_trainers(results: Path) -> None:
     assert {f for _, f in launched} >= {"ds_config.json", "launch.sh", "accelerate.yaml"}
     assert all(r["status"] == "ok" and r["started"] and r["fits"] for r in launched.values()), launched
     assert doc["summary"]["ok"] == doc["summary"]["launched"] >= 3  # CPU: the DeepSpeed plan's 3 files
+    # validate --jobs 3: the files started together and took the device lock in turn (one of them waited)
+    assert doc["jobs"] == 3 and max(r["device_wait_s"] for r in launched.values()) > 0.05
     # the CPU's DeepSpeed plan is for 2 GPUs (bf16: its accelerate.yaml, launched without the DeepSpeed plugin on
     # the CPU, keeps the module fp32 and so its inputs), run on 1 process: each file's batch is scaled to it
     # (DeepSpeed checks train_batch_size against micro-batch x accumulation x world size), and DeepSpeed's Adam runs

@@ -77,6 +77,26 @@ def test_validate_runs_the_exported_launch_files(tmp_path: Path) -> None:
         assert any("ran 1 of the plan's 2" in n for n in run["notes"])
 
 
+def test_validate_jobs_runs_the_files_together_taking_the_device_in_turn(tmp_path: Path) -> None:
+    """--jobs 2: both files start at once and take one device lock in turn; the lock-held intervals (from taking it
+    to handing it over) do not overlap, and the runs train as with --jobs 1."""
+    out = tmp_path / "plan"
+    _run(["recommend", MLP, "--gpus", "1", "--engine", "torch", "--precision", "fp32", "--no-offload", "--no-probe",
+          "--out", str(out)])
+    doc = json.loads(_run(["validate", str(out), MLP, "--steps", "1", "--jobs", "2", "--json"]))
+    results = [r["comparison"]["result"] for r in doc["runs"]]
+    assert [Path(r["file"]).name for r in doc["runs"]] == ["launch.sh", "accelerate.yaml"]  # in the folder's order
+    assert all(r["status"] == "ok" for r in results), results
+    locks = {r["spec"]["device_lock"] for r in results}
+    assert len(locks) == 1 and None not in locks
+    spans = sorted((r["device_acquired_at"], r["device_acquired_at"] + r["timeline_s"]["released"]
+                    - r["timeline_s"]["device_acquired"]) for r in results)
+    assert spans[0][1] <= spans[1][0]  # one after the other on the device
+    assert any(r["device_wait_s"] > 0.05 for r in results)  # one of them waited for the other
+    result = runner.invoke(app, ["validate", str(out), MLP, "--jobs", "0"])
+    assert result.exit_code == 2 and "--jobs must be >= 1" in result.stderr
+
+
 def test_validate_reports_a_config_that_does_not_start(tmp_path: Path) -> None:
     out = tmp_path / "plan"
     _run(["recommend", MLP, "--gpus", "2", "--engine", "deepspeed", "--precision", "fp32", "--no-offload",
