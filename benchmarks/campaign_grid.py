@@ -8,7 +8,7 @@ from __future__ import annotations
 import statistics
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -120,8 +120,10 @@ def _price(profile: ModelProfile, cluster: Cluster, strategy: Strategy, device: 
 
 
 def grid_one(c: Campaign, pool: ProbePool, model: GridModel, doc: dict[str, Any],
-             save: Callable[[], None]) -> dict[str, Any]:
-    """Measure one model's grid and judge recommend's pick on it (the runs ``pool.jobs`` at a time)."""
+             save: Callable[[], None]) -> Callable[[], dict[str, Any]]:
+    """Start measuring one model's grid (the runs ``pool.jobs`` at a time: submitted now, so that the next model's
+    runs queue behind them and start importing while this one's last runs hold the device) and return what records
+    the runs and judges recommend's pick on them, in order. With one job the runs are made when recorded."""
     profiled = pool.profile(model.path, model.seq_len).result()
     if profiled.profile is None:
         raise RuntimeError(f"profiling failed: {profiled.error}")
@@ -196,7 +198,21 @@ def grid_one(c: Campaign, pool: ProbePool, model: GridModel, doc: dict[str, Any]
             entry["recommend_pick_run"] = "not measured in the CPU's --quick run (outside the grid: not ranked)"
         else:
             todo.append((rec.plan, "recommend's free pick (outside the grid: not ranked)"))
-    for (s, why), result in zip(todo, pool.ordered(measure, [s for s, _ in todo]), strict=True):
+    items = [s for s, _ in todo]
+    if pool.jobs > 1:
+        futures = [pool.submit(measure, s) for s in items]
+        results: Iterator[ProbeResult | None] = (f.result() for f in futures)
+    else:
+        results = pool.ordered(measure, items)
+    return lambda: _finish(entry, todo, results, record, measured, predicted, grid, pick, rec, save)
+
+
+def _finish(entry: dict[str, Any], todo: list[tuple[Strategy, str]], results: Iterator[ProbeResult | None],
+            record: Callable[[Strategy, str, ProbeResult | None], None], measured: dict[Strategy, float],
+            predicted: dict[Strategy, float], grid: list[Strategy], pick: Strategy | None, rec: Any,
+            save: Callable[[], None]) -> dict[str, Any]:
+    """Record one model's runs in order, then its rank correlation and where the pick ranks."""
+    for (s, why), result in zip(todo, results, strict=True):
         record(s, why, result)
     both = [s for s in measured if s in predicted]
     entry["measured_runs"] = len(measured)
@@ -226,16 +242,26 @@ def part_grid(c: Campaign) -> dict[str, Any]:
 
     with (tempfile.TemporaryDirectory(prefix="optplan_campaign_grid_") as tmp,
           ProbePool(c.jobs, Path(tmp)) as pool):
-        for model in grid_models(c.device, c.quick, Path(tmp)):
-            if not c.wants(model.key):
-                continue
+        models = [m for m in grid_models(c.device, c.quick, Path(tmp)) if c.wants(m.key)]
+        if c.jobs > 1:  # every profile ahead, while the first model's runs hold the device
+            for model in models:
+                pool.profile(model.path, model.seq_len)
+        finishers: list[tuple[GridModel, Callable[[], dict[str, Any]]]] = []
+        for model in models:
             if c.left_s() < 30:
                 doc["models"].append({"model": model.key, "skipped": "out of time"})
                 continue
             try:
-                grid_one(c, pool, model, doc, save)
+                finishers.append((model, grid_one(c, pool, model, doc, save)))
             except Exception as exc:  # noqa: BLE001 - one model's failure is data
                 doc["models"].append({"model": model.key, "error": f"{type(exc).__name__}: {exc}"})
+            save()
+        for model, finish in finishers:
+            try:
+                finish()
+            except Exception as exc:  # noqa: BLE001
+                entry = next(m for m in doc["models"] if m.get("model") == model.key)
+                entry["error"] = f"{type(exc).__name__}: {exc}"
             save()
     shares = [m["pick_share_of_best"] for m in doc["models"] if "pick_share_of_best" in m]
     doc["summary"] = {"models": len(doc["models"]), "pick_share_of_best": shares,

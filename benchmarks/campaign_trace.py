@@ -39,19 +39,22 @@ TRACED: dict[str, tuple[tuple[str, str], ...]] = {
 errors were largest on. GPT-2 small at micro-batch 8 (host-paced), 16 and 64 (where the GPU paces the step); the
 Llama-3 1B layout at 2 and at 4 with checkpointing; DeepSpeed ZeRO-1 and ZeRO-3 at world size 1 (the host-paced
 engine); ResNet-50 at 32 and 128, and timm's in channels-last and channels-first at 128 (the counted-traffic path);
-the MLP (the FLOPs-only path). On the CPU one small MLP run. --quick on a GPU keeps the first GPT-2 and the first
-Llama run."""
+the MLP (the FLOPs-only path). On the CPU one small MLP run. --quick on a GPU: :data:`QUICK_CUDA`."""
 
 TRACE_STEPS = {"cuda": 2, "cpu": 1}
 """Optimizer steps under torch.profiler after a traced run's timed steps."""
 
 
+QUICK_CUDA = (("gpt2", "bf16 torch mbs8"), ("llama", "amp-bf16 torch mbs4 ckpt"))
+"""--quick on a GPU: one traced run of GPT-2 and one of the Llama, both cases of the quick fidelity suite (traced by
+its probes: nothing runs twice)."""
+
+
 def traced(device: str, quick: bool) -> tuple[tuple[str, str], ...]:
     """The (model, label) runs the trace section reports on ``device``."""
-    runs = TRACED["cuda" if device == "cuda" else "cpu"]
-    if quick and device == "cuda":  # one run per model: GPT-2's first, the Llama's first
-        return tuple(next(r for r in runs if r[0] == key) for key in ("gpt2", "llama"))
-    return runs
+    if quick and device == "cuda":
+        return QUICK_CUDA
+    return TRACED["cuda" if device == "cuda" else "cpu"]
 
 
 def trace_steps_for(c: Campaign) -> Callable[[fidelity_suite.Case, fidelity_suite.Model], int]:

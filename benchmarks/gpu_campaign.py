@@ -265,6 +265,8 @@ def row_record(row: fidelity_report.Row) -> dict[str, Any]:
         "is_calibration_probe": row.is_calibration, "probe_wall_s": r.wall_s if r is not None else None,
         "setup_s": r.setup_s if r is not None else None, "device_wait_s": r.device_wait_s if r is not None else None,
         "device_held_s": device_held_s(r), "timeline_s": r.timeline_s if r is not None else None,
+        "device_handed_over": r.device_handed_over if r is not None else None,
+        "device_residue_bytes": r.device_residue_bytes if r is not None else None,
         "traced": r is not None and r.step_trace is not None, "note": row.time_note,
     }
 
@@ -310,6 +312,11 @@ def part_fidelity(c: Campaign) -> dict[str, Any]:
                        trace=trace_steps_for(c))
     doc["summary"] = fidelity_summary(doc["cases"])
     write_json(path, doc)
+    held = doc["summary"]["device_held_s"]
+    if held["n"]:
+        c.log(f"fidelity: device lock held {held['sum']:.0f} s over {held['n']} probes (median {held['median']:.1f} s, "
+              f"{held['min']:.1f}-{held['max']:.1f} s); handed over before exit: "
+              f"{sum(x.get('device_handed_over') is True for x in doc['cases'])}")
     doc["calibration"] = calibration_round_trip(c, path, rows, profiles)
     write_json(path, doc)
     return doc

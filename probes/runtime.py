@@ -154,6 +154,9 @@ class ProbeResult(BaseModel):
     device_handed_over: bool | None = Field(
         default=None, description="spec.device_lock: whether the child released the lock before exiting, its device "
                                   "memory returned (probes/device_lock.py); False: kept to the exit")
+    device_residue_bytes: int | None = Field(
+        default=None, description="cuda, spec.device_lock: bytes the allocator still reserved when the child let go of "
+                                  "its model and emptied the cache, before the hand-over (bytes)")
 
     @property
     def ok(self) -> bool:
@@ -300,6 +303,8 @@ def _merge(spec: ProbeSpec, docs: dict[int, dict[str, Any]], code: int | None, l
             out[key] = float(first[key])
     if isinstance(first.get("device_handed_over"), bool):
         out["device_handed_over"] = first["device_handed_over"]
+    if isinstance(first.get("device_residue_bytes"), int):
+        out["device_residue_bytes"] = first["device_residue_bytes"]
     timeline = {str(k): float(v) for k, v in (first.get("timeline_s") or {}).items() if isinstance(v, (int, float))}
     if isinstance(first.get("started_at"), (int, float)) and ended_at is not None:
         timeline["exited"] = round(ended_at - float(first["started_at"]), 3)

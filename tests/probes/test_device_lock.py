@@ -48,7 +48,7 @@ def test_a_finished_probe_releases_the_lock_before_it_exits(tmp_path: Path) -> N
     result = run_probe(_spec(device_lock=str(lock)), timeout_s=120)
     watcher.join(60)
     assert result.ok, result.reason + "\n" + result.tail
-    assert result.device_handed_over is True
+    assert result.device_handed_over is True and result.device_residue_bytes is None  # no allocator on the CPU
     t = result.timeline_s
     assert list(MARKS) == [m for m in t if m in MARKS]  # recorded in this order
     assert [t[m] for m in MARKS] == sorted(t[m] for m in MARKS)

@@ -226,6 +226,20 @@ def test_cuda_probe_reports_allocator_figures(tiny_lm_file: Path) -> None:  # pr
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_probe_hands_the_device_over_before_it_exits(tiny_lm_file: Path, tmp_path: Path) -> None:  # pragma: no cover - no GPU in CI
+    """With a device lock, a finished probe lets go of its model, empties the allocator's cache and releases the
+    lock before it exits (probes/device_lock.py), with its memory figures read before that."""
+    r = probe(tiny_lm_file, device="cuda", precision="amp-bf16", block_class="Block", device_lock=str(tmp_path / "l"))
+    assert r.ok, r.reason + "\n" + r.tail
+    assert r.device_handed_over is True, r.device_residue_bytes
+    assert r.device_residue_bytes is not None and r.device_residue_bytes <= 256 * 2**20
+    assert r.peak_allocated_bytes and r.peak_allocated_bytes > 4 * P4 and r.non_torch_bytes
+    t = r.timeline_s
+    assert t["device_acquired"] <= t["device_ready"] <= t["measured"] < t["released"] < t["exited"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_memory_cap_gives_oom(tiny_lm_file: Path) -> None:  # pragma: no cover - no GPU in CI
     r = probe(tiny_lm_file, device="cuda", memory_cap_bytes=100_000)
     assert r.status == "oom", r.reason + "\n" + r.tail
