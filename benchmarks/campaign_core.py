@@ -116,12 +116,13 @@ class Campaign:
     models: frozenset[str] | None = None  # --models: fidelity, trace and grid keep only these
     cases: tuple[str, ...] | None = None  # --cases: words a fidelity case's tag must hold (first case kept)
     engines: frozenset[str] | None = None  # --engines: the plans exports and launch keep (torch, deepspeed)
-    jobs: int = 1  # --jobs: probes at once in fidelity, trace and grid, taking the device in turn (probe_pool.py)
+    jobs: int = 1  # --jobs: probes at once in fidelity, trace and grid (and validate's in exports, the two plans of
+    # exports and launch), taking the device in turn (probes/device_lock.py)
     traced: dict[tuple[str, str], tuple[ModelProfile, ProbeResult]] = field(default_factory=dict)
     """The fidelity section's traced runs, by (model, case label): the trace section reports them without a probe."""
 
     def wants(self, key: str) -> bool:
-        """Whether --models keeps the model ``key`` (the grid's and trace's 'llama1b' answers to 'llama')."""
+        """Whether --models keeps the model ``key`` (the grid's 'llama1b' answers to 'llama')."""
         return self.models is None or key in self.models or key.removesuffix("1b") in self.models
 
     def keeps_case(self, case: fidelity_suite.Case, first: bool) -> bool:
@@ -187,8 +188,9 @@ def median_max(values: Sequence[float]) -> dict[str, float | None]:
 
 
 def device_held_s(result: ProbeResult | None) -> float | None:
-    """How long a probe held the device lock (s): from taking it to handing it over, else to its exit (what bounds a
-    section's time when probes run ``--jobs`` at a time); None without a lock."""
+    """How long a probe's child held the device lock (s): from taking it to handing it over, else to its exit (what
+    bounds a section's time when probes run ``--jobs`` at a time); None when the child took no lock (none, or a
+    probe of several processes, whose lock the parent holds around it)."""
     marks = result.timeline_s if result is not None else {}
     end = marks.get("released", marks.get("exited"))
     return round(end - marks["device_acquired"], 3) if "device_acquired" in marks and end is not None else None

@@ -77,7 +77,10 @@ def part_exports(c: Campaign) -> dict[str, Any]:
         env = {**os.environ, **({DEVICE_LOCK_ENV: str(Path(tmp) / "device.lock")} if c.jobs > 1 else {})}
 
         def one(engine: str) -> dict[str, Any]:
-            entry = export_one(c, engine, model, Path(tmp) / engine, env)
+            try:
+                entry = export_one(c, engine, model, Path(tmp) / engine, env)
+            except Exception as exc:  # noqa: BLE001 - one plan's failure is data; the other plan's record stays
+                entry = {"engine": engine, "error": [f"{type(exc).__name__}: {exc}"]}
             c.log(f"exports: {engine}: " + (entry.get("skipped") or
                                            f"recommend {entry.get('recommend_exit_code')}, validate "
                                            f"{entry.get('validate_exit_code')}: "

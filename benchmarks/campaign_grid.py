@@ -232,6 +232,19 @@ def _finish(entry: dict[str, Any], todo: list[tuple[Strategy, str]], results: It
     return entry
 
 
+def _finish_all(doc: dict[str, Any], finishers: list[tuple[GridModel, Callable[[], dict[str, Any]]]],
+                save: Callable[[], None]) -> None:
+    """Record the started models' runs in order (emptying ``finishers``); one model's failure is its entry's error."""
+    while finishers:
+        model, finish = finishers.pop(0)
+        try:
+            finish()
+        except Exception as exc:  # noqa: BLE001
+            entry = next(m for m in doc["models"] if m.get("model") == model.key)
+            entry["error"] = f"{type(exc).__name__}: {exc}"
+        save()
+
+
 def part_grid(c: Campaign) -> dict[str, Any]:
     path = c.out / "grid.json"
     doc = c.doc("grid", gpu=c.gpu_name, time_comparable=c.time_comparable, target_share_of_best=GRID_SHARE_TARGET,
@@ -256,13 +269,9 @@ def part_grid(c: Campaign) -> dict[str, Any]:
             except Exception as exc:  # noqa: BLE001 - one model's failure is data
                 doc["models"].append({"model": model.key, "error": f"{type(exc).__name__}: {exc}"})
             save()
-        for model, finish in finishers:
-            try:
-                finish()
-            except Exception as exc:  # noqa: BLE001
-                entry = next(m for m in doc["models"] if m.get("model") == model.key)
-                entry["error"] = f"{type(exc).__name__}: {exc}"
-            save()
+            if c.jobs == 1:  # one at a time: this model's runs before the next model is planned (and its time checked)
+                _finish_all(doc, finishers, save)
+        _finish_all(doc, finishers, save)
     shares = [m["pick_share_of_best"] for m in doc["models"] if "pick_share_of_best" in m]
     doc["summary"] = {"models": len(doc["models"]), "pick_share_of_best": shares,
                       "spearman": [m.get("spearman_predicted_vs_measured") for m in doc["models"]],

@@ -17,7 +17,8 @@ peak allocated and reserved memory, MFU), the calibration's before/after errors 
 
 With ``--jobs`` > 1 the two engines' chains run at once: their recommend and calibrate steps overlap, and each
 launch holds one lock file for its whole run (train.py is the user's own program and takes no lock itself), so the
-launches, and the step times calibrate takes, are one at a time.
+launches are one at a time; the other engine's recommend or calibrate may share the host's CPU with a launch's
+timed steps (a few of the machine's cores: ``--jobs 1`` runs them one after another).
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ from typing import Any
 
 from campaign_core import EXAMPLES, Campaign
 from campaign_io import ROOT, last_line, run_command, run_optplan, write_json
-from probe_pool import held
 
 from optplan.estimators.strategy import Strategy
+from optplan.probes.device_lock import held
 
 STEPS_GPU, STEPS_CPU = 8, 3
 """Optimizer steps train.py runs: on a GPU two warm-up steps and six timed; on the CPU the fewest that time one."""
@@ -151,8 +152,12 @@ def part_launch(c: Campaign) -> dict[str, Any]:
                 return {"engine": engine, "skipped": "out of time"}
             if engine == "deepspeed" and c.deepspeed_error:
                 return {"engine": engine, "skipped": c.deepspeed_error}
-            entry = launch_one(c, engine, model, Path(tmp), lock)
-            c.log(_line(engine, entry, c.device))
+            try:
+                entry = launch_one(c, engine, model, Path(tmp), lock)
+                c.log(_line(engine, entry, c.device))
+            except Exception as exc:  # noqa: BLE001 - one engine's failure is data; the other engine's record stays
+                entry = {"engine": engine, "error": [f"{type(exc).__name__}: {exc}"]}
+                c.log(f"launch: {engine}: {entry['error'][0]}")
             return entry
 
         # --jobs > 1: the engines' chains at once; their recommend and calibrate steps (CPU) overlap, their

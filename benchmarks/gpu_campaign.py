@@ -87,6 +87,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -286,8 +287,8 @@ def part_fidelity(c: Campaign) -> dict[str, Any]:
 
     def on_row(row: fidelity_report.Row) -> None:
         rows.append(row)
-        if row.result is not None and row.result.step_trace is not None and row.model in profiles:
-            c.traced[(row.model, row.label)] = (profiles[row.model], row.result)  # the trace section's
+        if row.result is not None and row.result.spec.trace_steps and row.model in profiles:
+            c.traced[(row.model, row.label)] = (profiles[row.model], row.result)  # the trace section's, even failed
         doc["cases"].append(row_record(row))
         if row.comparison is not None and row.result is not None and row.model in profiles:
             doc["measured"].append(measured_case(c, row.model, profiles[row.model], row.comparison))
@@ -469,11 +470,14 @@ def main(argv: list[str] | None = None) -> int:
     gpu, gpu_note = fidelity_report.catalogue_gpu() if device == "cuda" else (None, "")
     log_lines: list[str] = []
 
+    log_guard = threading.Lock()  # sections log from worker threads (exports, launch)
+
     def log(line: str) -> None:
-        print(line, flush=True)
-        log_lines.append(line)
-        with contextlib.suppress(OSError):
-            (args.out / "campaign.log").write_text("\n".join(log_lines) + "\n")
+        with log_guard:
+            print(line, flush=True)
+            log_lines.append(line)
+            with contextlib.suppress(OSError):
+                (args.out / "campaign.log").write_text("\n".join(log_lines) + "\n")
 
     args.out.mkdir(parents=True, exist_ok=True)
     c = Campaign(device=device, out=args.out, env=env_record(device), deadline=started + args.budget_s,

@@ -5,8 +5,9 @@ optplan's child, the model file (timm, transformers) and DeepSpeed. The visits' 
 for 0.5-3 s of steps (``ProbeResult.setup_s`` against ``wall_s``). So ``jobs`` probes start together and
 each takes an exclusive ``flock`` on one lock file after its imports and before its first use of the device
 (``ProbeSpec.device_lock``, probes/device_lock.py), holding it until its device memory is back with the driver
-(handed over just before the exit): the imports overlap, and the next probe's context creation overlaps this one's
-teardown, but no device work does. No CUDA context exists outside the lock, so every timed step, every
+(handed over just before the exit): the imports overlap, and the next probe's context creation and build overlap
+this one's teardown. No CUDA context is created outside the lock, and a holder waits for the previous one's process
+to be gone before its first timed step and its memory figures, so every timed step, every
 ``max_memory_allocated`` and the non-torch bytes (driver total - free - reserved) are as when run alone.
 
 A probe of several processes (torchrun) cannot take the lock in its ranks (they would wait on each other):
@@ -18,7 +19,6 @@ only) run in a pool of their own ahead of the probes that need them.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from optplan.estimators.profile import ModelProfile
-from optplan.probes.device_lock import acquire
+from optplan.probes.device_lock import held
 from optplan.probes.loader import profile_model_file
 from optplan.probes.runtime import ProbeResult, ProbeSpec, run_probe
 
@@ -37,19 +37,6 @@ U = TypeVar("U")
 
 PROFILE_JOBS = 4
 """Profiles made at once when ``jobs`` > 1 (each a single-threaded fake-tensor child)."""
-
-
-@contextlib.contextmanager
-def held(lock: Path | None) -> Iterator[None]:
-    """An exclusive ``flock`` on ``lock`` for the block (None: nothing)."""
-    if lock is None:
-        yield
-        return
-    taken = acquire(str(lock))
-    try:
-        yield
-    finally:
-        taken.release()
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -40,7 +41,7 @@ from optplan.estimators.strategy import Strategy
 from optplan.planner.calibrate import ProbeComparison
 from optplan.planner.export.context import FILE_NAMES, ExportPlan
 from optplan.planner.probe_stage import LocalDevices, compare_spec, describe_result, local_devices
-from optplan.probes.device_lock import DEVICE_LOCK_ENV
+from optplan.probes.device_lock import lock_from_env
 from optplan.probes.runtime import ProbeResult, ProbeSpec, run_probe
 
 RUNNABLE = ("ds_config.json", "launch.sh", "accelerate.yaml")
@@ -313,6 +314,24 @@ def _prepare(path: Path, profile: ModelProfile, model_name: str | None, local: L
     return _Prepared(path=path, how=how, plan=plan, strategy=strategy, probed=probed, notes=tuple(notes), spec=spec)
 
 
+def _run_together(specs: list[ProbeSpec], runner: Callable[..., ProbeResult], timeout_s: float,
+                  jobs: int) -> list[ProbeResult]:
+    """``runner(spec)`` for every spec, ``jobs`` at a time, results in order. An interrupt (Ctrl-C) or any error in
+    this thread cancels the runs not started and stops the running ones (``run_probe``'s ``cancelled``: their whole
+    process trees), then propagates."""
+    stop = threading.Event()
+    pool = ThreadPoolExecutor(max_workers=min(jobs, len(specs)))
+    try:
+        futures = [pool.submit(runner, spec, timeout_s=timeout_s, cancelled=stop.is_set) for spec in specs]
+        return [f.result() for f in futures]
+    except BaseException:
+        stop.set()
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    finally:
+        pool.shutdown(wait=True)
+
+
 def validate_exports(target: Path, profile: ModelProfile, *, model_name: str | None = None,
                      local: LocalDevices | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, warmup_steps: int = 1,
                      timed_steps: int = 3, runner: Callable[..., ProbeResult] = run_probe,
@@ -331,13 +350,17 @@ def validate_exports(target: Path, profile: ModelProfile, *, model_name: str | N
     with tempfile.TemporaryDirectory(prefix="optplan_validate_") as scratch:
         prepared = [_prepare(path, profile, model_name, local, Path(scratch), warmup_steps, timed_steps)
                     for path in files]
-        if jobs > 1 and len(prepared) > 1 and all(p.spec.nproc == 1 for p in prepared):
-            lock = os.environ.get(DEVICE_LOCK_ENV, "").strip() or str(Path(scratch) / "device.lock")
+        together = jobs > 1 and len(prepared) > 1 and all(p.spec.nproc == 1 for p in prepared)
+        if together:
+            lock = lock_from_env() or str(Path(scratch) / "device.lock")
             prepared = [replace(p, spec=p.spec.model_copy(update={"device_lock": p.spec.device_lock or lock}))
                         for p in prepared]
-            with ThreadPoolExecutor(max_workers=min(jobs, len(prepared))) as pool:
-                results = list(pool.map(lambda p: runner(p.spec, timeout_s=timeout_s), prepared))
+            results = _run_together([p.spec for p in prepared], runner, timeout_s, jobs)
         else:
+            if jobs > 1 and len(prepared) > 1:
+                prepared = [replace(p, notes=(*p.notes, f"run one at a time, not --jobs {jobs}: a run of several "
+                                                         "processes cannot share the device in turn"))
+                            for p in prepared]
             results = [runner(p.spec, timeout_s=timeout_s) for p in prepared]
     runs: list[ValidationRun] = []
     for p, result in zip(prepared, results, strict=True):

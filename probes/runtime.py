@@ -29,7 +29,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from optplan.estimators.strategy import Strategy
-from optplan.probes.device_lock import lock_from_env
+from optplan.probes.device_lock import held, lock_from_env
 from optplan.probes.distributed import (
     child_env,
     crash_location,
@@ -153,7 +153,15 @@ class ProbeResult(BaseModel):
                                           "handed over before the exit), exited (seen by the parent) (s)")
     device_handed_over: bool | None = Field(
         default=None, description="spec.device_lock: whether the child released the lock before exiting, its device "
-                                  "memory returned (probes/device_lock.py); False: kept to the exit")
+                                  "memory returned (probes/device_lock.py); False: it kept the lock to its exit "
+                                  "(memory left reserved); None: no hand-over was tried (no lock, or a failed run)")
+    previous_exit_wait_s: float | None = Field(
+        default=None, description="spec.device_lock: time spent waiting for the previous holder's process to be gone "
+                                  "(before first touching the device when it kept the lock to its exit, before the "
+                                  "first timed step and before the memory figures) (s)")
+    cuda_initialized_before_lock: bool | None = Field(
+        default=None, description="cuda, spec.device_lock: whether torch had initialised CUDA before the lock was "
+                                  "taken (it must not: another probe's figures would count this context)")
     device_residue_bytes: int | None = Field(
         default=None, description="cuda, spec.device_lock: bytes the allocator still reserved when the child let go of "
                                   "its model and emptied the cache, before the hand-over (bytes)")
@@ -181,12 +189,14 @@ def run_probe(spec: ProbeSpec, *, timeout_s: float = 300.0, env: Mapping[str, st
               cancelled: Callable[[], bool] | None = None) -> ProbeResult:
     """Run ``spec`` in a child process (torchrun for ``nproc`` > 1) and return what it measured.
 
-    ``timeout_s``: wall-clock limit of the whole child (s); past it every process of the probe is killed
-    and the status is "timeout". ``env``: extra environment variables for the child, on top of
-    ``os.environ`` (``TORCH_EXTENSIONS_DIR`` defaults to ``~/.cache/optplan/torch_extensions``).
+    ``timeout_s``: wall-clock limit of the whole child (s), less the time it waits for a device lock; past it
+    every process of the probe is killed and the status is "timeout". ``env``: extra environment variables for
+    the child, on top of ``os.environ`` (``TORCH_EXTENSIONS_DIR`` defaults to
+    ``~/.cache/optplan/torch_extensions``).
 
-    ``$OPTPLAN_DEVICE_LOCK`` (in ``os.environ`` or ``env``): the lock file a one-process ``spec`` without its own
-    ``device_lock`` takes (probes/device_lock.py).
+    ``$OPTPLAN_DEVICE_LOCK`` (in ``os.environ`` or ``env``), when ``spec`` names no ``device_lock``: a one-process
+    probe's child takes that lock; for a probe of several processes this process holds it around the whole run
+    (probes/device_lock.py).
 
     ``cancelled``: asked every ``POLL_S`` s while the child runs; when it turns true every process of
     the probe is stopped (within about a second) and :class:`~optplan.estimators.errors.Cancelled` is raised.
@@ -195,14 +205,35 @@ def run_probe(spec: ProbeSpec, *, timeout_s: float = 300.0, env: Mapping[str, st
     ProbeResult with the status and a one-line reason.
     """
     started = time.perf_counter()
-    lock = lock_from_env(spec.nproc, {**os.environ, **(env or {})}) if spec.device_lock is None else None
-    if lock is not None:  # $OPTPLAN_DEVICE_LOCK: share the device with the other optplan probes in turn
+    lock = lock_from_env({**os.environ, **(env or {})}) if spec.device_lock is None else None
+    if lock is not None and spec.nproc == 1:  # $OPTPLAN_DEVICE_LOCK: the child takes it after its imports
         spec = spec.model_copy(update={"device_lock": lock})
+        lock = None
     base = {"spec": spec, "world_size": spec.nproc,
             "samples_per_step": spec.strategy.mbs * spec.strategy.grad_accum * spec.nproc}
     refused = _preflight(spec)
     if refused:
         return ProbeResult(**base, status="error", reason=refused, wall_s=round(time.perf_counter() - started, 3))
+    with held(lock):  # several processes: the whole run holds the device
+        return _run_child(spec, base, started, timeout_s, env, cancelled)
+
+
+def _lock_wait_s(out_path: Path) -> float:
+    """Seconds the child has waited for its device lock so far (from its ``.waiting`` marker to its ``.acquired``
+    marker, or to now), 0.0 before it began waiting or without a lock."""
+    try:
+        waiting = Path(f"{out_path}.waiting").stat().st_mtime
+    except OSError:
+        return 0.0
+    try:
+        acquired = Path(f"{out_path}.acquired").stat().st_mtime
+    except OSError:
+        acquired = time.time()
+    return max(0.0, acquired - waiting)
+
+
+def _run_child(spec: ProbeSpec, base: dict[str, Any], started: float, timeout_s: float,
+               env: Mapping[str, str] | None, cancelled: Callable[[], bool] | None) -> ProbeResult:
     token = secrets.token_hex(12)
     tmp = Path(tempfile.mkdtemp(prefix="optplan-probe-"))
     try:
@@ -220,7 +251,8 @@ def run_probe(spec: ProbeSpec, *, timeout_s: float = 300.0, env: Mapping[str, st
                                wall_s=round(time.perf_counter() - started, 3))
         timed_out = False
         try:
-            communicate_until(proc, timeout_s=timeout_s, cancelled=cancelled)
+            communicate_until(proc, timeout_s=timeout_s, cancelled=cancelled,
+                              paused=(lambda: _lock_wait_s(out_path)) if spec.device_lock else None)
         except subprocess.TimeoutExpired:
             timed_out = True
         except BaseException:  # Ctrl-C, a signal or a cancel in the parent: leave no probe process behind
@@ -305,6 +337,10 @@ def _merge(spec: ProbeSpec, docs: dict[int, dict[str, Any]], code: int | None, l
         out["device_handed_over"] = first["device_handed_over"]
     if isinstance(first.get("device_residue_bytes"), int):
         out["device_residue_bytes"] = first["device_residue_bytes"]
+    if isinstance(first.get("previous_exit_wait_s"), (int, float)):
+        out["previous_exit_wait_s"] = float(first["previous_exit_wait_s"])
+    if isinstance(first.get("cuda_initialized_before_lock"), bool):
+        out["cuda_initialized_before_lock"] = first["cuda_initialized_before_lock"]
     timeline = {str(k): float(v) for k, v in (first.get("timeline_s") or {}).items() if isinstance(v, (int, float))}
     if isinstance(first.get("started_at"), (int, float)) and ended_at is not None:
         timeline["exited"] = round(ended_at - float(first["started_at"]), 3)

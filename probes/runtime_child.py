@@ -11,9 +11,11 @@ training environment (torch only) next to the user's own stack.
 
 What one probe does (every rank does the same):
 
-0. imports the model file; with ``spec.device_lock`` (one process only) it then waits for an exclusive
-   ``flock`` on that file and holds it to the end, before its first use of the device: probes started
-   together overlap their imports, never their device work (``device_wait_s`` in the result);
+0. imports the model file; with ``spec.device_lock`` (one process only) also what its device work would import
+   on first use, then it waits for an exclusive ``flock`` on that file before its first use of the device and
+   holds it until its result is written and its device memory is back with the driver (probes/device_lock.py):
+   probes started together overlap their imports and teardowns, never their device work (``device_wait_s`` in
+   the result; ``timeline_s`` marks each phase);
 1. seeds torch with ``spec.seed`` and builds the model with the file's builder on the real device
    (a module-level instance is moved there), reseeds with ``seed + rank`` for the data;
 2. applies the strategy: precision (see below), activation checkpointing of the repeated block
@@ -230,10 +232,30 @@ class Probe(Trainer):
         if not path:
             return
         self.phase = "waiting for the device (another probe holds its lock)"
+        if self.device_type == "cuda":  # nothing before the lock may have touched the device (a context's bytes)
+            self.result["cuda_initialized_before_lock"] = bool(torch.cuda.is_initialized())
+        self.touch_marker("waiting")
         self.device_lock = acquire_device(str(path))
+        self.touch_marker("acquired")
         self.result["device_wait_s"] = self.device_lock.wait_s
         self.result["device_acquired_at"] = self.device_lock.acquired_at
         self.mark("device_acquired")
+        if not self.device_lock.previous_handed:  # it kept the device to its exit: its memory goes with it
+            self.wait_for_previous_holder()
+
+    def wait_for_previous_holder(self) -> None:
+        """Wait for the previous holder of the device lock to be gone (``previous_exit_wait_s``, summed)."""
+        if self.device_lock is not None:
+            waited = self.device_lock.wait_for_previous_exit()
+            self.result["previous_exit_wait_s"] = round(self.result.get("previous_exit_wait_s", 0.0) + waited, 3)
+
+    def touch_marker(self, name: str) -> None:
+        """Create ``<result file>.<name>`` (its time is when this process began waiting for, or took, the device
+        lock): the parent leaves the lock wait out of the probe's timeout (probes/runtime.py)."""
+        base = self.spec.get("_marker_base")
+        if base:
+            with contextlib.suppress(OSError):
+                open(f"{base}.{name}", "w").close()
 
     def mark(self, name: str) -> None:
         """Record ``name`` in the result's ``timeline_s``: seconds since this process started (where a probe's
@@ -254,7 +276,8 @@ class Probe(Trainer):
         wanted = ["torch._dynamo", "torch.utils.checkpoint"]
         if self.engine == "deepspeed":
             wanted.append("deepspeed")
-        if self.compile:
+        if self.compile:  # no compile-worker pool started at import (its workers would query the device)
+            os.environ.setdefault("TORCH_WARM_POOL", "0")
             wanted.append("torch._inductor.compile_fx")
         if self.fsdp != "none":
             wanted.append("torch.distributed.fsdp")
@@ -369,6 +392,8 @@ class Probe(Trainer):
         times: list[float] = []
         self.result["setup_s"] = round(time.perf_counter() - _STARTED, 3)
         for k in range(warmup + timed):
+            if k == warmup:  # the previous holder's teardown overlaps the warm-up, never a timed step
+                self.wait_for_previous_holder()
             self.sync()
             t0 = time.perf_counter()
             loss = self.one_step(self.batch_for)
@@ -417,6 +442,8 @@ class Probe(Trainer):
         self.mark("stepped")
         self.phase = "finishing"
         self.read_device_memory()
+        if self.master is not None and self.master.skipped_steps:
+            self.notes.append(f"fp16 loss scaling skipped {self.master.skipped_steps} step(s) on overflow")
         self.run_traced_steps()
 
     def read_device_memory(self) -> None:
@@ -424,8 +451,7 @@ class Probe(Trainer):
         traced step (the profiler's own device buffers are not the training's)."""
         if self.device_type == "cuda":
             torch.cuda.synchronize()
-            if self.device_lock is not None:  # the probe that handed the device over holds its context until it exits
-                self.result["previous_exit_wait_s"] = self.device_lock.wait_for_previous_exit()
+            self.wait_for_previous_holder()  # its context is the device's until it exits
             self.result["peak_allocated_bytes"] = int(torch.cuda.max_memory_allocated())
             self.result["peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved())
             free, total = torch.cuda.mem_get_info()
@@ -441,8 +467,12 @@ class Probe(Trainer):
         from optplan.probes.step_trace import trace_steps
 
         self.phase = "traced steps"
-        self.result["step_trace"] = trace_steps(lambda: self.one_step(self.batch_for), traced,
-                                                cuda=self.device_type == "cuda", sync=self.sync)
+        try:
+            self.result["step_trace"] = trace_steps(lambda: self.one_step(self.batch_for), traced,
+                                                    cuda=self.device_type == "cuda", sync=self.sync)
+        except Exception as exc:  # noqa: BLE001 - the run is measured already: a failed trace is a note, not its status
+            self.notes.append(f"the traced steps failed ({exc_text(exc)}): no step_trace; the step times and memory "
+                              "figures are measured without them")
         self.mark("traced")
 
     def drop_device_state(self) -> None:
@@ -453,9 +483,13 @@ class Probe(Trainer):
                 setattr(self, name, None)
         self.batches.clear()
         self.ddp_buckets = {}
+        if self.compile:  # compiled graphs and their guards hold the module
+            with contextlib.suppress(Exception):
+                torch._dynamo.reset()
+        import torch.distributed as dist
 
-        if self.master is not None and self.master.skipped_steps:
-            self.notes.append(f"fp16 loss scaling skipped {self.master.skipped_steps} step(s) on overflow")
+        if dist.is_available() and dist.is_initialized():  # a one-process group's communicator (NCCL buffers)
+            dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -516,6 +550,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with open(args.spec, encoding="utf-8") as fh:
             spec = json.load(fh)
+        spec["_marker_base"] = rank_out_path(args.out, rank)
         probe = Probe(spec, result)
         probe.run()
     except BaseException as exc:  # noqa: BLE001 - every failure becomes a result
@@ -537,10 +572,11 @@ def main(argv: list[str] | None = None) -> int:
             and result["status"] == "ok" and probe.device_type == "cpu":
         result["notes"].append("no memory figure: the tracked step did not run")
     code = EXIT_OK if result["status"] in ("ok", "pruned") else EXIT_FAILED
-    if probe is not None and probe.device_lock is not None and code == EXIT_OK:
-        hand_over(probe, result)
     try:
         write_json_atomic(rank_out_path(args.out, rank), result)
+        if probe is not None and probe.device_lock is not None and code == EXIT_OK:
+            hand_over(probe, result)  # after the result is safe: a hang here loses nothing measured
+            write_json_atomic(rank_out_path(args.out, rank), result)
     finally:
         sys.stderr.flush()
     if code != EXIT_OK:

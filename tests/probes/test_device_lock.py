@@ -7,13 +7,17 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
+
 from optplan.estimators.strategy import Strategy
 from optplan.probes.device_lock import DEVICE_LOCK_ENV, acquire, lock_from_env, process_alive
+from optplan.probes.device_lock import held as device_held
 from optplan.probes.runtime import ProbeSpec, run_probe
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,15 +36,17 @@ def test_a_finished_probe_releases_the_lock_before_it_exits(tmp_path: Path) -> N
     hand-over happened before the exit, which is what lets the next probe start its device work early."""
     lock = tmp_path / "device.lock"
     taken_at: list[float] = []
+    handed: list[bool] = []
 
     def take_after_the_probe_has_it() -> None:
         deadline = time.monotonic() + 60
-        while lock.stat().st_size == 0 if lock.exists() else True:  # until the child wrote its pid on release
+        while lock.stat().st_size == 0 if lock.exists() else True:  # until the child wrote "<pid> holding"
             if time.monotonic() > deadline:
                 return
             time.sleep(0.01)
         held = acquire(str(lock))
         taken_at.append(time.time())
+        handed.append(held.previous_handed)
         held.release()
 
     watcher = threading.Thread(target=take_after_the_probe_has_it)
@@ -56,17 +62,18 @@ def test_a_finished_probe_releases_the_lock_before_it_exits(tmp_path: Path) -> N
     started_at = result.device_acquired_at - t["device_acquired"]  # type: ignore[operator]
     exited_at = started_at + t["exited"]
     assert taken_at and taken_at[0] < exited_at  # the lock was free before the child was gone
-    assert lock.read_text().strip().isdigit()  # the releasing pid, for the next holder to wait on
+    assert handed == [True]  # the child wrote "<pid> handed": the next holder need not wait before its device work
+    assert lock.read_text().split() == [str(os.getpid()), "holding"]  # the last holder: this test's thread
 
 
 def test_the_next_holder_waits_for_the_previous_to_exit_before_its_memory_figure(tmp_path: Path) -> None:
     """The pid the hand-over wrote is read by the next holder, which waits for that process to be gone."""
     lock = tmp_path / "device.lock"
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.5)"])
-    lock.write_text(f"{sleeper.pid}\n")
+    lock.write_text(f"{sleeper.pid} holding\n")  # it kept the device to its exit
     held = acquire(str(lock))
     try:
-        assert held.previous_pid == sleeper.pid and process_alive(sleeper.pid)
+        assert held.previous_pid == sleeper.pid and not held.previous_handed and process_alive(sleeper.pid)
         waiter = threading.Thread(target=sleeper.wait)  # reaps it, as the probe's parent would
         waiter.start()
         waited = held.wait_for_previous_exit(timeout_s=20)
@@ -75,8 +82,12 @@ def test_the_next_holder_waits_for_the_previous_to_exit_before_its_memory_figure
     finally:
         held.release()
     mine = acquire(str(lock))
-    assert mine.previous_pid == sleeper.pid  # nothing rewrote it: a plain release leaves the file as it was
+    assert mine.previous_pid == os.getpid() and not mine.previous_handed  # each holder writes "<pid> holding"
+    assert mine.wait_for_previous_exit() == 0.0  # not for itself
     mine.release()
+    with device_held(lock) as parent:  # a parent holding it around its children records no pid of its own
+        assert parent is not None and parent.previous_pid == os.getpid()
+    assert lock.read_text() == ""
 
 
 def test_a_zombie_counts_as_gone() -> None:
@@ -91,9 +102,8 @@ def test_a_zombie_counts_as_gone() -> None:
 
 def test_the_environment_variable_gives_one_process_probes_the_lock(tmp_path: Path) -> None:
     lock = str(tmp_path / "env.lock")
-    assert lock_from_env(1, {DEVICE_LOCK_ENV: lock}) == lock
-    assert lock_from_env(2, {DEVICE_LOCK_ENV: lock}) is None  # ranks of one probe would wait on each other
-    assert lock_from_env(1, {DEVICE_LOCK_ENV: "  "}) is None and lock_from_env(1, {}) is None
+    assert lock_from_env({DEVICE_LOCK_ENV: lock}) == lock
+    assert lock_from_env({DEVICE_LOCK_ENV: "  "}) is None and lock_from_env({}) is None
     with ThreadPoolExecutor(max_workers=1) as ex:
         held = acquire(lock)
         future = ex.submit(run_probe, _spec(), timeout_s=120, env={DEVICE_LOCK_ENV: lock})
@@ -107,7 +117,78 @@ def test_the_environment_variable_gives_one_process_probes_the_lock(tmp_path: Pa
     assert own.spec.device_lock == str(tmp_path / "own.lock")  # a spec's own lock wins
 
 
-def test_without_a_lock_nothing_is_waited_for_or_handed_over() -> None:
+def test_a_probe_of_several_processes_waits_for_the_lock_in_the_parent(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """$OPTPLAN_DEVICE_LOCK and two ranks: the ranks cannot take the lock (they would wait on each other), so
+    run_probe holds it around the whole child: the child starts only once this test lets the lock go."""
+    import optplan.probes.runtime as runtime
+
+    lock = str(tmp_path / "env.lock")
+    started: list[float] = []
+
+    def fake_child(spec: ProbeSpec, base: dict, *_: object) -> runtime.ProbeResult:
+        started.append(time.monotonic())
+        return runtime.ProbeResult(**base, status="ok")
+
+    monkeypatch.setattr(runtime, "_run_child", fake_child)
+    spec = ProbeSpec(model_path=str(MLP), strategy=Strategy(precision="fp32", mbs=4, engine="torch", dp=2), nproc=2)
+    with ThreadPoolExecutor(max_workers=1) as ex:
+        held = acquire(lock)
+        future = ex.submit(run_probe, spec, timeout_s=60, env={DEVICE_LOCK_ENV: lock})
+        time.sleep(1.0)
+        assert not started  # waiting in the parent
+        released = time.monotonic()
+        held.release()
+        result = future.result()
+    assert result.ok and started and started[0] >= released
+    assert result.spec.device_lock is None  # no rank takes it
+    assert Path(lock).read_text() == ""  # the parent records no pid of its own
+
+
+def test_the_lock_wait_does_not_count_against_the_timeout(tmp_path: Path) -> None:
+    """The deadline moves out by the seconds ``paused`` reports (the child's lock wait, from its marker files)."""
+    from optplan.probes.runtime import _lock_wait_s
+    from optplan.probes.waiting import communicate_until
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(2.0)"])
+    with pytest.raises(subprocess.TimeoutExpired):
+        communicate_until(proc, timeout_s=0.5, paused=lambda: 0.0)
+    communicate_until(proc, timeout_s=0.5, paused=lambda: 10.0)  # the wait is not counted: it finishes
+    assert proc.returncode == 0
+    out = tmp_path / "result.json"
+    assert _lock_wait_s(out) == 0.0  # not waiting yet
+    now = time.time()
+    waiting = Path(f"{out}.waiting")
+    waiting.touch()
+    os.utime(waiting, (now - 5.0, now - 5.0))
+    assert 4.9 < _lock_wait_s(out) < 7.0  # still waiting: until now
+    acquired = Path(f"{out}.acquired")
+    acquired.touch()
+    os.utime(acquired, (now - 2.0, now - 2.0))
+    assert _lock_wait_s(out) == pytest.approx(3.0, abs=0.01)
+
+
+def test_a_locked_probe_marks_its_wait_for_the_parent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The child creates ``<result>.waiting`` before the lock and ``<result>.acquired`` once it holds it (in the
+    probe's own temporary folder, under this test's)."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    lock = str(tmp_path / "device.lock")
+    seen: list[str] = []
+    with ThreadPoolExecutor(max_workers=1) as ex:
+        held = acquire(lock)
+        future = ex.submit(run_probe, _spec(device_lock=lock), timeout_s=120)
+        deadline = time.monotonic() + 60
+        while not seen and time.monotonic() < deadline:
+            seen = [p.name for p in tmp_path.glob("optplan-probe-*/result.json.*")]
+            time.sleep(0.05)
+        assert seen == ["result.json.waiting"]  # not acquired: this test holds the lock
+        held.release()
+        result = future.result()
+    assert result.ok and result.device_wait_s is not None and result.device_wait_s > 0.05
+
+
+def test_without_a_lock_nothing_is_waited_for_or_handed_over(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(DEVICE_LOCK_ENV, raising=False)
     result = run_probe(_spec(), timeout_s=120)
     assert result.ok, result.reason
     assert result.device_wait_s is None and result.device_handed_over is None

@@ -232,6 +232,7 @@ def test_cuda_probe_hands_the_device_over_before_it_exits(tiny_lm_file: Path, tm
     r = probe(tiny_lm_file, device="cuda", precision="amp-bf16", block_class="Block", device_lock=str(tmp_path / "l"))
     assert r.ok, r.reason + "\n" + r.tail
     assert r.device_handed_over is True, r.device_residue_bytes
+    assert r.cuda_initialized_before_lock is False  # the imports before the lock (dynamo, ...) touched no device
     assert r.device_residue_bytes is not None and r.device_residue_bytes <= 256 * 2**20
     assert r.peak_allocated_bytes and r.peak_allocated_bytes > 4 * P4 and r.non_torch_bytes
     t = r.timeline_s

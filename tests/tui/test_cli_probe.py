@@ -91,7 +91,8 @@ def test_validate_jobs_runs_the_files_together_taking_the_device_in_turn(tmp_pat
     assert len(locks) == 1 and None not in locks
     spans = sorted((r["device_acquired_at"], r["device_acquired_at"] + r["timeline_s"]["released"]
                     - r["timeline_s"]["device_acquired"]) for r in results)
-    assert spans[0][1] <= spans[1][0]  # one after the other on the device
+    # one after the other on the device (to a few ms: each span is a wall-clock start plus a perf_counter length)
+    assert spans[0][1] <= spans[1][0] + 0.02
     assert any(r["device_wait_s"] > 0.05 for r in results)  # one of them waited for the other
     result = runner.invoke(app, ["validate", str(out), MLP, "--jobs", "0"])
     assert result.exit_code == 2 and "--jobs must be >= 1" in result.stderr
