@@ -88,3 +88,35 @@ def test_a_plan_for_another_model_file_is_refused(tmp_path: Path) -> None:
         check_same_model(Plan(), Profile(), tmp_path / "ds_config.json")  # type: ignore[arg-type]
     Profile.path = "/elsewhere/gpt2.py"  # the same file name in a copied folder: taken as the same model
     check_same_model(Plan(), Profile(), tmp_path / "ds_config.json")  # type: ignore[arg-type]
+
+
+def test_runs_together_stop_when_one_fails_or_the_caller_is_interrupted() -> None:
+    """validate --jobs: an error (or Ctrl-C) while waiting cancels the other runs: a running one sees
+    ``cancelled()`` (run_probe then stops its whole process tree), one not started never starts."""
+    import time
+
+    from optplan.estimators.strategy import Strategy
+    from optplan.planner.validate_run import _run_together
+    from optplan.probes.runtime import ProbeSpec
+
+    specs = [ProbeSpec(model_path=f"m{i}.py", strategy=Strategy(engine="torch", mbs=1)) for i in range(3)]
+    stopped: list[str] = []
+    started: list[str] = []
+
+    def runner(spec, *, timeout_s, cancelled):  # noqa: ANN001, ANN202
+        started.append(spec.model_path)
+        if spec.model_path == "m0.py":
+            time.sleep(0.2)
+            raise KeyboardInterrupt  # as Ctrl-C reaching the wait
+        deadline = time.monotonic() + 30
+        while not cancelled() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        stopped.append(spec.model_path)
+        raise RuntimeError("cancelled")
+
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        _run_together(specs, runner, timeout_s=60, jobs=2)
+    assert time.monotonic() - t0 < 10  # not the 30 s a run would wait uncancelled
+    # every run that started (the third may have, on the worker m0 freed) saw the cancel
+    assert {"m0.py", "m1.py"} <= set(started) and sorted(stopped) == sorted(p for p in started if p != "m0.py")
