@@ -268,6 +268,8 @@ def row_record(row: fidelity_report.Row) -> dict[str, Any]:
         "device_held_s": device_held_s(r), "timeline_s": r.timeline_s if r is not None else None,
         "device_handed_over": r.device_handed_over if r is not None else None,
         "device_residue_bytes": r.device_residue_bytes if r is not None else None,
+        "previous_exit_wait_s": r.previous_exit_wait_s if r is not None else None,
+        "cuda_initialized_before_lock": r.cuda_initialized_before_lock if r is not None else None,
         "traced": r is not None and r.step_trace is not None, "note": row.time_note,
     }
 
@@ -317,7 +319,8 @@ def part_fidelity(c: Campaign) -> dict[str, Any]:
     if held["n"]:
         c.log(f"fidelity: device lock held {held['sum']:.0f} s over {held['n']} probes (median {held['median']:.1f} s, "
               f"{held['min']:.1f}-{held['max']:.1f} s); handed over before exit: "
-              f"{sum(x.get('device_handed_over') is True for x in doc['cases'])}")
+              f"{sum(x.get('device_handed_over') is True for x in doc['cases'])}; CUDA touched before the lock: "
+              f"{sum(x.get('cuda_initialized_before_lock') is True for x in doc['cases'])}")
     doc["calibration"] = calibration_round_trip(c, path, rows, profiles)
     write_json(path, doc)
     return doc
