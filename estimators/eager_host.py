@@ -18,10 +18,10 @@ share (÷ pp). ``host_kernel_s`` is the GPU system's (efficiency.py ``GpuEfficie
 and driver that launch, fitted by benchmarks/fit_eager_host.py on the GPU visits' step times).
 
 A transformer's step spreads it over its layers (timing.py: each layer its share, the head's included) and
-DeepSpeed multiplies it by its engine's host multiplier (benchmarks/fit_engine_host.py). Not used under
-``torch.compile`` (fused kernels, fewer launches: the compiled step keeps the fitted per-layer-pass and
-per-micro-batch constants), for Megatron (its own fused step, not the model file's) nor for a profile without counts
-(an ``--arch`` shape, an older profile): those keep the constants.
+DeepSpeed multiplies it by its engine's host multiplier (benchmarks/fit_engine_host.py). Not used for Megatron
+(its own fused step, not the model file's) nor for a profile without counts (an ``--arch`` shape, an older profile):
+those keep the fitted per-layer-pass and per-micro-batch constants. Under ``torch.compile`` (fused kernels, fewer
+launches) the constants apply too, bounded by the eager count (:func:`layer_host_s`).
 """
 
 from __future__ import annotations
@@ -89,4 +89,51 @@ def eager_microbatch_host_s(profile: ModelProfile, strategy: Strategy, host_kern
     return kernels * host_kernel_s + (blocks * checkpoint_block_s if strategy.checkpointing == "full" else 0.0)
 
 
-__all__ = ["CHECKPOINT_BLOCK_HOST_S", "HOST_KERNEL_S", "eager_microbatch_host_s", "microbatch_kernels", "step_kernels"]
+def microbatch_host_s(profile: ModelProfile, strategy: Strategy, *, host_kernel_s: float, checkpoint_block_s: float,
+                      microbatch_s: float) -> float:
+    """Host seconds to issue one micro-batch of a model without a transformer shape (timing.py's FLOPs-only path):
+    the kernels the profile counted (:func:`eager_microbatch_host_s`), else the fitted constant ``microbatch_s``;
+    compiled, that constant bounded by the eager count (:func:`layer_host_s`)."""
+    counted = eager_microbatch_host_s(profile, strategy, host_kernel_s, checkpoint_block_s)
+    if counted is not None:
+        return counted
+    if strategy.compile:
+        eager = eager_microbatch_host_s(profile, strategy.model_copy(update={"compile": False}), host_kernel_s,
+                                        checkpoint_block_s)
+        if eager is not None:
+            return min(microbatch_s, eager)
+    return microbatch_s
+
+
+def layer_host_s(profile: ModelProfile, strategy: Strategy, *, host_kernel_s: float, checkpoint_block_s: float,
+                 microbatch_s: float, constant_layer_s: float, host_multiplier: float, layers_per_stage: float,
+                 eager_engine: bool) -> tuple[float, float]:
+    """(host seconds per layer of one micro-batch on one stage, host seconds per micro-batch outside the layers) of a
+    transformer step; ``host_multiplier`` is the engine's (timing.py), the other constants the GPU's
+    (efficiency.py ``GpuEfficiency``: ``host_kernel_s``, ``host_checkpoint_block_s``, ``host_microbatch_s``, and
+    ``constant_layer_s`` = multiplier x ``host_layer_pass_s`` x the layer's passes).
+
+    - An eager engine issues the kernels the profile counted (:func:`eager_microbatch_host_s`), each layer its share
+      of the micro-batch's (the head's included): (multiplier x counted / layers, 0).
+    - Without counts (an ``--arch`` shape, Megatron's own fused step): the fitted constants, ``constant_layer_s``
+      per layer and multiplier x ``microbatch_s`` per micro-batch.
+    - Compiled by torch.compile (TorchInductor, no CUDA graphs): the constants, but never more than the eager count
+      of the same step. Inductor fuses the element-wise kernels and launches what is left from its generated Python
+      wrapper, which costs no more per launch than eager's dispatcher, so the eager step's host time bounds the
+      compiled one's (TorchInductor's design: Ansel et al., "PyTorch 2", ASPLOS 2024, §4-5). The sixth H200 visit's
+      GPT-2 small at micro-batch 8 in bf16 measured 36.6 ms compiled against 36.9 ms eager; the constants priced
+      its host at 18.1 ms against the eager count's 5.3 ms."""
+    counted = eager_microbatch_host_s(profile, strategy, host_kernel_s, checkpoint_block_s) if eager_engine else None
+    if counted is not None:
+        return host_multiplier * counted / layers_per_stage, 0.0
+    layer_s, head_s = constant_layer_s, host_multiplier * microbatch_s
+    if eager_engine and strategy.compile:
+        eager = eager_microbatch_host_s(profile, strategy.model_copy(update={"compile": False}), host_kernel_s,
+                                        checkpoint_block_s)
+        if eager is not None and host_multiplier * eager < layer_s * layers_per_stage + head_s:
+            return host_multiplier * eager / layers_per_stage, 0.0
+    return layer_s, head_s
+
+
+__all__ = ["CHECKPOINT_BLOCK_HOST_S", "HOST_KERNEL_S", "eager_microbatch_host_s", "layer_host_s", "microbatch_host_s",
+           "microbatch_kernels", "step_kernels"]

@@ -87,7 +87,7 @@ from optplan.estimators.compute import (
     optimizer_step_s,
     transformer_dims,
 )
-from optplan.estimators.eager_host import eager_microbatch_host_s
+from optplan.estimators.eager_host import layer_host_s, microbatch_host_s
 from optplan.estimators.efficiency import EngineEfficiency, engine_efficiency
 from optplan.estimators.ep_overlap import overlapped_a2a_s, solo_fraction
 from optplan.estimators.finetune import DEQUANT_BANDWIDTH_FRACTION, dequant_bytes_per_layer
@@ -327,8 +327,8 @@ def _flops_only_step(profile: ModelProfile, strategy: Strategy, cluster: Cluster
     blocks = profile.repeated_block.count / p if profile.repeated_block else 0.0
     hm = engine.host_multiplier
     # the kernels the profile counted, each issued by the host (eager_host.py), where it has them and runs eager
-    eager = eager_microbatch_host_s(profile, strategy, eff.host_kernel_s, eff.host_checkpoint_block_s)
-    mb_host = hm * (eff.host_microbatch_s if eager is None else eager)
+    mb_host = hm * microbatch_host_s(profile, strategy, host_kernel_s=eff.host_kernel_s,
+                                     checkpoint_block_s=eff.host_checkpoint_block_s, microbatch_s=eff.host_microbatch_s)
     mb_host += blocks * selective_host_layer_s(profile, strategy, eff.host_layer_pass_s)
     host_s = m * (blend_s(mb_host, mb_device, eff.overlap_exponent) - mb_device) + hm * eff.host_step_s
     selective = recompute_flops_per_sample(profile, strategy)
@@ -412,13 +412,12 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
     layer_device = layer_compute + layer_mem + layer_recompute + layer_tp + layer_cp_exposed + layer_ep
     hm = engine.host_multiplier  # the engine's host work against eager torch's (DeepSpeed's engine issues more)
     # an eager engine issues the kernels the profile counted (eager_host.py), each layer its share of the
-    # micro-batch's (the head's included); else, or compiled, the fitted constant per layer pass and micro-batch
-    counted = (eager_microbatch_host_s(profile, s_, eff.host_kernel_s, eff.host_checkpoint_block_s)
-               if engine.eager else None)
-    if counted is None:
-        host_layer, head_host_base = hm * eff.host_layer_pass_s * host_layer_passes(s_), hm * eff.host_microbatch_s
-    else:
-        host_layer, head_host_base = hm * counted * p / dims.layers, 0.0
+    # micro-batch's (the head's included); else the fitted constant per layer pass and micro-batch (compiled: at
+    # most the eager count's)
+    host_layer, head_host_base = layer_host_s(
+        profile, s_, host_kernel_s=eff.host_kernel_s, checkpoint_block_s=eff.host_checkpoint_block_s,
+        microbatch_s=eff.host_microbatch_s, constant_layer_s=hm * eff.host_layer_pass_s * host_layer_passes(s_),
+        host_multiplier=hm, layers_per_stage=dims.layers / p, eager_engine=engine.eager)
     host_layer += selective_host_layer_s(profile, s_, eff.host_layer_pass_s)  # eager op-level policy's host cost
     host_sync = 2 * (t - 1) * eff.host_collective_step_s  # per tensor-parallel collective
     host_layer += tp_collectives * (3 if full else 2) * host_sync
