@@ -38,7 +38,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
     proc = _campaign("--device", "cpu", "--quick", "--budget-s", "1500", "--out", str(out))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1].startswith(
-        "campaign: probes, fidelity, trace, gpu_tests, exports, launch, grid written to")
+        "campaign: probes, gpu_tests, fidelity, trace, exports, launch, grid written to")
     return out
 
 
