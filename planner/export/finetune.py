@@ -292,6 +292,17 @@ def dry_run(model, data, cfg, name_or_path):
     print(text)
 
 
+def leave_process_group():
+    """Leave torch.distributed cleanly when it was started (transformers' tensor-parallel loading, the Trainer): a
+    rank that exits with its process group alive can abort in the group's destructor ("terminate called without an
+    active exception") while another rank still finishes."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def main():
     parser = argparse.ArgumentParser(description="fine-tune with the optplan plan in finetune.json")
     parser.add_argument("--dataset", required=True, help="datasets hub name or a local json/jsonl/csv/parquet file")
@@ -314,6 +325,7 @@ def main():
         data = load_dataset(args.dataset, split="train")
     if args.dry_run:
         dry_run(model, data, cfg, name_or_path)
+        leave_process_group()
         return
     from trl import SFTConfig, SFTTrainer
 
@@ -329,6 +341,7 @@ def main():
                          train_dataset=data, peft_config=peft_config)
     trainer.train()
     trainer.save_model()
+    leave_process_group()
 
 
 if __name__ == "__main__":
