@@ -575,7 +575,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         write_json_atomic(rank_out_path(args.out, rank), result)
         if probe is not None and probe.device_lock is not None and code == EXIT_OK:
-            hand_over(probe, result)  # after the result is safe: a hang here loses nothing measured
+            hand_over(probe, result)  # after the result is written: a hang here still leaves its figures to the parent
             write_json_atomic(rank_out_path(args.out, rank), result)
     finally:
         sys.stderr.flush()
