@@ -37,6 +37,8 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
+from optplan.probes._pdeathsig import alive as process_alive
+
 DEVICE_LOCK_ENV = "OPTPLAN_DEVICE_LOCK"
 """The environment variable naming a lock file probes take by default (see the module docstring)."""
 
@@ -121,26 +123,6 @@ class DeviceLock:
         while process_alive(self.previous_pid) and time.perf_counter() - t0 < timeout_s:
             time.sleep(0.02)
         return round(time.perf_counter() - t0, 3)
-
-
-def process_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists and is not a zombie (a zombie has released its memory and devices); from
-    ``/proc`` on Linux, else from ``kill(pid, 0)``."""
-    if os.path.isdir("/proc"):
-        try:
-            with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as fh:
-                return fh.read().rsplit(")", 1)[-1].split()[0] != "Z"
-        except FileNotFoundError:
-            return False
-        except (OSError, IndexError):
-            pass
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # exists, another user's
-        return True
-    return True
 
 
 def _parse(text: str) -> tuple[int | None, bool]:
