@@ -76,6 +76,38 @@ def deepspeed_import_error() -> str | None:
     return lines[-1] if lines else f"import deepspeed exited with {proc.returncode}"
 
 
+def _read(path: str) -> str | None:
+    try:
+        return Path(path).read_text().strip()
+    except OSError:
+        return None
+
+
+def host_record() -> dict[str, Any]:
+    """The host CPU the steps were launched from: its model, logical cores, the cores this process may run on, the
+    threads per core, the cgroup's CPU quota (``cpu.max``: "max 100000" when unlimited) and the load averages. Host-
+    paced step times differ between GPU visits (probes/host_speed.py): this says on what."""
+    model = None
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    siblings = _read("/sys/devices/system/cpu/cpu0/topology/thread_siblings_list")
+    threads = None
+    if siblings:
+        parts = [p.split("-") for p in siblings.split(",")]
+        threads = sum(int(p[-1]) - int(p[0]) + 1 for p in parts)
+    return {
+        "cpu_model": model or platform.processor() or None,
+        "logical_cores": os.cpu_count(),
+        "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "threads_per_core": threads,
+        "cgroup_cpu_max": _read("/sys/fs/cgroup/cpu.max"),
+        "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
+    }
+
+
 def env_record(device: str) -> dict[str, Any]:
     """Device, driver, CUDA, torch and package versions, the commit and the start time."""
     from optplan.probes.hardware import detect_gpus
@@ -98,6 +130,7 @@ def env_record(device: str) -> dict[str, Any]:
         "commit": git_commit(),
         "deepspeed_import_error": deepspeed_import_error(),
         "nvcc": shutil.which("nvcc"),
+        "host": host_record(),
         "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
 

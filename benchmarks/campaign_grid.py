@@ -165,7 +165,8 @@ def grid_one(c: Campaign, pool: ProbePool, model: GridModel, doc: dict[str, Any]
                      "predicted_samples_per_s": pred, "measured_samples_per_s": meas,
                      "measured_allocated_bytes": result.peak_allocated_bytes, "probe_wall_s": result.wall_s,
                      "device_wait_s": result.device_wait_s, "device_held_s": device_held_s(result),
-                     "timeline_s": result.timeline_s})
+                     "timeline_s": result.timeline_s, "host_op_s": result.host_op_s,
+                     "quieted_processes": result.quieted_processes})
         if result.status in ("ok", "oom") and est is not None:
             # predicted as the probe ran it (CPU accounting on the CPU; DeepSpeed with torch's AdamW: _measure)
             impl = fidelity.probe_adam_impl(strategy, c.device, ds_torch_optimizer=True)

@@ -42,6 +42,7 @@ from optplan.probes.distributed import (
     read_tail,
     terminate_tree,
 )
+from optplan.probes.host_quiet import resume_recorded
 from optplan.probes.model_errors import one_line
 from optplan.probes.waiting import communicate_until
 
@@ -149,7 +150,8 @@ class ProbeResult(BaseModel):
     timeline_s: dict[str, float] = Field(
         default_factory=dict, description="rank 0's marks, seconds since its process started: imported (model file "
                                           "and engine), device_acquired (spec.device_lock), device_ready, built, "
-                                          "set_up, first_step, stepped, measured, traced, released (the device lock "
+                                          "set_up, first_step, stepped, measured, traced, resumed (the quiet group "
+                                          "continued), released (the device lock "
                                           "handed over before the exit), exited (seen by the parent) (s)")
     device_handed_over: bool | None = Field(
         default=None, description="spec.device_lock: whether the child released the lock before exiting, its device "
@@ -165,6 +167,13 @@ class ProbeResult(BaseModel):
     device_residue_bytes: int | None = Field(
         default=None, description="cuda, spec.device_lock: bytes the allocator still reserved when the child let go of "
                                   "its model and emptied the cache, before the hand-over (bytes)")
+    host_op_s: float | None = Field(
+        default=None, description="host seconds to issue one tiny eager operator on the probe's device, measured just "
+                                  "before the first timed step (probes/host_speed.py): the host's speed for these "
+                                  "step times (s per operator)")
+    quieted_processes: int | None = Field(
+        default=None, description="spec.device_lock with $OPTPLAN_QUIET_GROUP: other processes of the group stopped "
+                                  "while this probe timed its steps (probes/host_quiet.py); None: none were asked to")
 
     @property
     def ok(self) -> bool:
@@ -257,9 +266,11 @@ def _run_child(spec: ProbeSpec, base: dict[str, Any], started: float, timeout_s:
             timed_out = True
         except BaseException:  # Ctrl-C, a signal or a cancel in the parent: leave no probe process behind
             terminate_tree(proc, token, grace_s=0.5)
+            resume_recorded(f"{out_path}.quieted")
             raise
         ended_at = time.time()
         terminate_tree(proc, token, grace_s=3.0 if timed_out else 0.5)  # also any process left behind
+        resume_recorded(f"{out_path}.quieted")  # a child killed while others of its group were stopped
         code = proc.returncode
         tail = read_tail(log_path)
         log_end = read_tail(log_path, lines=400, max_chars=60000)
@@ -341,6 +352,10 @@ def _merge(spec: ProbeSpec, docs: dict[int, dict[str, Any]], code: int | None, l
         out["previous_exit_wait_s"] = float(first["previous_exit_wait_s"])
     if isinstance(first.get("cuda_initialized_before_lock"), bool):
         out["cuda_initialized_before_lock"] = first["cuda_initialized_before_lock"]
+    if isinstance(first.get("host_op_s"), (int, float)):
+        out["host_op_s"] = float(first["host_op_s"])
+    if isinstance(first.get("quieted_processes"), int):
+        out["quieted_processes"] = first["quieted_processes"]
     timeline = {str(k): float(v) for k, v in (first.get("timeline_s") or {}).items() if isinstance(v, (int, float))}
     if isinstance(first.get("started_at"), (int, float)) and ended_at is not None:
         timeline["exited"] = round(ended_at - float(first["started_at"]), 3)

@@ -110,6 +110,8 @@ from optplan.probes.contract import (  # noqa: E402
 )
 from optplan.probes.device_lock import DeviceLock  # noqa: E402
 from optplan.probes.device_lock import acquire as acquire_device  # noqa: E402
+from optplan.probes.host_quiet import group_from_env, resume, stop_others  # noqa: E402
+from optplan.probes.host_speed import host_op_s  # noqa: E402
 from optplan.probes.model_errors import ModelFileError  # noqa: E402
 from optplan.probes.probe_failures import (  # noqa: E402
     ProbeFailure,
@@ -179,6 +181,10 @@ class Probe(Trainer):
         self.batches: list[Any] = []
         self.tracker: ProbeTracker | None = None
         self.device_lock: DeviceLock | None = None
+        self.device = torch.device(self.device_type)
+        self.quieted: list[int] | None = None  # the group's processes stopped for the timed steps (quiet_host)
+        base = spec.get("_marker_base")
+        self.quiet_record = f"{base}.quieted" if base else None
         self.track_ddp_buckets = self.device_type == "cpu"  # DDP's flat gradient buckets, by index
 
     @property
@@ -394,6 +400,8 @@ class Probe(Trainer):
         for k in range(warmup + timed):
             if k == warmup:  # the previous holder's teardown overlaps the warm-up, never a timed step
                 self.wait_for_previous_holder()
+                self.quiet_host()
+                self.result["host_op_s"] = host_op_s(self.device)
             self.sync()
             t0 = time.perf_counter()
             loss = self.one_step(self.batch_for)
@@ -438,13 +446,34 @@ class Probe(Trainer):
         self.mark("set_up")
         self.phase = "making the batches"
         self.make_batches(contract, self.model, device)
-        self.run_steps()
-        self.mark("stepped")
-        self.phase = "finishing"
-        self.read_device_memory()
-        if self.master is not None and self.master.skipped_steps:
-            self.notes.append(f"fp16 loss scaling skipped {self.master.skipped_steps} step(s) on overflow")
-        self.run_traced_steps()
+        self.device = device
+        try:
+            self.run_steps()
+            self.mark("stepped")
+            self.phase = "finishing"
+            self.read_device_memory()
+            if self.master is not None and self.master.skipped_steps:
+                self.notes.append(f"fp16 loss scaling skipped {self.master.skipped_steps} step(s) on overflow")
+            self.run_traced_steps()
+        finally:
+            self.resume_host()
+
+    def quiet_host(self) -> None:
+        """Holding the device lock in a quiet group (``$OPTPLAN_QUIET_GROUP``): stop the group's other processes
+        until :meth:`resume_host`, so that no import or profile shares the host with the timed and traced steps
+        (probes/host_quiet.py); ``quieted_processes`` says how many."""
+        group = group_from_env()
+        if self.device_lock is None or not self.device_lock.held or group is None or self.quieted is not None:
+            return
+        self.quieted = stop_others(group, self.quiet_record)
+        self.result["quieted_processes"] = len(self.quieted)
+
+    def resume_host(self) -> None:
+        """Continue what :meth:`quiet_host` stopped (nothing when it stopped nothing)."""
+        if self.quieted is not None:
+            resume(self.quieted, self.quiet_record)
+            self.quieted = None
+            self.mark("resumed")
 
     def read_device_memory(self) -> None:
         """CUDA: the run's allocator peaks and the non-torch bytes, read after the timed steps and before any
