@@ -165,8 +165,9 @@ class ProbeResult(BaseModel):
         default=None, description="cuda, spec.device_lock: whether torch had initialised CUDA before the lock was "
                                   "taken (it must not: another probe's figures would count this context)")
     device_residue_bytes: int | None = Field(
-        default=None, description="cuda, spec.device_lock: bytes the allocator still reserved when the child let go of "
-                                  "its model and emptied the cache, before the hand-over (bytes)")
+        default=None, description="spec.device_lock: on CUDA, bytes the allocator still reserved when the child let go "
+                                  "of its model and emptied the cache, before the hand-over; on the CPU, bytes of "
+                                  "the tensors still alive then (a complete drop leaves next to none) (bytes)")
     host_op_s: float | None = Field(
         default=None, description="host seconds to issue one tiny eager operator on the probe's device, measured just "
                                   "before the first timed step (probes/host_speed.py): the host's speed for these "
