@@ -5,13 +5,31 @@ from __future__ import annotations
 import importlib.util
 import sys
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
+from optplan.probes.device_lock import DEVICE_LOCK_ENV, held, lock_from_env
+
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+@pytest.fixture(autouse=True)
+def _gpu_test_holds_the_device_lock(request: pytest.FixtureRequest,
+                                    monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A GPU test run beside other probes (``$OPTPLAN_DEVICE_LOCK``: the campaign's gpu_tests beside its fidelity
+    section) holds the device lock for its whole body, as one probe would, so that its figures (the device's free
+    memory, the allocator's peaks) are its own. Its probes run without the variable (they would wait for this
+    process). Without the variable, or for a test not marked ``gpu``: nothing."""
+    path = lock_from_env()
+    if path is None or request.node.get_closest_marker("gpu") is None:
+        yield
+        return
+    monkeypatch.delenv(DEVICE_LOCK_ENV)
+    with held(path):
+        yield
 
 
 def load_example(name: str) -> ModuleType:
