@@ -41,9 +41,11 @@ CPU_STAND_IN_GPU = "H100-SXM"
 GRID_SHARE_TARGET = 0.97
 DEFAULT_BUDGET_S = 480.0
 """Seconds one call may spend measuring: the 600 s command limit less the wheel installs and imports."""
-DEFAULT_JOBS = 3
-"""Probes at once (probe_pool.py): one stepping on the device, two importing. The H200 visits' probes spent 6-15 s
-before their first step and 1-3 s stepping, so three keep the device busy without many processes waiting."""
+DEFAULT_JOBS = {"cuda": 4, "cpu": 3}
+"""Probes at once (probe_pool.py), by device: one on the device, the others importing. On a GPU four: with three, the
+seventh H200 visit's device lock stood idle 69 of its fidelity section's 280 s, the next probe still importing (6-15 s
+before its first step, 16 cores) when the last one let go (0.8-18 s held, 3.8 s in median). On the CPU (2 cores, CI)
+three."""
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -74,7 +74,9 @@ def part_exports(c: Campaign) -> dict[str, Any]:
     # tests/tui/test_cli_probe.py), a GPU both, planned for its one GPU
     engines = [e for e in (("deepspeed", "torch") if c.device == "cuda" else ("deepspeed",)) if c.wants_engine(e)]
     with tempfile.TemporaryDirectory(prefix="optplan_campaign_exports_") as tmp:
-        env = {**os.environ, **({DEVICE_LOCK_ENV: str(Path(tmp) / "device.lock")} if c.jobs > 1 else {})}
+        # the campaign's lock when sections run at once (already in os.environ), else one of this section's own
+        own = c.jobs > 1 and DEVICE_LOCK_ENV not in os.environ
+        env = {**os.environ, **({DEVICE_LOCK_ENV: str(Path(tmp) / "device.lock")} if own else {})}
 
         def one(engine: str) -> dict[str, Any]:
             try:

@@ -35,7 +35,7 @@ from campaign_core import EXAMPLES, Campaign
 from campaign_io import ROOT, last_line, run_command, run_optplan, write_json
 
 from optplan.estimators.strategy import Strategy
-from optplan.probes.device_lock import held
+from optplan.probes.device_lock import DEVICE_LOCK_ENV, held, lock_from_env
 
 STEPS_GPU, STEPS_CPU = 8, 3
 """Optimizer steps train.py runs: on a GPU two warm-up steps and six timed; on the CPU the fewest that time one."""
@@ -66,8 +66,10 @@ def launch_one(c: Campaign, engine: str, model: Path, work: Path, lock: Path | N
     else:  # CPU memory is measured under optplan's live-tensor tracker (calibrate takes no CPU run without it)
         how = [sys.executable, "-m", "optplan.probes.runtime_child", "--train-script", str(folder / "train.py"), "--"]
     entry["how"] = " ".join(Path(how[0]).name if i == 0 else a for i, a in enumerate(how)).replace(str(folder), "DIR")
+    launch_env = {k: v for k, v in env.items() if k != DEVICE_LOCK_ENV}  # held here: nothing under it may wait for it
     with held(lock):
-        code, out, err = run_command([*how, *train_args], max(60.0, min(300.0, c.left_s())), cwd=folder, env=env)
+        code, out, err = run_command([*how, *train_args], max(60.0, min(300.0, c.left_s())), cwd=folder,
+                                     env=launch_env)
     entry["launch_output"] = [line for line in out.splitlines() if line.strip()][-8:]
     if _ran(entry, "launch_exit_code", (code, out, err)) is None:
         return entry
@@ -145,7 +147,8 @@ def part_launch(c: Campaign) -> dict[str, Any]:
     model = EXAMPLES / ("gpt2.py" if c.device == "cuda" else "mlp.py")
     engines = [e for e in (("torch", "deepspeed") if c.device == "cuda" else ("torch",)) if c.wants_engine(e)]
     with tempfile.TemporaryDirectory(prefix="optplan_campaign_launch_") as tmp:
-        lock = Path(tmp) / "device.lock" if c.jobs > 1 else None
+        shared = lock_from_env()  # the campaign's, when sections run at once
+        lock = Path(shared) if shared else Path(tmp) / "device.lock" if c.jobs > 1 else None
 
         def one(engine: str) -> dict[str, Any]:
             if c.left_s() < 60:

@@ -53,12 +53,16 @@ Run (``--device`` defaults to cuda when torch sees a GPU):
     python benchmarks/gpu_campaign.py --sections exports,trace,grid --out DIR   # chosen sections, in order
     python benchmarks/gpu_campaign.py --sections fidelity --models resnet --out DIR   # one model's runs
 
-``--sections`` (probes, gpu_tests, fidelity, trace, exports, launch, grid) replaces ``--part``'s list, so that a visit
-spends its minutes on what earlier visits left unmeasured; ``--models`` (mlp, gpt2, llama, resnet, timm-vit, timm-resnet) keeps only
+A part runs in stages (``PARTS``): part 1 the probes, then the GPU tests beside fidelity, then trace; part 2 exports,
+launch and grid at once. With ``--jobs`` > 1 a stage's sections run together and every probe of the campaign takes
+one device lock (``$OPTPLAN_DEVICE_LOCK``, set for the run: a GPU test holds it for its body, tests/probes/conftest.py;
+a launch around its train.py), so their host work overlaps and their device work does not; ``--jobs 1`` runs them
+one after another. ``--sections`` (probes, gpu_tests, fidelity, trace, exports, launch, grid) replaces ``--part``'s
+list, one at a time in the order given, so that a visit spends its minutes on what earlier visits left unmeasured; ``--models`` (mlp, gpt2, llama, resnet, timm-vit, timm-resnet) keeps only
 those models in fidelity, trace and grid; ``--engines`` (torch, deepspeed) keeps those plans in exports and launch.
 
 ``--budget-s`` (default 480) bounds one call: runs not started in time are recorded as "out of time".
-``--jobs`` (default 3) runs that many probes of fidelity, trace and grid at once: each imports while another steps,
+``--jobs`` (default 4 on a GPU, 3 on the CPU) runs that many probes of fidelity, trace and grid at once: each imports while another steps,
 and each takes the device in turn after its imports (benchmarks/probe_pool.py; the visits' probes spent 6-15 s before
 their first step and 1-3 s stepping); the models are profiled ahead, four at once. ``--jobs 1``: one at a time.
 With ``--jobs`` > 1 the campaign names a quiet group (``$OPTPLAN_QUIET_GROUP``, probes/host_quiet.py): the probe holding
@@ -94,7 +98,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -129,6 +134,7 @@ from optplan.estimators.profile import ModelProfile  # noqa: E402
 from optplan.estimators.strategy import Strategy  # noqa: E402
 from optplan.planner.calibrate import load_calibration, profile_hash, save_calibration  # noqa: E402
 from optplan.planner.results import calibrations_from_results  # noqa: E402
+from optplan.probes.device_lock import DEVICE_LOCK_ENV  # noqa: E402
 from optplan.probes.host_quiet import QUIET_ENV  # noqa: E402
 from optplan.probes.runtime import ProbeSpec, run_probe  # noqa: E402
 
@@ -253,32 +259,31 @@ def part_gpu_tests(c: Campaign) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------------
 # part 1: fidelity.json and the calibration round trip
 # ---------------------------------------------------------------------------------------------------
+PROBE_FIELDS = ("non_torch_bytes", "setup_s", "device_wait_s", "timeline_s", "device_handed_over",
+                "device_residue_bytes", "previous_exit_wait_s", "cuda_initialized_before_lock", "host_op_s",
+                "quieted_processes")
+"""ProbeResult fields a fidelity case's record copies as they are (None without a probe)."""
+
+
 def row_record(row: fidelity_report.Row) -> dict[str, Any]:
     r = row.result
+    ok = r is not None and row.ok
     return {
         "model": row.model, "label": row.label, "nproc": row.nproc,
         "status": r.status if r is not None else "skipped", "reason": (r.reason if r is not None else row.skipped),
         "predicted_allocated_bytes": row.pred_bytes,
         "measured_allocated_bytes": row.meas_bytes if row.ok else None,
-        "measured_reserved_bytes": r.peak_reserved_bytes if r is not None and row.ok else None,
+        "measured_reserved_bytes": r.peak_reserved_bytes if ok else None,
         "reserved_margin": ((r.peak_reserved_bytes / r.peak_allocated_bytes - 1)
-                            if r is not None and row.ok and r.peak_reserved_bytes and r.peak_allocated_bytes else None),
-        "non_torch_bytes": r.non_torch_bytes if r is not None else None,
+                            if ok and r.peak_reserved_bytes and r.peak_allocated_bytes else None),
         "memory_error_pct": pct(row.pred_bytes, row.meas_bytes) if row.ok else None,
         "predicted_step_s": row.pred_step_s, "calibrated_step_s": row.cal_step_s,
-        "measured_step_s": r.step_s if r is not None and row.ok else None,
-        "time_error_pct": pct(row.pred_step_s, r.step_s) if r is not None and row.ok else None,
-        "calibrated_time_error_pct": (pct(row.cal_step_s, r.step_s)
-                                      if r is not None and row.ok and not row.is_calibration else None),
+        "measured_step_s": r.step_s if ok else None,
+        "time_error_pct": pct(row.pred_step_s, r.step_s) if ok else None,
+        "calibrated_time_error_pct": pct(row.cal_step_s, r.step_s) if ok and not row.is_calibration else None,
         "is_calibration_probe": row.is_calibration, "probe_wall_s": r.wall_s if r is not None else None,
-        "setup_s": r.setup_s if r is not None else None, "device_wait_s": r.device_wait_s if r is not None else None,
-        "device_held_s": device_held_s(r), "timeline_s": r.timeline_s if r is not None else None,
-        "device_handed_over": r.device_handed_over if r is not None else None,
-        "device_residue_bytes": r.device_residue_bytes if r is not None else None,
-        "previous_exit_wait_s": r.previous_exit_wait_s if r is not None else None,
-        "cuda_initialized_before_lock": r.cuda_initialized_before_lock if r is not None else None,
-        "host_op_s": r.host_op_s if r is not None else None,
-        "quieted_processes": r.quieted_processes if r is not None else None,
+        "device_held_s": device_held_s(r),
+        **{name: getattr(r, name) if r is not None else None for name in PROBE_FIELDS},
         "traced": r is not None and r.step_trace is not None, "note": row.time_note,
     }
 
@@ -401,12 +406,18 @@ def calibration_round_trip(c: Campaign, results: Path, rows: list[fidelity_repor
 # ---------------------------------------------------------------------------------------------------
 # main
 # ---------------------------------------------------------------------------------------------------
-PARTS: dict[str, tuple[tuple[str, Callable[[Campaign], dict[str, Any]]], ...]] = {
-    # gpu_tests right after probes: a minute, and the fifth and sixth visits' fidelity left it out of time when last
-    "1": (("probes", part_probes), ("gpu_tests", part_gpu_tests), ("fidelity", part_fidelity), ("trace", part_trace)),
-    "2": (("exports", part_exports), ("launch", part_launch), ("grid", part_grid)),
+SECTIONS: dict[str, Callable[[Campaign], dict[str, Any]]] = {
+    "probes": part_probes, "gpu_tests": part_gpu_tests, "fidelity": part_fidelity, "trace": part_trace,
+    "exports": part_exports, "launch": part_launch, "grid": part_grid,
 }
-SECTIONS: dict[str, Callable[[Campaign], dict[str, Any]]] = {n: fn for part in PARTS.values() for n, fn in part}
+PARTS: dict[str, tuple[tuple[str, ...], ...]] = {
+    # stages in order; a stage's sections run at once with --jobs > 1 (one after another with --jobs 1), sharing the
+    # device through one lock: the GPU tests (a minute, 30 s of it a hung probe waited out; last in part 1 they fell
+    # out of the fifth and sixth visits' time) beside fidelity; exports, launch and grid together (their recommend,
+    # calibrate and profiles on the host, 325 s one after another on the seventh visit, the Llama grid left out)
+    "1": (("probes",), ("gpu_tests", "fidelity"), ("trace",)),
+    "2": (("exports", "launch", "grid"),),
+}
 MODEL_KEYS = tuple(dict.fromkeys(case.model for case in fidelity_suite.SUITE))  # mlp, gpt2, llama, resnet, timm-vit, ...
 ENGINE_KEYS = ("torch", "deepspeed")
 
@@ -440,9 +451,10 @@ def main(argv: list[str] | None = None) -> int:
                              "model's first case (its calibration probe) always runs")
     parser.add_argument("--engines", default=None,
                         help="comma-separated engines whose plans exports and launch keep: " + ", ".join(ENGINE_KEYS))
-    parser.add_argument("--jobs", type=int, default=DEFAULT_JOBS,
-                        help=f"probes at once in fidelity, trace and grid (default {DEFAULT_JOBS}): each imports while "
-                             "another steps, and takes the device in turn (benchmarks/probe_pool.py); 1: one at a time")
+    parser.add_argument("--jobs", type=int, default=None,
+                        help=f"probes at once in fidelity, trace and grid (default {DEFAULT_JOBS['cuda']} on a GPU, "
+                             f"{DEFAULT_JOBS['cpu']} on the CPU): each imports while another steps, and takes the "
+                             "device in turn (benchmarks/probe_pool.py); 1: one at a time")
     parser.add_argument("--out", type=Path, required=True, help="folder for the JSON results (created)")
     parser.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
                         help="wall-clock budget of this call (s); runs not started in time are recorded as skipped")
@@ -455,6 +467,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.budget_s <= 0:
         print("error: --budget-s must be > 0 (seconds)", file=sys.stderr)
         return 2
+    if args.jobs is None:
+        args.jobs = DEFAULT_JOBS[device]
     if args.jobs < 1:
         print(f"error: --jobs must be >= 1 (got {args.jobs}); 1 runs one probe at a time", file=sys.stderr)
         return 2
@@ -465,10 +479,10 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(listed, str):
             print(listed, file=sys.stderr)
             return 2
-    if names is not None:
-        sections = [(n, SECTIONS[n]) for n in names]
+    if names is not None:  # one at a time, in the order given
+        stages: list[tuple[str, ...]] = [(n,) for n in names]
     else:
-        sections = [s for part in (("1", "2") if args.part == "all" else (args.part,)) for s in PARTS[part]]
+        stages = [stage for part in (("1", "2") if args.part == "all" else (args.part,)) for stage in PARTS[part]]
     models = frozenset(wanted) if wanted is not None else None
     case_filters = None
     if args.cases is not None:
@@ -503,33 +517,55 @@ def main(argv: list[str] | None = None) -> int:
         f"{c.env['driver']}; commit {c.env['commit']}; budget {args.budget_s:.0f} s; jobs {args.jobs}"
         + ("; quiet host" if args.jobs > 1 else "")
         + (f"; {gpu_note}" if gpu_note else ""))
-    written = []
-    # with --jobs > 1 the lock's holder stops the others for its timed steps (probes/host_quiet.py): every process
-    # the sections start inherits the group; this one, their ancestor, is never stopped
-    group = f"campaign-{os.getpid()}-{time.time_ns()}" if args.jobs > 1 and QUIET_ENV not in os.environ else None
-    if group:
-        os.environ[QUIET_ENV] = group
-    try:
-        for name, fn in sections:
-            t0 = time.perf_counter()
-            try:
-                fn(c)
-                written.append(name)
-            except Exception as exc:  # noqa: BLE001 - a section's crash is reported; the others still run
-                log(f"{name}: failed: {type(exc).__name__}: {exc}")
-                target = args.out / ("probes.json" if name == "gpu_tests" else f"{name}.json")
-                try:  # keep what the section wrote before it crashed
-                    doc = json.loads(target.read_text())
-                except (OSError, json.JSONDecodeError):
-                    doc = c.doc(name)
-                doc["error"] = f"{type(exc).__name__}: {exc}"
-                write_json(target, doc)
-            log(f"{name}: {time.perf_counter() - t0:.0f} s")
-    finally:
-        if group:
-            os.environ.pop(QUIET_ENV, None)
+    written: list[str] = []
+
+    def run_section(name: str) -> None:
+        t0 = time.perf_counter()
+        try:
+            SECTIONS[name](c)
+            written.append(name)
+        except Exception as exc:  # noqa: BLE001 - a section's crash is reported; the others still run
+            log(f"{name}: failed: {type(exc).__name__}: {exc}")
+            target = args.out / ("probes.json" if name == "gpu_tests" else f"{name}.json")
+            try:  # keep what the section wrote before it crashed
+                doc = json.loads(target.read_text())
+            except (OSError, json.JSONDecodeError):
+                doc = c.doc(name)
+            doc["error"] = f"{type(exc).__name__}: {exc}"
+            write_json(target, doc)
+        log(f"{name}: {time.perf_counter() - t0:.0f} s")
+
+    with tempfile.TemporaryDirectory(prefix="optplan_campaign_") as tmp, shared_host(args.jobs, Path(tmp)):
+        for stage in stages:
+            if args.jobs == 1 or len(stage) == 1:
+                for name in stage:
+                    run_section(name)
+            else:
+                with ThreadPoolExecutor(max_workers=len(stage), thread_name_prefix="section") as pool:
+                    list(pool.map(run_section, stage))
+    order = [n for stage in stages for n in stage]
+    written.sort(key=order.index)
     log(f"campaign: {', '.join(written) or 'nothing'} written to {args.out} in {time.perf_counter() - started:.0f} s")
-    return 0 if len(written) == len(sections) else 1
+    return 0 if len(written) == len(order) else 1
+
+
+@contextlib.contextmanager
+def shared_host(jobs: int, folder: Path) -> Iterator[None]:
+    """With ``jobs`` > 1, for the block: one device lock for every section (``$OPTPLAN_DEVICE_LOCK``, in
+    ``folder``: probes of sections run at once take the device in turn) and a quiet group (``$OPTPLAN_QUIET_GROUP``:
+    the lock's holder stops the others for its timed steps, probes/host_quiet.py). Every process the sections start
+    inherits both; this one, their ancestor, is never stopped. A variable already set is kept (the caller's)."""
+    if jobs == 1:
+        yield
+        return
+    wanted = {DEVICE_LOCK_ENV: str(folder / "device.lock"), QUIET_ENV: f"campaign-{os.getpid()}-{time.time_ns()}"}
+    added = {k: v for k, v in wanted.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for key in added:
+            os.environ.pop(key, None)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from optplan.estimators.profile import ModelProfile
-from optplan.probes.device_lock import held
+from optplan.probes.device_lock import held, lock_from_env
 from optplan.probes.loader import profile_model_file
 from optplan.probes.runtime import ProbeResult, ProbeSpec, run_probe
 
@@ -75,7 +75,8 @@ class ProbePool:
         if jobs < 1:
             raise ValueError(f"jobs must be >= 1 (got {jobs})")
         self.jobs = jobs
-        self.lock = folder / "device.lock" if jobs > 1 else None
+        shared = lock_from_env()  # the campaign's, when its sections run at once (their probes share the device)
+        self.lock = (Path(shared) if shared else folder / "device.lock") if jobs > 1 else None
         self._probes = ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="probe") if jobs > 1 else None
         self._profilers = (ThreadPoolExecutor(max_workers=PROFILE_JOBS, thread_name_prefix="profile")
                            if jobs > 1 else None)

@@ -326,10 +326,9 @@ def _run_together(specs: list[ProbeSpec], runner: Callable[..., ProbeResult], ti
         return [f.result() for f in futures]
     except BaseException:
         stop.set()
-        pool.shutdown(wait=True, cancel_futures=True)
         raise
     finally:
-        pool.shutdown(wait=True)
+        pool.shutdown(wait=True, cancel_futures=True)  # after a normal return every future is done already
 
 
 def validate_exports(target: Path, profile: ModelProfile, *, model_name: str | None = None,

@@ -170,7 +170,9 @@ class Probe(Trainer):
     """One rank's run of a ProbeSpec (a dict) through :class:`~optplan.probes.trainloop.Trainer` (the code
     of the generated train.py); fills ``self.result``."""
 
-    def __init__(self, spec: dict[str, Any], result: dict[str, Any]) -> None:
+    def __init__(self, spec: dict[str, Any], result: dict[str, Any], *, marker_base: str | None = None) -> None:
+        """``marker_base``: rank 0's result file, beside which the lock's marker files go (``.waiting``,
+        ``.acquired``, ``.quieted``); None: none are written."""
         ds_config = spec.get("ds_config")
         super().__init__(spec["strategy"], device_type=spec.get("device", "cpu"),
                          ds_config=ds_config if isinstance(ds_config, dict) else None,
@@ -183,8 +185,8 @@ class Probe(Trainer):
         self.device_lock: DeviceLock | None = None
         self.device = torch.device(self.device_type)
         self.quieted: list[int] | None = None  # the group's processes stopped for the timed steps (quiet_host)
-        base = spec.get("_marker_base")
-        self.quiet_record = f"{base}.quieted" if base else None
+        self.marker_base = marker_base
+        self.quiet_record = f"{marker_base}.quieted" if marker_base else None
         self.track_ddp_buckets = self.device_type == "cpu"  # DDP's flat gradient buckets, by index
 
     @property
@@ -258,10 +260,9 @@ class Probe(Trainer):
     def touch_marker(self, name: str) -> None:
         """Create ``<result file>.<name>`` (its time is when this process began waiting for, or took, the device
         lock): the parent leaves the lock wait out of the probe's timeout (probes/runtime.py)."""
-        base = self.spec.get("_marker_base")
-        if base:
+        if self.marker_base:
             with contextlib.suppress(OSError):
-                open(f"{base}.{name}", "w").close()
+                open(f"{self.marker_base}.{name}", "w").close()
 
     def mark(self, name: str) -> None:
         """Record ``name`` in the result's ``timeline_s``: seconds since this process started (where a probe's
@@ -584,8 +585,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with open(args.spec, encoding="utf-8") as fh:
             spec = json.load(fh)
-        spec["_marker_base"] = rank_out_path(args.out, rank)
-        probe = Probe(spec, result)
+        probe = Probe(spec, result, marker_base=rank_out_path(args.out, rank))
         probe.run()
     except BaseException as exc:  # noqa: BLE001 - every failure becomes a result
         status, reason = classify(exc, probe.where if probe is not None else "setup")
