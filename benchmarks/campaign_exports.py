@@ -56,6 +56,7 @@ def export_one(c: Campaign, engine: str, model: Path, folder: Path, env: dict[st
                           "predicted_step_s": r["comparison"]["predicted_step_s"],
                           "measured_step_s": r["comparison"]["result"]["step_s"],
                           "device_wait_s": r["comparison"]["result"].get("device_wait_s"),
+                          "quieted_processes": r["comparison"]["result"].get("quieted_processes"),
                           "probe_wall_s": r["comparison"]["result"].get("wall_s"),
                           "notes": r["notes"]} for r in report["runs"]]  # the temporary folder is gone after the run
     except (json.JSONDecodeError, KeyError, TypeError):

@@ -26,6 +26,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -42,6 +43,7 @@ from optplan.planner.calibrate import ProbeComparison
 from optplan.planner.export.context import FILE_NAMES, ExportPlan
 from optplan.planner.probe_stage import LocalDevices, compare_spec, describe_result, local_devices
 from optplan.probes.device_lock import lock_from_env
+from optplan.probes.host_quiet import QUIET_ENV, group_from_env
 from optplan.probes.runtime import ProbeResult, ProbeSpec, run_probe
 
 RUNNABLE = ("ds_config.json", "launch.sh", "accelerate.yaml")
@@ -316,13 +318,16 @@ def _prepare(path: Path, profile: ModelProfile, model_name: str | None, local: L
 
 def _run_together(specs: list[ProbeSpec], runner: Callable[..., ProbeResult], timeout_s: float,
                   jobs: int) -> list[ProbeResult]:
-    """``runner(spec)`` for every spec, ``jobs`` at a time, results in order. An interrupt (Ctrl-C) or any error in
-    this thread cancels the runs not started and stops the running ones (``run_probe``'s ``cancelled``: their whole
-    process trees), then propagates."""
+    """``runner(spec)`` for every spec, ``jobs`` at a time, results in order, in one quiet group
+    (``$OPTPLAN_QUIET_GROUP``, the caller's if set, else one of this call's own: the run holding the device stops the
+    others for its timed steps, probes/host_quiet.py, so that its step times read as when run alone). An interrupt
+    (Ctrl-C) or any error in this thread cancels the runs not started and stops the running ones (``run_probe``'s
+    ``cancelled``: their whole process trees), then propagates."""
+    env = {QUIET_ENV: group_from_env() or f"validate-{os.getpid()}-{time.time_ns()}"}
     stop = threading.Event()
     pool = ThreadPoolExecutor(max_workers=min(jobs, len(specs)))
     try:
-        futures = [pool.submit(runner, spec, timeout_s=timeout_s, cancelled=stop.is_set) for spec in specs]
+        futures = [pool.submit(runner, spec, timeout_s=timeout_s, cancelled=stop.is_set, env=env) for spec in specs]
         return [f.result() for f in futures]
     except BaseException:
         stop.set()

@@ -103,7 +103,8 @@ def test_runs_together_stop_when_one_fails_or_the_caller_is_interrupted() -> Non
     stopped: list[str] = []
     started: list[str] = []
 
-    def runner(spec, *, timeout_s, cancelled):  # noqa: ANN001, ANN202
+    def runner(spec, *, timeout_s, cancelled, env):  # noqa: ANN001, ANN202
+        assert env["OPTPLAN_QUIET_GROUP"]  # the runs share a quiet group
         started.append(spec.model_path)
         if spec.model_path == "m0.py":
             time.sleep(0.2)

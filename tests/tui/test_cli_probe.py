@@ -93,7 +93,10 @@ def test_validate_jobs_runs_the_files_together_taking_the_device_in_turn(tmp_pat
                     - r["timeline_s"]["device_acquired"]) for r in results)
     # one after the other on the device (to a few ms: each span is a wall-clock start plus a perf_counter length)
     assert spans[0][1] <= spans[1][0] + 0.02
-    assert any(r["device_wait_s"] > 0.05 for r in results)  # one of them waited for the other
+    # the first to take the device stopped the other (alive: importing, or waiting for the lock) for its timed
+    # steps, so the two ran together, in one quiet group (whether the second then waited depends on its imports)
+    first = min(results, key=lambda r: r["device_acquired_at"])
+    assert first["quieted_processes"] >= 1 and all(r["host_op_s"] > 0 for r in results)  # accelerate: 2 processes
     result = runner.invoke(app, ["validate", str(out), MLP, "--jobs", "0"])
     assert result.exit_code == 2 and "--jobs must be >= 1" in result.stderr
 
