@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from optplan.estimators.profile import ModelProfile
-from optplan.probes.device_lock import held, lock_from_env
+from optplan.probes.device_lock import DEVICE_LOCK_ENV, lock_from_env
 from optplan.probes.loader import profile_model_file
 from optplan.probes.runtime import ProbeResult, ProbeSpec, run_probe
 
@@ -133,9 +133,6 @@ class ProbePool:
     def run_probe(self, spec: ProbeSpec, *, timeout_s: float, env: Mapping[str, str] | None = None) -> ProbeResult:
         """``run_probe(spec)`` taking the device in turn: a one-process probe waits in its child
         (``device_lock``), a multi-process one here around the whole run."""
-        if self.lock is None:
-            return run_probe(spec, timeout_s=timeout_s, env=env)
-        if spec.nproc == 1:
-            return run_probe(spec.model_copy(update={"device_lock": str(self.lock)}), timeout_s=timeout_s, env=env)
-        with held(self.lock):
-            return run_probe(spec, timeout_s=timeout_s, env=env)
+        if self.lock is not None:  # run_probe takes it as the variable's: in the child, or here around torchrun
+            env = {**(env or {}), DEVICE_LOCK_ENV: str(self.lock)}
+        return run_probe(spec, timeout_s=timeout_s, env=env)

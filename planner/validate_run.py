@@ -42,7 +42,7 @@ from optplan.estimators.strategy import Strategy
 from optplan.planner.calibrate import ProbeComparison
 from optplan.planner.export.context import FILE_NAMES, ExportPlan
 from optplan.planner.probe_stage import LocalDevices, compare_spec, describe_result, local_devices
-from optplan.probes.device_lock import lock_from_env
+from optplan.probes.device_lock import DEVICE_LOCK_ENV, lock_from_env
 from optplan.probes.host_quiet import QUIET_ENV, group_from_env
 from optplan.probes.runtime import ProbeResult, ProbeSpec, run_probe
 
@@ -317,13 +317,14 @@ def _prepare(path: Path, profile: ModelProfile, model_name: str | None, local: L
 
 
 def _run_together(specs: list[ProbeSpec], runner: Callable[..., ProbeResult], timeout_s: float,
-                  jobs: int) -> list[ProbeResult]:
-    """``runner(spec)`` for every spec, ``jobs`` at a time, results in order, in one quiet group
-    (``$OPTPLAN_QUIET_GROUP``, the caller's if set, else one of this call's own: the run holding the device stops the
-    others for its timed steps, probes/host_quiet.py, so that its step times read as when run alone). An interrupt
-    (Ctrl-C) or any error in this thread cancels the runs not started and stops the running ones (``run_probe``'s
-    ``cancelled``: their whole process trees), then propagates."""
-    env = {QUIET_ENV: group_from_env() or f"validate-{os.getpid()}-{time.time_ns()}"}
+                  jobs: int, lock: str) -> list[ProbeResult]:
+    """``runner(spec)`` for every spec, ``jobs`` at a time, results in order: each one-process run takes the device
+    ``lock`` in turn (``$OPTPLAN_DEVICE_LOCK`` for it: its child waits after its imports, probes/device_lock.py), all
+    in one quiet group (``$OPTPLAN_QUIET_GROUP``, the caller's if set, else one of this call's own: the run holding
+    the device stops the others for its timed steps, probes/host_quiet.py, so that its step times read as when run
+    alone). An interrupt (Ctrl-C) or any error in this thread cancels the runs not started and stops the running
+    ones (``run_probe``'s ``cancelled``: their whole process trees), then propagates."""
+    env = {DEVICE_LOCK_ENV: lock, QUIET_ENV: group_from_env() or f"validate-{os.getpid()}-{time.time_ns()}"}
     stop = threading.Event()
     pool = ThreadPoolExecutor(max_workers=min(jobs, len(specs)))
     try:
@@ -355,11 +356,9 @@ def validate_exports(target: Path, profile: ModelProfile, *, model_name: str | N
         prepared = [_prepare(path, profile, model_name, local, Path(scratch), warmup_steps, timed_steps)
                     for path in files]
         together = jobs > 1 and len(prepared) > 1 and all(p.spec.nproc == 1 for p in prepared)
-        if together:
+        if together:  # $OPTPLAN_DEVICE_LOCK (a caller sharing the device with more), else a lock of this call's own
             lock = lock_from_env() or str(Path(scratch) / "device.lock")
-            prepared = [replace(p, spec=p.spec.model_copy(update={"device_lock": p.spec.device_lock or lock}))
-                        for p in prepared]
-            results = _run_together([p.spec for p in prepared], runner, timeout_s, jobs)
+            results = _run_together([p.spec for p in prepared], runner, timeout_s, jobs, lock)
         else:
             if jobs > 1 and len(prepared) > 1:
                 prepared = [replace(p, notes=(*p.notes, f"run one at a time, not --jobs {jobs}: a run of several "

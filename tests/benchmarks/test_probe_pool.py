@@ -19,9 +19,10 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import fidelity  # noqa: E402
-from probe_pool import ProbePool, held  # noqa: E402
+from probe_pool import ProbePool  # noqa: E402
 
 from optplan.estimators.strategy import Strategy  # noqa: E402
+from optplan.probes.device_lock import held  # noqa: E402
 from optplan.probes.runtime import ProbeSpec, run_probe  # noqa: E402
 
 MLP = ROOT / "examples" / "mlp.py"

@@ -104,7 +104,7 @@ def test_runs_together_stop_when_one_fails_or_the_caller_is_interrupted() -> Non
     started: list[str] = []
 
     def runner(spec, *, timeout_s, cancelled, env):  # noqa: ANN001, ANN202
-        assert env["OPTPLAN_QUIET_GROUP"]  # the runs share a quiet group
+        assert env["OPTPLAN_QUIET_GROUP"] and env["OPTPLAN_DEVICE_LOCK"] == "x.lock"  # one group, one lock
         started.append(spec.model_path)
         if spec.model_path == "m0.py":
             time.sleep(0.2)
@@ -117,7 +117,7 @@ def test_runs_together_stop_when_one_fails_or_the_caller_is_interrupted() -> Non
 
     t0 = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
-        _run_together(specs, runner, timeout_s=60, jobs=2)
+        _run_together(specs, runner, timeout_s=60, jobs=2, lock="x.lock")
     assert time.monotonic() - t0 < 10  # not the 30 s a run would wait uncancelled
     # every run that started (the third may have, on the worker m0 freed) saw the cancel
     assert {"m0.py", "m1.py"} <= set(started) and sorted(stopped) == sorted(p for p in started if p != "m0.py")
