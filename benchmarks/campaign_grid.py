@@ -8,7 +8,7 @@ from __future__ import annotations
 import statistics
 import sys
 import tempfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -199,22 +199,23 @@ def grid_one(c: Campaign, pool: ProbePool, model: GridModel, doc: dict[str, Any]
             entry["recommend_pick_run"] = "not measured in the CPU's --quick run (outside the grid: not ranked)"
         else:
             todo.append((rec.plan, "recommend's free pick (outside the grid: not ranked)"))
-    items = [s for s, _ in todo]
-    if pool.jobs > 1:
-        futures = [pool.submit(measure, s) for s in items]
-        results: Iterator[ProbeResult | None] = (f.result() for f in futures)
-    else:
-        results = pool.ordered(measure, items)
-    return lambda: _finish(entry, todo, results, record, measured, predicted, grid, pick, rec, save)
+    results = pool.ordered(measure, [s for s, _ in todo])  # submitted now with several jobs
+
+    def finish() -> dict[str, Any]:
+        """Record the runs in order, then the rank correlation and where the pick ranks."""
+        for (s, why), result in zip(todo, results, strict=True):
+            record(s, why, result)
+        _judge(entry, measured, predicted, grid, pick, rec)
+        save()
+        return entry
+
+    return finish
 
 
-def _finish(entry: dict[str, Any], todo: list[tuple[Strategy, str]], results: Iterator[ProbeResult | None],
-            record: Callable[[Strategy, str, ProbeResult | None], None], measured: dict[Strategy, float],
-            predicted: dict[Strategy, float], grid: list[Strategy], pick: Strategy | None, rec: Any,
-            save: Callable[[], None]) -> dict[str, Any]:
-    """Record one model's runs in order, then its rank correlation and where the pick ranks."""
-    for (s, why), result in zip(todo, results, strict=True):
-        record(s, why, result)
+def _judge(entry: dict[str, Any], measured: dict[Strategy, float], predicted: dict[Strategy, float],
+           grid: list[Strategy], pick: Strategy | None, rec: Any) -> None:
+    """Into ``entry``: the rank correlation of predicted and measured throughput, where the pick ranks among the
+    grid's measured runs and its share of the best, and recommend's free pick's measured throughput."""
     both = [s for s in measured if s in predicted]
     entry["measured_runs"] = len(measured)
     entry["spearman_predicted_vs_measured"] = spearman([predicted[s] for s in both], [measured[s] for s in both])
@@ -229,8 +230,6 @@ def _finish(entry: dict[str, Any], todo: list[tuple[Strategy, str]], results: It
             entry["meets_target"] = entry["pick_share_of_best"] >= GRID_SHARE_TARGET
         if rec.plan is not None and rec.plan in measured:
             entry["recommend_pick_samples_per_s"] = measured[rec.plan]
-    save()
-    return entry
 
 
 def _finish_all(doc: dict[str, Any], finishers: list[tuple[GridModel, Callable[[], dict[str, Any]]]],

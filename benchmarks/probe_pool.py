@@ -99,14 +99,11 @@ class ProbePool:
 
     def ordered(self, fn: Callable[[U], T], items: Sequence[U]) -> Iterator[T]:
         """``fn(item)`` for each item, yielded in the items' order: with ``jobs=1`` each computed when asked for
-        (a caller that stops early starts no more), else all submitted at once to the probe workers."""
+        (a caller that stops early starts no more), else all submitted to the probe workers now, by this call."""
         if self._probes is None:
-            for item in items:
-                yield fn(item)
-            return
+            return (fn(item) for item in items)
         futures = [self._probes.submit(fn, item) for item in items]
-        for future in futures:
-            yield future.result()
+        return (future.result() for future in futures)
 
     def profile(self, path: Path, seq_len: int | None, env: Mapping[str, str] | None = None) -> Future[Profiled]:
         """The future :class:`Profiled` of ``path``, started once per (path, seq_len, env) (``jobs=1``: made now)."""

@@ -75,18 +75,23 @@ def microbatch_kernels(profile: ModelProfile, strategy: Strategy) -> float | Non
     return (kernels.forward_kernels + kernels.backward_kernels + replay) / strategy.pp
 
 
-def eager_microbatch_host_s(profile: ModelProfile, strategy: Strategy, host_kernel_s: float,
-                            checkpoint_block_s: float = 0.0) -> float | None:
-    """Host seconds to issue one micro-batch's kernels on one stage (module docstring), plus ``checkpoint_block_s``
-    per repeated block under full checkpointing (torch.utils.checkpoint's own host work per block: module docstring);
-    None when the profile counted no kernels or the strategy compiles (the caller then keeps its constants)."""
-    if strategy.compile:
-        return None
+def _counted_host_s(profile: ModelProfile, strategy: Strategy, host_kernel_s: float,
+                    checkpoint_block_s: float) -> float | None:
+    """:func:`eager_microbatch_host_s` of the same step run eagerly, whether or not ``strategy`` compiles (the bound
+    a compiled step's host time keeps under)."""
     kernels = microbatch_kernels(profile, strategy)
     if kernels is None:
         return None
     blocks = profile.repeated_block.count / strategy.pp if profile.repeated_block is not None else 0.0
     return kernels * host_kernel_s + (blocks * checkpoint_block_s if strategy.checkpointing == "full" else 0.0)
+
+
+def eager_microbatch_host_s(profile: ModelProfile, strategy: Strategy, host_kernel_s: float,
+                            checkpoint_block_s: float = 0.0) -> float | None:
+    """Host seconds to issue one micro-batch's kernels on one stage (module docstring), plus ``checkpoint_block_s``
+    per repeated block under full checkpointing (torch.utils.checkpoint's own host work per block: module docstring);
+    None when the profile counted no kernels or the strategy compiles (the caller then keeps its constants)."""
+    return None if strategy.compile else _counted_host_s(profile, strategy, host_kernel_s, checkpoint_block_s)
 
 
 def microbatch_host_s(profile: ModelProfile, strategy: Strategy, *, host_kernel_s: float, checkpoint_block_s: float,
@@ -97,11 +102,8 @@ def microbatch_host_s(profile: ModelProfile, strategy: Strategy, *, host_kernel_
     counted = eager_microbatch_host_s(profile, strategy, host_kernel_s, checkpoint_block_s)
     if counted is not None:
         return counted
-    if strategy.compile:
-        eager = eager_microbatch_host_s(profile, strategy.model_copy(update={"compile": False}), host_kernel_s,
-                                        checkpoint_block_s)
-        if eager is not None:
-            return min(microbatch_s, eager)
+    if strategy.compile and (eager := _counted_host_s(profile, strategy, host_kernel_s, checkpoint_block_s)) is not None:
+        return min(microbatch_s, eager)
     return microbatch_s
 
 
@@ -128,8 +130,7 @@ def layer_host_s(profile: ModelProfile, strategy: Strategy, *, host_kernel_s: fl
         return host_multiplier * counted / layers_per_stage, 0.0
     layer_s, head_s = constant_layer_s, host_multiplier * microbatch_s
     if eager_engine and strategy.compile:
-        eager = eager_microbatch_host_s(profile, strategy.model_copy(update={"compile": False}), host_kernel_s,
-                                        checkpoint_block_s)
+        eager = _counted_host_s(profile, strategy, host_kernel_s, checkpoint_block_s)
         if eager is not None and host_multiplier * eager < layer_s * layers_per_stage + head_s:
             return host_multiplier * eager / layers_per_stage, 0.0
     return layer_s, head_s

@@ -53,11 +53,9 @@ def vocab_padding_notes(profile: ModelProfile, strategy: Strategy, cluster: Clus
     """One note when padding the vocabulary would save at least :data:`NOTE_SHARE` of the step (the model's
     dimensions and the GPU's efficiencies read once)."""
     dims = transformer_dims(profile)
-    if dims is None or not dims.vocab or dims.vocab % PAD_MULTIPLE == 0 or step_s <= 0:
-        return ()
     eff = efficiency_for(cluster.gpu)
-    saved = _saving_s(dims, strategy, cluster, eff)
-    if saved < NOTE_SHARE * step_s:
+    saved = _saving_s(dims, strategy, cluster, eff)  # 0 when aligned, unknown, or Megatron's
+    if dims is None or step_s <= 0 or saved <= 0 or saved < NOTE_SHARE * step_s:
         return ()
     vocab = dims.vocab
     elem = get_recipe(strategy.precision).activation_bytes
