@@ -123,7 +123,9 @@ def campaign_rows(dirs: list[Path] | None = None) -> list[Any]:
         cluster = Cluster(gpu=find_gpu(case.gpu), gpus=strategy.world_size, gpus_per_node=strategy.world_size)
         rows.append(Row(set="gpu-campaign", label=f"{case.model} {strategy.label()}",
                         profile=profs[case.model], cluster=cluster, strategy=strategy,
-                        measured_s=result.step_s, extra={"source": source},
+                        measured_s=result.step_s,
+                        extra={"source": source,  # the host's speed there (probes/host_speed.py), when recorded
+                               **({"host_op_s": f"{result.host_op_s:.6g}"} if result.host_op_s else {})},
                         # the campaign hands DeepSpeed torch's foreach AdamW (no fused-Adam JIT build on a visit)
                         adam_impl=fidelity.probe_adam_impl(strategy, "cuda", ds_torch_optimizer=True)))
     return rows

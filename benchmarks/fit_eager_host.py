@@ -105,6 +105,26 @@ def fit(rows: list) -> tuple[float, float, float, float]:
             _median_pct([_log_error(r, kernel_s, checkpoint_s) for r in rows]))
 
 
+def host_speed_line(rows: list, errors: list[float]) -> str:
+    """Whether the host's speed where each run was timed (``host_op_s``, probes/host_speed.py: recorded by probes
+    since the thirty-second session) explains the fitted errors: Pearson's r of log(predicted / measured) against
+    log(host_op_s) over the runs that carry it (a fit on one host speed leaves the faster hosts' runs predicted slow:
+    r < 0), and the spread of host_op_s across them."""
+    pairs = [(math.log(float(r.extra["host_op_s"])), e) for r, e in zip(rows, errors, strict=True)
+             if float(r.extra.get("host_op_s") or 0) > 0]
+    if len(pairs) < 3:
+        return (f"host speed: {len(pairs)} of {len(rows)} runs carry host_op_s (too few to say whether it explains "
+                "the errors; GPU runs measured from now on carry it)")
+    xs, ys = [x for x, _ in pairs], [y for _, y in pairs]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sx = math.sqrt(sum((x - mx) ** 2 for x in xs))
+    sy = math.sqrt(sum((y - my) ** 2 for y in ys))
+    r = sum((x - mx) * (y - my) for x, y in pairs) / (sx * sy) if sx and sy else 0.0
+    ops = sorted(math.exp(x) * 1e6 for x in xs)
+    return (f"host speed: {len(pairs)} of {len(rows)} runs carry host_op_s ({ops[0]:.2f}-{ops[-1]:.2f} µs, median "
+            f"{statistics.median(ops):.2f}); log error vs log host_op_s: Pearson r = {r:+.2f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.parse_args(argv)
@@ -128,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     for r, b, a in zip(rows, before, after, strict=True):
         print(f"{r.label[:56]:56s} {microbatch_kernels(r.profile, r.strategy):8.0f} {r.measured_s * 1e3:8.1f} "
               f"{100 * math.expm1(b):+7.1f}% {100 * math.expm1(a):+7.1f}%")
+    print(host_speed_line(rows, after))
     print(f"in use (estimators/eager_host.py): {HOST_KERNEL_S * 1e6:.1f} µs, {CHECKPOINT_BLOCK_HOST_S * 1e3:.2f} ms -> "
           f"median |error| {_median_pct(current):.1f}%")
     print(f"eager host kernel {best * 1e6:.1f} µs, checkpointed block {block * 1e3:.2f} ms over {len(rows)} runs "

@@ -110,3 +110,26 @@ def test_hoppers_channels_first_passes_are_what_fit_conv_layout_fits_on_the_comm
     before = fit_conv_layout._pct([fit_conv_layout._log_error(r, None, None) for r in first])
     after = fit_conv_layout._pct([fit_conv_layout._log_error(r, h200.passes_16bit, h200.passes_tf32) for r in first])
     assert after < 0.5 * before
+
+
+def test_the_host_speed_line_says_whether_host_op_s_explains_the_errors() -> None:
+    """fit_eager_host.py's diagnostic: too few runs carrying host_op_s say so; with them, Pearson's r of the log error
+    against log host_op_s (a slow host's runs measured slower than predicted: r < 0) and their spread."""
+    import math
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import fit_eager_host
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+    def row(op_us: float | None) -> SimpleNamespace:
+        return SimpleNamespace(extra={"source": "x", **({"host_op_s": f"{op_us * 1e-6:.6g}"} if op_us else {})})
+
+    old = [row(None)] * 4
+    assert fit_eager_host.host_speed_line(old, [0.1] * 4).startswith("host speed: 0 of 4 runs carry host_op_s (too few")
+    ops = [2.0, 3.0, 4.0, 6.0]
+    errors = [-0.5 * math.log(op / 3.0) for op in ops]  # the slower the host, the more the run is under-predicted
+    line = fit_eager_host.host_speed_line([*map(row, ops), row(None)], [*errors, 0.0])
+    assert "4 of 5 runs carry host_op_s (2.00-6.00 µs, median 3.50)" in line and line.endswith("r = -1.00")
