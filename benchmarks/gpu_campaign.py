@@ -188,11 +188,12 @@ def gpu_tests(c: Campaign) -> dict[str, Any]:
 
     with tempfile.TemporaryDirectory(prefix="optplan_campaign_pytest_") as tmp:
         report = Path(tmp) / "junit.xml"
-        # the microbenchmark test repeats what microbench() measured: left out on the GPU to save its time
-        # on the CPU in one process (-n 0: pyproject's -n auto would start a worker per core only to skip them)
+        # the microbenchmark test repeats what microbench() measured: left out on the GPU to save its time.
+        # One process (-n 0): pyproject's -n auto would start up to four workers, each importing torch beside the
+        # fidelity section's probes, for tests that run one after another anyway (one file; each holds the lock)
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
                "tests/probes", "-k", "(cuda and not microbench) or hung" if c.device == "cuda" else "cuda",
-               *(() if c.device == "cuda" else ("-n", "0"))]
+               "-n", "0"]
         try:
             proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
                                   timeout=max(30.0, min(300.0, c.left_s())))
