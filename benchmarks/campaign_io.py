@@ -13,6 +13,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from optplan.probes.host_quiet import group_from_env, wait_while_quiet
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -46,7 +48,9 @@ def write_json(path: Path, doc: dict[str, Any]) -> None:
 
 def run_command(argv: Sequence[str], timeout_s: float, *, cwd: Path = ROOT,
                 env: Mapping[str, str] | None = None) -> tuple[int, str, str]:
-    """Run ``argv``; a timeout is exit code 124 with what it printed so far."""
+    """Run ``argv``; a timeout is exit code 124 with what it printed so far. In a quiet group it starts after any
+    probe's timed steps (probes/host_quiet.py)."""
+    wait_while_quiet(group_from_env(env))
     try:
         proc = subprocess.run(list(argv), cwd=cwd, capture_output=True, text=True, timeout=timeout_s,
                               env=dict(env) if env is not None else None)

@@ -93,7 +93,6 @@ import contextlib
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -125,7 +124,7 @@ from campaign_core import (  # noqa: E402
 )
 from campaign_exports import part_exports  # noqa: E402
 from campaign_grid import part_grid  # noqa: E402
-from campaign_io import ROOT, write_json  # noqa: E402
+from campaign_io import ROOT, run_command, write_json  # noqa: E402
 from campaign_launch import part_launch  # noqa: E402
 from campaign_trace import part_trace, trace_steps_for  # noqa: E402
 
@@ -135,7 +134,7 @@ from optplan.estimators.strategy import Strategy  # noqa: E402
 from optplan.planner.calibrate import load_calibration, profile_hash, save_calibration  # noqa: E402
 from optplan.planner.results import calibrations_from_results  # noqa: E402
 from optplan.probes.device_lock import DEVICE_LOCK_ENV  # noqa: E402
-from optplan.probes.host_quiet import QUIET_ENV  # noqa: E402
+from optplan.probes.host_quiet import QUIET_ENV, owned_group  # noqa: E402
 from optplan.probes.runtime import ProbeSpec, run_probe  # noqa: E402
 
 
@@ -194,13 +193,8 @@ def gpu_tests(c: Campaign) -> dict[str, Any]:
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
                "tests/probes", "-k", "(cuda and not microbench) or hung" if c.device == "cuda" else "cuda",
                "-n", "0"]
-        try:
-            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
-                                  timeout=max(30.0, min(300.0, c.left_s())))
-            text, code = proc.stdout + proc.stderr, proc.returncode
-        except subprocess.TimeoutExpired as exc:
-            out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-            text, code = out, 124
+        code, out, err = run_command(cmd, max(30.0, min(300.0, c.left_s())))
+        text = out + err
         tests: dict[str, str] = {}
         with contextlib.suppress(OSError, ET.ParseError):
             for case in ET.parse(report).getroot().iter("testcase"):
@@ -559,14 +553,17 @@ def shared_host(jobs: int, folder: Path) -> Iterator[None]:
     if jobs == 1:
         yield
         return
-    wanted = {DEVICE_LOCK_ENV: str(folder / "device.lock"), QUIET_ENV: f"campaign-{os.getpid()}-{time.time_ns()}"}
-    added = {k: v for k, v in wanted.items() if k not in os.environ}
-    os.environ.update(added)
-    try:
-        yield
-    finally:
-        for key in added:
-            os.environ.pop(key, None)
+    with contextlib.ExitStack() as stack:
+        wanted = {DEVICE_LOCK_ENV: str(folder / "device.lock")}
+        if QUIET_ENV not in os.environ:  # this campaign owns the group: it continues what a killed holder stopped
+            wanted[QUIET_ENV] = stack.enter_context(owned_group(folder / "quiet"))
+        added = {k: v for k, v in wanted.items() if k not in os.environ}
+        os.environ.update(added)
+        try:
+            yield
+        finally:
+            for key in added:
+                os.environ.pop(key, None)
 
 
 if __name__ == "__main__":

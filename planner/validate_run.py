@@ -21,12 +21,12 @@ predictions are made for what actually ran. Units: seconds and bytes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import tempfile
 import threading
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -43,7 +43,7 @@ from optplan.planner.calibrate import ProbeComparison
 from optplan.planner.export.context import FILE_NAMES, ExportPlan
 from optplan.planner.probe_stage import LocalDevices, compare_spec, describe_result, local_devices
 from optplan.probes.device_lock import DEVICE_LOCK_ENV, lock_from_env
-from optplan.probes.host_quiet import QUIET_ENV, group_from_env
+from optplan.probes.host_quiet import QUIET_ENV, group_from_env, owned_group
 from optplan.probes.runtime import ProbeResult, ProbeSpec, run_probe
 
 RUNNABLE = ("ds_config.json", "launch.sh", "accelerate.yaml")
@@ -324,17 +324,21 @@ def _run_together(specs: list[ProbeSpec], runner: Callable[..., ProbeResult], ti
     the device stops the others for its timed steps, probes/host_quiet.py, so that its step times read as when run
     alone). An interrupt (Ctrl-C) or any error in this thread cancels the runs not started and stops the running
     ones (``run_probe``'s ``cancelled``: their whole process trees), then propagates."""
-    env = {DEVICE_LOCK_ENV: lock, QUIET_ENV: group_from_env() or f"validate-{os.getpid()}-{time.time_ns()}"}
-    stop = threading.Event()
-    pool = ThreadPoolExecutor(max_workers=min(jobs, len(specs)))
-    try:
-        futures = [pool.submit(runner, spec, timeout_s=timeout_s, cancelled=stop.is_set, env=env) for spec in specs]
-        return [f.result() for f in futures]
-    except BaseException:
-        stop.set()
-        raise
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)  # after a normal return every future is done already
+    with contextlib.ExitStack() as stack:
+        group = group_from_env() or stack.enter_context(  # a group of this call's own, watched while it runs
+            owned_group(stack.enter_context(tempfile.TemporaryDirectory(prefix="optplan_quiet_"))))
+        env = {DEVICE_LOCK_ENV: lock, QUIET_ENV: group}
+        stop = threading.Event()
+        pool = ThreadPoolExecutor(max_workers=min(jobs, len(specs)))
+        try:
+            futures = [pool.submit(runner, spec, timeout_s=timeout_s, cancelled=stop.is_set, env=env)
+                       for spec in specs]
+            return [f.result() for f in futures]
+        except BaseException:
+            stop.set()
+            raise
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)  # after a normal return every future is done already
 
 
 def validate_exports(target: Path, profile: ModelProfile, *, model_name: str | None = None,

@@ -109,8 +109,6 @@ class DeviceLock:
         drop()
         gc.collect()
         residue: int | None = None
-        if device_type == "cpu":  # nothing to hand back, but what stayed alive says whether the drop was complete
-            residue = live_tensor_bytes("cpu")
         if device_type == "cuda":
             import torch
 
@@ -124,6 +122,9 @@ class DeviceLock:
                 return residue
         self._write_state(HANDED)
         self.release()
+        if device_type == "cpu":  # nothing held back; what stayed alive says whether the drop was complete (after
+            with contextlib.suppress(Exception):  # the release: a full traversal of the heap, about a second)
+                residue = live_tensor_bytes("cpu")
         return residue
 
     def wait_for_previous_exit(self, timeout_s: float = PREVIOUS_EXIT_WAIT_S) -> float:
@@ -144,12 +145,13 @@ def live_tensor_bytes(device_type: str) -> int:
 
     sizes: dict[int, int] = {}
     for obj in gc.get_objects():
-        if not isinstance(obj, torch.Tensor) or obj.device.type != device_type:
+        if not isinstance(obj, torch.Tensor):
             continue
         try:
-            storage = obj.untyped_storage()
-            sizes[storage.data_ptr()] = storage.nbytes()
-        except (RuntimeError, NotImplementedError):  # no storage (sparse, nested, a wrapper subclass)
+            if obj.device.type == device_type:
+                storage = obj.untyped_storage()
+                sizes[storage.data_ptr()] = storage.nbytes()
+        except Exception:  # noqa: BLE001 - no storage (sparse, nested, a wrapper subclass): not counted
             continue
     return sum(sizes.values())
 

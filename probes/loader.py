@@ -29,6 +29,7 @@ from pydantic import ValidationError
 from optplan.estimators.finetune import LoraRequest
 from optplan.estimators.profile import ModelProfile
 from optplan.probes._pdeathsig import guarded
+from optplan.probes.host_quiet import group_from_env, wait_while_quiet
 from optplan.probes.input_record import INPUTS_KEY
 from optplan.probes.model_errors import ModelFileError, check_model_path, one_line
 from optplan.probes.profile_cache import RecordedInputs, lookup, profile_cache_dir, request_key, store
@@ -206,7 +207,9 @@ def _cache_store(folder: Path, key: str, inputs: object, doc: dict[str, Any]) ->
 
 def _run_child(path: str | os.PathLike[str], cmd: list[str], env: dict[str, str], timeout_s: float,
                cancelled: Callable[[], bool] | None) -> tuple[str, str, int]:
-    """(stdout, stderr, exit code) of the profiler child; killed on a timeout, a cancel or Ctrl-C."""
+    """(stdout, stderr, exit code) of the profiler child; killed on a timeout, a cancel or Ctrl-C. In a quiet group
+    it starts after any probe's timed steps (probes/host_quiet.py)."""
+    wait_while_quiet(group_from_env(env))
     try:
         proc = subprocess.Popen(guarded(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 stdin=subprocess.DEVNULL, errors="replace", env=env)

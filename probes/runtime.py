@@ -42,7 +42,7 @@ from optplan.probes.distributed import (
     read_tail,
     terminate_tree,
 )
-from optplan.probes.host_quiet import resume_recorded
+from optplan.probes.host_quiet import group_from_env, resume_stale, wait_while_quiet
 from optplan.probes.model_errors import one_line
 from optplan.probes.waiting import communicate_until
 
@@ -254,6 +254,8 @@ def _run_child(spec: ProbeSpec, base: dict[str, Any], started: float, timeout_s:
         child = child_env(None, device=spec.device, nproc=spec.nproc, token=token, extra=env)
         if not (env and "TMPDIR" in env):  # torchrun's and torch's temp folders go with the probe's own
             child["TMPDIR"] = str(tmp)
+        quiet = group_from_env(child)
+        wait_while_quiet(quiet)  # no import starts during another probe's timed steps (probes/host_quiet.py)
         try:
             proc = launch(cmd, child, log_path)
         except OSError as exc:
@@ -267,11 +269,13 @@ def _run_child(spec: ProbeSpec, base: dict[str, Any], started: float, timeout_s:
             timed_out = True
         except BaseException:  # Ctrl-C, a signal or a cancel in the parent: leave no probe process behind
             terminate_tree(proc, token, grace_s=0.5)
-            resume_recorded(f"{out_path}.quieted")
+            if quiet is not None:
+                resume_stale(quiet)
             raise
         ended_at = time.time()
         terminate_tree(proc, token, grace_s=3.0 if timed_out else 0.5)  # also any process left behind
-        resume_recorded(f"{out_path}.quieted")  # a child killed while others of its group were stopped
+        if quiet is not None:  # a child killed while others of its group were stopped: continue them now
+            resume_stale(quiet)
         code = proc.returncode
         tail = read_tail(log_path)
         log_end = read_tail(log_path, lines=400, max_chars=60000)

@@ -110,7 +110,7 @@ from optplan.probes.contract import (  # noqa: E402
 )
 from optplan.probes.device_lock import DeviceLock  # noqa: E402
 from optplan.probes.device_lock import acquire as acquire_device  # noqa: E402
-from optplan.probes.host_quiet import group_from_env, resume, stop_others  # noqa: E402
+from optplan.probes.host_quiet import group_from_env, resume, stop_newcomers, stop_others  # noqa: E402
 from optplan.probes.host_speed import host_op_s  # noqa: E402
 from optplan.probes.model_errors import ModelFileError  # noqa: E402
 from optplan.probes.probe_failures import (  # noqa: E402
@@ -172,7 +172,7 @@ class Probe(Trainer):
 
     def __init__(self, spec: dict[str, Any], result: dict[str, Any], *, marker_base: str | None = None) -> None:
         """``marker_base``: rank 0's result file, beside which the lock's marker files go (``.waiting``,
-        ``.acquired``, ``.quieted``); None: none are written."""
+        ``.acquired``); None: none are written."""
         ds_config = spec.get("ds_config")
         super().__init__(spec["strategy"], device_type=spec.get("device", "cpu"),
                          ds_config=ds_config if isinstance(ds_config, dict) else None,
@@ -185,8 +185,8 @@ class Probe(Trainer):
         self.device_lock: DeviceLock | None = None
         self.device = torch.device(self.device_type)
         self.quieted: list[int] | None = None  # the group's processes stopped for the timed steps (quiet_host)
+        self.quiet_group: str | None = None
         self.marker_base = marker_base
-        self.quiet_record = f"{marker_base}.quieted" if marker_base else None
         self.track_ddp_buckets = self.device_type == "cpu"  # DDP's flat gradient buckets, by index
 
     @property
@@ -403,6 +403,7 @@ class Probe(Trainer):
                 self.wait_for_previous_holder()
                 self.quiet_host()
                 self.result["host_op_s"] = host_op_s(self.device)
+                self.quiet_newcomers()
             self.sync()
             t0 = time.perf_counter()
             loss = self.one_step(self.batch_for)
@@ -466,13 +467,26 @@ class Probe(Trainer):
         group = group_from_env()
         if self.device_lock is None or not self.device_lock.held or group is None or self.quieted is not None:
             return
-        self.quieted = stop_others(group, self.quiet_record)
+        self.quiet_group = group
+        self.quieted = stop_others(group, spare=self.spared())
         self.result["quieted_processes"] = len(self.quieted)
+
+    def spared(self) -> tuple[int, ...]:
+        """The previous holder of the lock, if still tearing down (its CUDA context would stay, frozen, in the
+        device-wide memory figure)."""
+        lock = self.device_lock
+        return (lock.previous_pid,) if lock is not None and lock.previous_pid is not None else ()
+
+    def quiet_newcomers(self) -> None:
+        """Stop the group's members started since :meth:`quiet_host` (a probe its owner was starting meanwhile)."""
+        if self.quieted is not None and self.quiet_group is not None:
+            self.quieted = stop_newcomers(self.quiet_group, self.quieted, spare=self.spared())
+            self.result["quieted_processes"] = len(self.quieted)
 
     def resume_host(self) -> None:
         """Continue what :meth:`quiet_host` stopped (nothing when it stopped nothing)."""
-        if self.quieted is not None:
-            resume(self.quieted, self.quiet_record)
+        if self.quieted is not None and self.quiet_group is not None:
+            resume(self.quiet_group, self.quieted)
             self.quieted = None
             self.mark("resumed")
 

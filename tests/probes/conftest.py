@@ -12,6 +12,7 @@ from types import ModuleType
 import pytest
 
 from optplan.probes.device_lock import DEVICE_LOCK_ENV, held, lock_from_env
+from optplan.probes.host_quiet import QUIET_ENV
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -22,12 +23,14 @@ def _gpu_test_holds_the_device_lock(request: pytest.FixtureRequest,
     """A GPU test run beside other probes (``$OPTPLAN_DEVICE_LOCK``: the campaign's gpu_tests beside its fidelity
     section) holds the device lock for its whole body, as one probe would, so that its figures (the device's free
     memory, the allocator's peaks) are its own. Its probes run without the variable (they would wait for this
-    process). Without the variable, or for a test not marked ``gpu``: nothing."""
+    process), and outside the campaign's quiet group (probes/host_quiet.py). Without the variable, or for a test not
+    marked ``gpu``: nothing."""
     path = lock_from_env()
     if path is None or request.node.get_closest_marker("gpu") is None:
         yield
         return
     monkeypatch.delenv(DEVICE_LOCK_ENV)
+    monkeypatch.delenv(QUIET_ENV, raising=False)  # its probes time nothing the campaign compares: they stop no one
     with held(path):
         yield
 
