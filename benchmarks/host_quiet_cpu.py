@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 from optplan.estimators.strategy import Strategy
-from optplan.probes.host_quiet import QUIET_ENV
+from optplan.probes.host_quiet import QUIET_ENV, owned_group
 from optplan.probes.runtime import ProbeResult, ProbeSpec, run_probe
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,9 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--busy", type=int, default=os.cpu_count() or 2, help="spinning processes (default: cores)")
     parser.add_argument("--repeats", type=int, default=3, help="probes per setting (the median is kept)")
     args = parser.parse_args(argv)
-    group = f"host-quiet-bench-{os.getpid()}"
     rows: dict[str, list[ProbeResult]] = {}
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, owned_group(Path(tmp) / "quiet") as group:
         lock = Path(tmp) / "device.lock"
         for setting in ("alone", "busy", "quiet"):
             spinners = []
