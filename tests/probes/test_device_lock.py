@@ -221,26 +221,15 @@ def test_the_drop_before_the_hand_over_leaves_no_tensor_alive(engine: str, tmp_p
     assert result.device_handed_over is True and result.device_residue_bytes == 0
 
 
-@pytest.mark.gpu  # the marker conftest's lock fixture looks for; the check runs only under the test below
-def test_inner_a_gpu_test_holds_the_lock_beside_probes() -> None:
-    if not os.environ.get("OPTPLAN_TEST_LOCK_CHECK"):
-        pytest.skip("run by test_a_gpu_test_run_beside_probes_holds_the_device_lock")
-    assert DEVICE_LOCK_ENV not in os.environ  # its own probes must not wait for this process
-    try_lock = ("import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR)\n"
-                "try: fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)\nexcept BlockingIOError: sys.exit(3)")
-    code = subprocess.run([sys.executable, "-c", try_lock, os.environ["OPTPLAN_TEST_LOCK_FILE"]]).returncode
-    assert code == 3  # held by this test's process
-
-
 def test_a_gpu_test_run_beside_probes_holds_the_device_lock(tmp_path: Path) -> None:
     """$OPTPLAN_DEVICE_LOCK set (the campaign's gpu_tests beside its fidelity section): a test marked gpu holds the
     lock for its body, with the variable removed; the lock is free again after."""
     lock = tmp_path / "device.lock"
-    env = {**os.environ, DEVICE_LOCK_ENV: str(lock), "OPTPLAN_TEST_LOCK_CHECK": "1", "OPTPLAN_TEST_LOCK_FILE": str(lock)}
+    env = {**os.environ, DEVICE_LOCK_ENV: str(lock), "OPTPLAN_TEST_LOCK_FILE": str(lock)}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
-                           f"{__file__}::test_inner_a_gpu_test_holds_the_lock_beside_probes"],
+                           str(Path(__file__).with_name("lock_fixture_check.py"))],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    # "." alone: one test, passed (pyproject's -q and this -q leave no summary line; a skip would print "s")
+    # "." alone: one test, passed (pyproject's -q and this -q leave no summary line)
     assert proc.returncode == 0 and proc.stdout.split()[0] == ".", proc.stdout[-2000:] + proc.stderr[-2000:]
     free = acquire(str(lock))
     assert free.held
