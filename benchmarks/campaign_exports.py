@@ -19,7 +19,7 @@ from typing import Any
 from campaign_core import EXAMPLES, Campaign
 from campaign_io import ROOT, last_line, run_optplan, write_json
 
-from optplan.probes.device_lock import DEVICE_LOCK_ENV
+from optplan.probes.device_lock import DEVICE_LOCK_ENV, lock_from_env
 
 
 def export_one(c: Campaign, engine: str, model: Path, folder: Path, env: dict[str, str]) -> dict[str, Any]:
@@ -75,9 +75,9 @@ def part_exports(c: Campaign) -> dict[str, Any]:
     # tests/tui/test_cli_probe.py), a GPU both, planned for its one GPU
     engines = [e for e in (("deepspeed", "torch") if c.device == "cuda" else ("deepspeed",)) if c.wants_engine(e)]
     with tempfile.TemporaryDirectory(prefix="optplan_campaign_exports_") as tmp:
-        # the campaign's lock when sections run at once (already in os.environ), else one of this section's own
-        own = c.jobs > 1 and DEVICE_LOCK_ENV not in os.environ
-        env = {**os.environ, **({DEVICE_LOCK_ENV: str(Path(tmp) / "device.lock")} if own else {})}
+        # the campaign's lock when sections run at once, else one of this section's own
+        lock = lock_from_env() or str(Path(tmp) / "device.lock")
+        env = {**os.environ, **({DEVICE_LOCK_ENV: lock} if c.jobs > 1 else {})}
 
         def one(engine: str) -> dict[str, Any]:
             try:

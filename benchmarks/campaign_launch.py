@@ -147,8 +147,8 @@ def part_launch(c: Campaign) -> dict[str, Any]:
     model = EXAMPLES / ("gpt2.py" if c.device == "cuda" else "mlp.py")
     engines = [e for e in (("torch", "deepspeed") if c.device == "cuda" else ("torch",)) if c.wants_engine(e)]
     with tempfile.TemporaryDirectory(prefix="optplan_campaign_launch_") as tmp:
-        shared = lock_from_env()  # the campaign's, when sections run at once
-        lock = Path(shared) if shared else Path(tmp) / "device.lock" if c.jobs > 1 else None
+        # the campaign's lock when sections run at once, else one of this section's own
+        lock = Path(lock_from_env() or Path(tmp) / "device.lock") if c.jobs > 1 else None
 
         def one(engine: str) -> dict[str, Any]:
             if c.left_s() < 60:

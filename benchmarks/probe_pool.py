@@ -75,8 +75,8 @@ class ProbePool:
         if jobs < 1:
             raise ValueError(f"jobs must be >= 1 (got {jobs})")
         self.jobs = jobs
-        shared = lock_from_env()  # the campaign's, when its sections run at once (their probes share the device)
-        self.lock = (Path(shared) if shared else folder / "device.lock") if jobs > 1 else None
+        # the campaign's lock when its sections run at once (their probes share the device), else one of its own
+        self.lock = Path(lock_from_env() or folder / "device.lock") if jobs > 1 else None
         self._probes = ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="probe") if jobs > 1 else None
         self._profilers = (ThreadPoolExecutor(max_workers=PROFILE_JOBS, thread_name_prefix="profile")
                            if jobs > 1 else None)
