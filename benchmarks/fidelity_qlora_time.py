@@ -35,6 +35,7 @@ from typing import Any
 from optplan.estimators.estimate import estimate
 from optplan.estimators.finetune import DEQUANT_BANDWIDTH_FRACTION, dequant_bytes_per_layer
 from optplan.estimators.hardware import Cluster, find_gpu
+from optplan.estimators.partial_checkpointing import recompute_fraction
 from optplan.probes.cache_dir import cache_dir
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         qstrat, lstrat = bench.strategy_for(qrow), bench.strategy_for(lrow)
         layers = qprof.repeated_block.count if qprof.repeated_block else 1
         moved = dequant_bytes_per_layer(qprof.adapter, qstrat.quant, layers,
-                                        full_checkpointing=qstrat.checkpointing == "full") * layers
+                                        recompute_share=recompute_fraction(qstrat, layers)) * layers
         predicted = moved / (cluster.gpu.memory_bandwidth_bytes_per_s * DEQUANT_BANDWIDTH_FRACTION)
         measured = measured_overhead_s(pair, doc["train_samples_per_epoch"])
         err = 100.0 * (predicted / measured - 1.0)

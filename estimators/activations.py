@@ -7,7 +7,9 @@ Activation Recomputation in Large Transformer Models", arXiv 2205.05198) Table 2
 bytes without parallelism; with tensor parallelism the 10·s·b·h of layer-norm inputs, block inputs and dropout
 masks stays replicated and 24·s·b·h + 5·a·s²·b is split by t; with sequence parallelism all of it is split by t;
 selective recomputation drops the 5·a·s²·b term (which flash attention never stores); full recomputation keeps
-2·s·b·h per layer (its input) plus one layer's working set. A measured profile keeps its measured per-layer bytes
+2·s·b·h per layer (its input) plus one layer's working set; partial checkpointing (the first N blocks of a stage,
+estimators/partial_checkpointing.py) keeps the inputs of those N and everything of the others, and between the
+measured fits it interpolates. A measured profile keeps its measured per-layer bytes
 and its measured non-layer part (embedding, logits, loss: split by t as Megatron's vocabulary-parallel cross
 entropy does); the split between the two takes the Table 2 per-layer figure (TransformerShape.layer_bytes_per_token).
 Under the fp8 recipe Transformer Engine keeps its GEMM inputs in fp8 (estimators/fp8_activations.py).
@@ -23,6 +25,7 @@ from optplan.estimators.loss_parallel import loss_parallel_extra_bytes_per_sampl
 from optplan.estimators.moe_recompute import saved_bytes_per_token
 from optplan.estimators.parallel import layers_per_stage
 from optplan.estimators.params_placement import rank_stages, stage_params
+from optplan.estimators.partial_checkpointing import blend_bytes, checkpointed_blocks, recompute_fraction
 from optplan.estimators.pipeline import DUALPIPE_IN_FLIGHT_EXTRA, in_flight_microbatches
 from optplan.estimators.precision import get_recipe
 from optplan.estimators.profile import (
@@ -106,6 +109,19 @@ def measured_fit(profile: ModelProfile, strategy: Strategy) -> tuple[ActivationF
     return profile.activation(precision, fit_mode(profile, strategy, precision)), recipe.weight_bytes != 2
 
 
+def _partial_fits(profile: ModelProfile,
+                  strategy: Strategy) -> tuple[tuple[ActivationFit, ActivationFit], bool, float] | None:
+    """Under partial checkpointing with a measured fit: the fits without and with every block checkpointed, whether
+    autocast's weight copies count, and the checkpointed share of the blocks; else None."""
+    block = profile.repeated_block
+    f = recompute_fraction(strategy, block.count if block is not None else None)
+    if not 0.0 < f < 1.0 or not profile.supports_checkpointing:
+        return None
+    full, copies = measured_fit(profile, strategy)
+    none, _ = measured_fit(profile, strategy.model_copy(update={"checkpointing": "none", "checkpoint_layers": None}))
+    return (none, full), copies, f
+
+
 def _fixed_stage_bytes(profile: ModelProfile, strategy: Strategy, fixed: int, copies: int, stage: int) -> float:
     """The fit's fixed bytes on one rank: autocast weight copies scale with the rank's parameters and
     vanish for 16-bit weights; the rest stays."""
@@ -128,6 +144,11 @@ def activation_bytes(profile: ModelProfile, strategy: Strategy, *, stage: int = 
     recipe = get_recipe(strategy.precision)
     mode = strategy.checkpointing if profile.supports_checkpointing else "none"
     if uses_measured_fit(profile, strategy):
+        partial = _partial_fits(profile, strategy)
+        if partial is not None:  # some blocks checkpointed: between the two fits (estimators/partial_checkpointing.py)
+            (none, full), copies, f = partial
+            return blend_bytes(none.bytes_at(strategy.mbs, param_copies=copies),
+                               full.bytes_at(strategy.mbs, param_copies=copies), f)
         fit, copies = measured_fit(profile, strategy)
         return fit.bytes_at(strategy.mbs, param_copies=copies)
     fit = profile.activation(recipe.activation_precision, "full" if mode == "full" else "none")
@@ -154,7 +175,9 @@ def _per_sample_stage_bytes(profile: ModelProfile, strategy: Strategy, mode: str
         if mode == "full":
             full = profile.activation(recipe.activation_precision, "full").per_sample_bytes
             per_layer_input = full / (layers + 1)
-            return (on_stage * per_layer_input * held + measured / layers) / cp
+            kept = checkpointed_blocks(strategy, on_stage)  # the rest keep all their bytes (partial_checkpointing.py)
+            working_set = measured / layers if kept >= on_stage else 0.0
+            return ((kept * per_layer_input + (on_stage - kept) * measured / layers) * held + working_set) / cp
         return on_stage * measured / layers * held / cp
     s, h, a = profile.tokens_per_sample, shape.hidden, shape.heads
     formula_layer = shape.layer_bytes_per_token() * s * scale
@@ -175,11 +198,14 @@ def _per_sample_stage_bytes(profile: ModelProfile, strategy: Strategy, mode: str
     ends_here = ends / (1 if gathers_logits(profile, strategy) else t) if last else 0.0
     if last:  # PyTorch's loss parallelism holds more fp32 logit-shaped tensors than a fused kernel (loss_parallel.py)
         ends_here += loss_parallel_extra_bytes_per_sample(profile, strategy, recipe.activation_precision)
-    if mode == "full":
+    checkpointed = checkpointed_blocks(strategy, on_stage) if mode == "full" else 0.0
+    if mode == "full" and checkpointed >= on_stage:
         # the recomputed layer's working set exists only in a layer's backward, after the logits and the loss
         # (and their gradient) are freed: the larger of the two beside the kept layer inputs, not their sum
         # (measured on CPU under tensor parallelism, benchmarks/fidelity_tp_cpu.py: the sum was 5-11 % over)
         per_sample = on_stage * layer_input * held + max(layer_tp, ends_here)
+    elif mode == "full":  # the first blocks keep their input, the rest everything (estimators/partial_checkpointing.py)
+        per_sample = (checkpointed * layer_input + (on_stage - checkpointed) * layer_tp) * held + ends_here
     else:
         if mode == "moe":  # the MoE layers keep their input only (estimators/moe_recompute.py): split by t
             layer_tp -= layer * saved_bytes_per_token(shape) / shape.layer_bytes_per_token() / t
@@ -191,6 +217,13 @@ def activation_moments(profile: ModelProfile, strategy: Strategy, *, stage: int 
     """Activation bytes at each moment of the step (profile.STEP_PHASES) when the profile's measured fit
     applies and has per-phase envelopes; else ``{"step": activation_bytes(...)}`` (one figure, the peak)."""
     if uses_measured_fit(profile, strategy):
+        partial = _partial_fits(profile, strategy)
+        if partial is not None:
+            (none, full), copies, f = partial
+            none_at, full_at = (fit.phases_at(strategy.mbs, param_copies=copies) for fit in (none, full))
+            if none_at and set(none_at) == set(full_at):
+                return {phase: blend_bytes(none_at[phase], full_at[phase], f) for phase in none_at}
+            return {"step": activation_bytes(profile, strategy, stage=stage)}
         fit, copies = measured_fit(profile, strategy)
         phases = fit.phases_at(strategy.mbs, param_copies=copies)
         if phases:

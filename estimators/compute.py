@@ -91,6 +91,7 @@ from optplan.estimators.efficiency import (
 from optplan.estimators.hardware import GPUSpec, find_gpu
 from optplan.estimators.optimizer_traffic import optimizer_step_bytes_per_param
 from optplan.estimators.optimizers import optimizer_state_bytes_per_param
+from optplan.estimators.partial_checkpointing import recompute_fraction
 from optplan.estimators.precision import get_recipe
 from optplan.estimators.profile import ModelProfile
 from optplan.estimators.selective import recompute_flops_per_sample
@@ -456,10 +457,11 @@ def head_time(dims: TransformerDims, strategy: Strategy, gpu: GPUSpec, eff: GpuE
                     logits_fwd_flops=2.0 * tokens * v_local * h)
 
 
-def host_layer_passes(strategy: Strategy) -> float:
+def host_layer_passes(strategy: Strategy, blocks: int | None = None) -> float:
     """Layer-forward passes the host issues per layer and micro-batch: forward 1 + backward 2, plus 1
-    under full recomputation or ``SELECTIVE_HOST_PASSES`` under selective recomputation."""
-    extra = {"full": 1.0, "selective": SELECTIVE_HOST_PASSES,
+    under full recomputation (its checkpointed share of the ``blocks`` under partial checkpointing,
+    estimators/partial_checkpointing.py) or ``SELECTIVE_HOST_PASSES`` under selective recomputation."""
+    extra = {"full": recompute_fraction(strategy, blocks), "selective": SELECTIVE_HOST_PASSES,
              "moe": MOE_RECOMPUTE_HOST_PASSES}.get(strategy.checkpointing, 0.0)
     return 3.0 + extra
 
@@ -539,6 +541,7 @@ def compute_time(profile: ModelProfile, strategy: Strategy, gpu: GPUSpec, *,
     samples = strategy.mbs * strategy.grad_accum
     counted = counted_step(profile, strategy) if gemm_peak_fraction is not None else None
     full = strategy.checkpointing == "full" and profile.supports_checkpointing
+    share = recompute_fraction(strategy, profile.repeated_block.count if profile.repeated_block else None)
     if counted is not None:
         assert gemm_peak_fraction is not None
         saturation = eff / MAX_EFFICIENCY[recipe.compute_dtype]
@@ -555,14 +558,18 @@ def compute_time(profile: ModelProfile, strategy: Strategy, gpu: GPUSpec, *,
     compute_s = profile.train_flops_per_sample * samples * flop_s
     recompute_s = 0.0
     passes = ACTIVATION_TRAFFIC_PASSES
-    if full:
-        recompute_s = profile.fwd_flops_per_sample * samples * flop_s
-        passes += 1
+    if full:  # the checkpointed blocks' share of one more forward (partial_checkpointing.py)
+        recompute_s = profile.fwd_flops_per_sample * samples * flop_s * share
+        passes += share
     elif (selective := recompute_flops_per_sample(profile, strategy)) is not None:
         recompute_s = selective * samples * flop_s  # the matmuls the op-level policy re-runs (selective.py)
     if counted is not None:
-        replay = strategy if full else strategy.model_copy(update={"checkpointing": "none"})
-        memory_bound_s = strategy.grad_accum * counted_memory_s(counted, replay, gpu, hbm_fraction)
+        plain = strategy.model_copy(update={"checkpointing": "none", "checkpoint_layers": None})
+        memory_bound_s = strategy.grad_accum * counted_memory_s(counted, plain, gpu, hbm_fraction)
+        if full:  # the replayed forward's bytes, the checkpointed blocks' share of them
+            every = strategy.model_copy(update={"checkpoint_layers": None})
+            memory_bound_s += strategy.grad_accum * share * (counted_memory_s(counted, every, gpu, hbm_fraction)
+                                                             - memory_bound_s / strategy.grad_accum)
     else:
         traffic = profile.activation(recipe.activation_precision, "none").bytes_at(strategy.mbs)
         memory_bound_s = strategy.grad_accum * passes * traffic / gpu.memory_bandwidth_bytes_per_s

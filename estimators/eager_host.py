@@ -27,6 +27,7 @@ launches) the constants apply too, bounded by the eager count (:func:`layer_host
 from __future__ import annotations
 
 from optplan.estimators.eager_traffic import class_figure
+from optplan.estimators.partial_checkpointing import recompute_fraction
 from optplan.estimators.precision import get_recipe
 from optplan.estimators.profile import EagerStep, ModelProfile
 from optplan.estimators.strategy import Strategy
@@ -70,8 +71,9 @@ def microbatch_kernels(profile: ModelProfile, strategy: Strategy) -> float | Non
     if kernels is None:
         return None
     replay = 0.0
-    if strategy.checkpointing == "full" and profile.repeated_block is not None:
-        replay = profile.repeated_block.count * kernels.block_forward_kernels
+    if strategy.checkpointing == "full" and profile.repeated_block is not None:  # the checkpointed blocks' share
+        count = profile.repeated_block.count
+        replay = count * recompute_fraction(strategy, count) * kernels.block_forward_kernels
     return (kernels.forward_kernels + kernels.backward_kernels + replay) / strategy.pp
 
 
@@ -82,8 +84,9 @@ def _counted_host_s(profile: ModelProfile, strategy: Strategy, host_kernel_s: fl
     kernels = microbatch_kernels(profile, strategy)
     if kernels is None:
         return None
-    blocks = profile.repeated_block.count / strategy.pp if profile.repeated_block is not None else 0.0
-    return kernels * host_kernel_s + (blocks * checkpoint_block_s if strategy.checkpointing == "full" else 0.0)
+    count = profile.repeated_block.count if profile.repeated_block is not None else None
+    blocks = count / strategy.pp * recompute_fraction(strategy, count) if count is not None else 0.0
+    return kernels * host_kernel_s + blocks * checkpoint_block_s
 
 
 def eager_microbatch_host_s(profile: ModelProfile, strategy: Strategy, host_kernel_s: float,

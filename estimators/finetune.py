@@ -184,17 +184,18 @@ def dequantized_weight_bytes(adapter: AdapterProfile | None, quant: QuantName) -
 
 
 def dequant_bytes_per_layer(adapter: AdapterProfile | None, quant: QuantName, layers: int, *,
-                            full_checkpointing: bool, tp: int = 1) -> float:
+                            recompute_share: float, tp: int = 1) -> float:
     """Bytes bitsandbytes' 4-bit dequantisation moves per block and micro-batch (module docstring): per pass the
     packed weights and constants read (:func:`quantized_weight_bytes`) plus their 16-bit copy written
-    (:data:`DEQUANT_BYTES` per element); 2 passes, 3 under full checkpointing; the quantisable weights spread
+    (:data:`DEQUANT_BYTES` per element); 2 passes, plus ``recompute_share`` (1 under full checkpointing, the
+    checkpointed blocks' share under partial: estimators/partial_checkpointing.py); the quantisable weights spread
     evenly over ``layers`` blocks and split over ``tp`` ranks. 0 for a 16-bit or int8 base."""
     if adapter is None or quant not in ("nf4", "nf4-dq") or layers < 1:
         return 0.0
     elements = adapter.quantizable_params
     per_pass = (quantized_weight_bytes(quant, elements, adapter.quantizable_rows, adapter.quantizable_tensors)
                 + DEQUANT_BYTES * elements)
-    return (3 if full_checkpointing else 2) * per_pass / layers / tp
+    return (2 + recompute_share) * per_pass / layers / tp
 
 
 def int8_checkpoint_kept_bytes(hidden: int, ffn: int, layers: int, tokens: int, micro_batch: int) -> int:

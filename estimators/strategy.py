@@ -59,6 +59,11 @@ class Strategy(BaseModel):
     mbs: int = Field(default=1, ge=1, description="micro-batch per GPU (samples)")
     grad_accum: int = Field(default=1, ge=1, description="gradient-accumulation steps (= pipeline micro-batches)")
     checkpointing: CheckpointName = "none"
+    checkpoint_layers: int | None = Field(
+        default=None, ge=1,
+        description="with checkpointing full: how many repeated blocks of each pipeline stage are checkpointed, "
+                    "the first ones (Megatron-LM --recompute-method block --recompute-num-layers); the others keep "
+                    "their activations. None = every block (estimators/partial_checkpointing.py)")
     dp: int = Field(default=1, ge=1, description="data-parallel degree (GPUs)")
     tp: int = Field(default=1, ge=1, description="tensor-parallel degree")
     pp: int = Field(default=1, ge=1, description="pipeline-parallel stages")
@@ -157,6 +162,17 @@ class Strategy(BaseModel):
                                  "training loop: use --engine torch, or --optimizer adamw/adamw8bit")
             if self.offload_params != "none":
                 raise ValueError(f"--optimizer {self.optimizer} pages its state itself: drop --offload params")
+        if self.checkpoint_layers is not None:
+            if self.checkpointing != "full":
+                raise ValueError(f"--checkpoint-layers {self.checkpoint_layers} picks the blocks full checkpointing "
+                                 "recomputes: add --checkpointing full, or drop --checkpoint-layers")
+            if self.quant != "none":
+                raise ValueError("--checkpoint-layers is not modelled with a quantised base (its kept layer inputs "
+                                 "assume every block checkpointed or none): drop --checkpoint-layers, or --quant")
+            if self.vpp > 1 or self.pp_schedule == "dualpipe":
+                raise ValueError("--checkpoint-layers counts the blocks of one pipeline stage, and is not modelled "
+                                 "with virtual stages or DualPipe: use --vpp 1 and --pp-schedule 1f1b, or drop "
+                                 "--checkpoint-layers")
         if self.sp and self.tp == 1:
             raise ValueError("sequence parallelism needs tensor parallelism: set --tp > 1 or --no-sp")
         if self.vpp > 1 and self.pp == 1:
@@ -281,7 +297,7 @@ class Strategy(BaseModel):
         parts.append(f"FSDP-{self.fsdp}" if self.fsdp != "none" else f"ZeRO-{self.zero}")
         parts.append(f"mbs{self.mbs}x{self.grad_accum}")
         if self.checkpointing == "full":
-            parts.append("ckpt")
+            parts.append("ckpt" if self.checkpoint_layers is None else f"ckpt{self.checkpoint_layers}")
         elif self.checkpointing == "selective":
             parts.append("sel-ckpt")
         elif self.checkpointing == "moe":

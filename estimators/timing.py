@@ -98,6 +98,7 @@ from optplan.estimators.moe_comm import moe_layer_comm
 from optplan.estimators.moe_recompute import moe_mlp_share
 from optplan.estimators.parallel import Placement, layers_per_stage, placement
 from optplan.estimators.params_placement import one_stage_params
+from optplan.estimators.partial_checkpointing import recompute_fraction
 from optplan.estimators.pipeline import dualpipe_solo_fraction, dualpipe_time_s, pipeline_time_s
 from optplan.estimators.pipeline_fsdp import keeps_stage_unsharded
 from optplan.estimators.precision import get_recipe
@@ -358,6 +359,7 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
     tokens = s_.mbs * dims.seq / c
     h = dims.hidden
     full = s_.checkpointing == "full"
+    rf = recompute_fraction(s_, dims.layers)  # the blocks full checkpointing re-runs: 1, or partial's share
     selective = s_.checkpointing == "selective"
     moe_rc = s_.checkpointing == "moe"  # the MoE layers re-run from their input (estimators/moe_recompute.py)
     moe_share = moe_mlp_share(profile.transformer) if moe_rc and profile.transformer is not None else 0.0
@@ -369,7 +371,7 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
     core_bwd = core_fwd * (FLASH_BACKWARD_FACTOR * f_fwd / f_bwd if s_.flash else 2.0)
     layer_compute = lt.fwd_gemm_s + lt.bwd_gemm_s
     layer_mem = lt.fwd_elementwise_s + lt.bwd_elementwise_s
-    layer_recompute = (lt.fwd_gemm_s + lt.fwd_elementwise_s) if full else (
+    layer_recompute = rf * (lt.fwd_gemm_s + lt.fwd_elementwise_s) if full else (
         lt.attention_core_fwd_s if selective else moe_share * lt.mlp_fwd_s)
     op_selective = recompute_flops_per_sample(profile, s_)
     if op_selective is not None:
@@ -383,25 +385,25 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
     moe_comm = moe_layer_comm(profile, s_, cluster, eff, links["etp"], tokens, elem, hbm)
     tp_collectives = TP_COLLECTIVES_PER_PASS - moe_comm.mlp_tp_collectives_skipped  # estimators/moe_comm.py
     tp_one = tp_collective_s(tokens, h, elem, t, links["tp"], sp=s_.sp) if t > 1 else 0.0
-    layer_tp_total = tp_collectives * (3 if full else 2) * tp_one
+    layer_tp_total = tp_collectives * (2 + rf) * tp_one
     layer_tp = layer_tp_total
     if overlaps_tp(s_):  # behind the pass's linear GEMMs (estimators/tp_overlap.py)
         pass_tp = tp_collectives * tp_one
         fwd_linear = max(0.0, lt.fwd_gemm_s - core_fwd)  # the attention core overlaps no collective
         bwd_linear = max(0.0, lt.bwd_gemm_s - core_bwd)
-        layer_tp = ((2 if full else 1) * overlapped_tp_s(pass_tp, fwd_linear)
+        layer_tp = ((1 + rf) * overlapped_tp_s(pass_tp, fwd_linear)
                     + overlapped_tp_s(pass_tp, bwd_linear))
     kv_local = dims.kv_heads * (h / dims.heads) / t
     cp_fwd, cp_bwd = cp_ring_exchange_s(tokens, kv_local, elem, c, links["cp"])
-    layer_cp = cp_fwd + cp_bwd + (cp_fwd if full else 0.0)
+    layer_cp = cp_fwd + cp_bwd + rf * cp_fwd
     layer_cp_exposed = (exposed_s(cp_fwd, core_fwd) + exposed_s(cp_bwd, core_bwd)
-                        + (exposed_s(cp_fwd, core_fwd) if full else 0.0))
+                        + rf * exposed_s(cp_fwd, core_fwd))
     a2a_pass = moe_comm.dispatch_pass_s
     layer_mem += moe_comm.expert_weight_read_s
     # a 4-bit base is dequantised in every pass (estimators/finetune.py): memory traffic per layer
-    layer_mem += (dequant_bytes_per_layer(profile.adapter, s_.quant, dims.layers, full_checkpointing=full, tp=t)
+    layer_mem += (dequant_bytes_per_layer(profile.adapter, s_.quant, dims.layers, recompute_share=rf, tp=t)
                   / (gpu.memory_bandwidth_bytes_per_s * DEQUANT_BANDWIDTH_FRACTION))
-    layer_ep_total = a2a_pass * (3 if full or moe_rc else 2)
+    layer_ep_total = a2a_pass * (3 if moe_rc else 2 + rf)
     layer_ep = layer_ep_total
     dualpipe = s_.dualpipe
     solo = dualpipe_solo_fraction(p, m) if dualpipe else solo_fraction(p, v, m)
@@ -416,11 +418,11 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
     # most the eager count's)
     host_layer, head_host_base = layer_host_s(
         profile, s_, host_kernel_s=eff.host_kernel_s, checkpoint_block_s=eff.host_checkpoint_block_s,
-        microbatch_s=eff.host_microbatch_s, constant_layer_s=hm * eff.host_layer_pass_s * host_layer_passes(s_),
+        microbatch_s=eff.host_microbatch_s, constant_layer_s=hm * eff.host_layer_pass_s * host_layer_passes(s_, dims.layers),
         host_multiplier=hm, layers_per_stage=dims.layers / p, eager_engine=engine.eager)
     host_layer += selective_host_layer_s(profile, s_, eff.host_layer_pass_s)  # eager op-level policy's host cost
     host_sync = 2 * (t - 1) * eff.host_collective_step_s  # per tensor-parallel collective
-    host_layer += tp_collectives * (3 if full else 2) * host_sync
+    host_layer += tp_collectives * (2 + rf) * host_sync
 
     # profile FLOPs the shape does not account for (extra modules): FLOPs-only rate on the last stage
     shape_fwd_per_sample = dims.layers * lt.fwd_flops * t / s_.mbs * c + ht.logits_fwd_flops * t / s_.mbs * c
@@ -524,7 +526,7 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
     dp_exposed = dpc.exposed_s + tied
     exposed = tp_s + cp_exposed + pp_s + dp_exposed + ep_s
     hw_per_sample = profile.train_flops_per_sample
-    recompute_flops = (lt.fwd_flops if full else op_selective if op_selective is not None
+    recompute_flops = (rf * lt.fwd_flops if full else op_selective if op_selective is not None
                        else lt.attention_core_fwd_flops if selective else moe_share * lt.mlp_fwd_flops)
     hw_per_sample += dims.layers * recompute_flops * t * c / s_.mbs
     parts = {

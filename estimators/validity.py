@@ -5,6 +5,7 @@ from __future__ import annotations
 from optplan.estimators.errors import OptplanError
 from optplan.estimators.expert_parallel import DEEPEP_GPUS
 from optplan.estimators.hardware import Cluster
+from optplan.estimators.parallel import layers_per_stage
 from optplan.estimators.pipeline_layout import MAX_EXTRA_STAGES
 from optplan.estimators.precision import require_precision
 from optplan.estimators.profile import ModelProfile
@@ -54,6 +55,15 @@ def check_strategy(profile: ModelProfile, cluster: Cluster, strategy: Strategy) 
     if s.checkpointing == "moe" and (shape is None or shape.moe is None):
         raise OptplanError(f"--checkpointing moe recomputes MoE layers, and {profile.name} has none: use "
                            "--checkpointing selective|full")
+    if s.checkpoint_layers is not None:
+        block = profile.repeated_block
+        if block is None:
+            raise OptplanError(f"--checkpoint-layers {s.checkpoint_layers}: {profile.name} has no repeated blocks to "
+                               "checkpoint: drop --checkpoint-layers")
+        on_stage = layers_per_stage(block.count, s.pp)
+        if s.checkpoint_layers >= on_stage:
+            raise OptplanError(f"--checkpoint-layers {s.checkpoint_layers} is not fewer than the {on_stage} blocks of "
+                               f"a pipeline stage: use 1-{on_stage - 1}, or drop it to checkpoint every block")
     if s.dispatcher == "deepep" and cluster.gpu.name not in DEEPEP_GPUS:
         raise OptplanError(f"--dispatcher deepep runs on {', '.join(DEEPEP_GPUS)} (NVLink with RDMA; DeepEP/HybridEP), "
                            f"not on {cluster.gpu.name}: use --dispatcher alltoall")

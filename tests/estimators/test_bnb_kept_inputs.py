@@ -71,12 +71,12 @@ def test_dequant_bytes_by_hand() -> None:
 
     nf4 = quantized_weight_bytes("nf4", 640_000, 2_000, 4)
     # per pass: the packed weight read + its 16-bit copy written; forward and input gradient, + recompute
-    assert dequant_bytes_per_layer(BASE, "nf4", 4, full_checkpointing=False) == pytest.approx(2 * (nf4 + 2 * 640_000) / 4)
-    assert dequant_bytes_per_layer(BASE, "nf4", 4, full_checkpointing=True, tp=2) == pytest.approx(
+    assert dequant_bytes_per_layer(BASE, "nf4", 4, recompute_share=0.0) == pytest.approx(2 * (nf4 + 2 * 640_000) / 4)
+    assert dequant_bytes_per_layer(BASE, "nf4", 4, recompute_share=1.0, tp=2) == pytest.approx(
         3 * (nf4 + 2 * 640_000) / 4 / 2)
-    assert dequant_bytes_per_layer(BASE, "int8", 4, full_checkpointing=False) == 0  # LLM.int8 is not priced so
-    assert dequant_bytes_per_layer(BASE, "none", 4, full_checkpointing=False) == 0
-    assert dequant_bytes_per_layer(None, "nf4", 4, full_checkpointing=False) == 0
+    assert dequant_bytes_per_layer(BASE, "int8", 4, recompute_share=0.0) == 0  # LLM.int8 is not priced so
+    assert dequant_bytes_per_layer(BASE, "none", 4, recompute_share=0.0) == 0
+    assert dequant_bytes_per_layer(None, "nf4", 4, recompute_share=0.0) == 0
 
 
 def test_step_time_prices_the_dequantisation_as_memory_traffic() -> None:
@@ -91,7 +91,7 @@ def test_step_time_prices_the_dequantisation_as_memory_traffic() -> None:
     base = Strategy(precision="bf16-pure", engine="torch", mbs=2, grad_accum=3)
     plain = step_time(profile, base, cluster)
     quant = step_time(profile, base.model_copy(update={"quant": "nf4"}), cluster)
-    per_mb = 4 * dequant_bytes_per_layer(MEASURED, "nf4", 4, full_checkpointing=False)
+    per_mb = 4 * dequant_bytes_per_layer(MEASURED, "nf4", 4, recompute_share=0.0)
     expected = 3 * per_mb / (cluster.gpu.memory_bandwidth_bytes_per_s * DEQUANT_BANDWIDTH_FRACTION)
     assert quant.memory_bound_s - plain.memory_bound_s == pytest.approx(expected, rel=1e-9)
     assert quant.compute_s == plain.compute_s
