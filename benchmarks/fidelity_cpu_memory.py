@@ -191,12 +191,20 @@ class Prediction:
     total: int
 
 
+def checkpoint_mode(checkpointing: str) -> tuple[str, int | None]:
+    """``none``, ``selective``, ``full`` (every block) or ``full:N`` (the first N blocks: partial checkpointing,
+    estimators/partial_checkpointing.py) -> (mode, block count or None)."""
+    mode, _, count = checkpointing.partition(":")
+    return mode, int(count) if count else None
+
+
 def predict(profile: ModelProfile, precision: str, checkpointing: str, mbs: int, impl: AdamImpl) -> Prediction:
     """Activation and step-peak bytes from ``estimators.memory.memory_breakdown`` for a CPU step with the
     AdamW implementation ``impl``: its GPU-only overhead (CUDA context, fragmentation margin) left out.
     ``total_memory_py`` is the old composition without the optimizer-step items, for reference."""
+    mode, count = checkpoint_mode(checkpointing)
     strategy = Strategy(precision=PRECISIONS[precision], optimizer="adamw", mbs=mbs, engine="torch",  # type: ignore[arg-type]
-                        checkpointing=checkpointing)  # type: ignore[arg-type]
+                        checkpointing=mode, checkpoint_layers=count)  # type: ignore[arg-type]
     m = memory_breakdown(profile, strategy, capacity_bytes=CAPACITY, adam_impl=impl, device="cpu")
     states = m.params_bytes + m.grads_bytes + m.optimizer_bytes
     return Prediction(act=m.activations_bytes, total_memory_py=states + m.activations_bytes,
@@ -260,7 +268,8 @@ class RealTrainer:
         tracker.track(list(self.model.buffers()), category="buffer")
         resident = tracker.live_bytes
         runner = self.runner
-        with checkpointed(runner.blocks, checkpointing), tracker:
+        mode, count = checkpoint_mode(checkpointing)
+        with checkpointed(runner.blocks[:count], mode), tracker:
             batch = runner.make_batch(mbs)
             with step_autocast(precision):  # type: ignore[arg-type]
                 out = runner.forward(batch, mbs)

@@ -25,7 +25,12 @@ from optplan.estimators.loss_parallel import loss_parallel_extra_bytes_per_sampl
 from optplan.estimators.moe_recompute import saved_bytes_per_token
 from optplan.estimators.parallel import layers_per_stage
 from optplan.estimators.params_placement import rank_stages, stage_params
-from optplan.estimators.partial_checkpointing import blend_bytes, checkpointed_blocks, recompute_fraction
+from optplan.estimators.partial_checkpointing import (
+    blend_bytes,
+    checkpointed_blocks,
+    is_partial,
+    partial_phase_bytes,
+)
 from optplan.estimators.pipeline import DUALPIPE_IN_FLIGHT_EXTRA, in_flight_microbatches
 from optplan.estimators.precision import get_recipe
 from optplan.estimators.profile import (
@@ -110,16 +115,15 @@ def measured_fit(profile: ModelProfile, strategy: Strategy) -> tuple[ActivationF
 
 
 def _partial_fits(profile: ModelProfile,
-                  strategy: Strategy) -> tuple[tuple[ActivationFit, ActivationFit], bool, float] | None:
+                  strategy: Strategy) -> tuple[tuple[ActivationFit, ActivationFit], bool, float, int] | None:
     """Under partial checkpointing with a measured fit: the fits without and with every block checkpointed, whether
-    autocast's weight copies count, and the checkpointed share of the blocks; else None."""
+    autocast's weight copies count, the checkpointed blocks and the blocks; else None."""
     block = profile.repeated_block
-    f = recompute_fraction(strategy, block.count if block is not None else None)
-    if not 0.0 < f < 1.0 or not profile.supports_checkpointing:
+    if block is None or not profile.supports_checkpointing or not is_partial(strategy, block.count):
         return None
     full, copies = measured_fit(profile, strategy)
     none, _ = measured_fit(profile, strategy.model_copy(update={"checkpointing": "none", "checkpoint_layers": None}))
-    return (none, full), copies, f
+    return (none, full), copies, checkpointed_blocks(strategy, block.count), block.count
 
 
 def _fixed_stage_bytes(profile: ModelProfile, strategy: Strategy, fixed: int, copies: int, stage: int) -> float:
@@ -144,11 +148,8 @@ def activation_bytes(profile: ModelProfile, strategy: Strategy, *, stage: int = 
     recipe = get_recipe(strategy.precision)
     mode = strategy.checkpointing if profile.supports_checkpointing else "none"
     if uses_measured_fit(profile, strategy):
-        partial = _partial_fits(profile, strategy)
-        if partial is not None:  # some blocks checkpointed: between the two fits (estimators/partial_checkpointing.py)
-            (none, full), copies, f = partial
-            return blend_bytes(none.bytes_at(strategy.mbs, param_copies=copies),
-                               full.bytes_at(strategy.mbs, param_copies=copies), f)
+        if _partial_fits(profile, strategy) is not None:  # some blocks checkpointed: the worst moment
+            return max(activation_moments(profile, strategy, stage=stage).values())
         fit, copies = measured_fit(profile, strategy)
         return fit.bytes_at(strategy.mbs, param_copies=copies)
     fit = profile.activation(recipe.activation_precision, "full" if mode == "full" else "none")
@@ -218,12 +219,17 @@ def activation_moments(profile: ModelProfile, strategy: Strategy, *, stage: int 
     applies and has per-phase envelopes; else ``{"step": activation_bytes(...)}`` (one figure, the peak)."""
     if uses_measured_fit(profile, strategy):
         partial = _partial_fits(profile, strategy)
-        if partial is not None:
-            (none, full), copies, f = partial
-            none_at, full_at = (fit.phases_at(strategy.mbs, param_copies=copies) for fit in (none, full))
-            if none_at and set(none_at) == set(full_at):
-                return {phase: blend_bytes(none_at[phase], full_at[phase], f) for phase in none_at}
-            return {"step": activation_bytes(profile, strategy, stage=stage)}
+        if partial is not None:  # estimators/partial_checkpointing.py: N·δ off every moment, from the two fits
+            (none, full), copies, checkpointed, blocks = partial
+            none_wo, full_wo = (fit.phases_at(strategy.mbs, param_copies=False) for fit in (none, full))
+            if none_wo and set(none_wo) == set(full_wo):
+                if not copies:
+                    return partial_phase_bytes(none_wo, full_wo, checkpointed, blocks)
+                none_c, full_c = ({ph: b - wo[ph] for ph, b in fit.phases_at(strategy.mbs).items()}
+                                  for fit, wo in ((none, none_wo), (full, full_wo)))
+                return partial_phase_bytes(none_wo, full_wo, checkpointed, blocks, none_c, full_c)
+            return {"step": blend_bytes(none.bytes_at(strategy.mbs, param_copies=copies),
+                                        full.bytes_at(strategy.mbs, param_copies=copies), checkpointed / blocks)}
         fit, copies = measured_fit(profile, strategy)
         phases = fit.phases_at(strategy.mbs, param_copies=copies)
         if phases:

@@ -15,7 +15,7 @@ What :class:`Trainer` applies (the strategy is ``optplan.estimators.strategy.Str
   ``MixedPrecisionPolicy(param_dtype=16-bit, reduce_dtype=fp32)`` over fp32 shards); ``bf16-pure`` (bf16
   weights and optimizer states). DeepSpeed takes precision from the ds_config as given;
 * activation checkpointing of each repeated block (``block_class``): ``full`` (``torch.utils.checkpoint``,
-  non-reentrant) or ``selective`` (op-level, torchtitan's policy: attention outputs and every other matmul's output
+  non-reentrant; of the first ``checkpoint_layers`` blocks only when the plan names a count) or ``selective`` (op-level, torchtitan's policy: attention outputs and every other matmul's output
   saved, the rest recomputed, :data:`SAC_SAVE_OPS`);
 * ``compile`` (the plan's, or the probe's option): on the torch engine each repeated block is compiled on its own
   (``Module.compile()``, after checkpointing and before FSDP, as torchtitan does), else the whole model
@@ -270,10 +270,14 @@ def find_blocks(model: nn.Module, class_name: str | None) -> list[nn.Module]:
     return found
 
 
-def apply_checkpointing(blocks: list[nn.Module], mode: str, notes: list[str]) -> str:
-    """Wrap each block's forward in ``torch.utils.checkpoint`` (non-reentrant); returns the mode applied."""
+def apply_checkpointing(blocks: list[nn.Module], mode: str, notes: list[str], count: int | None = None) -> str:
+    """Wrap each block's forward in ``torch.utils.checkpoint`` (non-reentrant); returns the mode applied. With
+    ``count`` (full checkpointing of some blocks: the plan's ``checkpoint_layers``) only the first ``count`` blocks,
+    Megatron-LM's block method: their activations live longest, so they are the ones worth recomputing."""
     if mode == "none" or not blocks:
         return "none"
+    if count is not None and mode == "full":
+        blocks = blocks[:count]
     context_fn = None
     if mode == "selective":
         context_fn = selective_context()
@@ -670,7 +674,11 @@ class Trainer:
         self.phase = "applying the precision recipe"
         self.apply_precision(model)
         self.phase = "applying activation checkpointing"
-        self.checkpointing_applied = apply_checkpointing(blocks, mode, self.notes if self.rank == 0 else [])
+        count = self.strategy.get("checkpoint_layers")
+        self.checkpointing_applied = apply_checkpointing(blocks, mode, self.notes if self.rank == 0 else [],
+                                                         None if count is None else int(count))
+        if count is not None and blocks and self.checkpointing_applied == "full":
+            self.note(f"full checkpointing of the first {min(int(count), len(blocks))} of {len(blocks)} blocks")
         if self.compile and blocks and self.engine == "torch" and not self.use_accelerate:
             # the plan's compile: each block on its own (torchtitan's per-block compile: after checkpointing,
             # before FSDP), which is what optplan prices as fused kernels (estimators/compute.py)

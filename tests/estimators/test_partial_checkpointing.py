@@ -56,7 +56,8 @@ def test_the_formula_keeps_the_inputs_of_the_checkpointed_layers_and_everything_
     assert per_layer > 10 * layer_input  # Table 2 keeps 34·s·h/t per layer against the 2·s·h/t of its input
 
 
-def test_measured_fits_are_interpolated_moment_by_moment() -> None:
+def test_fits_without_per_moment_figures_are_interpolated() -> None:
+    """Hand-made fits (no phase lines): none − f·(none − full) (real profiles: tests/probes/test_cpu_accounting.py)."""
     profile = make_profile(layers=12)
     plans = [Strategy(precision="bf16", mbs=4, checkpointing=c, checkpoint_layers=n)
              for c, n in (("none", None), ("full", 3), ("full", 6), ("full", None))]

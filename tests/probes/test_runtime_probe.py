@@ -79,15 +79,21 @@ def test_precision_recipes_change_what_is_held(tiny_lm_file: Path) -> None:
 
 def test_checkpointing_lowers_the_measured_activation_peak(tiny_lm_file: Path) -> None:
     env = {"PROBE_TEST_DEPTH": "4"}
-    none, full, sel = in_parallel(*[(tiny_lm_file, {"checkpointing": c, "block_class": "Block", "mbs": 16,
-                                                    "seq_len": 64, "env": env})
-                                    for c in ("none", "full", "selective")])
-    for r in (none, full, sel):
+    none, full, sel, part = in_parallel(*[(tiny_lm_file, {"checkpointing": c, "checkpoint_layers": n,
+                                                          "block_class": "Block", "mbs": 16, "seq_len": 64, "env": env})
+                                          for c, n in (("none", None), ("full", None), ("selective", None),
+                                                       ("full", 2))])
+    for r in (none, full, sel, part):
         assert r.ok, r.reason + "\n" + r.tail
     assert (none.checkpointing_applied, full.checkpointing_applied, sel.checkpointing_applied) == \
         ("none", "full", "selective")
-    act = {n: r.peak_by_category_bytes["activation"] for n, r in (("none", none), ("full", full), ("sel", sel))}
+    act = {n: r.peak_by_category_bytes["activation"] for n, r in (("none", none), ("full", full), ("sel", sel),
+                                                                  ("part", part))}
     assert act["full"] < act["sel"] < act["none"]
+    # checkpoint_layers 2: the first 2 of the 4 blocks (partial checkpointing), between none and every block
+    assert part.checkpointing_applied == "full" and "the first 2 of 4 blocks" in " ".join(part.notes)
+    assert act["full"] < act["part"] < act["none"]
+    assert part.losses == pytest.approx(none.losses, rel=1e-5)
     assert full.peak_allocated_bytes is not None and none.peak_allocated_bytes is not None
     assert full.peak_allocated_bytes < none.peak_allocated_bytes
     # the same computation: checkpointing does not change the losses
