@@ -9,7 +9,8 @@ time over its runs. A GPU's own sets and those of the GPU its figures derive fro
 band rests on the one whose domain covers the strategy best (the least widening below; one GPU and engine may
 hold several sets, e.g. torchtitan's H100 runs beside llm-foundry's, and its context-parallel runs apart). A
 strategy is *inside* the set's domain when its model size, GPU count, sequence length, micro-batch tokens, parallel degrees,
-precision and checkpointing lie within what the set measured; outside it the band widens:
+precision and checkpointing lie within what the set measured (partial checkpointing, ``checkpoint_layers``: both no and
+full checkpointing, between which it lies); outside it the band widens:
 
 - by ``WIDEN_PER_OCTAVE`` of the log step time per doubling beyond a measured range (parameters, GPUs,
   sequence, tokens per micro-batch, tensor/pipeline/context degrees);
@@ -279,9 +280,12 @@ def _set_widening(profile: ModelProfile, strategy: Strategy, ms: MeasuredSet, do
         # bf16 and fp16 run at the same tensor-core rate (one class); fp32 and fp8 do not
         widen += WIDEN_UNMEASURED
         outside.append(f"precision {s.precision} not measured (measured: {', '.join(ms.precisions)})")
-    if s.checkpointing not in ms.checkpointing:
-        widen += WIDEN_UNMEASURED
-        outside.append(f"checkpointing {s.checkpointing} not measured")
+    # partial checkpointing (checkpoint_layers) lies between no and full checkpointing: both its ends must be measured
+    for mode in ((s.checkpointing,) if s.checkpoint_layers is None else ("none", "full")):
+        if mode not in ms.checkpointing:
+            widen += WIDEN_UNMEASURED
+            outside.append(f"checkpointing {mode} not measured" + ("" if s.checkpoint_layers is None else
+                                                                   " (partial checkpointing lies between none and full)"))
     if s.offload_optimizer != "none" or s.offload_params != "none":
         widen += WIDEN_UNMEASURED
         outside.append("offload was never measured")

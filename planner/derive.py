@@ -43,6 +43,7 @@ class StrategyFlags(BaseModel):
     gas: int | None = None
     global_batch: int | None = None
     checkpointing: str = "none"
+    checkpoint_layers: int | None = None
     flash: bool = True
     compile: bool = False
     engine: str | None = None
@@ -118,7 +119,7 @@ def derive_strategy(flags: StrategyFlags, cluster: Cluster, *, gpus_given: bool 
     data: dict[str, object] = {
         "precision": flags.precision, "optimizer": flags.optimizer or "adamw", "zero": flags.zero or 0,
         "fsdp": flags.fsdp or "none", "mbs": flags.mbs, "grad_accum": gas or 1,
-        "checkpointing": flags.checkpointing, "dp": dp, "tp": tp, "pp": pp, "vpp": flags.vpp or 1, "cp": cp, "ep": flags.ep or 1,
+        "checkpointing": flags.checkpointing, "checkpoint_layers": flags.checkpoint_layers, "dp": dp, "tp": tp, "pp": pp, "vpp": flags.vpp or 1, "cp": cp, "ep": flags.ep or 1,
         "etp": flags.etp, "dispatcher": flags.dispatcher, "ep_overlap": flags.ep_overlap, "comm_overlap": flags.comm_overlap,
         "fsdp_grad_sync": flags.fsdp_grad_sync, "pp_schedule": flags.pp_schedule, "sp": flags.sp, "flash": flags.flash, "compile": flags.compile,
         "offload_optimizer": offload_optimizer,

@@ -187,6 +187,7 @@ def estimate(
     precision: Annotated[str | None, typer.Option("--precision", help="fp32, amp-bf16, amp-fp16, bf16, fp16, bf16-pure, fp8 (default: bf16, or fp16 on GPUs without bf16)")] = None,
     optimizer: Annotated[str | None, typer.Option("--optimizer", help="adamw, adamw8bit, adafactor, sgd, paged_adamw, paged_adamw8bit")] = None,
     checkpointing: Annotated[str, typer.Option("--checkpointing", help="none, selective, full, or moe (recompute the MoE layers; Megatron)")] = "none",
+    checkpoint_layers: Annotated[int | None, typer.Option("--checkpoint-layers", help="with --checkpointing full: checkpoint only the first N repeated blocks of each pipeline stage, the rest keep their activations (Megatron's --recompute-method block); default every block")] = None,
     flash: Annotated[bool, typer.Option("--flash/--no-flash", help="memory-efficient attention (no s x s scores)")] = True,
     compile_: Annotated[bool, typer.Option("--compile", help=COMPILE_HELP)] = False,
     engine: Annotated[str | None, typer.Option("--engine", help="torch, deepspeed or megatron (default: torch with --fsdp, megatron with tp/pp/cp, else deepspeed)")] = None,
@@ -243,7 +244,8 @@ def estimate(
                               fsdp=fsdp, offload=offload,
                               offload_optimizer=offload_optimizer, offload_params=offload_params,
                               precision=chosen, optimizer=optimizer, mbs=mbs, gas=grad_accum,
-                              global_batch=global_batch, checkpointing=checkpointing, flash=flash, compile=compile_,
+                              global_batch=global_batch, checkpointing=checkpointing,
+                              checkpoint_layers=checkpoint_layers, flash=flash, compile=compile_,
                               engine=engine or ("torch" if choice.adapters and not zero else None),
                               quant=choice.quant_name())
         # validated before the (slow) profile so a bad flag fails at once

@@ -100,3 +100,19 @@ def test_a_count_of_every_block_or_more_is_refused_against_the_model() -> None:
     pp = Strategy(checkpointing="full", checkpoint_layers=6, pp=2, engine="megatron", grad_accum=2)
     with pytest.raises(OptplanError, match="not fewer than the 6 blocks"):
         estimate(make_profile(layers=12), Cluster(gpu=make_gpu(), gpus=2, gpus_per_node=2), pp)
+
+
+def test_the_band_needs_both_ends_measured() -> None:
+    """Partial checkpointing lies between no and full checkpointing: a measured set with both (H100 torch) gives it
+    the band of full checkpointing; one without runs that never checkpointed (A100 Megatron: full and selective)
+    widens it and says why."""
+    band = {}
+    for gpu, extra in (("H100-SXM", {}), ("A100-80GB", {"engine": "megatron", "fsdp": "none", "tp": 2, "dp": 4})):
+        cluster = Cluster(gpu=find_gpu(gpu), gpus=8, gpus_per_node=8)
+        for n in (None, 16):
+            est = estimate(LLAMA, cluster, _plan(n, **extra))
+            band[gpu, n] = (est.time.step_s_high / est.time.step_s, " ".join(est.notes))
+    assert band["H100-SXM", 16][0] == pytest.approx(band["H100-SXM", None][0])
+    assert band["A100-80GB", 16][0] > band["A100-80GB", None][0]
+    assert "partial checkpointing lies between none and full" in band["A100-80GB", 16][1]
+    assert "partial checkpointing" not in band["H100-SXM", 16][1]

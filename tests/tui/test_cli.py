@@ -214,6 +214,22 @@ def test_estimate_cost_and_gas_alias() -> None:
     assert cost["energy_kwh"] == pytest.approx(8 * 700 * cost["train_time_s"] / 3.6e6)
 
 
+def test_estimate_checkpoint_layers() -> None:
+    """--checkpoint-layers N: the first N blocks checkpointed, memory and time between none and full; bad counts are
+    one line naming the fix, exit code 2."""
+    arch = ["--arch", "layers=12,hidden=768,heads=12,vocab=50257,seq=1024", *H100, "--mbs", "8", "--json"]
+    none, part, full = (_json(["estimate", *arch, *extra]) for extra in (
+        [], ["--checkpointing", "full", "--checkpoint-layers", "6"], ["--checkpointing", "full"]))
+    assert part["strategy"]["checkpoint_layers"] == 6 and full["strategy"]["checkpoint_layers"] is None
+    acts = [e["memory"]["activations_bytes"] for e in (none, part, full)]
+    steps = [e["time"]["step_s"] for e in (none, part, full)]
+    assert acts[0] > acts[1] > acts[2] and steps[0] < steps[1] < steps[2]
+    for extra, needle in ((["--checkpoint-layers", "6"], "add --checkpointing full"),
+                          (["--checkpointing", "full", "--checkpoint-layers", "12"], "use 1-11")):
+        bad = runner.invoke(app, ["estimate", *arch, *extra])
+        assert bad.exit_code == 2 and needle in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
+
+
 def test_estimate_and_recommend_take_an_arch_instead_of_a_file() -> None:
     arch = "layers=12,hidden=768,heads=12,vocab=50257,seq=1024"
     est = _json(["estimate", "--arch", arch, *H100, "--zero", "2", "--mbs", "4", "--json"])
