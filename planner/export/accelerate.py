@@ -291,7 +291,8 @@ def _min_wrap_params(plan: ExportPlan) -> int:
 def _fsdp_section(plan: ExportPlan, layout: _Layout, notes: dict[str, list[str]]) -> dict[str, Any]:
     strategy = plan.strategy
     section: dict[str, Any] = {
-        "fsdp_activation_checkpointing": strategy.checkpointing == "full",
+        # accelerate's key wraps every FSDP unit: partial checkpointing is the script's (train.py's) own
+        "fsdp_activation_checkpointing": strategy.checkpointing == "full" and strategy.checkpoint_layers is None,
         "fsdp_cpu_ram_efficient_loading": True,
         "fsdp_offload_params": strategy.offload_params == "cpu",
         "fsdp_state_dict_type": "SHARDED_STATE_DICT",
@@ -328,7 +329,11 @@ def _fsdp_section(plan: ExportPlan, layout: _Layout, notes: dict[str, list[str]]
                 "HYBRID_SHARD: FULL_SHARD inside each node (torch groups the GPUs of a node), replicas across nodes")
     if strategy.fsdp == "hybrid" and layout.sharding == "full":
         notes["fsdp_config.fsdp_version"] = ["one node holds a single HSDP replica, so hybrid sharding is FULL_SHARD"]
-    if strategy.checkpointing == "full":
+    if strategy.checkpointing == "full" and strategy.checkpoint_layers is not None:
+        notes["fsdp_config.fsdp_activation_checkpointing"] = [
+            f"partial checkpointing: accelerate's key would wrap every FSDP unit, so it is off; wrap the first "
+            f"{strategy.checkpoint_layers} repeated blocks in torch.utils.checkpoint in the script (train.py does)"]
+    elif strategy.checkpointing == "full":
         notes["fsdp_config.fsdp_activation_checkpointing"] = [
             "full activation checkpointing: accelerate wraps every FSDP unit in torch's checkpoint_wrapper"]
     elif strategy.checkpointing == "selective":
@@ -556,8 +561,11 @@ def render_accelerate_yaml(plan: ExportPlan, *, fsdp_version: int = 2, ds_config
                           "(accelerate.yaml has no key for it outside DeepSpeed/Megatron-LM), and step inside "
                           "accelerator.accumulate(model)")
     if layout.distributed_type in ("NO", "MULTI_GPU") and strategy.checkpointing == "full":
-        script.append("full activation checkpointing: wrap each repeated block in torch.utils.checkpoint "
-                      "(transformers: model.gradient_checkpointing_enable()); accelerate.yaml has no key for it")
+        which = ("each repeated block" if strategy.checkpoint_layers is None else
+                 f"the first {strategy.checkpoint_layers} repeated blocks (partial checkpointing; train.py does)")
+        script.append(f"full activation checkpointing: wrap {which} in torch.utils.checkpoint "
+                      + ("(transformers: model.gradient_checkpointing_enable()); " if strategy.checkpoint_layers is None
+                         else "") + "accelerate.yaml has no key for it")
     if layout.distributed_type in ("NO", "MULTI_GPU") and strategy.checkpointing == "selective":
         script.append(SELECTIVE_NOTE)
     if strategy.precision == "bf16-pure" and layout.distributed_type != "DEEPSPEED":

@@ -383,7 +383,8 @@ def _check_fsdp(plan: ExportPlan, layout: _Layout) -> None:
         raise _fail(f"fsdp_offload_params is {str(offloaded).lower()}, but the plan "
                     f"{'offloads' if strategy.offload_params == 'cpu' else 'does not offload'} parameters: set "
                     f"fsdp_config.fsdp_offload_params: {str(strategy.offload_params == 'cpu').lower()}")
-    checkpointing = strategy.checkpointing == "full"
+    # every FSDP unit, so on for full checkpointing of every block only (partial: the script checkpoints)
+    checkpointing = strategy.checkpointing == "full" and strategy.checkpoint_layers is None
     if bool(plugin.activation_checkpointing) != checkpointing:
         raise _fail(f"fsdp_activation_checkpointing is {str(bool(plugin.activation_checkpointing)).lower()}, but "
                     f"the plan's checkpointing is {strategy.checkpointing}: set "

@@ -258,8 +258,10 @@ def deepspeed_notes(strategy: Strategy) -> tuple[str, ...]:
     if strategy.optimizer == "adafactor":
         notes.append(ADAFACTOR_NOTE)
     if strategy.checkpointing == "full":
+        which = ("each repeated block" if strategy.checkpoint_layers is None else
+                 f"the first {strategy.checkpoint_layers} repeated blocks (partial checkpointing; train.py does)")
         notes.append(
-            "activation checkpointing: wrap each repeated block with deepspeed.checkpointing.checkpoint "
+            f"activation checkpointing: wrap {which} with deepspeed.checkpointing.checkpoint "
             "(or torch.utils.checkpoint); the ds_config section only configures DeepSpeed's version"
         )
     if strategy.checkpointing == "selective":

@@ -51,7 +51,8 @@ Refused plans (``NotExportable``, one line naming the fix): the megatron engine;
 weights with fp32 masters, which ``bf16: true`` runs as autocast: ``context.refuse_autocast_for_16bit_weights``); tensor, pipeline or
 context parallelism; fp8 (TrainingArguments has no fp8 switch); ``bf16-pure`` on the torch engine (no
 TrainingArguments switch keeps bf16 parameters: ``bf16: true`` is autocast, and accelerate upcasts FSDP
-parameters to fp32 masters); hybrid FSDP (FSDP2's HSDP needs an accelerate ``ParallelismConfig`` object,
+parameters to fp32 masters); partial checkpointing (``checkpoint_layers``: TrainingArguments checkpoint every
+layer or none); hybrid FSDP (FSDP2's HSDP needs an accelerate ``ParallelismConfig`` object,
 which JSON cannot carry); FSDP without a repeated block class to wrap; and every deepspeed-engine plan that
 ds_config.json cannot express (the rules of ``optplan.planner.export.deepspeed``).
 
@@ -134,6 +135,12 @@ def _check_exportable(plan: ExportPlan) -> None:
             "TrainingArguments have no fp8 switch: run fp8 through accelerate (mixed_precision fp8 with "
             "Transformer Engine) or the Lightning export (precision 'transformer-engine'), or plan with "
             "--precision bf16"
+        )
+    if s.checkpoint_layers is not None:
+        raise NotExportable(
+            f"TrainingArguments checkpoint every layer or none, and this plan checkpoints the first "
+            f"{s.checkpoint_layers} blocks only (partial checkpointing): use the train.py or accelerate export "
+            "(train.py checkpoints those blocks itself), or plan with --checkpointing full"
         )
     if s.engine == "deepspeed":
         from optplan.planner.export.deepspeed import render_ds_config

@@ -92,6 +92,11 @@ TORCH_ADAFACTOR_LR = 1e-2
 """``torch.optim.Adafactor``'s default (its step is relative to the parameter RMS), as in
 ``deepspeed.ADAFACTOR_NOTE``."""
 
+def _checkpointed_blocks(s: Strategy) -> str:
+    """Which blocks full checkpointing wraps, in words: each, or the first ``checkpoint_layers`` (partial)."""
+    return "each block" if s.checkpoint_layers is None else f"the first {s.checkpoint_layers} blocks"
+
+
 MODULE_CLASS_ARGS: tuple[str, ...] = ("auto_wrap_policy", "activation_checkpointing_policy")
 """FSDPStrategy arguments that take a set of module classes; the JSON holds their names."""
 RESERVED_KEYS: tuple[str, ...] = ("_strategy_kwargs", "_optplan")
@@ -195,7 +200,7 @@ def _strategy(plan: ExportPlan, nvme_path: str) -> tuple[str, dict[str, Any] | N
             "auto_wrap_policy": [plan.block_class],
             "cpu_offload": s.offload_params == "cpu",
         }
-        if s.checkpointing == "full":
+        if s.checkpointing == "full" and s.checkpoint_layers is None:  # the policy takes every block of the class
             kwargs["activation_checkpointing_policy"] = [plan.block_class]
         if s.fsdp == "hybrid":
             kwargs["device_mesh"] = [plan.nodes, plan.procs_per_node]
@@ -240,9 +245,11 @@ def lightning_notes(plan: ExportPlan) -> tuple[str, ...]:
     if plan.multi_node:
         notes.append(f"start the same script on each of the {plan.nodes} nodes (MASTER_ADDR, MASTER_PORT, NODE_RANK, "
                      "or SLURM's srun); Lightning starts the per-node processes")
-    if s.fsdp != "none":
+    if s.fsdp != "none" and s.checkpointing == "full" and s.checkpoint_layers is None:
         notes.append(f"FSDP wraps (and checkpoints) each {plan.block_class}: auto_wrap_policy and "
                      "activation_checkpointing_policy name the model's repeated block class")
+    elif s.fsdp != "none":
+        notes.append(f"FSDP wraps each {plan.block_class}: auto_wrap_policy names the model's repeated block class")
     if s.engine == "deepspeed":
         if s.optimizer in ("adamw", "sgd"):
             notes.append("DeepSpeed builds the optimizer from the config's optimizer section; Lightning then does "
@@ -252,11 +259,15 @@ def lightning_notes(plan: ExportPlan) -> tuple[str, ...]:
             notes.append(f"{s.precision}: precision '32-true' is deliberate: the config's torch_autocast section "
                          "makes DeepSpeed autocast the forward; keep the model in fp32")
         if s.checkpointing == "full":
-            notes.append("activation checkpointing: wrap each block with deepspeed.checkpointing.checkpoint "
-                         "(Lightning configures it from the config's activation_checkpointing section)")
-    elif s.checkpointing == "full" and s.fsdp == "none":
-        notes.append("activation checkpointing: wrap each block's forward in "
-                     "torch.utils.checkpoint.checkpoint(..., use_reentrant=False) in the model")
+            notes.append(f"activation checkpointing: wrap {_checkpointed_blocks(s)} with "
+                         "deepspeed.checkpointing.checkpoint (Lightning configures it from the config's "
+                         "activation_checkpointing section)")
+    elif s.checkpointing == "full" and (s.fsdp == "none" or s.checkpoint_layers is not None):
+        whose = "each block's" if s.checkpoint_layers is None else f"the first {s.checkpoint_layers} blocks'"
+        notes.append(f"activation checkpointing: wrap {whose} forward in "
+                     "torch.utils.checkpoint.checkpoint(..., use_reentrant=False) in the model"
+                     + ("" if s.checkpoint_layers is None else " (FSDPStrategy's activation_checkpointing_policy "
+                                                               "would take every block of the class)"))
     if s.checkpointing == "selective":
         notes.append(SELECTIVE_CHECKPOINTING_HOWTO)
     if s.precision == "fp8":

@@ -37,7 +37,8 @@ commit 000c4ac2, 2025) and the Megatron-Core classes it hands them to:
   Megatron's default. Megatron casts the model (no autocast mode) and keeps fp32 main parameters, so the
   ``amp-*`` and ``bf16-pure`` recipes are refused.
 - Recompute: full = ``--recompute-granularity full --recompute-method uniform --recompute-num-layers 1``
-  (every layer's input kept, the layer recomputed), selective = ``--recompute-granularity selective``
+  (every layer's input kept, the layer recomputed); partial (``checkpoint_layers`` N) = ``--recompute-method block
+  --recompute-num-layers N`` (the first N layers of each pipeline stage, estimators/partial_checkpointing.py), selective = ``--recompute-granularity selective``
   (core attention only, Megatron's default ``--recompute-modules``; Megatron forbids a recompute method with it),
   moe = ``--recompute-granularity selective --recompute-modules moe`` (the MoE layers, estimators/moe_recompute.py).
 - Attention: ``--attention-backend flash`` for flash plans, ``unfused`` (materialised s x s scores) for
@@ -182,7 +183,10 @@ def megatron_args(plan: ExportPlan) -> list[str]:
         args.append("--fp16")
     if s.precision == "fp8":
         args += ["--fp8-format", "hybrid"]
-    if s.checkpointing == "full":
+    if s.checkpointing == "full" and s.checkpoint_layers is not None:  # the first N layers of each stage
+        args += ["--recompute-granularity", "full", "--recompute-method", "block",
+                 "--recompute-num-layers", str(s.checkpoint_layers)]
+    elif s.checkpointing == "full":
         args += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
     elif s.checkpointing == "selective":
         args += ["--recompute-granularity", "selective"]
@@ -480,6 +484,14 @@ def validate_megatron_args(argv: list[str], plan: ExportPlan) -> None:
     problem = _rule_violation(view) or _overlap_violation(ns) or moe_rule_violation(ns, plan.world_size, vpp)
     if problem:
         raise ExportValidationError(f"Megatron-LM would reject the arguments: {problem}")
+    if ns.recompute_granularity == "full":  # Megatron-Core TransformerConfig.__post_init__'s recompute checks
+        per_rank = ns.num_layers // pp
+        if ns.recompute_method is None:
+            raise ExportValidationError("Megatron-LM needs --recompute-method uniform|block with --recompute-granularity "
+                                        "full: add it")
+        if ns.recompute_num_layers is None or not 1 <= ns.recompute_num_layers <= per_rank:
+            raise ExportValidationError(f"--recompute-num-layers must be between 1 and the {per_rank} layers of a "
+                                        "pipeline rank with --recompute-granularity full: fix it")
 
     try:
         expected = parse_megatron_args(megatron_args(plan))

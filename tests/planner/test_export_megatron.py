@@ -380,3 +380,20 @@ def test_validate_applies_megatrons_comm_overlap_rules(edit, match):
     plan = make_plan(zero=1, comm_overlap=True)
     with pytest.raises(ExportValidationError, match=match):
         validate_megatron_args(edit(megatron_args(plan)), plan)
+
+
+def test_partial_checkpointing_is_megatrons_block_method():
+    """checkpoint_layers N: --recompute-method block --recompute-num-layers N (the first N layers of each pipeline
+    stage), checked against Megatron's rules (at most the layers of a pipeline rank) and against the plan."""
+    plan = make_plan(vpp=1, checkpointing="full", checkpoint_layers=5)  # 80 layers over pp 4: 20 per rank
+    argv = megatron_args(plan)
+    ns = parse_megatron_args(argv)
+    assert (ns.recompute_granularity, ns.recompute_method, ns.recompute_num_layers) == ("full", "block", 5)
+    validate_megatron_args(argv, plan)
+    with pytest.raises(ExportValidationError, match="between 1 and the 20 layers of a pipeline rank"):
+        validate_megatron_args(replaced(argv, "--recompute-num-layers", "21"), plan)
+    with pytest.raises(ExportValidationError, match="--recompute-num-layers is 6 in the arguments but the plan needs 5"):
+        validate_megatron_args(replaced(argv, "--recompute-num-layers", "6"), plan)  # not the plan's 5
+    every = make_plan(vpp=1, checkpointing="full")
+    with pytest.raises(ExportValidationError):
+        validate_megatron_args(argv, every)  # the plan recomputes every layer: uniform, 1
