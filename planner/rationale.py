@@ -35,6 +35,8 @@ def _days(seconds: float) -> str:
 
 def _neighbour(price: Price, pick: Strategy, **change: object) -> Estimate | None:
     """The pick with ``change`` applied, priced; None when that combination is not legal."""
+    if "checkpointing" in change and "checkpoint_layers" not in change:
+        change = {**change, "checkpoint_layers": None}  # a count belongs to full checkpointing only
     try:
         other = Strategy(**{**pick.model_dump(), **change})
     except ValueError:
@@ -401,6 +403,16 @@ def _checkpointing_line(pick: Estimate, price: Price, space: SearchSpace) -> str
     if runs_op_policy(s) and not s.compile:
         # estimators/selective_host.py: measured 1.3-2.3x slower than no checkpointing on a host-paced H200 step
         parts.append("in eager mode the policy costs host time per operator (priced; --compile traces it once)")
+    if s.checkpoint_layers is not None:  # partial: the fewest first blocks that fit (planner/partial.py)
+        name = f"partial (full checkpointing of the first {s.checkpoint_layers} blocks of each stage)"
+        for label, change in (("every block", {"checkpoint_layers": None}),
+                              (f"{s.checkpoint_layers - 1} blocks", {"checkpoint_layers": s.checkpoint_layers - 1})):
+            alt = _neighbour(price, s, **change) if s.checkpoint_layers > 1 or label == "every block" else None
+            if alt is None:
+                continue
+            robust_only = alt.fits and alt.fits_at_high_margin is False and pick.fits_at_high_margin is not False
+            parts.append(f"{label} fits only at the median allocator margin measured" if robust_only
+                         else f"{label} {_vs(pick, alt)}")
     tail = "; " + "; ".join(parts) if parts else ""
     return (f"{name} activation checkpointing: activations {acts}/GPU, recompute "
             f"{pick.time.recompute_s:.2f} s of the {pick.time.step_s:.2f} s step{tail}")

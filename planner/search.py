@@ -49,6 +49,7 @@ from optplan.estimators.profile import RUN_FIELDS, ModelProfile
 from optplan.estimators.strategy import FSDP_STAGE, Strategy
 from optplan.planner.events import ProgressEvent
 from optplan.planner.goal import Goal, pareto_front, rank
+from optplan.planner.partial import can_be_partial, fewest_checkpointed, fits_robustly
 from optplan.planner.space import Group, Layout, SearchSpace, Sharding, strategy_of
 
 SearchMethod = Literal["auto", "enumerate", "screen", "nsga2", "tpe"]
@@ -279,7 +280,11 @@ def _keep(entries: list[tuple[Estimate, dict[str, object]]], goal: Goal) -> list
 def _group_estimates(pricer: Pricer, space: SearchSpace, group: Group) -> Iterator[tuple[Estimate, int, int, bool]]:
     """``group``'s candidates priced in ascending micro-batch order, stopping after the first micro-batch none of
     whose accumulations fits (memory grows with the micro-batch: larger ones do not fit either): (estimate,
-    micro-batch, accumulation index, whether it was newly priced)."""
+    micro-batch, accumulation index, whether it was newly priced). A fitting candidate with full checkpointing is
+    followed by its partial-checkpointing one (the fewest first blocks checkpointed that still fits,
+    planner/partial.py), under the same micro-batch and accumulation index."""
+    block = pricer.profile.repeated_block
+    blocks = block.count if block is not None else None
     for mbs in space.micro_batches(group.layout):
         any_fits = False
         for k, gas in enumerate(space.accumulations(group.layout, mbs)):
@@ -292,8 +297,27 @@ def _group_estimates(pricer: Pricer, space: SearchSpace, group: Group) -> Iterat
                 continue
             any_fits = any_fits or est.fits
             yield est, mbs, k, new
+            if est.fits and can_be_partial(s, blocks):
+                yield from _partial_estimates(pricer, s, blocks or 0, mbs, k)
         if not any_fits:
             return
+
+
+def _partial_estimates(pricer: Pricer, strategy: Strategy, blocks: int, mbs: int,
+                       k: int) -> Iterator[tuple[Estimate, int, int, bool]]:
+    """The partial-checkpointing candidates of a fitting full-checkpointing ``strategy`` (planner/partial.py): the
+    fewest first blocks checkpointed that fit at the 90th percentile of the allocator margins, and at their median;
+    none of a class where the same plan without checkpointing already fits in it (it is faster still)."""
+    plain = pricer(strategy.model_copy(update={"checkpointing": "none"}))
+    start = 1  # the robust class needs at least the blocks the median one does
+    for ok in (lambda e: e.fits, fits_robustly):
+        if plain is not None and ok(plain):
+            continue
+        before = len(pricer.priced)
+        partial = fewest_checkpointed(pricer, strategy, blocks, ok, at_least=start)
+        if partial is not None:
+            start = partial.strategy.checkpoint_layers or start
+            yield partial, mbs, k, len(pricer.priced) > before
 
 
 def _enumerate(pricer: Pricer, space: SearchSpace, study: optuna.Study, goal: Goal,

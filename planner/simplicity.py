@@ -18,7 +18,7 @@ simpler), each criterion deciding only when the ones before it are equal (``tie_
 3. less sharding: none (DDP / ZeRO-0) < ZeRO-1 (Megatron's distributed optimizer) < ZeRO-2 / FSDP
    SHARD_GRAD_OP < ZeRO-3 / FSDP FULL_SHARD / HYBRID_SHARD (which shards the weights too, within a node);
 4. fewer virtual pipeline stages (vpp);
-5. less recomputation: none < selective < full activation checkpointing;
+5. less recomputation: none < selective < full activation checkpointing (of every block, or of the first N: partial);
 
 and then the robust figure (the earlier place in the ranking). Only the chosen plan moves (to the front);
 the others keep their order by the robust figure.
