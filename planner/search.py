@@ -298,17 +298,18 @@ def _group_estimates(pricer: Pricer, space: SearchSpace, group: Group) -> Iterat
             any_fits = any_fits or est.fits
             yield est, mbs, k, new
             if est.fits and can_be_partial(s, blocks):
-                yield from _partial_estimates(pricer, s, blocks or 0, mbs, k)
+                yield from _partial_estimates(pricer, s, blocks or 0, mbs, k, "none" in space.checkpointing)
         if not any_fits:
             return
 
 
-def _partial_estimates(pricer: Pricer, strategy: Strategy, blocks: int, mbs: int,
-                       k: int) -> Iterator[tuple[Estimate, int, int, bool]]:
+def _partial_estimates(pricer: Pricer, strategy: Strategy, blocks: int, mbs: int, k: int,
+                       none_searched: bool) -> Iterator[tuple[Estimate, int, int, bool]]:
     """The partial-checkpointing candidates of a fitting full-checkpointing ``strategy`` (planner/partial.py): the
-    fewest first blocks checkpointed that fit at the 90th percentile of the allocator margins, and at their median;
-    none of a class where the same plan without checkpointing already fits in it (it is faster still)."""
-    plain = pricer(strategy.model_copy(update={"checkpointing": "none"}))
+    fewest first blocks checkpointed that fit at the median of the allocator margins, and at their 90th percentile;
+    none of a class where the same plan without checkpointing, when the space searches it, already fits in it (it is
+    faster still). The pricer's estimates are the candidates, so a mode the space leaves out is never priced."""
+    plain = pricer(strategy.model_copy(update={"checkpointing": "none"})) if none_searched else None
     start = 1  # the robust class needs at least the blocks the median one does
     for ok in (lambda e: e.fits, fits_robustly):
         if plain is not None and ok(plain):

@@ -6,6 +6,7 @@ import json
 
 from optplan.estimators.errors import OptplanError
 from optplan.estimators.estimate import Estimate
+from optplan.estimators.strategy import Strategy
 from optplan.planner.export.context import ExportPlan
 from optplan.planner.recommend import Recommendation
 
@@ -59,9 +60,14 @@ def _row(e: Estimate, tokens: float | None) -> str:
     if tokens is not None and e.cost is not None:
         train = f"{e.cost.train_time_s / 86400:.1f} d"
     return (f"| {s.engine} | {layout} | {sharding}{' +' + offload if offload else ''} | {s.precision} | "
-            f"{s.mbs} x {s.grad_accum} | {s.checkpointing} | {m.total_bytes / 2**30:.1f} / "
+            f"{s.mbs} x {s.grad_accum} | {_checkpointing(s)} | {m.total_bytes / 2**30:.1f} / "
             f"{m.capacity_bytes / 2**30:.1f} | {_step_band(e)} | {e.samples_per_s:.4g} | "
             f"{e.model_tflops_per_gpu:.0f} | {e.mfu * 100:.0f}% | {train} |")
+
+
+def _checkpointing(s: Strategy) -> str:
+    """The plan's checkpointing in a table cell: the mode, and the count of a partial one (first N blocks)."""
+    return s.checkpointing if s.checkpoint_layers is None else f"{s.checkpointing} (first {s.checkpoint_layers} blocks)"
 
 
 _HEADER = ("| engine | tp/pp/cp/dp | sharding | precision | mbs x accum | checkpointing | GiB/GPU | step s [band] | "

@@ -260,7 +260,7 @@ BAD_ENGINE = bad_choice("jax", "", "fsdp")
 
 ESTIMATE_FLAGS = (*MODEL_FLAGS, *CLUSTER_FLAGS, *BUDGET_FLAGS, "--dp", "--tp", "--pp", "--vpp", "--cp", "--zero",
                   "--mbs", "--gas", "--fsdp", "--offload", "--offload-optimizer", "--offload-params", "--precision",
-                  "--optimizer", "--engine", "--checkpointing")
+                  "--optimizer", "--engine", "--checkpointing", "--checkpoint-layers")
 
 
 @st.composite
@@ -315,6 +315,7 @@ def estimate_argv(draw: st.DrawFn) -> list[str]:
     o.maybe("--precision", st.sampled_from(PRECISIONS), BAD_PRECISION)
     o.maybe("--optimizer", st.sampled_from(OPTIMIZERS), BAD_OPTIMIZER)
     o.maybe("--checkpointing", bad_choice("none", "selective", "full"), bad_choice("some", ""))
+    o.maybe("--checkpoint-layers", ints(1, 2, 3), bad_int())  # without full, or >= the blocks: a one-line refusal
     switches = ["--no-sp", "--flash", "--no-flash", *(["--sp"] if degrees["--tp"] > 1 else [])]
     o.argv += draw(st.lists(st.sampled_from(switches), max_size=2))
     return ["estimate", *o.argv, *(["--json"] if draw(st.integers(0, 3)) else [])]
@@ -383,7 +384,8 @@ def nulls(doc: Any, path: str = "") -> list[str]:
 def check_estimate_nulls(doc: Any, argv: list[str]) -> None:
     """``estimate --json`` is written by pydantic, which writes NaN and infinity as null: a null is only
     where a figure is legitimately absent (no --tokens: no cost; no --price: no money; --params: no time) or a
-    setting is left at its engine's default (``strategy.etp``: the expert tensor-parallel degree, tp unless set)."""
+    setting is left at its engine's default (``strategy.etp``: the expert tensor-parallel degree, tp unless set;
+    ``strategy.checkpoint_layers``: every block, unless a count is given)."""
     if "--params" in argv:  # model states only: no time, and no cost (--tokens is refused)
         expected = {".time"}
     elif "--tokens" not in argv:
@@ -392,6 +394,8 @@ def check_estimate_nulls(doc: Any, argv: list[str]) -> None:
         expected = {".cost.cost_usd"} if "--price" not in argv else set()
     if "--etp" not in argv:
         expected |= {".strategy.etp"}
+    if "--checkpoint-layers" not in argv:  # every block checkpointed (or none): no count
+        expected |= {".strategy.checkpoint_layers"}
     assert set(nulls(doc)) == expected, argv
 
 
