@@ -6,7 +6,11 @@ re-runs fewer and is faster. Memory falls and time rises with N (each checkpoint
 for its input and one more forward), so the fastest such plan that fits is the one with the fewest checkpointed
 blocks that still fits. "Fits" has two classes the ranking tells apart (planner/goal.py ``class_key``): fitting at the
 median allocator margin measured, and at its 90th percentile (``Estimate.fits_at_high_margin``); the fewest N of each
-is a candidate. Each is found by bisection over N (memory is monotone in N), log2(blocks) + 2 estimates.
+is a candidate. Each is found from the two ends (N = 1 and N = blocks − 1): a first probe where the total memory,
+linear in N between them, reaches the capacity (exact under Korthikanti's formula for the median class), then the
+count below it, and a bisection over what is left when that line is not exact (memory is monotone in N): 4 estimates
+as a rule, at most log2(blocks) + 4. Measured on the search benchmark (benchmarks/bench_search_scale.py): Llama 3 70B
+on 4,096 H100 prices ~1,600 more plans, 3.0 -> 3.9 s.
 """
 
 from __future__ import annotations
