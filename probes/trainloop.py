@@ -537,6 +537,26 @@ class Trainer:
             return torch.device("cuda", self.local_rank)
         return torch.device("cpu")
 
+    def checkpoint_blocks(self, blocks: list[nn.Module], mode: str) -> None:
+        """The plan's activation checkpointing of ``blocks`` (``checkpointing_applied`` says what ran): every block,
+        or the first ``checkpoint_layers`` of them; none here when accelerate's FSDP plugin checkpoints every block
+        itself (two nested checkpoints would re-run each block's forward twice in backward)."""
+        count = self.strategy.get("checkpoint_layers")
+        if mode == "full" and count is None and self.accelerate_checkpoints():
+            self.checkpointing_applied = "full"
+            self.note("full checkpointing by accelerate (fsdp_activation_checkpointing): every block, wrapped once")
+            return
+        self.checkpointing_applied = apply_checkpointing(blocks, mode, self.notes if self.rank == 0 else [],
+                                                         None if count is None else int(count))
+        if count is not None and blocks and self.checkpointing_applied == "full":
+            self.note(f"full checkpointing of the first {min(int(count), len(blocks))} of {len(blocks)} blocks")
+
+    def accelerate_checkpoints(self) -> bool:
+        """Whether accelerate's FSDP plugin checkpoints every wrapped block itself (``fsdp_activation_checkpointing``
+        in accelerate.yaml, applied in ``prepare``)."""
+        plugin = getattr(getattr(self.accelerator, "state", None), "fsdp_plugin", None) if self.use_accelerate else None
+        return bool(getattr(plugin, "activation_checkpointing", False))
+
     def setup_distributed(self) -> None:
         if self.use_accelerate:
             self.phase = "accelerate.Accelerator() (reading the accelerate launch environment)"
@@ -674,11 +694,7 @@ class Trainer:
         self.phase = "applying the precision recipe"
         self.apply_precision(model)
         self.phase = "applying activation checkpointing"
-        count = self.strategy.get("checkpoint_layers")
-        self.checkpointing_applied = apply_checkpointing(blocks, mode, self.notes if self.rank == 0 else [],
-                                                         None if count is None else int(count))
-        if count is not None and blocks and self.checkpointing_applied == "full":
-            self.note(f"full checkpointing of the first {min(int(count), len(blocks))} of {len(blocks)} blocks")
+        self.checkpoint_blocks(blocks, mode)
         if self.compile and blocks and self.engine == "torch" and not self.use_accelerate:
             # the plan's compile: each block on its own (torchtitan's per-block compile: after checkpointing,
             # before FSDP), which is what optplan prices as fused kernels (estimators/compute.py)
