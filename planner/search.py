@@ -297,7 +297,7 @@ def _group_estimates(pricer: Pricer, space: SearchSpace, group: Group) -> Iterat
                 continue
             any_fits = any_fits or est.fits
             yield est, mbs, k, new
-            if est.fits and can_be_partial(s, blocks):
+            if space.partial_checkpointing and est.fits and can_be_partial(s, blocks):
                 yield from _partial_estimates(pricer, s, blocks or 0, mbs, k, "none" in space.checkpointing)
         if not any_fits:
             return

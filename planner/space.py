@@ -122,6 +122,10 @@ class SearchSpace(BaseModel):
     quant: str = "none"
     torch_tp: bool = Field(default=False, description="the torch engine also runs tensor-parallel layouts, split by "
                                                       "the model's own tp_plan (FSDP2 over the data-parallel ranks)")
+    partial_checkpointing: bool = Field(
+        default=False, description="each fitting plan with full checkpointing is followed by its partial ones: the "
+                                   "fewest first blocks of each stage that fit (planner/partial.py; --checkpointing "
+                                   "partial, or no --checkpointing)")
     compile_blocks: bool = Field(default=False, description="torch and DeepSpeed plans torch.compile each repeated "
                                                             "block (Strategy.compile)")
 
@@ -398,7 +402,9 @@ def build_space(profile: ModelProfile, cluster: Cluster, *, global_batch: int | 
         layouts += _layouts(profile, n, cluster.gpus_per_node, model_parallel, torch_tp,
                             deepep=cluster.gpu.name in DEEPEP_GPUS)
     if checkpointing is not None:
-        ckpt = tuple(dict.fromkeys(checkpointing))
+        named = tuple(dict.fromkeys(checkpointing))
+        partial = "partial" in named  # found from the full plans: full is searched with it
+        ckpt = tuple(dict.fromkeys(["full" if m == "partial" else m for m in named]))
         can = profile.supports_checkpointing or profile.transformer is not None
         if not can and set(ckpt) - {"none"}:
             raise OptplanError(f"--checkpointing {' '.join(m for m in ckpt if m != 'none')}: {profile.name} has no "
@@ -408,14 +414,15 @@ def build_space(profile: ModelProfile, cluster: Cluster, *, global_batch: int | 
                                "selective or full")
     elif profile.supports_checkpointing or profile.transformer is not None:
         ckpt = ("none", "selective", "full") if profile.transformer is not None else ("none", "full")
+        partial = True
         if profile.transformer is not None and profile.transformer.moe is not None and "megatron" in chosen_engines:
             ckpt += ("moe",)  # Megatron's --recompute-modules moe (estimators/moe_recompute.py)
     else:
-        ckpt = ("none",)
+        ckpt, partial = ("none",), False
     multi_node = max(counts) > cluster.gpus_per_node
     return SearchSpace(
         gpus_per_node=cluster.gpus_per_node, layouts=tuple(layouts),
         shardings=_shardings(chosen_engines, multi_node, offload), precisions=usable, optimizers=opts,
         checkpointing=ckpt, global_batch=global_batch, max_micro_batch=max_micro_batch,  # type: ignore[arg-type]
-        quant=quant, torch_tp=torch_tp, compile_blocks=compile_blocks,
+        quant=quant, torch_tp=torch_tp, compile_blocks=compile_blocks, partial_checkpointing=partial,
     )

@@ -312,7 +312,7 @@ def recommend(
     seq_len: SeqOpt = None,
     precision: Annotated[list[str] | None, typer.Option("--precision", help="limit the precisions searched (repeatable; fp8, bf16-pure only when named)")] = None,
     optimizer: Annotated[list[str] | None, typer.Option("--optimizer", help="optimizers to search (repeatable; default the model's, else adamw)")] = None,
-    checkpointing: Annotated[list[str] | None, typer.Option("--checkpointing", help="limit the activation checkpointing searched: none, selective, full (every block, and partial: the fewest first blocks of each stage that fit), moe (repeatable)")] = None,
+    checkpointing: Annotated[list[str] | None, typer.Option("--checkpointing", help="limit the activation checkpointing searched: none, selective, full (every block), partial (full checkpointing of the fewest first blocks of each stage that fit; searched with full), moe (repeatable; default: all that apply, partial included)")] = None,
     engine: Annotated[list[str] | None, typer.Option("--engine", help="engines to search: deepspeed, torch, megatron (repeatable; megatron is searched for --arch by default)")] = None,
     offload: Annotated[bool, typer.Option("--offload/--no-offload", help="search CPU offload plans")] = True,
     compile_: Annotated[bool, typer.Option("--compile", help=COMPILE_HELP)] = False,

@@ -69,7 +69,7 @@ def prepare_recommend(args: RecommendArgs, *, check_out: bool = True) -> Prepare
     for value in a.optimizer or ():
         check_choice("--optimizer", value, OPTIMIZERS)
     for value in a.checkpointing or ():
-        check_choice("--checkpointing", value, ("none", "selective", "full", "moe"))
+        check_choice("--checkpointing", value, ("none", "selective", "full", "partial", "moe"))
     for value in a.engine or ():
         check_choice("--engine", value, ENGINES)
     for flag, number in (("params", a.params), ("tokens", a.tokens), ("global-batch-tokens", a.global_batch_tokens)):

@@ -50,9 +50,13 @@ def test_no_candidate_where_it_cannot_be_or_need_not_be() -> None:
 
 
 def test_recommend_picks_partial_checkpointing_when_no_checkpointing_does_not_fit() -> None:
-    """Searching none and full only: without checkpointing nothing fits at micro-batch 1; the pick checkpoints fewer
-    blocks than all, and the rationale says which and what all would cost."""
-    rec = recommend(LLAMA_8K, H100, global_batch=64, engines=("torch",), checkpointing=("none", "full"))
+    """Searching none and partial (with full): without checkpointing nothing fits at micro-batch 1; the pick
+    checkpoints fewer blocks than all, and the rationale says which and what all would cost. Naming full alone
+    searches every block only."""
+    only_full = recommend(LLAMA_8K, H100, global_batch=64, engines=("torch",), checkpointing=("none", "full"))
+    assert only_full.plan.checkpoint_layers is None
+    assert all(a.plan.checkpoint_layers is None for a in only_full.alternatives)
+    rec = recommend(LLAMA_8K, H100, global_batch=64, engines=("torch",), checkpointing=("none", "partial"))
     pick = rec.plan
     assert pick.checkpointing == "full" and pick.checkpoint_layers is not None and pick.checkpoint_layers < 32
     assert rec.estimate.fits_at_high_margin

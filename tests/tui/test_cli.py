@@ -469,6 +469,10 @@ def test_recommend_limits_the_checkpointing_searched() -> None:
     assert result.exit_code == 0, result.output
     doc = json.loads(result.output)
     assert {doc["plan"]["checkpointing"], *(a["plan"]["checkpointing"] for a in doc["alternatives"])} == {"full"}
+    # full alone is every block; partial (searched with full) adds the fewest first blocks that fit
+    assert {doc["plan"]["checkpoint_layers"], *(a["plan"]["checkpoint_layers"] for a in doc["alternatives"])} == {None}
+    part = json.loads(runner.invoke(app, [*arch, "--checkpointing", "partial", "--json"]).output)
+    assert {part["plan"]["checkpointing"], *(a["plan"]["checkpointing"] for a in part["alternatives"])} == {"full"}
     both = json.loads(runner.invoke(app, [*arch, "--checkpointing", "none", "--checkpointing", "full", "--json"]).output)
     assert {both["plan"]["checkpointing"], *(a["plan"]["checkpointing"] for a in both["alternatives"])} <= {"none", "full"}
     for bad, needle in ((["--checkpointing", "sometimes"], "unknown --checkpointing"), (["--checkpointing", "moe"], "has none")):
