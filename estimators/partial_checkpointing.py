@@ -7,9 +7,12 @@ Sources:
   ``recompute_num_layers``: "recompute the input activations of only a set number of individual Transformer layers
   per pipeline stage and do the rest without any recomputing", ``TransformerBlock._checkpointed_forward``): the first
   N layers of each stage (of each virtual stage under interleaving).
-- Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models" (arXiv 2205.05198) §5:
-  a layer either keeps its activations (Table 2's s·b·h·(34 + 5·a·s/h) bytes) or only its input (2·s·b·h) and re-runs
-  its forward in backward; checkpointing some of the layers moves memory and time between the two linearly.
+- Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models" (arXiv 2205.05198)
+  Table 2: a layer either keeps its activations (s·b·h·(34 + 5·a·s/h) bytes) or, recomputed, only its input
+  (2·s·b·h) and re-runs its forward in backward.
+- Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost" (arXiv 1604.06174) §3: checkpointing a chosen
+  subset of a network's segments, each re-run once in backward; memory and recomputation move between the two ends
+  segment by segment, linearly in the count when the segments are equal.
 
 A plan sets ``Strategy.checkpoint_layers = N`` with ``checkpointing="full"`` (``None``: every block, plain full
 checkpointing). With f = min(N, blocks per stage) / blocks per stage:
