@@ -104,6 +104,7 @@ SUITE: tuple[Case, ...] = (
     Case("gpt2", "fp32", 4, "full"),
     Case("gpt2", "amp-bf16", 4, "full"),
     Case("gpt2", "amp-bf16", 4, "selective"),
+    Case("gpt2", "amp-bf16", 4, "full:6"),  # partial checkpointing: the first 6 of 12 blocks
     Case("gpt2", "bf16", 2, where=("cuda",), quick=True),
     Case("gpt2", "bf16-pure", 2, where=("cuda",)),
     Case("gpt2", "bf16", 2, where=("cuda",), compile=True),
@@ -117,6 +118,7 @@ SUITE: tuple[Case, ...] = (
     Case("llama", "bf16-pure", 2),
     Case("llama", "amp-bf16", 2, "selective", quick=True),
     Case("llama", "bf16", 2, "selective", where=("cuda",)),
+    Case("llama", "bf16", 2, "full:8", where=("cuda",)),  # partial: the first 8 of 16 blocks
     Case("llama", "bf16", 2, where=("cuda",), compile=True),  # eager vs compiled: the elementwise pricing
     Case("llama", "bf16", 2, "selective", where=("cuda",), compile=True),
     Case("llama", "fp32", 2, mode="ddp"),
@@ -258,8 +260,11 @@ def models(device: str, tmp: Path, *, quick: bool = False) -> dict[str, Model]:
 
 
 def strategy_of(case: Case, model: Model) -> Strategy:
+    """``case``'s plan; a checkpointing of ``full:N`` is full checkpointing of the first N blocks (partial)."""
+    mode, _, count = case.checkpointing.partition(":")
     kwargs: dict[str, Any] = {"precision": case.precision, "optimizer": model.optimizer,
-                              "mbs": case.mbs * model.mbs_scale, "checkpointing": case.checkpointing,
+                              "mbs": case.mbs * model.mbs_scale, "checkpointing": mode,
+                              "checkpoint_layers": int(count) if count else None,
                               "dp": case.nproc, "engine": "torch", "compile": case.compile}
     if case.mode == "fsdp-full":
         kwargs["fsdp"] = "full"
@@ -274,6 +279,8 @@ def label_of(case: Case, strategy: Strategy) -> str:
     mode = {"single": "torch", "ddp": "DDP", "fsdp-full": "FSDP-full", "fsdp-grad_op": "FSDP-grad_op",
             "zero0": "ZeRO-0", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3"}[case.mode]
     ckpt = {"full": " ckpt", "selective": " sel"}.get(case.checkpointing, "")
+    if strategy.checkpoint_layers is not None:
+        ckpt = f" ckpt{strategy.checkpoint_layers}"
     return f"{case.precision} {mode} mbs{strategy.mbs}{ckpt}{' compile' if case.compile else ''}"
 
 

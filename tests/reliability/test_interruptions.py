@@ -86,15 +86,21 @@ def test_sigkill_at_random_points_loses_and_repeats_nothing(setup, tmp_path: Pat
     assert os.waitpid(pid, 0)[1] == 0
     stamps = [float(x) - started for x in times.read_text().split()]
     assert len(stamps) >= 4, "the timing run recorded too few chunks to kill between"
-    # kill between the first chunk's record and the last one's: every kill lands mid-search unless
-    # the machine's speed changes between runs (a kill anywhere else tests little: nothing or all recorded)
-    first_s, last_s = stamps[0], stamps[-1]
+    # kill between the first chunk's record and the last one's: each killed run stamps its own chunks, and the kill
+    # comes a random part of a chunk's time after a random one of them was recorded, so it lands mid-search however
+    # fast the machine runs this time (a kill anywhere else tests little: nothing or all recorded)
+    gap_s = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
     rng = random.Random(2026)
     landed = 0
     for i in range(KILLS):
         store = str(tmp_path / f"study{i}.log")
-        pid = _run_child(prof, cluster, space, store)
-        time.sleep(rng.uniform(first_s, last_s))
+        own = tmp_path / f"chunk_times{i}.txt"
+        pid = _run_child(prof, cluster, space, store, str(own))
+        after_chunk = rng.randint(1, len(stamps) - 1)
+        deadline = time.perf_counter() + 300
+        while (len(own.read_text().split()) if own.exists() else 0) < after_chunk and time.perf_counter() < deadline:
+            time.sleep(0.002)
+        time.sleep(rng.uniform(0.0, gap_s / 2))
         os.kill(pid, signal.SIGKILL)
         _, status = os.waitpid(pid, 0)
         before = _completed(store)
