@@ -126,6 +126,24 @@ def _partial_fits(profile: ModelProfile,
     return (none, full), copies, checkpointed_blocks(strategy, block.count), block.count
 
 
+def _partial_moments(profile: ModelProfile, strategy: Strategy) -> dict[str, int] | None:
+    """Under partial checkpointing with a measured fit, the activation bytes of each moment (one ``step`` figure for
+    fits without moments): N·δ off every moment, from the two fits (estimators/partial_checkpointing.py); else None."""
+    partial = _partial_fits(profile, strategy)
+    if partial is None:
+        return None
+    (none, full), copies, checkpointed, blocks = partial
+    none_wo, full_wo = (fit.phases_at(strategy.mbs, param_copies=False) for fit in (none, full))
+    if not none_wo or set(none_wo) != set(full_wo):
+        return {"step": blend_bytes(none.bytes_at(strategy.mbs, param_copies=copies),
+                                    full.bytes_at(strategy.mbs, param_copies=copies), checkpointed / blocks)}
+    if not copies:
+        return partial_phase_bytes(none_wo, full_wo, checkpointed, blocks)
+    none_c, full_c = ({ph: b - wo[ph] for ph, b in fit.phases_at(strategy.mbs).items()}
+                      for fit, wo in ((none, none_wo), (full, full_wo)))
+    return partial_phase_bytes(none_wo, full_wo, checkpointed, blocks, none_c, full_c)
+
+
 def _fixed_stage_bytes(profile: ModelProfile, strategy: Strategy, fixed: int, copies: int, stage: int) -> float:
     """The fit's fixed bytes on one rank: autocast weight copies scale with the rank's parameters and
     vanish for 16-bit weights; the rest stays."""
@@ -148,8 +166,9 @@ def activation_bytes(profile: ModelProfile, strategy: Strategy, *, stage: int = 
     recipe = get_recipe(strategy.precision)
     mode = strategy.checkpointing if profile.supports_checkpointing else "none"
     if uses_measured_fit(profile, strategy):
-        if _partial_fits(profile, strategy) is not None:  # some blocks checkpointed: the worst moment
-            return max(activation_moments(profile, strategy, stage=stage).values())
+        partial = _partial_moments(profile, strategy)
+        if partial is not None:  # some blocks checkpointed: the worst moment
+            return max(partial.values())
         fit, copies = measured_fit(profile, strategy)
         return fit.bytes_at(strategy.mbs, param_copies=copies)
     fit = profile.activation(recipe.activation_precision, "full" if mode == "full" else "none")
@@ -218,18 +237,9 @@ def activation_moments(profile: ModelProfile, strategy: Strategy, *, stage: int 
     """Activation bytes at each moment of the step (profile.STEP_PHASES) when the profile's measured fit
     applies and has per-phase envelopes; else ``{"step": activation_bytes(...)}`` (one figure, the peak)."""
     if uses_measured_fit(profile, strategy):
-        partial = _partial_fits(profile, strategy)
-        if partial is not None:  # estimators/partial_checkpointing.py: N·δ off every moment, from the two fits
-            (none, full), copies, checkpointed, blocks = partial
-            none_wo, full_wo = (fit.phases_at(strategy.mbs, param_copies=False) for fit in (none, full))
-            if none_wo and set(none_wo) == set(full_wo):
-                if not copies:
-                    return partial_phase_bytes(none_wo, full_wo, checkpointed, blocks)
-                none_c, full_c = ({ph: b - wo[ph] for ph, b in fit.phases_at(strategy.mbs).items()}
-                                  for fit, wo in ((none, none_wo), (full, full_wo)))
-                return partial_phase_bytes(none_wo, full_wo, checkpointed, blocks, none_c, full_c)
-            return {"step": blend_bytes(none.bytes_at(strategy.mbs, param_copies=copies),
-                                        full.bytes_at(strategy.mbs, param_copies=copies), checkpointed / blocks)}
+        partial = _partial_moments(profile, strategy)
+        if partial is not None:
+            return partial
         fit, copies = measured_fit(profile, strategy)
         phases = fit.phases_at(strategy.mbs, param_copies=copies)
         if phases:

@@ -565,11 +565,11 @@ def compute_time(profile: ModelProfile, strategy: Strategy, gpu: GPUSpec, *,
         recompute_s = selective * samples * flop_s  # the matmuls the op-level policy re-runs (selective.py)
     if counted is not None:
         plain = strategy.model_copy(update={"checkpointing": "none", "checkpoint_layers": None})
-        memory_bound_s = strategy.grad_accum * counted_memory_s(counted, plain, gpu, hbm_fraction)
-        if full:  # the replayed forward's bytes, the checkpointed blocks' share of them
-            every = strategy.model_copy(update={"checkpoint_layers": None})
-            memory_bound_s += strategy.grad_accum * share * (counted_memory_s(counted, every, gpu, hbm_fraction)
-                                                             - memory_bound_s / strategy.grad_accum)
+        moved_s = counted_memory_s(counted, strategy if full else plain, gpu, hbm_fraction)
+        if full and share < 1.0:  # the replayed forward's bytes, the checkpointed blocks' share of them
+            plain_s = counted_memory_s(counted, plain, gpu, hbm_fraction)
+            moved_s = plain_s + share * (moved_s - plain_s)
+        memory_bound_s = strategy.grad_accum * moved_s
     else:
         traffic = profile.activation(recipe.activation_precision, "none").bytes_at(strategy.mbs)
         memory_bound_s = strategy.grad_accum * passes * traffic / gpu.memory_bandwidth_bytes_per_s
