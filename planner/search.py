@@ -22,7 +22,10 @@ Every candidate is priced by the analytic estimators (well under a millisecond e
   (the drawn layout's group agreeing with most other draws, the nearest micro-batch), the usual repair operator
   of constrained evolutionary search, instead of being pruned (pruned trials spend the trial budget: 16 legal
   plans of 3,000 trials on DeepSeek-V3 at 2,048 GPUs before). A study in shared storage can be optimised by
-  several processes at once (Optuna's own mechanism) and resumes to the requested trial count.
+  several processes at once (Optuna's own mechanism) and resumes to the requested trial count. A fitting draw
+  with full checkpointing also prices its partial-checkpointing plans (planner/partial.py), as the enumeration
+  does; the trial records and returns the best of them, so the sampler learns where checkpointing fewer blocks
+  wins, and every plan priced is ranked.
 
 Objectives and ranking (``Goal``, ``rank``, ``pareto_front``) are planner/goal.py's: ``throughput`` maximises
 samples/s and memory headroom; ``time`` and ``cost`` minimise the time to train the token budget and its cost,
@@ -430,6 +433,8 @@ def _optimize(pricer: Pricer, space: SearchSpace, study: optuna.Study, goal: Goa
     remaining = max(0, n_trials - finished)
     before = len(pricer.priced)
 
+    block = pricer.profile.repeated_block
+    blocks = block.count if block is not None else None
     by_layout: dict[str, list[tuple[tuple[str, str, str, str, str], Group]]] = defaultdict(list)
     for key, g in groups_by_key.items():
         by_layout[key[0]].append((key, g))
@@ -454,6 +459,10 @@ def _optimize(pricer: Pricer, space: SearchSpace, study: optuna.Study, goal: Goa
         est = pricer(s) if s is not None else None
         if est is None:
             raise optuna.TrialPruned()
+        if space.partial_checkpointing and est.fits and can_be_partial(est.strategy, blocks):
+            family = [est, *(e for e, *_ in _partial_estimates(pricer, est.strategy, blocks or 0, mbs, 0,
+                                                                "none" in space.checkpointing))]
+            est = rank(family, goal)[0]  # the trial stands for its best: the sampler learns where partial wins
         trial.set_constraint(MEMORY_CONSTRAINT_KEY, -est.memory.headroom_bytes / 2**30)
         trial.set_user_attr("label", est.strategy.label())
         trial.set_user_attr("strategy", est.strategy.model_dump(mode="json"))

@@ -64,3 +64,24 @@ def test_recommend_picks_partial_checkpointing_when_no_checkpointing_does_not_fi
     assert rec.estimate.time.step_s < every.time.step_s
     line = next(x for x in rec.rationale if "activation checkpointing" in x)
     assert f"first {pick.checkpoint_layers} blocks" in line and "every block" in line
+
+
+def test_samplers_price_partial_checkpointing_as_the_enumeration_does() -> None:
+    """NSGA-II and TPE draw full checkpointing and price its partial plans with it: the trial records the best of
+    them, and the partial plans are among those ranked (they were left out before)."""
+    from optplan.planner.search import search
+    from optplan.planner.space import build_space
+
+    space = build_space(LLAMA_8K, H100, global_batch=64, engines=("torch",), checkpointing=("none", "partial"))
+    assert space.partial_checkpointing
+    enum = search(LLAMA_8K, H100, space, method="enumerate")
+    assert enum.feasible[0].strategy.checkpoint_layers is not None
+    for method in ("nsga2", "tpe"):
+        found = search(LLAMA_8K, H100, space, method=method, n_trials=80, seed=3)  # type: ignore[arg-type]
+        partial = [e for e in found.feasible if e.strategy.checkpoint_layers is not None]
+        assert partial, method
+        assert all(0 < (e.strategy.checkpoint_layers or 0) < 32 for e in partial)
+        recorded = [t.user_attrs["strategy"].get("checkpoint_layers") for t in found.study.trials
+                    if t.state.name == "COMPLETE"]
+        assert any(n is not None for n in recorded), method  # a trial stands for its best plan
+        assert found.feasible[0].strategy.checkpoint_layers is not None, method
