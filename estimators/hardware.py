@@ -8,6 +8,7 @@ direction). Each entry cites its datasheet in ``source``.
 from __future__ import annotations
 
 import difflib
+import re
 from functools import cache
 from importlib import resources
 from typing import Literal
@@ -103,6 +104,9 @@ def _norm(name: str) -> str:
 def find_gpu(name: str, *, fix: str = "use --gpu with one of") -> GPUSpec:
     """Look a GPU up by catalogue name or alias, ignoring case and punctuation.
 
+    A name as the driver reports it (``nvidia-smi``, NVML: 'NVIDIA H100 80GB HBM3', 'NVIDIA A100-SXM4-40GB') is
+    matched as :func:`match_device_name` matches a detected GPU, its memory size picking between variants.
+
     Raises OptplanError when nothing matches, on one line: the close catalogue names first (when
     any), then ``fix`` followed by every known name, e.g.
     ``unknown GPU 'H10': did you mean H100-SXM, H100-PCIe? (use --gpu with one of A100-40GB, ...)``.
@@ -112,7 +116,16 @@ def find_gpu(name: str, *, fix: str = "use --gpu with one of") -> GPUSpec:
     for spec in catalogue.values():
         if wanted == _norm(spec.name) or wanted in {_norm(a) for a in spec.aliases}:
             return spec
+    if _DRIVER_VENDOR.search(name):  # a name as nvidia-smi / NVML print it: 'NVIDIA H100 80GB HBM3'
+        size = _DRIVER_MEMORY.search(name)
+        spec = match_device_name(name, int(size.group(1)) * 10**9 if size else None)
+        if spec is not None:
+            return spec
     raise OptplanError(unknown_gpu_message(name, fix=fix))
+
+
+_DRIVER_VENDOR = re.compile(r"\b(nvidia|tesla|geforce|quadro)\b", re.IGNORECASE)
+_DRIVER_MEMORY = re.compile(r"(\d+)\s*GB", re.IGNORECASE)
 
 
 def unknown_gpu_message(name: str, *, fix: str = "use --gpu with one of") -> str:

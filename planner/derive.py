@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict
 
 from optplan.estimators.errors import OptplanError
 from optplan.estimators.hardware import Cluster
+from optplan.estimators.profile import ModelProfile
 from optplan.estimators.strategy import Strategy
 
 
@@ -126,3 +127,33 @@ def derive_strategy(flags: StrategyFlags, cluster: Cluster, *, gpus_given: bool 
         "offload_params": offload_params, "engine": engine, "quant": flags.quant,
     }
     return Strategy.model_validate(data)
+
+
+def file_defaults(profile: ModelProfile, cluster: Cluster, flags: StrategyFlags, strategy: Strategy, *,
+                  precision_given: bool) -> tuple[dict[str, object], list[str]]:
+    """The model file's ``OPTPLAN`` values ``optplan estimate`` takes where its flags leave them open, as updates to
+    ``flags``, and the notes that say so: the optimizer; the precision (unless one is given, or the GPU has no math
+    for it); the global batch when neither ``--gas`` nor ``--global-batch`` is given and mbs x dp of ``strategy``
+    (the flags' own plan) divides it (else a note says it was not taken)."""
+    from optplan.estimators.precision import require_precision
+
+    d = profile.defaults
+    updates: dict[str, object] = {}
+    notes: list[str] = []
+    if flags.optimizer is None and d.optimizer and d.optimizer != strategy.optimizer:
+        updates["optimizer"] = d.optimizer
+    if not precision_given and d.precision and d.precision != strategy.precision:
+        try:
+            require_precision(cluster.gpu, d.precision)
+            updates["precision"] = d.precision
+        except OptplanError as exc:
+            notes.append(f"the model file's OPTPLAN precision {d.precision} is not taken: {exc}")
+    if flags.gas is None and flags.global_batch is None and d.global_batch:
+        per_step = strategy.mbs * strategy.dp
+        if d.global_batch % per_step == 0:
+            updates["global_batch"] = d.global_batch
+        else:
+            notes.append(f"the model file's OPTPLAN global batch {d.global_batch} is not divisible by mbs x dp = "
+                         f"{strategy.mbs} x {strategy.dp}: estimated at --gas 1 (pass --global-batch or --gas)")
+    notes[:0] = [f"{key.replace('_', ' ')} {value} from the model file's OPTPLAN" for key, value in updates.items()]
+    return updates, notes

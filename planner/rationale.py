@@ -180,8 +180,11 @@ def _gpus_line(pick: Estimate, ranked: Sequence[Estimate], space: SearchSpace, g
         if not other.fits:
             parts.append(f"{label} GPUs ({other.gpus}) do not fit ({_gib(other.memory.total_bytes)} per GPU)")
         elif goal.tokens is not None:
+            level = goal.deadline_class(other)
+            meets = ("", f" (past the deadline at the band's slow end, {_days(goal.train_time_s(other, 'slow'))})",
+                     " (misses the deadline)")[level]
             parts.append(f"{other.gpus} GPUs: {_days(goal.train_time_s(other))}, {goal.gpu_hours(other):,.0f} "
-                         f"GPU-hours" + ("" if goal.meets_deadline(other) else " (misses the deadline)"))
+                         f"GPU-hours{meets}")
         else:
             parts.append(f"{other.gpus} GPUs: {other.samples_per_s:.1f} samples/s")
     span = f"{counts[0]}-{counts[-1]}"
@@ -434,8 +437,9 @@ def _batch_line(pick: Estimate, space: SearchSpace) -> str:
 def _optimizer_line(pick: Estimate, price: Price, space: SearchSpace) -> str:
     s = pick.strategy
     if len(space.optimizers) == 1:
+        others = "/".join(o for o in ("adamw", "adamw8bit", "adafactor", "sgd") if o != s.optimizer)
         return (f"optimizer {s.optimizer}: optimizer states {_gib(pick.memory.optimizer_bytes)}/GPU (the one "
-                "searched; --optimizer adamw8bit/adafactor/sgd searches others, which change training dynamics)")
+                f"searched; --optimizer {others} searches others, which change training dynamics)")
     others = [e for o in space.optimizers if o != s.optimizer if (e := _neighbour(price, s, optimizer=o)) is not None]
     tail = "; ".join(f"{e.strategy.optimizer} {_vs(pick, e)}" for e in others)
     return f"optimizer {s.optimizer}: optimizer states {_gib(pick.memory.optimizer_bytes)}/GPU" + (

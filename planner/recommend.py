@@ -33,7 +33,7 @@ from optplan.planner.probe_stage import (
 )
 from optplan.planner.rationale import rationale
 from optplan.planner.search import Pricer, SearchMethod, search
-from optplan.planner.space import build_space
+from optplan.planner.space import build_space, check_precisions
 from optplan.planner.suggest import what_would_fit
 
 DEFAULT_ALTERNATIVES = 4
@@ -142,6 +142,20 @@ def _is_moe(profile: ModelProfile) -> bool:
     return profile.transformer is not None and profile.transformer.moe is not None
 
 
+def _file_precision(profile: ModelProfile, cluster: Cluster) -> tuple[str | None, str | None]:
+    """The model file's ``OPTPLAN["precision"]``, the one precision searched when none is named (as its optimizer
+    is), and the note that says so: (None, None) without one or for a LoRA profile (its precisions are the
+    adapters'); (None, why) where the GPU has no math for it (the default precisions are searched then)."""
+    name = profile.defaults.precision
+    if name is None or profile.adapter is not None:
+        return None, None
+    try:
+        check_precisions(cluster, (name,))
+    except OptplanError as exc:
+        return None, f"the model file's OPTPLAN precision {name} is not searched: {exc}"
+    return name, f"precision {name} from the model file's OPTPLAN (--precision to search others)"
+
+
 def recommend(profile: ModelProfile, cluster: Cluster, *, global_batch: int | None = None,
               precisions: Sequence[str] | None = None, optimizers: Sequence[str] | None = None,
               engines: Sequence[str] | None = None, gpu_counts: Sequence[int] | None = None,
@@ -185,6 +199,9 @@ def recommend(profile: ModelProfile, cluster: Cluster, *, global_batch: int | No
     if goal.price_per_gpu_hour is None and cluster.price_per_gpu_hour is not None:
         goal = goal.model_copy(update={"price_per_gpu_hour": cluster.price_per_gpu_hour})
     gb = global_batch if global_batch is not None else profile.defaults.global_batch
+    file_precision, precision_note = _file_precision(profile, cluster) if precisions is None else (None, None)
+    if file_precision is not None:
+        precisions = (file_precision,)
     if is_params_only(profile):
         return _recommend_states(profile, cluster, global_batch=gb, precisions=precisions, engines=engines,
                                  offload=offload, alternatives=alternatives, notes=notes, goal=goal)
@@ -213,8 +230,9 @@ def recommend(profile: ModelProfile, cluster: Cluster, *, global_batch: int | No
         raise OptplanError(f"no parallel layout uses {cluster.gpus} GPUs for {profile.name}: change --gpus")
     if gb is not None and not any(gb % lay.dp == 0 for lay in space.layouts):
         dps = sorted({lay.dp for lay in space.layouts})
-        raise OptplanError(f"global batch {gb} is not divisible by any data-parallel degree the layouts allow "
-                           f"({', '.join(map(str, dps[:8]))}): use a multiple of {dps[0]} for --global-batch")
+        source = " (from the model file's OPTPLAN)" if global_batch is None else ""
+        raise OptplanError(f"global batch {gb}{source} is not divisible by any data-parallel degree the layouts "
+                           f"allow ({', '.join(map(str, dps[:8]))}): use a multiple of {dps[0]} for --global-batch")
     result = search(profile, cluster, space, goal=goal, method=method, seed=seed, n_trials=n_trials,
                     storage=storage, on_progress=on_progress, calibration=calibration, on_trial=on_trial)
     ranked = result.ranked
@@ -237,6 +255,8 @@ def recommend(profile: ModelProfile, cluster: Cluster, *, global_batch: int | No
                  + lora_notes)
     if gb is not None and profile.defaults.global_batch == gb and global_batch is None:
         all_notes.append(f"global batch {gb} from the model file's OPTPLAN")
+    if precision_note is not None:
+        all_notes.append(precision_note)
     summary = SearchSummary(method=result.method, space_size=result.space_size, evaluated=result.evaluated,
                             feasible=len(feasible), resumed=result.resumed, layouts=len(space.layouts),
                             layouts_screened_out=result.layouts_screened_out, objective=goal.objective,

@@ -156,6 +156,10 @@ def case_from_measurements(doc: dict[str, Any], path: Path) -> MeasuredCase:
                             torch_version=torch_ver, comparison=comparison)
     except OptplanError:
         raise
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(x) for x in first["loc"]) or "a value"
+        raise OptplanError(f"{path}: {where} is {first.get('input')!r}: {first['msg'].lower()}; {fix}") from None
     except (KeyError, TypeError, ValueError) as exc:
         what = f"missing {exc}" if isinstance(exc, KeyError) else one_line(str(exc), 160)
         raise OptplanError(f"{path}: not a complete train.py measurements file ({what}): {fix}") from None

@@ -340,13 +340,14 @@ def _enumerate(pricer: Pricer, space: SearchSpace, study: optuna.Study, goal: Go
         for s in _recorded(study):
             if pricer(s) is not None:
                 resumed += 1
+    base = len(pricer.priced)  # every plan priced from here on counts, the partial search's probes too
     evaluated = 0
     chunk: list[tuple[Estimate, dict[str, object]]] = []
     for gi in range(done, len(groups)):
         group = groups[gi]
-        for est, mbs, k, new in _group_estimates(pricer, space, group):
-            evaluated += new
+        for est, mbs, k, _new in _group_estimates(pricer, space, group):
             chunk.append((est, _params(group, mbs, k)))
+        evaluated = len(pricer.priced) - base
         if (gi + 1) % CHUNK_GROUPS == 0 or gi + 1 == len(groups):
             with storage_file_lock(storage, "record"):
                 recorded = set(_recorded(study))

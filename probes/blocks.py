@@ -2,7 +2,9 @@
 measures (probes/static.py: depth reduction).
 
 The repeated block is the module class with the most instances among the direct children of ``nn.ModuleList`` /
-``nn.Sequential`` containers (an MoE layer's list of experts excluded, probes/moe_layers.py); a container that holds
+``nn.Sequential`` / ``nn.ModuleDict`` containers (an MoE layer's list of experts excluded, probes/moe_layers.py),
+less the classes that are parts of another candidate's instances (:func:`_parts`: the ``nn.Linear`` of a layer's
+``nn.Sequential`` MLP outnumber the layers, yet the layer is the block); a container that holds
 only such blocks, at least :data:`MIN_BLOCKS_FOR_REDUCTION` of one size after a leading run of other sizes (an MoE
 model's dense first layers), can be cut to fewer blocks and measured at two depths. Units: parameter counts.
 """
@@ -43,8 +45,56 @@ def _own_params(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
+PART_SHARE = 0.8
+"""A candidate class is a part of another when at least this share of its instances lie inside the other's
+(:func:`_parts`): torchvision's MobileNet and EfficientNet have a stem and a head convolution outside their blocks."""
+
+
+def _holds_blocks(mod: nn.Module) -> bool:
+    """A container whose children may be blocks: a ModuleList or Sequential, or a ModuleDict of several modules of
+    one class (DenseNet's layers; not nanoGPT's ``transformer`` dict of named parts, nor peft's one-adapter
+    ``lora_A``/``lora_B`` dicts)."""
+    if isinstance(mod, (nn.ModuleList, nn.Sequential)):
+        return True
+    return isinstance(mod, nn.ModuleDict) and len(mod) > 1 and len({type(m) for m in mod.values()}) == 1
+
+
+def _parts(candidates: dict[type, dict[int, tuple[str, nn.Module]]]) -> set[type]:
+    """The candidate classes that are parts of another candidate's instances, not blocks of their own: most of
+    their instances (:data:`PART_SHARE`) lie inside the other class's, held there in containers with other modules
+    beside them (the Linears of a layer's ``nn.Sequential(Linear, GELU, Linear)`` MLP, the conv-norm-activation
+    units of an inverted residual), where they outnumber the layers. Blocks inside a hierarchy's stages are held in
+    containers of their own class only (Swin's and ConvNeXt's ``stage.blocks``) and stay candidates, the unit timm
+    and torchvision checkpoint."""
+    held_with_others: set[int] = set()  # ids of modules held in a container beside a module of another class
+    owners: dict[type, set[int]] = {}  # class -> ids of every module inside its instances
+    for cls, insts in candidates.items():
+        inside: set[int] = set()
+        for _, block in insts.values():
+            for mod in block.modules():
+                if mod is block:
+                    continue
+                inside.add(id(mod))
+                if isinstance(mod, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
+                    kids = list(mod.children())
+                    if len({type(k) for k in kids}) > 1:
+                        held_with_others.update(id(k) for k in kids)
+        owners[cls] = inside
+    parts: set[type] = set()
+    for cls, insts in candidates.items():
+        for outer, inside in owners.items():
+            if outer is cls:
+                continue
+            within = [i for i in insts if i in inside]
+            if len(within) >= PART_SHARE * len(insts) and all(i in held_with_others for i in within):
+                parts.add(cls)
+                break
+    return parts
+
+
 def find_repeated_block(model: nn.Module) -> BlockInfo | None:
-    """The module class with the most instances among direct children of ModuleLists/Sequentials.
+    """The module class with the most instances among direct children of ModuleLists/Sequentials/ModuleDicts,
+    less the parts of other candidates (:func:`_parts`).
 
     Only classes with parameters count; at least 2 instances. Ties go to the class with more
     parameters. ``params_per_block`` is the mean over the instances (they are equal in transformers).
@@ -53,16 +103,17 @@ def find_repeated_block(model: nn.Module) -> BlockInfo | None:
     exclude = expert_lists(model)
     found: dict[type, dict[int, tuple[str, nn.Module]]] = {}
     for path, mod in model.named_modules():
-        if isinstance(mod, (nn.ModuleList, nn.Sequential)) and id(mod) not in exclude:
+        if _holds_blocks(mod) and id(mod) not in exclude:
             for _, child in mod.named_children():
                 found.setdefault(type(child), {}).setdefault(id(child), (path, child))
+    candidates = {cls: insts for cls, insts in found.items()
+                  if len(insts) >= 2 and sum(_own_params(m) for _, m in insts.values()) > 0}
+    parts = _parts(candidates)
     best: tuple[int, int, type] | None = None
-    for cls, insts in found.items():
-        if len(insts) < 2:
+    for cls, insts in candidates.items():
+        if cls in parts:
             continue
         total = sum(_own_params(m) for _, m in insts.values())
-        if total == 0:
-            continue
         key = (len(insts), total)
         if best is None or key > best[:2]:
             best = (key[0], key[1], cls)

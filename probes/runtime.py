@@ -116,12 +116,12 @@ class ProbeResult(BaseModel):
     world_size: int = 1
     step_times_s: tuple[float, ...] = Field(
         default=(), description="timed steps (one optimizer step = grad_accum micro-batches each), max over ranks (s)")
-    step_s: float | None = Field(default=None, description="median of step_times_s (s)")
-    step_spread_s: float | None = Field(default=None, description="max - min of step_times_s (s)")
+    step_s: float | None = Field(default=None, gt=0, description="median of step_times_s (s)")
+    step_spread_s: float | None = Field(default=None, ge=0, description="max - min of step_times_s (s)")
     peak_allocated_bytes: int | None = Field(
-        default=None, description="cuda: torch.cuda.max_memory_allocated over the run (max over ranks); cpu: peak "
+        default=None, ge=0, description="cuda: torch.cuda.max_memory_allocated over the run (max over ranks); cpu: peak "
                                   "live tensor bytes of one tracked step incl. params/grads/optimizer states (bytes)")
-    peak_reserved_bytes: int | None = Field(default=None, description="cuda: max_memory_reserved (bytes); cpu: None")
+    peak_reserved_bytes: int | None = Field(default=None, ge=0, description="cuda: max_memory_reserved (bytes); cpu: None")
     non_torch_bytes: int | None = Field(
         default=None, description="cuda: (total - free) - memory_reserved at the end: CUDA context, NCCL, cuBLAS "
                                   "workspace outside the allocator (bytes); cpu: None")

@@ -637,17 +637,49 @@ class Trainer:
             # accelerate.yaml launched without its DeepSpeed plugin (`accelerate launch --cpu`): the module stays fp32
             self.loss_autocast_dtype = AUTOCAST_DTYPES.get(self.precision)
             return
-        p = self.precision
+        p = self.weight_precision
         if p in AUTOCAST_DTYPES:
             self.autocast_dtype = AUTOCAST_DTYPES[p]
             return
         if p in low and not (self.fsdp != "none" and p in ("bf16", "fp16")):
             model.to(low[p])
             self.input_dtype = low[p]
+        if self.precision == "fp8":
+            self.apply_fp8(model)
+
+    @property
+    def weight_precision(self) -> str:
+        """The recipe of the weights, gradients and master copies: fp8's are bf16's (estimators/precision.py)."""
+        return "bf16" if self.precision == "fp8" else self.precision
+
+    def apply_fp8(self, model: nn.Module) -> None:
+        """fp8 matmuls: each ``nn.Linear`` whose dimensions are multiples of 16 becomes torchao's ``Float8Linear``
+        (tensorwise scaling, torchtitan's float8 recipe), bf16 everywhere else. It needs a CUDA GPU with fp8 tensor
+        cores and torchao; on the cpu device (a check of the script) the run says it keeps bf16 matmuls."""
+        if self.device_type != "cuda":
+            self.note("precision fp8 on the cpu device: fp8 matmuls need a CUDA GPU with fp8 tensor cores, so this "
+                      "run keeps the plan's bf16 weights and fp32 master copies with bf16 matmuls")
+            return
+        major, minor = torch.cuda.get_device_capability()
+        if (major, minor) < (8, 9):
+            raise TrainFailure("error", f"precision fp8 needs fp8 tensor cores (compute capability >= 8.9: H100, "
+                                        f"H200, L40S, B200); this GPU has {major}.{minor}: plan with --precision bf16",
+                               everywhere=True)
+        try:
+            from torchao.float8 import convert_to_float8_training
+        except ImportError:
+            raise TrainFailure("error", "precision fp8 needs torchao's float8 training, which is not installed: "
+                                        "pip install torchao, or plan with --precision bf16", everywhere=True) from None
+        linear = sum(isinstance(m, nn.Linear) for m in model.modules())
+        convert_to_float8_training(model, module_filter_fn=lambda m, _fqn: isinstance(m, nn.Linear)
+                                   and m.in_features % 16 == 0 and m.out_features % 16 == 0)
+        left = sum(type(m) is nn.Linear for m in model.modules())
+        self.note(f"fp8: {linear - left} of {linear} Linear layers run torchao's Float8Linear (tensorwise scaling); "
+                  "the rest of the model bf16")
 
     def build_optimizer(self, params: list[torch.Tensor]) -> Any:
         name = self.strategy.get("optimizer", "adamw")
-        if self.engine == "torch" and self.fsdp == "none" and self.precision in ("bf16", "fp16"):
+        if self.engine == "torch" and self.fsdp == "none" and self.weight_precision in ("bf16", "fp16"):
             self.master = MasterWeights(params, partial(make_optimizer, name), dynamic_scale=self.precision == "fp16")
             return self.master
         return make_optimizer(name, params)
@@ -670,8 +702,8 @@ class Trainer:
             if self.fsdp == "hybrid":
                 self.note("fsdp hybrid with one replica group is full sharding")
         kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": self.fsdp != "grad_op"}
-        if self.precision in ("bf16", "fp16"):
-            dtype = torch.bfloat16 if self.precision == "bf16" else torch.float16
+        if self.weight_precision in ("bf16", "fp16"):
+            dtype = torch.bfloat16 if self.weight_precision == "bf16" else torch.float16
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
         if self.strategy.get("offload_params", "none") == "cpu":
             if device.type == "cuda":

@@ -203,7 +203,7 @@ def estimate(
 ) -> None:
     """Memory (worst rank) and time breakdown of one configuration, and whether (and why) it fits."""
     from optplan.planner.api import check_search_options, estimate_strategy, resolve_cluster, resolve_model
-    from optplan.planner.derive import StrategyFlags, derive_strategy
+    from optplan.planner.derive import StrategyFlags, derive_strategy, file_defaults
     from optplan.planner.finetune import FinetuneChoice
     from optplan.tui.render import estimate_table
 
@@ -258,8 +258,12 @@ def estimate(
         with _stderr().status("profiling the model in a child process..."):
             prof = resolve_model(model, arch=arch, seq_len=seq_len, model_name=model_name, params=params, hf=hf,
                                  hf_class=hf_class, lora=choice.lora_request())
-        if optimizer is None and prof.defaults.optimizer:
-            strategy = derive_strategy(flags.model_copy(update={"optimizer": prof.defaults.optimizer}), target)
+        defaults, default_notes = file_defaults(prof, target, flags, strategy,
+                                                precision_given=precision is not None or bool(choice.adapters))
+        notes.extend(default_notes)
+        if defaults:
+            strategy = derive_strategy(flags.model_copy(update=defaults), target,
+                                       gpus_given=gpus is not None or cluster is not None)
         est = estimate_strategy(prof, target, strategy, tokens=tokens, price_per_gpu_hour=price)
         if as_json:
             typer.echo(est.model_dump_json(indent=2))

@@ -4,6 +4,7 @@ tracebacks (user-fixable errors exit 2, interrupts 130/143, optplan's own bugs 3
 from __future__ import annotations
 
 import sys
+import traceback
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -53,7 +54,8 @@ def validation_message(err: ValidationError) -> str:
 
 
 def guard(ctx: typer.Context, body: Callable[[], T]) -> T:
-    """Run a command body; turn user-fixable errors into one line + exit 2 (traceback with --debug)."""
+    """Run a command body; turn user-fixable errors into one line + exit 2, a bug into one line + exit 3 (with
+    --debug the traceback comes first; the exit code is the same)."""
     debug = bool(ctx.obj and ctx.obj.get("debug"))
     try:
         return body()
@@ -62,11 +64,11 @@ def guard(ctx: typer.Context, body: Callable[[], T]) -> T:
             detail = getattr(err, "detail", "")
             if detail:
                 sys.stderr.write(f"--- output of the model file's child process ---\n{detail.rstrip()}\n---\n")
-            raise
+            traceback.print_exc(file=sys.stderr)
         raise fail(str(err)) from None
     except ValidationError as err:
         if debug:
-            raise
+            traceback.print_exc(file=sys.stderr)
         raise fail(validation_message(err)) from None
     except KeyboardInterrupt as err:  # Ctrl-C: child processes are already stopped by the layer that started them
         fail(str(err) or "interrupted")
@@ -75,7 +77,7 @@ def guard(ctx: typer.Context, body: Callable[[], T]) -> T:
         raise
     except Exception as err:  # a bug: one line that says so (the traceback with --debug), never a bare traceback
         if debug:
-            raise
+            traceback.print_exc(file=sys.stderr)
         text = " ".join(str(err).split())
         fail(f"internal error in optplan ({type(err).__name__}{': ' + text if text else ''}): this is a bug, not "
               "your input; rerun with --debug for the traceback and report it")

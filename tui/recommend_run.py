@@ -34,6 +34,20 @@ from optplan.tui.recommend_args import (
 )
 
 
+def _deepspeed_launcher_engines(a: RecommendArgs) -> tuple[RecommendArgs, str]:
+    """``--launcher deepspeed`` starts DeepSpeed-engine plans only (planner/export/launch.py): the search keeps to
+    that engine, or the flags that contradict it are one error line (a torch pick would leave no launch.sh)."""
+    others = [e for e in (a.engine or ()) if e != "deepspeed"]
+    if others:
+        raise OptplanError(f"--launcher deepspeed starts DeepSpeed-engine plans only, and --engine names "
+                           f"{', '.join(others)}: drop those engines, or use --launcher torchrun")
+    if finetune_choice(a).adapters:
+        raise OptplanError("--launcher deepspeed starts DeepSpeed-engine plans only, and a LoRA/QLoRA plan runs on "
+                           "the torch engine: use --launcher torchrun")
+    return a.model_copy(update={"engine": ("deepspeed",)}), \
+        "--launcher deepspeed: only DeepSpeed-engine plans are searched (its launcher starts no other)"
+
+
 class PreparedRecommend(BaseModel):
     """Checked options: the cluster to plan for (with notes), the GPU counts, the goal, the study storage."""
 
@@ -110,6 +124,9 @@ def prepare_recommend(args: RecommendArgs, *, check_out: bool = True) -> Prepare
             n = min(counts or (target.gpus,))
             raise OptplanError(f"global batch {a.global_batch} is not divisible by {n} GPUs: use a multiple of "
                                f"{n} for --global-batch or change --gpus")
+    if a.launcher == "deepspeed":
+        a, launcher_note = _deepspeed_launcher_engines(a)
+        notes = [*notes, launcher_note]
     options = ExportOptions(launcher=a.launcher)  # type: ignore[arg-type]
     study = a.storage
     if study is not None and "://" not in study:

@@ -163,7 +163,7 @@ def test_unknown_gpu_error_lists_the_known_gpus() -> None:
     ("V10", ["V100"]),
     ("rtx 3080", ["RTX-3090", "RTX-4090", "RTX-5090"]),
     ("l40", ["L40S", "L4"]),
-    ("NVIDIA H100 80GB HBM3e", ["H100-SXM"]),
+    ("NVIDIDA H100 80GB HBM3e", ["H100-SXM"]),  # misspelt: no driver name, so a suggestion
 ])
 def test_unknown_gpu_error_names_the_close_gpus_first(typed: str, close: list[str]) -> None:
     assert close_gpu_names(typed) == close
@@ -213,3 +213,15 @@ def test_cluster_price_and_power_default_to_none_and_tdp() -> None:
     assert cluster.inter_node_bandwidth_bytes_per_s == 50e9 and cluster.detected is False and cluster.nodes == 2
     custom = Cluster(gpu=h100, gpus=16, gpus_per_node=8, price_per_gpu_hour=2.5, gpu_power_w=550)
     assert custom.price_per_gpu_hour == 2.5 and custom.power_w_per_gpu == 550
+
+
+def test_driver_names_find_their_catalogue_entry() -> None:
+    """--gpu takes a GPU's name as nvidia-smi prints it; its memory size picks the variant."""
+    from optplan.estimators.hardware import find_gpu, match_device_name
+
+    assert find_gpu("NVIDIA H100 80GB HBM3").name == "H100-SXM"
+    assert find_gpu("NVIDIA A100-SXM4-40GB").name == "A100-40GB"
+    assert find_gpu("NVIDIA A100-SXM4-80GB").name == "A100-80GB"
+    assert find_gpu("NVIDIA H100 80GB HBM3e") == match_device_name("NVIDIA H100 80GB HBM3e")  # as detection maps it
+    with pytest.raises(OptplanError, match="unknown GPU 'NVIDIA Quantum 9000'"):
+        find_gpu("NVIDIA Quantum 9000")

@@ -76,6 +76,7 @@ def test_samplers_price_partial_checkpointing_as_the_enumeration_does() -> None:
     assert space.partial_checkpointing
     enum = search(LLAMA_8K, H100, space, method="enumerate")
     assert enum.feasible[0].strategy.checkpoint_layers is not None
+    assert enum.evaluated >= len(enum.feasible)  # the partial search's probes count as priced (they were not)
     for method in ("nsga2", "tpe"):
         found = search(LLAMA_8K, H100, space, method=method, n_trials=80, seed=3)  # type: ignore[arg-type]
         partial = [e for e in found.feasible if e.strategy.checkpoint_layers is not None]

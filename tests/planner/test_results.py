@@ -128,6 +128,20 @@ def test_a_gpu_train_py_run_calibrates_the_release_plans_look_up(call: str, tmp_
     assert load_calibration("H200", pred["model_hash"], "2.11.0+cu130", path=cache) == cal  # either spelling
 
 
+
+@pytest.mark.parametrize(("field", "value"), [("step_s", -1), ("step_s", 0), ("peak_allocated_bytes", -5)])
+def test_an_impossible_measurement_is_refused_not_folded_in(field: str, value: float, tmp_path: Path) -> None:
+    """A measurements.json with a negative or zero step time (or negative bytes) is one line naming the field and
+    its value, exit 2, and no cache is written (it was folded in as a -100 % error before)."""
+    doc = json.loads((VISIT4 / "c1a" / "launch.json").read_text())["runs"][0]["measurements"]
+    doc["measured"][field] = value
+    path = tmp_path / "measurements.json"
+    path.write_text(json.dumps(doc), encoding="utf-8")
+    cache = tmp_path / "cache.json"
+    out = runner.invoke(app, ["calibrate", str(path), "--cache", str(cache)])
+    assert out.exit_code == 2 and f"{field} is {value}" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    assert not cache.exists()
+
 def test_a_gpu_runs_measurements_improve_the_next_plan_end_to_end(tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 17's loop through the user's commands: ``recommend --out`` writes train.py; a run of it on the plan's GPU

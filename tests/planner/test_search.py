@@ -191,6 +191,10 @@ def test_time_objective_with_deadline_takes_the_fewest_gpus() -> None:
     result = search(prof, c, space, goal=goal)
     assert all(not goal.meets_deadline(e, "slow") for e in result.feasible if e.gpus < rec.estimate.gpus)
     assert "deadline" in rec.rationale[0] and any("GPUs of the 8-64 searched" in line for line in rec.rationale)
+    # the fewer-GPU plan the line names misses the deadline at least at the band's slow end, and says so
+    line = next(x for x in rec.rationale if "GPUs of the 8-64 searched" in x)
+    fewer = line.split(": ", 1)[1].split("; ")[0]
+    assert "past the deadline at the band's slow end" in fewer or "misses the deadline" in fewer, line
 
 
 def test_a_deadline_met_only_at_the_nominal_time_ranks_after_one_met_at_the_slow_end() -> None:

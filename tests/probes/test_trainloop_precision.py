@@ -56,3 +56,30 @@ def test_importing_deepspeed_fixes_the_arch_list_and_says_so(monkeypatch: pytest
     trainer._deepspeed_arch_list()
     assert os.environ["TORCH_CUDA_ARCH_LIST"] == "8.0;9.0"
     assert len(notes) == 1 and "'8.0;9.0a' read as '8.0;9.0'" in notes[0]
+
+
+def test_fp8_keeps_bf16_weights_and_master_copies_and_says_so_on_cpu() -> None:
+    """An fp8 plan's weights, gradients and master copies are bf16's (estimators/precision.py); on the cpu device
+    its matmuls stay bf16 and the run says so (it trained in fp32, silently, before)."""
+    notes: list[str] = []
+    trainer = Trainer({"engine": "torch", "precision": "fp8"}, notes=notes)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+    trainer.apply_precision(model)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert trainer.input_dtype == torch.bfloat16
+    assert trainer.build_optimizer(list(model.parameters())) is trainer.master is not None
+    assert any("fp8 on the cpu device" in n for n in notes)
+
+
+def test_fp8_on_cuda_needs_fp8_tensor_cores_and_torchao(monkeypatch: pytest.MonkeyPatch) -> None:
+    from optplan.probes.trainloop import TrainFailure
+
+    trainer = Trainer({"engine": "torch", "precision": "fp8"}, device_type="cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_a: (8, 0))
+    with pytest.raises(TrainFailure, match=r"compute capability >= 8.9.*8\.0: plan with --precision bf16"):
+        trainer.apply_fp8(nn.Linear(16, 16))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_a: (9, 0))
+    monkeypatch.setitem(__import__("sys").modules, "torchao", None)  # not installed
+    monkeypatch.setitem(__import__("sys").modules, "torchao.float8", None)
+    with pytest.raises(TrainFailure, match="pip install torchao, or plan with --precision bf16"):
+        trainer.apply_fp8(nn.Linear(16, 16))

@@ -156,12 +156,15 @@ def test_an_internal_error_is_one_line_and_exit_3(monkeypatch: pytest.MonkeyPatc
     assert len(lines) == 1 and "Traceback" not in err, err
     assert "internal error" in lines[0] and "ZeroDivisionError" in lines[0] and "--debug" in lines[0]
     result = runner.invoke(app, ["--debug", "profile", "--arch", "layers=2,hidden=64,heads=2"])
-    assert result.exit_code != 0 and isinstance(result.exception, ZeroDivisionError)
+    assert result.exit_code == 3 and "Traceback" in result.stderr and "ZeroDivisionError" in result.stderr
 
 
-def test_debug_shows_the_traceback() -> None:
+def test_debug_shows_the_traceback_and_keeps_the_exit_code() -> None:
+    """--debug adds the traceback; the exit code stays the one the error has without it (2: bad input)."""
+    plain = runner.invoke(app, ["recommend", "no_such_model.py"])
     result = runner.invoke(app, ["--debug", "recommend", "no_such_model.py"])
-    assert result.exit_code != 0 and result.exception is not None
+    assert plain.exit_code == result.exit_code == 2 and "Traceback" in result.stderr
+    assert plain.stderr.strip().splitlines()[-1] == result.stderr.strip().splitlines()[-1]
 
 
 @pytest.mark.parametrize("argv", [
@@ -257,7 +260,7 @@ def test_debug_shows_the_user_code_traceback_from_the_child(tmp_path: Path) -> N
     plain = runner.invoke(app, ["profile", str(bad)])
     assert plain.exit_code == 2 and len(plain.stderr.strip().splitlines()) == 1
     debug = runner.invoke(app, ["--debug", "profile", str(bad)])
-    assert debug.exit_code != 0
+    assert debug.exit_code == 2
     assert f'File "{bad}", line 6, in forward' in debug.stderr
 
 

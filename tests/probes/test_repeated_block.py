@@ -1,0 +1,74 @@
+"""Which module is the repeated block (probes/blocks.py): the layer, not the parts of it that outnumber it, and the
+blocks inside a hierarchy's stages, not the stages."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torchvision
+
+from optplan.probes.blocks import find_repeated_block
+
+
+class SeqMlpBlock(nn.Module):
+    """A transformer layer whose MLP is an ``nn.Sequential`` (two Linears a layer: 12 Linears against 6 layers)."""
+
+    def __init__(self, h: int = 32) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(h)
+        self.attn = nn.MultiheadAttention(h, 4, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(h, 4 * h), nn.GELU(), nn.Linear(4 * h, h))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.ln(x)
+        x = x + self.attn(y, y, y, need_weights=False)[0]
+        return x + self.mlp(x)
+
+
+class Stage(nn.Module):
+    """A hierarchy's stage: a down-projection and its own stack of blocks, wider than the stage before."""
+
+    def __init__(self, c_in: int, c: int, depth: int) -> None:
+        super().__init__()
+        self.down = nn.Linear(c_in, c)
+        self.blocks = nn.Sequential(*[nn.Sequential(nn.LayerNorm(c), nn.Linear(c, c)) for _ in range(depth)])
+
+
+def test_a_layer_with_a_sequential_mlp_is_the_block_not_its_linears() -> None:
+    model = nn.Sequential(nn.Embedding(100, 32), *[SeqMlpBlock() for _ in range(6)], nn.Linear(32, 100))
+    block = find_repeated_block(model)
+    assert block is not None and block.cls is SeqMlpBlock and len(block.blocks) == 6
+
+
+def test_blocks_in_stages_stay_the_blocks() -> None:
+    model = nn.ModuleList([Stage(8, 16, 2), Stage(16, 32, 3), Stage(32, 64, 2)])
+    block = find_repeated_block(model)
+    assert block is not None and block.cls is nn.Sequential and len(block.blocks) == 7  # the stages' blocks
+
+
+def test_a_plain_stack_of_linears_keeps_the_linears() -> None:
+    model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(16, 16), nn.ReLU())])
+    block = find_repeated_block(model)
+    assert block is not None and block.cls is nn.Linear and len(block.blocks) == 4
+
+
+def test_torchvision_models_get_their_residual_units() -> None:
+    """torchvision's layers hold Sequentials of parts (MLPBlock, Conv2dNormActivation) that outnumber the blocks;
+    DenseNet's layers sit in a ModuleDict."""
+    want = {"vit_b_16": ("EncoderBlock", 12), "swin_t": ("SwinTransformerBlock", 12), "convnext_tiny": ("CNBlock", 18),
+            "efficientnet_b0": ("MBConv", 16), "mobilenet_v2": ("InvertedResidual", 17),
+            "densenet121": ("_DenseLayer", 58), "resnet50": ("Bottleneck", 16)}
+    for name, (cls, count) in want.items():
+        with torch.device("meta"):
+            model = getattr(torchvision.models, name)()
+        block = find_repeated_block(model)
+        assert block is not None and (block.cls.__name__, len(block.blocks)) == (cls, count), name
+
+
+def test_a_dict_of_named_parts_is_no_container_of_blocks() -> None:
+    """nanoGPT's ``transformer = nn.ModuleDict(wte=Embedding, wpe=Embedding, h=ModuleList(blocks), ...)``: two
+    Embeddings tie two blocks in count and outweigh them; the dict is a bag of parts, not a stack."""
+    model = nn.ModuleDict({"wte": nn.Embedding(1000, 32), "wpe": nn.Embedding(1000, 32),
+                           "h": nn.ModuleList([SeqMlpBlock(), SeqMlpBlock()]), "ln_f": nn.LayerNorm(32)})
+    block = find_repeated_block(model)
+    assert block is not None and block.cls is SeqMlpBlock and block.path == "h"
