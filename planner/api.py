@@ -134,8 +134,9 @@ def resolve_cluster(*, gpu: str | None, gpus: int | None, gpus_per_node: int | N
     report = detect_gpus() if gpu is None else None
     cluster, notes = cluster_from(report, gpu=gpu, gpus=gpus, gpus_per_node=gpus_per_node)
     if cluster.gpus > cluster.gpus_per_node and cluster.gpus % cluster.gpus_per_node:
+        fix = "change --gpus-per-node" if gpus_per_node is not None else "set --gpus-per-node"
         raise OptplanError(f"--gpus {cluster.gpus} is not a whole number of nodes of {cluster.gpus_per_node} GPUs: "
-                           f"use a multiple of {cluster.gpus_per_node} or set --gpus-per-node")
+                           f"use a multiple of {cluster.gpus_per_node} or {fix}")
     return cluster, notes
 
 

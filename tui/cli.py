@@ -367,7 +367,11 @@ def recommend(
         if out is not None and rec.fits:
             written, skipped = export_plan(rec, out, force=force, options=prepared.export_options)
         if as_json:
-            typer.echo(json.dumps(rec.model_dump(mode="json"), indent=2))
+            doc = rec.model_dump(mode="json")
+            if out is not None:  # what --out holds now, as the table's "wrote"/"not written" lines say
+                doc["written"] = [str(path) for path in written]
+                doc["not_written"] = list(skipped)
+            typer.echo(json.dumps(doc, indent=2))
         else:
             console = _stdout()
             print_recommendation(console, rec, prof)

@@ -47,7 +47,8 @@ def profile_table(p: ModelProfile) -> Group:
     head.add_row("input", f"{p.input_kind}" + (f", {p.tokens_per_sample} tokens/sample" if p.tokens_per_sample else ""))
     head.add_row("FLOPs/sample", f"forward {_si(p.fwd_flops_per_sample)}, backward {_si(p.bwd_flops_per_sample)}")
     cached = ", read from the profile cache (OPTPLAN_PROFILE_CACHE=off profiles again)" if p.from_cache else ""
-    head.add_row("profiled in", f"{p.profile_s:.1f} s (torch {p.torch_version}){cached}")
+    if p.torch_version:  # a formula profile (--arch, --params) ran nothing
+        head.add_row("profiled in", f"{p.profile_s:.1f} s (torch {p.torch_version}){cached}")
     mods = Table(title="parameters by module", title_justify="left")
     mods.add_column("module")
     mods.add_column("parameters", justify="right")

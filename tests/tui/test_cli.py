@@ -79,6 +79,9 @@ def test_recommend_out_writes_validated_exports_and_refuses_to_overwrite(tmp_pat
     files = sorted(p.name for p in out.iterdir() if not p.name.startswith("."))  # not the study's lock files
     assert files == ["PLAN.md", "accelerate.yaml", "ds_config.json", "hf_training_args.json", "launch.sh",
                      "lightning.json", "optplan-study.log", "plan.json", "train.py"]
+    written, not_written = doc.pop("written"), doc.pop("not_written")  # --json --out lists what --out holds
+    assert sorted(Path(w).name for w in written) == [f for f in files if f != "optplan-study.log"]
+    assert not_written == []
     assert json.loads((out / "plan.json").read_text()) == doc
     ds = json.loads((out / "ds_config.json").read_text())
     assert ds["train_batch_size"] == 64 == doc["estimate"]["global_batch"]
