@@ -137,11 +137,16 @@ def unknown_gpu_message(name: str, *, fix: str = "use --gpu with one of") -> str
     return f"unknown GPU '{name}': did you mean {', '.join(close)}? ({fix} {known})"
 
 
+CLOSE_RATIO = 0.7
+"""How similar (difflib ratio) a typed GPU name must be to a catalogue key to be suggested: 0.6 offered RTX-3090 for
+'mi300x' (a shared "300"); typos of real names ('rtx 3080', 'a10o') stay above it."""
+
+
 def close_gpu_names(name: str, limit: int = 3) -> list[str]:
     """Catalogue names close to ``name``, best first (at most ``limit``).
 
     Names and aliases are compared normalised like the lookup (case and punctuation ignored): an
-    entry is close when one of its keys is similar (difflib ratio >= 0.6) or, for inputs of three or
+    entry is close when one of its keys is similar (difflib ratio >= :data:`CLOSE_RATIO`) or, for inputs of three or
     more characters, contains the input or is contained in it (``H10`` -> H100-SXM, H100-PCIe).
     """
     wanted = _norm(name)
@@ -158,7 +163,7 @@ def _closeness(wanted: str, spec: GPUSpec) -> float | None:
     keys = {_norm(spec.name), *(_norm(a) for a in spec.aliases)} - {""}
     best = max(difflib.SequenceMatcher(None, wanted, key).ratio() for key in keys)
     contained = len(wanted) >= 3 and any(wanted in key or (len(key) >= 3 and key in wanted) for key in keys)
-    return best if best >= 0.6 or contained else None
+    return best if best >= CLOSE_RATIO or contained else None
 
 
 def match_device_name(device_name: str, memory_bytes: int | None = None) -> GPUSpec | None:

@@ -61,7 +61,7 @@ DEFAULT_TOKEN_SEQ_LEN = 1024
 _MODEL_FIX = ("define `def build_model(): return MyModel()` in the file (or a module-level nn.Module "
               "instance, or an nn.Module class whose constructor takes no arguments)")
 BATCH_FIX = ("make example_batch(batch_size, seq_len) return what forward takes (a tensor calls "
-              "model(x), a tuple/list model(*x), a dict model(**x))")
+              "model(x), a tuple/list model(*x), a dict model(**x): return (d,) for a forward that takes one dict)")
 
 
 

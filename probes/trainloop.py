@@ -418,11 +418,10 @@ def call_model(model: nn.Module, batch: Any) -> Any:
 
 
 def first_param_module(model: nn.Module) -> nn.Module | None:
-    """The first module (in ``modules()`` order) that owns parameters directly."""
-    for m in model.modules():
-        if any(True for _ in m.parameters(recurse=False)):
-            return m
-    return None
+    """The first layer: the first leaf module (in ``modules()`` order) that owns parameters, else the first module
+    that owns any directly (a learned position table on the root does not hide the embedding after it)."""
+    owners = [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
+    return next((m for m in owners if next(m.children(), None) is None), owners[0] if owners else None)
 
 
 def default_loss(output: Any) -> tuple[torch.Tensor, str]:

@@ -67,6 +67,29 @@ def test_instance_wins_and_keeps_tied_weights(write_model):
     assert any("output.float().mean()" in n for n in profile.notes)
 
 
+
+def test_a_learned_position_table_on_the_root_does_not_hide_the_embedding(write_model):
+    """The root owns a parameter (a learned position table) before its embedding: the first layer is still the
+    embedding, and token ids are inferred (it was "the first layer is Tied, not an nn.Embedding")."""
+    path = write_model("""
+        import torch, torch.nn as nn
+
+        class Tied(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.pos = nn.Parameter(torch.zeros(8, 16))
+                self.emb = nn.Embedding(100, 16)
+                self.head = nn.Linear(16, 100)
+            def forward(self, idx):
+                return self.head(self.emb(idx) + self.pos[: idx.shape[1]])
+
+        def build_model():
+            return Tied()
+        """)
+    profile = profile_contract(load_contract(path), seq_len=8)
+    assert profile.input_kind == "tokens" and profile.tokens_per_sample == 8
+    assert any("inferred token-id batch [B, S] from the embedding" in n for n in profile.notes)
+
 def test_part_classes_and_classes_needing_arguments_are_not_candidates(write_model):
     path = write_model("""
         import torch, torch.nn as nn
