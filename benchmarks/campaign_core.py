@@ -31,6 +31,7 @@ from optplan.estimators.hardware import Cluster, GPUSpec, find_gpu  # noqa: E402
 from optplan.estimators.profile import ModelProfile  # noqa: E402
 from optplan.planner.calibrate import ProbeComparison, profile_hash  # noqa: E402
 from optplan.planner.results import RESULTS_FORMAT, MeasuredCase  # noqa: E402
+from optplan.planner.space import SEARCHED_PRECISIONS_BF16  # noqa: E402
 from optplan.probes.runtime import ProbeResult  # noqa: E402
 
 EXAMPLES = ROOT / "examples"
@@ -173,9 +174,12 @@ class Campaign:
     def plan_args(self) -> list[str]:
         """``optplan recommend``'s GPU, sequence and batch for the exports and launch plans. On the CPU a global
         batch of 16, not the MLP's 256: the plan (amp-bf16) then steps in well under a second where the CPU emulates
-        bf16 (~0.5 GFLOP/s on AVX2), and each file still launches through its trainer."""
+        bf16 (~0.5 GFLOP/s on AVX2), and each file still launches through its trainer. The precisions are
+        ``recommend``'s defaults, named: the model file's OPTPLAN precision would otherwise be the only one searched."""
         gpu = self.gpu.name if self.gpu is not None else CPU_STAND_IN_GPU
-        return ["--gpu", gpu, *(["--seq-len", "512"] if self.device == "cuda" else ["--global-batch", "16"])]
+        precisions = [w for p in SEARCHED_PRECISIONS_BF16 for w in ("--precision", p)]
+        return ["--gpu", gpu, *precisions,
+                *(["--seq-len", "512"] if self.device == "cuda" else ["--global-batch", "16"])]
 
     def left_s(self) -> float:
         return self.deadline - time.perf_counter()

@@ -149,7 +149,7 @@ def test_memory_estimator_uses_the_same_bytes(precision, optimizer):
 def test_fp8_recipe_says_what_stays_16_and_32_bit():
     r = get_recipe("fp8")
     assert r.compute_dtype == "fp8" and r.activation_precision == "bf16" and r.needs_bf16
-    for words in ("bf16 weights", "gradients", "fp32 master", "Adam moments", "norms", "W^T"):
+    for words in ("bf16 weights", "gradients", "fp32 master", "optimizer states", "norms", "W^T"):
         assert words in r.description
 
 
