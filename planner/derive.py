@@ -129,25 +129,38 @@ def derive_strategy(flags: StrategyFlags, cluster: Cluster, *, gpus_given: bool 
     return Strategy.model_validate(data)
 
 
+def file_precision(profile: ModelProfile, cluster: Cluster) -> tuple[str | None, str | None]:
+    """The model file's ``OPTPLAN["precision"]`` where the cluster's GPU has math for it, else None with the note
+    that says why it is not taken; (None, None) without one or for a LoRA profile (its precisions are the
+    adapters')."""
+    from optplan.estimators.precision import require_precision
+
+    name = profile.defaults.precision
+    if name is None or profile.adapter is not None:
+        return None, None
+    try:
+        require_precision(cluster.gpu, name)
+    except OptplanError as exc:
+        return None, f"the model file's OPTPLAN precision {name} is not taken: {exc}"
+    return name, None
+
+
 def file_defaults(profile: ModelProfile, cluster: Cluster, flags: StrategyFlags, strategy: Strategy, *,
                   precision_given: bool) -> tuple[dict[str, object], list[str]]:
     """The model file's ``OPTPLAN`` values ``optplan estimate`` takes where its flags leave them open, as updates to
     ``flags``, and the notes that say so: the optimizer; the precision (unless one is given, or the GPU has no math
     for it); the global batch when neither ``--gas`` nor ``--global-batch`` is given and mbs x dp of ``strategy``
     (the flags' own plan) divides it (else a note says it was not taken)."""
-    from optplan.estimators.precision import require_precision
-
     d = profile.defaults
     updates: dict[str, object] = {}
     notes: list[str] = []
     if flags.optimizer is None and d.optimizer and d.optimizer != strategy.optimizer:
         updates["optimizer"] = d.optimizer
-    if not precision_given and d.precision and d.precision != strategy.precision:
-        try:
-            require_precision(cluster.gpu, d.precision)
-            updates["precision"] = d.precision
-        except OptplanError as exc:
-            notes.append(f"the model file's OPTPLAN precision {d.precision} is not taken: {exc}")
+    if not precision_given:
+        precision, refused = file_precision(profile, cluster)
+        if precision is not None and precision != strategy.precision:
+            updates["precision"] = precision
+        notes.extend([refused] if refused else [])
     if flags.gas is None and flags.global_batch is None and d.global_batch:
         per_step = strategy.mbs * strategy.dp
         if d.global_batch % per_step == 0:

@@ -19,6 +19,7 @@ from optplan.estimators.hardware import Cluster
 from optplan.estimators.params_only import is_params_only
 from optplan.estimators.profile import ModelProfile
 from optplan.estimators.strategy import Strategy
+from optplan.planner.derive import file_precision
 from optplan.planner.events import ProgressEvent
 from optplan.planner.export.context import ExportPlan, export_plan_for
 from optplan.planner.goal import Goal, pareto_front
@@ -33,7 +34,7 @@ from optplan.planner.probe_stage import (
 )
 from optplan.planner.rationale import rationale
 from optplan.planner.search import Pricer, SearchMethod, search
-from optplan.planner.space import build_space, check_precisions
+from optplan.planner.space import build_space
 from optplan.planner.suggest import what_would_fit
 
 DEFAULT_ALTERNATIVES = 4
@@ -142,20 +143,6 @@ def _is_moe(profile: ModelProfile) -> bool:
     return profile.transformer is not None and profile.transformer.moe is not None
 
 
-def _file_precision(profile: ModelProfile, cluster: Cluster) -> tuple[str | None, str | None]:
-    """The model file's ``OPTPLAN["precision"]``, the one precision searched when none is named (as its optimizer
-    is), and the note that says so: (None, None) without one or for a LoRA profile (its precisions are the
-    adapters'); (None, why) where the GPU has no math for it (the default precisions are searched then)."""
-    name = profile.defaults.precision
-    if name is None or profile.adapter is not None:
-        return None, None
-    try:
-        check_precisions(cluster, (name,))
-    except OptplanError as exc:
-        return None, f"the model file's OPTPLAN precision {name} is not searched: {exc}"
-    return name, f"precision {name} from the model file's OPTPLAN (--precision to search others)"
-
-
 def recommend(profile: ModelProfile, cluster: Cluster, *, global_batch: int | None = None,
               precisions: Sequence[str] | None = None, optimizers: Sequence[str] | None = None,
               engines: Sequence[str] | None = None, gpu_counts: Sequence[int] | None = None,
@@ -199,9 +186,11 @@ def recommend(profile: ModelProfile, cluster: Cluster, *, global_batch: int | No
     if goal.price_per_gpu_hour is None and cluster.price_per_gpu_hour is not None:
         goal = goal.model_copy(update={"price_per_gpu_hour": cluster.price_per_gpu_hour})
     gb = global_batch if global_batch is not None else profile.defaults.global_batch
-    file_precision, precision_note = _file_precision(profile, cluster) if precisions is None else (None, None)
-    if file_precision is not None:
-        precisions = (file_precision,)
+    # the model file's precision is the one searched when none is named, as its optimizer is (derive.file_precision)
+    precision, precision_note = file_precision(profile, cluster) if precisions is None else (None, None)
+    if precision is not None:
+        precisions = (precision,)
+        precision_note = f"precision {precision} from the model file's OPTPLAN (--precision to search others)"
     if is_params_only(profile):
         return _recommend_states(profile, cluster, global_batch=gb, precisions=precisions, engines=engines,
                                  offload=offload, alternatives=alternatives, notes=notes, goal=goal)

@@ -280,14 +280,18 @@ def _keep(entries: list[tuple[Estimate, dict[str, object]]], goal: Goal) -> list
     return list({e.strategy: by_strategy[e.strategy] for e in keep}.values())
 
 
+def _block_count(profile: ModelProfile) -> int | None:
+    """The repeated blocks partial checkpointing counts (None: the model has none)."""
+    return profile.repeated_block.count if profile.repeated_block is not None else None
+
+
 def _group_estimates(pricer: Pricer, space: SearchSpace, group: Group) -> Iterator[tuple[Estimate, int, int, bool]]:
     """``group``'s candidates priced in ascending micro-batch order, stopping after the first micro-batch none of
     whose accumulations fits (memory grows with the micro-batch: larger ones do not fit either): (estimate,
     micro-batch, accumulation index, whether it was newly priced). A fitting candidate with full checkpointing is
     followed by its partial-checkpointing one (the fewest first blocks checkpointed that still fits,
     planner/partial.py), under the same micro-batch and accumulation index."""
-    block = pricer.profile.repeated_block
-    blocks = block.count if block is not None else None
+    blocks = _block_count(pricer.profile)
     for mbs in space.micro_batches(group.layout):
         any_fits = False
         for k, gas in enumerate(space.accumulations(group.layout, mbs)):
@@ -434,8 +438,7 @@ def _optimize(pricer: Pricer, space: SearchSpace, study: optuna.Study, goal: Goa
     remaining = max(0, n_trials - finished)
     before = len(pricer.priced)
 
-    block = pricer.profile.repeated_block
-    blocks = block.count if block is not None else None
+    blocks = _block_count(pricer.profile)
     by_layout: dict[str, list[tuple[tuple[str, str, str, str, str], Group]]] = defaultdict(list)
     for key, g in groups_by_key.items():
         by_layout[key[0]].append((key, g))
