@@ -27,7 +27,7 @@ from optplan.estimators.profile import (
     EagerStep,
 )
 from optplan.probes.adapters import LORA_MARK
-from optplan.probes.envelope import StepEnvelope, Timeline, activation_fit
+from optplan.probes.envelope import StepEnvelope, activation_fit
 from optplan.probes.loader import ModelFileError
 from optplan.probes.step_runner import BatchInfo, StepRunner, cast_floating
 from optplan.probes.traffic import Traffic, TrafficCounter
@@ -87,8 +87,7 @@ def measure(runner: StepRunner, batch_sizes: tuple[int, int], *, flops: bool = T
     ops: dict[str, float] = {}
     kernels: dict[str, EagerStep] = {}
     for precision, ckpt in modes_for(bool(runner.blocks)):
-        t0, t1 = _timelines(runner, batch_sizes, precision, ckpt, eager, ops, kernels)
-        envelopes[(precision, ckpt)] = StepEnvelope.from_timelines(t0, t1, batch_sizes)
+        envelopes[(precision, ckpt)] = _mode_envelope(runner, batch_sizes, precision, ckpt, eager, ops, kernels)
     sixteen, note = measure_16bit_weights(runner, batch_sizes, eager, ops, kernels)
     envelopes.update(sixteen)
     if any(LORA_MARK in name for name, _ in runner.model.named_parameters()):
@@ -102,31 +101,43 @@ EAGER_CLASS: dict[str, str] = {"fp32": "fp32", "bf16": "amp", WEIGHTS_16BIT: "bf
 """The eager-traffic precision class (estimators/eager_traffic.py) of each profiled activation precision."""
 
 
-def _timelines(runner: StepRunner, batch_sizes: tuple[int, int], precision: ActivationPrecision,
-               ckpt: CheckpointMode, eager: dict[str, tuple[float, float]],
-               ops: dict[str, float] | None = None,
-               kernels: dict[str, EagerStep] | None = None) -> tuple[Timeline, Timeline]:
-    """The two timelines of one mode; without checkpointing, the memory-bound bytes of one repeated block per
-    sample (forward, backward: the slope between the two batch sizes, probes/traffic.py) go into ``eager``, the
-    operators one block's forward dispatched (at the first batch size) into ``ops`` and the kernels the whole step
-    launched (:func:`eager_step`, at the first batch size) into ``kernels``."""
-    if ckpt != "none" or precision not in EAGER_CLASS:
-        return runner.activation_timeline(batch_sizes[0], precision, ckpt), \
-            runner.activation_timeline(batch_sizes[1], precision, ckpt)
-    first, second = TrafficCounter(), TrafficCounter()
-    t0 = runner.activation_timeline(batch_sizes[0], precision, ckpt, traffic=first)
-    # the per-sample slopes (the blocks' bytes, the step's bytes and convolutions) need the second step counted too
-    t1 = runner.activation_timeline(batch_sizes[1], precision, ckpt, traffic=second)
+def _mode_envelope(runner: StepRunner, batch_sizes: tuple[int, int], precision: ActivationPrecision,
+                   ckpt: CheckpointMode, eager: dict[str, tuple[float, float]] | None = None,
+                   ops: dict[str, float] | None = None,
+                   kernels: dict[str, EagerStep] | None = None) -> StepEnvelope:
+    """The envelope of one mode from its timelines at the two ``batch_sizes``.
+
+    When a phase's timelines do not line up, the step also runs at the next size (``2 * b1 - b0``: 3 after 1 and
+    2) and the phases that line up between the second and third sizes are fitted there
+    (:meth:`StepEnvelope.refitted`: micro-batch 1 is often a step of its own). Without checkpointing (and
+    ``eager`` given), the memory-bound bytes of one repeated block per sample (forward, backward: the slope
+    between the two sizes fitted, probes/traffic.py) go into ``eager``, the operators one block's forward
+    dispatched (at the first of them) into ``ops`` and the kernels the whole step launched (:func:`eager_step`)
+    into ``kernels``; after a refit these come from the later pair too."""
+    b0, b1 = batch_sizes
+    counted = eager is not None and ckpt == "none" and precision in EAGER_CLASS
+    counters = [TrafficCounter() if counted else None for _ in range(3)]
+    t0, t1 = (runner.activation_timeline(b, precision, ckpt, traffic=c) for b, c in zip(batch_sizes, counters[:2], strict=True))
+    envelope = StepEnvelope.from_timelines(t0, t1, batch_sizes)
+    sizes, first, second = batch_sizes, counters[0], counters[1]
+    if envelope.misaligned:
+        b2 = 2 * b1 - b0
+        later = StepEnvelope.from_timelines(t1, runner.activation_timeline(b2, precision, ckpt, traffic=counters[2]),
+                                            (b1, b2))
+        envelope = envelope.refitted(later)
+        if envelope.later:
+            sizes, first, second = (b1, b2), counters[1], counters[2]
+    if first is None or second is None or eager is None:
+        return envelope
     if kernels is not None:
-        kernels[EAGER_CLASS[precision]] = eager_step(first.traffic, second.traffic, batch_sizes)
-    if not runner.blocks:
-        return t0, t1
-    (f0, b0), (f1, b1) = first.traffic.per_block(), second.traffic.per_block()
-    n = batch_sizes[1] - batch_sizes[0]
-    eager[EAGER_CLASS[precision]] = (max(0.0, (f1 - f0) / n), max(0.0, (b1 - b0) / n))
-    if ops is not None:
-        ops[EAGER_CLASS[precision]] = first.traffic.ops_per_block()
-    return t0, t1
+        kernels[EAGER_CLASS[precision]] = eager_step(first.traffic, second.traffic, sizes)
+    if runner.blocks:
+        (f0, k0), (f1, k1) = first.traffic.per_block(), second.traffic.per_block()
+        n = sizes[1] - sizes[0]
+        eager[EAGER_CLASS[precision]] = (max(0.0, (f1 - f0) / n), max(0.0, (k1 - k0) / n))
+        if ops is not None:
+            ops[EAGER_CLASS[precision]] = first.traffic.ops_per_block()
+    return envelope
 
 
 def eager_step(first: Traffic, second: Traffic, batch_sizes: tuple[int, int]) -> EagerStep:
@@ -169,9 +180,8 @@ def measure_16bit_weights(runner: StepRunner, batch_sizes: tuple[int, int],
         runner.input_dtype = torch.bfloat16
         runner.warm_up(batch_sizes[0])
         for ckpt in checkpoint_modes(bool(runner.blocks)):
-            t0, t1 = _timelines(runner, batch_sizes, WEIGHTS_16BIT, ckpt, eager if eager is not None else {}, ops,
-                                kernels)
-            envelopes[(WEIGHTS_16BIT, ckpt)] = StepEnvelope.from_timelines(t0, t1, batch_sizes)
+            envelopes[(WEIGHTS_16BIT, ckpt)] = _mode_envelope(runner, batch_sizes, WEIGHTS_16BIT, ckpt,
+                                                               eager if eager is not None else {}, ops, kernels)
     except ModelFileError as exc:
         envelopes = {}
         note = (f"the model does not train with bf16 weights ({exc.problem}): its 16-bit-weight recipes are "
@@ -196,8 +206,7 @@ def measure_frozen_16bit(runner: StepRunner, batch_sizes: tuple[int, int]
         cast_floating(model, lambda name: torch.bfloat16 if name in frozen else None)
         runner.warm_up(batch_sizes[0], FROZEN_16BIT)
         for ckpt in checkpoint_modes(bool(runner.blocks)):
-            t0, t1 = (runner.activation_timeline(b, FROZEN_16BIT, ckpt) for b in batch_sizes)
-            envelopes[(FROZEN_16BIT, ckpt)] = StepEnvelope.from_timelines(t0, t1, batch_sizes)
+            envelopes[(FROZEN_16BIT, ckpt)] = _mode_envelope(runner, batch_sizes, FROZEN_16BIT, ckpt)
     except ModelFileError:
         envelopes = {}
     finally:

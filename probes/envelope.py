@@ -106,12 +106,14 @@ class StepEnvelope:
     live bytes above the resident parameters, gradients and buffers follow after each allocation;
     ``total`` counts every tensor, ``bare`` leaves out autocast's parameter copies. The step's
     activation peak at ``b`` is the largest value of any line at ``b`` (bytes). ``misaligned`` names
-    the phases whose timelines did not line up (fitted through their peaks only)."""
+    the phases whose timelines did not line up (fitted through their peaks only); ``later`` those refitted
+    through the next pair of micro-batches because the first one ran other operators (:meth:`refitted`)."""
 
     batch_sizes: tuple[int, int]
     total: PhaseLines
     bare: PhaseLines
     misaligned: tuple[str, ...] = ()
+    later: tuple[str, ...] = ()
 
     @classmethod
     def from_timelines(cls, t0: Timeline, t1: Timeline, batch_sizes: tuple[int, int]) -> StepEnvelope:
@@ -122,6 +124,30 @@ class StepEnvelope:
                    {p: _phase_lines(t0[p], t1[p], b0, b1, 0) for p in phases},
                    {p: _phase_lines(t0[p], t1[p], b0, b1, 1) for p in phases},
                    tuple(p for p in phases if len(t0[p]) != len(t1[p])))
+
+    def refitted(self, later: StepEnvelope) -> StepEnvelope:
+        """This envelope with each phase that did not line up here but does in ``later`` (the same step's timelines
+        at the next pair of micro-batches, e.g. 2 and 3 after 1 and 2) taken from ``later``.
+
+        One sample is often a step of its own: a tensor with a dimension of size 1 is contiguous whatever that
+        dimension's stride, so ``x.transpose(0, 1).contiguous()`` (``nn.MultiheadAttention`` with
+        ``batch_first``) or ``logits[:, :-1].reshape(-1, V)`` (a shifted loss) is a view at micro-batch 1 and a
+        copy from 2 on. A line through the two peaks of 1 and 2 then counts the copy twice over per sample. The
+        later pair's lines are exact from micro-batch 2 on; at 1 they count the copies that did not happen, and the
+        phase's own peak at the first size is kept as a floor (a flat line), so that micro-batch 1 is never
+        under-counted.
+        """
+        swap = tuple(p for p in self.misaligned if p in later.total and p not in later.misaligned)
+        if not swap:
+            return self
+
+        def take(mine: PhaseLines, theirs: PhaseLines) -> PhaseLines:
+            b0 = self.batch_sizes[0]
+            return {p: upper_envelope((*theirs[p], (value_at(lines, b0), 0.0))) if p in swap else lines
+                    for p, lines in mine.items()}
+
+        return StepEnvelope(self.batch_sizes, take(self.total, later.total), take(self.bare, later.bare),
+                            tuple(p for p in self.misaligned if p not in swap), tuple(p for p in PHASES if p in swap))
 
     def lines(self, bare: bool = False) -> tuple[Line, ...]:
         """The upper envelope over all phases."""
@@ -168,8 +194,9 @@ class StepEnvelope:
             return out
 
         misaligned = tuple(p for p in PHASES if p in self.misaligned or p in shallower.misaligned)
+        later = tuple(p for p in PHASES if p in self.later or p in shallower.later)
         return StepEnvelope(self.batch_sizes, grow(self.total, shallower.total), grow(self.bare, shallower.bare),
-                            misaligned)
+                            misaligned, later)
 
 
 def activation_fit(precision: ActivationPrecision, checkpointing: CheckpointMode,

@@ -32,7 +32,13 @@ Definitions the estimators rely on:
   do: with a vocabulary, the peak at small ``b`` is the embedding's backward (vocab x hidden buffers
   that do not grow with ``b``) and at larger ``b`` the start of backward, which grows faster. The same
   is kept without autocast's copies of the weights (``lines_without_copies``, what a model holding
-  bf16 weights needs); ``param_copy_bytes`` is the difference at micro-batch 1.
+  bf16 weights needs); ``param_copy_bytes`` is the difference at micro-batch 1. One sample is often a
+  step of its own: a tensor with a size-1 dimension is contiguous whatever that dimension's stride, so a
+  transpose made contiguous (``nn.MultiheadAttention(batch_first=True)``) or a shifted loss's
+  ``logits[:, :-1].reshape(...)`` is a view at 1 and a copy from 2 on. A phase whose timelines at 1 and 2
+  do not line up is measured again at 3 and, where 2 and 3 line up, fitted through them (exact from 2 on,
+  the copies counted at 1 too; :meth:`StepEnvelope.refitted`); one that lines up at neither pair is one
+  line through its two peaks (a note names the phases either way).
 * Depth reduction: when the repeated blocks are the only children of one ``nn.ModuleList`` /
   ``nn.Sequential`` of length L >= 3 and all have the same parameter count, FLOPs and activations are
   measured with the container cut to 1 and 2 blocks and extrapolated linearly:
@@ -347,6 +353,13 @@ def _profile_contract(contract: ModelContract, *, seq_len: int | None, started: 
 
     info = measurement.batch_info
     misaligned = sorted({p for env in measurement.envelopes.values() for p in env.misaligned}, key=PHASES.index)
+    later = sorted({p for env in measurement.envelopes.values() for p in env.later}, key=PHASES.index)
+    if later:
+        third = 2 * sizes[1] - sizes[0]
+        notes.append(f"micro-batch {sizes[0]} ran other operators than {sizes[1]} and {third} (phases: "
+                     f"{', '.join(later)}; e.g. a transpose made contiguous is a copy only with more than one "
+                     f"sample): there the activation bytes are fitted through micro-batches {sizes[1]} and {third}, "
+                     f"which count those copies at micro-batch {sizes[0]} too")
     if misaligned:
         notes.append(f"the step ran different operators at micro-batch {sizes[0]} and {sizes[1]} (phases: "
                      f"{', '.join(misaligned)}); there the activation bytes are one line through the two peaks")

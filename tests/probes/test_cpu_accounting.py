@@ -241,6 +241,66 @@ def test_depth_reduced_profile_of_a_large_vocabulary_gpt(model_files):
         assert pred.total == pytest.approx(real.total, rel=TOLERANCE), where
 
 
+SEQ_FIRST_LM = """
+    import torch, torch.nn as nn, torch.nn.functional as F
+
+    V, H, S = 1000, 128, 64
+    OPTPLAN = {"seq_len": S}
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln1, self.ln2 = nn.LayerNorm(H), nn.LayerNorm(H)
+            self.attn = nn.MultiheadAttention(H, 4, batch_first=True)  # transposes to (S, B, H) and back
+            self.mlp = nn.Sequential(nn.Linear(H, 4 * H), nn.GELU(), nn.Linear(4 * H, H))
+
+        def forward(self, x):
+            h = self.ln1(x)
+            x = x + self.attn(h, h, h, need_weights=False)[0]
+            return x + self.mlp(self.ln2(x))
+
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(V, H)
+            self.blocks = nn.ModuleList([Block() for _ in range(4)])
+            self.head = nn.Linear(H, V, bias=False)
+
+        def forward(self, idx):
+            x = self.emb(idx)
+            for block in self.blocks:
+                x = block(x)
+            return self.head(x)
+
+    def build_model():
+        return LM()
+
+    def loss_fn(out, batch):  # the shifted logits are a view at one sample and a copy from two on
+        return F.cross_entropy(out[:, :-1].reshape(-1, V), batch[:, 1:].reshape(-1))
+    """
+
+
+def test_a_model_whose_single_sample_step_is_special_is_fitted_from_two_and_three(tmp_path):
+    """A tensor with a dimension of size 1 is contiguous whatever its strides: at micro-batch 1 the batch-first
+    attention's transposes and the shifted loss's reshape are views, from 2 on they are copies, so the step's
+    timelines at 1 and 2 do not line up. Before, such phases were one line through the peaks at 1 and 2, which
+    counts the copies twice per sample (measured: +2.9 % activations at micro-batch 3 without checkpointing,
+    +8.8 % with full checkpointing, +19.8 % at 8). Now they are fitted through 2 and 3, exact from 2 on."""
+    path = tmp_path / "seq_first_lm.py"
+    path.write_text(textwrap.dedent(SEQ_FIRST_LM))
+    rows, profile, _ = compare(path, precisions=("fp32",), micro_batches=(1, 3, 8), checkpointing=("none", "full"))
+    assert profile.profiled_blocks == 2
+    assert any("micro-batch 1 ran other operators than 2 and 3" in note for note in profile.notes), profile.notes
+    assert not any("one line through the two peaks" in note for note in profile.notes), profile.notes
+    for precision, ckpt, mbs, pred, real in rows:
+        where = (precision, ckpt, mbs, real.phase)
+        if mbs == 1:  # the later lines count the copies micro-batch 1 does not make: a little above, never below
+            assert real.act <= pred.act <= real.act * 1.05, where
+        else:
+            assert pred.act == pytest.approx(real.act, rel=0.002), where
+        assert pred.total == pytest.approx(real.total, rel=TOLERANCE), where
+
+
 def test_temporaries_formulas():
     # single-tensor loop: max_i (2 n_i + n_{i-1}) elements of 4 bytes
     assert adamw_step_temp_bytes([10, 1, 20], "single_tensor") == (2 * 20 + 1) * 4

@@ -403,6 +403,31 @@ def test_step_envelope_from_timelines_and_depth():
     assert env.misaligned == () and odd.deeper(odd, 2).misaligned == ("forward",)
 
 
+def test_a_phase_that_lines_up_only_from_two_samples_on_is_refitted_there():
+    from optplan.probes.envelope import StepEnvelope
+
+    # micro-batch 1 skips a copy (a view at one sample): 2 allocations of 'loss' at 1, 3 at 2 and at 3
+    at1 = {"forward": [(100, 100)], "loss": [(100, 100), (110, 110)]}
+    at2 = {"forward": [(200, 200)], "loss": [(200, 200), (240, 240), (250, 250)]}
+    at3 = {"forward": [(300, 300)], "loss": [(300, 300), (360, 360), (375, 375)]}
+    first = StepEnvelope.from_timelines(at1, at2, (1, 2))
+    assert first.misaligned == ("loss",) and first.total["loss"] == ((-30, 140),)  # through the peaks: 140/sample
+    refit = first.refitted(StepEnvelope.from_timelines(at2, at3, (2, 3)))
+    assert refit.misaligned == () and refit.later == ("loss",)
+    assert refit.total["forward"] == first.total["forward"]  # phases that lined up keep the fit from 1 and 2
+    assert [refit.at(b) for b in (2, 3, 8)] == [250, 375, 1000]  # exact from 2 on: 125 per sample
+    assert refit.at(1) == 125  # the later line at 1: above the 110 measured (a copy counted), never below
+    # the first size's own peak stays a floor when the later lines fall below it there
+    low = StepEnvelope.from_timelines({"loss": [(10, 10), (10, 10), (10, 10)]},
+                                      {"loss": [(12, 12), (12, 12), (13, 13)]}, (2, 3))
+    assert first.refitted(low).total["loss"] == ((110, 0), (4, 3))  # 110 at 1, 13 at 3 from the later line
+    # a phase that lines up at neither pair keeps its line through the peaks
+    assert first.refitted(StepEnvelope.from_timelines(at2, {"forward": [(300, 300)], "loss": [(1, 1)]}, (2, 3))
+                          ) == first
+    deeper = refit.deeper(first, 2)
+    assert deeper.later == ("loss",) and deeper.misaligned == ("loss",)
+
+
 def test_a_model_branching_on_the_batch_size_gets_a_note(write_model):
     path = write_model("""
         import torch, torch.nn as nn
@@ -424,8 +449,15 @@ def test_a_model_branching_on_the_batch_size_gets_a_note(write_model):
             return torch.randn(batch_size, 16)
         """)
     profile = profile_contract(load_contract(path))
-    assert any("ran different operators at micro-batch 1 and 2" in n for n in profile.notes)
+    # one sample is the odd one out: the step is fitted through 2 and 3, where it runs the same operators
+    assert any("micro-batch 1 ran other operators than 2 and 3" in n for n in profile.notes), profile.notes
+    assert not any("ran different operators" in n for n in profile.notes)
     assert profile.activation("fp32", "none").bytes_at(2) > 0
+    # a model that branches on the batch's parity differs at every pair: one line through the two peaks
+    parity = write_model(path.read_text().replace("x.shape[0] > 1", "x.shape[0] % 2 == 0"), name="parity.py")
+    profile = profile_contract(load_contract(parity))
+    assert any("ran different operators at micro-batch 1 and 2" in n for n in profile.notes), profile.notes
+    assert not any("ran other operators than" in n for n in profile.notes)
 
 
 def test_activation_fit_lines_and_their_summary():
