@@ -244,12 +244,24 @@ def without_generation_cache(kwargs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def is_generation_cache(value: Any) -> bool:
+    """Whether ``value`` is a transformers generation cache (a subclass of ``transformers.cache_utils.Cache``:
+    ``DynamicCache``, ``EncoderDecoderCache``...), recognised without importing transformers."""
+    return any(cls.__name__ == "Cache" and cls.__module__.startswith("transformers.")
+               for cls in type(value).__mro__)
+
+
 def checkpointed_call(fn: Callable[..., Any], context_fn: Callable[[], Any] | None, *args: Any, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)`` under non-reentrant ``torch.utils.checkpoint`` (with ``context_fn``, selective), its
-    generation cache off; the one checkpointed call of the training loop and of the static profiler."""
+    generation cache off; the one checkpointed call of the training loop and of the static profiler. A cache
+    passed by position is dropped too: transformers 5's GPT-2 passes its ``DynamicCache`` as the block's second
+    argument (``None`` only when the model's own ``gradient_checkpointing`` is on) and its attention updates it
+    whatever ``use_cache`` says, so the recompute appended the keys a second time and ran other operators than the
+    forward (selective checkpointing: "aten.slice.Tensor encountered during backward but not found in storage")."""
     from torch.utils.checkpoint import checkpoint
 
     kwargs = without_generation_cache(kwargs)
+    args = tuple(None if is_generation_cache(arg) else arg for arg in args)
     if context_fn is None:
         return checkpoint(fn, *args, use_reentrant=False, **kwargs)
     return checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
