@@ -52,6 +52,7 @@ CASES: dict[str, Case] = {
     "llama8b-8": Case(LLAMA_8B, "H100-SXM", 8),
     "llama8b-64-gb512": Case(LLAMA_8B, "H100-SXM", 64, 512),
     "llama70b-64-gb256": Case(LLAMA_70B, "H100-SXM", 64, 256),
+    "mixtral-8-offload": Case(MIXTRAL, "H100-SXM", 8),  # fits only with CPU offload (the screen once found none)
     "mixtral-32": Case(MIXTRAL, "H100-SXM", 32),
     "mixtral-64-gb512": Case(MIXTRAL, "A100-80GB", 64, 512),
     "small-moe-16": Case(SMALL_MOE, "H100-SXM", 16, 512),

@@ -99,11 +99,14 @@ def _headline(pick: Estimate, evaluated: int, goal: Goal, simplest: bool = False
     cost = f"{_hours_band(goal, pick)}{money}"
     if goal.objective == "time" and goal.deadline_s is not None:
         level = goal.deadline_class(pick)
-        met = ("meets", "meets at the nominal time only: the band's slow end is past", "misses")[level]
+        deadline = _days(goal.deadline_s)
+        late = _days(goal.train_time_s(pick) - goal.deadline_s)
+        met = (f"meets the {deadline} deadline",
+               f"meets the {deadline} deadline at the nominal time only: the band's slow end is past it",
+               f"misses the {deadline} deadline by {late}")[level]
         what = (f"fewest GPUs ({pick.gpus}) that train {goal.tokens:.3g} tokens by the deadline" if level < 2 else
                 f"fastest plan ({pick.gpus} GPUs) to train {goal.tokens:.3g} tokens, none meeting the deadline")
-        return (f"{lead}{what} of {evaluated} candidates priced: {_time_band(goal, pick)} ({met} "
-                f"{_days(goal.deadline_s)}), {cost}; {figures}")
+        return f"{lead}{what} of {evaluated} candidates priced: {_time_band(goal, pick)} ({met}), {cost}; {figures}"
     what = "fastest to train" if goal.objective == "time" else "cheapest to train"
     return (f"{lead}{what}{slow_end} {goal.tokens:.3g} tokens of {evaluated} candidates priced: {_time_band(goal, pick)}, "
             f"{cost}; {figures}")
@@ -337,10 +340,30 @@ def _mbs_line(pick: Estimate, price: Price, space: SearchSpace) -> str:
         return (f"micro-batch {s.mbs}: the largest that fits with these settings; {nxt_b} needs "
                 f"{_gib(nxt.memory.total_bytes)} > {_gib(nxt.memory.capacity_bytes)}")
     if nxt is not None:
-        why = ("; fewer micro-batches would widen the pipeline bubble" if s.pp > 1 else "")
-        return (f"micro-batch {s.mbs}: {nxt_b} fits but is not faster "
-                f"({nxt.samples_per_s:.1f} vs {pick.samples_per_s:.1f} samples/s){why}")
+        return f"micro-batch {s.mbs}: {_larger_mbs_reason(pick, nxt)}"
     return f"micro-batch {s.mbs} ({_gib(pick.memory.total_bytes)} of {_gib(pick.memory.capacity_bytes)} per GPU)"
+
+
+def _larger_mbs_reason(pick: Estimate, nxt: Estimate) -> str:
+    """Why the next larger micro-batch, which fits, was not picked: it is not faster; it is faster but fits only at
+    the allocator's median margin (goal.py ``class_key``); or it is faster nominally but not at the band's slow end,
+    which the ranking sorts by, or within ``TIE_TOLERANCE`` of it there (the simpler plan wins a tie)."""
+    b, rates = nxt.strategy.mbs, f"{nxt.samples_per_s:.1f} vs {pick.samples_per_s:.1f} samples/s"
+    bubble = "; fewer micro-batches would widen the pipeline bubble" if pick.strategy.pp > 1 else ""
+    if nxt.samples_per_s <= pick.samples_per_s:
+        return f"{b} fits but is not faster ({rates}){bubble}"
+    if nxt.fits_at_high_margin is False and pick.fits_at_high_margin is not False:
+        return (f"{b} is faster ({rates}) but fits only at the median allocator margin, not at its 90th percentile "
+                f"({_gib(nxt.memory.total_bytes)} of {_gib(nxt.memory.capacity_bytes)} per GPU)")
+    slow_next = nxt.samples_per_s * nxt.time.step_s / nxt.time.step_s_high
+    slow_pick = pick.samples_per_s * pick.time.step_s / pick.time.step_s_high
+    if slow_next <= slow_pick:
+        return (f"{b} is faster nominally ({rates}) but not at the band's slow end, which the ranking sorts by "
+                f"({slow_next:.1f} vs {slow_pick:.1f})")
+    if slow_pick >= (1 - TIE_TOLERANCE) * slow_next:
+        return (f"{b} is faster ({rates}) but within {TIE_TOLERANCE:.0%} of it at the band's slow end "
+                f"({slow_next:.1f} vs {slow_pick:.1f}): a tie, which the simpler plan wins")
+    return f"{b} is faster ({rates}) but ranks below it (see the alternatives)"
 
 
 def _layout_of(s: Strategy) -> Layout:

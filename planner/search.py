@@ -11,8 +11,9 @@ Every candidate is priced by the analytic estimators (well under a millisecond e
   from a few tens of GPUs: DeepSeek-V2-Lite on 32 H100s has 191k points in 459 layouts; pipeline-parallel MoE
   layouts on thousands of GPUs: DeepSeek-V3 on 2,048 H100s has 733k in 2,517). A two-stage enumeration: every layout is first priced through
   one probe group (the most sharded setting of each engine that runs it, the first precision and optimizer,
-  selective recomputation, or full where nothing else fits: its micro-batches ascending as above), the layouts
-  are ranked by their best probe, and the :func:`screen_keep` best are then enumerated over every group. What
+  selective recomputation, or full where nothing else fits, and with the most offload where nothing fits
+  without: its micro-batches ascending as above), the layouts are ranked by their best probe (by how near they
+  come to fitting when no probe fits), and the :func:`screen_keep` best are then enumerated over every group. What
   was screened out is counted in the result; a layout that would win only under a setting its probe did not
   try can be missed (the coarse-to-fine pruning of, e.g., Galvatron and Alpa's stage pruning).
 - ``nsga2`` / ``tpe``: Optuna's samplers over the same axes (layout, sharding, precision, optimizer,
@@ -381,23 +382,40 @@ def screen_keep(layouts: int) -> int:
 
 def _probe_groups(space: SearchSpace, layout: Layout) -> list[list[Group]]:
     """The screen's probe of ``layout``: per engine that runs it, its most sharded setting without offload, the
-    first precision and optimizer, and the recomputation modes to try in order (selective, then full)."""
-    by_engine: dict[str, Sharding] = {}
+    first precision and optimizer, and the recomputation modes to try in order (selective, then full); then, for
+    when none of those fits, the same modes with its most sharded setting that offloads the most (parameters and
+    optimizer states, to the CPU before NVMe), so that a layout that fits only with offload is ranked as fitting."""
+    plain: dict[str, Sharding] = {}
+    offloaded: dict[str, Sharding] = {}
     for sh in space.shardings_for(layout):
-        if sh.offload_optimizer != "none" or sh.offload_params != "none":
-            continue
-        best = by_engine.get(sh.engine)
-        if best is None or (sh.zero, FSDP_STAGE[sh.fsdp]) > (best.zero, FSDP_STAGE[best.fsdp]):
-            by_engine[sh.engine] = sh
+        stage = (sh.zero, FSDP_STAGE[sh.fsdp])
+        if sh.offload_optimizer == "none" and sh.offload_params == "none":
+            best = plain.get(sh.engine)
+            if best is None or stage > (best.zero, FSDP_STAGE[best.fsdp]):
+                plain[sh.engine] = sh
+        else:
+            best = offloaded.get(sh.engine)
+            if best is None or _offload_order(sh) > _offload_order(best):
+                offloaded[sh.engine] = sh
     modes = [m for m in ("selective", "full", "none") if m in space.checkpointing]
     out = []
-    for sh in by_engine.values():
-        precisions = space.precisions_for(sh)
-        if precisions:
-            out.append([Group(layout, sh, precisions[0], space.optimizer, m, space.quant,  # type: ignore[arg-type]
-                               space.compile_blocks)
-                        for m in modes])
+    for engine in dict.fromkeys((*plain, *offloaded)):
+        tries = []
+        for sh in (plain.get(engine), offloaded.get(engine)):
+            precisions = space.precisions_for(sh) if sh is not None else []
+            if sh is not None and precisions:
+                tries.extend(Group(layout, sh, precisions[0], space.optimizer, m, space.quant,  # type: ignore[arg-type]
+                                   space.compile_blocks) for m in modes)
+        if tries:
+            out.append(tries)
     return out
+
+
+def _offload_order(sh: Sharding) -> tuple[int, ...]:
+    """How much an offloading setting relieves the GPU, for the screen's probe: the sharding stage, then
+    parameters offloaded, then optimizer states, then the CPU before NVMe (the faster of two that fit alike)."""
+    return (sh.zero, FSDP_STAGE[sh.fsdp], sh.offload_params != "none", sh.offload_optimizer != "none",
+            -(sh.offload_params == "nvme") - (sh.offload_optimizer == "nvme"))
 
 
 def _screen(pricer: Pricer, space: SearchSpace, goal: Goal,
@@ -410,7 +428,9 @@ def _screen(pricer: Pricer, space: SearchSpace, goal: Goal,
             for group in tries:
                 found = False
                 for est, _mbs, _k, _new in _group_estimates(pricer, space, group):
-                    key = (*goal.rank_key(est), est.strategy.label())
+                    # a layout none of whose probes fits ranks by how near it comes (its speed says nothing then)
+                    key = (*goal.rank_key(est), est.strategy.label()) if est.fits else \
+                        (*goal.class_key(est), -float(est.memory.headroom_bytes), est.strategy.label())
                     if layout not in best or key < best[layout]:
                         best[layout] = key
                     found = found or est.fits

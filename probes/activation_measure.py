@@ -93,7 +93,8 @@ def measure(runner: StepRunner, batch_sizes: tuple[int, int], *, flops: bool = T
     if any(LORA_MARK in name for name, _ in runner.model.named_parameters()):
         envelopes.update(measure_frozen_16bit(runner, batch_sizes))
     assert runner.batch_info is not None
-    return Measurement(fwd, bwd, envelopes, runner.batch_info, runner.loss_note, input_grad, note, recompute,
+    loss_note = "; ".join(n for n in (runner.loss_note, runner.unused_note) if n) or None
+    return Measurement(fwd, bwd, envelopes, runner.batch_info, loss_note, input_grad, note, recompute,
                        eager_block_bytes=eager, eager_block_ops=ops, eager_step=kernels)
 
 

@@ -42,7 +42,12 @@ from optplan.probes.flop_formulas import FLOP_FIXES
 from optplan.probes.loader import ModelFileError
 from optplan.probes.memtrack import MemTracker
 from optplan.probes.traffic import TrafficCounter, block_attribution
-from optplan.probes.trainloop import CudaAutocastLoss, checkpointed_call, selective_context
+from optplan.probes.trainloop import (
+    CudaAutocastLoss,
+    checkpointed_call,
+    params_without_grad,
+    selective_context,
+)
 
 try:  # torch >= 2.3
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -162,6 +167,24 @@ def raised_in_file(exc: BaseException, path: str) -> int | None:
     return tb.tb_lineno if same else None
 
 
+def unused_params_note(model: nn.Module, has_loss_fn: bool) -> str | None:
+    """A note naming the trainable parameters one step's backward left without a gradient, or None when every one
+    got one. A plan still counts their gradients and optimizer states (a trainer allocates them), but the step's
+    backward FLOPs and activations are those of the loss as it ran: without ``loss_fn`` the default loss may have
+    taken an output that skips part of the model."""
+    missing = params_without_grad(model)
+    if not missing:
+        return None
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    names = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+    share = sum(p.numel() for n, p in model.named_parameters() if n in set(missing)) / max(
+        1, sum(p.numel() for p in trainable))
+    fix = ("define loss_fn(output, batch) computing the loss you train with" if not has_loss_fn else
+           "if training uses them, make loss_fn(output, batch) depend on them")
+    return (f"{len(missing)} trainable parameter tensor(s) ({share:.0%} of the trainable parameters: {names}) got no "
+            f"gradient from the profiled loss, so its backward skips them; {fix}")
+
+
 @dataclass
 class StepRunner:
     """Runs forward + loss + backward steps of one model, on real tensors or (inside an active
@@ -173,6 +196,8 @@ class StepRunner:
     display: str
     blocks: list[nn.Module] = field(default_factory=list)
     loss_note: str | None = None
+    unused_note: str | None = None
+    """Set by :meth:`warm_up`: the trainable parameters the loss left without a gradient (``unused_params_note``)."""
     batch_info: BatchInfo | None = None
     input_dtype: torch.dtype | None = None
     """Floating tensors of the batch are cast to it (the model held in 16 bits); None keeps them."""
@@ -289,6 +314,7 @@ class StepRunner:
         finally:
             if handle is not None:
                 handle.remove()
+        self.unused_note = unused_params_note(self.model, self.loss_fn is not None)
         self.model.zero_grad(set_to_none=False)
         return seen[0] if seen else None
 

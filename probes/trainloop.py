@@ -438,7 +438,8 @@ def first_param_module(model: nn.Module) -> nn.Module | None:
 
 def default_loss(output: Any) -> tuple[torch.Tensor, str]:
     """The loss without ``loss_fn``, and the rule that chose it (for a note): a scalar output;
-    ``output["loss"]``; the first scalar tensor of a tuple/list/dict; else the first tensor's mean."""
+    ``output["loss"]``; the first scalar tensor of a tuple/list/dict; ``output["logits"]``'s mean (Hugging Face's
+    name for the prediction, wherever it sits in a dict); else the first tensor's mean."""
     if isinstance(output, torch.Tensor):
         if output.dim() == 0:
             return output, "the model's output (a scalar tensor)"
@@ -446,20 +447,27 @@ def default_loss(output: Any) -> tuple[torch.Tensor, str]:
     if isinstance(output, Mapping):
         if isinstance(output.get("loss"), torch.Tensor):
             return output["loss"], 'output["loss"]'
-        items = list(output.values())
-        label = "value"
+        items = list(output.items())
     elif isinstance(output, (list, tuple)):
-        items = list(output)
-        label = "element"
+        items = [(f"element {i}", item) for i, item in enumerate(output)]
     else:
         raise TypeError(f"the output is a {type(output).__name__}, not a tensor, tuple, list or dict")
-    for i, item in enumerate(items):
-        if isinstance(item, torch.Tensor) and item.dim() == 0:
-            return item, f"the first scalar tensor of the output ({label} {i})"
-    for i, item in enumerate(items):
-        if isinstance(item, torch.Tensor):
-            return item.float().mean(), f".float().mean() of the output's first tensor ({label} {i})"
+    named = [(key if isinstance(output, (list, tuple)) else f"output[{key!r}]", item) for key, item in items
+             if isinstance(item, torch.Tensor)]
+    for name, item in named:
+        if item.dim() == 0:
+            return item, f"the first scalar tensor of the output ({name})"
+    if isinstance(output, Mapping) and isinstance(output.get("logits"), torch.Tensor):
+        return output["logits"].float().mean(), "output['logits'].float().mean()"
+    for name, item in named:
+        return item.float().mean(), f".float().mean() of the output's first tensor ({name})"
     raise TypeError("the output holds no tensor")
+
+
+def params_without_grad(model: nn.Module) -> list[str]:
+    """The trainable parameters that hold no gradient after a backward (names, tied ones once): what the loss
+    does not depend on."""
+    return [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]
 
 
 def free_port() -> int:

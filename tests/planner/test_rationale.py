@@ -158,3 +158,27 @@ def test_an_eager_selective_pick_says_its_host_cost_and_what_removes_it() -> Non
     assert line.startswith("selective (per-op") and "host time per operator" in line and "--compile" in line
     compiled = estimate(prof, cluster, Strategy(mbs=1, grad_accum=8, checkpointing="selective", compile=True))
     assert "host time per operator" not in _checkpointing_line(compiled, price, space)
+
+
+def test_the_micro_batch_line_gives_the_reason_a_faster_larger_one_was_not_picked() -> None:
+    """The line read "2 fits but is not faster (41.6 vs 38.7 samples/s)" when 2 was faster but fitted only at the
+    allocator's median margin: each reason is now named with the figures that decide it."""
+    from optplan.planner.rationale import _larger_mbs_reason
+
+    cluster = _cluster()
+    pick = estimate(make_profile(), cluster, Strategy(dp=8, mbs=4))
+    nxt = estimate(make_profile(), cluster, Strategy(dp=8, mbs=8))
+    assert nxt.fits and nxt.samples_per_s > pick.samples_per_s
+    assert _larger_mbs_reason(nxt, pick).startswith("4 fits but is not faster")  # slower: said as before
+    risky = nxt.model_copy(update={"fits_at_high_margin": False})
+    assert "fits only at the median allocator margin" in _larger_mbs_reason(pick.model_copy(
+        update={"fits_at_high_margin": True}), risky)
+    # faster nominally, slower at the slow end of a wider band (e.g. outside the measured domain)
+    wide = nxt.model_copy(update={"time": nxt.time.model_copy(update={"step_s_high": nxt.time.step_s * 3})})
+    line = _larger_mbs_reason(pick, wide)
+    assert line.startswith("8 is faster nominally") and "not at the band's slow end" in line, line
+    # faster at both ends by less than the tie tolerance: a tie, which the simpler plan wins
+    tied = nxt.model_copy(update={"samples_per_s": pick.samples_per_s * 1.02,
+                                  "time": pick.time.model_copy(update={"step_s": pick.time.step_s / 1.02 * 2,
+                                                                       "step_s_high": pick.time.step_s_high / 1.02 * 2})})
+    assert "a tie, which the simpler plan wins" in _larger_mbs_reason(pick, tied)

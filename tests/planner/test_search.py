@@ -220,6 +220,21 @@ def test_a_deadline_met_only_at_the_nominal_time_ranks_after_one_met_at_the_slow
     assert any("band's slow end" in n for n in rec.notes)
 
 
+def test_a_missed_deadline_says_by_how_much() -> None:
+    """No plan meets the deadline: the headline names the deadline and how late the fastest plan is (it read
+    "(misses 1.0 h)" when it missed a one-hour deadline by 165.8 days)."""
+    prof = make_profile(params=1_000_000_000, hidden=2048, layers=24)
+    c = _cluster(gpus=64)
+    counts = parse_gpus_range("8:64", 8)
+    fastest = recommend(prof, c, global_batch=384, gpu_counts=counts, goal=Goal(objective="time", tokens=2e10))
+    assert fastest.estimate is not None and fastest.estimate.cost is not None
+    goal = Goal(objective="time", tokens=2e10, deadline_s=fastest.estimate.cost.train_time_s / 4)
+    rec = recommend(prof, c, global_batch=384, gpu_counts=counts, goal=goal)
+    assert rec.estimate is not None and goal.deadline_class(rec.estimate) == 2
+    late_h = (goal.train_time_s(rec.estimate) - goal.deadline_s) / 3600
+    assert f"misses the {goal.deadline_s / 3600:.1f} h deadline by {late_h:.1f} h" in rec.rationale[0], rec.rationale[0]
+
+
 def test_cost_objective_minimises_gpu_hours() -> None:
     prof = make_profile(params=1_000_000_000, hidden=2048, layers=24)
     c = _cluster(gpus=64)
@@ -435,6 +450,26 @@ def test_screen_enumerates_the_best_layouts_and_finds_the_enumerated_pick(monkey
     kept = search_mod.screen_keep(len(space.layouts))
     assert 12 <= kept < len(space.layouts) and screened.layouts_screened_out == len(space.layouts) - kept
     assert screened.evaluated < full.evaluated
+    assert screened.ranked[0].strategy == full.ranked[0].strategy
+
+
+def test_screen_keeps_layouts_that_fit_only_with_offload() -> None:
+    """A Mixtral-8x7B shape on 8 H100s fits only with CPU offload. The screen's probes once tried no offload, so every
+    layout's probe failed, the layouts were kept by the speed of plans that do not fit, and the search answered
+    "no plan fits" (0 of 2,023 plans) where the full enumeration found 161. Now a layout whose plain probe does not
+    fit is probed with offload too, and one that fits nowhere ranks by how near it comes."""
+    from optplan.estimators.hardware import find_gpu
+
+    prof = profile_from_arch(parse_arch("layers=32,hidden=4096,heads=32,kv_heads=8,ffn=14336,vocab=32000,gated=1,"
+                                        "tied=0,experts=8,topk=2,seq=4096"))
+    cluster = Cluster(gpu=find_gpu("H100-SXM"), gpus=8, gpus_per_node=8)
+    space = build_space(prof, cluster)
+    screened = search(prof, cluster, space)
+    assert screened.method == "screen" and screened.layouts_screened_out > 0
+    fitting = [e for e in screened.ranked if e.fits]
+    assert fitting and all(e.strategy.offload_params != "none" or e.strategy.offload_optimizer != "none"
+                           for e in fitting)
+    full = search(prof, cluster, space, method="enumerate")
     assert screened.ranked[0].strategy == full.ranked[0].strategy
 
 

@@ -162,6 +162,36 @@ def test_default_loss_rules():
     assert default_loss(vec.long())[0].dtype == torch.float32
     with pytest.raises(TypeError):
         default_loss(("text",))
+    # a dict names the key it took; "logits" (Hugging Face's prediction) before an earlier tensor
+    loss, rule = default_loss({"hidden": vec, "logits": vec * 3})
+    assert loss.item() == 3.0 and rule == "output['logits'].float().mean()"
+    loss, rule = default_loss({"hidden": vec * 4, "scores": vec})
+    assert loss.item() == 4.0 and "(output['hidden'])" in rule
+
+
+def test_parameters_the_default_loss_skips_are_named(write_model):
+    """A dict output whose first tensor skips a layer: the profile's backward never reaches it (the trial's model
+    priced a step with no backward FLOPs and no note). The note names the parameters and the fix."""
+    path = write_model("""
+        import torch, torch.nn as nn
+
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.emb, self.lin = nn.Embedding(100, 64), nn.Linear(64, 100)
+            def forward(self, x):
+                h = self.emb(x)
+                return {"hidden": h, "scores": self.lin(h)}
+
+        def build_model():
+            return M()
+
+        OPTPLAN = {"seq_len": 32}
+        """)
+    profile = profile_contract(load_contract(path))
+    note = next(n for n in profile.notes if "got no gradient" in n)
+    assert "2 trainable parameter tensor(s) (50% of the trainable parameters: lin.weight, lin.bias)" in note, note
+    assert "define loss_fn(output, batch)" in note and "output['hidden']" in note
 
 
 TOKEN_MODEL = """
@@ -205,7 +235,8 @@ def test_seq_len_precedence_and_token_inference(write_model, max_pos, optplan, a
     assert profile.seq_len == profile.tokens_per_sample == expected
     assert any(source in n for n in profile.notes), profile.notes
     assert any("inferred token-id batch [B, S] from the embedding" in n for n in profile.notes)
-    assert any("no loss_fn" in n and "first tensor" in n for n in profile.notes)
+    assert any("no loss_fn" in n and "output['logits']" in n for n in profile.notes), profile.notes
+    assert not any("got no gradient" in n for n in profile.notes)
     assert profile.repeated_block is not None and profile.repeated_block.count == 3
     assert profile.repeated_block.path == "layers" and profile.profiled_blocks == 2
     if max_pos != "None":
