@@ -163,6 +163,9 @@ def _envelope_line(pick: Estimate) -> str:
         return (f"MFU: no run on {where} in {cls} precision was ever measured, so the predicted "
                 f"{pick.mfu:.0%} MFU and the step time are uncertain (step {_step(pick.time.step_s)}, band "
                 f"{_step(pick.time.step_s_low)}-{_step(pick.time.step_s_high)})")
+    if pick.mfu > envelope and _step(pick.time.step_s * pick.mfu / envelope) == _step(pick.time.step_s):
+        return (f"MFU: the predicted {pick.mfu:.1%} is at the best measured MFU for {where} in {cls} precision "
+                f"({envelope:.1%}): the edge of what was measured")
     if pick.mfu > envelope:
         return (f"MFU: the predicted {pick.mfu:.0%} is above the best measured MFU for {where} in {cls} precision "
                 f"({envelope:.0%}): the time is optimistic; at the measured best the step would take "
@@ -198,7 +201,7 @@ def _layout_line(pick: Estimate, ranked: Sequence[Estimate]) -> str:
     s = pick.strategy
     degrees = f"tp {s.tp}, pp {s.pp}" + (f" (vpp {s.vpp})" if s.vpp > 1 else "") + f", cp {s.cp}, dp {s.dp}"
     if not s.model_parallel:
-        mp = _best(ranked, lambda o: o.model_parallel)
+        mp = _best(ranked, lambda o: o.model_parallel and o.world_size == s.world_size)  # on as many GPUs
         states = pick.memory.params_bytes + pick.memory.grads_bytes + pick.memory.optimizer_bytes
         line = f"no model parallelism ({degrees}): model states of {_gib(states)}/GPU fit with data parallelism"
         if mp is not None:

@@ -14,13 +14,15 @@ Inputs: a Tensor batch calls ``model(x)``, a tuple/list ``model(*x)``, a dict ``
 Without ``example_batch``, a model whose first parameterised module is an ``nn.Embedding`` gets a
 batch of token ids ``[B, S]`` (dtype long, values below ``num_embeddings``); other models are an error
 naming ``example_batch`` as the fix. Without ``loss_fn`` the loss is taken from the output (a scalar
-tensor; ``output["loss"]``; the first scalar tensor of a tuple/list; else the first tensor's
-``.float().mean()``), and a note says which rule was used.
+tensor; ``output["loss"]``; the first scalar tensor of a tuple/list/dict; ``output["logits"]``'s mean; else the
+first tensor's ``.float().mean()``), and a note says which rule was used (and names the trainable parameters the
+loss leaves without a gradient, if any).
 
 ``OPTPLAN`` is read as data after the import (nothing in it is executed or evaluated): ``seq_len``,
 ``global_batch`` (positive ints), ``tokens`` (a number, or a string such as ``"2e12"``),
 ``optimizer`` and ``precision`` (names from :data:`OPTPLAN_NAMES`); other keys with scalar values go to
-``extra`` (non-scalar ones are skipped with a note). A non-dict ``OPTPLAN`` is an error.
+``extra`` (non-scalar ones are skipped with a note; one spelled close to a key optplan reads, such as
+``precison``, gets a note too). A non-dict ``OPTPLAN`` is an error.
 
 Every problem is raised as :class:`~optplan.probes.model_errors.ModelFileError` (one line: file, problem,
 fix; re-exported by ``optplan.probes.loader``).
@@ -34,6 +36,7 @@ pydantic is not installed, the defaults are a :class:`PlainDefaults` with the sa
 from __future__ import annotations
 
 import copy
+import difflib
 import importlib.util
 import inspect
 import sys
@@ -129,6 +132,9 @@ def import_model_file(path: str | Path, display: str | None = None) -> ModuleTyp
 # OPTPLAN defaults
 # ---------------------------------------------------------------------------------------------------
 _SCALARS = (str, int, float, bool, type(None))
+OPTPLAN_KEYS = ("seq_len", "global_batch", "tokens", "optimizer", "precision", "name")
+"""The ``OPTPLAN`` keys optplan reads; any other scalar key is the model file's own setting (``extra``), and one
+spelled close to these gets a note."""
 OPTPLAN_NAMES: dict[str, tuple[str, ...]] = {
     "optimizer": ("adamw", "adamw8bit", "adafactor", "sgd", "paged_adamw", "paged_adamw8bit"),
     "precision": ("fp32", "amp-bf16", "amp-fp16", "bf16", "fp16", "bf16-pure", "fp8"),
@@ -215,6 +221,10 @@ def read_defaults(module: ModuleType, display: str, *, plain: bool = False
             values[key] = value
         elif isinstance(value, _SCALARS):
             extra[key] = value
+            close = difflib.get_close_matches(key, OPTPLAN_KEYS, n=1, cutoff=0.8)
+            if close and key not in OPTPLAN_KEYS:
+                notes.append(f"OPTPLAN[{key!r}] is not a key optplan reads (did you mean {close[0]!r}?): it is "
+                             f"kept as a setting of the model file only")
         else:
             notes.append(f"OPTPLAN[{key!r}] is a {type(value).__name__}, not a scalar, and was ignored")
     return _defaults(plain, **values, extra=extra), notes

@@ -7,6 +7,7 @@ raise OptplanError, progress goes out through callbacks.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -116,7 +117,8 @@ def prepare_recommend(args: RecommendArgs, *, check_out: bool = True) -> Prepare
         target = target.model_copy(update={"gpus": max(counts)})
         span = f"{min(counts)}-{max(counts)}"  # the count is searched: say so where the note gave one count
         notes = [f"planning for {span} x {target.gpu.name} (--gpus-range: the GPU count is searched)"
-                 if n.startswith("planning for ") else n for n in notes]
+                 if n.startswith("planning for ") else
+                 re.sub(r"planning for \d+ x ", f"planning for {span} x ", n) for n in notes]
     check_search_options(target, global_batch=a.global_batch, precisions=a.precision)
     if a.global_batch is not None and a.runs_a_model and "megatron" not in (a.engine or ()):
         # a model file trains data-parallel (DeepSpeed/torch): dp is the GPU count, known before profiling

@@ -179,6 +179,7 @@ def plans_table(rec: Recommendation) -> Table:
               if any(isinstance(e, Estimate) for e in rows) else None)
     table = Table(title=f"best plans (GiB per GPU, {usable} usable)", title_justify="left", box=box.SIMPLE_HEAD,
                   pad_edge=False, caption=legend, caption_justify="left")
+    counts = len({e.gpus for e in rows}) > 1  # a --gpus-range search: each row says on how many GPUs
     table.add_column("#", justify="right", no_wrap=True)
     table.add_column("plan", overflow="fold")
     for col in ("states", "acts", "other", "total", "step", "tokens/s" if rec.seq_len else "samples/s",
@@ -188,7 +189,8 @@ def plans_table(rec: Recommendation) -> Table:
         m = e.memory
         timed = isinstance(e, Estimate)
         rate = (e.tokens_per_s or e.samples_per_s) if timed else 0.0
-        table.add_row(str(i), Text(e.strategy.label()), _g(m.params_bytes + m.grads_bytes + m.optimizer_bytes),
+        label = f"{e.gpus} GPUs: {e.strategy.label()}" if counts else e.strategy.label()
+        table.add_row(str(i), Text(label), _g(m.params_bytes + m.grads_bytes + m.optimizer_bytes),
                       _g(m.activations_bytes), _g(m.buffers_bytes + m.overhead_bytes),
                       _g(m.total_bytes), _step_cell(e) if timed else "-", _rate(rate) if timed else "-",
                       f"{e.mfu * 100:.0f}%" if timed else "-", style="bold green" if i == 1 else None)

@@ -138,6 +138,23 @@ def test_optplan_is_read_as_data(write_model):
     assert d.extra == {"name": "tiny", "lr": 3e-4, "warmup": 100}
     assert contract.name == "tiny"
     assert any("schedule" in n and "ignored" in n for n in contract.notes)
+    assert not any("did you mean" in n for n in contract.notes)  # lr, warmup: the file's own settings
+
+
+def test_an_optplan_key_spelled_close_to_one_optplan_reads_gets_a_note(write_model):
+    path = write_model("""
+        import torch.nn as nn
+        OPTPLAN = {"precison": "bf16", "seqlen": 512, "image_size": 224}
+
+        def build_model():
+            return nn.Linear(4, 4)
+        """)
+    contract = load_contract(path)
+    assert contract.defaults.precision is None and contract.defaults.seq_len is None
+    notes = [n for n in contract.notes if "did you mean" in n]
+    assert len(notes) == 2, contract.notes
+    assert "OPTPLAN['precison'] is not a key optplan reads (did you mean 'precision'?)" in notes[0]
+    assert "did you mean 'seq_len'?" in notes[1]
 
 
 @pytest.mark.parametrize("value, message", [

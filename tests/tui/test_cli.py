@@ -525,3 +525,12 @@ def test_storage_and_results_paths_are_checked_in_one_line(tmp_path: Path) -> No
     inside = runner.invoke(app, [*arch, "--storage", str(out / "s.log"), "--out", str(out)])
     assert inside.exit_code == 0, inside.output
     assert (out / "s.log").is_file() and (out / "plan.json").is_file()
+
+
+def test_a_gpus_range_note_names_the_range_not_one_count() -> None:
+    """Without --gpu the cluster note came from GPU detection ("no GPU detected ...: planning for 8 x H100-SXM"),
+    which contradicted the searched range; every such note now says the range."""
+    doc = _json(["recommend", "--arch", "layers=12,hidden=768,heads=12,vocab=50257,seq=1024", "--gpus-range", "8:16",
+                 "--json"])
+    planning = [n for n in doc["notes"] if "planning for" in n]
+    assert planning and all("planning for 8-16 x" in n for n in planning), planning

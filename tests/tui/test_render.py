@@ -94,3 +94,21 @@ def test_a_step_over_a_second_shows_its_band_in_seconds() -> None:
         assert t.step_s >= 1
         digits = 1 if t.step_s_high < 10 else 0
         assert f"[{t.step_s_low:.{digits}f}-{t.step_s_high:.{digits}f}]" in out
+
+
+def test_a_gpus_range_table_names_each_rows_gpu_count(rec: Recommendation) -> None:
+    """Rows of a --gpus-range search are on several GPU counts: each plan says on how many (two rows read the same
+    label with different memory and throughput before); one count says nothing extra."""
+    from optplan.planner.goal import Goal
+    from optplan.planner.space import parse_gpus_range
+
+    cluster = Cluster(gpu=find_gpu("H100-SXM"), gpus=32, gpus_per_node=8)
+    ranged = recommend(make_profile(params=1_000_000_000, hidden=2048, layers=24), cluster, global_batch=256,
+                       gpu_counts=parse_gpus_range("8:32", 8),
+                       goal=Goal(objective="cost", tokens=1e10, price_per_gpu_hour=2.0))
+    rows = [ranged.estimate, *(a.estimate for a in ranged.alternatives)]
+    assert len({e.gpus for e in rows}) > 1
+    out = _text(plans_table(ranged), width=160)
+    for e in rows:
+        assert f"{e.gpus} GPUs: {e.strategy.label()}" in out
+    assert "GPUs:" not in _text(plans_table(rec), width=160)
