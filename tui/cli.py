@@ -102,6 +102,21 @@ def profile(ctx: typer.Context, model: OptModelFile = None, hf: HfOpt = None, hf
     guard(ctx, body)
 
 
+def _catalogue_table() -> Any:
+    """The GPU catalogue as a table: each ``--gpu`` name, its memory and the other names it answers to."""
+    from rich import box
+    from rich.table import Table
+
+    from optplan.estimators.hardware import gpu_catalogue
+
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in ("--gpu", "memory", "also accepted"):
+        table.add_column(col, overflow="fold")
+    for name, spec in gpu_catalogue().items():
+        table.add_row(name, f"{spec.memory_bytes / 2**30:.0f} GiB", ", ".join(spec.aliases))
+    return table
+
+
 @app.command()
 def hardware(ctx: typer.Context, as_json: JsonOpt = False,
              microbench: Annotated[bool, typer.Option("--microbench", help="also measure matmul TFLOP/s per dtype, copy bandwidth and all-reduce bus bandwidth here")] = False,
@@ -126,7 +141,8 @@ def hardware(ctx: typer.Context, as_json: JsonOpt = False,
             return
         out = _stdout()
         if not report.available:
-            out.print(f"{report.reason}. Commands plan for --gpu (default H100-SXM) instead.")
+            out.print(f"{report.reason}. Commands plan for --gpu (default H100-SXM) instead, one of:")
+            out.print(_catalogue_table())
         else:
             out.print(f"driver {report.driver_version}: {len(report.devices)} GPU(s)")
             for d in report.devices:

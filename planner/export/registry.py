@@ -198,6 +198,8 @@ def render_targets(plan: ExportPlan, names: Sequence[str], *, options: ExportOpt
         with _private_torch_cache():
             for name in targets_for(names):
                 if lenient and name == "slurm" and not plan.multi_node and "slurm" not in names:
+                    skipped.append("slurm: the plan runs on one node, which needs no batch script (export --to slurm "
+                                   "writes one anyway)")
                     continue
                 if lenient and name == "finetune" and plan.adapter is None and "finetune" not in names \
                         and hf_model_folder(plan.model_path) is None:
