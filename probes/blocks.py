@@ -35,6 +35,12 @@ class BlockInfo:
     head: int = 0
     """leading blocks of another size than the rest (an MoE model's dense first layers): depth reduction keeps
     them and varies the rest"""
+    containers: tuple[tuple[str, int], ...] = ()
+    """(path, blocks held) of each container holding the blocks, when there are several (T5's encoder and decoder
+    stacks of one ``T5Block`` class)"""
+    other_stacks: tuple[tuple[str, int, int], ...] = ()
+    """(class name, count, parameters) of other repeated block classes held apart from these blocks (BART's
+    ``BartEncoderLayer`` beside the ``BartDecoderLayer`` blocks): not checkpointed nor wrapped as blocks"""
 
     def summary(self) -> RepeatedBlock:
         return RepeatedBlock(class_name=self.cls.__name__, count=len(self.blocks),
@@ -122,8 +128,10 @@ def find_repeated_block(model: nn.Module) -> BlockInfo | None:
     count, total, cls = best
     entries = list(found[cls].values())
     blocks = [m for _, m in entries]
-    paths = {p for p, _ in entries}
+    held = {p: sum(1 for q, _ in entries if q == p) for p in dict.fromkeys(p for p, _ in entries)}
+    paths = set(held)
     path = paths.pop() if len(paths) == 1 else None
+    others = _other_stacks(candidates, parts, cls, total)
     reducible, head = False, 0
     if path is not None:
         container = model.get_submodule(path) if path else model
@@ -133,7 +141,35 @@ def find_repeated_block(model: nn.Module) -> BlockInfo | None:
         reducible = (len(children) == len(blocks) and len(blocks) - head >= MIN_BLOCKS_FOR_REDUCTION
                      and all(type(c) is cls for c in children))
     return BlockInfo(cls=cls, blocks=blocks, params_per_block=round(total / count), path=path,
-                     reducible=reducible, head=head if reducible else 0)
+                     reducible=reducible, head=head if reducible else 0,
+                     containers=tuple(held.items()) if len(held) > 1 else (), other_stacks=others)
+
+
+OTHER_STACK_SHARE = 0.1
+"""Another repeated class counts as a second stack (:func:`_other_stacks`) when its instances hold at least this
+share of the blocks' parameters."""
+
+
+def _other_stacks(candidates: dict[type, dict[int, tuple[str, nn.Module]]], parts: set[type], cls: type,
+                  total: int) -> tuple[tuple[str, int, int], ...]:
+    """Repeated classes besides ``cls`` that are neither parts (:func:`_parts`) nor inside or around its instances,
+    with at least :data:`OTHER_STACK_SHARE` of its ``total`` parameters: an encoder-decoder's other stack."""
+    mine = candidates[cls]
+    inside_mine = {id(m) for _, b in mine.values() for m in b.modules()}
+    out = []
+    for other, insts in candidates.items():
+        if other is cls or other in parts:
+            continue
+        modules = [m for _, m in insts.values()]
+        if any(id(m) in inside_mine for m in modules):
+            continue
+        around = {id(sub) for m in modules for sub in m.modules()}
+        if any(key in around for key in mine):
+            continue
+        params = sum(_own_params(m) for m in modules)
+        if params >= OTHER_STACK_SHARE * total:
+            out.append((other.__name__, len(insts), params))
+    return tuple(sorted(out, key=lambda o: -o[2]))
 
 
 def _cut(container: nn.Module, keep: int) -> nn.Module:
@@ -155,3 +191,23 @@ def truncated_copy(model: nn.Module, path: str, keep: int) -> nn.Module:
         return copy.deepcopy(model)
     finally:
         parent._modules[attr] = container
+
+
+
+def stack_notes(block: BlockInfo) -> list[str]:
+    """Notes for a model whose blocks are not one stack: the same class in several containers (T5's encoder and
+    decoder, a ResNet's stages: profiled at full depth, as depth reduction cuts one container), or another repeated
+    class beside them (not checkpointed nor
+    wrapped: the plans' checkpointing and FSDP units are the blocks' class only)."""
+    name = block.cls.__name__
+    notes = []
+    if block.containers:
+        where = ", ".join(f"{path or 'the model'} {n}" for path, n in block.containers)
+        notes.append(f"the {len(block.blocks)} {name} blocks sit in {len(block.containers)} containers ({where}); "
+                     "depth reduction cuts a single container, so they were profiled at full depth")
+    for other, count, params in block.other_stacks:
+        notes.append(f"a second stack of {count} x {other} ({params / 1e6:,.1f} M parameters) sits beside the "
+                     f"{len(block.blocks)} x {name} blocks: checkpointing, FSDP units and exported train.py's "
+                     f"block_class cover {name} only, so {other}'s activations are priced as kept (not "
+                     "recomputed) and its parameters sit in the root unit")
+    return notes

@@ -93,6 +93,7 @@ from optplan.probes.blocks import (  # noqa: F401 - re-exported: tests and bench
     BlockInfo,
     _cut,
     find_repeated_block,
+    stack_notes,
     truncated_copy,
 )
 from optplan.probes.contract import DEFAULT_TOKEN_SEQ_LEN, ModelContract, apply_keeping_ties
@@ -315,6 +316,8 @@ def _profile_contract(contract: ModelContract, *, seq_len: int | None, started: 
     params, trainable, by_module, dtype = count_params(meta)
     moe_layers = find_moe_layers(meta, config_sources(meta), contract.display)
     block = find_repeated_block(meta)
+    if block is not None:
+        notes.extend(stack_notes(block))
     shape, moe_notes = moe_shape(meta, read_transformer_shape(meta, block), block.blocks if block else [],
                                  moe_layers, contract.display)
     if moe_layers:

@@ -72,3 +72,45 @@ def test_a_dict_of_named_parts_is_no_container_of_blocks() -> None:
                            "h": nn.ModuleList([SeqMlpBlock(), SeqMlpBlock()]), "ln_f": nn.LayerNorm(32)})
     block = find_repeated_block(model)
     assert block is not None and block.cls is SeqMlpBlock and block.path == "h"
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(32, 32)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn, self.cross = nn.Linear(32, 32), nn.Linear(32, 32)
+
+
+class EncoderDecoder(nn.Module):
+    """Two stacks of different block classes (BART's encoder and decoder layers)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.ModuleList([EncoderLayer() for _ in range(3)])
+        self.decoder = nn.ModuleList([DecoderLayer() for _ in range(4)])
+
+
+def test_a_second_stack_and_several_containers_are_named() -> None:
+    """The blocks are one class: another repeated class beside them (an encoder-decoder's other stack) is named, as
+    it is neither checkpointed nor wrapped; blocks of one class in several containers (a ResNet's stages, T5's
+    encoder and decoder) are listed, since they are profiled at full depth."""
+    from optplan.probes.blocks import stack_notes
+
+    block = find_repeated_block(EncoderDecoder())
+    assert block is not None and block.cls is DecoderLayer and len(block.blocks) == 4
+    assert block.other_stacks == (("EncoderLayer", 3, 3 * (32 * 32 + 32)),)
+    (note,) = stack_notes(block)
+    assert note.startswith("a second stack of 3 x EncoderLayer") and "cover DecoderLayer only" in note, note
+    resnet = find_repeated_block(torchvision.models.resnet50())
+    assert resnet is not None and resnet.other_stacks == ()
+    assert resnet.containers == (("layer1", 3), ("layer2", 4), ("layer3", 6), ("layer4", 3))
+    assert stack_notes(resnet) == ["the 16 Bottleneck blocks sit in 4 containers (layer1 3, layer2 4, layer3 6, "
+                                   "layer4 3); depth reduction cuts a single container, so they were profiled at full "
+                                   "depth"]
+    one = find_repeated_block(nn.Sequential(*[SeqMlpBlock() for _ in range(4)]))
+    assert one is not None and stack_notes(one) == []
