@@ -264,10 +264,19 @@ def _set_widening(profile: ModelProfile, strategy: Strategy, ms: MeasuredSet, do
         outside.append(f"the measured set it rests on ({ms.name.split(':')[0]}) holds only {ms.runs} runs")
     s = strategy
     tokens = profile.tokens_per_sample or 1
+    # a transformer fed something other than token ids (a ViT's images) has no sequence to compare with the
+    # language models' (FLOPs-only sets count a sample as one "token", as its probes do)
+    untokened = profile.input_kind != "tokens" and ms.kind != "flops_only"
+    if untokened:
+        widen += WIDEN_UNMEASURED
+        outside.append(f"the inputs are not token sequences (the runs of {ms.name.split(':')[0]} are language "
+                       "models)")
+    sequence = () if untokened else (
+        ("sequence", float(tokens), ms.seq, "{:.0f}"),
+        ("tokens per micro-batch", float(s.mbs * tokens / s.cp), ms.tokens_per_microbatch, "{:.0f}"))
     numeric = (("parameters", float(profile.params), ms.params, "{:.3g}"),
                ("GPUs", float(s.world_size), ms.gpus, "{:.0f}"),
-               ("sequence", float(tokens), ms.seq, "{:.0f}"),
-               ("tokens per micro-batch", float(s.mbs * tokens / s.cp), ms.tokens_per_microbatch, "{:.0f}"),
+               *sequence,
                ("tensor parallel", float(s.tp), ms.tp, "{:.0f}"),
                ("pipeline parallel", float(s.pp), ms.pp, "{:.0f}"),
                ("context parallel", float(s.cp), ms.cp, "{:.0f}"))

@@ -202,3 +202,17 @@ def test_models_without_a_transformer_shape_are_judged_by_such_runs() -> None:
     assert any("no model without a transformer shape was measured on H100-SXM" in r for r in h100.outside)
     # the MFU envelope stays the transformer runs' (the tiny models' MFU is no ceiling for a large model)
     assert mfu_envelope("H200", "bf16") == mfu_envelope("H100-SXM", "bf16")
+
+
+def test_a_transformer_fed_images_is_not_judged_by_a_sequence_of_one() -> None:
+    """A Hugging Face ViT has a transformer shape but no token inputs: its band once read "sequence 1 outside the
+    measured 512-65536" (and widened by the octaves down to one). The sequence checks are dropped for it and the
+    band says that the inputs are not token sequences."""
+    tokens = profile_from_arch(MPT_7B)
+    images = tokens.model_copy(update={"input_kind": "other", "tokens_per_sample": None, "seq_len": None})
+    band_t = time_band(tokens, FSDP8, _cluster(), mfu=0.0)
+    band_i = time_band(images, FSDP8, _cluster(), mfu=0.0)
+    assert band_t.outside == ()
+    assert not any(r.startswith("sequence") or r.startswith("tokens per micro-batch") for r in band_i.outside)
+    assert any("the inputs are not token sequences" in r for r in band_i.outside), band_i.outside
+    assert band_i.high == pytest.approx(band_t.high * math.exp(WIDEN_UNMEASURED))
