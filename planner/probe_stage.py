@@ -388,7 +388,8 @@ def describe_result(c: ProbeComparison) -> str:
             parts.append(f"step {r.step_s:.3g} s (predicted {c.predicted_step_s:.3g} s, "
                          f"{100 * (r.step_s / c.predicted_step_s - 1):+.0f}%)")
         else:
-            parts.append(f"step {r.step_s:.3g} s on {r.device_name or c.result.spec.device}")
+            parts.append(f"step {r.step_s:.3g} s on {r.device_name or c.result.spec.device} (not the planned GPU: "
+                         "no predicted time to compare)")
     if r.peak_allocated_bytes is not None:
         parts.append(f"peak {gib(r.peak_allocated_bytes):.2f} GiB (predicted {gib(c.predicted_allocated_bytes):.2f} "
                      f"GiB, {100 * ((c.memory_ratio or 1) - 1):+.1f}%)")

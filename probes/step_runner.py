@@ -45,7 +45,6 @@ from optplan.probes.traffic import TrafficCounter, block_attribution
 from optplan.probes.trainloop import (
     CudaAutocastLoss,
     checkpointed_call,
-    params_without_grad,
     selective_context,
 )
 
@@ -172,7 +171,7 @@ def unused_params_note(model: nn.Module, has_loss_fn: bool) -> str | None:
     got one. A plan still counts their gradients and optimizer states (a trainer allocates them), but the step's
     backward FLOPs and activations are those of the loss as it ran: without ``loss_fn`` the default loss may have
     taken an output that skips part of the model."""
-    missing = params_without_grad(model)
+    missing = [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]  # tied: once
     if not missing:
         return None
     trainable = [p for p in model.parameters() if p.requires_grad]

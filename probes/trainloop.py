@@ -464,12 +464,6 @@ def default_loss(output: Any) -> tuple[torch.Tensor, str]:
     raise TypeError("the output holds no tensor")
 
 
-def params_without_grad(model: nn.Module) -> list[str]:
-    """The trainable parameters that hold no gradient after a backward (names, tied ones once): what the loss
-    does not depend on."""
-    return [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]
-
-
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

@@ -481,7 +481,7 @@ def validate_cmd(
     jobs: Annotated[int, typer.Option("--jobs", help="files run at once when each runs as one process: their start-ups overlap, they take the device in turn")] = 1,
     seq_len: SeqOpt = None, model_name: NameOpt = None, as_json: JsonOpt = False,
 ) -> None:
-    """Run the exported launch configs for a few steps: started, fits, step time against the prediction."""
+    """Run the exported launch configs for a few steps: started, fits, step time against the prediction (on the planned GPU)."""
     from optplan.planner.api import resolve_model
     from optplan.planner.probe_stage import local_devices
     from optplan.planner.validate_run import files_to_run, validate_exports
