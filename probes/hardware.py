@@ -291,6 +291,19 @@ def _planned_spec(devices: tuple[DetectedGPU, ...]) -> tuple[GPUSpec, list[str]]
     return spec, notes
 
 
+def _variants_note(given: str, chosen: str) -> str:
+    """When ``--gpu`` named a family with several catalogue variants (``A100``: 40 and 80 GB), which one was taken
+    and the others (``" A100: the A100-80GB; also A100-40GB"``); else ""."""
+    def norm(name: str) -> str:
+        return "".join(ch for ch in name.lower() if ch.isalnum())
+
+    wanted = norm(given)
+    if not wanted or wanted == norm(chosen):
+        return ""
+    others = [name for name in gpu_catalogue() if name != chosen and norm(name).startswith(wanted)]
+    return f" {given}: the {chosen}; also {', '.join(others)}" if others else ""
+
+
 def cluster_from(report: HardwareReport | None, *, gpu: str | None = None, gpus: int | None = None,
                  gpus_per_node: int | None = None) -> tuple[Cluster, list[str]]:
     """The cluster to plan for, and notes for the user saying what was assumed.
@@ -310,7 +323,7 @@ def cluster_from(report: HardwareReport | None, *, gpu: str | None = None, gpus:
         spec = find_gpu(gpu)
         n = gpus or len(devices) or DEFAULT_GPUS
         per_node = gpus_per_node or min(n, DEFAULT_MAX_GPUS_PER_NODE)
-        notes.append(f"planning for {n} x {spec.name} (--gpu)")
+        notes.append(f"planning for {n} x {spec.name} (--gpu{_variants_note(gpu, spec.name)})")
         detected = False
     elif any(d.catalogue_name for d in devices):
         spec, notes = _planned_spec(devices)

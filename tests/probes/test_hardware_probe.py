@@ -274,7 +274,9 @@ def test_explicit_gpu_wins_over_detection() -> None:
     cluster, notes = cluster_from(detect_gpus(h100s(4)), gpu="A100", gpus=None, gpus_per_node=None)
     assert cluster.gpu.name == "A100-80GB" and not cluster.detected
     assert (cluster.gpus, cluster.gpus_per_node) == (4, 4)  # count defaults to the detected GPUs
-    assert notes == ["planning for 4 x A100-80GB (--gpu)"]
+    # plain "A100" is a family of two: the note says which was taken and what else there is
+    assert notes == ["planning for 4 x A100-80GB (--gpu A100: the A100-80GB; also A100-40GB)"]
+    assert cluster_from(None, gpu="A100-80GB")[1] == ["planning for 8 x A100-80GB (--gpu)"]
 
 
 def test_explicit_gpu_without_detection() -> None:
