@@ -587,7 +587,18 @@ def main(argv: list[str] | None = None) -> None:
             signal.signal(signal.SIGTERM, previous)
 
 
+def debug_first(argv: list[str]) -> list[str]:
+    """``argv`` with a ``--debug`` given after the subcommand (``optplan recommend m.py --debug``) moved before it,
+    where the option lives; a ``--debug`` after ``--`` (arguments passed on) stays."""
+    end = argv.index("--") if "--" in argv else len(argv)
+    if "--debug" not in argv[1:end]:
+        return argv
+    head = [a for a in argv[:end] if a != "--debug"]
+    return ["--debug", *head, *argv[end:]]
+
+
 def _run(argv: list[str] | None, usage_error: type[Exception]) -> None:
+    argv = debug_first(list(sys.argv[1:] if argv is None else argv))
     try:
         code = app(args=argv, standalone_mode=False)
     except usage_error as err:

@@ -167,6 +167,18 @@ def test_an_internal_error_is_one_line_and_exit_3(monkeypatch: pytest.MonkeyPatc
     assert "internal error" in lines[0] and "ZeroDivisionError" in lines[0] and "--debug" in lines[0]
     result = runner.invoke(app, ["--debug", "profile", "--arch", "layers=2,hidden=64,heads=2"])
     assert result.exit_code == 3 and "Traceback" in result.stderr and "ZeroDivisionError" in result.stderr
+    # --debug after the subcommand works as well (it was "No such option: --debug")
+    with pytest.raises(SystemExit) as exc:
+        main(["profile", "--arch", "layers=2,hidden=64,heads=2", "--debug"])
+    assert exc.value.code == 3 and "Traceback" in capsys.readouterr().err
+
+
+def test_debug_first_moves_only_the_commands_own_flag() -> None:
+    from optplan.tui.cli import debug_first
+
+    assert debug_first(["recommend", "m.py", "--debug", "--json"]) == ["--debug", "recommend", "m.py", "--json"]
+    assert debug_first(["--debug", "recommend", "m.py"]) == ["--debug", "recommend", "m.py"]
+    assert debug_first(["validate", "d", "m.py", "--", "--debug"]) == ["validate", "d", "m.py", "--", "--debug"]
 
 
 def test_debug_shows_the_traceback_and_keeps_the_exit_code() -> None:
