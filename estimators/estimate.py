@@ -9,6 +9,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from optplan.estimators.allocator_overhead import MARGIN_NOTE_MARK, fits_at_high_margin, margin_note
+from optplan.estimators.batch_size import large_batch_note
 from optplan.estimators.calibration import CALIBRATION_DETAIL, Calibration, calibrate_memory, calibrate_time
 from optplan.estimators.cost import CostEstimate
 from optplan.estimators.efficiency import derivation_for, fitted_gpus
@@ -218,6 +219,8 @@ def estimate(profile: ModelProfile, cluster: Cluster, strategy: Strategy, *,
     notes = (estimate_notes(profile, strategy, cluster) + placement_notes(strategy, cluster) + band_notes(band)
              + paging_notes(memory, strategy) + _optimizer_step_notes(profile, strategy, time, adam_impl)
              + vocab_padding_notes(profile, strategy, cluster, time.step_s) + ((margin,) if margin else ()))
+    if (batch := large_batch_note(strategy.global_batch, profile.tokens_per_sample)) is not None:
+        notes = (*notes, batch)
     result = Estimate(notes=notes,
         strategy=strategy, gpu=cluster.gpu.name, gpus=strategy.world_size, memory=memory, time=time,
         global_batch=strategy.global_batch, samples_per_s=time.samples_per_s, tokens_per_s=time.tokens_per_s,
