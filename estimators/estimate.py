@@ -177,7 +177,11 @@ def calibrate_estimate(estimate: Estimate, cal: Calibration | None) -> Estimate:
     said = []
     if cal.calibrates_memory:
         said.append(f"memory × {cal.allocated_scale:.3f} from {cal.memory_probes} probe(s)")
-    if cal.calibrates_time:
+    if cal.calibrates_time and time.hfu > 1.0:  # faster than the GPU's peak FLOP/s: the scale is not this plan's
+        said.append(f"not the time: compute × {cal.compute_scale:.3f} from {cal.time_probes} probe(s) would run this "
+                    f"plan at {time.hfu:.0%} of the GPU's peak FLOP/s")
+        time = estimate.time
+    elif cal.calibrates_time:
         said.append(f"compute time × {cal.compute_scale:.3f}, communication × {cal.comm_scale:.3f} "
                     f"from {cal.time_probes} probe(s)")
     note = f"calibrated on {cal.gpu} (torch {cal.torch_version or '?'}): " + "; ".join(said)

@@ -43,6 +43,13 @@ CACHE_FILE = "calibration.json"
 COMM_FREE_FRACTION = 0.05
 """Probes whose predicted exposed communication is below this share of the step calibrate compute."""
 COMM_SCALE_BOUNDS = (0.1, 10.0)
+TIME_RATIO_BOUNDS = (0.25, 4.0)
+"""Measured ÷ predicted step times outside these bounds are left out of the time fit: the time model's worst errors
+on the published and GPU-campaign runs lie well within them (measured/predicted 0.47-1.9), so a run 4x off is a run
+of something else (another device, a broken or edited file), and one such scale would carry MFU past 100 %."""
+MEMORY_RATIO_BOUNDS = (0.5, 2.0)
+"""Measured ÷ predicted allocated bytes outside these bounds are left out of the memory fit (the accounting is
+within 2 % on the CPU and 6.5 % on the GPU campaign's runs)."""
 CACHE_FORMAT = 1
 
 
@@ -130,12 +137,16 @@ def fit_calibration(comparisons: Sequence[ProbeComparison], *, gpu: str, model_h
                     torch_version: str = "") -> Calibration | None:
     """The Calibration the probes support (see the module docstring), or None when no probe measured."""
     measured = [c for c in comparisons if c.result.status == "ok"]
-    mem = [r for c in measured if (r := c.memory_ratio) is not None]
+    all_mem = [r for c in measured if (r := c.memory_ratio) is not None]
+    mem = [r for r in all_mem if MEMORY_RATIO_BOUNDS[0] <= r <= MEMORY_RATIO_BOUNDS[1]]
     frag = [c.result.peak_reserved_bytes / c.result.peak_allocated_bytes - 1 for c in measured
-            if c.result.peak_reserved_bytes and c.result.peak_allocated_bytes]
+            if c.result.peak_reserved_bytes and c.result.peak_allocated_bytes
+            and c.result.peak_reserved_bytes >= c.result.peak_allocated_bytes]  # reserved holds what is allocated
     context = [c.result.non_torch_bytes for c in measured if c.result.non_torch_bytes is not None]
-    timed = [c for c in measured if c.time_comparable and c.time_ratio is not None
-             and c.predicted_on_device_s is not None and c.predicted_exposed_comm_s is not None]
+    all_timed = [c for c in measured if c.time_comparable and c.time_ratio is not None
+                 and c.predicted_on_device_s is not None and c.predicted_exposed_comm_s is not None]
+    timed = [c for c in all_timed if TIME_RATIO_BOUNDS[0] <= c.time_ratio <= TIME_RATIO_BOUNDS[1]]  # type: ignore[operator]
+    implausible = _implausible(all_timed, timed, all_mem, mem)
     quiet = [c for c in timed if c.predicted_exposed_comm_s <= COMM_FREE_FRACTION * (c.predicted_step_s or 0)]  # type: ignore[operator]
     loud = [c for c in timed if c not in quiet]
     compute_scale, comm_scale = 1.0, 1.0
@@ -152,7 +163,7 @@ def fit_calibration(comparisons: Sequence[ProbeComparison], *, gpu: str, model_h
             comm_scale = min(hi, max(lo, statistics.median(ratios)))
     if not mem and not timed:
         return None
-    parts = []
+    parts = list(implausible)
     if mem:
         parts.append(f"memory from {len(mem)} probe(s)")
     before = median_abs_error([(c.predicted_step_s, c.measured_step_s) for c in timed]) or 0.0  # type: ignore[misc]
@@ -173,6 +184,23 @@ def fit_calibration(comparisons: Sequence[ProbeComparison], *, gpu: str, model_h
         fragmentation_fraction=max(0.0, statistics.median(frag)) if frag else None,
         context_bytes=int(statistics.median(context)) if context else None,
         time_probes=len(timed), memory_probes=len(mem), source="; ".join(parts))
+
+
+def _implausible(all_timed: Sequence[ProbeComparison], timed: Sequence[ProbeComparison], all_mem: Sequence[float],
+                 mem: Sequence[float]) -> list[str]:
+    """What the fit left out as implausible (``TIME_RATIO_BOUNDS``, ``MEMORY_RATIO_BOUNDS``), for its source."""
+    out = []
+    if len(timed) < len(all_timed):
+        ratios = sorted(c.time_ratio for c in all_timed if c not in timed)  # type: ignore[type-var]
+        lo, hi = TIME_RATIO_BOUNDS
+        out.append(f"{len(ratios)} run(s) left out of time: measured/predicted {ratios[0]:.3g}-{ratios[-1]:.3g}, "
+                   f"outside {lo:g}-{hi:g} (a run of another device or an edited file?)")
+    if len(mem) < len(all_mem):
+        ratios = sorted(r for r in all_mem if r not in mem)
+        lo, hi = MEMORY_RATIO_BOUNDS
+        out.append(f"{len(ratios)} run(s) left out of memory: measured/predicted {ratios[0]:.3g}-{ratios[-1]:.3g}, "
+                   f"outside {lo:g}-{hi:g}")
+    return out
 
 
 # --- the cache -----------------------------------------------------------------------------------------

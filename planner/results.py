@@ -27,7 +27,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from optplan.estimators.calibration import Calibration, torch_release
 from optplan.estimators.errors import OptplanError
 from optplan.estimators.strategy import Strategy
-from optplan.planner.calibrate import TIME_NOT_CALIBRATED, ProbeComparison, fit_calibration, median_abs_error
+from optplan.planner.calibrate import (
+    MEMORY_RATIO_BOUNDS,
+    TIME_NOT_CALIBRATED,
+    TIME_RATIO_BOUNDS,
+    ProbeComparison,
+    fit_calibration,
+    median_abs_error,
+)
 from optplan.probes.model_errors import one_line
 from optplan.probes.runtime import ProbeResult, ProbeSpec
 
@@ -67,7 +74,9 @@ class CalibrationFit(BaseModel):
         refused = c.source.find(TIME_NOT_CALIBRATED)
         if refused >= 0:  # one scale would have fitted its own runs worse: the step time stays uncalibrated
             parts.append("step " + c.source[refused:].split("; ")[0])  # fit_calibration joins its parts with "; "
-        elif self.time_error_before_pct is not None and self.time_error_after_pct is not None:
+        parts.extend(part.removeprefix("results files: ") for part in c.source.split("; ")
+                     if "left out of" in part)  # implausible runs (TIME_RATIO_BOUNDS, MEMORY_RATIO_BOUNDS)
+        if refused < 0 and self.time_error_before_pct is not None and self.time_error_after_pct is not None:
             parts.append(f"step time error {self.time_error_before_pct:.1f}% -> {self.time_error_after_pct:.1f}% "
                          f"(compute x {c.compute_scale:.3f}, communication x {c.comm_scale:.3f})")
         if self.memory_error_before_pct is not None and self.memory_error_after_pct is not None:
@@ -193,9 +202,12 @@ def calibrations_from_results(paths: Sequence[Path]) -> list[CalibrationFit]:
         if cal is None:
             continue
         ok = [c for c in comps if c.result.status == "ok"]
+        lo, hi = TIME_RATIO_BOUNDS
         timed = [(c, s) for c in ok if c.time_comparable and c.result.step_s and c.predicted_step_s
-                 and (s := _calibrated_step_s(c, cal)) is not None]
-        mem = [c for c in ok if c.result.peak_allocated_bytes and c.predicted_allocated_bytes]
+                 and lo <= c.result.step_s / c.predicted_step_s <= hi and (s := _calibrated_step_s(c, cal)) is not None]
+        low, high = MEMORY_RATIO_BOUNDS
+        mem = [c for c in ok if c.result.peak_allocated_bytes and c.predicted_allocated_bytes
+               and low <= c.result.peak_allocated_bytes / c.predicted_allocated_bytes <= high]
         fits.append(CalibrationFit(
             calibration=cal.model_copy(update={"source": f"results files: {cal.source}"}), model=cases[0].model,
             runs=len(cases),

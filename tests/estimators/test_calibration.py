@@ -40,6 +40,17 @@ def test_time_calibration_scales_parts_and_throughput(profile: ModelProfile, clu
     assert any("calibrated on TestGPU" in n for n in got.notes)
 
 
+def test_a_time_scale_past_the_gpus_peak_is_not_applied(profile: ModelProfile, cluster8: Cluster) -> None:
+    """A compute scale that would run the plan faster than the GPU's peak FLOP/s (a cache entry from an edited or
+    foreign file once gave 16,487 % MFU) leaves the time as predicted, and the note says why."""
+    raw = estimate(profile, cluster8, S)
+    scale = 0.5 * raw.time.hfu  # the calibrated HFU would be ~2x 100 %
+    got = estimate(profile, cluster8, S, calibration=_cal(compute_scale=scale, time_probes=1))
+    assert got.time == raw.time and got.mfu == raw.mfu and got.mfu <= 1.0
+    note = next(n for n in got.notes if n.startswith("calibrated on TestGPU"))
+    assert "not the time: compute × " in note and "of the GPU's peak FLOP/s" in note, note
+
+
 def test_memory_calibration_replaces_overhead_and_can_flip_fit(profile: ModelProfile, cluster8: Cluster) -> None:
     raw = estimate(profile, cluster8, S)
     m0 = raw.memory

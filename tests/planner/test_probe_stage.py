@@ -108,6 +108,25 @@ def test_fit_ignores_failed_probes_and_off_target_times() -> None:
     assert fit_calibration(failed, gpu="cpu", model_hash="h") is None
 
 
+def test_implausible_runs_are_left_out_of_the_fit_and_said_so() -> None:
+    """A run 10^6 x faster than predicted (an edited file, another device) once became "compute x 0.000" and a plan
+    at 16,487 % MFU; runs outside TIME_RATIO_BOUNDS / MEMORY_RATIO_BOUNDS are now left out, and the source says so."""
+    good = _comparison(1.0, 1.0, 0.0, 1.3)
+    tiny = _comparison(1.0, 1.0, 0.0, 1e-6)
+    huge = _comparison(1.0, 1.0, 0.0, 1e6, mem_meas=50 * 10**9)  # 50x the predicted memory too
+    cal = fit_calibration([good, tiny, huge], gpu="TestGPU", model_hash="h")
+    assert cal is not None and cal.compute_scale == pytest.approx(1.3) and cal.time_probes == 1
+    assert cal.allocated_scale == pytest.approx(1.1) and cal.memory_probes == 2
+    assert "2 run(s) left out of time: measured/predicted 1e-06-1e+06, outside 0.25-4" in cal.source, cal.source
+    assert "1 run(s) left out of memory: measured/predicted 50-50, outside 0.5-2" in cal.source
+    only_bad = fit_calibration([tiny], gpu="TestGPU", model_hash="h")
+    assert only_bad is not None and not only_bad.calibrates_time and only_bad.compute_scale == 1.0
+    # a reserved peak below the allocated one cannot be: no fragmentation margin from it
+    odd = _comparison(1.0, 1.0, 0.0, 1.3)
+    odd = odd.model_copy(update={"result": odd.result.model_copy(update={"peak_reserved_bytes": 100})})
+    assert fit_calibration([odd], gpu="TestGPU", model_hash="h").fragmentation_fraction is None  # type: ignore[union-attr]
+
+
 def test_cache_round_trip_keeps_other_entries_and_rejects_foreign_files(tmp_path: Path) -> None:
     path = tmp_path / "cache" / "calibration.json"
     a = fit_calibration([_comparison(1.0, 1.0, 0.0, 1.5)], gpu="A", model_hash="m", torch_version="t")
