@@ -110,6 +110,10 @@ HOST_OPTIMIZER_BYTES_PER_S = 50e9
 a 2-socket server)."""
 PCIE_BYTES_PER_S = 25e9
 """Host<->GPU transfer, PCIe Gen4 x16 achieved (stated default)."""
+NVME_BYTES_PER_S = 12e9
+"""A node's NVMe array, read or write, shared by its ranks (stated default, not measured here: four PCIe Gen4 drives
+at ~3 GB/s each). ZeRO-Infinity (Rajbhandari et al. 2021, arXiv 2104.07857) swaps offloaded optimizer states and
+parameters through it; what the host's Adam touches comes in and goes out once per step."""
 
 GEMM_DTYPE_FRACTION: dict[str, float] = {"fp32": 1.4, "tf32": 1.0, "bf16": 1.0, "fp16": 1.0, "fp8": 0.75}
 """Large-GEMM fraction of peak relative to 16-bit tensor-core GEMMs (stated defaults, capped at 0.9 of
@@ -476,6 +480,13 @@ def blend_s(host_s: float, device_s: float, exponent: float) -> float:
     return hi * ((host_s / hi) ** exponent + (device_s / hi) ** exponent) ** (1.0 / exponent)
 
 
+def on_host_optimizer(strategy: Strategy) -> bool:
+    """Whether the optimizer step runs on the host CPU: DeepSpeed's optimizer offload (ZeRO-Offload), and torch
+    FSDP's ``CPUOffload(offload_params=True)``, whose parameters and gradients live on the CPU, so that the
+    optimizer and its states do too (torch.distributed.fsdp docs, ``CPUOffload``)."""
+    return strategy.offload_optimizer != "none" or (strategy.engine == "torch" and strategy.offload_params != "none")
+
+
 def optimizer_step_s(params_local: float, strategy: Strategy, gpu: GPUSpec, profile: ModelProfile, *,
                      shard_ranks: int, ranks_per_node: int = 1, hbm_fraction: float = 1.0,
                      adam_impl: AdamImpl | None = None) -> float:
@@ -483,18 +494,21 @@ def optimizer_step_s(params_local: float, strategy: Strategy, gpu: GPUSpec, prof
     per parameter (optimizer_traffic.py: 80 for torch's foreach AdamW, 28 for a fused kernel, plus the
     master-weight copies) over the achieved HBM bandwidth (datasheet × ``hbm_fraction``); under optimizer
     offload the host's Adam (shared by ``ranks_per_node`` ranks) plus the PCIe transfers of gradients (every
-    micro-step) and updated weights (ZeRO-Offload, Ren et al. 2021 §4). ``adam_impl`` overrides the engine's
-    own AdamW (temporaries.engine_adam_impl)."""
+    micro-step) and updated weights (ZeRO-Offload, Ren et al. 2021 §4), and on NVMe the states read and written
+    once a step at ``NVME_BYTES_PER_S``; torch FSDP's parameter offload runs its optimizer on the host the same
+    way (:func:`on_host_optimizer`). ``adam_impl`` overrides the engine's own AdamW (temporaries.engine_adam_impl)."""
     recipe = get_recipe(strategy.precision)
     state = optimizer_state_bytes_per_param(strategy.optimizer, recipe, profile)
     trainable = profile.trainable_params / profile.params if profile.params else 1.0
     shard = params_local * trainable / max(1, shard_ranks)
-    if strategy.offload_optimizer != "none":
+    if on_host_optimizer(strategy):
         k = recipe.master_bytes + state
         touched = shard * (2 * k + recipe.grad_bytes + recipe.weight_bytes)
         host_s = touched * ranks_per_node / HOST_OPTIMIZER_BYTES_PER_S
         pcie_s = shard * (strategy.grad_accum * recipe.grad_bytes + recipe.weight_bytes) / PCIE_BYTES_PER_S
-        return host_s + pcie_s
+        # on NVMe, the states the host's Adam updates are read in and written back once a step (ZeRO-Infinity)
+        nvme_s = 2 * shard * k * ranks_per_node / NVME_BYTES_PER_S if strategy.offload_optimizer == "nvme" else 0.0
+        return host_s + pcie_s + nvme_s
     impl = adam_impl or engine_adam_impl(strategy.engine)
     per_param = optimizer_step_bytes_per_param(strategy.optimizer, recipe, state, impl)
     return shard * per_param / (gpu.memory_bandwidth_bytes_per_s * hbm_fraction)
@@ -577,7 +591,9 @@ def compute_time(profile: ModelProfile, strategy: Strategy, gpu: GPUSpec, *,
                                                    trainable=float(profile.trainable_params),
                                                    recompute=recompute_s > 0)
         memory_bound_s += strategy.grad_accum * casts / (gpu.memory_bandwidth_bytes_per_s * hbm_fraction)
-    shard_ranks = strategy.dp if strategy.zero >= 1 else 1
+    # ZeRO 1-3 and FSDP shard the optimizer over the data-parallel ranks (HSDP over a node's), as timing.py does
+    shard_ranks = (1 if strategy.shard_stage < 1 else
+                   min(strategy.dp, ranks_per_node) if strategy.fsdp == "hybrid" else strategy.dp)
     optimizer_s = optimizer_step_s(float(profile.params), strategy, gpu, profile, shard_ranks=shard_ranks,
                                    ranks_per_node=ranks_per_node, hbm_fraction=hbm_fraction, adam_impl=adam_impl)
     return ComputeTime(compute_s=compute_s, recompute_s=recompute_s, memory_bound_s=memory_bound_s,

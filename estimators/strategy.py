@@ -151,6 +151,9 @@ class Strategy(BaseModel):
                 raise ValueError("parameter offload needs ZeRO stage 3 (--zero 3)")
             if self.offload_optimizer != "none" and self.zero == 0:
                 raise ValueError("optimizer offload needs ZeRO stage 1, 2 or 3 (--zero 1..3)")
+            if self.offload_optimizer == "nvme" and self.zero != 3:  # stages 1-2 keep an offloaded optimizer in RAM
+                raise ValueError("NVMe optimizer offload needs ZeRO stage 3 (ZeRO-Infinity): use --zero 3, or "
+                                 "--offload-optimizer cpu")
         if self.quant != "none":
             if self.engine == "megatron":
                 raise ValueError("a quantised base (QLoRA) runs on the torch or deepspeed engine: use --engine torch")

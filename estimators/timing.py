@@ -74,6 +74,7 @@ from optplan.estimators.comm import (
 )
 from optplan.estimators.compute import (
     FLASH_BACKWARD_FACTOR,
+    NVME_BYTES_PER_S,
     PCIE_BYTES_PER_S,
     UNMODELLED_FLOPS_FRACTION,
     GpuEfficiency,
@@ -264,6 +265,8 @@ def data_parallel_comm(strategy: Strategy, params_local: float, trainable_fracti
     exposed += kappa * max(0.0, total - exposed)
     if strategy.offload_params != "none":
         pcie = m * 2 * (weights / max(1, pl.shard.ranks)) / PCIE_BYTES_PER_S
+        if strategy.offload_params == "nvme":  # read from the node's NVMe array for forward and backward (shared)
+            pcie += m * 2 * (weights / max(1, pl.shard.ranks)) * pl.gpus_per_node / NVME_BYTES_PER_S
         total += pcie
         exposed += pcie
     return DataParallelComm.model_construct(total_s=total, exposed_s=min(total, exposed))

@@ -79,6 +79,9 @@ def test_offload_rules_are_validated() -> None:
         Strategy(zero=2, offload_params="cpu")
     with pytest.raises(ValueError, match="ZeRO stage 1"):
         Strategy(zero=0, offload_optimizer="cpu")
+    with pytest.raises(ValueError, match="NVMe optimizer offload needs ZeRO stage 3"):  # 1-2 keep it in host RAM
+        Strategy(zero=2, offload_optimizer="nvme")
+    assert Strategy(zero=3, offload_optimizer="nvme").offload_optimizer == "nvme"
 
 
 def test_activations_follow_the_fit_and_precision() -> None:

@@ -168,6 +168,25 @@ def test_offloaded_optimizer_shares_the_host_between_ranks() -> None:
     assert eight - pcie == pytest.approx(8 * (one - pcie))
 
 
+def test_nvme_and_fsdp_offload_price_where_the_optimizer_runs() -> None:
+    """NVMe offload reads and writes the host Adam's states once a step through the node's NVMe array (it was priced
+    as CPU offload); torch FSDP's parameter offload runs the optimizer on the host (it was priced at HBM speed)."""
+    from optplan.estimators.compute import NVME_BYTES_PER_S
+
+    prof = make_profile(params=1_000_000_000)
+    cpu = Strategy(precision="bf16", zero=3, dp=8, offload_optimizer="cpu", grad_accum=4)
+    nvme = cpu.model_copy(update={"offload_optimizer": "nvme"})
+    t_cpu = compute_time(prof, cpu, make_gpu(), ranks_per_node=8).optimizer_s
+    t_nvme = compute_time(prof, nvme, make_gpu(), ranks_per_node=8).optimizer_s
+    shard, k = 1e9 / 8, 4 + 8  # fp32 master weights and Adam's two moments
+    assert t_nvme - t_cpu == pytest.approx(2 * shard * k * 8 / NVME_BYTES_PER_S)
+    fsdp = Strategy(precision="bf16", engine="torch", fsdp="full", dp=8, grad_accum=4)
+    on_gpu = compute_time(prof, fsdp, make_gpu(), ranks_per_node=8).optimizer_s
+    offloaded = compute_time(prof, fsdp.model_copy(update={"offload_params": "cpu"}), make_gpu(),
+                             ranks_per_node=8).optimizer_s
+    assert offloaded == pytest.approx(t_cpu) and offloaded > 20 * on_gpu
+
+
 def test_mfu_uses_one_16bit_reference_for_every_precision() -> None:
     prof = make_profile()
     c = Cluster(gpu=make_gpu(), gpus=8, gpus_per_node=8)
