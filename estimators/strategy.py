@@ -155,6 +155,9 @@ class Strategy(BaseModel):
                 raise ValueError("NVMe optimizer offload needs ZeRO stage 3 (ZeRO-Infinity): use --zero 3, or "
                                  "--offload-optimizer cpu")
         if self.quant != "none":
+            if self.precision == "fp8":  # bitsandbytes' 4-bit layers dequantise to 16-bit GEMMs, never fp8 ones
+                raise ValueError("a quantised base (QLoRA) computes in bf16/fp16 (bitsandbytes dequantises its 4-bit "
+                                 "weights for 16-bit GEMMs): use --precision bf16, not fp8")
             if self.engine == "megatron":
                 raise ValueError("a quantised base (QLoRA) runs on the torch or deepspeed engine: use --engine torch")
             if self.engine != "torch" and (self.offload_optimizer != "none" or self.offload_params != "none"):

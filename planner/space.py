@@ -168,7 +168,7 @@ class SearchSpace(BaseModel):
     def precisions_for(self, sharding: Sharding) -> tuple[str, ...]:
         if sharding.engine == "megatron":
             return tuple(p for p in self.precisions if p in MEGATRON_PRECISIONS)
-        return tuple(p for p in self.precisions if p != "fp8" or sharding.engine == "torch")
+        return tuple(p for p in self.precisions if p != "fp8" or (sharding.engine == "torch" and self.quant == "none"))
 
     def groups(self) -> Iterator[Group]:
         """Every group in a fixed order (deterministic)."""
