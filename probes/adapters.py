@@ -77,6 +77,11 @@ def resolve_targets(model: nn.Module, request: LoraRequest, blocks: list[nn.Modu
                                if is_linear(m) and m is not head))
 
 
+def _names(name: str, target: str) -> bool:
+    """Whether the dotted module ``name`` is what the target name ``target`` picks (peft's suffix match)."""
+    return name == target or name.endswith("." + target)
+
+
 def apply_lora(model: nn.Module, request: LoraRequest, display: str) -> nn.Module:
     """Inject LoRA adapters into ``model`` (in place) on the layers ``request.targets`` name (resolved:
     :func:`resolve_targets`) and freeze every other parameter; ModelFileError (one line with the fix) when peft
@@ -90,13 +95,20 @@ def apply_lora(model: nn.Module, request: LoraRequest, display: str) -> nn.Modul
         raise ModelFileError(display, f"--lora-rank must be >= 1 (got {request.rank})", "pass --lora-rank 8 or 16")
     targets = request.targets
     head = _output_head(model)
-    chosen = [n for n, m in model.named_modules() if is_linear(m) and m is not head
-              and (targets is None or any(n == t or n.endswith("." + t) for t in targets))]
-    available = sorted({n.rsplit(".", 1)[-1] for n in linear_names(model)})
-    if not chosen:
-        said = ", ".join(available[:12]) + (" ..." if len(available) > 12 else "")
-        raise ModelFileError(display, f"--lora-targets {','.join(targets or ('all-linear',))} match no linear layer "
-                             "of the model", f"name some of its linear layers: {said or '(it has none)'}")
+    names = [n for n in linear_names(model) if model.get_submodule(n) is not head]
+    chosen = [n for n in names if targets is None or any(_names(n, t) for t in targets)]
+    available = sorted({n.rsplit(".", 1)[-1] for n in names})
+    said = ", ".join(available[:12]) + (" ..." if len(available) > 12 else "")
+    unmatched = [t for t in targets or () if not any(_names(n, t) for n in names)]
+    head_name = next((n for n, m in model.named_modules() if m is head), None) if head is not None else None
+    on_head = [t for t in unmatched if head_name is not None and _names(head_name, t)]
+    if on_head:
+        raise ModelFileError(display, f"--lora-targets {','.join(on_head)} names the output head ({head_name}), which "
+                             "LoRA plans leave as is (TRL refuses an adapter on it)",
+                             f"leave it out; the other linear layers: {said or '(none)'}")
+    if unmatched or not chosen:
+        raise ModelFileError(display, f"--lora-targets {','.join(unmatched or targets or ('all-linear',))} match no "
+                             "linear layer of the model", f"name some of its linear layers: {said or '(it has none)'}")
     for name in chosen:
         d_in, d_out = _in_out(model.get_submodule(name))
         if request.rank > min(d_in, d_out):

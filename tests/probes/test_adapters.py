@@ -144,3 +144,22 @@ def test_real_lora_steps_match_the_prediction(tiny_hf_llama_file: Path, lora4: M
         assert abs(row.error_pct) <= 1.0, row
         if row.quant == "int8" and (row.checkpointing == "full" or row.dropout):
             assert row.error_pct >= 0  # the kept inputs are counted: never under
+
+
+def test_targets_naming_the_head_or_nothing_are_refused_by_name() -> None:
+    """``lm_head`` among the targets was dropped silently (its adapter uncounted) and exported, and TRL then refused
+    it; alone it got "match no linear layer ... name some of its linear layers: ..., lm_head, ...". A typo beside a
+    real target was dropped silently too."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=256)
+    for targets, problem, fix in ((("k_proj", "lm_head"), "--lora-targets lm_head names the output head (lm_head)",
+                                   "leave it out"),
+                                  (("q_proj", "foo"), "--lora-targets foo match no linear layer", "q_proj")):
+        with pytest.raises(ModelFileError) as err:
+            apply_lora(LlamaForCausalLM(config), LoraRequest(targets=targets), "m.py")
+        assert problem in err.value.problem and fix in err.value.fix, (err.value.problem, err.value.fix)
+        assert "lm_head" not in err.value.fix.split(":", 1)[-1]  # the layers offered are ones it can adapt
+    adapted = apply_lora(LlamaForCausalLM(config), LoraRequest(rank=2, targets=("q_proj", "v_proj")), "m.py")
+    assert sum(p.numel() for p in adapted.parameters() if p.requires_grad) == 2 * (64 + 64) + 2 * (64 + 32)
