@@ -261,6 +261,16 @@ def load_model(cfg, name_or_path):
     return AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
 
 
+def _row_text(row, tokenizer):
+    """A dataset row as text: its "text", else its chat "messages" through the tokenizer's chat template (their
+    contents one per line when the tokenizer has none), as SFTTrainer formats them."""
+    if "text" in row:
+        return row["text"]
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(row["messages"], tokenize=False)
+    return "\\n".join(message["content"] for message in row["messages"])
+
+
 def dry_run(model, data, cfg, name_or_path):
     import torch
     from transformers import AutoTokenizer
@@ -269,7 +279,8 @@ def dry_run(model, data, cfg, name_or_path):
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     sft = cfg["sft"]
-    texts = [row["text"] for row in data.select(range(min(len(data), sft["per_device_train_batch_size"])))]
+    texts = [_row_text(row, tokenizer)
+             for row in data.select(range(min(len(data), sft["per_device_train_batch_size"])))]
     batch = tokenizer(texts, return_tensors="pt", padding="max_length", truncation=True,
                       max_length=sft.get("max_length") or 1024)
     if cfg["lora"]:

@@ -97,6 +97,21 @@ def test_tensor_parallel_plan_loads_sharded_and_steps(model_file: Path, hf_model
     assert len(losses) == tp * dp and len(set(losses)) == 1, run.stdout  # same micro-batch, same loss on each
 
 
+def test_dry_run_takes_chat_messages_as_well_as_text(model_file: Path, hf_model: Path, tmp_path: Path) -> None:
+    """finetune.py's docstring promises "text" or chat "messages" rows; --dry-run read row["text"] only (KeyError)."""
+    _write(_plan(model_file, dp=1), tmp_path / "out")
+    rows = [json.loads(line) for line in (hf_model / "data.jsonl").read_text().splitlines()]
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text("".join(json.dumps({"messages": [{"role": "user", "content": r["text"]},
+                                                     {"role": "assistant", "content": r["text"]}]}) + "\n"
+                            for r in rows))
+    run = subprocess.run([sys.executable, "finetune.py", "--dataset", str(chat), "--cpu", "--dry-run"],
+                         cwd=tmp_path / "out", capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert re.search(r"dry run: loss \d+\.\d+", run.stdout), run.stdout
+
+
 def test_full_fine_tune_trains_with_sft_trainer(hf_model: Path, tmp_path: Path) -> None:
     out = tmp_path / "plan"
     env = {"OPTPLAN_CACHE_DIR": str(tmp_path / "cache")}
