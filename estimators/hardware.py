@@ -128,6 +128,15 @@ _DRIVER_VENDOR = re.compile(r"\b(nvidia|tesla|geforce|quadro)\b", re.IGNORECASE)
 _DRIVER_MEMORY = re.compile(r"(\d+)\s*GB", re.IGNORECASE)
 
 
+def catalogue_variants(given: str, chosen: str) -> list[str]:
+    """The other catalogue names of the family ``given`` names when it is not ``chosen``'s own name (``A100`` ->
+    ``["A100-40GB"]`` beside the A100-80GB it means), compared normalised like :func:`find_gpu`; [] otherwise."""
+    wanted = _norm(given)
+    if not wanted or wanted == _norm(chosen):
+        return []
+    return [name for name in gpu_catalogue() if name != chosen and _norm(name).startswith(wanted)]
+
+
 def unknown_gpu_message(name: str, *, fix: str = "use --gpu with one of") -> str:
     """The one-line error for a GPU name the catalogue lacks, naming the close names first."""
     known = ", ".join(gpu_catalogue())

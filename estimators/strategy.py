@@ -37,6 +37,9 @@ OPTIMIZER_ALIASES: dict[str, str] = {
 PAGED_OPTIMIZERS = ("paged_adamw", "paged_adamw8bit")
 """bitsandbytes' paged optimizers (``PagedAdamW``, ``PagedAdamW8bit``): their state lives in CUDA unified memory
 (estimators/optimizers.py)."""
+QUANT_FP8_PROBLEM = ("a quantised base (QLoRA) computes in bf16/fp16 (bitsandbytes dequantises its 4-bit weights for "
+                     "16-bit GEMMs)")
+"""Why a quantised base and fp8 do not go together (Strategy's check, the recommend flags' check)."""
 FSDP_STAGE: dict[str, int] = {"none": 0, "grad_op": 2, "full": 3, "hybrid": 3}
 """The ZeRO stage an FSDP sharding strategy equals (PyTorch FSDP docs: SHARD_GRAD_OP shards gradients
 and optimizer states like ZeRO-2, FULL_SHARD also parameters like ZeRO-3; HYBRID_SHARD is FULL_SHARD
@@ -156,8 +159,7 @@ class Strategy(BaseModel):
                                  "--offload-optimizer cpu")
         if self.quant != "none":
             if self.precision == "fp8":  # bitsandbytes' 4-bit layers dequantise to 16-bit GEMMs, never fp8 ones
-                raise ValueError("a quantised base (QLoRA) computes in bf16/fp16 (bitsandbytes dequantises its 4-bit "
-                                 "weights for 16-bit GEMMs): use --precision bf16, not fp8")
+                raise ValueError(f"{QUANT_FP8_PROBLEM}: use --precision bf16, not fp8")
             if self.engine == "megatron":
                 raise ValueError("a quantised base (QLoRA) runs on the torch or deepspeed engine: use --engine torch")
             if self.engine != "torch" and (self.offload_optimizer != "none" or self.offload_params != "none"):

@@ -55,6 +55,11 @@ within 2 % on the CPU and 6.5 % on the GPU campaign's runs)."""
 CACHE_FORMAT = 1
 
 
+def plausible(ratio: float | None, bounds: tuple[float, float]) -> bool:
+    """Whether a measured ÷ predicted ``ratio`` lies within ``bounds`` (``TIME_RATIO_BOUNDS``, ``MEMORY_RATIO_BOUNDS``)."""
+    return ratio is not None and bounds[0] <= ratio <= bounds[1]
+
+
 class ProbeComparison(BaseModel):
     """One probed candidate: what was predicted for the probed strategy and what the probe measured."""
 
@@ -140,14 +145,14 @@ def fit_calibration(comparisons: Sequence[ProbeComparison], *, gpu: str, model_h
     """The Calibration the probes support (see the module docstring), or None when no probe measured."""
     measured = [c for c in comparisons if c.result.status == "ok"]
     all_mem = [r for c in measured if (r := c.memory_ratio) is not None]
-    mem = [r for r in all_mem if MEMORY_RATIO_BOUNDS[0] <= r <= MEMORY_RATIO_BOUNDS[1]]
+    mem = [r for r in all_mem if plausible(r, MEMORY_RATIO_BOUNDS)]
     frag = [c.result.peak_reserved_bytes / c.result.peak_allocated_bytes - 1 for c in measured
             if c.result.peak_reserved_bytes and c.result.peak_allocated_bytes
             and c.result.peak_reserved_bytes >= c.result.peak_allocated_bytes]  # reserved holds what is allocated
     context = [c.result.non_torch_bytes for c in measured if c.result.non_torch_bytes is not None]
     all_timed = [c for c in measured if c.time_comparable and c.time_ratio is not None
                  and c.predicted_on_device_s is not None and c.predicted_exposed_comm_s is not None]
-    timed = [c for c in all_timed if TIME_RATIO_BOUNDS[0] <= c.time_ratio <= TIME_RATIO_BOUNDS[1]]  # type: ignore[operator]
+    timed = [c for c in all_timed if plausible(c.time_ratio, TIME_RATIO_BOUNDS)]
     implausible = _implausible(all_timed, timed, all_mem, mem)
     quiet = [c for c in timed if c.predicted_exposed_comm_s <= COMM_FREE_FRACTION * (c.predicted_step_s or 0)]  # type: ignore[operator]
     loud = [c for c in timed if c not in quiet]

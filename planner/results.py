@@ -34,6 +34,7 @@ from optplan.planner.calibrate import (
     ProbeComparison,
     fit_calibration,
     median_abs_error,
+    plausible,
 )
 from optplan.probes.model_errors import one_line
 from optplan.probes.runtime import ProbeResult, ProbeSpec
@@ -202,12 +203,10 @@ def calibrations_from_results(paths: Sequence[Path]) -> list[CalibrationFit]:
         if cal is None:
             continue
         ok = [c for c in comps if c.result.status == "ok"]
-        lo, hi = TIME_RATIO_BOUNDS
         timed = [(c, s) for c in ok if c.time_comparable and c.result.step_s and c.predicted_step_s
-                 and lo <= c.result.step_s / c.predicted_step_s <= hi and (s := _calibrated_step_s(c, cal)) is not None]
-        low, high = MEMORY_RATIO_BOUNDS
+                 and plausible(c.time_ratio, TIME_RATIO_BOUNDS) and (s := _calibrated_step_s(c, cal)) is not None]
         mem = [c for c in ok if c.result.peak_allocated_bytes and c.predicted_allocated_bytes
-               and low <= c.result.peak_allocated_bytes / c.predicted_allocated_bytes <= high]
+               and plausible(c.memory_ratio, MEMORY_RATIO_BOUNDS)]
         fits.append(CalibrationFit(
             calibration=cal.model_copy(update={"source": f"results files: {cal.source}"}), model=cases[0].model,
             runs=len(cases),

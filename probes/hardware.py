@@ -19,7 +19,14 @@ from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
 from pydantic import BaseModel, ConfigDict, Field
 
 from optplan.estimators.errors import OptplanError
-from optplan.estimators.hardware import Cluster, GPUSpec, find_gpu, gpu_catalogue, match_device_name
+from optplan.estimators.hardware import (
+    Cluster,
+    GPUSpec,
+    catalogue_variants,
+    find_gpu,
+    gpu_catalogue,
+    match_device_name,
+)
 
 DEFAULT_GPU = "H100-SXM"
 DEFAULT_GPUS = 8
@@ -294,13 +301,7 @@ def _planned_spec(devices: tuple[DetectedGPU, ...]) -> tuple[GPUSpec, list[str]]
 def _variants_note(given: str, chosen: str) -> str:
     """When ``--gpu`` named a family with several catalogue variants (``A100``: 40 and 80 GB), which one was taken
     and the others (``" A100: the A100-80GB; also A100-40GB"``); else ""."""
-    def norm(name: str) -> str:
-        return "".join(ch for ch in name.lower() if ch.isalnum())
-
-    wanted = norm(given)
-    if not wanted or wanted == norm(chosen):
-        return ""
-    others = [name for name in gpu_catalogue() if name != chosen and norm(name).startswith(wanted)]
+    others = catalogue_variants(given, chosen)
     return f" {given}: the {chosen}; also {', '.join(others)}" if others else ""
 
 

@@ -176,7 +176,8 @@ def unused_params_note(model: nn.Module, has_loss_fn: bool) -> str | None:
         return None
     trainable = [p for p in model.parameters() if p.requires_grad]
     names = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
-    share = sum(p.numel() for n, p in model.named_parameters() if n in set(missing)) / max(
+    skipped = set(missing)
+    share = sum(p.numel() for n, p in model.named_parameters() if n in skipped) / max(
         1, sum(p.numel() for p in trainable))
     fix = ("define loss_fn(output, batch) computing the loss you train with" if not has_loss_fn else
            "if training uses them, make loss_fn(output, batch) depend on them")

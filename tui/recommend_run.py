@@ -77,8 +77,9 @@ def prepare_recommend(args: RecommendArgs, *, check_out: bool = True) -> Prepare
     a = args
     finetune_choice(a).check(runs_a_model=a.runs_a_model)
     if finetune_choice(a).quant_name() != "none" and "fp8" in (a.precision or ()):
-        raise OptplanError("a quantised base (QLoRA) computes in bf16/fp16 (bitsandbytes dequantises its 4-bit weights "
-                           "for 16-bit GEMMs): drop fp8 from --precision")
+        from optplan.estimators.strategy import QUANT_FP8_PROBLEM
+
+        raise OptplanError(f"{QUANT_FP8_PROBLEM}: drop fp8 from --precision")
     check_choice("--objective", a.objective, OBJECTIVES)
     check_choice("--method", a.method, METHODS)
     check_choice("--launcher", a.launcher, LAUNCHERS)
