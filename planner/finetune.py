@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from pydantic import BaseModel, ConfigDict
 
 from optplan.estimators.errors import OptplanError
@@ -22,6 +24,7 @@ from optplan.estimators.finetune import (
     LoraRequest,
     QuantName,
 )
+from optplan.estimators.strategy import Strategy
 
 FINETUNE_METHODS: tuple[FinetuneMethod, ...] = ("full", "lora", "qlora")
 LORA_PRECISIONS_BF16 = ("amp-bf16",)
@@ -72,6 +75,34 @@ class FinetuneChoice(BaseModel):
             raise OptplanError("--lora-targets is empty: name the layers, e.g. q_proj,v_proj")
         if self.finetune == "qlora" and self.quant == "none":
             raise OptplanError("--finetune qlora quantises the base: use --quant nf4-dq, nf4 or int8, or --finetune lora")
+
+    def check_engines(self, engines: Sequence[str] | None) -> None:
+        """recommend's ``--engine``: a LoRA/QLoRA plan runs on the torch engine (finetune.py: TRL's SFTTrainer
+        under DDP or FSDP), so engines without torch are one error line rather than a silent torch plan."""
+        if self.adapters and engines and "torch" not in engines:
+            raise OptplanError(f"--finetune {self.finetune} plans run on the torch engine (finetune.py, TRL's "
+                               f"SFTTrainer with DDP or FSDP), and --engine names {', '.join(engines)}: "
+                               "drop --engine (or use --engine torch)")
+
+    def check_strategy(self, strategy: Strategy) -> None:
+        """estimate's flags for a LoRA/QLoRA plan: what finetune.py runs and the search plans (torch engine, data
+        parallel or FSDP, no tensor/pipeline/context/expert parallelism, no offload); anything else is one error
+        line naming the flag, not a number for a layout no export can start."""
+        if not self.adapters:
+            return
+        method = f"--finetune {self.finetune}"
+        if strategy.engine != "torch":
+            flag = "--zero" if strategy.engine == "deepspeed" and strategy.zero else "--engine"
+            raise OptplanError(f"{method} plans run on the torch engine (finetune.py, TRL's SFTTrainer), not "
+                               f"{strategy.engine}: drop {flag} (shard with --fsdp full or grad_op instead)")
+        split = [f"--{k} {v}" for k, v in (("tp", strategy.tp), ("pp", strategy.pp), ("cp", strategy.cp),
+                                            ("ep", strategy.ep)) if v > 1]
+        if split:
+            raise OptplanError(f"{method} with {', '.join(split)}: LoRA plans are data parallel or FSDP only "
+                               f"(model parallelism with adapters is not modelled): drop {split[0].split()[0]}")
+        if strategy.offload_optimizer != "none" or strategy.offload_params != "none":
+            raise OptplanError(f"{method} with offload: LoRA plans keep everything on the GPU (the optimizer "
+                               "states are the adapters'): drop the offload flags")
 
     def lora_request(self) -> LoraRequest | None:
         """What the profile builds: the adapters, or None for full training."""

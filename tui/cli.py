@@ -266,6 +266,7 @@ def estimate(
                               quant=choice.quant_name())
         # validated before the (slow) profile so a bad flag fails at once
         strategy = derive_strategy(flags, target, gpus_given=gpus is not None or cluster is not None)
+        choice.check_strategy(strategy)
         check_search_options(target, global_batch=None, precisions=[chosen])
         if price is not None and tokens is None:
             raise OptplanError("--price needs --tokens (the token budget to price)")

@@ -91,6 +91,7 @@ def prepare_recommend(args: RecommendArgs, *, check_out: bool = True) -> Prepare
         check_choice("--checkpointing", value, ("none", "selective", "full", "partial", "moe"))
     for value in a.engine or ():
         check_choice("--engine", value, ENGINES)
+    finetune_choice(a).check_engines(a.engine)
     for flag, number in (("params", a.params), ("tokens", a.tokens), ("global-batch-tokens", a.global_batch_tokens)):
         check_finite(flag, number)
     check_finite("price", a.price, allow_zero=True)

@@ -29,6 +29,15 @@ runner = CliRunner()
     (["estimate", "examples/mlp.py", "--quant", "nf4"], "apply to LoRA fine-tuning"),
     (["estimate", "examples/mlp.py", "--lora-dropout", "0.1"], "apply to LoRA fine-tuning"),
     (["estimate", "examples/mlp.py", "--finetune", "lora", "--lora-dropout", "1.5"], "--lora-dropout is a probability"),
+    # layouts finetune.py cannot start are refused, not priced (or silently turned into a torch plan)
+    (["estimate", "examples/llama.py", "--finetune", "lora", "--gpus", "2", "--zero", "2"], "not deepspeed: drop --zero"),
+    (["estimate", "examples/llama.py", "--finetune", "lora", "--gpus", "2", "--engine", "deepspeed"],
+     "not deepspeed: drop --engine"),
+    (["estimate", "examples/llama.py", "--finetune", "lora", "--gpus", "2", "--tp", "2"], "with --tp 2"),
+    (["estimate", "examples/llama.py", "--finetune", "qlora", "--gpus", "2", "--fsdp", "full", "--offload", "params"],
+     "with offload"),
+    (["recommend", "examples/llama.py", "--finetune", "lora", "--gpus", "2", "--engine", "deepspeed"],
+     "--engine names deepspeed"),
 ])
 def test_bad_finetune_flags_are_one_line(argv: list[str], message: str) -> None:
     r = runner.invoke(app, argv)
