@@ -100,12 +100,23 @@ ADAPTER_LATER_FIELDS = ("dropout", "quant_input_elements", "quant_input_unkept_e
 """AdapterProfile fields added after calibrations were first keyed by profile hash."""
 
 
-def profile_hash(profile: ModelProfile) -> str:
-    """16 hex digits of SHA-256 over the profile (timings and notes left out): same model, same hash. A full-training
+IDENTITY_FIELDS = ("name", "path")
+"""ModelProfile fields that say where the model file is and what it is called, not what it computes: left out of
+:func:`profile_hash`, so a calibration follows the model when the file moves, is renamed, or was measured on
+another machine (a GPU campaign's results file) or through another cache folder (``--hf``'s generated file)."""
+
+
+def profile_hash(profile: ModelProfile, *, with_identity: bool = False) -> str:
+    """16 hex digits of SHA-256 over the profile (timings, notes, file path and name left out): same model, same
+    hash, wherever its file is. A full-training
     profile leaves out ``adapter`` (None), a model without a tensor-parallel plan ``tensor_plan`` (None), and a
     transformer shape's unset ``head_dim``/``moe``/``mla`` and an adapter's
-    :data:`ADAPTER_LATER_FIELDS` at their defaults, so hashes from before those fields existed still match."""
+    :data:`ADAPTER_LATER_FIELDS` at their defaults, so hashes from before those fields existed still match.
+    ``with_identity``: the hash as it was before 2026-11-30 (path and name included), which older cache entries
+    and results files carry (:func:`profile_hashes`)."""
     skip: dict[str, object] = {name: True for name in RUN_FIELDS}
+    if not with_identity:
+        skip.update({name: True for name in IDENTITY_FIELDS})
     skip.update({name: True for name in ("adapter", "tensor_plan") if getattr(profile, name) is None})
     shape = profile.transformer
     if shape is not None:  # shape fields added later (head width, MoE, latent attention) count only when set
@@ -120,6 +131,12 @@ def profile_hash(profile: ModelProfile) -> str:
             skip["adapter"] = unset
     doc = profile.model_dump(mode="json", exclude=skip)
     return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def profile_hashes(profile: ModelProfile) -> tuple[str, str]:
+    """The keys a calibration for ``profile`` may be stored under: :func:`profile_hash`, then the older hash
+    that also covered the file's path and name (entries written before it was left out)."""
+    return profile_hash(profile), profile_hash(profile, with_identity=True)
 
 
 def torch_version() -> str:
@@ -234,9 +251,13 @@ def _read_cache(path: Path) -> dict[str, dict[str, object]]:
     return doc["calibrations"]
 
 
-def load_calibration(gpu: str, model_hash: str, torch_ver: str, *, path: Path | None = None) -> Calibration | None:
-    """The cached Calibration for this GPU, model and torch version, or None."""
-    entry = _read_cache(cache_path(path)).get(calibration_key(gpu, model_hash, torch_ver))
+def load_calibration(gpu: str, model_hash: str | Sequence[str], torch_ver: str, *,
+                     path: Path | None = None) -> Calibration | None:
+    """The cached Calibration for this GPU, model and torch version, or None. ``model_hash``: one key, or
+    several tried in order (:func:`profile_hashes`)."""
+    cache = _read_cache(cache_path(path))
+    hashes = (model_hash,) if isinstance(model_hash, str) else tuple(model_hash)
+    entry = next((cache[k] for k in (calibration_key(gpu, h, torch_ver) for h in hashes) if k in cache), None)
     if entry is None:
         return None
     try:

@@ -54,6 +54,7 @@ from optplan.planner.calibrate import (
     fit_calibration,
     load_calibration,
     profile_hash,
+    profile_hashes,
     save_calibration,
     torch_version,
 )
@@ -339,7 +340,7 @@ def measured_cluster(cluster: Cluster, local: LocalDevices, *, bench: Callable[.
 
 def cached_calibration(profile: ModelProfile, cluster: Cluster, *, path: Path | None = None) -> Calibration | None:
     """The calibration an earlier probe run stored for this GPU, model and torch version (or None)."""
-    return load_calibration(cluster.gpu.name, profile_hash(profile), torch_version(), path=path)
+    return load_calibration(cluster.gpu.name, profile_hashes(profile), torch_version(), path=path)
 
 
 def _measured(e: Estimate, c: ProbeComparison, calibration: Calibration | None) -> Estimate:

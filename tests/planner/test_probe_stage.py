@@ -22,11 +22,14 @@ from optplan.planner.calibrate import (
     ProbeComparison,
     fit_calibration,
     load_calibration,
+    profile_hash,
     save_calibration,
+    torch_version,
 )
 from optplan.planner.probe_stage import (
     LocalDevices,
     ProbeOptions,
+    cached_calibration,
     measured_cluster,
     probe_strategy,
     run_probe_stage,
@@ -141,6 +144,29 @@ def test_cache_round_trip_keeps_other_entries_and_rejects_foreign_files(tmp_path
     path.write_text("[1, 2]")
     with pytest.raises(OptplanError, match="not an optplan calibration file.*delete it"):
         load_calibration("A", "m", "t", path=path)
+
+
+def test_a_calibration_follows_the_model_when_its_file_moves(tmp_path: Path) -> None:
+    """The key leaves out the file's path and name (a results file measured on another machine, a moved file, an
+    --hf model generated in another cache folder); entries stored under the older path-bound key are still found."""
+    profile = make_profile()
+    moved = profile.model_copy(update={"path": "/elsewhere/renamed.py", "name": "renamed"})
+    changed = profile.model_copy(update={"params": profile.params + 1})
+    assert profile_hash(moved) == profile_hash(profile) != profile_hash(changed)
+    assert profile_hash(moved, with_identity=True) != profile_hash(profile, with_identity=True)
+    cluster = Cluster(gpu=make_gpu(), gpus=1, gpus_per_node=1)
+    path = tmp_path / "calibration.json"
+    cal = fit_calibration([_comparison(1.0, 1.0, 0.0, 1.5)], gpu=cluster.gpu.name, model_hash=profile_hash(profile),
+                          torch_version=torch_version())
+    assert cal is not None
+    save_calibration(cal, path=path)
+    assert cached_calibration(moved, cluster, path=path) == cal
+    assert cached_calibration(changed, cluster, path=path) is None
+    legacy = cal.model_copy(update={"model_hash": profile_hash(moved, with_identity=True)})
+    path.unlink()
+    save_calibration(legacy, path=path)
+    assert cached_calibration(moved, cluster, path=path) == legacy
+    assert cached_calibration(profile, cluster, path=path) is None  # the old key was bound to the other path
 
 
 # --- the stage -------------------------------------------------------------------------------------------
