@@ -101,13 +101,15 @@ def read_results(path: Path) -> list[MeasuredCase]:
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise OptplanError(f"{path} is not JSON (line {exc.lineno}: {exc.msg}): pass a results file that "
-                           "benchmarks/gpu_campaign.py wrote") from None
+        raise OptplanError(f"{path} is not JSON (line {exc.lineno}: {exc.msg}): pass a measurements.json that "
+                           "train.py wrote, or a results file that benchmarks/gpu_campaign.py wrote") from None
     if isinstance(doc, dict) and doc.get("format") == MEASUREMENTS_FORMAT:
         return [case_from_measurements(doc, path)]
     if not isinstance(doc, dict) or doc.get("format") != RESULTS_FORMAT or not isinstance(doc.get("measured"), list):
-        raise OptplanError(f"{path} is not an optplan results file (no \"format\": \"{RESULTS_FORMAT}\" with a "
-                           "\"measured\" list): pass fidelity.json or grid.json from benchmarks/gpu_campaign.py")
+        raise OptplanError(f"{path} is neither a train.py measurements file (\"format\": \"{MEASUREMENTS_FORMAT}\") "
+                           f"nor an optplan results file (\"format\": \"{RESULTS_FORMAT}\" with a \"measured\" "
+                           "list): pass the measurements.json an exported train.py wrote, or fidelity.json or "
+                           "grid.json from benchmarks/gpu_campaign.py")
     out = []
     for i, entry in enumerate(doc["measured"]):
         try:

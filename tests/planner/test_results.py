@@ -79,7 +79,8 @@ def test_the_cli_writes_the_cache_that_plans_read(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("text", "needle"), [
     ("not json", "is not JSON"),
-    ('{"format": "other", "measured": []}', "is not an optplan results file"),
+    ('{"format": "other", "measured": []}', "neither a train.py measurements file"),
+    ("[]", "pass the measurements.json an exported train.py wrote"),
     (json.dumps({"format": RESULTS_FORMAT, "measured": [{"gpu": "H100-SXM"}]}), "measured[0].model"),
 ])
 def test_bad_results_files_are_one_line(tmp_path: Path, text: str, needle: str) -> None:
