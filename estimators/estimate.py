@@ -30,7 +30,7 @@ from optplan.estimators.strategy import PAGED_OPTIMIZERS, Strategy
 from optplan.estimators.temporaries import AdamImpl, engine_adam_impl
 from optplan.estimators.timing import TimeBreakdown, comm_time_s, mfu_peak_flops, step_time, with_paging
 from optplan.estimators.uncertainty import TimeBand, time_band
-from optplan.estimators.units import gib
+from optplan.estimators.units import gib, gib_apart, margin_text
 from optplan.estimators.validity import check_strategy
 from optplan.estimators.vocab_padding import vocab_padding_notes
 
@@ -92,16 +92,16 @@ def estimate_states(profile: ModelProfile, cluster: Cluster, strategy: Strategy)
 
 def estimate_reason(memory: MemoryBreakdown) -> str:
     """One line: fits with how much free, or does not fit and the largest category."""
-    need, cap = gib(memory.total_bytes), gib(memory.capacity_bytes)
+    need, cap = gib_apart(memory.total_bytes, memory.capacity_bytes)
     if memory.fits:
-        return f"fits: {need:.1f} GiB of {cap:.1f} GiB per GPU ({gib(memory.headroom_bytes):.1f} GiB free)"
+        return f"fits: {need} GiB of {cap} GiB per GPU ({margin_text(memory.headroom_bytes)} free)"
     parts = {
         "weights": memory.params_bytes, "gradients": memory.grads_bytes,
         "optimizer states": memory.optimizer_bytes, "activations": memory.activations_bytes,
         "buffers": memory.buffers_bytes,
     }
     largest = max(parts, key=parts.__getitem__)
-    return (f"does not fit: needs {need:.1f} GiB > {cap:.1f} GiB per GPU; "
+    return (f"does not fit: needs {need} GiB > {cap} GiB per GPU ({margin_text(memory.headroom_bytes)} over); "
             f"largest part: {largest} {gib(parts[largest]):.1f} GiB")
 
 

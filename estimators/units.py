@@ -12,3 +12,21 @@ TERA = 1e12
 def gib(num_bytes: float) -> float:
     """Bytes -> GiB (2**30 bytes)."""
     return num_bytes / GIB_BYTES
+
+
+def gib_apart(a_bytes: float, b_bytes: float, *, digits: int = 1, max_digits: int = 3) -> tuple[str, str]:
+    """Two byte counts as GiB text with the fewest decimals (``digits`` up to ``max_digits``) that keep unequal
+    counts apart, so "needs 78.42 GiB > 78.40 GiB" is never printed as "78.4 GiB > 78.4 GiB"."""
+    a, b = gib(a_bytes), gib(b_bytes)
+    for d in range(digits, max_digits + 1):
+        left, right = f"{a:.{d}f}", f"{b:.{d}f}"
+        if left != right or a_bytes == b_bytes:
+            break
+    return left, right
+
+
+def margin_text(num_bytes: float) -> str:
+    """A headroom or overshoot (sign dropped): GiB with one decimal, or MiB below 0.1 GiB (a 21 MiB overshoot is
+    not "0.0 GiB")."""
+    size = abs(num_bytes)
+    return f"{gib(size):.1f} GiB" if gib(size) >= 0.1 else f"{size / MIB_BYTES:.0f} MiB"

@@ -7,6 +7,7 @@ import json
 from optplan.estimators.errors import OptplanError
 from optplan.estimators.estimate import Estimate
 from optplan.estimators.strategy import Strategy
+from optplan.estimators.units import gib_apart, margin_text
 from optplan.planner.export.context import ExportPlan
 from optplan.planner.recommend import Recommendation
 
@@ -87,10 +88,11 @@ def render_plan_md(rec: Recommendation) -> str:
         return "\n".join(lines)
     e = rec.estimate
     s = rec.plan
+    need, cap = gib_apart(e.memory.total_bytes, e.memory.capacity_bytes)
     lines += [f"## Plan: `{s.label()}` on {e.gpus} GPUs", "", _HEADER, _row(e, rec.tokens), "",
               "## Predicted", "",
-              f"- memory per GPU (worst rank: {e.memory.rank}): {e.memory.total_bytes / 2**30:.1f} GiB of "
-              f"{e.memory.capacity_bytes / 2**30:.1f} GiB ({e.memory.headroom_bytes / 2**30:.1f} GiB free)",
+              f"- memory per GPU (worst rank: {e.memory.rank}): {need} GiB of {cap} GiB "
+              f"({margin_text(e.memory.headroom_bytes)} free)",
               f"- step: {e.time.step_s:.3f} s for {e.global_batch} samples; {e.samples_per_s:.4g} samples/s"
               + (f", {e.tokens_per_s:,.0f} tokens/s" if e.tokens_per_s else "")
               + (f"; band {e.time.step_s_low:.3f}-{e.time.step_s_high:.3f} s ({e.time.band_basis})"
