@@ -183,7 +183,8 @@ def recommend(profile: ModelProfile, cluster: Cluster, *, global_batch: int | No
     """
     goal = goal or Goal()
     goal.check()
-    if goal.price_per_gpu_hour is None and cluster.price_per_gpu_hour is not None:
+    if goal.price_per_gpu_hour is None and cluster.price_per_gpu_hour is not None and goal.tokens is not None:
+        # the cluster file's price prices a token budget; without one it is unused (not a --price needing --tokens)
         goal = goal.model_copy(update={"price_per_gpu_hour": cluster.price_per_gpu_hour})
     gb = global_batch if global_batch is not None else profile.defaults.global_batch
     # the model file's precision is the one searched when none is named, as its optimizer is (derive.file_precision)

@@ -24,8 +24,27 @@ def duration(seconds: float) -> str:
 
 
 def long_duration(seconds: float) -> str:
-    """Training-sized durations: '5.2 h', '31.0 days'."""
-    return f"{seconds / 86400:.1f} days" if seconds >= 86400 else f"{seconds / 3600:.1f} h"
+    """Training-sized durations: '5.2 h', '31.0 days'; under six minutes '4.5 min' or '38 s' (never '0.0 h')."""
+    if seconds >= 86400:
+        return f"{seconds / 86400:.1f} days"
+    if seconds >= 360:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.0f} s"
+
+
+def amount(x: float) -> str:
+    """A budget figure: '1,234', or two significant digits below 10 ('0.33', not '0')."""
+    return f"{x:,.0f}" if x >= 10 else f"{x:.2g}"
+
+
+def gpu_hours_text(gpu_hours: float) -> str:
+    """'1,234 GPU-hours', '0.33 GPU-hours' (:func:`amount`)."""
+    return f"{amount(gpu_hours)} GPU-hours"
+
+
+def usd_text(usd: float) -> str:
+    """'$1,234', or cents below $10 ('$0.83', not '$1')."""
+    return f"${usd:,.0f}" if usd >= 10 else f"${usd:.2f}"
 
 
 def si3(n: float) -> str:

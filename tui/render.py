@@ -13,7 +13,7 @@ from optplan.estimators.precision import get_recipe
 from optplan.estimators.profile import ModelProfile
 from optplan.estimators.units import gib
 from optplan.planner.recommend import Recommendation
-from optplan.tui.fmt import duration, gib_text, long_duration, si
+from optplan.tui.fmt import amount, duration, gib_text, gpu_hours_text, long_duration, si, usd_text
 
 _g = gib_text
 _si = si
@@ -129,11 +129,9 @@ def estimate_table(e: Estimate | StatesEstimate) -> Group:
                    *(Text(f"note: {n}", style="dim") for n in e.notes)]
     if e.cost is not None:
         c = e.cost
-        money = f", ${c.cost_usd:,.0f}" if c.cost_usd is not None else ""
-        span = (f"{c.train_time_s / 86400:,.1f} days" if c.train_time_s >= 86400
-                else f"{c.train_time_s / 3600:,.1f} hours")
-        parts.append(Text(f"{c.tokens:.3g} tokens: {span}, {c.gpu_hours:,.0f} GPU-hours"
-                          f"{money}, {c.energy_kwh:,.0f} kWh (GPU power)"))
+        money = f", {usd_text(c.cost_usd)}" if c.cost_usd is not None else ""
+        parts.append(Text(f"{c.tokens:.3g} tokens: {long_duration(c.train_time_s)}, {gpu_hours_text(c.gpu_hours)}"
+                          f"{money}, {amount(c.energy_kwh)} kWh (GPU power)"))
     return Group(*parts)
 
 
@@ -256,9 +254,9 @@ def print_recommendation(console: Console, rec: Recommendation, profile: ModelPr
                             title_align="left"))
         cost = rec.estimate.cost if isinstance(rec.estimate, Estimate) else None
         if cost is not None:
-            money = f", ${cost.cost_usd:,.0f}" if cost.cost_usd is not None else ""
+            money = f", {usd_text(cost.cost_usd)}" if cost.cost_usd is not None else ""
             console.print(f"to train {cost.tokens:.3g} tokens: {long_duration(cost.train_time_s)} on "
-                          f"{rec.estimate.gpus} GPUs, {cost.gpu_hours:,.0f} GPU-hours{money}")
+                          f"{rec.estimate.gpus} GPUs, {gpu_hours_text(cost.gpu_hours)}{money}")
         if rec.pareto:
             axes = "throughput vs headroom" if rec.objective == "throughput" else "time vs cost"
             n = len(rec.pareto)

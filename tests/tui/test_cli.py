@@ -326,6 +326,22 @@ def test_estimate_reads_a_cluster_file(tmp_path: Path) -> None:
     assert clash.exit_code == 2 and "--gpus" in clash.stderr
 
 
+def test_a_cluster_files_price_waits_for_a_token_budget(tmp_path: Path) -> None:
+    """The file's price prices --tokens; without them recommend plans as usual (it said '--price needs --tokens')."""
+    f = tmp_path / "cluster.yaml"
+    f.write_text("gpu: H100-SXM\ngpus_per_node: 8\nnodes: 1\nprice_per_gpu_hour: 2.5\n")
+    arch = ["--arch", "layers=2,hidden=256,heads=4,seq=512", "--cluster", str(f), "--method", "enumerate"]
+    plain = _json(["recommend", *arch, "--json"])
+    assert plain["plan"] is not None and plain["estimate"]["cost"] is None
+    priced = _json(["recommend", *arch, "--tokens", "1e8", "--json"])
+    cost = priced["estimate"]["cost"]
+    assert cost["cost_usd"] == pytest.approx(2.5 * cost["gpu_hours"])
+    text = runner.invoke(app, ["recommend", *arch, "--tokens", "1e8"])
+    assert text.exit_code == 0 and " 0.0 h " not in text.stdout and " 0 GPU-hours" not in text.stdout
+    line = next(x for x in text.stdout.splitlines() if x.startswith("to train"))
+    assert f"{cost['gpu_hours']:.2g} GPU-hours" in line and f"${cost['cost_usd']:.2f}" in line, line
+
+
 @pytest.mark.parametrize(("args", "needle"), [
     (["--tp", "3"], "not divisible by tp·pp·cp"),
     (["--tp", "16", "--gpus", "8"], "not divisible by tp·pp·cp = 16"),

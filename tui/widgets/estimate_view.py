@@ -16,7 +16,7 @@ from optplan.estimators.estimate import Estimate, StatesEstimate
 from optplan.estimators.memory import MemoryBreakdown
 from optplan.estimators.timing import TimeBreakdown
 from optplan.estimators.units import gib
-from optplan.tui.fmt import long_duration
+from optplan.tui.fmt import amount, gpu_hours_text, long_duration, usd_text
 from optplan.tui.widgets.stacked_bar import BarData, Segment, StackedBar
 
 MEMORY_COLORS = ("dodger_blue2", "medium_purple", "dark_orange", "green3", "gold3", "grey58")
@@ -73,9 +73,9 @@ def cost_text(e: Estimate | StatesEstimate) -> Text:
     c = e.cost if isinstance(e, Estimate) else None
     if c is None:
         return Text("time to train and cost: give --tokens (and --price) to see them", style="dim")
-    money = f", ${c.cost_usd:,.0f}" if c.cost_usd is not None else " (give --price for the cost)"
+    money = f", {usd_text(c.cost_usd)}" if c.cost_usd is not None else " (give --price for the cost)"
     return Text(f"time to train {c.tokens:.3g} tokens: {long_duration(c.train_time_s)}, "
-                f"{c.gpu_hours:,.0f} GPU-hours{money}, {c.energy_kwh:,.0f} kWh")
+                f"{gpu_hours_text(c.gpu_hours)}{money}, {amount(c.energy_kwh)} kWh")
 
 
 def bullets(heading: str, lines: Sequence[str]) -> Group:
