@@ -412,6 +412,10 @@ def build_space(profile: ModelProfile, cluster: Cluster, *, global_batch: int | 
         if "moe" in ckpt and (profile.transformer is None or profile.transformer.moe is None):
             raise OptplanError(f"--checkpointing moe recomputes MoE layers and {profile.name} has none: use none, "
                                "selective or full")
+        if set(ckpt) <= {"moe"} and not model_parallel:
+            engines_text = ", ".join(chosen_engines)
+            raise OptplanError(f"--checkpointing moe is Megatron-LM's --recompute-modules moe and the search runs "
+                               f"{engines_text}: add --engine megatron, or use none, selective or full")
     elif profile.supports_checkpointing or profile.transformer is not None:
         ckpt = ("none", "selective", "full") if profile.transformer is not None else ("none", "full")
         partial = True

@@ -77,6 +77,10 @@ def test_space_errors_are_one_line_with_fix() -> None:
         build_space(make_profile(), _cluster(), precisions=["fp64"])
     with pytest.raises(OptplanError, match="unknown --engine"):
         build_space(make_profile(), _cluster(), engines=["jax"])
+    moe = profile_from_arch(parse_arch("layers=2,hidden=256,heads=4,ffn=512,vocab=1000,experts=4,topk=2,seq=256"))
+    with pytest.raises(OptplanError, match="--checkpointing moe is Megatron-LM's.*runs deepspeed: add --engine megatron"):
+        build_space(moe, _cluster(), engines=["deepspeed"], checkpointing=["moe"])
+    assert {s.checkpointing for s in _all_strategies(build_space(moe, _cluster(), checkpointing=["moe"]))} == {"moe"}
 
 
 def test_space_without_bf16_searches_fp16() -> None:
