@@ -111,6 +111,7 @@ from optplan.estimators.temporaries import AdamImpl
 from optplan.estimators.tensor_plan import gathers_logits
 from optplan.estimators.tp_overlap import (
     P2P_EXPOSED_INTERLEAVED,
+    exposed_p2p_s,
     overlapped_dp_s,
     overlapped_tp_s,
     overlaps_dp,
@@ -441,9 +442,11 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
     p2p = 0.0
     if p > 1:
         p2p = 2 * v * p2p_s(tokens * h * elem / (t if s_.sp else 1), links["pp"])
-    p2p_exposed = P2P_EXPOSED_INTERLEAVED * p2p if overlaps_p2p(s_) else p2p
+    p2p_hidden_share = None  # None: the sends are on the critical path (1F1B without overlap)
+    if overlaps_p2p(s_):
+        p2p_hidden_share = P2P_EXPOSED_INTERLEAVED
     if dualpipe:  # DualPipe's paired chunks hide the point-to-point sends too (DeepSeek-V3 report §3.2.1)
-        p2p_exposed = solo * p2p
+        p2p_hidden_share = solo
     tp_small = 0.0
     if t > 1:  # vocabulary-parallel embedding / logits: one activation collective + 3 tiny CE all-reduces
         tp_small = tp_one
@@ -482,6 +485,7 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
         layers_time = blend_s(layers_host, layers_dev, eff.overlap_exponent)
         head_host = head_host_base + host_sync * ((1 if first else 0) + (4 if last else 0))
         head_time_s = blend_s(head_host, head_dev, eff.overlap_exponent)
+        p2p_exposed = exposed_p2p_s(p2p, layers_time + head_time_s, p2p_hidden_share)
         stage_info.append({
             "time": layers_time + head_time_s + p2p_exposed, "params": params_local,
             "compute": layers * layer_compute + head_compute, "mem": layers * layer_mem + head_mem,

@@ -86,3 +86,15 @@ def overlapped_dp_s(comm_s: float, window_s: float, last_bucket_s: float) -> flo
         return 0.0
     left = min(comm_s, max(comm_s - window_s, last_bucket_s))
     return left + DP_OVERLAP_INTERFERENCE * (comm_s - left)
+
+
+def exposed_p2p_s(p2p_s: float, compute_s: float, exposed_share: float | None) -> float:
+    """Exposed seconds of one stage's pipeline sends per micro-batch (``p2p_s``) when they run behind the stage's
+    own chunks (``compute_s``: its layers and head per micro-batch, seconds). ``exposed_share`` None: they do not
+    overlap (1F1B without ``overlap_p2p_comm``), all exposed. Otherwise the stated share stays on the path
+    (:data:`P2P_EXPOSED_INTERLEAVED`, DualPipe's solo fraction), and never less than the sends' excess over the
+    compute they hide behind: a send stream slower than the compute paces the stage (max(compute, sends) per
+    micro-batch, the bound overlapped_tp_s and overlapped_dp_s use for their collectives)."""
+    if exposed_share is None:
+        return p2p_s
+    return max(exposed_share * p2p_s, p2p_s - compute_s)

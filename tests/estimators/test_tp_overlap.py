@@ -13,6 +13,7 @@ from optplan.estimators.tp_overlap import (
     DP_OVERLAP_INTERFERENCE,
     TP_OVERLAP_INTERFERENCE,
     TP_OVERLAP_SPLITS,
+    exposed_p2p_s,
     overlapped_dp_s,
     overlapped_tp_s,
     overlaps_p2p,
@@ -66,6 +67,23 @@ def test_interleaved_sends_run_behind_other_chunks() -> None:
     # still counted as communication: v-fold the 1F1B sends (each chunk sends its own activations)
     p2p_total = interleaved.comm_s - interleaved.tp_comm_s - interleaved.dp_comm_s
     assert p2p_total == pytest.approx(5 * one_f_one_b.pp_comm_s, rel=1e-6)
+
+
+def test_sends_slower_than_the_compute_they_hide_behind_pace_the_stage() -> None:
+    assert exposed_p2p_s(1.0, 3.0, None) == 1.0  # 1F1B: no overlap
+    assert exposed_p2p_s(1.0, 3.0, 0.0) == 0.0  # hidden
+    assert exposed_p2p_s(5.0, 3.0, 0.0) == pytest.approx(2.0)  # the excess stays
+    assert exposed_p2p_s(1.0, 3.0, 0.25) == pytest.approx(0.25)  # a stated share stays
+    # a whole estimate on a slow inter-node link: the interleaved sends no longer vanish from the step
+    prof = profile_from_arch(parse_arch(LLAMA70))
+    slow = Cluster(gpu=find_gpu("H100-SXM"), gpus=64, gpus_per_node=8, inter_node_bandwidth_bytes_per_s=12.5e9 / 8)
+    plans = {v: estimate(prof, slow, _megatron(tp=8, dp=1, vpp=v, grad_accum=64)).time for v in (1, 2, 10)}
+    assert plans[2].pp_comm_s == 0.0  # two chunks: the sends still fit behind the compute
+    sends = plans[10].comm_s - plans[10].tp_comm_s - plans[10].dp_comm_s
+    assert sends > 2 * plans[10].compute_s  # ten chunks: more sending than computing ...
+    rest = plans[10].step_s - plans[10].pp_comm_s
+    assert plans[10].pp_comm_s >= sends - rest > 0  # ... and no more hides than the rest of the step lasts
+    assert plans[10].step_s > plans[1].step_s  # so ten-fold interleaving is not the faster plan
 
 
 def test_rules() -> None:
