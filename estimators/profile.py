@@ -258,6 +258,10 @@ RUN_FIELDS = frozenset({"profile_s", "notes", "from_cache"})
 (planner/calibrate.py) and of a study's name (planner/search.py)."""
 
 
+SHAPE_PATHS = ("--arch", "--params", "")
+"""``ModelProfile.path`` of a profile made from a shape, not a model file (estimators/arch.py, params_only.py)."""
+
+
 class ModelProfile(_Frozen):
     """Static profile of one model at one sequence length (per-sample figures)."""
 
@@ -337,6 +341,11 @@ class ModelProfile(_Frozen):
     from_cache: bool = Field(
         default=False, description="True when this profile was read from the profile cache (probes/profile_cache.py) "
                                    "instead of made by this run; profile_s is then the time the cached run took")
+
+    @property
+    def model_file(self) -> str:
+        """The model file the profile was made from; '' for a shape (``--arch``, ``--params``: their ``path``)."""
+        return "" if self.path in SHAPE_PATHS else self.path
 
     @property
     def train_flops_per_sample(self) -> float:

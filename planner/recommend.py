@@ -133,7 +133,7 @@ def with_cost(e: Estimate, goal: Goal, cluster: Cluster) -> Estimate:
 
 
 def _is_model_file(profile: ModelProfile) -> bool:
-    return profile.path not in ("--arch", "--params", "")
+    return bool(profile.model_file)
 
 
 def _is_moe(profile: ModelProfile) -> bool:

@@ -156,7 +156,7 @@ def export_plan_for(strategy: Strategy, profile: ModelProfile, cluster: Cluster,
     block = profile.repeated_block
     prediction = train_prediction(strategy, profile, cluster, shown) if shown is not None else None
     return ExportPlan(
-        strategy=strategy, model=profile.name, model_path=profile.path, model_class=profile.model_class,
+        strategy=strategy, model=profile.name, model_path=profile.model_file, model_class=profile.model_class,
         block_class=block.class_name if block is not None else None, params=profile.params,
         transformer=profile.transformer, seq_len=profile.seq_len, buckets=deepspeed_buckets(profile),
         gpu=cluster.gpu.name, gpus_per_node=cluster.gpus_per_node, tokens_per_sample=profile.tokens_per_sample,

@@ -281,6 +281,18 @@ def launched_command(plan: ExportPlan, *, train_script: str = "train.py",
         '  TRAIN_SCRIPT="$SCRIPT_DIR/$TRAIN_SCRIPT"',
         "fi",
     )
+    if not plan.model_path and train_script == "train.py":
+        # a plan of a shape (--arch/--params): no train.py was exported (it builds the model from a model file)
+        notes.append("this plan was made from --arch/--params, so optplan wrote no train.py: set TRAIN_SCRIPT to "
+                     "your training script, which must build this shape and apply the settings here (or plan with "
+                     "a model file to get a train.py that does).")
+        checks += (
+            'if [[ ! -e "$TRAIN_SCRIPT" ]]; then',
+            '  echo "no $TRAIN_SCRIPT: the plan was made from --arch/--params and optplan wrote no train.py: set '
+            'TRAIN_SCRIPT to your training script" >&2',
+            "  exit 2",
+            "fi",
+        )
     if s.engine == "deepspeed":
         checks += DEEPSPEED_ARCH_LIST_FIX
     return LaunchedCommand(assignments=tuple(assignments), checks=checks, exports=(), words=tuple(words),

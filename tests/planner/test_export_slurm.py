@@ -36,7 +36,7 @@ LLAMA_8B = TransformerShape(hidden=4096, layers=32, heads=32, kv_heads=8, vocab=
 
 def make_plan(strategy: Strategy, *, shape: TransformerShape | None = LLAMA_8B, model: str = "llama-8b",
               gpus_per_node: int = 8) -> ExportPlan:
-    return ExportPlan(strategy=strategy, model=model, model_path="", block_class="LlamaDecoderLayer",
+    return ExportPlan(strategy=strategy, model=model, model_path="model.py", block_class="LlamaDecoderLayer",
                       params=8_030_261_248, transformer=shape, seq_len=4096, buckets=BUCKETS, gpu="H100-SXM",
                       gpus_per_node=gpus_per_node)
 

@@ -42,7 +42,7 @@ LLAMA_8B = TransformerShape(hidden=4096, layers=32, heads=32, kv_heads=8, vocab=
 
 def make_plan(strategy: Strategy, *, shape: TransformerShape | None = LLAMA_8B, model: str = "llama-8b",
               gpus_per_node: int = 8, **kw) -> ExportPlan:
-    fields = dict(strategy=strategy, model=model, model_path="", block_class="LlamaDecoderLayer",
+    fields = dict(strategy=strategy, model=model, model_path="model.py", block_class="LlamaDecoderLayer",
                   params=8_030_261_248, transformer=shape, seq_len=4096, buckets=BUCKETS, gpu="H100-SXM",
                   gpus_per_node=gpus_per_node)
     fields.update(kw)
@@ -259,6 +259,21 @@ def test_torch_plan_launches_script_only(tmp_path):
     result, argv, _ = run_script(text, tmp_path, "--epochs", "1", env={"MASTER_ADDR": "n0"})
     assert result.returncode == 0, result.stderr
     assert argv[-3:] == ["fsdp_train.py", "--epochs", "1"] and "--deepspeed" not in argv
+
+
+@needs_bash
+def test_a_plan_of_a_shape_says_it_needs_a_training_script(tmp_path):
+    """--arch/--params plans get no train.py (it builds the model from a model file): launch.sh says so in a note
+    and stops at once, before any rank starts, unless TRAIN_SCRIPT names a script that exists."""
+    plan = ds_zero2_1node().model_copy(update={"model_path": ""})
+    text = render_launch_sh(plan)
+    assert "made from --arch/--params, so optplan wrote no train.py" in text
+    result, argv, _ = run_script(text, tmp_path)
+    assert result.returncode == 2 and argv is None and "set TRAIN_SCRIPT" in result.stderr
+    (tmp_path / "mine.py").write_text("")
+    result, argv, _ = run_script(text, tmp_path, env={"TRAIN_SCRIPT": "mine.py"})
+    assert result.returncode == 0 and argv is not None and "mine.py" in argv, result.stderr
+    assert "wrote no train.py" not in render_launch_sh(ds_zero2_1node())  # a model file's plan: no such note
 
 
 @needs_bash
