@@ -172,6 +172,12 @@ def _megatron_layout(plan: ExportPlan) -> _Layout:
             f"recompute with recompute_num_layers set), so checkpointing={strategy.checkpointing} cannot run as "
             "planned: plan with --checkpointing full, or launch with Megatron-LM's launch.sh"
         )
+    if strategy.comm_overlap:
+        raise NotExportable(
+            "accelerate's Megatron-LM plugin has no keys for Megatron's tensor/data-parallel communication overlap "
+            "(--tp-comm-overlap, --overlap-grad-reduce, --overlap-param-gather), which this plan's step time counts "
+            "on: launch it with Megatron-LM's launch.sh"
+        )
     if strategy.precision not in _MEGATRON_PRECISIONS:
         raise NotExportable(
             f"accelerate's Megatron-LM plugin knows bf16, fp16 and fp32 only (MegatronLMPlugin."
@@ -370,6 +376,15 @@ def _parallelism_section(plan: ExportPlan, layout: _Layout, notes: dict[str, lis
     return dict(sorted(section.items()))
 
 
+def megatron_recompute_keys(checkpoint_layers: int | None, prefix: str = "megatron_lm_") -> dict[str, Any]:
+    """Megatron-LM's recompute method for full checkpointing of every block (``uniform``, groups of 1 layer) or of
+    the first ``checkpoint_layers`` blocks of each pipeline stage (``block``: --recompute-method block
+    --recompute-num-layers N, what launch.sh passes for a partial plan)."""
+    if checkpoint_layers is None:
+        return {prefix + "recompute_method": "uniform", prefix + "recompute_num_layers": 1}
+    return {prefix + "recompute_method": "block", prefix + "recompute_num_layers": checkpoint_layers}
+
+
 def _megatron_section(plan: ExportPlan, notes: dict[str, list[str]]) -> dict[str, Any]:
     strategy = plan.strategy
     prefix = "megatron_lm_"
@@ -379,8 +394,8 @@ def _megatron_section(plan: ExportPlan, notes: dict[str, list[str]]) -> dict[str
         prefix + "num_micro_batches": strategy.grad_accum,
         prefix + "pp_degree": strategy.pp,
         prefix + "recompute_granularity": "full",
-        prefix + "recompute_method": "uniform",
-        prefix + "recompute_num_layers": 1,
+        # every layer (uniform groups of one), or the first N of each stage (Megatron's block method: partial)
+        **megatron_recompute_keys(strategy.checkpoint_layers, prefix),
         prefix + "sequence_parallelism": strategy.sp,
         prefix + "tp_degree": strategy.tp,
         prefix + "use_distributed_optimizer": strategy.zero == 1,

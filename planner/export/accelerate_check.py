@@ -34,6 +34,7 @@ from optplan.planner.export.accelerate import (
     _layout,
     _scalar,
     _wrap_class,
+    megatron_recompute_keys,
 )
 from optplan.planner.export.context import FILE_NAMES, ExportPlan, NotExportable
 from optplan.planner.validate import ExportValidationError
@@ -468,6 +469,13 @@ def _check_megatron(plan: ExportPlan) -> None:
     if plugin.recompute_granularity != "full":
         raise _fail(f"megatron_lm_recompute_granularity is {plugin.recompute_granularity!r}: Megatron-core refuses "
                     "selective recompute with the recompute_num_layers accelerate always passes; set full")
+    for key, want in megatron_recompute_keys(strategy.checkpoint_layers, "").items():
+        have = getattr(plugin, key)
+        if have != want:
+            what = (f"the first {strategy.checkpoint_layers} blocks of each stage" if strategy.checkpoint_layers
+                    else "every block")
+            raise _fail(f"Megatron-LM gets {key}={have}, but the plan recomputes {what}: set "
+                        f"megatron_lm_config.megatron_lm_{key}: {want}")
 
 
 def _check_deepspeed(plan: ExportPlan) -> None:

@@ -18,6 +18,7 @@ from optplan.planner.export.context import ExportPlan, NotExportable
 from optplan.planner.export.deepspeed import deepspeed_notes
 from optplan.planner.export.hf import hf_training_args
 from optplan.planner.export.lightning import lightning_notes, lightning_spec
+from optplan.planner.validate import ExportValidationError
 
 BUCKETS = DeepSpeedBuckets(
     reduce_bucket_size=589_824, allgather_bucket_size=589_824, stage3_prefetch_bucket_size=530_841,
@@ -65,3 +66,21 @@ def test_training_arguments_refuse_partial_checkpointing(extra: dict[str, Any]) 
     with pytest.raises(NotExportable, match="checkpoint every layer or none.*first 6 blocks"):
         hf_training_args(make_plan(**extra))
     hf_training_args(make_plan(checkpoint_layers=None, **extra))  # every block: exportable
+
+
+def test_accelerate_megatron_recomputes_the_first_blocks_by_megatrons_block_method() -> None:
+    """Megatron through accelerate: uniform groups of one layer recompute every block, so a partial plan writes
+    --recompute-method block with its N (what launch.sh passes); the validator catches the uniform default."""
+    megatron = dict(engine="megatron", fsdp="none", zero=1, dp=2, tp=2, pp=2, sp=True, precision="bf16")
+    plan = make_plan(**megatron, checkpoint_layers=3)
+    text = render_accelerate_yaml(plan)
+    validate_accelerate_yaml(text, plan)
+    section = yaml.safe_load(text)["megatron_lm_config"]
+    assert section["megatron_lm_recompute_method"] == "block" and section["megatron_lm_recompute_num_layers"] == 3
+    every = yaml.safe_load(render_accelerate_yaml(make_plan(**megatron, checkpoint_layers=None)))["megatron_lm_config"]
+    assert every["megatron_lm_recompute_method"] == "uniform" and every["megatron_lm_recompute_num_layers"] == 1
+    wrong = text.replace("megatron_lm_recompute_method: block", "megatron_lm_recompute_method: uniform")
+    with pytest.raises(ExportValidationError, match="recompute_method=uniform, but the plan recomputes the first 3 blocks"):
+        validate_accelerate_yaml(wrong, plan)
+    with pytest.raises(NotExportable, match="no keys for Megatron's tensor/data-parallel communication overlap"):
+        render_accelerate_yaml(make_plan(**megatron, checkpoint_layers=None, comm_overlap=True))
