@@ -80,6 +80,10 @@ class ArchSpec(BaseModel):
     shared_experts: int = Field(default=0, ge=0, le=MAX_EXPERTS)
     moe_every: int = Field(default=1, ge=1, le=MAX_LAYERS)
     first_dense: int = Field(default=0, ge=0, le=MAX_LAYERS)
+    rope_theta: float | None = Field(default=None, gt=0, description="rotary base (numerics: the Megatron export's "
+                                     "--rotary-base; not priced)")
+    norm_eps: float | None = Field(default=None, gt=0, description="normalisation epsilon (numerics: the Megatron "
+                                   "export's --norm-epsilon; not priced)")
 
     @model_validator(mode="after")
     def _check(self) -> ArchSpec:
@@ -129,10 +133,14 @@ class ArchSpec(BaseModel):
                         nope_dim=self.nope_dim or self.hidden // self.heads, v_dim=self.v_dim or self.hidden // self.heads)
 
 
+REAL_KEYS = frozenset({"rope_theta", "norm_eps"})
+"""--arch keys that take any positive number (1e-5); the others are whole numbers."""
+
+
 def parse_arch(text: str, *, seq_len: int | None = None) -> ArchSpec:
     """Parse ``layers=L,hidden=H,heads=A[,kv_heads=K][,ffn=F][,vocab=V][,seq=S][,gated=0|1][,tied=0|1]``
     (sizes may use 1e3)."""
-    fields: dict[str, int] = {}
+    fields: dict[str, float] = {}
     given: dict[str, str] = {}  # as written, for messages (``1e30``, not its 31 digits)
     for part in filter(None, (p.strip() for p in text.split(","))):
         key, sep, value = part.partition("=")
@@ -143,11 +151,13 @@ def parse_arch(text: str, *, seq_len: int | None = None) -> ArchSpec:
             number = float(value)
         except ValueError:
             raise OptplanError(f"--arch {key}={value!r} is not a number: give an integer") from None
-        if not math.isfinite(number) or number != int(number):
-            raise OptplanError(f"--arch {key}={value} is not an integer: give a whole number")
+        real = key in REAL_KEYS
+        if not math.isfinite(number) or (not real and number != int(number)):
+            raise OptplanError(f"--arch {key}={value} is not {'a finite number' if real else 'an integer'}: give "
+                               f"{'e.g. 1e-5' if real else 'a whole number'}")
         if key in fields:
-            raise OptplanError(f"--arch gives {key} twice ({fields[key]} and {int(number)}): keep one")
-        fields[key] = int(number)
+            raise OptplanError(f"--arch gives {key} twice ({fields[key]:g} and {number:g}): keep one")
+        fields[key] = number if real else int(number)
         given[key] = f"--arch {key}={value.strip()}"
     known = set(ArchSpec.model_fields) - {"flash"}
     unknown = sorted(set(fields) - known)
@@ -314,7 +324,8 @@ def profile_from_arch(spec: ArchSpec, *, name: str | None = None) -> ModelProfil
         ffn = round(mean_active_ffn(moe, spec.ffn or 4 * h, L))
         idle = routed_expert_params(moe, h, spec.gated, L) * (moe.experts - moe.topk) // moe.experts
     shape = TransformerShape(hidden=h, layers=L, heads=a, kv_heads=spec.kv_heads, vocab=v, max_seq_len=s,
-                             ffn=ffn, gated=spec.gated, head_dim=spec.head_dim, moe=moe, mla=spec.mla)
+                             ffn=ffn, gated=spec.gated, head_dim=spec.head_dim, moe=moe, mla=spec.mla,
+                             rope_theta=spec.rope_theta, norm_eps=spec.norm_eps)
     # embedding lookups are not matmuls: drop the position table and, when untied, the input embedding
     matmul_params = params - (0 if spec.gated else s * h) - (0 if spec.tied else v * h) - idle
     qk_d, v_d = shape.core_head_dims()  # QK^T and AV: 2·s·a·(d_qk + d_v) per token (4·h·s at d = h / heads)

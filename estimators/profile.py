@@ -159,6 +159,11 @@ class TransformerShape(_Frozen):
                                                           "(estimators/moe.py mean_active_ffn)")
     mla: MlaShape | None = Field(default=None, description="multi-head latent attention (DeepSeek-V2), or None for "
                                                           "multi-head / grouped-query attention")
+    rope_theta: float | None = Field(default=None, gt=0, description="rotary embedding base (theta) as the model "
+                                     "states it; numerics only, not priced: carried to the Megatron export "
+                                     "(--rotary-base). None: not stated")
+    norm_eps: float | None = Field(default=None, gt=0, description="epsilon of the model's normalisation layers; "
+                                   "numerics only, carried to the Megatron export (--norm-epsilon). None: not stated")
 
     @property
     def kv_dim(self) -> int:
@@ -254,6 +259,9 @@ thresholds are 1e5 by default and 10·h under Hugging Face's "auto" (h <= 1e5 in
 
 
 RUN_FIELDS = frozenset({"profile_s", "notes", "from_cache"})
+NUMERICS_FIELDS = ("rope_theta", "norm_eps")
+"""TransformerShape fields that change the numbers a model computes, not its memory or time: left out of the
+calibration key (planner/calibrate.py profile_hash)."""
 """ModelProfile fields that say how one profiling run went, not what the model is: left out of the profile's hash
 (planner/calibrate.py) and of a study's name (planner/search.py)."""
 

@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from optplan.estimators.calibration import Calibration, calibration_key
 from optplan.estimators.errors import OptplanError
-from optplan.estimators.profile import RUN_FIELDS, ModelProfile
+from optplan.estimators.profile import NUMERICS_FIELDS, RUN_FIELDS, ModelProfile
 from optplan.estimators.strategy import Strategy
 from optplan.probes.cache_dir import cache_dir
 from optplan.probes.runtime import ProbeResult
@@ -120,7 +120,7 @@ def profile_hash(profile: ModelProfile, *, with_identity: bool = False) -> str:
     skip.update({name: True for name in ("adapter", "tensor_plan") if getattr(profile, name) is None})
     shape = profile.transformer
     if shape is not None:  # shape fields added later (head width, MoE, latent attention) count only when set
-        unset = {name for name in ("head_dim", "moe", "mla") if getattr(shape, name) is None}
+        unset = {name for name in ("head_dim", "moe", "mla") if getattr(shape, name) is None} | set(NUMERICS_FIELDS)
         if unset:
             skip["transformer"] = unset
     adapter = profile.adapter

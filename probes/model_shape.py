@@ -1,6 +1,7 @@
 """The transformer shape of a model read from its config (``model.config``, ``model.cfg``... or the model's own
 attributes): hidden size, layers, heads, key-value heads, vocabulary, maximum positions, MLP width, gating, per-head
-width and multi-head latent attention (DeepSeek-V2/V3 config keys). Units: widths and counts (elements).
+width and multi-head latent attention (DeepSeek-V2/V3 config keys), and the rotary base and normalisation epsilon
+(numerics the Megatron export passes on). Units: widths and counts (elements).
 """
 
 from __future__ import annotations
@@ -50,6 +51,23 @@ def read_int(sources: Iterable[Any], names: tuple[str, ...]) -> int | None:
     return None
 
 
+ROPE_THETA_NAMES = ("rope_theta", "rotary_base", "rope_base", "rotary_emb_base", "theta")
+NORM_EPS_NAMES = ("norm_eps", "rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_epsilon", "rms_norm_epsilon")
+
+
+def read_float(sources: Iterable[Any], names: tuple[str, ...]) -> float | None:
+    """The first positive number under one of ``names`` of the first source that has one; transformers 5 keeps the
+    rotary base in ``rope_parameters`` (a mapping), which is searched after the source itself."""
+    for src in sources:
+        nested = src.get("rope_parameters") if isinstance(src, Mapping) else getattr(src, "rope_parameters", None)
+        for where in (src, nested) if isinstance(nested, Mapping) else (src,):
+            for name in names:
+                value = where.get(name) if isinstance(where, Mapping) else getattr(where, name, None)
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+                    return float(value)
+    return None
+
+
 def max_positions(model: nn.Module) -> int | None:
     """The model's maximum sequence length when a config attribute names it, else None."""
     return read_int(config_sources(model), MAX_LEN_NAMES)
@@ -73,7 +91,9 @@ def read_transformer_shape(model: nn.Module, block: BlockInfo | None) -> Transfo
                             vocab=read_int(sources, VOCAB_NAMES),
                             max_seq_len=read_int(sources, MAX_LEN_NAMES), ffn=read_int(sources, FFN_NAMES),
                             gated=gated, mla=mla,
-                            head_dim=head_dim if mla is None and head_dim and head_dim * heads != hidden else None)
+                            head_dim=head_dim if mla is None and head_dim and head_dim * heads != hidden else None,
+                            rope_theta=read_float(sources, ROPE_THETA_NAMES),
+                            norm_eps=read_float(sources, NORM_EPS_NAMES))
 
 
 def _read_mla(sources: list[Any]) -> MlaShape | None:

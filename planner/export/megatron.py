@@ -65,6 +65,7 @@ from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 
 from optplan.estimators.pipeline_layout import MAX_EXTRA_STAGES, is_even
+from optplan.estimators.profile import TransformerShape
 from optplan.planner.export.context import ExportPlan, NotExportable
 from optplan.planner.export.megatron_layout import layout_violation, megatron_layout, parse_megatron_layout
 from optplan.planner.export.megatron_moe import add_moe_flags, dense_ffn, moe_args, moe_rule_violation
@@ -177,6 +178,10 @@ def megatron_args(plan: ExportPlan) -> list[str]:
             "--disable-bias-linear", "--untie-embeddings-and-output-weights",
             "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
         ]
+        if shape.rope_theta is not None:  # Megatron's --rotary-base is an int (default 10000)
+            args += ["--rotary-base", str(round(shape.rope_theta))]
+    if shape.norm_eps is not None:  # default 1e-5
+        args += ["--norm-epsilon", _fmt(shape.norm_eps)]
     if s.precision in ("bf16", "fp8"):
         args.append("--bf16")
     elif s.precision == "fp16":
@@ -235,7 +240,24 @@ def megatron_notes(plan: ExportPlan) -> tuple[str, ...]:
         f"tokenizer); for a smoke test without data: {mock}",
         "Megatron builds the model itself from these dimensions; to start from existing weights convert "
         "them to a Megatron checkpoint first (tools/checkpoint/convert.py) and pass --load",
+        *_numerics_notes(shape),
     )
+
+
+def _numerics_notes(shape: TransformerShape | None) -> tuple[str, ...]:
+    """What the model did not state that Megatron then takes from its defaults (rotary base, norm epsilon), and a
+    rotary base Megatron's integer flag rounds."""
+    if shape is None:
+        return ()
+    unstated = [f"{what} (Megatron's default {default}; {flag} to change it)" for what, value, default, flag in (
+        ("the rotary base", shape.rope_theta if shape.gated else 0.0, "10000", "--rotary-base"),
+        ("the normalisation epsilon", shape.norm_eps, "1e-5", "--norm-epsilon")) if value is None]
+    notes = [f"the model states no {' and no '.join(unstated)}: check them against the model's weights"] \
+        if unstated else []
+    if shape.gated and shape.rope_theta is not None and shape.rope_theta != round(shape.rope_theta):
+        notes.append(f"rotary base {shape.rope_theta:g} is passed as {round(shape.rope_theta)}: Megatron-LM's "
+                     "--rotary-base takes an integer")
+    return tuple(notes)
 
 
 class _PlanView:
@@ -379,6 +401,8 @@ def _parser() -> _RaisingParser:
         choices=["learned_absolute", "rope", "mrope", "relative", "none"])
     add("--disable-bias-linear", action="store_false", dest="add_bias_linear")
     add("--untie-embeddings-and-output-weights", action="store_true")
+    add("--rotary-base", type=int, default=10000)
+    add("--norm-epsilon", type=float, default=1e-5)
     add("--attention-dropout", type=float, default=0.1)
     add("--hidden-dropout", type=float, default=0.1)
     add("--bf16", action="store_true")

@@ -93,3 +93,17 @@ def test_gpt_layer_bytes_reduce_to_korthikanti_34() -> None:
 def test_arch_param_numels_sum_to_the_parameters(text: str) -> None:
     prof = profile_from_arch(parse_arch(text))
     assert sum(prof.param_numels) == prof.params
+
+
+def test_rotary_base_and_norm_epsilon_are_carried_not_priced() -> None:
+    base = "layers=2,hidden=64,heads=4,gated=1,seq=128"
+    plain = profile_from_arch(parse_arch(base))
+    stated = profile_from_arch(parse_arch(base + ",rope_theta=5e5,norm_eps=1e-6"))
+    assert stated.transformer is not None and plain.transformer is not None
+    assert (stated.transformer.rope_theta, stated.transformer.norm_eps) == (5e5, 1e-6)
+    assert (plain.transformer.rope_theta, plain.transformer.norm_eps) == (None, None)
+    assert stated.params == plain.params and stated.fwd_flops_per_sample == plain.fwd_flops_per_sample
+    with pytest.raises(OptplanError, match="norm_eps=inf is not a finite number"):
+        parse_arch(base + ",norm_eps=inf")
+    with pytest.raises(OptplanError, match="heads=4.5 is not an integer"):
+        parse_arch("layers=2,hidden=64,heads=4.5")

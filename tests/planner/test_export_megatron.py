@@ -117,6 +117,28 @@ def test_notes_explain_tokenizer_and_data():
     assert "--data-path" in notes and "--train-iters" in notes
 
 
+def test_the_models_rotary_base_and_norm_epsilon_reach_megatron():
+    """Megatron builds the model from flags: a model stating rope_theta 1e6 (Mixtral) and norm_eps 1e-6 gets
+    --rotary-base 1000000 --norm-epsilon 1e-06, not Megatron's 10000 and 1e-5; unstated ones are named in a note."""
+    stated = LLAMA_70B.model_copy(update={"rope_theta": 1e6, "norm_eps": 1e-6})
+    plan = make_plan(stated)
+    argv = megatron_args(plan)
+    ns = parse_megatron_args(argv)
+    assert (ns.rotary_base, ns.norm_epsilon) == (1_000_000, 1e-6)
+    validate_megatron_args(argv, plan)
+    edited = [("10000" if a == "1000000" else a) for a in argv]
+    with pytest.raises(ExportValidationError, match="--rotary-base is 10000 in the arguments but the plan needs "
+                                                    "1000000"):
+        validate_megatron_args(edited, plan)
+    assert not any("states no" in n for n in megatron_notes(plan))
+    unstated = " ".join(megatron_notes(make_plan()))
+    assert "states no the rotary base (Megatron's default 10000" in unstated and "normalisation epsilon" in unstated
+    gpt = " ".join(megatron_notes(make_plan(GPT2_XL, seq_len=1024, tp=1, pp=1, vpp=1, dp=8)))
+    assert "rotary" not in gpt  # learned positions: no rotary base to state
+    odd = megatron_notes(make_plan(stated.model_copy(update={"rope_theta": 5e5 + 0.5})))
+    assert any("passed as 500000" in n or "passed as 500001" in n for n in odd)
+
+
 def test_virtual_stages_per_rank_is_accepted():
     plan = make_plan()
     argv = megatron_args(plan)
