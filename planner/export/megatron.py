@@ -64,6 +64,7 @@ import argparse
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 
+from optplan.estimators.attention_kernels import attention_kernel
 from optplan.estimators.pipeline_layout import MAX_EXTRA_STAGES, is_even
 from optplan.estimators.profile import TransformerShape
 from optplan.planner.export.context import ExportPlan, NotExportable
@@ -197,7 +198,7 @@ def megatron_args(plan: ExportPlan) -> list[str]:
         args += ["--recompute-granularity", "selective"]
     elif s.checkpointing == "moe":
         args += ["--recompute-granularity", "selective", "--recompute-modules", "moe"]
-    args += ["--attention-backend", "flash" if s.flash else "unfused"]
+    args += ["--attention-backend", attention_backend(plan)]
     if s.optimizer == "adamw":
         args += ["--optimizer", "adam", "--adam-beta1", _fmt(ADAM_BETAS[0]), "--adam-beta2", _fmt(ADAM_BETAS[1]),
                  "--adam-eps", _fmt(ADAM_EPS), "--weight-decay", _fmt(WEIGHT_DECAY)]
@@ -244,15 +245,27 @@ def megatron_notes(plan: ExportPlan) -> tuple[str, ...]:
     )
 
 
+def attention_backend(plan: ExportPlan) -> str:
+    """Megatron-LM's --attention-backend for the kernel the time model priced on the plan's GPU
+    (estimators/attention_kernels.py): ``fused`` (Transformer Engine's cuDNN fused attention) where Megatron is
+    priced at cuDNN's measured speed (Hopper, Blackwell), ``flash`` (FlashAttention) where the GPU's fitted
+    fractions stand (A100: fitted on runs that used it), ``unfused`` without memory-efficient attention."""
+    if not plan.strategy.flash:
+        return "unfused"
+    kernel = attention_kernel("megatron", plan.gpu)
+    return "fused" if kernel is not None and kernel.name == "cudnn" else "flash"
+
+
 def _numerics_notes(shape: TransformerShape | None) -> tuple[str, ...]:
     """What the model did not state that Megatron then takes from its defaults (rotary base, norm epsilon), and a
     rotary base Megatron's integer flag rounds."""
     if shape is None:
         return ()
-    unstated = [f"{what} (Megatron's default {default}; {flag} to change it)" for what, value, default, flag in (
-        ("the rotary base", shape.rope_theta if shape.gated else 0.0, "10000", "--rotary-base"),
-        ("the normalisation epsilon", shape.norm_eps, "1e-5", "--norm-epsilon")) if value is None]
-    notes = [f"the model states no {' and no '.join(unstated)}: check them against the model's weights"] \
+    rotary = shape.rope_theta if shape.gated else 0.0  # learned positions (GPT): no rotary base to state
+    unstated = [f"its {what} (Megatron then uses {default}; change it with {flag})" for what, value, default, flag in (
+        ("rotary base", rotary, "10000", "--rotary-base"),
+        ("normalisation epsilon", shape.norm_eps, "1e-5", "--norm-epsilon")) if value is None]
+    notes = [f"the model does not state {' or '.join(unstated)}: check against the model's weights"] \
         if unstated else []
     if shape.gated and shape.rope_theta is not None and shape.rope_theta != round(shape.rope_theta):
         notes.append(f"rotary base {shape.rope_theta:g} is passed as {round(shape.rope_theta)}: Megatron-LM's "

@@ -14,7 +14,9 @@ Flags follow Megatron-LM's ``megatron/training/arguments.py`` ``_add_moe_args`` 
   time model assumes) and ``--moe-token-dispatcher-type alltoall`` (the dispatcher the all-to-all is priced for),
   or ``--moe-token-dispatcher-type flex --moe-enable-deepep`` for plans with ``dispatcher=deepep`` (DeepEP: the
   Megatron-Core MoE guide, "set --moe-token-dispatcher-type=flex and --moe-enable-deepep");
-- ``--moe-router-load-balancing-type aux_loss`` (Megatron's default, the balanced routing the plan assumes);
+- ``--moe-router-load-balancing-type aux_loss`` (Megatron's default, the balanced routing the plan assumes) with
+  ``--moe-aux-loss-coeff 0.01`` (:data:`MOE_AUX_LOSS_COEFF`: the flag's own help, "a starting value of 1e-2 is
+  recommended"; its default 0.0 turns the loss off, and unbalanced routing is not what the plan priced);
 - ``--overlap-moe-expert-parallel-comm --delay-wgrad-compute`` for plans with ``ep_overlap`` (the MoE guide's
   "EP A2A Overlap" pair; estimators/ep_overlap.py), with Megatron's rules for it: ep > 1, the alltoall or flex
   dispatcher, no full recomputation, a bf16/fp16 model, an interleaved pipeline when pp > 1;
@@ -39,6 +41,10 @@ from typing import Any
 from optplan.estimators.profile import TransformerShape
 from optplan.estimators.strategy import Strategy
 
+MOE_AUX_LOSS_COEFF = 0.01
+"""--moe-aux-loss-coeff the export passes (dimensionless): Megatron-LM's recommended starting value (the flag's help
+in megatron/training/arguments.py); its default 0.0 disables the load-balancing loss."""
+
 
 def layer_pattern(shape: TransformerShape) -> list[int]:
     """1 for each MoE layer, 0 for each dense one (estimators/moe.py counting)."""
@@ -62,7 +68,7 @@ def moe_args(shape: TransformerShape, s: Strategy) -> list[str]:
         args += ["--moe-grouped-gemm"]
         args += (["--moe-token-dispatcher-type", "flex", "--moe-enable-deepep"] if s.dispatcher == "deepep"
                  else ["--moe-token-dispatcher-type", "alltoall"])
-        args += ["--moe-router-load-balancing-type", "aux_loss"]
+        args += ["--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", repr(MOE_AUX_LOSS_COEFF)]
         if moe.shared_experts:
             args += ["--moe-shared-expert-intermediate-size", str(moe.shared_experts * moe.moe_ffn)]
         if s.ep_overlap:  # the MoE guide's pair for "EP A2A Overlap"
@@ -98,6 +104,7 @@ def add_moe_flags(add: Callable[..., Any]) -> None:
     add("--moe-enable-deepep", action="store_true")
     add("--moe-router-load-balancing-type", default="aux_loss",
         choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"])
+    add("--moe-aux-loss-coeff", type=float, default=0.0)
     add("--moe-shared-expert-intermediate-size", type=int, default=None)
     add("--overlap-moe-expert-parallel-comm", action="store_true")
     add("--delay-wgrad-compute", action="store_true")

@@ -80,7 +80,9 @@ def test_llama_70b_arguments():
     assert ns.swiglu and ns.normalization == "RMSNorm" and ns.position_embedding_type == "rope"
     assert ns.untie_embeddings_and_output_weights and not ns.add_bias_linear
     assert ns.bf16 and not ns.fp16 and ns.fp8 is None
-    assert ns.recompute_granularity is None and ns.attention_backend == "flash"
+    assert ns.recompute_granularity is None and ns.attention_backend == "fused"  # cuDNN: what H100 Megatron is priced at
+    a100 = parse_megatron_args(megatron_args(make_plan().model_copy(update={"gpu": "A100-80GB"})))
+    assert a100.attention_backend == "flash"  # the A100's fitted fractions: runs with FlashAttention
     assert (ns.optimizer, ns.adam_beta2, ns.lr, ns.clip_grad) == ("adam", 0.95, 3e-4, 1.0)
 
 
@@ -130,9 +132,9 @@ def test_the_models_rotary_base_and_norm_epsilon_reach_megatron():
     with pytest.raises(ExportValidationError, match="--rotary-base is 10000 in the arguments but the plan needs "
                                                     "1000000"):
         validate_megatron_args(edited, plan)
-    assert not any("states no" in n for n in megatron_notes(plan))
+    assert not any("does not state" in n for n in megatron_notes(plan))
     unstated = " ".join(megatron_notes(make_plan()))
-    assert "states no the rotary base (Megatron's default 10000" in unstated and "normalisation epsilon" in unstated
+    assert "does not state its rotary base (Megatron then uses 10000" in unstated and "normalisation epsilon" in unstated
     gpt = " ".join(megatron_notes(make_plan(GPT2_XL, seq_len=1024, tp=1, pp=1, vpp=1, dp=8)))
     assert "rotary" not in gpt  # learned positions: no rotary base to state
     odd = megatron_notes(make_plan(stated.model_copy(update={"rope_theta": 5e5 + 0.5})))

@@ -37,6 +37,9 @@ def test_mixtral_plan_round_trips() -> None:
     assert ns.ffn_hidden_size == ns.moe_ffn_hidden_size == 14336  # not the profile's active width 28672
     assert ns.moe_layer_freq == "1" and ns.moe_grouped_gemm and ns.moe_token_dispatcher_type == "alltoall"
     assert ns.sequence_parallel and not ns.multi_latent_attention
+    # the load-balancing loss is on (Megatron's default coefficient 0.0 would leave the routing the plan priced
+    # as balanced unbalanced)
+    assert ns.moe_router_load_balancing_type == "aux_loss" and ns.moe_aux_loss_coeff == 0.01
 
 
 def test_deepseek_plan_has_its_dense_layer_shared_experts_and_mla() -> None:

@@ -13,6 +13,7 @@
 # NOTE: pass the data and the schedule on the command line: --data-path PREFIX --split 99,1,0 (or --mock-data), --train-iters N (or --train-samples), --lr-decay-style cosine --lr-warmup-iters W, --save/--load DIR --save-interval K
 # NOTE: Megatron-LM takes the vocabulary from its tokenizer, not from a flag: pass --tokenizer-type HuggingFaceTokenizer --tokenizer-model TOKENIZER (the Hugging Face id or folder of llama-70b's tokenizer); for a smoke test without data: --mock-data --tokenizer-type NullTokenizer --vocab-size 128256
 # NOTE: Megatron builds the model itself from these dimensions; to start from existing weights convert them to a Megatron checkpoint first (tools/checkpoint/convert.py) and pass --load
+# NOTE: the model does not state its rotary base (Megatron then uses 10000; change it with --rotary-base) or its normalisation epsilon (Megatron then uses 1e-5; change it with --norm-epsilon): check against the model's weights
 set -euo pipefail
 
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -61,7 +62,7 @@ LAUNCH=(
   --attention-dropout 0.0
   --hidden-dropout 0.0
   --bf16
-  --attention-backend flash
+  --attention-backend fused
   --optimizer adam
   --adam-beta1 0.9
   --adam-beta2 0.95
