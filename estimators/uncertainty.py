@@ -307,9 +307,12 @@ def _set_widening(profile: ModelProfile, strategy: Strategy, ms: MeasuredSet, do
         elsewhere = [m.gpu for m in dom.sets if m.engine == "megatron" and s.comm_overlap in m.comm_overlap]
         if not elsewhere:
             widen += WIDEN_UNMEASURED
-        outside.append(f"Megatron {'with' if s.comm_overlap else 'without'} its tensor/data-parallel overlap was not "
-                       f"measured on {name}" + (f" (it was on {', '.join(sorted(set(elsewhere)))})" if elsewhere
-                                               else ""))
+        how = f"Megatron {'with' if s.comm_overlap else 'without'} its tensor/data-parallel overlap"
+        if not elsewhere:
+            outside.append(f"{how} was never measured")
+        else:  # measured in another set (maybe on this GPU), not in the one this estimate is judged by
+            outside.append(f"{how} is not in the measured set this estimate rests on ({ms.name.split(':')[0]}); "
+                           f"other sets measured it on {', '.join(sorted(set(elsewhere)))}")
     if s.compile:  # Inductor's bytes counted, their speed stated; checked, not fitted, on torchtitan's compiled runs
         widen += WIDEN_UNMEASURED
         outside.append("torch.compile's kernels are priced by Inductor's own byte count for a reference block at a "

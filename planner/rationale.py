@@ -208,12 +208,13 @@ def _layout_line(pick: Estimate, ranked: Sequence[Estimate]) -> str:
             line += f"; the best tensor/pipeline plan ({mp.strategy.label()}) {_vs(pick, mp)}"
         return line
     parts = []
-    for name, what in (("tp", "tensor parallelism"), ("pp", "pipeline stages"), ("cp", "context parallelism")):
+    for name, what, fewer in (("tp", "tensor parallelism", "less"), ("pp", "pipeline stages", "fewer"),
+                              ("cp", "context parallelism", "less")):
         mine = getattr(s, name)
         less = _best(ranked, lambda o, n=name, m=mine: getattr(o, n) < m and o.world_size == s.world_size)
         more = _best(ranked, lambda o, n=name, m=mine: getattr(o, n) > m and o.world_size == s.world_size)
         if less is not None:
-            parts.append(f"less {what} ({name} {getattr(less.strategy, name)}, {less.strategy.label()}) "
+            parts.append(f"{fewer} {what} ({name} {getattr(less.strategy, name)}, {less.strategy.label()}) "
                          f"{_vs(pick, less)}")
         elif more is not None and mine == 1:
             parts.append(f"{what} ({name} {getattr(more.strategy, name)}) {_vs(pick, more)}")
