@@ -8,6 +8,7 @@ Sources: Hoffmann et al. 2022, "Training Compute-Optimal Large Language Models" 
   G = (α·A/(β·B))^(1/(α+β)).
 - Constants: Hoffmann (E 1.69, A 406.4, B 410.7, α 0.34, β 0.28) and the Epoch AI refit (Besiroglu et
   al. 2024, arXiv 2404.10102: E 1.8172, A 482.01, B 2085.43, α 0.3478, β 0.3658).
+- Fitted domain (§3): 70M-16B parameters, 5B-500B tokens; a loss outside it is flagged as an extrapolation.
 Units: parameters, tokens, FLOPs; loss in nats per token.
 """
 
@@ -20,6 +21,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from optplan.estimators.errors import OptplanError
 
 TOKENS_PER_PARAM_APPROACH1 = 20.0
+FIT_PARAMS_RANGE = (7e7, 1.6e10)
+"""Parameters of the runs L(N, D) was fitted on (Hoffmann et al. 2022 §3: "over 400 models ranging from 70 million
+to over 16 billion parameters"); the Epoch AI refit (Besiroglu et al. 2024) reuses those runs."""
+FIT_TOKENS_RANGE = (5e9, 5e11)
+"""Training tokens of those runs ("on 5 to 500 billion tokens", same section)."""
 
 
 class LossFit(BaseModel):
@@ -66,7 +72,32 @@ class ChinchillaPoint(BaseModel):
     tokens: float = Field(gt=0)
     flops: float = Field(gt=0)
     loss: float
-    method: Literal["approach1", "hoffmann", "epoch"]
+    method: Literal["approach1", "hoffmann", "epoch", "given"] = Field(
+        description="approach1 / hoffmann / epoch: the compute-optimal point of that rule; given: the loss at the "
+                    "(params, tokens) asked for, not an optimum")
+    outside_fit: tuple[str, ...] = Field(default=(), description="why the loss is an extrapolation: params or tokens "
+                                                                 "outside the runs L(N, D) was fitted on")
+
+
+def outside_fit(params: float, tokens: float) -> tuple[str, ...]:
+    """Which of ``params`` / ``tokens`` lie outside :data:`FIT_PARAMS_RANGE` / :data:`FIT_TOKENS_RANGE`."""
+    out = []
+    for what, value, (low, high) in (("parameters", params, FIT_PARAMS_RANGE), ("tokens", tokens, FIT_TOKENS_RANGE)):
+        if not low <= value <= high:
+            out.append(f"{value:.3g} {what} is outside the {low:.3g}-{high:.3g} {what} of the runs L(N, D) was "
+                       "fitted on (Hoffmann et al. 2022 §3): the loss is an extrapolation")
+    return tuple(out)
+
+
+def loss_at(*, params: float, tokens: float, fit: Literal["hoffmann", "epoch"] | None = None) -> ChinchillaPoint:
+    """The predicted loss of ``params`` trained on ``tokens`` (eq. 2 with ``fit``'s constants, Hoffmann's by
+    default), C = 6·N·D FLOPs; not an optimum (``method`` "given")."""
+    for value in (params, tokens):
+        if value <= 0:
+            raise OptplanError(f"sizes must be positive (got {value:g})")
+    law = LOSS_FITS[fit or "hoffmann"]
+    return ChinchillaPoint(params=params, tokens=tokens, flops=6 * params * tokens, loss=law.loss(params, tokens),
+                           method="given", outside_fit=outside_fit(params, tokens))
 
 
 def chinchilla(*, params: float | None = None, flops: float | None = None, tokens: float | None = None,
@@ -78,7 +109,8 @@ def chinchilla(*, params: float | None = None, flops: float | None = None, token
     """
     given = [v for v in (params, flops, tokens) if v is not None]
     if len(given) != 1:
-        raise OptplanError("give exactly one of --params, --compute or --tokens")
+        raise OptplanError("give exactly one of --params, --compute or --tokens (or --params with --tokens: the "
+                           "loss of that model on that many tokens)")
     if given[0] <= 0:
         raise OptplanError(f"sizes must be positive (got {given[0]:g})")
     law = LOSS_FITS[fit or "hoffmann"]
@@ -89,7 +121,7 @@ def chinchilla(*, params: float | None = None, flops: float | None = None, token
         tokens = TOKENS_PER_PARAM_APPROACH1 * params
         flops = 6 * params * tokens
         return ChinchillaPoint(params=params, tokens=tokens, flops=flops, loss=law.loss(params, tokens),
-                               method="approach1")
+                               method="approach1", outside_fit=outside_fit(params, tokens))
     if params is not None:
         flops = law.flops_for_params(params)
     elif flops is None:
@@ -104,4 +136,5 @@ def chinchilla(*, params: float | None = None, flops: float | None = None, token
         flops = (lo * hi) ** 0.5
     n = law.optimal_params(flops)
     d = flops / (6 * n)
-    return ChinchillaPoint(params=n, tokens=d, flops=flops, loss=law.loss(n, d), method=fit)
+    return ChinchillaPoint(params=n, tokens=d, flops=flops, loss=law.loss(n, d), method=fit,
+                           outside_fit=outside_fit(n, d))

@@ -302,8 +302,9 @@ def chinchilla(
     fit: Annotated[str | None, typer.Option("--fit", help="hoffmann or epoch (Approach 3); default: 20 tokens/param")] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Compute-optimal parameters, tokens, FLOPs and predicted loss (Chinchilla)."""
-    from optplan.estimators.scaling import LOSS_FITS
+    """Compute-optimal parameters, tokens, FLOPs and predicted loss (Chinchilla); --params with --tokens: the loss
+    of that model on that many tokens."""
+    from optplan.estimators.scaling import LOSS_FITS, loss_at
     from optplan.estimators.scaling import chinchilla as optimum
 
     def body() -> None:
@@ -311,13 +312,28 @@ def chinchilla(
             raise OptplanError(f"unknown --fit {fit!r}: use one of {', '.join(LOSS_FITS)}")
         for flag, value in (("params", params), ("compute", compute), ("tokens", tokens)):
             _check_finite(flag, value)
-        point = optimum(params=params, flops=compute, tokens=tokens, fit=fit)  # type: ignore[arg-type]
+        given = params is not None and tokens is not None and compute is None
+        if given:  # the loss of this model on this budget, beside the compute-optimal split of the same FLOPs
+            point = loss_at(params=params, tokens=tokens, fit=fit)  # type: ignore[arg-type]
+            best = optimum(flops=point.flops, fit=fit)  # type: ignore[arg-type]
+        else:
+            point = optimum(params=params, flops=compute, tokens=tokens, fit=fit)  # type: ignore[arg-type]
         if as_json:
             typer.echo(point.model_dump_json(indent=2))
             return
-        how = "20 tokens per parameter (Approach 1)" if fit is None else f"the {fit} fit of L(N, D) (Approach 3)"
-        _stdout().print(f"compute-optimal by {how}: {point.params:.3g} parameters, {point.tokens:.3g} tokens, "
-                        f"{point.flops:.3g} FLOPs, predicted loss {point.loss:.3f} nats/token")
+        out = _stdout()
+        law = "Hoffmann's" if fit in (None, "hoffmann") else "Epoch AI's"
+        if given:
+            out.print(f"{point.params:.3g} parameters on {point.tokens:.3g} tokens ({point.tokens / point.params:.3g} "
+                      f"tokens/parameter): {point.flops:.3g} FLOPs, predicted loss {point.loss:.3f} nats/token "
+                      f"({law} L(N, D)); compute-optimal for the same FLOPs: {best.params:.3g} parameters on "
+                      f"{best.tokens:.3g} tokens, loss {best.loss:.3f}")
+        else:
+            how = "20 tokens per parameter (Approach 1)" if fit is None else f"the {fit} fit of L(N, D) (Approach 3)"
+            out.print(f"compute-optimal by {how}: {point.params:.3g} parameters, {point.tokens:.3g} tokens, "
+                      f"{point.flops:.3g} FLOPs, predicted loss {point.loss:.3f} nats/token")
+        for why in point.outside_fit:
+            out.print(f"note: {why}", style="dim")
 
     guard(ctx, body)
 

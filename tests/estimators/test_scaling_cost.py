@@ -6,7 +6,7 @@ import pytest
 
 from optplan.estimators.cost import training_cost
 from optplan.estimators.errors import OptplanError
-from optplan.estimators.scaling import LOSS_FITS, chinchilla
+from optplan.estimators.scaling import LOSS_FITS, chinchilla, loss_at
 
 
 def test_approach1_is_twenty_tokens_per_parameter() -> None:
@@ -49,6 +49,15 @@ def test_chinchilla_rejects_ambiguous_or_bad_input() -> None:
         chinchilla(params=1e9, tokens=1e10)
     with pytest.raises(OptplanError, match="positive"):
         chinchilla(params=-1)
+    with pytest.raises(OptplanError, match="positive"):
+        loss_at(params=1e9, tokens=0)
+
+
+def test_the_fitted_domain_is_stated_not_silently_extrapolated() -> None:
+    assert chinchilla(params=1e9).outside_fit == ()  # 1B on 20B tokens: inside 70M-16B x 5B-500B
+    assert len(chinchilla(params=70e9).outside_fit) == 2  # Chinchilla itself lies beyond the runs it was fitted on
+    assert loss_at(params=1e9, tokens=1e10).outside_fit == ()
+    assert loss_at(params=1e9, tokens=1e10, fit="epoch").loss == pytest.approx(LOSS_FITS["epoch"].loss(1e9, 1e10))
 
 
 def test_training_cost_by_hand() -> None:

@@ -223,8 +223,18 @@ def test_chinchilla_command() -> None:
     assert doc["tokens"] == pytest.approx(1.4e12) and doc["flops"] == pytest.approx(6 * 70e9 * 1.4e12)
     epoch = _json(["chinchilla", "--compute", "5.76e23", "--fit", "epoch", "--json"])
     assert epoch["params"] == pytest.approx(70e9, rel=0.05)
-    bad = runner.invoke(app, ["chinchilla", "--params", "1e9", "--tokens", "1e10"])
+    bad = runner.invoke(app, ["chinchilla", "--params", "1e9", "--tokens", "1e10", "--compute", "1e20"])
     assert bad.exit_code == 2 and "exactly one" in bad.stderr
+    # --params with --tokens: the loss of that model on that budget, not an optimum
+    given = _json(["chinchilla", "--params", "7e9", "--tokens", "2e12", "--json"])
+    assert given["method"] == "given" and given["flops"] == pytest.approx(6 * 7e9 * 2e12)
+    assert given["loss"] == pytest.approx(1.69 + 406.4 / 7e9**0.34 + 410.7 / 2e12**0.28)
+    assert any("2e+12 tokens is outside" in why for why in given["outside_fit"])
+    text = runner.invoke(app, ["chinchilla", "--params", "1e9", "--tokens", "1e10"])
+    assert text.exit_code == 0 and "compute-optimal for the same FLOPs" in text.stdout
+    assert "extrapolation" not in text.stdout  # 1B on 10B tokens lies inside the fitted runs
+    tiny = runner.invoke(app, ["chinchilla", "--tokens", "1e3"])
+    assert tiny.exit_code == 0 and "the loss is an extrapolation" in tiny.stdout
 
 
 def test_estimate_cost_and_gas_alias() -> None:
