@@ -5,6 +5,7 @@ No printing here; faces render what these return.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -242,7 +243,8 @@ def existing_exports(out_dir: Path, names: Sequence[str]) -> list[str]:
 
 def export_plan_file(plan_file: Path, targets: Sequence[str], out_dir: Path, *, force: bool,
                      options: ExportOptions | None = None) -> tuple[list[Path], list[str]]:
-    """``optplan export plan.json --to ...``: re-render launch files from a saved plan (no profiling)."""
+    """``optplan export plan.json --to ...``: re-render launch files from a saved plan (no profiling), with a copy of
+    the plan.json beside them (what ``optplan validate`` reads) unless the folder already holds it."""
     from optplan.planner.export.files import write_files
     from optplan.planner.export.registry import render_targets, targets_for
     from optplan.planner.export.report import load_plan_json
@@ -259,4 +261,8 @@ def export_plan_file(plan_file: Path, targets: Sequence[str], out_dir: Path, *, 
     files, skipped = render_targets(export, targets, options=options)
     if not files:
         raise OptplanError(f"no target can express this plan ({'; '.join(skipped)})")
-    return write_files(out_dir, files, force=force), skipped
+    beside = Path(out_dir) / "plan.json"  # validate reads the plan beside the files it launches
+    with contextlib.suppress(OSError, UnicodeDecodeError):
+        if beside.exists() and (beside.resolve() == Path(plan_file).resolve() or beside.read_text("utf-8") == text):
+            return write_files(out_dir, files, force=force), skipped
+    return write_files(out_dir, {**files, "plan.json": text}, force=force), skipped

@@ -89,8 +89,15 @@ def test_export_command_writes_refuses_and_forces(ds_rec, tmp_path: Path) -> Non
     result = runner.invoke(app, ["export", str(plan_file), "--to", "deepspeed", "--to", "torchrun", "--out",
                                  str(dest)])
     assert result.exit_code == 0, result.stderr
-    assert sorted(p.name for p in dest.iterdir()) == ["ds_config.json", "launch.sh"]
+    # the plan travels with its files (validate reads it beside launch.sh); exporting into the plan's own folder
+    # or where an identical copy lies adds nothing
+    assert sorted(p.name for p in dest.iterdir()) == ["ds_config.json", "launch.sh", "plan.json"]
+    assert (dest / "plan.json").read_text() == plan_file.read_text()
     assert (dest / "ds_config.json").read_text() == (out / "ds_config.json").read_text()
+    again = runner.invoke(app, ["export", str(plan_file), "--to", "slurm", "--out", str(dest)])
+    assert again.exit_code == 0 and "plan.json" not in again.stdout, again.stdout + again.stderr
+    here = runner.invoke(app, ["export", str(plan_file), "--to", "torchrun", "--out", str(out), "--force"])
+    assert here.exit_code == 0 and "plan.json" not in here.stdout
     before = (dest / "launch.sh").read_bytes()
     refused = runner.invoke(app, ["export", str(plan_file), "--to", "torchrun", "--out", str(dest),
                                   "--launcher", "deepspeed"])
