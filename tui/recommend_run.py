@@ -227,9 +227,12 @@ def run_recommend(prepared: PreparedRecommend, prof: ModelProfile, *,
         cal = cached_calibration(prof, prepared.cluster)
     choice = finetune_choice(a)
     precisions = a.precision or choice.precisions(prepared.cluster.gpu.supports_bf16)
+    notes = prepared.notes
+    if prepared.goal.tokens is None and goal.tokens is not None:
+        notes = (*notes, f"token budget {goal.tokens:.3g} from the model file's OPTPLAN (--tokens to change it)")
     return recommend(prof, prepared.cluster, global_batch=gb, precisions=precisions, optimizers=a.optimizer,
                      engines=a.engine, gpu_counts=prepared.gpu_counts, goal=goal, offload=a.offload,
                      compile_blocks=a.compile_, checkpointing=a.checkpointing,
                      method=a.method, seed=a.seed, n_trials=a.trials,  # type: ignore[arg-type]
-                     storage=prepared.storage, notes=prepared.notes, calibration=cal, probe=probe_options,
+                     storage=prepared.storage, notes=notes, calibration=cal, probe=probe_options,
                      on_progress=on_progress, on_trial=on_trial, cancelled=cancelled, quant=choice.quant_name())
