@@ -19,6 +19,8 @@ full checkpointing, between which it lies); outside it the band widens:
   a measured MoE set, twice with expert parallelism; the published MoE runs, benchmarks/fidelity_moe.py, are
   the MoE sets: kind ``moe``);
 - by ``WIDEN_UNMEASURED`` when the set holds fewer than ``MIN_SET_RUNS`` runs;
+- on a GPU with no measured set of its own or of a GPU it derives from: the same plan's band on ``REFERENCE_GPU``
+  (all of the above), widened by ``UNMEASURED_GPU_BAND``;
 - and when the predicted MFU is above the best MFU ever measured on that GPU and precision (the
   envelope), the slow end is at least the time at the envelope: step × predicted MFU ÷ envelope MFU.
 
@@ -50,7 +52,12 @@ MIN_SET_RUNS = 5
 """A measured set of fewer runs than this gives its band widened by ``WIDEN_UNMEASURED`` (stated: two or three
 runs' 5th-95th percentile says little about the next plan)."""
 UNMEASURED_GPU_BAND = 0.35
-"""Half-width of the log band for a GPU with neither a measured set nor a derived one (stated)."""
+"""Extra half-width of the log band for a GPU with neither a measured set nor a derived one (stated), on top of the
+band this plan gets on :data:`REFERENCE_GPU`."""
+REFERENCE_GPU = "H100-SXM"
+"""The GPU whose measured sets cover the most (engines, models, scales): a never-measured GPU's band is this GPU's
+band for the same plan (so everything the plan does that no one measured still widens it), widened by
+:data:`UNMEASURED_GPU_BAND`."""
 
 
 class MeasuredSet(BaseModel):
@@ -198,14 +205,32 @@ def time_band(profile: ModelProfile, strategy: Strategy, cluster: Cluster, *, mf
     gpu = cluster.gpu.name
     groups = _candidate_groups(gpu, dom)
     if not groups:
-        return TimeBand(low=math.exp(-UNMEASURED_GPU_BAND), high=math.exp(UNMEASURED_GPU_BAND),
-                        basis=f"no measured runs on {gpu} or a GPU its figures derive from",
-                        outside=(f"no step time was ever measured on {gpu}",))
+        return _unmeasured_gpu_band(profile, strategy, gpu, dom)
     own_measured = groups[0][1] is None
     bands = [_band_from(profile, strategy, gpu, mfu, dom, sets, d, model_kind(profile), own_measured=own_measured)
              for sets, d in groups]
     # the set whose domain covers the strategy best (least widening), then the narrower band
     return min(bands, key=lambda bw: (round(bw[1], 9), math.log(bw[0].high / bw[0].low)))[0]
+
+
+def _unmeasured_gpu_band(profile: ModelProfile, strategy: Strategy, gpu: str, dom: TimeDomain) -> TimeBand:
+    """A GPU nobody measured: the plan's band on :data:`REFERENCE_GPU` (its widening for what the plan does outside
+    every measured set: MoE, expert parallelism, offload, scale...), widened by :data:`UNMEASURED_GPU_BAND`. The
+    reference's MFU envelope is not applied (another GPU's peak)."""
+    first = f"no step time was ever measured on {gpu}"
+    ref_groups = _candidate_groups(REFERENCE_GPU, dom)
+    if not ref_groups:  # a domain without the reference (a test's): the flat band
+        return TimeBand(low=math.exp(-UNMEASURED_GPU_BAND), high=math.exp(UNMEASURED_GPU_BAND),
+                        basis=f"no measured runs on {gpu} or a GPU its figures derive from", outside=(first,))
+    sets, derivation = ref_groups[0]
+    ref, _ = _band_from(profile, strategy, REFERENCE_GPU, 0.0, dom, sets, derivation, model_kind(profile),
+                        own_measured=derivation is None)
+    wide = math.exp(UNMEASURED_GPU_BAND)
+    reasons = tuple(f"and on {REFERENCE_GPU}, whose band stands in: {r}" for r in ref.outside)
+    return TimeBand(low=min(ref.low, 1.0) / wide, high=max(ref.high, 1.0) * wide,
+                    basis=f"no measured runs on {gpu} or a GPU its figures derive from: {REFERENCE_GPU}'s band for "
+                          f"this plan ({ref.basis}), widened",
+                    outside=(first, *reasons))
 
 
 def _band_from(profile: ModelProfile, strategy: Strategy, gpu: str, mfu: float, dom: TimeDomain,

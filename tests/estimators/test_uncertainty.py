@@ -129,9 +129,15 @@ def test_gpus_without_measurements_say_so() -> None:
     assert b200.high > h100.high
     assert any(r.startswith("B200's own measured runs cover this plan less than H100-SXM's") for r in b200.outside)
     l40s = time_band(prof, FSDP8, _cluster("L40S"), mfu=0.0)
-    assert l40s.high == pytest.approx(math.exp(UNMEASURED_GPU_BAND))
-    assert l40s.outside == ("no step time was ever measured on L40S",)
+    # nobody measured the L40S: the H100's band for the same plan, widened (never narrower than a measured GPU's)
+    assert l40s.high == pytest.approx(max(h100.high, 1.0) * math.exp(UNMEASURED_GPU_BAND))
+    assert l40s.low == pytest.approx(min(h100.low, 1.0) * math.exp(-UNMEASURED_GPU_BAND))
+    assert l40s.outside[0] == "no step time was ever measured on L40S"
+    assert l40s.outside[1:] == tuple(f"and on H100-SXM, whose band stands in: {r}" for r in h100.outside)
     assert mfu_envelope("L40S", "bf16") is None
+    # what the plan does that nobody measured widens an unmeasured GPU's band too (it was one flat band)
+    offload = FSDP8.model_copy(update={"offload_params": "cpu"})
+    assert time_band(prof, offload, _cluster("L40S"), mfu=0.0).high > l40s.high
 
 
 def test_calibration_moves_the_band_with_the_step() -> None:
