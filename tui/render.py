@@ -122,7 +122,10 @@ def estimate_table(e: Estimate | StatesEstimate) -> Group:
     else:
         rate = f"{e.samples_per_s:,.1f} samples/s [{_rate_band(e, e.samples_per_s, '{:,.1f}')}]"
     summary = Text(f"{e.strategy.label()} on {e.gpus} GPU(s): global batch {e.global_batch}, {rate}, "
-                   f"MFU {e.mfu * 100:.1f}%, HFU {e.hfu * 100:.1f}%, {e.model_tflops_per_gpu:.1f} TFLOP/s per GPU")
+                   f"MFU {e.mfu * 100:.1f}%, HFU {e.hfu * 100:.1f}%"
+                   + (" (of the dense 16-bit peak, as published fp8 runs state them)"
+                      if get_recipe(e.strategy.precision).compute_dtype == "fp8" else "")
+                   + f", {e.model_tflops_per_gpu:.1f} TFLOP/s per GPU")
     recipe = Text(f"precision {e.strategy.precision}: {get_recipe(e.strategy.precision).description}", style="dim")
     basis = [Text(f"time band: {t.band_basis}", style="dim")] if t.band_basis else []
     parts: list = [summary, verdict, recipe, _memory_table(e), _detail_line(e), tim, *basis,
