@@ -311,7 +311,8 @@ def plan(row: dict[str, Any]) -> Plan:
         flags.append("torch")
     if row["gpu"] == "H800":
         flags.append("gpu")
-    if "forced" not in row["token_policy"] and "bias balancing" not in row["token_policy"]:
+    # "forced balance" names a forced router; "load not forced" / "does not say forced" are aux-loss rows
+    if "forced balance" not in row["token_policy"] and "bias balancing" not in row["token_policy"]:
         flags.append("bal")
     if "overlap-grad-reduce" in features:
         # optplan's comm_overlap is Megatron's data-parallel overlap and, with tp > 1, its tensor-parallel one: taken
