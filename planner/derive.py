@@ -63,7 +63,7 @@ def _offload_targets(flags: StrategyFlags, engine: str) -> tuple[str, str]:
         if flags.offload == "none" and legacy != ("none", "none"):
             raise OptplanError("--offload none contradicts --offload-optimizer/--offload-params: drop one")
         return legacy
-    if legacy != ("none", "none"):
+    if flags.offload_optimizer is not None or flags.offload_params is not None:  # even when given as none
         raise OptplanError("give --offload or --offload-optimizer/--offload-params, not both")
     if flags.offload == "optimizer":
         return "cpu", "none"

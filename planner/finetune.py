@@ -59,8 +59,9 @@ class FinetuneChoice(BaseModel):
                                           ("--lora-targets", self.lora_targets), ("--lora-dropout", self.lora_dropout),
                                           ("--quant", self.quant)) if v is not None]
             if given:
-                raise OptplanError(f"{', '.join(given)} apply to LoRA fine-tuning: add --finetune lora (or qlora), "
-                                   f"or drop {given[0]}")
+                verb = "applies" if len(given) == 1 else "apply"
+                raise OptplanError(f"{', '.join(given)} {verb} to LoRA fine-tuning: add --finetune lora (or qlora), "
+                                   f"or drop {' and '.join(given)}")
             return
         if not runs_a_model:
             raise OptplanError(f"--finetune {self.finetune} adds adapters to a real model: give a model FILE or --hf "

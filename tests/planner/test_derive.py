@@ -43,6 +43,7 @@ def test_engine_and_offload_defaults() -> None:
     (StrategyFlags(tp=0), "--tp must be >= 1"),
     (StrategyFlags(mbs=0), "--mbs must be >= 1"),
     (StrategyFlags(zero=3, offload="params", offload_params="cpu"), "not both"),
+    (StrategyFlags(zero=3, offload="params", offload_params="none"), "not both"),  # an explicit none too
 ])
 def test_inconsistent_flags_are_one_line_errors(flags: StrategyFlags, match: str) -> None:
     with pytest.raises(OptplanError, match=match):

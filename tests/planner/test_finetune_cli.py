@@ -21,13 +21,16 @@ runner = CliRunner()
 @pytest.mark.parametrize("argv,message", [
     (["estimate", "--arch", "layers=2,hidden=64,heads=4", "--finetune", "lora"], "adds adapters to a real model"),
     (["estimate", "examples/mlp.py", "--lora-rank", "8"], "add --finetune lora"),
+    (["estimate", "examples/mlp.py", "--lora-rank", "8", "--lora-alpha", "4"],
+     "--lora-rank, --lora-alpha apply to LoRA fine-tuning: add --finetune lora (or qlora), or drop --lora-rank and "
+     "--lora-alpha"),
     (["estimate", "examples/mlp.py", "--finetune", "qlora", "--quant", "none"], "--finetune qlora quantises"),
     (["estimate", "examples/mlp.py", "--finetune", "lora", "--quant", "fp3"], "unknown --quant 'fp3'"),
     (["recommend", "examples/mlp.py", "--finetune", "adapter"], "unknown --finetune 'adapter'"),
     (["recommend", "examples/mlp.py", "--finetune", "lora", "--lora-rank", "0"], "--lora-rank must be >= 1"),
     (["profile", "examples/mlp.py", "--finetune", "lora", "--lora-targets", " , "], "--lora-targets is empty"),
-    (["estimate", "examples/mlp.py", "--quant", "nf4"], "apply to LoRA fine-tuning"),
-    (["estimate", "examples/mlp.py", "--lora-dropout", "0.1"], "apply to LoRA fine-tuning"),
+    (["estimate", "examples/mlp.py", "--quant", "nf4"], "--quant applies to LoRA fine-tuning"),
+    (["estimate", "examples/mlp.py", "--lora-dropout", "0.1"], "--lora-dropout applies to LoRA fine-tuning"),
     (["estimate", "examples/mlp.py", "--finetune", "lora", "--lora-dropout", "1.5"], "--lora-dropout is a probability"),
     # layouts finetune.py cannot start are refused, not priced (or silently turned into a torch plan)
     (["estimate", "examples/llama.py", "--finetune", "lora", "--gpus", "2", "--zero", "2"], "not deepspeed: drop --zero"),
