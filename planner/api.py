@@ -84,7 +84,14 @@ def resolve_model(path: Path | str | None, *, arch: str | None = None, seq_len: 
         except ModelFileError as exc:  # named by what the user typed, not by the cache file optplan wrote
             if Path(exc.path).name != path.name:
                 raise
-            raise ModelFileError(f"--hf {hf}", exc.problem, exc.fix, detail=exc.detail) from None
+            fix, problem = exc.fix, exc.problem
+            if problem.startswith(("importing the file raised", "build_model() raised")):
+                # optplan's generated file only builds the config's class: the config is what to change
+                problem = problem.replace("importing the file raised", "building the config raised", 1).replace(
+                    "build_model() raised", "building the model from the config raised", 1)
+                fix = (f"the config is what transformers refused: fix its values in {hf}'s config.json (optplan only "
+                       "builds the config's class from it), or pass --hf-class for another class")
+            raise ModelFileError(f"--hf {hf}", problem, fix, detail=exc.detail) from None
     return load_profile(path, seq_len=seq_len, model_name=model_name, cancelled=cancelled,  # type: ignore[arg-type]
                         lora=lora)
 

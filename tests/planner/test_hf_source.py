@@ -134,6 +134,11 @@ def test_profile_and_errors_through_the_cli(tmp_path: Path, hub: Path) -> None:
     assert r.exit_code == 2 and "give exactly one of a model FILE, --hf" in r.output
     r = runner.invoke(app, ["profile", "examples/mlp.py", "--hf-class", "LlamaForCausalLM"])
     assert r.exit_code == 2 and "--hf-class picks the class of an --hf model" in r.output
+    # a config transformers refuses: the fix is in the config, not in the model file optplan generated from it
+    bad = _folder(tmp_path, "bad-heads", {**TINY_LLAMA, "num_attention_heads": 3})
+    r = runner.invoke(app, ["profile", "--hf", str(bad)])
+    assert r.exit_code == 2 and "from the config raised" in r.output, r.output
+    assert "fix its values in" in r.output and "run cleanly" not in r.output and "optplan/hf/" not in r.output
 
 
 def test_recommend_out_is_self_contained_and_train_py_matches_the_prediction(tmp_path: Path, hub: Path) -> None:
