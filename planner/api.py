@@ -160,7 +160,8 @@ def estimate_strategy(profile: ModelProfile, cluster: Cluster, strategy: Strateg
     """Estimate one strategy (the ``optplan estimate`` command), with the cost of ``tokens`` if given.
 
     The price defaults to the cluster file's ``price_per_gpu_hour``; energy uses its ``gpu_power_w``
-    (else the datasheet TDP). A ``--params`` profile gets model states, buffers and overhead only.
+    (else the datasheet TDP). A ``--params`` profile gets model states, buffers and overhead only. The profile's
+    notes come first in the estimate's.
     """
     price = price_per_gpu_hour if price_per_gpu_hour is not None else cluster.price_per_gpu_hour
     if is_params_only(profile):
@@ -169,6 +170,9 @@ def estimate_strategy(profile: ModelProfile, cluster: Cluster, strategy: Strateg
                                "FILE or --arch")
         return estimate_states(profile, cluster, strategy)
     est = estimate(profile, cluster, strategy)
+    # what the profile noticed (an OPTPLAN typo, a default loss, a real-run fallback) heads the estimate's own notes,
+    # as recommend puts it in the plan's
+    est = est.model_copy(update={"notes": tuple(dict.fromkeys((*profile.notes, *est.notes)))})
     if tokens is None:
         if price_per_gpu_hour is not None:
             raise OptplanError("--price needs --tokens (the token budget to price)")

@@ -579,3 +579,15 @@ def test_a_gpus_range_note_names_the_range_not_one_count() -> None:
                  "--json"])
     planning = [n for n in doc["notes"] if "planning for" in n]
     assert planning and all("planning for 8-16 x" in n for n in planning), planning
+
+
+def test_estimate_keeps_what_the_profile_noticed(tmp_path: Path) -> None:
+    """An OPTPLAN typo's warning reaches estimate's notes (text and --json), as it does recommend's."""
+    f = tmp_path / "typo.py"
+    f.write_text("import torch, torch.nn as nn\nOPTPLAN = {'precison': 'fp32'}\n"
+                 "def build_model():\n    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32))\n"
+                 "def example_batch(batch_size, seq_len):\n    return torch.randn(batch_size, 32)\n")
+    doc = _json(["estimate", str(f), *H100, "--json"])
+    assert any("OPTPLAN['precison'] is not a key" in n for n in doc["notes"]), doc["notes"]
+    text = runner.invoke(app, ["estimate", str(f), *H100])
+    assert text.exit_code == 0 and "precison" in text.stdout
