@@ -116,6 +116,7 @@ from optplan.probes.model_shape import (  # noqa: F401 - re-exported
 )
 from optplan.probes.moe_layers import find_moe_layers
 from optplan.probes.moe_profile import balanced_note, moe_shape, with_balanced_moe
+from optplan.probes.position_bounds import PositionTracker
 from optplan.probes.quant_inputs import bnb_keeps_4bit_inputs_here, quant_input_elements
 from optplan.probes.step_runner import (
     BatchSpec,
@@ -179,11 +180,26 @@ def blocks_of(model: nn.Module, cls: type | None) -> list[nn.Module]:
 def measure_fake(meta_model: nn.Module, spec: BatchSpec, contract: ModelContract, block_cls: type | None,
                  batch_sizes: tuple[int, int]) -> Measurement:
     """Materialise a meta model on fake CPU tensors and :func:`measure` it."""
+    tracker = PositionTracker()  # fake tensors index past an embedding table silently; a real run would not
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = materialize_fake(meta_model)
         runner = StepRunner(model=model, spec=spec, loss_fn=contract.loss_fn, display=contract.display,
                             blocks=blocks_of(model, block_cls))
-        return measure(runner, batch_sizes)
+        try:
+            with tracker:
+                result = measure(runner, batch_sizes)
+        except ModelFileError:
+            if not tracker.overruns:
+                raise
+            result = None  # the overrun came first and is the cause (e.g. a causal-mask buffer sized like it)
+    if tracker.overruns or result is None:
+        top, rows = max(tracker.overruns)
+        raise ModelFileError(contract.display,
+                             f"the forward looks up position {top} in an embedding table of {rows} rows: the model "
+                             f"takes at most {rows} positions, and the batch ({spec.describe(batch_sizes[0])}) has more",
+                             f"use --seq-len {rows} or less (or OPTPLAN['seq_len']), or build the model with a longer "
+                             "position table")
+    return result
 
 
 
