@@ -285,6 +285,11 @@ class ModelProfile(_Frozen):
                     "torch.optim.Adafactor): rows+cols (times leading dims) for >=2-D tensors, numel for 0-D/1-D; "
                     "tied weights once. None when unknown (profiles made before this field)",
     )
+    sparse_grad_params: int = Field(
+        default=0, ge=0,
+        description="trainable parameters whose gradients are sparse (nn.Embedding / nn.EmbeddingBag with "
+                    "sparse=True): torch's AdamW and the other dense optimizers refuse them, SGD takes them "
+                    "(planner/sparse_grads.py)")
     small_param_counts: dict[int, int] | None = Field(
         default=None,
         description="number of unique parameter tensors of each size up to SMALL_PARAM_LIMIT elements "

@@ -13,6 +13,7 @@ from optplan.estimators.errors import OptplanError
 from optplan.estimators.hardware import Cluster
 from optplan.estimators.profile import ModelProfile
 from optplan.estimators.strategy import Strategy
+from optplan.planner.sparse_grads import check_sparse_optimizers
 
 
 class StrategyFlags(BaseModel):
@@ -148,7 +149,8 @@ def file_precision(profile: ModelProfile, cluster: Cluster) -> tuple[str | None,
 def file_defaults(profile: ModelProfile, cluster: Cluster, flags: StrategyFlags, strategy: Strategy, *,
                   precision_given: bool) -> tuple[dict[str, object], list[str]]:
     """The model file's ``OPTPLAN`` values ``optplan estimate`` takes where its flags leave them open, as updates to
-    ``flags``, and the notes that say so: the optimizer; the precision (unless one is given, or the GPU has no math
+    ``flags``, and the notes that say so: the optimizer (SGD for a model with sparse gradients when none is named,
+    planner/sparse_grads.py; a named dense one is an OptplanError); the precision (unless one is given, or the GPU has no math
     for it); the global batch when neither ``--gas`` nor ``--global-batch`` is given and mbs x dp of ``strategy``
     (the flags' own plan) divides it (else a note says it was not taken)."""
     d = profile.defaults
@@ -156,6 +158,7 @@ def file_defaults(profile: ModelProfile, cluster: Cluster, flags: StrategyFlags,
     notes: list[str] = []
     if flags.optimizer is None and d.optimizer and d.optimizer != strategy.optimizer:
         updates["optimizer"] = d.optimizer
+
     if not precision_given:
         precision, refused = file_precision(profile, cluster)
         if precision is not None and precision != strategy.precision:
@@ -169,4 +172,8 @@ def file_defaults(profile: ModelProfile, cluster: Cluster, flags: StrategyFlags,
             notes.append(f"the model file's OPTPLAN global batch {d.global_batch} is not divisible by mbs x dp = "
                          f"{strategy.mbs} x {strategy.dp}: estimated at --gas 1 (pass --global-batch or --gas)")
     notes[:0] = [f"{key.replace('_', ' ')} {value} from the model file's OPTPLAN" for key, value in updates.items()]
+    wanted = str(updates.get("optimizer", strategy.optimizer))
+    sparse_ok = check_sparse_optimizers(profile, (wanted,), named=flags.optimizer is not None or bool(d.optimizer))
+    if sparse_ok != (wanted,):  # sparse gradients: SGD in place of the default AdamW (planner/sparse_grads.py)
+        updates["optimizer"] = sparse_ok[0]
     return updates, notes

@@ -40,6 +40,7 @@ from optplan.estimators.precision import require_precision
 from optplan.estimators.profile import ModelProfile, TransformerShape
 from optplan.estimators.strategy import CheckpointName as CheckpointMode
 from optplan.estimators.strategy import EngineName, Strategy
+from optplan.planner.sparse_grads import check_sparse_optimizers
 
 MAX_MICRO_BATCH = 1024
 MAX_VPP = 8
@@ -385,6 +386,7 @@ def build_space(profile: ModelProfile, cluster: Cluster, *, global_batch: int | 
     if isinstance(optimizers, str):
         optimizers = (optimizers,)
     opts = tuple(dict.fromkeys(optimizers)) if optimizers else (profile.defaults.optimizer or "adamw",)
+    opts = check_sparse_optimizers(profile, opts, named=bool(optimizers) or bool(profile.defaults.optimizer))
     chosen_engines = tuple(dict.fromkeys(engines)) if engines else ENGINES
     for e in chosen_engines:
         if e not in ENGINES:

@@ -69,6 +69,19 @@ def small_param_counts(model: nn.Module, limit: int = SMALL_PARAM_LIMIT) -> dict
     return dict(sorted(counts.items()))
 
 
+def sparse_grad_params(model: nn.Module) -> int:
+    """Trainable parameters of ``nn.Embedding`` / ``nn.EmbeddingBag`` modules built with ``sparse=True`` (their
+    gradients are sparse tensors; a tied weight once)."""
+    seen: set[int] = set()
+    total = 0
+    for mod in model.modules():
+        if isinstance(mod, (nn.Embedding, nn.EmbeddingBag)) and mod.sparse and mod.weight.requires_grad \
+                and id(mod.weight) not in seen:
+            seen.add(id(mod.weight))
+            total += mod.weight.numel()
+    return total
+
+
 def buffer_bytes(model: nn.Module) -> int:
     """Bytes of the model's (unique) buffers."""
     return sum(b.numel() * b.element_size() for b in model.buffers())

@@ -105,6 +105,7 @@ from optplan.probes.model_census import (
     count_params,
     factored_state_elements,
     small_param_counts,
+    sparse_grad_params,
     trainable_numels,
 )
 from optplan.probes.model_shape import (  # noqa: F401 - re-exported
@@ -399,6 +400,11 @@ def _profile_contract(contract: ModelContract, *, seq_len: int | None, started: 
         profile_seq = explicit_seq
         if contract.example_batch is not None and explicit_seq is None:
             notes.append(f"example_batch was called with seq_len={used_seq} (no sequence length known)")
+    sparse = sparse_grad_params(meta)
+    if sparse:
+        notes.append(f"{sparse:,} parameters have sparse gradients (an Embedding/EmbeddingBag with sparse=True): "
+                     "torch's AdamW refuses them, so plans use SGD (torch.optim.SGD takes them); their gradients "
+                     "are priced as dense, an upper bound")
     b0 = sizes[0]
     return ModelProfile(
         name=contract.name,
@@ -409,6 +415,7 @@ def _profile_contract(contract: ModelContract, *, seq_len: int | None, started: 
         params_by_module=by_module,
         factored_state_elements=factored_state_elements(meta),
         small_param_counts=small_param_counts(meta),
+        sparse_grad_params=sparse,
         buffer_bytes=buffer_bytes(meta),
         param_dtype=dtype,
         repeated_block=block.summary() if block else None,
