@@ -294,7 +294,13 @@ def _prepare(path: Path, profile: ModelProfile, model_name: str | None, local: L
             raise OptplanError(f"{path} needs the plan.json beside it (the strategy it launches): validate the "
                                "folder recommend --out wrote")
         strategy = plan.strategy
-        probed, notes = _local_strategy(strategy, local)
+        cpu_accelerate = kind != "launch" and local.device == "cpu" and local.count > 1
+        # `accelerate launch --cpu` starts one process whatever --num_processes says (its multi-CPU launch is
+        # mpirun's): one process, said so, rather than a second rank that never starts
+        probed, notes = _local_strategy(strategy, local.model_copy(update={"count": 1}) if cpu_accelerate else local)
+        if cpu_accelerate and strategy.dp > 1:
+            notes.append("accelerate launch --cpu starts one process (several CPU processes need its mpirun "
+                         "launcher): this file ran 1")
         if probed.engine == "deepspeed":
             from optplan.planner.export.deepspeed import render_ds_config
             ds_config = _runnable_ds_config(render_ds_config(probed, plan.buckets), local, notes)

@@ -77,6 +77,21 @@ def test_validate_runs_the_exported_launch_files(tmp_path: Path) -> None:
         assert any("ran 1 of the plan's 2" in n for n in run["notes"])
 
 
+def test_validate_with_two_cpu_processes_runs_accelerate_with_one(tmp_path: Path) -> None:
+    """--nproc 2 on the CPU: launch.sh runs both ranks; `accelerate launch --cpu` starts one process whatever its
+    --num_processes (multi-CPU is its mpirun launcher), so accelerate.yaml runs one and says so (it failed with
+    'rank 1 wrote no result')."""
+    out = tmp_path / "plan"
+    _run(["recommend", MLP, "--gpus", "2", "--engine", "torch", "--precision", "fp32", "--no-offload", "--no-probe",
+          "--out", str(out)])
+    doc = json.loads(_run(["validate", str(out), MLP, "--steps", "1", "--nproc", "2", "--json"]))
+    runs = {Path(r["file"]).name: r for r in doc["runs"]}
+    assert runs["launch.sh"]["comparison"]["result"]["world_size"] == 2
+    accelerate = runs["accelerate.yaml"]
+    assert accelerate["comparison"]["result"]["status"] == "ok", accelerate
+    assert any("accelerate launch --cpu starts one process" in n for n in accelerate["notes"])
+
+
 def test_validate_jobs_runs_the_files_together_taking_the_device_in_turn(tmp_path: Path) -> None:
     """--jobs 2: both files start at once and take one device lock in turn; the lock-held intervals (from taking it
     to handing it over) do not overlap, and the runs train as with --jobs 1."""
