@@ -110,6 +110,7 @@ from optplan.probes.contract import (  # noqa: E402
 )
 from optplan.probes.device_lock import DeviceLock  # noqa: E402
 from optplan.probes.device_lock import acquire as acquire_device  # noqa: E402
+from optplan.probes.dropout import gpu_dropout  # noqa: E402
 from optplan.probes.host_quiet import group_from_env, resume, stop_newcomers, stop_others  # noqa: E402
 from optplan.probes.host_speed import host_op_s  # noqa: E402
 from optplan.probes.model_errors import ModelFileError  # noqa: E402
@@ -449,14 +450,22 @@ class Probe(Trainer):
         self.phase = "making the batches"
         self.make_batches(contract, self.model, device)
         self.device = device
+        # on the CPU, dropout runs as CUDA's fused kernel does (a bool mask, not a noise tensor of the input's dtype):
+        # the memory a CPU probe measures is then the GPU's that the profile priced (probes/dropout.py)
+        as_on_gpu = gpu_dropout() if self.device_type == "cpu" else contextlib.nullcontext()
+        if self.device_type == "cpu" and any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0
+                                             for m in self.model.modules()):
+            self.notes.append("dropout ran as CUDA's fused kernel does (1-byte masks), as the profile prices it; "
+                              "torch's CPU dropout keeps masks of the input's dtype")
         try:
-            self.run_steps()
-            self.mark("stepped")
-            self.phase = "finishing"
-            self.read_device_memory()
-            if self.master is not None and self.master.skipped_steps:
-                self.notes.append(f"fp16 loss scaling skipped {self.master.skipped_steps} step(s) on overflow")
-            self.run_traced_steps()
+            with as_on_gpu:
+                self.run_steps()
+                self.mark("stepped")
+                self.phase = "finishing"
+                self.read_device_memory()
+                if self.master is not None and self.master.skipped_steps:
+                    self.notes.append(f"fp16 loss scaling skipped {self.master.skipped_steps} step(s) on overflow")
+                self.run_traced_steps()
         finally:
             self.resume_host()
 

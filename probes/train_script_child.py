@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from optplan.probes.dropout import gpu_dropout
 from optplan.probes.probe_tracker import tracked_call
 
 EXIT_FAILED = 3
@@ -67,7 +68,8 @@ def run_train_script(path: str, cap_bytes: int | None, argv: list[str]) -> int:
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
-    return int(module.main(argv, ScriptHooks(cap_bytes)))
+    with gpu_dropout():  # CUDA's 1-byte dropout masks, as the profile prices them (probes/dropout.py)
+        return int(module.main(argv, ScriptHooks(cap_bytes)))
 
 
 def train_script_args(argv: list[str]) -> tuple[str, int | None, list[str]] | None:
