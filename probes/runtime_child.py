@@ -560,7 +560,11 @@ def rank_out_path(out: str, rank: int) -> str:
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m optplan.probes.runtime_child",
-                                     description="Run a few training steps of a model file under one strategy.")
+                                     description="Run a few training steps of a model file under one strategy.",
+                                     epilog="Or measure an exported train.py on the CPU under the live-tensor "
+                                            "tracker (its measurements.json then feeds optplan calibrate): "
+                                            "python -m optplan.probes.runtime_child --train-script train.py "
+                                            "[--memory-cap-bytes N] -- TRAIN_PY_ARGS")
     parser.add_argument("--spec", required=True, help="the ProbeSpec as a JSON file")
     parser.add_argument("--out", required=True, help="where rank 0 writes its result JSON")
     return parser.parse_args(argv)
