@@ -122,6 +122,10 @@ def estimate_notes(profile: ModelProfile, strategy: Strategy, cluster: Cluster) 
     uneven = uneven_split_note(block.count, strategy.pp, strategy.vpp, strategy.engine) if block is not None else None
     if uneven:
         notes.append(uneven)
+    if get_recipe(strategy.precision).compute_dtype == "fp8" and strategy.engine != "megatron":
+        notes.append("fp8 outside Megatron: the exported train.py runs torchao's Float8Linear (weights cast to fp8 "
+                     "in each forward); memory and time price Transformer Engine's recipe (fp8 W and W^T cached "
+                     "through the step, +2 B/param), which torchao's was never measured against")
     if not strategy.flash and profile.activation_source == "measured":
         notes.append("--no-flash changes the time only: a model file's activations are measured with its own "
                      "attention code")

@@ -39,3 +39,16 @@ def test_fp8_activations_are_the_bf16_ones_less_the_fp8_inputs(sp: bool) -> None
     rep, split = fp8_saved_bytes_per_token(prof.transformer)  # type: ignore[arg-type]
     per_layer = 4096 * (rep / (2 if sp else 1) + split / 2)
     assert bf16 - fp8 == pytest.approx(32 * 2 * per_layer, abs=2)
+
+
+def test_fp8_outside_megatron_says_what_runs_and_what_is_priced() -> None:
+    from optplan.estimators.estimate import estimate
+    from optplan.estimators.hardware import Cluster, find_gpu
+
+    prof = profile_from_arch(parse_arch("layers=2,hidden=256,heads=4,seq=128"))
+    cluster = Cluster(gpu=find_gpu("H100-SXM"), gpus=2, gpus_per_node=2)
+    torch_plan = estimate(prof, cluster, Strategy(engine="torch", fsdp="full", dp=2, precision="fp8"))
+    assert any("torchao's Float8Linear" in n for n in torch_plan.notes)
+    megatron = estimate(prof, cluster, Strategy(engine="megatron", tp=2, dp=1, precision="fp8"))
+    bf16 = estimate(prof, cluster, Strategy(engine="torch", fsdp="full", dp=2, precision="bf16"))
+    assert not any("torchao" in n for n in (*megatron.notes, *bf16.notes))
