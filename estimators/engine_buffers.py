@@ -49,6 +49,19 @@ def deepspeed_partitions_grads(strategy: Strategy) -> bool:
             and strategy.offload_params == "none")
 
 
+DEEPSPEED_ALLREDUCE_ELEMENTS = 500_000_000
+"""Elements DeepSpeed's ZeRO-0 gradient all-reduce flattens at a time (``MEMORY_OPT_ALLREDUCE_SIZE`` in
+deepspeed/runtime/engine.py: ``allreduce_gradients`` -> ``buffered_allreduce_fallback`` -> ``allreduce_no_retain``),
+whatever the config's reduce_bucket_size."""
+
+
+def deepspeed_frees_grads(strategy: Strategy) -> bool:
+    """DeepSpeed ZeRO-0 frees every gradient after each optimizer step (engine.py ``_take_model_step`` ->
+    ``zero_grad``: ``param.grad = None``; its 16-bit optimizers ``zero_grad(set_to_none=True)``), so a step of one
+    micro-batch has none until its backward makes them; with accumulation the later micro-batches hold them all."""
+    return strategy.engine == "deepspeed" and strategy.zero == 0 and strategy.grad_accum == 1
+
+
 def frozen_base_bytes(profile: ModelProfile, strategy: Strategy) -> float:
     """The whole model's frozen base weights of a LoRA profile (bytes; finetune.frozen_weight_bytes)."""
     assert profile.adapter is not None
@@ -84,6 +97,8 @@ THROUGH_BACKWARD: Moments = frozenset(STEP_PHASES)
 UNTIL_STEM_GRADS: Moments = frozenset({"forward", "loss", "backward", "grads"})
 BEFORE_GRADS: Moments = frozenset({"forward", "loss", "backward"})
 AT_OPTIMIZER_STEP: Moments = frozenset({"optimizer_step"})
+AT_BACKWARD_END: Moments = frozenset({"backward_end"})
+"""After the last gradient, the activations freed, before the optimizer step (memory.py adds this moment)."""
 
 
 def buffer_items(profile: ModelProfile, strategy: Strategy, *, stage: int = 0,
@@ -91,8 +106,8 @@ def buffer_items(profile: ModelProfile, strategy: Strategy, *, stage: int = 0,
     """Named communication buffers and gathered working sets of one rank (bytes each; not all alive at
     once: :func:`buffer_moments` says when).
 
-    DeepSpeed (engine "deepspeed"): ZeRO-0 one reduce bucket in gradient dtype when there is data
-    parallelism; ZeRO-1/2 two reduce buckets (overlap_comm) while gradients are reduced; ZeRO-3 the reduce
+    DeepSpeed (engine "deepspeed"): ZeRO-0 the flat copy of the gradients its all-reduce makes at the end of
+    backward (up to :data:`DEEPSPEED_ALLREDUCE_ELEMENTS`, at every world size); ZeRO-1/2 two reduce buckets (overlap_comm) while gradients are reduced; ZeRO-3 the reduce
     bucket plus the parameters it keeps gathered (:func:`zero3_gathered_params`) in weight dtype, its in-flight
     all-gather (:func:`zero3_prefetch_params`), and the unpartitioned tensors under
     ``stage3_param_persistence_threshold``. torch: DDP's gradient buckets (a copy of every gradient), or
@@ -134,15 +149,19 @@ def buffers_with_moments(profile: ModelProfile, strategy: Strategy, stage: int,
         trainable_share = profile.trainable_params / profile.params
     if strategy.engine == "deepspeed":
         buckets = deepspeed_buckets(profile)
-        # ZeRO 1-3 allocate whole reduce buckets (torch.empty(reduce_bucket_size)); ZeRO-0 flattens what is there,
-        # at world size 1 too (engine.allreduce_gradients -> buffered_allreduce_fallback runs for every world
-        # size: measured on the CPU probe, examples/mlp.py fp32 ZeRO-0 at 1 process, +1 flat fp32 gradient)
-        full = strategy.zero > 0
-        bucket = (buckets.reduce_bucket_size if full else min(buckets.reduce_bucket_size, psi_train)) * recipe.grad_bytes
+        # ZeRO 1-3 allocate whole reduce buckets (torch.empty(reduce_bucket_size)). ZeRO-0 flattens the gradients
+        # at the end of backward, up to DEEPSPEED_ALLREDUCE_ELEMENTS at a time whatever reduce_bucket_size says,
+        # at world size 1 too (engine.allreduce_gradients -> buffered_allreduce_fallback runs for every world size:
+        # measured on the CPU probe, examples/mlp.py fp32 ZeRO-0 at 1 process, +1 flat fp32 gradient), with the
+        # activations freed: its own moment, backward_end (memory.py)
         if deepspeed_partitions_grads(strategy):
+            bucket = buckets.reduce_bucket_size * recipe.grad_bytes
             items["deepspeed_reduce_buckets"] = (round(DEEPSPEED_IPG_BUFFERS * bucket), WHILE_GRADS)
+        elif strategy.zero == 0:
+            bucket = min(DEEPSPEED_ALLREDUCE_ELEMENTS, psi_train) * recipe.grad_bytes
+            items["deepspeed_reduce_bucket"] = (round(bucket), AT_BACKWARD_END)
         else:
-            items["deepspeed_reduce_bucket"] = (round(bucket), None)
+            items["deepspeed_reduce_bucket"] = (round(buckets.reduce_bucket_size * recipe.grad_bytes), None)
         if strategy.zero == 3:
             live = zero3_gathered_params(profile, strategy)
             # released by the end of backward: not alive at the optimizer step (measured, fidelity_train.py)

@@ -70,6 +70,7 @@ from optplan.estimators.engine_buffers import (  # noqa: F401  (re-exported: cal
     buffer_items,
     buffer_moments,
     buffers_with_moments,
+    deepspeed_frees_grads,
     deepspeed_partitions_grads,
     fp8_cache_bytes,
     frozen_base_bytes,
@@ -298,8 +299,11 @@ def _grad_bytes_by_moment(states: ModelStates, profile: ModelProfile, strategy: 
                           gpus_per_node: int) -> tuple[int, int, int]:
     """Gradient bytes on the device (after the first gradient of a backward, elsewhere in the step, at the
     optimizer step). DeepSpeed ZeRO-1/2: ``grads_in_partition`` from the first gradient to the end of
-    backward, then the averaged 1/N partition, which accumulation steps keep; every other engine keeps its
-    gradients throughout."""
+    backward, then the averaged 1/N partition, which accumulation steps keep. DeepSpeed ZeRO-0 without
+    accumulation: none before the first gradient of backward (freed after the last step), all of them after it
+    (an upper bound while backward makes them). Every other engine keeps its gradients throughout."""
+    if deepspeed_frees_grads(strategy):  # none before this backward makes them (engine_buffers.py)
+        return states.grads_bytes, 0, states.grads_bytes
     if not deepspeed_partitions_grads(strategy):
         return states.grads_bytes, states.grads_bytes, states.grads_bytes
     recipe = get_recipe(strategy.precision)
@@ -337,6 +341,9 @@ def _stage_breakdown(profile: ModelProfile, strategy: Strategy, capacity_bytes: 
         # the end of backward (independent_gradient_partition_epilogue): the averaged 1/N partition is built
         # while grads_in_partition and the reduce buckets are still alive, the activations freed
         moments.append(("backward_end", 0, during + at_step, live_at("grads")))
+    elif strategy.engine == "deepspeed" and strategy.zero == 0:
+        # the end of backward (allreduce_gradients): every gradient and their flat copy, the activations freed
+        moments.append(("backward_end", 0, during, live_at("backward_end")))
     root_reduce = fsdp_root_reduce_items(profile, strategy, stage, device)
     if root_reduce:  # FSDP2's last reduce-scatter, the activations freed (engine_buffers.fsdp_root_reduce_items)
         kept = {k: v for k, (v, m) in buffers.items() if m is None}

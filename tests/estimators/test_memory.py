@@ -100,7 +100,9 @@ def test_buffers_by_stage() -> None:
     # CPU probe: examples/mlp.py fp32 ZeRO-0 on one process peaks one flat fp32 gradient higher)
     assert buffer_bytes(prof, Strategy(zero=0, dp=1)) == buffer_bytes(prof, Strategy(zero=0, dp=8)) > 0
     bucket = 2048 * 2048
-    assert buffer_bytes(prof, Strategy(precision="bf16", zero=0, dp=8)) == bucket * 2
+    # ZeRO-0's all-reduce flattens up to 5e8 elements at a time whatever reduce_bucket_size says: here the whole
+    # 16-bit gradient (deepspeed/runtime/engine.py MEMORY_OPT_ALLREDUCE_SIZE), at the end of backward only
+    assert buffer_bytes(prof, Strategy(precision="bf16", zero=0, dp=8)) == prof.params * 2
     assert buffer_bytes(prof, Strategy(precision="bf16", zero=2, dp=8)) == bucket * 2 * 2
     z3 = buffer_bytes(prof, Strategy(precision="bf16", zero=3, dp=8))
     # below ~0.5e9 parameters DeepSpeed's default stage3_max_reuse_distance (1e9) keeps every parameter

@@ -49,6 +49,25 @@ def test_deepspeed_gradient_partition_lives_only_from_the_first_gradient() -> No
     assert buffer_moments(late, s, gpus_per_node=2)["deepspeed_reduce_buckets"] == frozenset({"grads", "stem_grads"})
 
 
+def test_deepspeed_zero0_has_no_gradients_before_its_backward_and_flattens_them_after() -> None:
+    """ZeRO-0 frees every gradient after the step (engine.zero_grad: param.grad = None): a one-micro-batch step has
+    none at the loss; at the end of backward every gradient and their flat all-reduce copy, the activations freed.
+    With accumulation the later micro-batches hold them all (the earlier rule). Measured: the CPU probe of a
+    TransformerEncoder model read +7.5 % before, and the H200 run of examples/mlp.py fp32 ZeRO-0 +6.46 -> +3.69 %."""
+    s = Strategy(precision="fp32", engine="deepspeed", zero=0, dp=2)
+    prof = phased_profile(forward=10**8, loss=5 * 10**8, backward=10**8, grads=10**8)
+    m = memory_breakdown(prof, s, CAP, gpus_per_node=2)
+    assert m.moment == "loss" and m.grads_bytes == 0 and "deepspeed_reduce_bucket" not in m.detail_bytes
+    accumulating = memory_breakdown(prof, s.model_copy(update={"grad_accum": 4}), CAP, gpus_per_node=2)
+    assert accumulating.grads_bytes == 4 * 10_000_000 and accumulating.total_bytes > m.total_bytes
+    quiet = phased_profile(forward=10**5, loss=10**5, backward=10**5, grads=10**5)
+    end = memory_breakdown(quiet, s, CAP, gpus_per_node=2)
+    grads = 4 * 10_000_000
+    assert end.moment == "backward_end" and end.grads_bytes == grads and end.activations_bytes == 0
+    assert end.detail_bytes["deepspeed_reduce_bucket"] == grads  # the whole fp32 gradient, flattened
+    assert buffer_moments(quiet, s, gpus_per_node=2)["deepspeed_reduce_bucket"] == frozenset({"backward_end"})
+
+
 def test_fsdp_units_are_not_gathered_during_the_loss() -> None:
     s = Strategy(precision="fp32", engine="torch", fsdp="full", dp=2)
     prof = phased_profile(forward=10**7, loss=10**9, backward=10**7, grads=10**7)
