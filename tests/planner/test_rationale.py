@@ -179,7 +179,8 @@ def test_the_micro_batch_line_gives_the_reason_a_faster_larger_one_was_not_picke
     assert "fits only at the median allocator margin" in _larger_mbs_reason(pick.model_copy(
         update={"fits_at_high_margin": True}), risky)
     # faster nominally, slower at the slow end of a wider band (e.g. outside the measured domain)
-    wide = nxt.model_copy(update={"time": nxt.time.model_copy(update={"step_s_high": nxt.time.step_s * 3})})
+    spread = pick.time.step_s_high / pick.time.step_s  # three times the pick's own band
+    wide = nxt.model_copy(update={"time": nxt.time.model_copy(update={"step_s_high": nxt.time.step_s * 3 * spread})})
     line = _larger_mbs_reason(pick, wide)
     assert line.startswith("8 is faster nominally") and "not at the band's slow end" in line, line
     # faster at both ends by less than the tie tolerance: a tie, which the simpler plan wins
