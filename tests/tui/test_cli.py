@@ -426,8 +426,10 @@ def test_estimate_defaults_to_fp16_without_bf16_and_notes_uncalibrated_gpus() ->
     a100 = _json(["estimate", "--arch", "layers=4,hidden=256,heads=4,seq=512", "--gpu", "A100", "--gpus", "8",
                   "--json"])
     assert not any("no fitted efficiencies" in n for n in a100["notes"])  # A100 is fitted...
-    # ...but a 4-layer toy is far outside every measured run: the band says so, and only the band
-    assert [n.split(" (")[0] for n in a100["notes"]] == ["time: outside the measured domain"]
+    # ...but a 4-layer toy is far outside every measured run: the band says so, and only the band (after what the
+    # profile itself says: a shape priced by formula)
+    assert [n.split(" (")[0] for n in a100["notes"]] == ["profile from --arch by formula",
+                                                          "time: outside the measured domain"]
     default = runner.invoke(app, ["estimate", "--params", "1e9", "--tp", "3"])
     assert default.exit_code == 2 and "(the detected or default count: pass --gpus)" in default.stderr
 
