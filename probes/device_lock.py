@@ -59,7 +59,8 @@ HOLDING, HANDED = "holding", "handed"
 class DeviceLock:
     """An exclusive ``flock`` held on ``path`` (``fd`` open while held); ``wait_s`` is how long taking it took (s),
     ``acquired_at`` when it was taken (Unix time, s); ``previous_pid`` the last holder that wrote its pid, and
-    ``previous_handed`` whether it handed the device over (else it held it to its exit)."""
+    ``previous_handed`` whether it handed the device over (else it held it to its exit); ``released_perf_s``
+    when it let go (``time.perf_counter()``), which the probe's timeline records as ``released``."""
 
     path: str
     fd: int | None
@@ -67,6 +68,7 @@ class DeviceLock:
     acquired_at: float
     previous_pid: int | None = None
     previous_handed: bool = False
+    released_perf_s: float | None = None  # time.perf_counter() when release() let go (None: still held)
 
     @property
     def held(self) -> bool:
@@ -85,6 +87,7 @@ class DeviceLock:
         """Release the lock now (``LOCK_UN``, then close: a forked child sharing the descriptor keeps no lock);
         nothing when already released."""
         if self.fd is not None:
+            self.released_perf_s = time.perf_counter()  # before the unlock: the next holder starts after this
             with contextlib.suppress(OSError):
                 fcntl.flock(self.fd, fcntl.LOCK_UN)
             with contextlib.suppress(OSError):
