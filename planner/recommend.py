@@ -132,10 +132,6 @@ def with_cost(e: Estimate, goal: Goal, cluster: Cluster) -> Estimate:
     return e.model_copy(update={"cost": cost})
 
 
-def _is_model_file(profile: ModelProfile) -> bool:
-    return bool(profile.model_file)
-
-
 def _is_moe(profile: ModelProfile) -> bool:
     """An MoE profile (an --hf MoE config, planner/hf_moe.py, or a model file with MoE layers, probes/moe_layers.py):
     Megatron-LM's expert parallelism, which only it expresses, is searched beside DeepSpeed and torch, as for
@@ -195,7 +191,7 @@ def recommend(profile: ModelProfile, cluster: Cluster, *, global_batch: int | No
     if is_params_only(profile):
         return _recommend_states(profile, cluster, global_batch=gb, precisions=precisions, engines=engines,
                                  offload=offload, alternatives=alternatives, notes=notes, goal=goal)
-    if engines is None and _is_model_file(profile) and not _is_moe(profile):
+    if engines is None and profile.model_file and not _is_moe(profile):
         engines = ("deepspeed", "torch")
     ceiling_notes: list[str] = []
     lora_notes: list[str] = []
@@ -209,7 +205,7 @@ def recommend(profile: ModelProfile, cluster: Cluster, *, global_batch: int | No
         probe = None
         lora_notes.append("not probed: the probe runs train the model as built, without LoRA adapters, so the LoRA "
                           "plan's figures are predictions only")
-    if probe is not None and _is_model_file(profile) and probe.microbench:
+    if probe is not None and profile.model_file and probe.microbench:
         from optplan.planner.probe_stage import local_devices, measured_cluster
         probe_local = probe_local or local_devices(probe.nproc)
         cluster, ceiling_notes = measured_cluster(cluster, probe_local, bench=probe_bench, cancelled=cancelled)
@@ -228,7 +224,7 @@ def recommend(profile: ModelProfile, cluster: Cluster, *, global_batch: int | No
     ranked = result.ranked
     report: ProbeReport | None = None
     probe_text: list[str] = []
-    if probe is not None and _is_model_file(profile) and result.feasible:
+    if probe is not None and profile.model_file and result.feasible:
         kwargs = {"runner": probe_runner} if probe_runner is not None else {}
         report = run_probe_stage(profile, cluster, ranked, options=probe, local=probe_local, storage=storage,
                                  study_name=result.study.study_name, on_progress=on_progress,
@@ -260,7 +256,7 @@ def recommend(profile: ModelProfile, cluster: Cluster, *, global_batch: int | No
                   deadline_s=goal.deadline_s, probes=report, calibration=calibration)
     if feasible:
         pick = with_cost(feasible[0], goal, cluster)
-        if pick.strategy.engine == "megatron" and _is_model_file(profile):
+        if pick.strategy.engine == "megatron" and profile.model_file:
             all_notes.append(MEGATRON_FILE_NOTE)
         level = goal.deadline_class(pick)  # 0 without a deadline
         if level == 2:
