@@ -91,6 +91,7 @@ from optplan.estimators.efficiency import (
 from optplan.estimators.hardware import GPUSpec, find_gpu
 from optplan.estimators.optimizer_traffic import optimizer_step_bytes_per_param
 from optplan.estimators.optimizers import optimizer_state_bytes_per_param
+from optplan.estimators.own_checkpointing import own_recompute_flops_per_sample
 from optplan.estimators.partial_checkpointing import recompute_fraction
 from optplan.estimators.precision import get_recipe
 from optplan.estimators.profile import ModelProfile
@@ -300,6 +301,9 @@ class LayerTime(BaseModel):
     mlp_fwd_s: float = Field(default=0.0, description="the MLP's forward GEMMs and elementwise ops (what recomputing "
                                                       "the MLP or MoE block re-runs)")
     mlp_fwd_flops: float = Field(default=0.0, description="the MLP's forward FLOPs on this GPU")
+    elementwise_counted: bool = Field(default=False, description="the elementwise bytes are the profile's own count of "
+                                                                 "the model's step (what its own checkpointing re-runs "
+                                                                 "included in the backward's)")
 
 
 def _peaks(gpu: GPUSpec, strategy: Strategy) -> tuple[float, float, int]:
@@ -376,6 +380,7 @@ def layer_time(dims: TransformerDims, strategy: Strategy, gpu: GPUSpec, eff: Gpu
     klass = precision_class(get_recipe(strategy.precision).weight_bytes, elem)
     shape_kw = {"kind": kind, "precision": klass, "hidden": h, "ffn": width, "kv": kvd, "head_dim": qk_d,
                 "grouped_query": dims.kv_heads < a}
+    counted = False
     if family.eager and strategy.compile:  # TorchInductor's generated kernels, its own count (eager_traffic.py)
         multiplier = family.compile_multiplier
         both, _ = layer_bytes_per_token(**shape_kw, tp=t, sp=strategy.sp, compiled=True)  # type: ignore[arg-type]
@@ -394,6 +399,7 @@ def layer_time(dims: TransformerDims, strategy: Strategy, gpu: GPUSpec, eff: Gpu
             one_fwd, one_bwd = layer_bytes_per_token(**shape_kw)  # type: ignore[arg-type]
             per_fwd = own[0] * (per_fwd / one_fwd if one_fwd else 1.0)
             per_bwd = own[1] * (per_bwd / one_bwd if one_bwd else 1.0)
+            counted = True
         ew_fwd_bytes, ew_bwd_bytes = tokens * per_fwd, tokens * per_bwd
         mlp_ew_bytes = tokens * layer_bytes_per_token(kind=kind, precision=klass, hidden=0.0, ffn=width, kv=0.0,
                                                       head_dim=0.0, grouped_query=False, tp=t, sp=strategy.sp)[0]
@@ -416,7 +422,7 @@ def layer_time(dims: TransformerDims, strategy: Strategy, gpu: GPUSpec, eff: Gpu
                      bwd_elementwise_s=ew_bwd, attention_core_fwd_s=core_fwd + core_ew,
                      fwd_flops=fwd_flops + core_flops, attention_core_fwd_flops=core_flops,
                      mlp_fwd_s=mlp_fwd + mlp_ew_bytes * multiplier / hbm,
-                     mlp_fwd_flops=2.0 * tokens * dims.mlp_params / t)
+                     mlp_fwd_flops=2.0 * tokens * dims.mlp_params / t, elementwise_counted=counted)
 
 
 class HeadTime(BaseModel):
@@ -524,6 +530,8 @@ class ComputeTime(BaseModel):
     memory_bound_s: float
     optimizer_s: float
     efficiency: float
+    recompute_flops_per_sample: float = Field(default=0.0, description="forward FLOPs per sample re-run in backward: "
+                                                                       "the plan's checkpointing and the model's own")
 
 
 def matmul_efficiency(profile: ModelProfile, strategy: Strategy) -> float:
@@ -570,13 +578,18 @@ def compute_time(profile: ModelProfile, strategy: Strategy, gpu: GPUSpec, *,
     else:
         flop_s = 1.0 / (peak * eff)
     compute_s = profile.train_flops_per_sample * samples * flop_s
-    recompute_s = 0.0
+    recompute_flops = 0.0
     passes = ACTIVATION_TRAFFIC_PASSES
     if full:  # the checkpointed blocks' share of one more forward (partial_checkpointing.py)
-        recompute_s = profile.fwd_flops_per_sample * samples * flop_s * share
+        recompute_flops = profile.fwd_flops_per_sample * share
         passes += share
     elif (selective := recompute_flops_per_sample(profile, strategy)) is not None:
-        recompute_s = selective * samples * flop_s  # the matmuls the op-level policy re-runs (selective.py)
+        recompute_flops = selective  # the matmuls the op-level policy re-runs (selective.py)
+    own = own_recompute_flops_per_sample(profile, strategy)  # the model's own checkpointing (own_checkpointing.py)
+    if own > 0:
+        recompute_flops += own
+        passes += min(1.0, own / profile.fwd_flops_per_sample) if profile.fwd_flops_per_sample > 0 else 0.0
+    recompute_s = recompute_flops * samples * flop_s
     if counted is not None:
         plain = strategy.model_copy(update={"checkpointing": "none", "checkpoint_layers": None})
         moved_s = counted_memory_s(counted, strategy if full else plain, gpu, hbm_fraction)
@@ -597,4 +610,4 @@ def compute_time(profile: ModelProfile, strategy: Strategy, gpu: GPUSpec, *,
     optimizer_s = optimizer_step_s(float(profile.params), strategy, gpu, profile, shard_ranks=shard_ranks,
                                    ranks_per_node=ranks_per_node, hbm_fraction=hbm_fraction, adam_impl=adam_impl)
     return ComputeTime(compute_s=compute_s, recompute_s=recompute_s, memory_bound_s=memory_bound_s,
-                       optimizer_s=optimizer_s, efficiency=eff)
+                       optimizer_s=optimizer_s, efficiency=eff, recompute_flops_per_sample=recompute_flops)

@@ -309,7 +309,13 @@ class ModelProfile(_Frozen):
     seq_len: int | None = None
     tokens_per_sample: int | None = None
     fwd_flops_per_sample: float = Field(ge=0)
-    bwd_flops_per_sample: float = Field(ge=0)
+    bwd_flops_per_sample: float = Field(ge=0, description="backward FLOPs per sample as the step runs them: with "
+                                                          "what the model's own checkpointing re-runs")
+    self_recompute_flops_per_sample: float = Field(
+        default=0.0, ge=0,
+        description="forward FLOPs per sample that the model's own activation checkpointing (torch.utils.checkpoint "
+                    "in its forward) re-runs in backward, part of bwd_flops_per_sample (probes/self_recompute.py): "
+                    "hardware FLOPs, not model FLOPs; 0: the model does not checkpoint itself (or unknown)")
     selective_recompute_flops_per_sample: float | None = Field(
         default=None, ge=0,
         description="forward FLOPs per sample that the training loop's selective checkpointing recomputes in "
@@ -362,7 +368,14 @@ class ModelProfile(_Frozen):
 
     @property
     def train_flops_per_sample(self) -> float:
-        """Forward + backward FLOPs per sample (FLOPs)."""
+        """Model FLOPs per sample, forward + backward, without what the model's own checkpointing re-runs (the
+        FLOPs MFU counts: Chowdhery et al. 2022, PaLM, Appendix B) (FLOPs)."""
+        return self.fwd_flops_per_sample + self.bwd_flops_per_sample - self.self_recompute_flops_per_sample
+
+    @property
+    def step_flops_per_sample(self) -> float:
+        """Forward + backward FLOPs per sample as the model's own step runs them, its own recompute included
+        (FLOPs)."""
         return self.fwd_flops_per_sample + self.bwd_flops_per_sample
 
     def activation(self, precision: ActivationPrecision, checkpointing: CheckpointMode) -> ActivationFit:

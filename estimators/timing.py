@@ -97,6 +97,7 @@ from optplan.estimators.hardware import Cluster, GPUSpec
 from optplan.estimators.memory import param_split, stage_params
 from optplan.estimators.moe_comm import moe_layer_comm
 from optplan.estimators.moe_recompute import moe_mlp_share
+from optplan.estimators.own_checkpointing import own_recompute_flops_per_sample, own_recompute_layer_share
 from optplan.estimators.parallel import Placement, layers_per_stage, placement
 from optplan.estimators.params_placement import one_stage_params
 from optplan.estimators.partial_checkpointing import recompute_fraction
@@ -336,9 +337,7 @@ def _flops_only_step(profile: ModelProfile, strategy: Strategy, cluster: Cluster
                                      checkpoint_block_s=eff.host_checkpoint_block_s, microbatch_s=eff.host_microbatch_s)
     mb_host += blocks * selective_host_layer_s(profile, strategy, eff.host_layer_pass_s)
     host_s = m * (blend_s(mb_host, mb_device, eff.overlap_exponent) - mb_device) + hm * eff.host_step_s
-    selective = recompute_flops_per_sample(profile, strategy)
-    hw = profile.train_flops_per_sample + (
-        selective if selective is not None else profile.fwd_flops_per_sample if ct.recompute_s > 0 else 0.0)
+    hw = profile.train_flops_per_sample + ct.recompute_flops_per_sample
     parts = {"compute_s": ct.compute_s / p, "recompute_s": ct.recompute_s / p,
              "memory_bound_s": ct.memory_bound_s / p, "optimizer_s": optimizer_s, "comm_s": dpc.total_s,
              "exposed_comm_s": dpc.exposed_s, "bubble_s": pipe.bubble_s, "host_overhead_s": host_s,
@@ -386,28 +385,33 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
         linear_flops = lt.fwd_flops - lt.attention_core_fwd_flops
         linear_s = max(0.0, lt.fwd_gemm_s - core_fwd)
         layer_recompute = op_selective * (linear_s / linear_flops if linear_flops > 0 else 0.0) + lt.fwd_elementwise_s
+    # the model's own checkpointing re-runs this share of each layer's forward in every plan (own_checkpointing.py);
+    # its elementwise kernels are in the backward's bytes where the profile counted the model's step
+    own = own_recompute_layer_share(profile, s_, layers=dims.layers, layer_fwd_flops=lt.fwd_flops)
+    layer_recompute += own * (lt.fwd_gemm_s + (0.0 if lt.elementwise_counted else lt.fwd_elementwise_s))
+    rf_all = rf + own  # the forward passes the recompute repeats, for the collectives they issue again
     moe_comm = moe_layer_comm(profile, s_, cluster, eff, links["etp"], tokens, elem, hbm)
     tp_collectives = TP_COLLECTIVES_PER_PASS - moe_comm.mlp_tp_collectives_skipped  # estimators/moe_comm.py
     tp_one = tp_collective_s(tokens, h, elem, t, links["tp"], sp=s_.sp) if t > 1 else 0.0
-    layer_tp_total = tp_collectives * (2 + rf) * tp_one
+    layer_tp_total = tp_collectives * (2 + rf_all) * tp_one
     layer_tp = layer_tp_total
     if overlaps_tp(s_):  # behind the pass's linear GEMMs (estimators/tp_overlap.py)
         pass_tp = tp_collectives * tp_one
         fwd_linear = max(0.0, lt.fwd_gemm_s - core_fwd)  # the attention core overlaps no collective
         bwd_linear = max(0.0, lt.bwd_gemm_s - core_bwd)
-        layer_tp = ((1 + rf) * overlapped_tp_s(pass_tp, fwd_linear)
+        layer_tp = ((1 + rf_all) * overlapped_tp_s(pass_tp, fwd_linear)
                     + overlapped_tp_s(pass_tp, bwd_linear))
     kv_local = dims.kv_heads * (h / dims.heads) / t
     cp_fwd, cp_bwd = cp_ring_exchange_s(tokens, kv_local, elem, c, links["cp"])
-    layer_cp = cp_fwd + cp_bwd + rf * cp_fwd
+    layer_cp = cp_fwd + cp_bwd + rf_all * cp_fwd
     layer_cp_exposed = (exposed_s(cp_fwd, core_fwd) + exposed_s(cp_bwd, core_bwd)
-                        + rf * exposed_s(cp_fwd, core_fwd))
+                        + rf_all * exposed_s(cp_fwd, core_fwd))
     a2a_pass = moe_comm.dispatch_pass_s
     layer_mem += moe_comm.expert_weight_read_s
     # a 4-bit base is dequantised in every pass (estimators/finetune.py): memory traffic per layer
-    layer_mem += (dequant_bytes_per_layer(profile.adapter, s_.quant, dims.layers, recompute_share=rf, tp=t)
+    layer_mem += (dequant_bytes_per_layer(profile.adapter, s_.quant, dims.layers, recompute_share=rf_all, tp=t)
                   / (gpu.memory_bandwidth_bytes_per_s * DEQUANT_BANDWIDTH_FRACTION))
-    layer_ep_total = a2a_pass * (3 if moe_rc else 2 + rf)
+    layer_ep_total = a2a_pass * (3 if moe_rc else 2 + rf) + own * a2a_pass
     layer_ep = layer_ep_total
     dualpipe = s_.dualpipe
     solo = dualpipe_solo_fraction(p, m) if dualpipe else solo_fraction(p, v, m)
@@ -426,7 +430,7 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
         host_multiplier=hm, layers_per_stage=dims.layers / p, eager_engine=engine.eager)
     host_layer += selective_host_layer_s(profile, s_, eff.host_layer_pass_s)  # eager op-level policy's host cost
     host_sync = 2 * (t - 1) * eff.host_collective_step_s  # per tensor-parallel collective
-    host_layer += tp_collectives * (2 + rf) * host_sync
+    host_layer += tp_collectives * (2 + rf_all) * host_sync
 
     # profile FLOPs the shape does not account for (extra modules): FLOPs-only rate on the last stage
     shape_fwd_per_sample = dims.layers * lt.fwd_flops * t / s_.mbs * c + ht.logits_fwd_flops * t / s_.mbs * c
@@ -535,7 +539,7 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
     hw_per_sample = profile.train_flops_per_sample
     recompute_flops = (rf * lt.fwd_flops if full else op_selective if op_selective is not None
                        else lt.attention_core_fwd_flops if selective else moe_share * lt.mlp_fwd_flops)
-    hw_per_sample += dims.layers * recompute_flops * t * c / s_.mbs
+    hw_per_sample += dims.layers * recompute_flops * t * c / s_.mbs + own_recompute_flops_per_sample(profile, s_)
     parts = {
         "compute_s": m * slow["compute"], "recompute_s": m * slow["recompute"],
         "memory_bound_s": m * slow["mem"], "optimizer_s": opt,

@@ -415,10 +415,14 @@ def _checkpointing_line(pick: Estimate, price: Price, space: SearchSpace) -> str
     s = pick.strategy
     acts = _gib(pick.memory.activations_bytes)
     if s.checkpointing == "none":
-        line = f"no activation checkpointing: activations of {acts} fit"
+        # without the plan's checkpointing, recompute is the model's own (estimators/own_checkpointing.py)
+        line = (f"no activation checkpointing added (the model's own re-runs {_step(pick.time.recompute_s)} of the "
+                f"{_step(pick.time.step_s)} step): activations of {acts} fit" if pick.time.recompute_s > 0
+                else f"no activation checkpointing: activations of {acts} fit")
         alt = _neighbour(price, s, checkpointing="full") if "full" in space.checkpointing else None
         if alt is not None and pick.time.step_s > 0:
-            line += f"; full checkpointing would add {100 * alt.time.recompute_s / pick.time.step_s:.0f}% recompute"
+            more = max(0.0, alt.time.recompute_s - pick.time.recompute_s)
+            line += f"; full checkpointing would add {100 * more / pick.time.step_s:.0f}% recompute"
         return line
     name = {"full": "full", "moe": "MoE-layer (--recompute-modules moe)"}.get(
         s.checkpointing, "selective (per-op: every other matmul's output kept)" if runs_op_policy(s)
@@ -443,9 +447,12 @@ def _checkpointing_line(pick: Estimate, price: Price, space: SearchSpace) -> str
             robust_only = alt.fits and alt.fits_at_high_margin is False and pick.fits_at_high_margin is not False
             parts.append(f"{label} fits only at the median allocator margin measured" if robust_only
                          else f"{label} {_vs(pick, alt)}")
+    plain = _neighbour(price, s, checkpointing="none")
+    if plain is not None and plain.time.recompute_s > 0:  # the model checkpoints itself too
+        parts.append("around a model that also checkpoints itself: both re-run (priced)")
     tail = "; " + "; ".join(parts) if parts else ""
     return (f"{name} activation checkpointing: activations {acts}/GPU, recompute "
-            f"{pick.time.recompute_s:.2f} s of the {pick.time.step_s:.2f} s step{tail}")
+            f"{_step(pick.time.recompute_s)} of the {_step(pick.time.step_s)} step{tail}")
 
 
 def _batch_line(pick: Estimate, space: SearchSpace) -> str:

@@ -55,6 +55,8 @@ class Measurement:
     selective_recompute_flops: int | None = None
     eager_block_bytes: dict[str, tuple[float, float]] = field(default_factory=dict)
     """Memory-bound bytes of one repeated block per sample by eager precision class: (forward, backward)."""
+    self_recompute_flops: int = 0
+    """The part of ``bwd_flops`` the model's own activation checkpointing re-runs (probes/self_recompute.py)."""
     eager_block_ops: dict[str, float] = field(default_factory=dict)
     """ATen operators one repeated block's forward dispatches, by eager precision class (probes/traffic.py)."""
     eager_step: dict[str, EagerStep] = field(default_factory=dict)
@@ -78,7 +80,7 @@ def measure(runner: StepRunner, batch_sizes: tuple[int, int], *, flops: bool = T
     """Warm up, count FLOPs at ``batch_sizes[0]`` and fit the activation envelope of every mode from
     the step's timelines at the two ``batch_sizes``."""
     input_grad = runner.warm_up(batch_sizes[0])
-    fwd, bwd = runner.flops(batch_sizes[0]) if flops else (0, 0)
+    fwd, bwd, reruns = runner.flops(batch_sizes[0]) if flops else (0, 0, 0)
     recompute = None
     if flops and "selective" in checkpoint_modes(bool(runner.blocks)):  # what the selective policy re-runs
         recompute = max(0, runner.flops(batch_sizes[0], "selective")[1] - bwd)
@@ -95,7 +97,7 @@ def measure(runner: StepRunner, batch_sizes: tuple[int, int], *, flops: bool = T
     assert runner.batch_info is not None
     loss_note = "; ".join(n for n in (runner.loss_note, runner.unused_note) if n) or None
     return Measurement(fwd, bwd, envelopes, runner.batch_info, loss_note, input_grad, note, recompute,
-                       eager_block_bytes=eager, eager_block_ops=ops, eager_step=kernels)
+                       eager_block_bytes=eager, eager_block_ops=ops, eager_step=kernels, self_recompute_flops=reruns)
 
 
 EAGER_CLASS: dict[str, str] = {"fp32": "fp32", "bf16": "amp", WEIGHTS_16BIT: "bf16"}

@@ -9,7 +9,8 @@ Definitions the estimators rely on:
 
 * FLOPs per sample: ``FlopCounterMode`` counts of forward + loss (``fwd``) and backward (``bwd``) at
   micro-batch 1 (2 when a model cannot run one sample), fp32, no checkpointing. Attention is counted
-  with the math SDPA kernel (the fused CPU kernel is invisible to the counter).
+  with the math SDPA kernel (the fused CPU kernel is invisible to the counter). Of ``bwd``, what module forwards
+  re-ran during it is the model's own checkpointing (``self_recompute``: probes/self_recompute.py).
 * Activation bytes: the peak of live tensor bytes (``MemTracker``) during forward + loss + backward,
   minus the live bytes before the step, with the model's parameters and gradients already allocated
   (one warm-up step, then ``zero_grad(set_to_none=False)``). It includes the input batch, saved
@@ -79,6 +80,7 @@ import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from optplan.estimators.own_checkpointing import own_checkpointing_note
 from optplan.estimators.profile import ModelProfile
 from optplan.probes.activation_measure import (
     Measurement,
@@ -272,6 +274,7 @@ def _measure_reduced(contract: ModelContract, meta: nn.Module, block: BlockInfo,
         selective_recompute_flops=(None if lo.selective_recompute_flops is None or hi.selective_recompute_flops is None
                                    else round(extrapolate(lo.selective_recompute_flops, hi.selective_recompute_flops,
                                                           layers, base))),
+        self_recompute_flops=max(0, round(extrapolate(lo.self_recompute_flops, hi.self_recompute_flops, layers, base))),
         eager_block_bytes=hi.eager_block_bytes,  # a mean over the blocks that ran: depth does not change it
         eager_block_ops=hi.eager_block_ops,
         eager_step={k: deeper_step(lo.eager_step[k], step, layers, base)
@@ -406,6 +409,8 @@ def _profile_contract(contract: ModelContract, *, seq_len: int | None, started: 
                      "torch's AdamW refuses them, so plans use SGD (torch.optim.SGD takes them); their gradients "
                      "are priced as dense, an upper bound")
     b0 = sizes[0]
+    if measurement.self_recompute_flops > 0 and measurement.fwd_flops > 0:
+        notes.append(own_checkpointing_note(measurement.self_recompute_flops / measurement.fwd_flops))
     return ModelProfile(
         name=contract.name,
         path=str(contract.path),
@@ -424,6 +429,7 @@ def _profile_contract(contract: ModelContract, *, seq_len: int | None, started: 
         tokens_per_sample=info.tokens_per_sample,
         fwd_flops_per_sample=measurement.fwd_flops / b0,
         bwd_flops_per_sample=measurement.bwd_flops / b0,
+        self_recompute_flops_per_sample=measurement.self_recompute_flops / b0,
         selective_recompute_flops_per_sample=(None if measurement.selective_recompute_flops is None
                                               else measurement.selective_recompute_flops / b0),
         eager_layer_bytes_per_token=(

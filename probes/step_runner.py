@@ -41,6 +41,7 @@ from optplan.probes.envelope import PHASES, Timeline
 from optplan.probes.flop_formulas import FLOP_FIXES
 from optplan.probes.loader import ModelFileError
 from optplan.probes.memtrack import MemTracker
+from optplan.probes.self_recompute import module_reruns
 from optplan.probes.traffic import TrafficCounter, block_attribution
 from optplan.probes.trainloop import (
     CudaAutocastLoss,
@@ -318,19 +319,22 @@ class StepRunner:
         self.model.zero_grad(set_to_none=False)
         return seen[0] if seen else None
 
-    def flops(self, b: int, checkpointing: CheckpointMode = "none") -> tuple[int, int]:
-        """(forward + loss, backward) FLOPs at micro-batch ``b``, attention counted (math SDPA); under
-        ``checkpointing`` the backward's count includes what it recomputes."""
+    def flops(self, b: int, checkpointing: CheckpointMode = "none") -> tuple[int, int, int]:
+        """(forward + loss, backward, re-run) FLOPs at micro-batch ``b``, attention counted (math SDPA); under
+        ``checkpointing`` the backward's count includes what it recomputes. The third figure is the part of the
+        backward's that module forwards re-ran during it (probes/self_recompute.py): the model's own checkpointing,
+        and under ``checkpointing`` the training loop's too."""
         batch = self.make_batch(b)
         with _math_sdpa(), checkpointed(self.blocks, checkpointing):
             with FlopCounterMode(display=False, custom_mapping=FLOP_FIXES) as fwd_counter:
                 out = self.forward(batch, b)
                 loss = self.loss(out, batch)
             del out
-            with FlopCounterMode(display=False, custom_mapping=FLOP_FIXES) as bwd_counter:
+            with FlopCounterMode(display=False, custom_mapping=FLOP_FIXES) as bwd_counter, \
+                    module_reruns(bwd_counter) as reruns:
                 self.backward(loss)
         self.model.zero_grad(set_to_none=False)
-        return int(fwd_counter.get_total_flops()), int(bwd_counter.get_total_flops())
+        return int(fwd_counter.get_total_flops()), int(bwd_counter.get_total_flops()), int(reruns.flops)
 
     def _tracker(self) -> MemTracker:
         """A recording tracker with the resident parameters, gradients and buffers registered."""

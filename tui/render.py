@@ -45,7 +45,9 @@ def profile_table(p: ModelProfile) -> Group:
         head.add_row("transformer", f"hidden {t.hidden}, layers {t.layers}, heads {t.heads}"
                      + (f", kv heads {t.kv_heads}" if t.kv_heads else "") + (f", vocab {t.vocab}" if t.vocab else ""))
     head.add_row("input", f"{p.input_kind}" + (f", {p.tokens_per_sample} tokens/sample" if p.tokens_per_sample else ""))
-    head.add_row("FLOPs/sample", f"forward {_si(p.fwd_flops_per_sample)}, backward {_si(p.bwd_flops_per_sample)}")
+    own = (f" (of which {_si(p.self_recompute_flops_per_sample)} re-run by the model's own checkpointing)"
+           if p.self_recompute_flops_per_sample > 0 else "")
+    head.add_row("FLOPs/sample", f"forward {_si(p.fwd_flops_per_sample)}, backward {_si(p.bwd_flops_per_sample)}{own}")
     cached = ", read from the profile cache (OPTPLAN_PROFILE_CACHE=off profiles again)" if p.from_cache else ""
     if p.torch_version:  # a formula profile (--arch, --params) ran nothing
         head.add_row("profiled in", f"{p.profile_s:.1f} s (torch {p.torch_version}){cached}")

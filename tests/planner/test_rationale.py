@@ -204,3 +204,35 @@ def test_the_layout_line_compares_model_parallel_plans_on_as_many_gpus_only() ->
     assert "tensor/pipeline plan" not in _layout_line(pick, [pick, wider])
     line = _layout_line(pick, [pick, wider, same])
     assert f"the best tensor/pipeline plan ({same.strategy.label()})" in line, line
+
+
+def test_a_model_that_checkpoints_itself_is_said_so_and_full_checkpointing_adds_only_its_own_recompute() -> None:
+    """estimators/own_checkpointing.py: without the plan's checkpointing the recompute is the model's own, and the
+    line says so with its time; full checkpointing's cost is what it adds, and its line says the two nest."""
+    from optplan.planner.rationale import _checkpointing_line
+    from optplan.planner.space import build_space
+
+    plain = make_profile()
+    own_flops = 0.5 * plain.fwd_flops_per_sample
+    own = plain.model_copy(update={"bwd_flops_per_sample": plain.bwd_flops_per_sample + own_flops,
+                                   "self_recompute_flops_per_sample": own_flops})
+    cluster = _cluster(find_gpu("H100-SXM"), gpus=1)
+    lines = {}
+    for name, prof in (("plain", plain), ("own", own)):
+        space = build_space(prof, cluster, global_batch=8)
+
+        def price(s: Strategy, prof=prof):  # type: ignore[no-untyped-def]
+            return estimate(prof, cluster, s)
+
+        for mode in ("none", "full"):
+            pick = estimate(prof, cluster, Strategy(engine="torch", mbs=2, grad_accum=4, checkpointing=mode))
+            lines[name, mode] = (_checkpointing_line(pick, price, space), pick)
+    assert lines["plain", "none"][0].startswith("no activation checkpointing: activations of")
+    line, pick = lines["own", "none"]
+    assert line.startswith(f"no activation checkpointing added (the model's own re-runs "
+                           f"{pick.time.recompute_s * 1e3:,.0f} ms of the")
+    added = [float(re.search(r"full checkpointing would add (\d+)% recompute", lines[k, "none"][0]).group(1))
+             for k in ("plain", "own")]
+    assert added[1] <= added[0]  # the model's own recompute is not counted again as what full would add
+    assert "also checkpoints itself: both re-run" in lines["own", "full"][0]
+    assert "itself" not in lines["plain", "full"][0]
