@@ -355,6 +355,18 @@ class Result:
         return self.est.time.step_s / self.ratio
 
     @property
+    def in_band(self) -> bool:
+        """Whether the measured step lies inside the estimate's band (time.step_s_low-high, uncertainty.py)."""
+        t = self.est.time
+        return t.step_s_low <= self.measured_step_s <= t.step_s_high
+
+    @property
+    def band_text(self) -> str:
+        """The band as multiples of the predicted step, e.g. '0.74-1.31'."""
+        t = self.est.time
+        return f"{t.step_s_low / t.step_s:.2f}-{t.step_s_high / t.step_s:.2f}"
+
+    @property
     def a2a_share(self) -> float:
         t = self.est.time
         return t.ep_comm_s / t.step_s
@@ -470,14 +482,18 @@ def report(results: list[Result], excluded: list[dict[str, Any]]) -> None:
     print("MoE training throughput: optplan (estimate, closest supported plan) against published measurements")
     print("ratio = predicted ÷ measured step time (= measured ÷ predicted tokens/s per GPU); flags: legend below\n")
     print(f"{'run':<44} {'GPU':<8} {'GPUs':>5} {'prec':<13} {'layout (source -> optplan)':<34} {'meas t/s':>8} "
-          f"{'pred t/s':>8} {'ratio':>6} {'a2a%':>5} {'flops':>6} {'proto':>6} {'mem GiB':>8}  flags")
+          f"{'pred t/s':>8} {'ratio':>6} {'band':>9} {'':>3} {'a2a%':>5} {'flops':>6} {'proto':>6} {'mem GiB':>8}  flags")
     for r in results:
         row, mem = r.row, r.est.memory
         oom = "!" if not mem.fits else " "
         print(f"{row['id']:<44} {row['gpu']:<8} {row['gpus']:>5} {row['precision']:<13} {_layout(r):<34} "
-              f"{r.measured_tps:>8.0f} {r.predicted_tps:>8.0f} {r.ratio:>6.2f} {100 * r.a2a_share:>4.0f}% "
+              f"{r.measured_tps:>8.0f} {r.predicted_tps:>8.0f} {r.ratio:>6.2f} {r.band_text:>9} "
+              f"{'in' if r.in_band else 'OUT':>3} {100 * r.a2a_share:>4.0f}% "
               f"{r.flops_factor:>6.2f} {r.prototype:>6.2f} {mem.total_bytes / GIB:>7.1f}{oom}  {','.join(r.plan.flags)}")
-    print("\na2a% = predicted all-to-all share of the step; flops = exact training FLOPs per token of the true shape ÷ "
+    print("\nband = the estimate's step-time band as multiples of its step (time.step_s_low-high: the plan's measured "
+          "errors, widened for what was never measured, estimators/uncertainty.py); in/OUT = whether the measured step "
+          "lies inside it.")
+    print("a2a% = predicted all-to-all share of the step; flops = exact training FLOPs per token of the true shape ÷ "
           "the --arch profile's (same convention); proto = the ratio under the prototype of the proposed changes "
           "(Result.prototype: exact FLOPs, node-deduplicated dispatch, the source's all-to-all overlap and "
           "interleaving; not scored); mem = predicted peak per GPU, '!' = over the GPU's capacity although the run "
@@ -544,6 +560,7 @@ def main() -> None:
             print(f"\ndense check (benchmarks/fidelity_published.py, unchanged by this benchmark): {dense_check()}")
         print(f"prototype of the proposed changes (not optplan, not scored): MAPE "
               f"{100 * _mape([r.prototype for r in results]):.1f}% over {len(results)} runs")
+        print(f"measured step inside the estimate's band: {sum(r.in_band for r in results)} of {len(results)}")
         print(f"moe: MAPE {100 * _mape([r.ratio for r in results]):.1f}% over {len(results)} runs")
     text = buf.getvalue()
     print(text, end="")
