@@ -112,6 +112,21 @@ class DashboardApp(App[DashboardOutcome]):
         self._gpu_here = gpu_here
         self._run_id = 0
         self._ever_planned = False
+        self.crash: Exception | None = None
+        """The exception that ended the app, when one did (the CLI reports it as one line: tui/cli.py)."""
+        self.show_tracebacks = False
+        """Textual's own traceback on a crash (``optplan --debug dashboard``); else only the CLI's line."""
+
+    def _handle_exception(self, error: Exception) -> None:
+        """Textual's handling of an unhandled exception (the app exits), keeping it for the CLI and leaving out
+        the traceback Textual prints on exit unless ``show_tracebacks`` (the CLI's one line says it is a bug)."""
+        if self.crash is None:
+            self.crash = error
+        super()._handle_exception(error)
+        if not self.show_tracebacks:
+            renderables = getattr(self, "_exit_renderables", None)
+            if isinstance(renderables, list):
+                renderables.clear()
 
     # --- the planning run --------------------------------------------------------------------------
 

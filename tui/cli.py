@@ -445,7 +445,11 @@ def dashboard(ctx: typer.Context, **options: Any) -> None:
         prepared = prepare_recommend(args, check_out=False)  # bad options fail here, before the app starts
         from optplan.tui.app import create_app
 
-        outcome = create_app(args, prepared=prepared).run()
+        dashboard_app = create_app(args, prepared=prepared)
+        dashboard_app.show_tracebacks = bool(ctx.obj and ctx.obj.get("debug"))
+        outcome = dashboard_app.run()
+        if dashboard_app.crash is not None:  # a bug: guard() says so in one line, exit 3
+            raise dashboard_app.crash
         if outcome is not None and outcome.error is not None:
             raise OptplanError(outcome.error)
         if outcome is not None and outcome.storage is not None and not outcome.finished:

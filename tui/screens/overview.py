@@ -24,7 +24,9 @@ OBJECTIVES = ("throughput", "time", "cost")
 
 def model_rows(p: ModelProfile | None, args: RecommendArgs) -> list[tuple[str, str]]:
     if p is None:
-        what = str(args.model) if args.model is not None else args.arch or f"--params {args.params:g}"
+        what = (str(args.model) if args.model is not None else f"--hf {args.hf}" if args.hf is not None
+                else f"--arch {args.arch}" if args.arch else f"--params {args.params:g}" if args.params is not None
+                else "(no model)")
         return [("model", what), ("", "profiling…")]
     rows = [("model", f"{p.name} ({p.model_class})"), ("from", p.path),
             ("parameters", f"{p.params:,} ({p.trainable_params:,} trainable)")]

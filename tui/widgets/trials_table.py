@@ -12,9 +12,9 @@ from optplan.estimators.strategy import Strategy
 from optplan.tui.fmt import band_text, duration, gib_text, si3
 
 COLUMNS: tuple[tuple[str, int], ...] = (("#", 4), ("strategy", 30), ("GPUs", 4), ("GiB/GPU", 7), ("step", 7),
-                                        ("band %", 7), ("throughput", 11), ("fits", 4), ("probe", 7))
-"""(header, width); band: the step time's band around the estimate (fast/slow end, %; the ranking uses the
-slow end); GPUs only when the GPU count is searched; the strategy column takes the width left over
+                                        ("band %", 9), ("throughput", 11), ("fits", 4), ("probe", 7))
+"""(header, width); band: the step time's band around the estimate (fast/slow end, %, up to '-99/+999'; the ranking
+uses the slow end); GPUs only when the GPU count is searched; the strategy column takes the width left over
 (at least 16 cells: a longer label is
 cut, the Plan screen shows it whole)."""
 MIN_STRATEGY = 16

@@ -174,3 +174,32 @@ def test_first_run_that_fails_in_the_search_exits_2_but_a_replan_failure_stays_i
         assert "global batch 12 is not divisible" in text_of(pilot.app.screen.query_one("#ev-lines"))
 
     drive(app, script)
+
+
+def test_a_crash_inside_the_app_is_one_line_exit_3_without_textuals_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bug in a screen ends the app: the CLI says it is a bug in one line (exit 3), as every command does."""
+    from optplan.tui.screens import overview
+
+    def broken(*_args: object) -> list[tuple[str, str]]:
+        raise ValueError("kaboom in a screen")
+
+    monkeypatch.setattr(overview, "model_rows", broken)
+    monkeypatch.setattr(DashboardApp, "run", functools.partialmethod(App.run, headless=True))
+    result = runner.invoke(cli_app, ["dashboard", "--arch", "layers=2,hidden=64,heads=4,seq=128", "--gpu", "H100-SXM",
+                                     "--no-probe"])
+    assert result.exit_code == 3, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: internal error in optplan (ValueError: kaboom in a screen)")
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize(("args", "shown"), [
+    (RecommendArgs(hf="/models/llama"), "--hf /models/llama"),
+    (RecommendArgs(arch="layers=2,hidden=64,heads=4"), "--arch layers=2,hidden=64,heads=4"),
+    (RecommendArgs(params=7e9), "--params 7e+09"),
+    (RecommendArgs(model=MLP), str(MLP)),
+])
+def test_the_overview_names_the_model_source_while_it_profiles(args: RecommendArgs, shown: str) -> None:
+    from optplan.tui.screens.overview import model_rows
+
+    assert model_rows(None, args)[0] == ("model", shown)

@@ -9,6 +9,7 @@ from textual.widgets import Input, ProgressBar, Select, Static
 
 from optplan.estimators.estimate import Estimate
 from optplan.probes.hardware_fake import FakeNvml
+from optplan.tui.fmt import band_text
 from optplan.tui.screens.help import HelpScreen
 from optplan.tui.widgets.gpu_table import GpuTable
 from optplan.tui.widgets.key_values import KeyValues
@@ -78,6 +79,9 @@ def test_search_fills_the_table_and_ranks_it_when_done() -> None:
         band = str(table.get_row_at(0)[[h for h, _ in table.columns_shown].index("band %")])
         t = rec.estimate.time  # type: ignore[union-attr]
         assert band == f"{100 * (t.step_s_low / t.step_s - 1):+.0f}/{100 * (t.step_s_high / t.step_s - 1):+.0f}"
+        # the column holds the widest band a step can have (fast end > -100 %, slow end up to +999 %): never cut
+        column = table.ordered_columns[[h for h, _ in table.columns_shown].index("band %")]
+        assert str(column.label) == "band %" and column.width >= len(band_text(1.0, 0.011, 10.99)) == len("-99/+999")
         bar = screen.query_one("#search-progress", ProgressBar)
         assert bar.percentage == 1.0
         best = text_of(screen.query_one("#search-best", Static))
