@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict
 from optplan.estimators.errors import OptplanError
 from optplan.estimators.estimate import Estimate
 from optplan.estimators.hardware import Cluster
+from optplan.estimators.params_only import is_params_only
 from optplan.estimators.profile import ModelProfile
 from optplan.planner.events import ProgressEvent
 from optplan.planner.export.registry import ExportOptions
@@ -193,7 +194,15 @@ def goal_for(prepared: PreparedRecommend, prof: ModelProfile) -> Goal:
     """The options' goal, its token budget from the model file's ``OPTPLAN["tokens"]`` when --tokens is not given
     (README: the file's defaults), checked (one line when a goal still lacks the budget it needs)."""
     goal = prepared.goal
-    if goal.tokens is None and prof.defaults.tokens:
+    if goal.tokens is not None and not prof.tokens_per_sample and not is_params_only(prof):
+        # the budget, the time and the cost are counted in tokens: a model of images has none to count (estimate
+        # refuses the same, planner/api.py)
+        uses = [flag for flag, used in (("--objective " + goal.objective, goal.objective != "throughput"),
+                                        ("--price", goal.price_per_gpu_hour is not None),
+                                        ("--deadline", goal.deadline_s is not None)) if used]
+        raise OptplanError(f"--tokens needs a token model; {prof.name} takes {prof.input_kind} inputs: drop --tokens"
+                           + (f" and {', '.join(uses)}" if uses else "") + " (a training budget is counted in tokens)")
+    if goal.tokens is None and prof.defaults.tokens and prof.tokens_per_sample:
         goal = goal.model_copy(update={"tokens": float(prof.defaults.tokens)})
     goal.check()
     return goal

@@ -593,3 +593,26 @@ def test_estimate_keeps_what_the_profile_noticed(tmp_path: Path) -> None:
     assert any("OPTPLAN['precison'] is not a key" in n for n in doc["notes"]), doc["notes"]
     text = runner.invoke(app, ["estimate", str(f), *H100])
     assert text.exit_code == 0 and "precison" in text.stdout
+
+
+def test_a_token_budget_on_a_model_without_tokens_is_refused_not_priced_as_infinite(tmp_path: Path) -> None:
+    """--objective time/cost, --price and --tokens count the budget in tokens: a model of images has none (the time
+    objective ranked every plan at 'inf days' and picked a slow one); one line naming what to drop. The file's
+    OPTPLAN tokens on such a model is not a budget either: the throughput plan stands."""
+    model = tmp_path / "images.py"
+    model.write_text("import torch\nfrom torch import nn\n"
+                     "OPTPLAN = {'tokens': 5e9}\n"
+                     "def build_model():\n    return nn.Sequential(nn.Flatten(), nn.Linear(48, 10))\n"
+                     "def example_batch(batch_size, seq_len):\n    return torch.randn(batch_size, 3, 4, 4)\n")
+    env = {"OPTPLAN_CACHE_DIR": str(tmp_path / "cache")}
+    for extra, named in ((["--objective", "time"], "drop --tokens and --objective time"),
+                         (["--price", "2"], "drop --tokens and --price"), ([], "drop --tokens (")):
+        result = runner.invoke(app, ["recommend", str(model), "--tokens", "1e9", "--gpus", "2", "--no-probe", *extra],
+                               env=env)
+        assert result.exit_code == 2, result.output
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and "--tokens needs a token model" in lines[0] and named in lines[0], lines
+    plain = runner.invoke(app, ["recommend", str(model), "--gpus", "2", "--no-probe", "--json"], env=env)
+    assert plain.exit_code == 0, plain.output
+    doc = json.loads(plain.output)
+    assert doc["tokens"] is None and doc["objective"] == "throughput"
