@@ -120,6 +120,12 @@ def _full_training_only(builder: Builder, name: str) -> Builder:
     """``builder``, refusing LoRA plans: its script or config trains every parameter of the model as built."""
     def build(plan: ExportPlan, opts: ExportOptions) -> dict[str, str]:
         if plan.adapter is not None:
+            from optplan.planner.export.finetune import hf_model_folder  # light: no transformers import
+
+            if hf_model_folder(plan.model_path) is None:  # finetune.py loads a Hugging Face model
+                raise NotExportable(f"the {name} export trains every parameter, and this is a LoRA plan of a model "
+                                    "file, which finetune.py cannot load: add the plan's adapters (plan.json "
+                                    "export.adapter) with peft in your training script, or plan with --hf")
             raise NotExportable(f"the {name} export trains every parameter, and this is a LoRA plan: use finetune.py "
                                 "(--to finetune)")
         return builder(plan, opts)

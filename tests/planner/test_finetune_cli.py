@@ -138,3 +138,23 @@ def test_two_gpu_lora_plan_launches_finetune_py(hf_model: Path, cache_dir: Path,
                          cwd=out, capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     assert (out / "out" / "adapter_model.safetensors").is_file()
+
+
+def test_a_lora_plan_of_a_model_file_exports_no_script_and_its_launch_sh_says_so(tmp_path: Path) -> None:
+    """finetune.py loads a Hugging Face model and train.py trains every parameter: a LoRA plan of a plain model file
+    gets neither, every refusal says what to do instead, and launch.sh stops before any rank starts unless
+    TRAIN_SCRIPT names the user's script (it started a finetune.py that was never written)."""
+    pytest.importorskip("peft")
+    out = tmp_path / "p"
+    r = runner.invoke(app, ["recommend", "examples/mlp.py", "--finetune", "lora", "--gpu", "H100-SXM", "--gpus", "1",
+                            "--no-probe", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert not (out / "finetune.py").exists() and not (out / "train.py").exists()
+    assert "LoRA plan of a model file, which finetune.py cannot load" in " ".join(r.output.split())
+    launch = (out / "launch.sh").read_text()
+    assert "this LoRA plan is of a model file, so optplan wrote no finetune.py" in launch
+    env = {**os.environ, "TRAIN_SCRIPT": str(tmp_path / "missing.py")}
+    run = subprocess.run(["bash", str(out / "launch.sh")], capture_output=True, text=True, env=env, timeout=60)
+    assert run.returncode == 2 and "optplan wrote no finetune.py" in run.stderr
+    doc = json.loads((out / "plan.json").read_text())
+    assert doc["export"]["adapter"]["rank"] > 0  # what the note points the user's script at
