@@ -20,6 +20,7 @@ from optplan.estimators.finetune import (
     LORA_DEFAULT_RANK,
     QLORA_DEFAULT_QUANT,
     QUANT_NAMES,
+    AdapterProfile,
     FinetuneMethod,
     LoraRequest,
     QuantName,
@@ -47,6 +48,13 @@ class FinetuneChoice(BaseModel):
     @property
     def adapters(self) -> bool:
         return self.finetune in ("lora", "qlora")
+
+    @classmethod
+    def of_adapter(cls, adapter: AdapterProfile, quant: str) -> FinetuneChoice:
+        """The flags that make a profile with ``adapter`` and plans with base ``quant`` again (``qlora`` for a
+        quantised base)."""
+        return cls(finetune="lora" if quant == "none" else "qlora", lora_rank=adapter.rank, lora_alpha=adapter.alpha,
+                   lora_targets=",".join(adapter.targets), lora_dropout=adapter.dropout, quant=quant)
 
     def check(self, *, runs_a_model: bool) -> None:
         """One OptplanError line per inconsistent flag, before anything is profiled."""

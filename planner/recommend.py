@@ -22,6 +22,7 @@ from optplan.estimators.strategy import Strategy
 from optplan.planner.derive import file_precision
 from optplan.planner.events import ProgressEvent
 from optplan.planner.export.context import ExportPlan, export_plan_for
+from optplan.planner.finetune import FinetuneChoice
 from optplan.planner.goal import Goal, pareto_front
 from optplan.planner.probe_stage import (
     LocalDevices,
@@ -120,6 +121,10 @@ class Recommendation(BaseModel):
     probes: ProbeReport | None = Field(default=None, description="recommend --probe: every probe run and its "
                                                                  "predicted vs measured figures")
     calibration: Calibration | None = Field(default=None, description="the calibration the estimates carry")
+    finetune: FinetuneChoice | None = Field(
+        default=None, description="the LoRA fine-tuning the plans were made with, by estimate's flag names (finetune, "
+                                  "lora_rank, lora_alpha, lora_targets, lora_dropout; quant is the plan's): with "
+                                  "``plan`` the flags that price the plan again; None: full training")
 
 
 def with_cost(e: Estimate, goal: Goal, cluster: Cluster) -> Estimate:
@@ -253,7 +258,8 @@ def recommend(profile: ModelProfile, cluster: Cluster, *, global_batch: int | No
                                      detected=cluster.detected, gpu_counts=counts if len(counts) > 1 else None)
     common = dict(model=profile.name, model_path=profile.path, cluster=cluster_summary, global_batch=gb,
                   seq_len=profile.seq_len, search=summary, objective=goal.objective, tokens=goal.tokens,
-                  deadline_s=goal.deadline_s, probes=report, calibration=calibration)
+                  deadline_s=goal.deadline_s, probes=report, calibration=calibration,
+                  finetune=FinetuneChoice.of_adapter(profile.adapter, quant) if profile.adapter is not None else None)
     if feasible:
         pick = with_cost(feasible[0], goal, cluster)
         if pick.strategy.engine == "megatron" and profile.model_file:

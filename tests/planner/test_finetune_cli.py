@@ -158,3 +158,28 @@ def test_a_lora_plan_of_a_model_file_exports_no_script_and_its_launch_sh_says_so
     assert run.returncode == 2 and "optplan wrote no finetune.py" in run.stderr
     doc = json.loads((out / "plan.json").read_text())
     assert doc["export"]["adapter"]["rank"] > 0  # what the note points the user's script at
+
+
+def test_recommend_json_names_the_lora_flags_that_price_the_plan_again(tmp_path: Path) -> None:
+    """``finetune`` (estimate's flag names) with ``plan``: estimate with those flags gives the plan's own estimate (a
+    LoRA plan on a 16-bit base has quant none, which alone read as a full fine-tune)."""
+    pytest.importorskip("peft")
+    r = runner.invoke(app, ["recommend", "examples/mlp.py", "--finetune", "lora", "--lora-rank", "4", "--gpu",
+                            "H100-SXM", "--gpus", "1", "--no-probe", "--json"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.output)
+    ft, plan = doc["finetune"], doc["plan"]
+    assert ft["finetune"] == "lora" and ft["lora_rank"] == 4 and ft["quant"] == plan["quant"] == "none"
+    flags = ["--finetune", ft["finetune"], "--lora-rank", str(ft["lora_rank"]), "--lora-alpha", str(ft["lora_alpha"]),
+             "--lora-targets", ft["lora_targets"], "--lora-dropout", str(ft["lora_dropout"])]
+    plan_flags = ["--precision", plan["precision"], "--mbs", str(plan["mbs"]), "--gas", str(plan["grad_accum"]),
+                  "--checkpointing", plan["checkpointing"], "--engine", plan["engine"]]
+    again = runner.invoke(app, ["estimate", "examples/mlp.py", "--gpu", "H100-SXM", "--gpus", "1", *flags, *plan_flags,
+                                "--json"])
+    assert again.exit_code == 0, again.output
+    est = json.loads(again.output)
+    assert est["time"]["step_s"] == pytest.approx(doc["estimate"]["time"]["step_s"], rel=1e-9)
+    assert est["memory"]["total_bytes"] == doc["estimate"]["memory"]["total_bytes"]
+    full = json.loads(runner.invoke(app, ["recommend", "examples/mlp.py", "--gpu", "H100-SXM", "--gpus", "1",
+                                          "--no-probe", "--json"]).output)
+    assert full["finetune"] is None
