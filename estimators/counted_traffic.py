@@ -34,9 +34,22 @@ Patterson 2009, "Roofline", CACM 52(4), eq. 1: time = work / attainable rate), p
 
 Fitted by ``benchmarks/fit_counted_traffic.py`` on timm's 38 RTX 3090 runs (19 architectures, NCHW and NHWC, AMP;
 benchmarks/data/convnets_published.json) and checked, never fitted, on DeepLearningExamples' ResNet-50 on V100 and
-A100 (FP32, TF32, AMP; 1 and 8 GPUs): see the constants. Not used under ``torch.compile`` (Inductor fuses the
-element-wise work: the FLOPs-only model keeps its constants), for profiles that did not count (an ``--arch`` shape,
-an older profile), nor for transformer shapes (timing.py's per-layer model).
+A100 (FP32, TF32, AMP; 1 and 8 GPUs): see the constants. Not used for profiles that did not count (an ``--arch``
+shape, an older profile), nor for transformer shapes (timing.py's per-layer model, with Inductor's own counts of
+compiled blocks).
+
+Under ``torch.compile`` the same counted step prices the compiled one: TorchInductor leaves convolutions and GEMMs to
+cuDNN and cuBLAS (the same FLOPs at the same rate) and generates the element-wise kernels around them, which on a
+convolution net move about what the eager operators move: its own count (``GraphLowering.count_bytes``, as
+benchmarks/compiled_traffic.py reads it) over the eager per-operator count of ResNet-50 bottlenecks under bf16
+autocast, forward and backward, read 1.14-1.17x (CPU, torch 2.13: training batch norm stays separate reduction and
+pointwise kernels that re-read their input; ReLU and the residual add fuse), so :data:`COMPILED_TRAFFIC_RATIO` keeps
+the eager bytes and factor (a stated default: no compiled convolution net was ever timed on a GPU, and the plan's
+band says so, uncertainty.py). What compile does remove is the layout transposes: Inductor's layout optimisation runs
+a graph's convolutions channels-last (``torch._inductor.config.layout_optimization``, pytorch/pytorch#99773: timm AMP
+training 1.51x -> 1.65x geomean over eager from it), so no NCHW passes are priced. Published speed-ups of compiled
+ResNet training agree: 1.01x for timm ResNet-50 at batch 256 in fp16 on an A100 (PaddlePaddle/benchmark#1672), 1.38x
+for torchvision ResNet-152 (pytorch/pytorch#111182).
 """
 
 from __future__ import annotations
@@ -56,13 +69,16 @@ TRAFFIC_FACTOR = 1.9
 NCHW_TRANSPOSE_PASSES = 0.5
 """Extra passes over a channels-first tensor-core convolution's activation bytes (layout transposes;
 dimensionless), fitted with ``TRAFFIC_FACTOR`` on the same runs (timm's NCHW-NHWC pairs set it)."""
+COMPILED_TRAFFIC_RATIO = 1.0
+"""A compiled step's memory-bound time over the eager counted step's without its layout transposes (dimensionless;
+stated default, module docstring: Inductor's own byte count of ResNet-50 bottlenecks read 1.14-1.17x the eager
+per-operator count, part of what ``TRAFFIC_FACTOR`` stands for; no compiled convolution net was timed)."""
 
 
 def counted_step(profile: ModelProfile, strategy: Strategy) -> EagerStep | None:
     """The profile's counted step in ``strategy``'s eager precision class (the nearest class counted), or None when
-    this model prices the step otherwise: compiled, or a profile without counted bytes (module docstring)."""
-    if strategy.compile:
-        return None
+    this model prices the step otherwise: a profile without counted bytes (module docstring). A compiled plan takes
+    the eager count too (:func:`memory_s` prices what compile changes)."""
     recipe = get_recipe(strategy.precision)
     step = class_figure(profile.eager_step or {}, recipe.weight_bytes, recipe.activation_bytes)
     return step if step is not None and step.memory_bytes_per_sample else None
@@ -89,11 +105,14 @@ def seconds_per_flop(step: EagerStep | None, profile: ModelProfile, strategy: St
 
 
 def memory_s(step: EagerStep, strategy: Strategy, gpu: GPUSpec, hbm_fraction: float) -> float:
-    """Memory-bound seconds of one micro-batch (module docstring)."""
+    """Memory-bound seconds of one micro-batch (module docstring); compiled: the eager bytes times
+    :data:`COMPILED_TRAFFIC_RATIO`, convolutions channels-last (no layout transposes)."""
     m = strategy.mbs
     moved = step.memory_bytes_per_sample * m + step.memory_bytes_fixed
     if strategy.checkpointing == "full":
         moved += step.memory_forward_bytes_per_sample * m
+    if strategy.compile:
+        return COMPILED_TRAFFIC_RATIO * TRAFFIC_FACTOR * moved / (gpu.memory_bandwidth_bytes_per_s * hbm_fraction)
     tf32 = tf32_convolutions(strategy, gpu)
     if get_recipe(strategy.precision).activation_bytes == 2 or tf32:
         passes = nchw_passes(gpu.name, tf32=tf32, default=NCHW_TRANSPOSE_PASSES)  # Hopper's measured (conv_layout.py)
@@ -101,5 +120,5 @@ def memory_s(step: EagerStep, strategy: Strategy, gpu: GPUSpec, hbm_fraction: fl
     return TRAFFIC_FACTOR * moved / (gpu.memory_bandwidth_bytes_per_s * hbm_fraction)
 
 
-__all__ = ["NCHW_TRANSPOSE_PASSES", "TRAFFIC_FACTOR", "counted_step", "memory_s", "seconds_per_flop",
+__all__ = ["COMPILED_TRAFFIC_RATIO", "NCHW_TRANSPOSE_PASSES", "TRAFFIC_FACTOR", "counted_step", "memory_s", "seconds_per_flop",
            "tf32_convolutions"]

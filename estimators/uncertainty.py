@@ -340,7 +340,10 @@ def _set_widening(profile: ModelProfile, strategy: Strategy, ms: MeasuredSet, do
                            f"other sets measured it on {', '.join(sorted(set(elsewhere)))}")
     if s.compile:  # Inductor's bytes counted, their speed stated; checked, not fitted, on torchtitan's compiled runs
         widen += WIDEN_UNMEASURED
-        outside.append("torch.compile's kernels are priced by Inductor's own byte count for a reference block at a "
+        outside.append("torch.compile of a model without a transformer shape is priced from its eager step's "
+                       "counted bytes without the layout transposes (a stated default: no compiled convolution net "
+                       "or MLP was ever timed on a GPU; estimators/counted_traffic.py)" if kind == "flops_only" else
+                       "torch.compile's kernels are priced by Inductor's own byte count for a reference block at a "
                        "stated speed (no fitted set compiled: benchmarks/fidelity_torchtitan.py checks it on "
                        "torchtitan's 30 compiled H100/H200 runs)")
     if s.engine == "torch" and s.fsdp != "none" and s.pp == 1 and s.fsdp_grad_sync == "step" and s.grad_accum > 1:

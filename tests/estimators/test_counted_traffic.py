@@ -1,7 +1,8 @@
 """The device time of an eager step from the bytes and FLOPs its profile counted (estimators/counted_traffic.py):
 models without a transformer shape pay the counted memory-bound bytes at the fitted factor, 16-bit channels-first
 convolutions their layout transposes, fp32 convolutions run at TF32 where the GPU has it, full checkpointing moves
-the forward's bytes again, and compiled plans or uncounted profiles keep the FLOPs-only constants."""
+the forward's bytes again, compiled plans take the eager count without the transposes, and uncounted profiles keep the
+FLOPs-only constants."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 
 from optplan.estimators.compute import compute_time
 from optplan.estimators.counted_traffic import (
+    COMPILED_TRAFFIC_RATIO,
     NCHW_TRANSPOSE_PASSES,
     TRAFFIC_FACTOR,
     counted_step,
@@ -66,8 +68,28 @@ def test_the_counted_bytes_at_the_factor_plus_the_layout_transposes_of_16_bit_co
         TRAFFIC_FACTOR * 120 * MB * 256 / hbm)
 
 
-def test_compiled_plans_and_uncounted_profiles_keep_the_flops_only_constants() -> None:
-    assert counted_step(_conv_net(), _s(compile=True)) is None
+def test_a_compiled_plan_is_priced_from_the_eager_count_without_the_layout_transposes() -> None:
+    """Inductor leaves convolutions to cuDNN (same FLOPs, same rate) and runs them channels-last; its element-wise
+    kernels move about the eager bytes (COMPILED_TRAFFIC_RATIO): the compiled conv net is not the FLOPs-only
+    model's three passes over the saved activations (it priced a compiled ResNet-50 2.2x faster than eager)."""
+    prof, eager, compiled = _conv_net(), _s(), _s(compile=True)
+    step = counted_step(prof, compiled)
+    assert step == counted_step(prof, eager) == STEPS["amp"]
+    hbm = A100.memory_bandwidth_bytes_per_s * 0.85
+    assert memory_s(step, compiled, A100, 0.85) == pytest.approx(
+        COMPILED_TRAFFIC_RATIO * TRAFFIC_FACTOR * (285 * MB * 256 + 100 * MB) / hbm)
+    nhwc = STEPS["amp"].model_copy(update={"nchw_conv_bytes_per_sample": 0.0})  # channels-last eager: the same bytes
+    assert memory_s(step, compiled, A100, 0.85) == pytest.approx(COMPILED_TRAFFIC_RATIO * memory_s(nhwc, eager, A100,
+                                                                                                    0.85))
+    eff = efficiency_for(A100)
+    kw = {"gemm_peak_fraction": eff.gemm_peak_fraction, "hbm_fraction": eff.hbm_fraction}
+    a, b = compute_time(prof, eager, A100, **kw), compute_time(prof, compiled, A100, **kw)
+    assert b.compute_s == pytest.approx(a.compute_s, rel=1e-12)  # cuDNN's convolutions either way
+    assert a.memory_bound_s / 1.6 < b.memory_bound_s < a.memory_bound_s  # the transposes go, not the bytes
+    assert a.compute_s + a.memory_bound_s < 1.5 * (b.compute_s + b.memory_bound_s)  # published: 1.0-1.4x
+
+
+def test_uncounted_profiles_keep_the_flops_only_constants() -> None:
     assert counted_step(_conv_net(None), _s()) is None
     older = {k: v.model_copy(update={"memory_bytes_per_sample": None}) for k, v in STEPS.items()}
     assert counted_step(_conv_net(older), _s()) is None
