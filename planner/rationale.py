@@ -421,8 +421,10 @@ def _checkpointing_line(pick: Estimate, price: Price, space: SearchSpace) -> str
                 else f"no activation checkpointing: activations of {acts} fit")
         alt = _neighbour(price, s, checkpointing="full") if "full" in space.checkpointing else None
         if alt is not None and pick.time.step_s > 0:
-            more = max(0.0, alt.time.recompute_s - pick.time.recompute_s)
-            line += f"; full checkpointing would add {100 * more / pick.time.step_s:.0f}% recompute"
+            # the whole step's change: the re-run forward's memory-bound bytes and host launches count too
+            slower = alt.time.step_s / pick.time.step_s - 1
+            line += (f"; full checkpointing would make the step {100 * slower:.0f}% slower ({_step(pick.time.step_s)} "
+                     f"-> {_step(alt.time.step_s)}: the forward's matmuls, memory-bound kernels and launches again)")
         return line
     name = {"full": "full", "moe": "MoE-layer (--recompute-modules moe)"}.get(
         s.checkpointing, "selective (per-op: every other matmul's output kept)" if runs_op_policy(s)

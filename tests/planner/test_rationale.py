@@ -231,8 +231,10 @@ def test_a_model_that_checkpoints_itself_is_said_so_and_full_checkpointing_adds_
     line, pick = lines["own", "none"]
     assert line.startswith(f"no activation checkpointing added (the model's own re-runs "
                            f"{pick.time.recompute_s * 1e3:,.0f} ms of the")
-    added = [float(re.search(r"full checkpointing would add (\d+)% recompute", lines[k, "none"][0]).group(1))
-             for k in ("plain", "own")]
+    added = [float(re.search(r"full checkpointing would make the step (\d+)% slower \(([\d,]+) ms -> ([\d,]+) ms",
+                             lines[k, "none"][0]).group(1)) for k in ("plain", "own")]
     assert added[1] <= added[0]  # the model's own recompute is not counted again as what full would add
+    full_plain, none_plain = lines["plain", "full"][1], lines["plain", "none"][1]
+    assert added[0] == round(100 * (full_plain.time.step_s / none_plain.time.step_s - 1))  # the whole step's change
     assert "also checkpoints itself: both re-run" in lines["own", "full"][0]
     assert "itself" not in lines["plain", "full"][0]
