@@ -19,6 +19,9 @@ simpler), each criterion deciding only when the ones before it are equal (``tie_
    SHARD_GRAD_OP < ZeRO-3 / FSDP FULL_SHARD / HYBRID_SHARD (which shards the weights too, within a node);
 4. fewer virtual pipeline stages (vpp);
 5. less recomputation: none < selective < full activation checkpointing (of every block, or of the first N: partial);
+6. on the torch engine, autocast over 16-bit weights: ``amp-bf16``/``amp-fp16`` (fp32 weights, the recipe accelerate,
+   Hugging Face's Trainer and Lightning run, so every export takes the plan) before ``bf16``, ``fp16`` and
+   ``bf16-pure`` (optplan's train.py only); DeepSpeed's and Megatron's own recipe is 16-bit weights;
 
 and then the robust figure (the earlier place in the ranking). Only the chosen plan moves (to the front);
 the others keep their order by the robust figure.
@@ -37,11 +40,14 @@ if TYPE_CHECKING:  # goal.py imports this module; the Goal is only passed in
     from optplan.planner.goal import Goal
 
 CRITERIA: tuple[str, ...] = ("fewer model-parallel dimensions", "no offload", "less sharding",
-                             "fewer virtual pipeline stages", "less recomputation")
+                             "fewer virtual pipeline stages", "less recomputation",
+                             "autocast (every torch export runs it)")
 """The names of ``simplicity_key``'s components, in order."""
 TIE_CRITERIA: tuple[str, ...] = CRITERIA
 """The names of ``tie_key``'s components, in order."""
 _RECOMPUTE = {"none": 0, "selective": 1, "moe": 1, "full": 2}
+_WEIGHTS_16BIT = ("bf16", "fp16", "bf16-pure")
+"""Recipes that hold 16-bit weights: on the torch engine only optplan's train.py runs them (criterion 6)."""
 
 
 def simplicity_key(strategy: Strategy) -> tuple[int, ...]:
@@ -51,7 +57,8 @@ def simplicity_key(strategy: Strategy) -> tuple[int, ...]:
             int(s.offload_optimizer != "none") + int(s.offload_params != "none"),
             s.shard_stage,
             s.vpp,
-            _RECOMPUTE[s.checkpointing])
+            _RECOMPUTE[s.checkpointing],
+            int(s.engine == "torch" and s.precision in _WEIGHTS_16BIT))
 
 
 def tie_key(estimate: Estimate) -> tuple[int, ...]:

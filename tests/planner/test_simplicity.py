@@ -39,6 +39,10 @@ def _banded(e: Estimate, low: float, high: float) -> Estimate:
      "fewer virtual pipeline stages"),
     (dict(checkpointing="none"), dict(checkpointing="selective"), "less recomputation"),
     (dict(checkpointing="selective"), dict(checkpointing="full"), "less recomputation"),
+    (dict(engine="torch", precision="amp-bf16"), dict(engine="torch", precision="bf16"),
+     "autocast (every torch export runs it)"),
+    (dict(engine="torch", precision="amp-fp16"), dict(engine="torch", precision="bf16-pure"),
+     "autocast (every torch export runs it)"),
 ])
 def test_simplicity_order_names_the_first_difference(simple: dict, complex_: dict, criterion: str) -> None:
     a, b = simplicity_key(Strategy(**simple)), simplicity_key(Strategy(**complex_))
@@ -52,6 +56,14 @@ def test_criteria_are_ordered_model_parallel_offload_sharding_vpp_recompute() ->
         Strategy(zero=3, offload_optimizer="cpu", offload_params="cpu", checkpointing="full"))
     assert simplicity_key(Strategy(zero=1, offload_optimizer="cpu")) > simplicity_key(Strategy(zero=3, checkpointing="full"))
     assert simplicity_key(Strategy(zero=1)) > simplicity_key(Strategy(zero=0, checkpointing="full"))
+
+
+def test_16_bit_weights_are_no_less_simple_on_engines_whose_own_recipe_they_are() -> None:
+    """DeepSpeed's bf16 section and Megatron's --bf16 hold 16-bit weights: only the torch engine prefers autocast."""
+    assert simplicity_key(Strategy(engine="deepspeed", precision="bf16")) == simplicity_key(
+        Strategy(engine="deepspeed", precision="fp32"))
+    assert simplicity_key(Strategy(engine="torch", precision="bf16"))[-1] == 1
+    assert simplicity_key(Strategy(engine="torch", precision="fp8"))[-1] == 0
 
 
 def test_a_simpler_plan_within_the_models_typical_error_is_picked() -> None:
