@@ -126,6 +126,10 @@ def find_repeated_block(model: nn.Module) -> BlockInfo | None:
     if best is None:
         return None
     count, total, cls = best
+    if _is_leaf(cls, found[cls].values()):
+        composite = _composite_block(model, [m for _, m in found[cls].values()])
+        if composite is not None:
+            return composite
     entries = list(found[cls].values())
     blocks = [m for _, m in entries]
     held = {p: sum(1 for q, _ in entries if q == p) for p in dict.fromkeys(p for p, _ in entries)}
@@ -143,6 +147,52 @@ def find_repeated_block(model: nn.Module) -> BlockInfo | None:
     return BlockInfo(cls=cls, blocks=blocks, params_per_block=round(total / count), path=path,
                      reducible=reducible, head=head if reducible else 0,
                      containers=tuple(held.items()) if len(held) > 1 else (), other_stacks=others)
+
+
+def _is_leaf(cls: type, entries: object) -> bool:
+    """Whether ``cls``'s instances hold no modules (an ``nn.Conv2d``, an ``nn.Linear``): one operator, which a
+    checkpoint cannot spare anything of (its own input is what it saves)."""
+    return all(next(m.children(), None) is None for _, m in entries)  # type: ignore[attr-defined]
+
+
+CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
+
+def outermost(model: nn.Module, cls: type) -> list[nn.Module]:
+    """The instances of ``cls`` in ``model`` not inside another one (what train.py's ``find_blocks`` wraps)."""
+    found: list[nn.Module] = []
+    inside: set[int] = set()
+    for mod in model.modules():
+        if id(mod) not in inside and type(mod) is cls:
+            found.append(mod)
+            inside.update(id(m) for m in mod.modules())
+    return found
+
+
+def _composite_block(model: nn.Module, leaves: list[nn.Module]) -> BlockInfo | None:
+    """When the most repeated class in containers is a single layer (a UNet's ``nn.Conv2d`` inside its
+    double-convolution units' ``nn.Sequential``), the module class with parameters, at least 2 outermost instances
+    anywhere in the model (attributes too) and :data:`PART_SHARE` of those layers inside them: the unit a checkpoint
+    spares the intermediates of (the UNet's ``DoubleConv``); the most instances win, then the most parameters.
+    None when no class holds them (the layers stay the block)."""
+    leaf_ids = {id(m) for m in leaves}
+    best: tuple[int, int, type, list[nn.Module]] | None = None
+    for cls in dict.fromkeys(type(m) for m in model.modules()):
+        if cls is type(model) or issubclass(cls, CONTAINERS):
+            continue
+        instances = outermost(model, cls)
+        if len(instances) < 2 or any(next(m.children(), None) is None for m in instances):
+            continue
+        inside = {id(sub) for m in instances for sub in m.modules()}
+        if sum(1 for i in leaf_ids if i in inside) < PART_SHARE * len(leaf_ids):
+            continue
+        total = sum(_own_params(m) for m in instances)
+        if total > 0 and (best is None or (len(instances), total) > best[:2]):
+            best = (len(instances), total, cls, instances)
+    if best is None:
+        return None
+    count, total, cls, instances = best
+    return BlockInfo(cls=cls, blocks=instances, params_per_block=round(total / count), path=None, reducible=False)
 
 
 OTHER_STACK_SHARE = 0.1

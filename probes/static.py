@@ -91,10 +91,12 @@ from optplan.probes.activation_measure import (
 )
 from optplan.probes.adapters import LoraRequest, adapter_profile, apply_lora, resolve_targets
 from optplan.probes.blocks import (  # noqa: F401 - re-exported: tests and benchmarks import them from here
+    CONTAINERS,
     MIN_BLOCKS_FOR_REDUCTION,
     BlockInfo,
     _cut,
     find_repeated_block,
+    outermost,
     stack_notes,
     truncated_copy,
 )
@@ -168,9 +170,13 @@ def materialize_fake(model: nn.Module) -> nn.Module:
 
 
 def blocks_of(model: nn.Module, cls: type | None) -> list[nn.Module]:
-    """The instances of the repeated block class that sit directly in ModuleLists/Sequentials."""
+    """The outermost instances of the repeated block class, wherever they are held: what train.py checkpoints and
+    wraps (trainloop.find_blocks), so the profile measures the same blocks. A container class as the block (a
+    stage's ``nn.Sequential`` units) is taken where containers hold it: its outermost instances are the stages."""
     if cls is None:
         return []
+    if not issubclass(cls, CONTAINERS):
+        return outermost(model, cls)
     out: dict[int, nn.Module] = {}
     for mod in model.modules():
         if isinstance(mod, (nn.ModuleList, nn.Sequential)):

@@ -114,3 +114,43 @@ def test_a_second_stack_and_several_containers_are_named() -> None:
                                    "depth"]
     one = find_repeated_block(nn.Sequential(*[SeqMlpBlock() for _ in range(4)]))
     assert one is not None and stack_notes(one) == []
+
+
+def test_a_unets_double_convolutions_are_the_block_not_their_convolutions() -> None:
+    """A UNet's ``nn.Conv2d`` outnumber everything in containers (two per double convolution, in its
+    ``nn.Sequential``), but one convolution is nothing a checkpoint can spare: the unit that holds them is the block,
+    every instance of it (in the encoder's ``Sequential`` or an attribute of the decoder's up-steps), as train.py
+    checkpoints every outermost instance of the class."""
+    from optplan.probes.static import blocks_of
+
+    class DoubleConv(nn.Module):
+        def __init__(self, cin: int, cout: int) -> None:
+            super().__init__()
+            self.double_conv = nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1), nn.BatchNorm2d(cout), nn.ReLU(),
+                                             nn.Conv2d(cout, cout, 3, padding=1), nn.BatchNorm2d(cout), nn.ReLU())
+
+    class Up(nn.Module):
+        def __init__(self, c: int) -> None:
+            super().__init__()
+            self.up = nn.ConvTranspose2d(2 * c, c, 2, stride=2)
+            self.conv = DoubleConv(2 * c, c)
+
+    class UNet(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inc = DoubleConv(3, 8)
+            self.down = nn.ModuleList([nn.Sequential(nn.MaxPool2d(2), DoubleConv(8 * 2 ** i, 16 * 2 ** i))
+                                       for i in range(3)])
+            self.ups = [Up(8 * 2 ** i) for i in range(3)]
+            for i, u in enumerate(self.ups):
+                self.add_module(f"up{i}", u)
+            self.outc = nn.Conv2d(8, 2, 1)
+
+    model = UNet()
+    block = find_repeated_block(model)
+    assert block is not None and block.cls is DoubleConv and len(block.blocks) == 7 and not block.reducible
+    assert {id(b) for b in blocks_of(model, DoubleConv)} == {id(b) for b in block.blocks}
+    # a plain stack of layers has no unit around them: the layers stay the block (test above)
+    flat = nn.Sequential(*[m for _ in range(4) for m in (nn.Conv2d(4, 4, 3), nn.ReLU())])
+    found = find_repeated_block(flat)
+    assert found is not None and found.cls is nn.Conv2d
