@@ -75,6 +75,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from optplan.estimators.adapter_time import adapter_layer_time_s, adapter_width_per_layer, cast_params
 from optplan.estimators.attention_kernels import flash_fractions
 from optplan.estimators.cast_traffic import autocast_cast_bytes_per_microbatch
 from optplan.estimators.counted_traffic import counted_step, seconds_per_flop
@@ -88,6 +89,7 @@ from optplan.estimators.efficiency import (
     engine_efficiency,
     fitted_gpus,
 )
+from optplan.estimators.gemm import _align_bytes, gemm_time_s, gemm_train_time_s  # noqa: F401 - re-exported
 from optplan.estimators.hardware import GPUSpec, find_gpu
 from optplan.estimators.optimizer_traffic import optimizer_step_bytes_per_param
 from optplan.estimators.optimizers import optimizer_state_bytes_per_param
@@ -156,45 +158,6 @@ DEFAULT_EFFICIENCY: GpuEfficiency = default_efficiency()
 """What a GPU without a fit or derivation takes (efficiency.py ``default_efficiency``)."""
 
 
-def _align_bytes(dim: float, elem_bytes: int) -> int:
-    """Largest power of two (<= 16) dividing ``dim`` × ``elem_bytes`` (bytes); 16 for non-integers."""
-    n = int(dim)
-    if n != dim or n <= 0:
-        return 16
-    n *= elem_bytes
-    return min(16, n & -n)
-
-
-def gemm_time_s(m: float, n: float, k: float, *, batch: float = 1.0, peak_flops: float, bandwidth_bytes_per_s: float,
-                eff: GpuEfficiency, elem_bytes: int = 2, fraction: float | None = None, aligned: bool = False) -> float:
-    """One (batched) GEMM C[m×n] = A[m×k]·B[k×n], ``batch`` times (seconds).
-
-    Roofline: max(2·m·n·k·batch / (peak · f · x/(x+½) · (a/16)^γ), bytes / (hbm · BW)) with x the output
-    elements per wave and a the worst dimension's alignment in bytes; bytes = elem·(mk + kn + mn)·batch. The
-    alignment factor is the tensor cores' (16- and 8-bit elements): fp32 GEMMs run SIMT kernels that measured
-    1.02x on an odd dimension (gemm_measured.py) and take none; nor do dimensions derived from parameter counts
-    (``aligned``: an MLP width read as its weights ÷ 2h, which a router or a gate makes no GEMM's dimension).
-    """
-    if m <= 0 or n <= 0 or k <= 0 or batch <= 0:
-        return 0.0
-    flops = 2.0 * m * n * k * batch
-    x = m * n * batch / eff.gemm_wave_outputs
-    align = 16 if aligned else min(_align_bytes(m, elem_bytes), _align_bytes(n, elem_bytes), _align_bytes(k, elem_bytes))
-    f = eff.gemm_peak_fraction if fraction is None else fraction
-    gamma = eff.alignment_exponent if elem_bytes <= 2 else 0.0
-    rate = peak_flops * f * x / (x + 0.5) * (align / 16.0) ** gamma
-    mem = elem_bytes * (m * k + k * n + m * n) * batch / (bandwidth_bytes_per_s * eff.hbm_fraction)
-    return max(flops / rate, mem)
-
-
-def gemm_train_time_s(m: float, n: float, k: float, **kw: object) -> tuple[float, float]:
-    """(forward, backward) seconds of a weight GEMM: backward = data gradient (m×k×n) + weight gradient
-    (k×n×m) (Narayanan et al. 2021 §3: backward is twice the forward's FLOPs)."""
-    fwd = gemm_time_s(m, n, k, **kw)  # type: ignore[arg-type]
-    bwd = gemm_time_s(m, k, n, **kw) + gemm_time_s(k, n, m, **kw)  # type: ignore[arg-type]
-    return fwd, bwd
-
-
 class TransformerDims(BaseModel):
     """The dimensions the time model needs, read from a profile (counts)."""
 
@@ -222,6 +185,10 @@ class TransformerDims(BaseModel):
         default=None, description="the profile's counted eager bytes per token outside the repeated blocks (final "
                                   "norm, logits and loss, forward + backward) by precision class (eager_head_bytes); "
                                   "None: the GPU's fitted bytes per logit")
+    frozen_base: bool = Field(default=False, description="LoRA: the base weights get no gradient (adapter_time.py)")
+    adapter_width: float = Field(default=0.0, description="LoRA: Σ(d_in + d_out) of one layer's adapted linear layers "
+                                                          "(elements; adapter_time.adapter_width_per_layer)")
+    adapter_rank: int = Field(default=0, description="LoRA rank r; 0 without adapters")
 
 
 def transformer_dims(profile: ModelProfile) -> TransformerDims | None:
@@ -243,6 +210,9 @@ def transformer_dims(profile: ModelProfile) -> TransformerDims | None:
         attn = float(shape.attention_params())
     block = profile.repeated_block
     per_layer = float(block.params_per_block) if block and block.params_per_block else attn + 8.0 * h * h + 13 * h
+    adapter = profile.adapter
+    if adapter is not None and block and block.params_per_block:  # the block's adapters are no MLP width
+        per_layer -= adapter.adapter_params / shape.layers
     mlp = max(0.0, per_layer - attn - 13.0 * h)
     if mlp < 0.5 * h * h:  # not a standard block: price the MLP as 8h²
         mlp = 8.0 * h * h
@@ -256,7 +226,10 @@ def transformer_dims(profile: ModelProfile) -> TransformerDims | None:
                            vocab=shape.vocab or 0, mlp_params=mlp, per_layer_params=per_layer,
                            attn_params=0.0 if standard else attn, qk_head_dim=qk, v_head_dim=v,
                            gated=bool(shape.gated), eager_bytes_per_token=profile.eager_layer_bytes_per_token,
-                           eager_head_bytes_per_token=eager_head_bytes(profile, shape.layers, int(seq)))
+                           eager_head_bytes_per_token=eager_head_bytes(profile, shape.layers, int(seq)),
+                           frozen_base=adapter is not None,
+                           adapter_width=adapter_width_per_layer(profile, shape.layers),
+                           adapter_rank=adapter.rank if adapter is not None else 0)
 
 
 def eager_head_bytes(profile: ModelProfile, layers: int, seq: int) -> dict[str, float] | None:
@@ -350,12 +323,16 @@ def layer_time(dims: TransformerDims, strategy: Strategy, gpu: GPUSpec, eff: Gpu
     for i, (m_, n_, k_) in enumerate(((tokens, qkv_n / t, h), (tokens, h, o_k / t), (tokens, ffn / t, h),
                                       (tokens, h, ffn / t))):
         # the MLP's width is its weights ÷ 2h (1.5 F when gated, a router's h·E added): no dimension to align
-        f_, b_ = gemm_train_time_s(m_, n_, k_, **kw, aligned=i >= 2)  # type: ignore[arg-type]
+        f_, b_ = gemm_train_time_s(m_, n_, k_, **kw, aligned=i >= 2,  # type: ignore[arg-type]
+                                   weight_grad=not dims.frozen_base)
         fwd += f_
         bwd += b_
         if i >= 2:
             mlp_fwd += f_
     fwd_flops = 2.0 * tokens * (attn + dims.mlp_params) / t
+    # LoRA's rank-r adapters beside the frozen projections (adapter_time.py)
+    a_fwd, a_bwd, a_flops = adapter_layer_time_s(tokens, dims.adapter_width, dims.adapter_rank, tp=t, **kw)
+    fwd, bwd, fwd_flops = fwd + a_fwd, bwd + a_bwd, fwd_flops + a_flops
     heads = b * a / t
     qk_d, v_d = (dims.qk_head_dim or d), (dims.v_head_dim or d)
     core_flops = 2.0 * heads * (s / c) * s * (qk_d + v_d)
@@ -453,7 +430,7 @@ def head_time(dims: TransformerDims, strategy: Strategy, gpu: GPUSpec, eff: GpuE
     v_local = dims.vocab / t
     kw = {"peak_flops": peak, "bandwidth_bytes_per_s": bw, "eff": eff, "elem_bytes": elem,
           "fraction": _fraction(eff, "bf16" if dtype == "fp8" else dtype)}
-    f_, b_ = gemm_train_time_s(tokens, v_local, h, **kw)
+    f_, b_ = gemm_train_time_s(tokens, v_local, h, **kw, weight_grad=not dims.frozen_base)  # type: ignore[arg-type]
     ce = eff.logits_bytes_per_element * tokens * v_local / hbm
     norm = eff.elementwise_factor * 5.0 * tokens * h * elem / hbm  # final layer norm: fwd 2, bwd 3 passes
     family = engine or engine_efficiency(strategy.engine)
@@ -461,8 +438,8 @@ def head_time(dims: TransformerDims, strategy: Strategy, gpu: GPUSpec, eff: GpuE
         precision_class(get_recipe(strategy.precision).weight_bytes, elem)) if family.eager else None
     if counted is not None:  # the final norm is in the count
         ce, norm = family.elementwise_multiplier * counted * tokens / t * eff.elementwise_factor / hbm, 0.0
-    # embedding: gather forward, dense V/t × h gradient written in backward
-    embed = (2.0 * tokens * h * elem + v_local * h * elem) / hbm
+    # embedding: gather forward, dense V/t × h gradient written in backward (none for a frozen LoRA base)
+    embed = (2.0 * tokens * h * elem + (0.0 if dims.frozen_base else v_local * h * elem)) / hbm
     return HeadTime.model_construct(embedding_s=embed, logits_gemm_s=f_ + b_, logits_elementwise_s=ce + norm,
                     logits_fwd_flops=2.0 * tokens * v_local * h)
 
@@ -600,7 +577,7 @@ def compute_time(profile: ModelProfile, strategy: Strategy, gpu: GPUSpec, *,
     else:
         traffic = profile.activation(recipe.activation_precision, "none").bytes_at(strategy.mbs)
         memory_bound_s = strategy.grad_accum * passes * traffic / gpu.memory_bandwidth_bytes_per_s
-        casts = autocast_cast_bytes_per_microbatch(recipe, params=float(profile.params),
+        casts = autocast_cast_bytes_per_microbatch(recipe, params=cast_params(profile, float(profile.params)),
                                                    trainable=float(profile.trainable_params),
                                                    recompute=recompute_s > 0)
         memory_bound_s += strategy.grad_accum * casts / (gpu.memory_bandwidth_bytes_per_s * hbm_fraction)

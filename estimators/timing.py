@@ -56,6 +56,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from optplan.estimators.adapter_time import cast_params
 from optplan.estimators.attention_kernels import flash_fractions
 from optplan.estimators.cast_traffic import autocast_cast_bytes_per_microbatch
 from optplan.estimators.comm import (
@@ -479,10 +480,11 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
             head_compute += ht.logits_gemm_s + extra_s
             head_mem += ht.logits_elementwise_s
             head_tp += tp_small + ce_allreduce
-        accum_mem = 3 * grad_bytes * chunk_params / hbm
+        accum_mem = 3 * grad_bytes * chunk_params * trainable / hbm  # the gradients there are (LoRA: the adapters')
         head_mem += accum_mem
-        head_mem += autocast_cast_bytes_per_microbatch(recipe, params=chunk_params, trainable=chunk_params * trainable,
-                                                       recompute=full) / hbm
+        # a LoRA base is held in 16 bits: autocast casts the fp32 adapters only (adapter_time.py)
+        head_mem += autocast_cast_bytes_per_microbatch(recipe, params=cast_params(profile, chunk_params),
+                                                       trainable=chunk_params * trainable, recompute=full) / hbm
         head_dev = head_compute + head_mem + head_tp
         layers_dev = layers * layer_device
         layers_host = layers * host_layer
