@@ -153,18 +153,25 @@ class BatchInfo:
 
 
 def raised_in_file(exc: BaseException, path: str) -> int | None:
-    """The line of ``path`` (the model file) that raised ``exc`` when its innermost frame is there, else None (the
-    exception came from a library: torch's layers refusing a batch's shape or dtype, a wrong call signature)."""
+    """The line of ``path`` (the model file) that raised ``exc``: its innermost frame there, when no ``nn.Module``
+    layer was called below it (torch's own operators and the fake-tensor dispatch that runs them may be: a ``.view``
+    of the wrong shape raises inside torch/_subclasses); None when the exception came from a layer refusing the batch's
+    shape or dtype (a frame in torch/nn/modules below the file's) or never passed through the file."""
     tb = exc.__traceback__
-    if tb is None:
-        return None
-    while tb.tb_next is not None:
+    line: int | None = None
+    layer_below = False
+    while tb is not None:
+        filename = tb.tb_frame.f_code.co_filename
+        try:
+            mine = os.path.samefile(filename, path)
+        except OSError:
+            mine = False
+        if mine:
+            line, layer_below = tb.tb_lineno, False
+        elif line is not None and f"{os.sep}torch{os.sep}nn{os.sep}modules{os.sep}" in filename:
+            layer_below = True
         tb = tb.tb_next
-    try:
-        same = os.path.samefile(tb.tb_frame.f_code.co_filename, path)
-    except OSError:
-        return None
-    return tb.tb_lineno if same else None
+    return None if layer_below else line
 
 
 def unused_params_note(model: nn.Module, has_loss_fn: bool) -> str | None:

@@ -304,3 +304,28 @@ def test_the_profiler_leaves_nothing_in_tmpdir(write_model, tmp_path, monkeypatc
     else:
         assert profile_model_file(path).params == 20
     assert sorted(p.name for p in tmp.iterdir()) == []
+
+
+def test_a_torch_operator_failing_on_a_model_file_line_is_the_models_bug_not_the_batch(write_model):
+    """A ``.view`` of the wrong shape raises inside torch (the fake-tensor dispatch below the file's frame): the line
+    that called it is named; a layer (``nn.Linear``) refusing the batch's shape still asks for example_batch."""
+    path = write_model("""
+        import torch, torch.nn as nn
+
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.l = nn.Linear(8, 8)
+
+            def forward(self, x):
+                h = self.l(x)
+                return h.view(3, -1, 7)
+
+        def build_model():
+            return M()
+
+        def example_batch(batch_size, seq_len):
+            return torch.randn(batch_size, 8)
+        """)
+    err = expect_error(path, "forward raised RuntimeError: shape '[3, -1, 7]' is invalid", "fix forward at that line")
+    assert "at line 11 of the model file" in err.problem and "rejected" not in err.problem
