@@ -140,6 +140,9 @@ class OverviewScreen(DashboardScreen):
         self.query_one("#model-panel", KeyValues).show(model_rows(profile, prepared.args))
         self.query_one("#cluster-panel", KeyValues).show(cluster_rows(prepared.cluster, prepared.notes))
         self.query_one("#objective-panel", KeyValues).show(objective_rows(prepared, profile))
+        # an empty input keeps the model file's OPTPLAN global batch, not a free one: its placeholder says which
+        file_batch = profile.defaults.global_batch if profile is not None else None
+        self.query_one("#in-global-batch", Input).placeholder = f"{file_batch} (file)" if file_batch else "free"
 
     def edited_args(self) -> RecommendArgs:
         """The run's options with the edited inputs (OptplanError for text that is not a number)."""

@@ -220,3 +220,23 @@ def test_every_screen_gives_its_own_body() -> None:
     for cls in (OverviewScreen, SearchScreen, PlanScreen, ExportScreen, HardwareScreen):
         assert cls.body is not DashboardScreen.body, cls.__name__
         assert cls.MODE, cls.__name__
+
+
+def test_the_global_batch_input_says_an_empty_one_keeps_the_model_files() -> None:
+    """OPTPLAN's global batch holds when the input is empty (the objective panel says so): the input's placeholder
+    says it too, not 'free'."""
+    from dashboard_helpers import TINY_ARCH
+
+    from optplan.estimators.arch import parse_arch, profile_from_arch
+
+    profile = profile_from_arch(parse_arch(TINY_ARCH))
+    profile = profile.model_copy(update={"defaults": profile.defaults.model_copy(update={"global_batch": 32})})
+    app = make_app(tiny_args(global_batch=None), profile=profile)
+
+    async def script(pilot: Any) -> None:
+        await settle(pilot)
+        box = pilot.app.screen.query_one("#in-global-batch", Input)
+        assert box.value == "" and box.placeholder == "32 (file)"
+        assert "32 (model file's OPTPLAN)" in text_of(pilot.app.screen.query_one("#objective-panel", KeyValues))
+
+    drive(app, script)
