@@ -93,15 +93,18 @@ def measure(runner: StepRunner, batch_sizes: tuple[int, int], *, flops: bool = T
     sixteen, note = measure_16bit_weights(runner, batch_sizes, eager, ops, kernels)
     envelopes.update(sixteen)
     if any(LORA_MARK in name for name, _ in runner.model.named_parameters()):
-        envelopes.update(measure_frozen_16bit(runner, batch_sizes))
+        # its AMP plans hold the frozen base in bf16: the amp class's bytes and kernels are that step's
+        envelopes.update(measure_frozen_16bit(runner, batch_sizes, eager, ops, kernels))
     assert runner.batch_info is not None
     loss_note = "; ".join(n for n in (runner.loss_note, runner.unused_note) if n) or None
     return Measurement(fwd, bwd, envelopes, runner.batch_info, loss_note, input_grad, note, recompute,
                        eager_block_bytes=eager, eager_block_ops=ops, eager_step=kernels, self_recompute_flops=reruns)
 
 
-EAGER_CLASS: dict[str, str] = {"fp32": "fp32", "bf16": "amp", WEIGHTS_16BIT: "bf16"}
-"""The eager-traffic precision class (estimators/eager_traffic.py) of each profiled activation precision."""
+EAGER_CLASS: dict[str, str] = {"fp32": "fp32", "bf16": "amp", WEIGHTS_16BIT: "bf16", FROZEN_16BIT: "amp"}
+"""The eager-traffic precision class (estimators/eager_traffic.py) of each profiled activation precision; a LoRA
+model's ``bf16-frozen`` steps (its base in bf16 under autocast, as its AMP plans run) replace the ``amp`` class's
+counts, measured after the fp32-base autocast steps (which cast every frozen weight, as no AMP LoRA plan does)."""
 
 
 def _mode_envelope(runner: StepRunner, batch_sizes: tuple[int, int], precision: ActivationPrecision,
@@ -195,12 +198,15 @@ def measure_16bit_weights(runner: StepRunner, batch_sizes: tuple[int, int],
     return envelopes, note
 
 
-def measure_frozen_16bit(runner: StepRunner, batch_sizes: tuple[int, int]
+def measure_frozen_16bit(runner: StepRunner, batch_sizes: tuple[int, int],
+                         eager: dict[str, tuple[float, float]] | None = None, ops: dict[str, float] | None = None,
+                         kernels: dict[str, EagerStep] | None = None
                          ) -> dict[tuple[ActivationPrecision, CheckpointMode], StepEnvelope]:
     """The ``bf16-frozen`` envelopes of a LoRA model: its frozen parameters cast to bf16, the trainable adapters
     kept in fp32, steps under bf16 autocast (peft's default on a base loaded in bf16, with a Hugging Face
     ``Trainer(bf16=True)``): one warm-up step, then the timelines of the other modes; the model is cast back
-    afterwards. A model that fails so gets none (its AMP recipes then use the autocast fit)."""
+    afterwards. A model that fails so gets none (its AMP recipes then use the autocast fit). With ``eager`` (and
+    ``ops``, ``kernels``) the step without checkpointing counts the ``amp`` class's traffic (:data:`EAGER_CLASS`)."""
     model = runner.model
     frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
     dtypes = {name: p.dtype for name, p in model.named_parameters(remove_duplicate=False)}
@@ -209,7 +215,8 @@ def measure_frozen_16bit(runner: StepRunner, batch_sizes: tuple[int, int]
         cast_floating(model, lambda name: torch.bfloat16 if name in frozen else None)
         runner.warm_up(batch_sizes[0], FROZEN_16BIT)
         for ckpt in checkpoint_modes(bool(runner.blocks)):
-            envelopes[(FROZEN_16BIT, ckpt)] = _mode_envelope(runner, batch_sizes, FROZEN_16BIT, ckpt)
+            envelopes[(FROZEN_16BIT, ckpt)] = _mode_envelope(runner, batch_sizes, FROZEN_16BIT, ckpt, eager, ops,
+                                                             kernels)
     except ModelFileError:
         envelopes = {}
     finally:

@@ -163,3 +163,36 @@ def test_targets_naming_the_head_or_nothing_are_refused_by_name() -> None:
         assert "lm_head" not in err.value.fix.split(":", 1)[-1]  # the layers offered are ones it can adapt
     adapted = apply_lora(LlamaForCausalLM(config), LoraRequest(rank=2, targets=("q_proj", "v_proj")), "m.py")
     assert sum(p.numel() for p in adapted.parameters() if p.requires_grad) == 2 * (64 + 64) + 2 * (64 + 32)
+
+
+def test_a_lora_models_amp_traffic_is_counted_with_its_base_in_bf16() -> None:
+    """Its AMP plans hold the frozen base in bf16 (no per-forward casts of it): the ``amp`` class's block bytes and
+    kernels are the bf16-frozen step's, not the fp32-base autocast step's, which casts every frozen weight."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from optplan.probes.activation_measure import _mode_envelope, measure, measure_frozen_16bit
+    from optplan.probes.static import blocks_of, find_repeated_block
+    from optplan.probes.step_runner import BatchSpec, StepRunner
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=256)
+    model = apply_lora(LlamaForCausalLM(config), LoraRequest(rank=4), "m.py")
+    block = find_repeated_block(model)
+    assert block is not None
+
+    def runner() -> StepRunner:
+        spec = BatchSpec(make=lambda b: torch.randint(0, 256, (b, 16)), describe=lambda b: f"[{b}, 16]",
+                         inferred=True, fix="")
+        return StepRunner(model=model, spec=spec, loss_fn=None, display="m.py", blocks=blocks_of(model, block.cls))
+
+    m = measure(runner(), (1, 2))
+    base: dict[str, tuple[float, float]] = {}
+    r = runner()
+    r.warm_up(1, "bf16")
+    _mode_envelope(r, (1, 2), "bf16", "none", base, {}, {})
+    frozen: dict[str, tuple[float, float]] = {}
+    measure_frozen_16bit(runner(), (1, 2), frozen, {}, {})
+    assert m.eager_block_bytes["amp"] == frozen["amp"]
+    assert frozen["amp"][0] < base["amp"][0]  # no casts of the frozen weights in the forward
