@@ -408,7 +408,8 @@ def _profile_contract(contract: ModelContract, *, seq_len: int | None, started: 
     else:
         profile_seq = explicit_seq
         if contract.example_batch is not None and explicit_seq is None:
-            notes.append(f"example_batch was called with seq_len={used_seq} (no sequence length known)")
+            notes.append(f"example_batch was called with seq_len={used_seq} (no sequence length known; it matters only "
+                         "if example_batch uses it: --seq-len or OPTPLAN['seq_len'] sets it)")
     sparse = sparse_grad_params(meta)
     if sparse:
         notes.append(f"{sparse:,} parameters have sparse gradients (an Embedding/EmbeddingBag with sparse=True): "
