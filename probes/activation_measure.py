@@ -96,7 +96,7 @@ def measure(runner: StepRunner, batch_sizes: tuple[int, int], *, flops: bool = T
         # its AMP plans hold the frozen base in bf16: the amp class's bytes and kernels are that step's
         envelopes.update(measure_frozen_16bit(runner, batch_sizes, eager, ops, kernels))
     assert runner.batch_info is not None
-    loss_note = "; ".join(n for n in (runner.loss_note, runner.unused_note) if n) or None
+    loss_note = "; ".join(n for n in (runner.batch_note, runner.loss_note, runner.unused_note) if n) or None
     return Measurement(fwd, bwd, envelopes, runner.batch_info, loss_note, input_grad, note, recompute,
                        eager_block_bytes=eager, eager_block_ops=ops, eager_step=kernels, self_recompute_flops=reruns)
 

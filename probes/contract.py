@@ -50,7 +50,13 @@ import torch
 import torch.nn as nn
 
 from optplan.probes.model_errors import ModelFileError, check_model_path, one_line
-from optplan.probes.trainloop import call_model, default_loss, first_param_module, first_tensor  # noqa: F401 - re-exported
+from optplan.probes.trainloop import (  # noqa: F401 - re-exported
+    call_model,
+    default_loss,
+    first_param_module,
+    first_tensor,
+    forward_arity,
+)
 
 if TYPE_CHECKING:
     from optplan.estimators.profile import ModelDefaults

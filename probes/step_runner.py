@@ -36,6 +36,7 @@ from optplan.probes.contract import (
     exc_text,
     first_param_module,
     first_tensor,
+    forward_arity,
 )
 from optplan.probes.envelope import PHASES, Timeline
 from optplan.probes.flop_formulas import FLOP_FIXES
@@ -205,6 +206,8 @@ class StepRunner:
     blocks: list[nn.Module] = field(default_factory=list)
     loss_note: str | None = None
     unused_note: str | None = None
+    batch_note: str | None = None
+    """Set by :meth:`forward`: the batch's items beyond what forward takes go to the loss only (trainloop.call_model)."""
     """Set by :meth:`warm_up`: the trainable parameters the loss left without a gradient (``unused_params_note``)."""
     batch_info: BatchInfo | None = None
     input_dtype: torch.dtype | None = None
@@ -233,6 +236,10 @@ class StepRunner:
         return batch
 
     def forward(self, batch: Any, b: int) -> Any:
+        arity = forward_arity(self.model) if isinstance(batch, (list, tuple)) else None
+        if arity and len(batch) > arity and self.batch_note is None:
+            self.batch_note = (f"{self.spec.describe(b)} returns {len(batch)} items and forward takes {arity}: "
+                               f"forward gets the first {arity}, the loss the whole batch")
         try:
             return call_model(self.model, batch)
         except ModelFileError:

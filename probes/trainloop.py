@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
+import inspect
 import json
 import math
 import os
@@ -420,12 +421,34 @@ class CudaAutocastLoss(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+WRAPPERS = ("DistributedDataParallel", "FullyShardedDataParallel", "DeepSpeedEngine", "OptimizedModule")
+"""Wrappers whose forward takes anything and passes it to the model they hold (``.module``, ``._orig_mod``)."""
+
+
+def forward_arity(model: nn.Module) -> int | None:
+    """How many positional inputs the model's own forward takes (its wrappers looked through); None: any number."""
+    for _ in range(4):
+        if type(model).__name__ not in WRAPPERS:
+            break
+        model = getattr(model, "module", None) or getattr(model, "_orig_mod", model)
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return None
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+
+
 def call_model(model: nn.Module, batch: Any) -> Any:
-    """``model(x)`` for a tensor, ``model(*x)`` for a tuple/list, ``model(**x)`` for a dict."""
+    """``model(x)`` for a tensor, ``model(*x)`` for a tuple/list, ``model(**x)`` for a dict. A tuple longer than
+    forward takes (``(images, labels)`` for a torchvision model's ``forward(x)``) gives forward its first items; the
+    loss gets the whole batch."""
     if isinstance(batch, Mapping):
         return model(**batch)
     if isinstance(batch, (list, tuple)):
-        return model(*batch)
+        arity = forward_arity(model)
+        return model(*(batch if not arity else batch[:arity]))
     return model(batch)
 
 

@@ -340,3 +340,48 @@ def test_deepspeed_16_bit_engines_get_16_bit_inputs(examples_dir: Path) -> None:
                   timeout_s=240)
     assert r.status == "ok", r.reason
     assert r.losses and all(loss == loss for loss in r.losses)  # finite, not NaN
+
+
+def test_a_batch_with_more_items_than_forward_takes_trains(write_model: Any) -> None:
+    """(images, labels) for a model whose forward takes the images only (torchvision's, timm's): forward gets the
+    first item, the loss the whole batch, in the profile (with a note) and in a real training step alike (the
+    training loop's call_model; the profile read it as a forward that rejected the batch)."""
+    from optplan.probes.contract import forward_arity, load_contract
+    from optplan.probes.static import profile_contract
+
+    path = write_model("""
+        import torch, torch.nn as nn, torch.nn.functional as F
+
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(12, 5)
+
+            def forward(self, x):
+                return self.fc(x.flatten(1))
+
+        def build_model():
+            return Net()
+
+        def example_batch(batch_size, seq_len):
+            return torch.randn(batch_size, 3, 2, 2), torch.randint(0, 5, (batch_size,))
+
+        def loss_fn(logits, batch):
+            return F.cross_entropy(logits, batch[1])
+        """)
+    profile = profile_contract(load_contract(path))
+    assert any("returns 2 items and forward takes 1: forward gets the first 1, the loss the whole batch" in n
+               for n in profile.notes)
+    r = probe(path, mbs=4)
+    assert r.ok, r.reason + "\n" + r.tail
+    import torch.nn as nn
+
+    assert forward_arity(nn.Linear(2, 2)) == 1 and forward_arity(nn.Sequential()) == 1
+    compiled = torch.compile(nn.Linear(2, 2))
+    assert forward_arity(compiled) == 1  # through the compiled wrapper to the module's own forward
+
+    class Any_(nn.Module):
+        def forward(self, *inputs: Any) -> Any:
+            return inputs
+
+    assert forward_arity(Any_()) is None
