@@ -258,11 +258,13 @@ def checkpointed_call(fn: Callable[..., Any], context_fn: Callable[[], Any] | No
     passed by position is dropped too: transformers 5's GPT-2 passes its ``DynamicCache`` as the block's second
     argument (``None`` only when the model's own ``gradient_checkpointing`` is on) and its attention updates it
     whatever ``use_cache`` says, so the recompute appended the keys a second time and ran other operators than the
-    forward (selective checkpointing: "aten.slice.Tensor encountered during backward but not found in storage")."""
+    forward (selective checkpointing: "aten.slice.Tensor encountered during backward but not found in storage").
+    A list argument is passed as a copy: the checkpoint keeps the object, and a caller that appends to it afterwards
+    (torchvision DenseNet's block feeds each layer the list of features it grows) changed what the recompute read."""
     from torch.utils.checkpoint import checkpoint
 
     kwargs = without_generation_cache(kwargs)
-    args = tuple(None if is_generation_cache(arg) else arg for arg in args)
+    args = tuple(None if is_generation_cache(arg) else list(arg) if isinstance(arg, list) else arg for arg in args)
     if context_fn is None:
         return checkpoint(fn, *args, use_reentrant=False, **kwargs)
     return checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn, **kwargs)

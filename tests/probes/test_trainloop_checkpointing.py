@@ -73,3 +73,33 @@ def test_accelerates_fsdp_checkpointing_is_not_nested_with_the_loops() -> None:
     p.accelerator = t.accelerator
     p.checkpoint_blocks(blocks, "full")  # type: ignore[arg-type]
     assert _wrapped(blocks) == [True, False, False, False]
+
+
+def test_a_block_fed_a_list_its_caller_grows_recomputes_what_it_computed() -> None:
+    """torchvision's DenseNet feeds each _DenseLayer the list of features its block appends to: the checkpoint kept
+    the list object, so the recompute read the grown list ("running_mean should contain 1024 elements not 992").
+    checkpointed_call passes a copy: gradients equal the plain step's."""
+    import torch
+    import torch.nn as nn
+
+    from optplan.probes.trainloop import checkpointed_call
+
+    class Layer(nn.Module):
+        def __init__(self, c_in: int) -> None:
+            super().__init__()
+            self.lin = nn.Linear(c_in, 2)
+
+        def forward(self, feats: list[torch.Tensor]) -> torch.Tensor:
+            return self.lin(torch.cat(feats, 1))
+
+    def run(checkpoint: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        layers = [Layer(4 + 2 * i) for i in range(3)]
+        feats = [torch.randn(5, 4, requires_grad=True)]
+        for layer in layers:
+            feats.append(checkpointed_call(layer.forward, None, feats) if checkpoint else layer(feats))
+        torch.cat(feats, 1).square().sum().backward()
+        return [p.grad for layer in layers for p in layer.parameters()]
+
+    for plain, ckpt in zip(run(False), run(True), strict=True):
+        assert torch.allclose(plain, ckpt)
