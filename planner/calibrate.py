@@ -118,9 +118,8 @@ def profile_hash(profile: ModelProfile, *, with_identity: bool = False) -> str:
     if not with_identity:
         skip.update({name: True for name in IDENTITY_FIELDS})
     skip.update({name: True for name in ("adapter", "tensor_plan") if getattr(profile, name) is None})
-    for later in ("sparse_grad_params", "self_recompute_flops_per_sample"):  # added later: count only when set
-        if not getattr(profile, later):
-            skip[later] = True
+    skip.update({name: True for name in ("sparse_grad_params", "self_recompute_flops_per_sample")
+                 if not getattr(profile, name)})  # added later: count only when set
     shape = profile.transformer
     if shape is not None:  # shape fields added later (head width, MoE, latent attention) count only when set
         unset = {name for name in ("head_dim", "moe", "mla") if getattr(shape, name) is None} | set(NUMERICS_FIELDS)

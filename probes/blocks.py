@@ -19,6 +19,7 @@ import torch.nn as nn
 
 from optplan.estimators.profile import RepeatedBlock
 from optplan.probes.moe_layers import expert_lists
+from optplan.probes.trainloop import find_blocks
 
 MIN_BLOCKS_FOR_REDUCTION = 3
 
@@ -159,14 +160,9 @@ CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
 
 def outermost(model: nn.Module, cls: type) -> list[nn.Module]:
-    """The instances of ``cls`` in ``model`` not inside another one (what train.py's ``find_blocks`` wraps)."""
-    found: list[nn.Module] = []
-    inside: set[int] = set()
-    for mod in model.modules():
-        if id(mod) not in inside and type(mod) is cls:
-            found.append(mod)
-            inside.update(id(m) for m in mod.modules())
-    return found
+    """The instances of ``cls`` in ``model`` not inside another one: what train.py wraps (trainloop.find_blocks, which
+    finds them by class name)."""
+    return find_blocks(model, cls.__name__)
 
 
 def _composite_block(model: nn.Module, leaves: list[nn.Module]) -> BlockInfo | None:

@@ -218,7 +218,7 @@ def launched_command(plan: ExportPlan, *, train_script: str = "train.py",
     slurm.sbatch. ``train_script`` is not used for megatron plans (they run ``pretrain_gpt.py`` from the
     ``MEGATRON_LM`` checkout). Raises NotExportable when megatron_args refuses the plan."""
     s = plan.strategy
-    no_script = False  # the script launched is not one optplan writes for this plan (a LoRA plan of a model file)
+    missing: tuple[str, str] | None = None  # (why optplan wrote no script for the plan, what TRAIN_SCRIPT must be)
     if s.engine == "megatron":
         argv = megatron_args(plan)
         words = ['"$MEGATRON_LM"/' + PRETRAIN_SCRIPT]
@@ -278,7 +278,10 @@ def launched_command(plan: ExportPlan, *, train_script: str = "train.py",
         from optplan.planner.export.finetune import hf_model_folder  # light: no transformers import
 
         if hf_model_folder(plan.model_path) is None:  # a LoRA plan of a model file: finetune.py needs a HF model
-            no_script = True
+            missing = ("this LoRA plan is of a model file, so optplan wrote no finetune.py (it loads a Hugging Face "
+                       "model: plan with --hf for one) and train.py trains every parameter",
+                       "your training script, which adds the plan's adapters (plan.json export.adapter: rank, alpha, "
+                       "targets; peft's LoraConfig)")
     else:
         notes = _torch_notes(plan)
     checks: tuple[str, ...] = (  # the train.py exported beside this script, when the working folder has none
@@ -286,27 +289,16 @@ def launched_command(plan: ExportPlan, *, train_script: str = "train.py",
         '  TRAIN_SCRIPT="$SCRIPT_DIR/$TRAIN_SCRIPT"',
         "fi",
     )
-    if no_script:
-        notes.append("this LoRA plan is of a model file, so optplan wrote no finetune.py (it loads a Hugging Face "
-                     "model: plan with --hf for one) and train.py trains every parameter: set TRAIN_SCRIPT to your "
-                     "training script, which must add the plan's adapters (plan.json export.adapter: rank, alpha, "
-                     "targets; peft's LoraConfig) and apply the settings here.")
-        checks += (
-            'if [[ ! -e "$TRAIN_SCRIPT" ]]; then',
-            '  echo "no $TRAIN_SCRIPT: this LoRA plan is of a model file and optplan wrote no finetune.py: set '
-            'TRAIN_SCRIPT to your training script, which adds the plan\'s adapters" >&2',
-            "  exit 2",
-            "fi",
-        )
     if not plan.model_path and train_script == "train.py":
         # a plan of a shape (--arch/--params): no train.py was exported (it builds the model from a model file)
-        notes.append("this plan was made from --arch/--params, so optplan wrote no train.py: set TRAIN_SCRIPT to "
-                     "your training script, which must build this shape and apply the settings here (or plan with "
-                     "a model file to get a train.py that does).")
+        missing = ("this plan was made from --arch/--params, so optplan wrote no train.py",
+                   "your training script, which builds this shape (or plan with a model file to get a train.py)")
+    if missing is not None:  # the launch stops unless TRAIN_SCRIPT names a script that exists
+        why, script = missing
+        notes.append(f"{why}: set TRAIN_SCRIPT to {script}, and it applies the settings here.")
         checks += (
             'if [[ ! -e "$TRAIN_SCRIPT" ]]; then',
-            '  echo "no $TRAIN_SCRIPT: the plan was made from --arch/--params and optplan wrote no train.py: set '
-            'TRAIN_SCRIPT to your training script" >&2',
+            f'  echo "no $TRAIN_SCRIPT: {why}: set TRAIN_SCRIPT to your training script" >&2',
             "  exit 2",
             "fi",
         )
