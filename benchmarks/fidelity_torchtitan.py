@@ -22,9 +22,10 @@ Prediction, through optplan's own pipeline, with no per-row constant:
   700 W H100 SXM (until 2026-11-27 it was, which hid the H100 SXM's measured attention speed behind the fit);
 * ``estimators.estimate.estimate`` -> tokens/s per GPU and the peak memory.
 
-What optplan does not model is flagged on each row, never corrected for: ``cp`` (context parallelism's ring attention:
-one SDPA call per ring step and the k/v rotation, priced as one call at s/cp tokens; these rows run 1.2-1.6x slower
-than priced), ``atp`` (async TP hides tensor-parallel collectives optplan exposes),
+What optplan does not model is flagged on each row, never corrected for: ``cp`` (context parallelism: torch's ring
+attention is priced as its kernels at s/cp tokens per call plus what its Python ring adds, estimators/ring_attention.py:
+the K/V all-gather one sub-attention hides, the fp32 dK/dV ring, the fp32 merges and accumulations; the rows at
+cp 4-8 still run about 1.3-1.5x slower than priced, from no mechanism found), ``atp`` (async TP hides tensor-parallel collectives optplan exposes),
 ``f8ag`` (FSDP all-gathers float8 weights: half the bytes optplan gathers), and ``rw`` (rowwise float8 scaling, slower
 than the tensorwise scaling optplan's fp8 stands for). 405B's 126 layers over pp 8 x 2 interleaved stages are
 priced at the busiest rank's 16 (torchtitan's uneven split, estimators/pipeline_layout.py).
@@ -83,8 +84,8 @@ REQUIRED = ("id", "source", "table", "model", "gpu", "gpus", "fsdp", "tp", "pp",
 FLAGS = {
     "gpu": "Grand Teton H100 (96 GB HBM2e 2.4 TB/s, 500 W cap; peak 'between SXM and NVL'): priced as the source "
            "describes it (grand_teton_h100: HBM2e, the midpoint of the two peaks), not a catalogue GPU",
-    "cp": "context parallelism: torchtitan's ring attention runs one SDPA call per ring step on s/cp-token chunks and "
-          "rotates k/v; optplan prices one attention call at s/cp tokens per rank",
+    "cp": "context parallelism: torch's ring attention (one SDPA call per ring step, all-gathered K/V, fp32 merges "
+          "and dK/dV ring) priced by its mechanisms (estimators/ring_attention.py); cp 4-8 run slower still",
     "f8sac": "torchtitan's per-op selective AC with float8: torch._scaled_mm is not in its save list, so every "
              "float8 matmul is recomputed; optplan's selective (the same policy) keeps every other one",
     "fp8": "torchao Float8Linear priced as optplan's fp8 recipe (Transformer Engine per-tensor fp8 GEMMs)",
@@ -157,8 +158,13 @@ def check_row(row: dict[str, Any], sources: dict[str, Any]) -> list[str]:
 
 
 def profile_for(row: dict[str, Any]) -> ModelProfile:
-    """The ``--arch`` profile of the row's model at its sequence length."""
-    return profile_from_arch(parse_arch(f"{SHAPES[row['model']]},seq={row['seq']}"))
+    """The ``--arch`` profile of the row's model at its sequence length, with the key heads its attention call
+    receives: torchtitan's Llama 3 repeats its 8 key/value heads to every query head before calling SDPA
+    (``torchtitan/models/llama3/model.py`` ``repeat_kv``), as the profile of its model file would record
+    (probes/attention_heads.py); under context parallelism torch's ring attention moves those
+    (estimators/ring_attention.py)."""
+    spec = parse_arch(f"{SHAPES[row['model']]},seq={row['seq']}")
+    return profile_from_arch(spec).model_copy(update={"attention_key_heads": spec.heads})
 
 
 def plan(row: dict[str, Any]) -> tuple[Strategy, tuple[str, ...]]:

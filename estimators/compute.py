@@ -189,6 +189,8 @@ class TransformerDims(BaseModel):
     adapter_width: float = Field(default=0.0, description="LoRA: Σ(d_in + d_out) of one layer's adapted linear layers "
                                                           "(elements; adapter_time.adapter_width_per_layer)")
     adapter_rank: int = Field(default=0, description="LoRA rank r; 0 without adapters")
+    attention_key_heads: int = Field(default=0, description="key heads the model's attention call receives (its "
+                                                            "query heads when it repeats K/V first); 0: kv_heads")
 
 
 def transformer_dims(profile: ModelProfile) -> TransformerDims | None:
@@ -222,6 +224,7 @@ def transformer_dims(profile: ModelProfile) -> TransformerDims | None:
         router = h * shape.moe.experts * shape.moe.moe_layers(shape.layers) / shape.layers
         mlp = (3.0 if shape.gated else 2.0) * h * shape.ffn + router
     qk, v = (0.0, 0.0) if standard else shape.core_head_dims()
+    key_heads = profile.attention_key_heads  # the heads the model's attention call receives: its K/V, or repeated
     return TransformerDims.model_construct(hidden=h, layers=shape.layers, heads=a, kv_heads=kv, seq=int(seq),
                            vocab=shape.vocab or 0, mlp_params=mlp, per_layer_params=per_layer,
                            attn_params=0.0 if standard else attn, qk_head_dim=qk, v_head_dim=v,
@@ -229,7 +232,8 @@ def transformer_dims(profile: ModelProfile) -> TransformerDims | None:
                            eager_head_bytes_per_token=eager_head_bytes(profile, shape.layers, int(seq)),
                            frozen_base=adapter is not None,
                            adapter_width=adapter_width_per_layer(profile, shape.layers),
-                           adapter_rank=adapter.rank if adapter is not None else 0)
+                           adapter_rank=adapter.rank if adapter is not None else 0,
+                           attention_key_heads=key_heads if key_heads and a % key_heads == 0 else 0)
 
 
 def eager_head_bytes(profile: ModelProfile, layers: int, seq: int) -> dict[str, float] | None:

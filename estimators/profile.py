@@ -316,6 +316,12 @@ class ModelProfile(_Frozen):
         description="forward FLOPs per sample that the model's own activation checkpointing (torch.utils.checkpoint "
                     "in its forward) re-runs in backward, part of bwd_flops_per_sample (probes/self_recompute.py): "
                     "hardware FLOPs, not model FLOPs; 0: the model does not checkpoint itself (or unknown)")
+    attention_key_heads: int | None = Field(
+        default=None, ge=1,
+        description="key heads the model's scaled_dot_product_attention call receives (probes/attention_heads.py): "
+                    "its query heads when it repeats its key/value heads first, its key/value heads when it passes "
+                    "them as they are (enable_gqa); what torch's ring attention exchanges under context parallelism "
+                    "(estimators/ring_attention.py). None: no such call seen (--arch shapes, older profiles)")
     selective_recompute_flops_per_sample: float | None = Field(
         default=None, ge=0,
         description="forward FLOPs per sample that the training loop's selective checkpointing recomputes in "

@@ -106,6 +106,7 @@ from optplan.estimators.pipeline import dualpipe_solo_fraction, dualpipe_time_s,
 from optplan.estimators.pipeline_fsdp import keeps_stage_unsharded
 from optplan.estimators.precision import get_recipe
 from optplan.estimators.profile import ModelProfile
+from optplan.estimators.ring_attention import torch_ring_attention
 from optplan.estimators.selective import recompute_flops_per_sample
 from optplan.estimators.selective_host import selective_host_layer_s
 from optplan.estimators.strategy import Strategy
@@ -402,11 +403,18 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
         bwd_linear = max(0.0, lt.bwd_gemm_s - core_bwd)
         layer_tp = ((1 + rf_all) * overlapped_tp_s(pass_tp, fwd_linear)
                     + overlapped_tp_s(pass_tp, bwd_linear))
-    kv_local = dims.kv_heads * (h / dims.heads) / t
-    cp_fwd, cp_bwd = cp_ring_exchange_s(tokens, kv_local, elem, c, links["cp"])
-    layer_cp = cp_fwd + cp_bwd + rf_all * cp_fwd
-    layer_cp_exposed = (exposed_s(cp_fwd, core_fwd) + exposed_s(cp_bwd, core_bwd)
-                        + rf_all * exposed_s(cp_fwd, core_fwd))
+    if c > 1 and s_.engine == "torch":  # torch's ring attention around the kernels (estimators/ring_attention.py)
+        ring = torch_ring_attention(dims, s_, elem, links["cp"], core_fwd, core_bwd)
+        layer_cp = ring.fwd_comm_s * (1 + rf_all) + ring.bwd_comm_s
+        layer_cp_exposed = ring.fwd_exposed_s * (1 + rf_all) + ring.bwd_exposed_s
+        layer_mem += ((ring.fwd_memory_bytes * (1 + rf_all) + ring.bwd_memory_bytes) * engine.elementwise_multiplier
+                      * eff.elementwise_factor / hbm)
+    else:  # Megatron-Core's point-to-point ring beside the kernels (comm.py)
+        kv_local = dims.kv_heads * (h / dims.heads) / t
+        cp_fwd, cp_bwd = cp_ring_exchange_s(tokens, kv_local, elem, c, links["cp"])
+        layer_cp = cp_fwd + cp_bwd + rf_all * cp_fwd
+        layer_cp_exposed = (exposed_s(cp_fwd, core_fwd) + exposed_s(cp_bwd, core_bwd)
+                            + rf_all * exposed_s(cp_fwd, core_fwd))
     a2a_pass = moe_comm.dispatch_pass_s
     layer_mem += moe_comm.expert_weight_read_s
     # a 4-bit base is dequantised in every pass (estimators/finetune.py): memory traffic per layer

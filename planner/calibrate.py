@@ -118,7 +118,7 @@ def profile_hash(profile: ModelProfile, *, with_identity: bool = False) -> str:
     if not with_identity:
         skip.update({name: True for name in IDENTITY_FIELDS})
     skip.update({name: True for name in ("adapter", "tensor_plan") if getattr(profile, name) is None})
-    skip.update({name: True for name in ("sparse_grad_params", "self_recompute_flops_per_sample")
+    skip.update({name: True for name in ("sparse_grad_params", "self_recompute_flops_per_sample", "attention_key_heads")
                  if not getattr(profile, name)})  # added later: count only when set
     shape = profile.transformer
     if shape is not None:  # shape fields added later (head width, MoE, latent attention) count only when set

@@ -59,6 +59,8 @@ class Measurement:
     """The part of ``bwd_flops`` the model's own activation checkpointing re-runs (probes/self_recompute.py)."""
     eager_block_ops: dict[str, float] = field(default_factory=dict)
     """ATen operators one repeated block's forward dispatches, by eager precision class (probes/traffic.py)."""
+    attention_key_heads: int | None = None
+    """Key heads the model's attention call receives (probes/attention_heads.py); None: no call seen."""
     eager_step: dict[str, EagerStep] = field(default_factory=dict)
     """The kernels one micro-batch's step launches without checkpointing (at the first batch size) and its counted
     traffic per sample, by eager precision class (probes/traffic.py)."""
@@ -98,7 +100,8 @@ def measure(runner: StepRunner, batch_sizes: tuple[int, int], *, flops: bool = T
     assert runner.batch_info is not None
     loss_note = "; ".join(n for n in (runner.batch_note, runner.loss_note, runner.unused_note) if n) or None
     return Measurement(fwd, bwd, envelopes, runner.batch_info, loss_note, input_grad, note, recompute,
-                       eager_block_bytes=eager, eager_block_ops=ops, eager_step=kernels, self_recompute_flops=reruns)
+                       eager_block_bytes=eager, eager_block_ops=ops, eager_step=kernels, self_recompute_flops=reruns,
+                       attention_key_heads=runner.attention_key_heads)
 
 
 EAGER_CLASS: dict[str, str] = {"fp32": "fp32", "bf16": "amp", WEIGHTS_16BIT: "bf16", FROZEN_16BIT: "amp"}

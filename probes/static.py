@@ -283,6 +283,7 @@ def _measure_reduced(contract: ModelContract, meta: nn.Module, block: BlockInfo,
         self_recompute_flops=max(0, round(extrapolate(lo.self_recompute_flops, hi.self_recompute_flops, layers, base))),
         eager_block_bytes=hi.eager_block_bytes,  # a mean over the blocks that ran: depth does not change it
         eager_block_ops=hi.eager_block_ops,
+        attention_key_heads=hi.attention_key_heads or lo.attention_key_heads,
         eager_step={k: deeper_step(lo.eager_step[k], step, layers, base)
                     for k, step in hi.eager_step.items() if k in lo.eager_step})
     notes.append(f"profiled {base + 1} of {layers} blocks and scaled by layers")
@@ -437,6 +438,7 @@ def _profile_contract(contract: ModelContract, *, seq_len: int | None, started: 
         fwd_flops_per_sample=measurement.fwd_flops / b0,
         bwd_flops_per_sample=measurement.bwd_flops / b0,
         self_recompute_flops_per_sample=measurement.self_recompute_flops / b0,
+        attention_key_heads=measurement.attention_key_heads,
         selective_recompute_flops_per_sample=(None if measurement.selective_recompute_flops is None
                                               else measurement.selective_recompute_flops / b0),
         eager_layer_bytes_per_token=(

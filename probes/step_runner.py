@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 from optplan.estimators.profile import FROZEN_16BIT, ActivationPrecision, CheckpointMode
+from optplan.probes.attention_heads import attention_calls
 from optplan.probes.contract import (
     BATCH_FIX,
     ModelContract,
@@ -210,6 +211,8 @@ class StepRunner:
     """Set by :meth:`forward`: the batch's items beyond what forward takes go to the loss only (trainloop.call_model)."""
     """Set by :meth:`warm_up`: the trainable parameters the loss left without a gradient (``unused_params_note``)."""
     batch_info: BatchInfo | None = None
+    attention_key_heads: int | None = None
+    """Set by :meth:`flops`: the key heads the model's attention call received (probes/attention_heads.py)."""
     input_dtype: torch.dtype | None = None
     """Floating tensors of the batch are cast to it (the model held in 16 bits); None keeps them."""
 
@@ -340,7 +343,7 @@ class StepRunner:
         and under ``checkpointing`` the training loop's too."""
         batch = self.make_batch(b)
         with _math_sdpa(), checkpointed(self.blocks, checkpointing):
-            with FlopCounterMode(display=False, custom_mapping=FLOP_FIXES) as fwd_counter:
+            with FlopCounterMode(display=False, custom_mapping=FLOP_FIXES) as fwd_counter, attention_calls() as calls:
                 out = self.forward(batch, b)
                 loss = self.loss(out, batch)
             del out
@@ -348,6 +351,8 @@ class StepRunner:
                     module_reruns(bwd_counter) as reruns:
                 self.backward(loss)
         self.model.zero_grad(set_to_none=False)
+        if calls.key_heads:  # the heads the model's attention call received (probes/attention_heads.py)
+            self.attention_key_heads = calls.key_heads
         return int(fwd_counter.get_total_flops()), int(bwd_counter.get_total_flops()), int(reruns.flops)
 
     def _tracker(self) -> MemTracker:
