@@ -128,6 +128,7 @@ from optplan.probes.step_runner import (
     FakeTensorLimit,
     StepRunner,
     batch_spec,
+    ignores_seq_len,
 )
 from optplan.probes.tensor_plan import read_tensor_plan
 
@@ -408,6 +409,12 @@ def _profile_contract(contract: ModelContract, *, seq_len: int | None, started: 
             notes.append(f"sequence length {explicit_seq} from {seq_source}")
     else:
         profile_seq = explicit_seq
+        if explicit_seq is not None and seq_source == "the seq_len argument" and ignores_seq_len(contract,
+                                                                                                 explicit_seq):
+            raise ModelFileError(contract.display,
+                                 f"--seq-len {explicit_seq} changes nothing: the model takes no token sequence and "
+                                 "example_batch(batch_size, seq_len) returns inputs of the same shape at any seq_len",
+                                 "drop --seq-len (it sets the tokens per sample of language models)")
         if contract.example_batch is not None and explicit_seq is None:
             notes.append(f"example_batch was called with seq_len={used_seq} (no sequence length known; it matters only "
                          "if example_batch uses it: --seq-len or OPTPLAN['seq_len'] sets it)")

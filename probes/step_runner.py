@@ -108,6 +108,24 @@ def batch_spec(contract: ModelContract, model: nn.Module, seq_len: int) -> tuple
                          "add example_batch(batch_size, seq_len) returning the inputs forward takes")
 
 
+def ignores_seq_len(contract: ModelContract, seq_len: int) -> bool:
+    """True when ``example_batch(1, seq_len)`` and ``example_batch(1, 2 * seq_len)`` return tensors of the same
+    shapes (images, fixed-size features: a sequence length changes nothing); False when they differ, when the file
+    has no ``example_batch`` or when the second call fails (nothing is claimed then)."""
+    fn = contract.example_batch
+    if fn is None:
+        return False
+
+    def shapes(s: int) -> list[tuple[int, ...]]:
+        with torch.no_grad():
+            return [tuple(t.shape) for t in tree_leaves(fn(1, s)) if isinstance(t, torch.Tensor)]
+
+    try:
+        return shapes(seq_len) == shapes(2 * seq_len)
+    except Exception:  # the user's function: its failure here is not this check's business
+        return False
+
+
 @contextlib.contextmanager
 def checkpointed(blocks: list[nn.Module], mode: bool | str = True) -> Iterator[None]:
     """Wrap each block's forward in ``torch.utils.checkpoint`` (non-reentrant) while active: ``True`` or

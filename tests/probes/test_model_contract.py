@@ -271,6 +271,38 @@ def test_other_inputs_have_no_seq_len(example, examples_dir):
     assert sum(profile.params_by_module.values()) == profile.params
 
 
+SEQ_OR_NOT = """
+    import torch, torch.nn as nn
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+        def forward(self, x):
+            return self.fc(x).sum()
+
+    def build_model():
+        return Net()
+
+    def example_batch(batch_size, seq_len):
+        return torch.randn(batch_size, {rows}, 8)
+
+    def loss_fn(out, batch):
+        return out
+    """
+
+
+def test_a_seq_len_argument_the_inputs_ignore_is_refused_and_one_they_use_is_kept(write_model):
+    """--seq-len sets the tokens per sample; on a model whose example_batch makes the same inputs at any seq_len it
+    would change nothing and is refused, while a float sequence sized by it is profiled at it."""
+    fixed = write_model(SEQ_OR_NOT.format(rows=4), "fixed.py")
+    with pytest.raises(ModelFileError, match=r"--seq-len 64 changes nothing.*drop --seq-len"):
+        profile_contract(load_contract(fixed), seq_len=64)
+    assert profile_contract(load_contract(fixed)).seq_len is None  # without the argument: profiled as before
+    sized = profile_contract(load_contract(write_model(SEQ_OR_NOT.format(rows="seq_len"), "sized.py")), seq_len=64)
+    assert sized.input_kind == "other" and sized.seq_len == 64
+
+
 def test_dict_batch_is_passed_as_keywords(write_model):
     path = write_model("""
         import torch, torch.nn as nn
