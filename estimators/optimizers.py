@@ -142,3 +142,18 @@ def optimizer_state_note(optimizer: str, profile: ModelProfile | None, *, flat_p
     if not adafactor_uses_shapes(profile):
         return ADAFACTOR_FALLBACK_NOTE
     return None
+
+
+def optimizer_state_text(optimizer: str, recipe: Recipe) -> str:
+    """What the plan's optimizer keeps per trainable parameter beside the weights and gradients (bytes/param), for
+    the precision line of a plan: the recipe's fp32 master copy plus the optimizer's moments (ZeRO, arXiv
+    1910.02054 §3.1, calls the sum K: 12 for AdamW with an fp32 master copy). Adafactor's factored second moment
+    depends on the parameters' shapes and is named, not sized."""
+    master = f"{recipe.master_bytes} B fp32 master copy" if recipe.master_bytes else ""
+    if optimizer == "adafactor":
+        return f"{optimizer}: {master + ' + ' if master else ''}a factored second moment per parameter"
+    moments = OPTIMIZER_STATE_BYTES[optimizer](recipe, None)
+    k = recipe.master_bytes + moments
+    parts = " + ".join(p for p in (master, f"{moments:.3g} B of optimizer state") if p)
+    return f"{optimizer}: K = {k:.3g} B/param ({parts})" if moments or master else f"{optimizer}: no state"
+

@@ -75,11 +75,11 @@ RECIPES: dict[str, Recipe] = {
                description="torch autocast fp16 + GradScaler: fp32 parameters and gradients"),
         Recipe(name="bf16", weight_bytes=2, grad_bytes=2, master_bytes=4, state_bytes=4,
                compute_dtype="bf16", activation_precision="bf16", needs_bf16=True,
-               description="bf16 weights and gradients, fp32 master weights and optimizer states (K = 12 with AdamW)"),
+               description="bf16 weights and gradients, fp32 master weights and optimizer states"),
         Recipe(name="fp16", weight_bytes=2, grad_bytes=2, master_bytes=4, state_bytes=4,
                compute_dtype="fp16", activation_precision="bf16",
                description="fp16 weights and gradients with dynamic loss scaling, fp32 master weights and optimizer "
-                           "states (K = 12 with AdamW)"),
+                           "states"),
         Recipe(name="bf16-pure", weight_bytes=2, grad_bytes=2, master_bytes=0, state_bytes=2,
                compute_dtype="bf16", activation_precision="bf16", needs_bf16=True,
                description="everything bf16, no fp32 master copy (cheapest, least stable)"),
@@ -88,7 +88,7 @@ RECIPES: dict[str, Recipe] = {
                description="Transformer Engine fp8: Linear matmuls in fp8 (E4M3/E5M2, fp32 accumulation) from "
                            "cached fp8 weight copies (W and W^T, +2 B/param); bf16 weights, gradients and "
                            "non-Linear ops (embeddings, norms, attention softmax, loss); fp32 master weights "
-                           "and optimizer states (K = 12 with AdamW)"),
+                           "and optimizer states"),
     )
 }
 

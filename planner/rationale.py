@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 
 from optplan.estimators.allocator_overhead import needed_bytes
 from optplan.estimators.estimate import Estimate
+from optplan.estimators.optimizers import optimizer_state_text
 from optplan.estimators.precision import get_recipe
 from optplan.estimators.selective import runs_op_policy
 from optplan.estimators.strategy import Strategy
@@ -313,7 +314,8 @@ def _offload_line(pick: Estimate, price: Price) -> str | None:
 
 def _precision_line(pick: Estimate, price: Price, space: SearchSpace) -> str:
     s = pick.strategy
-    head = f"precision {s.precision} ({get_recipe(s.precision).description})"
+    recipe = get_recipe(s.precision)
+    head = f"precision {s.precision} ({recipe.description}; {optimizer_state_text(s.optimizer, recipe)})"
     others = [e for p in space.precisions if p != s.precision if (e := _neighbour(price, s, precision=p)) is not None]
     if not others:
         return f"{head}: the only precision searched for this engine"

@@ -9,6 +9,7 @@ from rich.table import Table
 from rich.text import Text
 
 from optplan.estimators.estimate import Estimate, StatesEstimate
+from optplan.estimators.optimizers import optimizer_state_text
 from optplan.estimators.precision import get_recipe
 from optplan.estimators.profile import ModelProfile
 from optplan.estimators.units import gib
@@ -128,7 +129,9 @@ def estimate_table(e: Estimate | StatesEstimate) -> Group:
                    + (" (of the dense 16-bit peak, as published fp8 runs state them)"
                       if get_recipe(e.strategy.precision).compute_dtype == "fp8" else "")
                    + f", {e.model_tflops_per_gpu:.1f} TFLOP/s per GPU")
-    recipe = Text(f"precision {e.strategy.precision}: {get_recipe(e.strategy.precision).description}", style="dim")
+    rec = get_recipe(e.strategy.precision)
+    recipe = Text(f"precision {e.strategy.precision}: {rec.description}; "
+                  f"{optimizer_state_text(e.strategy.optimizer, rec)}", style="dim")
     basis = [Text(f"time band: {t.band_basis}", style="dim")] if t.band_basis else []
     parts: list = [summary, verdict, recipe, _memory_table(e), _detail_line(e), tim, *basis,
                    *(Text(f"note: {n}", style="dim") for n in e.notes)]

@@ -248,3 +248,19 @@ def test_arch_factored_elements_by_hand():
     profile = profile_from_arch(spec)
     assert profile.factored_state_elements == expected
     assert profile.params == arch_params(spec)[0]
+
+
+def test_the_precision_line_names_the_plans_own_optimizer_state() -> None:
+    """A plan's precision line states K for its own optimizer (it said "K = 12 with AdamW" on every plan, SGD's
+    included): master copy + the optimizer's state, as the memory estimate counts them."""
+    from optplan.estimators.optimizers import optimizer_state_text
+    from optplan.estimators.precision import get_recipe
+
+    assert optimizer_state_text("adamw", get_recipe("bf16")) == (
+        "adamw: K = 12 B/param (4 B fp32 master copy + 8 B of optimizer state)")
+    assert optimizer_state_text("sgd", get_recipe("bf16")) == (
+        "sgd: K = 8 B/param (4 B fp32 master copy + 4 B of optimizer state)")
+    assert optimizer_state_text("sgd", get_recipe("amp-bf16")) == "sgd: K = 4 B/param (4 B of optimizer state)"
+    for name in ("bf16", "fp16", "fp8"):
+        assert "K = 12" not in get_recipe(name).description and "AdamW" not in get_recipe(name).description
+    assert "factored second moment" in optimizer_state_text("adafactor", get_recipe("amp-bf16"))
