@@ -18,25 +18,10 @@ Composition (one optimizer step; the slowest pipeline stage and the slowest rank
   and step) times the engine's ``host_multiplier`` (DeepSpeed's engine issues about twice eager torch's host
   operators plus per-step synchronisations: 2.1, fitted by benchmarks/fit_engine_host.py on the DeepSpeed runs
   measured on an H200, benchmarks/results/2026-11-28-H200-visit4).
-- Data-parallel volumes (ZeRO paper, arXiv 1910.02054 §7): stages 0-1 all-reduce the gradients once
-  per step; stage 2 reduce-scatters them at every micro-step and all-gathers the updated weights; stage 3
-  (and FSDP FULL_SHARD) all-gathers the parameters in forward and backward and reduce-scatters the
-  gradients at every micro-step; FSDP SHARD_GRAD_OP gathers once per micro-step (forward) and keeps them
-  through backward.
-- Overlap as each engine does it by default (stated defaults):
-  * megatron: no overlap of the data-parallel reduction (Megatron-LM's --overlap-grad-reduce and
-    --overlap-param-gather are opt-in; Megatron-DeepSpeed of vTrain's era reduced after the flush) unless the
-    plan sets ``comm_overlap`` (those two and --tp-comm-overlap: estimators/tp_overlap.py); the interleaved
-    schedule's pipeline sends run behind other chunks (Megatron's default ``overlap_p2p_comm``, tp_overlap.py);
-  * deepspeed ZeRO 0-2: ``overlap_comm`` defaults to false: exposed; ZeRO-3: ``overlap_comm`` true and
-    parameter prefetch: hidden behind the micro-step's compute, the first layer's gather exposed;
-  * torch DDP: bucketed (25 MiB) all-reduce overlapped with the last micro-batch's backward (``no_sync``
-    before it), the last bucket exposed; FSDP: all-gathers prefetched and reduce-scatters overlapped
-    with each micro-step's compute, the first unit's gather exposed.
-  Overlap is not free: NCCL's kernels run on SMs and stream through HBM while the GEMMs they hide behind
-  run, so a share of the overlapped time (the engine's ``overlap_interference``, efficiency.py; fitted
-  on llm-foundry's FSDP runs) still lands on the critical path.
-  ``comm_s`` is all communication time; ``exposed_comm_s`` the part on the critical path.
+- Data-parallel, ZeRO and FSDP collectives and their overlap as each engine runs them: dp_comm.py;
+  megatron's interleaved schedule's pipeline sends run behind other chunks (Megatron's default
+  ``overlap_p2p_comm``, tp_overlap.py). ``comm_s`` is all communication time; ``exposed_comm_s`` the part on the
+  critical path.
 - Profile FLOPs beyond what the shape accounts for (a measured model's extra modules) are priced on the
   last stage at ``UNMODELLED_FLOPS_FRACTION`` of the large-GEMM rate (compute.py).
 - Non-transformer profiles (no shape): compute.py's FLOPs-only model, split evenly over pipeline stages.
@@ -60,22 +45,18 @@ from optplan.estimators.adapter_time import cast_params
 from optplan.estimators.attention_kernels import flash_fractions
 from optplan.estimators.cast_traffic import autocast_cast_bytes_per_microbatch
 from optplan.estimators.comm import (
-    DDP_BUCKET_BYTES,
     TP_COLLECTIVES_PER_PASS,
     Link,
-    all_reduce_s,
     cp_ring_exchange_s,
     exposed_s,
     link_for,
     p2p_s,
     ring_all_gather_s,
     ring_all_reduce_s,
-    ring_reduce_scatter_s,
     tp_collective_s,
 )
 from optplan.estimators.compute import (
     FLASH_BACKWARD_FACTOR,
-    NVME_BYTES_PER_S,
     PCIE_BYTES_PER_S,
     UNMODELLED_FLOPS_FRACTION,
     GpuEfficiency,
@@ -89,11 +70,11 @@ from optplan.estimators.compute import (
     optimizer_step_s,
     transformer_dims,
 )
+from optplan.estimators.dp_comm import DataParallelComm, comm_grad_bytes, data_parallel_comm
 from optplan.estimators.eager_host import layer_host_s, microbatch_host_s
 from optplan.estimators.efficiency import EngineEfficiency, engine_efficiency
 from optplan.estimators.ep_overlap import overlapped_a2a_s, solo_fraction
 from optplan.estimators.finetune import DEQUANT_BANDWIDTH_FRACTION, dequant_bytes_per_layer
-from optplan.estimators.fsdp_grad_sync import fsdp_reduce_bytes, syncs_once_per_step
 from optplan.estimators.hardware import Cluster, GPUSpec
 from optplan.estimators.memory import param_split, stage_params
 from optplan.estimators.moe_comm import moe_layer_comm
@@ -103,7 +84,6 @@ from optplan.estimators.parallel import Placement, layers_per_stage, placement
 from optplan.estimators.params_placement import one_stage_params
 from optplan.estimators.partial_checkpointing import recompute_fraction
 from optplan.estimators.pipeline import dualpipe_solo_fraction, dualpipe_time_s, pipeline_time_s
-from optplan.estimators.pipeline_fsdp import keeps_stage_unsharded
 from optplan.estimators.precision import get_recipe
 from optplan.estimators.profile import ModelProfile
 from optplan.estimators.ring_attention import torch_ring_attention
@@ -115,9 +95,7 @@ from optplan.estimators.tensor_plan import gathers_logits
 from optplan.estimators.tp_overlap import (
     P2P_EXPOSED_INTERLEAVED,
     exposed_p2p_s,
-    overlapped_dp_s,
     overlapped_tp_s,
-    overlaps_dp,
     overlaps_p2p,
     overlaps_tp,
 )
@@ -172,108 +150,6 @@ def _links(pl: Placement, cluster: Cluster, eff: GpuEfficiency) -> dict[str, Lin
     return {"tp": link_for(pl.tp, cluster, **kw), "cp": link_for(pl.cp, cluster, **kw),
             "pp": link_for(pl.pp, cluster, **kw), "dp": link_for(pl.grad_reduce, cluster, **kw),
             "shard": link_for(pl.shard, cluster, **kw), "etp": link_for(pl.etp, cluster, **kw)}
-
-
-def _comm_grad_bytes(strategy: Strategy) -> int:
-    """Bytes per gradient element in the data-parallel reduction: Megatron all-reduces fp32 main
-    gradients under bf16 (``accumulate_allreduce_grads_in_fp32`` is forced for bf16); torch FSDP reduces in
-    fp32 under the 16-bit recipes (``reduce_dtype=torch.float32``, torchtitan's and Composer's default and
-    optplan's export); else the recipe's."""
-    recipe = get_recipe(strategy.precision)
-    if strategy.engine == "megatron" and strategy.precision in ("bf16", "fp8") and recipe.master_bytes > 0:
-        return 4
-    if strategy.engine == "torch" and strategy.fsdp != "none":  # reduce_dtype (fsdp_grad_sync.py)
-        return fsdp_reduce_bytes(strategy.precision)
-    return recipe.grad_bytes
-
-
-class DataParallelComm(BaseModel):
-    """Data-parallel communication of one step on one rank (seconds)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    total_s: float
-    exposed_s: float
-
-
-def data_parallel_comm(strategy: Strategy, params_local: float, trainable_fraction: float, dp_link: Link,
-                       shard_link: Link, pl: Placement, *, step_compute_s: float, mb_compute_s: float,
-                       last_bwd_s: float, units: int, engine: EngineEfficiency | None = None) -> DataParallelComm:
-    """Data-parallel / ZeRO / FSDP collectives of one step and the part left exposed (module docstring).
-
-    ``params_local`` are this rank's parameters after tensor and pipeline parallelism (count);
-    ``step_compute_s``/``mb_compute_s`` the compute windows of the step and of one micro-step,
-    ``last_bwd_s`` the last micro-batch's backward, ``units`` the FSDP/ZeRO-3 units (layers) per rank.
-    """
-    recipe = get_recipe(strategy.precision)
-    m = strategy.grad_accum
-    grads = params_local * trainable_fraction * _comm_grad_bytes(strategy)
-    weights = params_local * recipe.weight_bytes
-    stage = strategy.shard_stage
-    if stage <= 1:
-        n, link = pl.grad_reduce.ranks, dp_link
-    else:
-        n, link = pl.shard.ranks, shard_link
-    bw, a = link.bandwidth_bytes_per_s, link.alpha_s
-    per_mb = 0.0
-    overlapped_once = None
-    if stage <= 1:
-        if strategy.engine == "megatron" and strategy.zero == 1:  # distributed optimizer: RS grads + AG params
-            rs, ag = ring_reduce_scatter_s(grads, n, bw, a), ring_all_gather_s(weights, n, bw, a)
-            once = rs + ag
-            if overlaps_dp(strategy):  # --overlap-grad-reduce / --overlap-param-gather (tp_overlap.py)
-                per_unit = max(1, units)
-                overlapped_once = (overlapped_dp_s(rs, last_bwd_s, rs / per_unit)
-                                   + overlapped_dp_s(ag, mb_compute_s / 3, ag / per_unit))
-        else:
-            once = all_reduce_s(grads, n, link)
-            if overlaps_dp(strategy):
-                overlapped_once = overlapped_dp_s(once, last_bwd_s, once / max(1, units))
-    elif stage == 2:
-        per_mb = ring_reduce_scatter_s(grads, n, bw, a)
-        once = ring_all_gather_s(weights, n, bw, a)
-        if strategy.fsdp == "grad_op":
-            per_mb += ring_all_gather_s(weights, n, bw, a)
-            once = 0.0
-    else:
-        per_mb = 2 * ring_all_gather_s(weights, n, bw, a) + ring_reduce_scatter_s(grads, n, bw, a)
-        once = 0.0
-    synced_once_s = 0.0
-    if keeps_stage_unsharded(strategy):  # one gather and one reduce-scatter per step (pipeline_fsdp.py)
-        per_mb = ring_all_gather_s(weights, n, bw, a) + ring_reduce_scatter_s(grads, n, bw, a)
-        once = 0.0
-        m = 1
-    elif syncs_once_per_step(strategy):  # the reduce-scatter after the last micro-batch only (fsdp_grad_sync.py)
-        synced_once_s = ring_reduce_scatter_s(grads, n, bw, a)
-        per_mb -= synced_once_s
-    if strategy.fsdp == "hybrid" and pl.grad_reduce.nodes > 1:  # HSDP: replicas all-reduce across nodes
-        replicas = max(1, pl.grad_reduce.ranks // max(1, pl.shard.ranks))
-        once += all_reduce_s(grads / max(1, pl.shard.ranks), replicas, dp_link)
-    total = once + m * per_mb + synced_once_s
-    if strategy.engine == "torch":
-        if strategy.fsdp == "none":  # DDP: overlap with the last backward, the last bucket exposed
-            bucket = all_reduce_s(min(grads, DDP_BUCKET_BYTES), n, link)
-            exposed = max(exposed_s(once, last_bwd_s), bucket)
-        else:  # FSDP: prefetched gathers, overlapped reduce-scatters; the first unit's gather exposed
-            exposed = m * max(exposed_s(per_mb, mb_compute_s), per_mb / max(1, units)) + once
-            if synced_once_s:  # behind the last backward, unit by unit; the last unit's exposed
-                exposed += max(exposed_s(synced_once_s, last_bwd_s), synced_once_s / max(1, units))
-    elif strategy.engine == "deepspeed" and stage == 3:  # overlap_comm true, prefetch
-        exposed = m * max(exposed_s(per_mb, mb_compute_s), per_mb / max(1, units)) + once
-    elif overlapped_once is not None:
-        exposed = overlapped_once + m * per_mb
-    else:
-        exposed = total
-    # overlapped collectives still take SMs and HBM bandwidth from the compute they hide behind
-    kappa = (engine or engine_efficiency(strategy.engine)).overlap_interference
-    exposed += kappa * max(0.0, total - exposed)
-    if strategy.offload_params != "none":
-        pcie = m * 2 * (weights / max(1, pl.shard.ranks)) / PCIE_BYTES_PER_S
-        if strategy.offload_params == "nvme":  # read from the node's NVMe array for forward and backward (shared)
-            pcie += m * 2 * (weights / max(1, pl.shard.ranks)) * pl.gpus_per_node / NVME_BYTES_PER_S
-        total += pcie
-        exposed += pcie
-    return DataParallelComm.model_construct(total_s=total, exposed_s=min(total, exposed))
 
 
 def comm_time_s(profile: ModelProfile, strategy: Strategy, cluster: Cluster) -> float:
@@ -449,7 +325,7 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
         peak = gpu.peak_flops_for(recipe.compute_dtype)
         extra_s = 3 * extra_fwd * s_.mbs / (peak * eff.gemm_peak_fraction * UNMODELLED_FLOPS_FRACTION)
 
-    grad_bytes = _comm_grad_bytes(s_)
+    grad_bytes = comm_grad_bytes(s_)
     split = param_split(profile)
     lps = layers_per_stage(dims.layers, p)
     p2p = 0.0
