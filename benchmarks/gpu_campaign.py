@@ -6,8 +6,8 @@ measurement is scripted here and every result is written as JSON under ``--out``
 
 * ``probes.json`` (part 1): the GPU paths of the probes: a CUDA OOM becomes data (a probe under a memory
   cap ends with status "oom", not a crash), the microbenchmarks (matmul per dtype, copy bandwidth,
-  a head's GEMMs with an odd vocabulary against a padded one and the alignment exponent they give) against the
-  catalogue's peaks, and the GPU-only probe tests of ``tests/probes`` (allocator figures, the OOM cap, the hung
+  a head's GEMMs with an odd vocabulary against a padded one and the alignment exponent they give, causal SDPA
+  by backend at 4k-64k tokens: the attention fractions the time model prices) against the catalogue's peaks, and the GPU-only probe tests of ``tests/probes`` (allocator figures, the OOM cap, the hung
   probe's memory freed after its kill), run by pytest.
 * ``fidelity.json`` (part 1): ``benchmarks/fidelity.py``'s suite (GPT-2 small, Llama-3 1B, ResNet-50,
   the MLP; fp32, amp-bf16, bf16, bf16-pure; checkpointing on and off; torch single process and DeepSpeed
@@ -172,6 +172,10 @@ def microbench(c: Campaign) -> dict[str, Any]:
                                                  for d, v in bench.matmul_flops_per_s.items()
                                                  if c.gpu.peak_flops.get(d)}  # type: ignore[call-overload]
         doc["copy_share_of_catalogue_hbm"] = bench.copy_bytes_per_s / c.gpu.memory_bandwidth_bytes_per_s
+        # causal SDPA by backend and sequence: the fractions estimators/data/attention_kernels.yaml tabulates
+        doc["attention_fractions_of_bf16_peak"] = {
+            name: {str(seq): list(pair) for seq, pair in by_seq.items()}
+            for name, by_seq in bench.attention_fractions(c.gpu.peak_flops_for("bf16")).items()}
     # the alignment exponent the time model takes from the odd-vocabulary GEMMs (their slowdown is in the result)
     from optplan.estimators.ceilings import measured_alignment
 

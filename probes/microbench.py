@@ -88,6 +88,19 @@ class MicrobenchResult(BaseModel):
     unaligned_gemm_shape: dict[str, int] = Field(default_factory=dict, description="m, k, n (odd) and padded_n")
     unaligned_gemm_skipped: dict[str, str] = Field(default_factory=dict,
                                                    description="dtype -> why its unaligned GEMMs were not measured")
+    attention_flops_per_s: dict[str, dict[int, dict[Literal["forward", "backward"], Positive]]] = Field(
+        default_factory=dict, description="causal SDPA FLOP/s by backend (default, flash, cudnn), sequence "
+                                          "length and pass, FlashAttention's counting (microbench_child.py)")
+    attention_shape: dict[str, int | str] = Field(default_factory=dict,
+                                                  description="heads, head_dim, tokens per call and dtype")
+    attention_skipped: dict[str, str] = Field(default_factory=dict,
+                                              description="backend -> why its attention was not measured")
+
+    def attention_fractions(self, peak_flops: float) -> dict[str, dict[int, tuple[float, float]]]:
+        """(forward, backward) fractions of ``peak_flops`` (the dense 16-bit peak, FLOP/s) by backend and sequence
+        length: what estimators/data/attention_kernels.yaml tabulates."""
+        return {name: {seq: (r["forward"] / peak_flops, r["backward"] / peak_flops) for seq, r in by_seq.items()}
+                for name, by_seq in self.attention_flops_per_s.items()}
 
     def ceilings(self) -> MeasuredCeilings:
         """The figures as the estimators' :class:`MeasuredCeilings` (dtype names outside
@@ -244,7 +257,7 @@ def _allreduce_ranks(requested: int | None, device: str, cuda_devices: int) -> i
 
 RESULT_KEYS = ("device", "device_name", "torch_version", "matmul_flops_per_s", "copy_bytes_per_s", "quick",
                "matmul_size", "matmul_skipped", "copy_size_bytes", "unaligned_gemm_slowdown", "unaligned_gemm_shape",
-               "unaligned_gemm_skipped")
+               "unaligned_gemm_skipped", "attention_flops_per_s", "attention_shape", "attention_skipped")
 ALLREDUCE_KEYS = ("allreduce_bus_bytes_per_s", "allreduce_ranks", "allreduce_size_bytes",
                   "allreduce_bus_bytes_per_s_by_size")
 

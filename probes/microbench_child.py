@@ -31,6 +31,13 @@ What is measured (units: FLOP/s, bytes/s, bytes, seconds)
   Multiplication Background", "Tensor Core Requirements"). The time model prices this as (a/16)^-γ with a the
   alignment in bytes (estimators/compute.py ``gemm_time_s``), so γ = ln(slowdown) / ln(16/a)
   (estimators/ceilings.py ``alignment_exponent_from``).
+- Attention (``attention_flops_per_s``): causal ``torch.nn.functional.scaled_dot_product_attention`` forward and
+  backward by backend (torch's own pick, then FlashAttention-2 and cuDNN forced with ``torch.nn.attention.sdpa_kernel``;
+  a backend this device or torch lacks is listed under ``attention_skipped``) and sequence length (CUDA: 4k-64k,
+  quick 2k-32k; 16 heads of 128, bf16, about 64k tokens per call), FLOPs
+  counted as FlashAttention's benchmarks count them (Dao 2023, arXiv 2307.08691 §4.1: forward 4·b·h·s²·d, halved
+  under the causal mask; backward 2.5x the forward; each pass timed alone): the fractions estimators/data/attention_kernels.yaml holds,
+  measured on this machine's stack at the sequence lengths long-context plans run.
 - Copy bandwidth: ``dst.copy_(src)`` of a large device buffer (1 GiB on CUDA, 256 MiB quick; 256 MiB
   on CPU, 64 MiB quick; a server CPU's last-level cache can hold that much, so a CPU figure may be
   partly cache bandwidth: CPU runs are for tests, GPUs' L2 is ≤ ~100 MB). Bytes moved = 2 × size per copy (bytes
@@ -93,6 +100,13 @@ UNALIGNED_DTYPES = {"cuda": ("bf16", "fp16", "fp32"), "cpu": ("fp32",)}
 COPY_BYTES = {"cuda": (GIB, 256 * MIB), "cpu": (256 * MIB, 64 * MIB)}
 ALLREDUCE_BYTES = {"cuda": ((16 * MIB, 128 * MIB, GIB), (8 * MIB, 64 * MIB, 256 * MIB)),
                    "cpu": ((MIB, 16 * MIB, 64 * MIB), (256 * 1024, MIB, 4 * MIB))}
+ATTENTION_SEQS = {"cuda": ((4096, 16384, 32768, 65536), (2048, 8192, 32768)), "cpu": ((128, 256), (128,))}
+"""Sequence lengths of the attention measurement per device, (normal, quick)."""
+ATTENTION_TOKENS = {"cuda": (65536, 32768), "cpu": (256, 128)}
+"""Tokens per call (batch × sequence; at least one sequence) per device, (normal, quick)."""
+ATTENTION_HEADS, ATTENTION_HEAD_DIM = {"cuda": 16, "cpu": 2}, 128
+ATTENTION_BACKENDS = ("default", "flash", "cudnn")
+"""torch SDPA as it picks by itself, then FlashAttention-2 and cuDNN forced (``torch.nn.attention.sdpa_kernel``)."""
 REPEATS = (5, 3)
 REPEAT_TARGET_S = (0.2, 0.05)
 WARMUP = 2
@@ -365,6 +379,75 @@ def _allreduce_time_s(dist: Any, buf: torch.Tensor, k: int, device: str, dev: to
     return float(elapsed.item())
 
 
+def _sdpa_backend(name: str) -> Any:
+    """A context manager that forces SDPA backend ``name`` (nullcontext for ``default``); Unsupported when this
+    torch has no way to force it."""
+    import contextlib
+
+    if name == "default":
+        return contextlib.nullcontext()
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError as exc:  # torch < 2.3
+        raise Unsupported(f"torch {torch.__version__} has no torch.nn.attention.sdpa_kernel") from exc
+    member = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION"}[name]
+    if not hasattr(SDPBackend, member):
+        raise Unsupported(f"torch {torch.__version__} has no SDPBackend.{member}")
+    return sdpa_kernel(getattr(SDPBackend, member))
+
+
+def measure_attention(device: str, quick: bool) -> dict[str, Any]:
+    """Causal ``scaled_dot_product_attention`` speed by backend and sequence length (FLOP/s, forward and
+    backward): bf16 on CUDA (fp32 on the CPU, whose bf16 is emulated), ``ATTENTION_HEADS`` heads of 128, about
+    ``ATTENTION_TOKENS`` tokens per call. FLOPs counted as FlashAttention's benchmarks and
+    estimators/attention_kernels.py count them: forward 4·b·h·s²·d halved for the causal mask, backward 2.5x
+    the forward's; the backward is timed alone (one forward's graph, its backward repeated). A backend this device
+    or torch cannot run is left out with why (``attention_skipped``), never an error."""
+    seqs = ATTENTION_SEQS[device][quick]
+    heads, d = ATTENTION_HEADS[device], ATTENTION_HEAD_DIM
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    rates: dict[str, dict[str, dict[str, float]]] = {}
+    skipped: dict[str, str] = {}
+    gen = torch.Generator(device=device).manual_seed(0)
+    for backend in ATTENTION_BACKENDS if device == "cuda" else ("default",):
+        by_seq: dict[str, dict[str, float]] = {}
+        try:
+            for s in seqs:
+                b = max(1, ATTENTION_TOKENS[device][quick] // s)
+                q, k, v = (torch.randn(b, heads, s, d, device=device, generator=gen).to(dtype).requires_grad_()
+                           for _ in range(3))
+                grad = torch.randn(b, heads, s, d, device=device, generator=gen).to(dtype)
+
+                def fwd(q: torch.Tensor = q, k: torch.Tensor = k, v: torch.Tensor = v) -> object:
+                    with torch.no_grad():
+                        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+                with _sdpa_backend(backend):
+                    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+                    def bwd(out: torch.Tensor = out, q: torch.Tensor = q, k: torch.Tensor = k,
+                            v: torch.Tensor = v, grad: torch.Tensor = grad) -> object:
+                        return torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)
+
+                    t_fwd, t_bwd = min(_time_op(fwd, device, quick)), min(_time_op(bwd, device, quick))
+                flops_fwd = 4.0 * b * heads * s * s * d / 2
+                by_seq[str(s)] = {"forward": flops_fwd / t_fwd, "backward": 2.5 * flops_fwd / t_bwd}
+                del q, k, v, grad, out
+        except Unsupported as exc:
+            skipped[backend] = str(exc)
+            continue
+        except Exception as exc:  # noqa: BLE001 - no kernel (or no memory) for this backend here: data, not a failure
+            skipped[backend] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
+            continue
+        finally:
+            if device == "cuda":
+                torch.cuda.empty_cache()
+        rates[backend] = by_seq
+    return {"attention_flops_per_s": rates, "attention_skipped": skipped,
+            "attention_shape": {"heads": heads, "head_dim": d, "tokens": ATTENTION_TOKENS[device][quick],
+                                "dtype": str(dtype).removeprefix("torch.")}}
+
+
 def write_json_atomic(path: str, doc: dict[str, Any]) -> None:
     """Write ``doc`` to a temporary file beside ``path``, then rename it over ``path``."""
     directory = os.path.dirname(os.path.abspath(path))
@@ -396,6 +479,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         doc.update(measure_matmul(device, dtypes, args.quick))
         doc.update(measure_unaligned(device, dtypes, args.quick))
         doc.update(measure_copy(device, args.quick))
+        doc.update(measure_attention(device, args.quick))
     doc["wall_s"] = time.perf_counter() - _STARTED
     return doc
 

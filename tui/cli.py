@@ -50,6 +50,7 @@ from optplan.tui.cli_options import (
     QuantOpt,
     SeqOpt,
 )
+from optplan.tui.microbench_view import print_microbench
 from optplan.tui.recommend_args import OPTIMIZERS, PRECISIONS, RecommendArgs
 from optplan.tui.recommend_args import check_choice as _check_choice
 from optplan.tui.recommend_args import check_finite as _check_finite
@@ -149,32 +150,9 @@ def hardware(ctx: typer.Context, as_json: JsonOpt = False,
                 target = d.catalogue_name or "not in the catalogue (pass --gpu to plan)"
                 out.print(f"  [{d.index}] {d.name}, {d.memory_total_bytes / 2**30:.1f} GiB -> {target}")
         if bench is not None:
-            _print_microbench(out, bench, report)
+            print_microbench(out, bench, report)
 
     guard(ctx, body)
-
-
-def _print_microbench(out: Console, bench: Any, report: Any) -> None:
-    """Measured figures; against the datasheet when the device is a catalogued GPU."""
-    out.print(f"microbenchmarks on {bench.device_name} ({bench.device}, torch {bench.torch_version}, "
-              f"{bench.wall_s:.0f} s):")
-    catalogue = next((d.catalogue_name for d in report.devices if d.catalogue_name), None) if report.available else None
-    if bench.device == "cuda" and catalogue:
-        from optplan.estimators.ceilings import ceiling_report
-        from optplan.estimators.hardware import find_gpu
-        for line in ceiling_report(find_gpu(catalogue), bench.ceilings()):
-            out.print(f"  {line}")
-        return
-    for dtype, flops in bench.matmul_flops_per_s.items():
-        out.print(f"  {dtype} matmul: {flops / 1e12:.3g} TFLOP/s")
-    for dtype, slowdown in bench.unaligned_gemm_slowdown.items():
-        out.print(f"  {dtype} GEMMs with an odd dimension: {slowdown:.2f}x the time per FLOP of padded ones")
-    out.print(f"  copy: {bench.copy_bytes_per_s / 1e9:.3g} GB/s (read + write)")
-    if bench.allreduce_bus_bytes_per_s is not None:
-        out.print(f"  all-reduce bus bandwidth over {bench.allreduce_ranks} ranks: "
-                  f"{bench.allreduce_bus_bytes_per_s / 1e9:.3g} GB/s")
-    if bench.device == "cpu":
-        out.print("  (CPU figures: they are not used to plan for a GPU)", style="dim")
 
 
 @app.command()

@@ -63,6 +63,7 @@ def test_probe_paths_oom_is_data_and_microbench_runs(results: Path) -> None:
     assert doc["microbench"]["ok"] and bench["matmul_flops_per_s"]["fp32"] > 1e8 and bench["copy_bytes_per_s"] > 1e8
     slowdown = bench["unaligned_gemm_slowdown"]
     assert set(slowdown) == {"fp32"} and bench["unaligned_gemm_skipped"] == {}
+    assert bench["attention_flops_per_s"]["default"]["128"]["forward"] > 0  # causal SDPA, torch's own backend
     gamma = doc["microbench"]["alignment_exponent"]
     assert gamma["dtype"] == "fp32" and gamma["gamma"] == pytest.approx(max(0.0, math.log(slowdown["fp32"]) / math.log(4)))
     tests = doc["gpu_tests"]

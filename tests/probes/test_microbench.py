@@ -71,6 +71,13 @@ def test_cpu_matmul_copy_and_allreduce_are_positive_and_sane(cpu_result: Microbe
     assert r.unaligned_gemm_skipped == {}
     shape = r.unaligned_gemm_shape
     assert shape["n"] % 2 == 1 and shape["padded_n"] == shape["n"] + 1 and shape["padded_n"] % 128 == 0
+    # causal SDPA on the CPU: torch's own backend only (the forced fused ones are CUDA's), both passes timed
+    assert set(r.attention_flops_per_s) == {"default"} and r.attention_skipped == {}
+    assert set(r.attention_flops_per_s["default"]) == {128}
+    assert all(1e6 < rate < 1e13 for rate in r.attention_flops_per_s["default"][128].values())
+    assert r.attention_shape == {"heads": 2, "head_dim": 128, "tokens": 128, "dtype": "float32"}
+    (fwd, bwd), = r.attention_fractions(1e12)["default"].values()
+    assert fwd == r.attention_flops_per_s["default"][128]["forward"] / 1e12 and bwd > 0
 
 
 def test_result_turns_into_measured_ceilings(cpu_result: MicrobenchResult) -> None:
@@ -190,6 +197,10 @@ def test_cuda_microbench() -> None:
     assert 1e11 < r.copy_bytes_per_s < 2e13
     assert set(r.unaligned_gemm_slowdown) == {"bf16", "fp16", "fp32"}
     assert all(0.5 < s < 50 for s in r.unaligned_gemm_slowdown.values()), r.unaligned_gemm_slowdown
+    # torch's own SDPA pick and FlashAttention-2 run on every CUDA GPU it supports, at every quick sequence length
+    for backend in ("default", "flash"):
+        assert set(r.attention_flops_per_s[backend]) == {2048, 8192, 32768}, r.attention_skipped
+        assert all(1e12 < x < 3e15 for seq in r.attention_flops_per_s[backend].values() for x in seq.values())
     if torch.cuda.device_count() > 1:
         assert r.allreduce_ranks == torch.cuda.device_count() and r.allreduce_bus_bytes_per_s > 1e9
     else:
