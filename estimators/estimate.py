@@ -26,6 +26,7 @@ from optplan.estimators.parallel import placement_notes
 from optplan.estimators.pipeline_layout import uneven_split_note
 from optplan.estimators.precision import get_recipe
 from optplan.estimators.profile import ModelProfile
+from optplan.estimators.ring_attention import ring_attention_note
 from optplan.estimators.strategy import PAGED_OPTIMIZERS, Strategy
 from optplan.estimators.temporaries import AdamImpl, engine_adam_impl
 from optplan.estimators.timing import TimeBreakdown, comm_time_s, mfu_peak_flops, step_time, with_paging
@@ -126,6 +127,10 @@ def estimate_notes(profile: ModelProfile, strategy: Strategy, cluster: Cluster) 
         notes.append("fp8 outside Megatron: the exported train.py runs torchao's Float8Linear (weights cast to fp8 "
                      "in each forward); memory and time price Transformer Engine's recipe (fp8 W and W^T cached "
                      "through the step, +2 B/param), which torchao's was never measured against")
+    shape = profile.transformer
+    if strategy.cp > 1 and strategy.engine == "torch" and shape is not None:
+        notes.append(ring_attention_note(shape.heads, shape.kv_heads or shape.heads, profile.attention_key_heads,
+                                         strategy.cp))
     if not strategy.flash and profile.activation_source == "measured":
         notes.append("--no-flash changes the time only: a model file's activations are measured with its own "
                      "attention code")

@@ -115,4 +115,18 @@ def torch_ring_attention(dims: TransformerDims, strategy: Strategy, elem_bytes: 
                                core_fwd_s=core_fwd_s, core_bwd_s=core_bwd_s)
 
 
-__all__ = ["FP32_BYTES", "LSE_MERGE_BYTES", "RingAttentionTime", "ring_attention_time", "torch_ring_attention"]
+def ring_attention_note(heads: int, kv_heads: int, attention_key_heads: int | None, cp: int) -> str:
+    """The estimate's note for a torch plan with context parallelism: what its ring is priced as, the K/V heads it
+    moves and where that figure comes from, and what measured runs say (benchmarks/fidelity_torchtitan.py)."""
+    if attention_key_heads:
+        moved = (f"the {attention_key_heads} key/value heads the model's attention call receives (measured"
+                 + (": it repeats its K/V heads first)" if attention_key_heads > kv_heads else ")"))
+    else:
+        moved = f"{kv_heads} key/value heads (the shape's; a model that repeats them before SDPA moves {heads})"
+    return (f"context parallelism {cp}: priced as torch's ring attention (estimators/ring_attention.py: K/V "
+            f"all-gathered behind one sub-attention, fp32 merges, dK/dV ring) on {moved}; torchtitan's runs at "
+            "cp 4-8 took up to 1.5x the estimate (the band carries it)")
+
+
+__all__ = ["FP32_BYTES", "LSE_MERGE_BYTES", "RingAttentionTime", "ring_attention_note", "ring_attention_time",
+           "torch_ring_attention"]

@@ -96,13 +96,19 @@ def test_torch_context_parallelism_prices_the_kv_the_ring_moves(profiles) -> Non
     unaffected (it is its own model)."""
     cluster = Cluster(gpu=find_gpu("H100-SXM"), gpus=4, gpus_per_node=1, inter_node_bandwidth_bytes_per_s=25e9)
     torch_cp = Strategy(engine="torch", precision="bf16", cp=4, mbs=2048)  # 16k tokens a rank: bandwidth-bound
-    rep, gqa = (estimate(profiles[n], cluster, torch_cp).time for n in ("repeated", "grouped"))
+    est_rep, est_gqa = (estimate(profiles[n], cluster, torch_cp) for n in ("repeated", "grouped"))
+    rep, gqa = est_rep.time, est_gqa.time
     assert 3.5 < rep.cp_comm_s / gqa.cp_comm_s <= 4.0  # 8 heads' K/V and dK/dV against 2 (and the same latencies)
+    # the estimate says what the ring is priced as and where its K/V width comes from
+    assert any("torch's ring attention" in n and "the 8 key/value heads the model's attention call receives "
+               "(measured: it repeats its K/V heads first)" in n for n in est_rep.notes), est_rep.notes
+    assert any("the 2 key/value heads the model's attention call receives (measured)" in n for n in est_gqa.notes)
     assert rep.memory_bound_s > gqa.memory_bound_s
     assert rep.step_s > gqa.step_s
     megatron = Strategy(engine="megatron", precision="bf16", cp=4, mbs=2048)
-    m_rep, m_gqa = (estimate(profiles[n], cluster, megatron).time for n in ("repeated", "grouped"))
-    assert m_rep.cp_comm_s == pytest.approx(m_gqa.cp_comm_s)
+    m_rep, m_gqa = (estimate(profiles[n], cluster, megatron) for n in ("repeated", "grouped"))
+    assert m_rep.time.cp_comm_s == pytest.approx(m_gqa.time.cp_comm_s)
+    assert not any("torch's ring attention" in n for n in m_rep.notes)
 
 
 def _bench():
