@@ -7,6 +7,11 @@ collected after tests/probes/ import these from here.
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
 from optplan.estimators.arch import parse_arch, profile_from_arch
 from optplan.estimators.hardware import Cluster, GPUSpec, find_gpu
 from optplan.estimators.profile import ActivationFit, ModelProfile, RepeatedBlock, TransformerShape
@@ -60,3 +65,19 @@ def dualpipe_moe_plan(**kw: object) -> tuple[ModelProfile, Cluster, Strategy]:
               "grad_accum": 16, "pp_schedule": "dualpipe", **kw}
     cluster = Cluster(gpu=find_gpu("H100-SXM"), gpus=64, gpus_per_node=8)
     return profile_from_arch(parse_arch(DUALPIPE_MOE_ARCH), name="moe"), cluster, Strategy(**fields)  # type: ignore[arg-type]
+
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load_benchmark(file_name: str) -> ModuleType:
+    """A script of benchmarks/ imported by path, once per process (``optplan_bench_<stem>`` in sys.modules): the
+    tests that assert a benchmark's rows run its own code."""
+    name = f"optplan_bench_{Path(file_name).stem}"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, BENCHMARKS / file_name)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]

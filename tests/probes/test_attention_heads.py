@@ -3,8 +3,6 @@ of them (estimators/ring_attention.py, checked against torch's own ring by bench
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import textwrap
 from pathlib import Path
 
@@ -12,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import EXAMPLES
+from factories import load_benchmark
 
 from optplan.estimators.compute import transformer_dims
 from optplan.estimators.estimate import estimate
@@ -20,8 +19,6 @@ from optplan.estimators.strategy import Strategy
 from optplan.probes.attention_heads import attention_calls
 from optplan.probes.contract import load_contract
 from optplan.probes.static import profile_contract
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "fidelity_ring_attention_cpu.py"
 
 SMALL_LLAMA = f"""
     import importlib.util, sys
@@ -111,21 +108,10 @@ def test_torch_context_parallelism_prices_the_kv_the_ring_moves(profiles) -> Non
     assert not any("torch's ring attention" in n for n in m_rep.notes)
 
 
-def _bench():
-    name = "optplan_bench_fidelity_ring_attention_cpu"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, BENCH)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
 def test_the_ring_bytes_are_torchs_own(tmp_path: Path) -> None:
     """torch's ring attention run on 4 gloo ranks, its memory-bound bytes counted: the estimate's are the heaviest
     rank's, for K/V passed as they are (the first rank's backward is the heaviest) and repeated (the last's)."""
-    rows = _bench().run(tmp_path, cp_degrees=(4,))
+    rows = load_benchmark("fidelity_ring_attention_cpu.py").run(tmp_path, cp_degrees=(4,))
     assert {r.key_heads for r in rows} == {2, 8}
     for r in rows:
         assert r.pred_fwd == pytest.approx(r.real_fwd, rel=1e-3), r

@@ -9,14 +9,13 @@ test checks the same code the benchmark table is printed from.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import textwrap
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
+from factories import load_benchmark
 
 from optplan.estimators.temporaries import (
     adam_step_counter_bytes,
@@ -31,20 +30,12 @@ from optplan.probes.static import profile_contract
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
-BENCH_PATH = ROOT / "benchmarks" / "fidelity_cpu_memory.py"
 MICRO_BATCHES = (2, 4)  # the profile measures 1 and 2: one fitted micro-batch, one beyond
 TOLERANCE = 0.02
 
 
 def load_bench() -> ModuleType:
-    name = "optplan_bench_fidelity_cpu_memory"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, BENCH_PATH)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return load_benchmark("fidelity_cpu_memory.py")
 
 
 def gpt_source(**cfg: int) -> str:

@@ -4,28 +4,14 @@ experts split over two ranks and Megatron-Core's all-to-all dispatch written wit
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "fidelity_ep_cpu.py"
-
-
-def _bench():
-    name = "optplan_bench_fidelity_ep_cpu"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, BENCH)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+from factories import load_benchmark
 
 
 def test_expert_parallel_ranks_hold_and_keep_what_optplan_predicts(tmp_path: Path) -> None:
-    bench = _bench()
+    bench = load_benchmark("fidelity_ep_cpu.py")
     rows = bench.run(tmp_path)
     assert len(rows) == bench.EP * len(bench.MICRO_BATCHES)
     for r in rows:
