@@ -111,15 +111,19 @@ def profile_hash(profile: ModelProfile, *, with_identity: bool = False) -> str:
     hash, wherever its file is. A full-training
     profile leaves out ``adapter`` (None), a model without a tensor-parallel plan ``tensor_plan`` (None), and a
     transformer shape's unset ``head_dim``/``moe``/``mla`` and an adapter's
-    :data:`ADAPTER_LATER_FIELDS` at their defaults, so hashes from before those fields existed still match.
+    :data:`ADAPTER_LATER_FIELDS` at their defaults, so hashes from before those fields existed still match;
+    ``attention_key_heads`` is never hashed (the same reason; it prices context parallelism only).
     ``with_identity``: the hash as it was before 2026-11-30 (path and name included), which older cache entries
     and results files carry (:func:`profile_hashes`)."""
     skip: dict[str, object] = {name: True for name in RUN_FIELDS}
     if not with_identity:
         skip.update({name: True for name in IDENTITY_FIELDS})
     skip.update({name: True for name in ("adapter", "tensor_plan") if getattr(profile, name) is None})
-    skip.update({name: True for name in ("sparse_grad_params", "self_recompute_flops_per_sample", "attention_key_heads")
+    skip.update({name: True for name in ("sparse_grad_params", "self_recompute_flops_per_sample")
                  if not getattr(profile, name)})  # added later: count only when set
+    # the K/V heads the attention call receives price context parallelism only, and a model that repeats its K/V
+    # already hashes apart by its counted bytes: never in the key, so every key from before it existed still matches
+    skip["attention_key_heads"] = True
     shape = profile.transformer
     if shape is not None:  # shape fields added later (head width, MoE, latent attention) count only when set
         unset = {name for name in ("head_dim", "moe", "mla") if getattr(shape, name) is None} | set(NUMERICS_FIELDS)

@@ -283,10 +283,13 @@ def test_fields_added_later_leave_the_calibration_key_of_profiles_without_them_a
 
     profile = make_profile()
     skip: dict[str, object] = {name: True for name in (*RUN_FIELDS, *IDENTITY_FIELDS, "adapter", "tensor_plan",
-                                                       "sparse_grad_params", "self_recompute_flops_per_sample")}
+                                                       "sparse_grad_params", "self_recompute_flops_per_sample",
+                                                       "attention_key_heads")}
     skip["transformer"] = {"head_dim", "moe", "mla", *NUMERICS_FIELDS}
     before = hashlib.sha256(json.dumps(profile.model_dump(mode="json", exclude=skip), sort_keys=True,
                                        default=str).encode()).hexdigest()[:16]
     assert profile_hash(profile) == before
     own = profile.model_copy(update={"self_recompute_flops_per_sample": 1e9})
     assert profile_hash(own) != profile_hash(profile)
+    # the heads the attention call receives (a profile of a model file records them) never change the key
+    assert profile_hash(profile.model_copy(update={"attention_key_heads": 12})) == before
