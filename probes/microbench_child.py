@@ -390,7 +390,7 @@ def _sdpa_backend(name: str) -> Any:
         from torch.nn.attention import SDPBackend, sdpa_kernel
     except ImportError as exc:  # torch < 2.3
         raise Unsupported(f"torch {torch.__version__} has no torch.nn.attention.sdpa_kernel") from exc
-    member = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION"}[name]
+    member = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION"}[name]
     if not hasattr(SDPBackend, member):
         raise Unsupported(f"torch {torch.__version__} has no SDPBackend.{member}")
     return sdpa_kernel(getattr(SDPBackend, member))

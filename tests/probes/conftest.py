@@ -92,6 +92,34 @@ def small_gpt_source(**overrides: object) -> str:
         """)
 
 
+SMALL_LLAMA = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=160, vocab_size=256)
+
+
+def small_llama_source(seq_len: int = 32, **overrides: object) -> str:
+    """A model file building a small Llama from examples/llama.py (grouped-query attention: it repeats its K/V heads
+    before SDPA), token batches below its vocabulary."""
+    cfg = {**SMALL_LLAMA, **overrides}
+    return textwrap.dedent(f"""
+        import importlib.util, sys
+        spec = importlib.util.spec_from_file_location("optplan_example_llama", {str(EXAMPLES / "llama.py")!r})
+        llama = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = llama
+        spec.loader.exec_module(llama)
+        import torch
+
+        CFG = {cfg!r}
+        OPTPLAN = {{"seq_len": {seq_len}}}
+
+        def build_model():
+            return llama.build_model("1B", **CFG)
+
+        def example_batch(batch_size, seq_len):
+            return torch.randint(0, CFG["vocab_size"], (batch_size, seq_len))
+
+        loss_fn = llama.loss_fn
+        """)
+
+
 @pytest.fixture
 def example() -> Callable[[str], ModuleType]:
     """``example("gpt2")`` imports examples/gpt2.py."""

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import EXAMPLES
+from conftest import small_llama_source
 from factories import load_benchmark
 
 from optplan.estimators.compute import transformer_dims
@@ -20,25 +20,10 @@ from optplan.probes.attention_heads import attention_calls
 from optplan.probes.contract import load_contract
 from optplan.probes.static import profile_contract
 
-SMALL_LLAMA = f"""
-    import importlib.util, sys
-    import torch
-    import torch.nn.functional as F
-    spec = importlib.util.spec_from_file_location("optplan_example_llama", {str(EXAMPLES / "llama.py")!r})
-    llama = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = llama
-    spec.loader.exec_module(llama)
-    OPTPLAN = {{"seq_len": 32}}
-
-    def build_model():
-        return llama.build_model("1B", dim=64, n_layers=2, n_heads=8, n_kv_heads=2, ffn_dim=160, vocab_size=256)
-
-    def example_batch(batch_size, seq_len):
-        return torch.randint(0, 256, (batch_size, seq_len))
-
-    loss_fn = llama.loss_fn
-    """
+SMALL_LLAMA = small_llama_source(n_heads=8)
 GQA_FORWARD = """
+    import torch.nn.functional as F
+
 
     def gqa_forward(self, x, cos, sin):
         '''examples/llama.py's attention handing its 2 key/value heads to SDPA as they are (enable_gqa).'''
@@ -71,9 +56,9 @@ def test_the_recorder_sees_the_heads_a_call_receives() -> None:
 def profiles(tmp_path_factory: pytest.TempPathFactory):
     folder = tmp_path_factory.mktemp("attention_heads")
     out = {}
-    for name, source in (("repeated", SMALL_LLAMA), ("grouped", SMALL_LLAMA + GQA_FORWARD)):
+    for name, source in (("repeated", SMALL_LLAMA), ("grouped", SMALL_LLAMA + textwrap.dedent(GQA_FORWARD))):
         path = folder / f"{name}.py"
-        path.write_text(textwrap.dedent(source))
+        path.write_text(source)
         out[name] = profile_contract(load_contract(path))
     return out
 

@@ -15,6 +15,7 @@ from types import ModuleType
 
 import pytest
 import torch
+from conftest import small_llama_source
 from factories import load_benchmark
 
 from optplan.estimators.temporaries import (
@@ -63,24 +64,7 @@ def gpt_source(**cfg: int) -> str:
 TINY_GPT = dict(n_layer=2, n_head=4, n_embd=128, vocab_size=512, block_size=64)
 LARGE_VOCAB_GPT = dict(n_layer=8, n_head=2, n_embd=64, vocab_size=2048, block_size=32)
 FOUR_BLOCK_GPT = dict(n_layer=4, n_head=4, n_embd=128, vocab_size=512, block_size=64)
-TINY_LLAMA = f"""
-    import importlib.util, sys
-    import torch
-    spec = importlib.util.spec_from_file_location("optplan_example_llama", {str(EXAMPLES / "llama.py")!r})
-    llama = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = llama
-    spec.loader.exec_module(llama)
-    OPTPLAN = {{"seq_len": 32}}
-
-    def build_model():
-        return llama.build_model("1B", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=160,
-                                 vocab_size=256)
-
-    def example_batch(batch_size, seq_len):
-        return torch.randint(0, 256, (batch_size, seq_len))
-
-    loss_fn = llama.loss_fn
-    """
+TINY_LLAMA = small_llama_source()
 
 
 def compare(path: Path, *, impl: str = "single_tensor", precisions=("fp32", "bf16"),
@@ -124,7 +108,7 @@ def model_files(tmp_path_factory) -> dict[str, Path]:
     for name, source in (("gpt-2-layers", gpt_source(**TINY_GPT)), ("llama-2-layers", TINY_LLAMA),
                          ("gpt-8-layers-large-vocab", gpt_source(**LARGE_VOCAB_GPT)),
                          ("gpt-4-layers", gpt_source(**FOUR_BLOCK_GPT)),
-                         ("llama-4-layers", TINY_LLAMA.replace("n_layers=2", "n_layers=4"))):
+                         ("llama-4-layers", small_llama_source(n_layers=4))):
         path = directory / f"{name.replace('-', '_')}.py"
         path.write_text(textwrap.dedent(source))
         files[name] = path
