@@ -167,6 +167,13 @@ def profile_for(row: dict[str, Any]) -> ModelProfile:
     return profile_from_arch(spec).model_copy(update={"attention_key_heads": spec.heads})
 
 
+def source_compiles_loss(row: dict[str, Any]) -> bool:
+    """Whether the torchtitan the row's source ran compiled its loss function under ``--training.compile`` (the data
+    file's ``compiles_loss``, read from that commit's code: ``compiles_loss_source``): 2024-12's did not, 2025-06's
+    did (estimators/compiled_loss.py)."""
+    return bool(load()[0][row["source"]].get("compiles_loss", False))
+
+
 def plan(row: dict[str, Any]) -> tuple[Strategy, tuple[str, ...]]:
     """The closest optplan plan for ``row`` and the flags of what it does not express."""
     flags: list[str] = []
@@ -187,9 +194,11 @@ def plan(row: dict[str, Any]) -> tuple[Strategy, tuple[str, ...]]:
     if row["async_tp"]:
         flags.append("atp")
     micro = row["microbatches"]
+    compiled = bool(row["compile"])
     strategy = Strategy(engine="torch", fsdp="full", precision=precision, dp=row["fsdp"], tp=row["tp"], pp=row["pp"],
                         vpp=row["vpp"], cp=row["cp"], mbs=row["local_batch"] // micro, grad_accum=micro,
-                        checkpointing=CHECKPOINTING[row["ac"]], sp=row["tp"] > 1, compile=bool(row["compile"]))
+                        checkpointing=CHECKPOINTING[row["ac"]], sp=row["tp"] > 1, compile=compiled,
+                        compile_loss=compiled and source_compiles_loss(row))
     return strategy, tuple(flags)
 
 

@@ -20,6 +20,12 @@ activations by 1 + (p−1)/(p·v) (Korthikanti et al. §4.2.3). memory.py adds t
 
 from __future__ import annotations
 
+from optplan.estimators.compiled_loss import (
+    compiled_loss_moments,
+    compiled_loss_saving_bytes_per_sample,
+    compiles_logit_loss,
+    logits_gradient_bytes,
+)
 from optplan.estimators.fp8_activations import fp8_saved_bytes_per_token
 from optplan.estimators.loss_parallel import loss_parallel_extra_bytes_per_sample
 from optplan.estimators.moe_recompute import saved_bytes_per_token
@@ -169,12 +175,28 @@ def activation_bytes(profile: ModelProfile, strategy: Strategy, *, stage: int = 
         partial = _partial_moments(profile, strategy)
         if partial is not None:  # some blocks checkpointed: the worst moment
             return max(partial.values())
-        fit, copies = measured_fit(profile, strategy)
-        return fit.bytes_at(strategy.mbs, param_copies=copies)
+        return _whole_model_bytes(profile, strategy)
     fit = profile.activation(recipe.activation_precision, "full" if mode == "full" else "none")
     fixed = _fixed_stage_bytes(profile, strategy, fit.fixed_at(strategy.mbs), fit.param_copies_at(strategy.mbs), stage)
     per_sample = _per_sample_stage_bytes(profile, strategy, mode, stage)
     return max(0, round(fixed + per_sample * strategy.mbs))
+
+
+def _whole_model_bytes(profile: ModelProfile, strategy: Strategy) -> int:
+    """The measured (or formula) fit at the micro-batch, with a compiled loss priced (estimators/compiled_loss.py):
+    per moment where the fit has them, the ``--arch`` formula's logits term otherwise (a measured fit without
+    moments keeps its figure)."""
+    fit, copies = measured_fit(profile, strategy)
+    whole = fit.bytes_at(strategy.mbs, param_copies=copies)
+    if not compiles_logit_loss(profile, strategy):
+        return whole
+    phases = fit.phases_at(strategy.mbs, param_copies=copies)
+    if phases:
+        return max(compiled_loss_moments(phases, logits_gradient_bytes(profile, strategy, fit.precision)).values())
+    if profile.activation_source != "formula":
+        return whole
+    saving = compiled_loss_saving_bytes_per_sample(profile, strategy, fit.precision)
+    return max(0, round(whole - saving * strategy.mbs))
 
 
 def _per_sample_stage_bytes(profile: ModelProfile, strategy: Strategy, mode: str, stage: int) -> float:
@@ -218,6 +240,9 @@ def _per_sample_stage_bytes(profile: ModelProfile, strategy: Strategy, mode: str
     ends_here = ends / (1 if gathers_logits(profile, strategy) else t) if last else 0.0
     if last:  # PyTorch's loss parallelism holds more fp32 logit-shaped tensors than a fused kernel (loss_parallel.py)
         ends_here += loss_parallel_extra_bytes_per_sample(profile, strategy, recipe.activation_precision)
+        # a compiled loss holds the logits and their gradient only (compiled_loss.py), split as the logits are
+        saving = compiled_loss_saving_bytes_per_sample(profile, strategy, recipe.activation_precision)
+        ends_here = max(0.0, ends_here - saving / (1 if gathers_logits(profile, strategy) else t))
     checkpointed = checkpointed_blocks(strategy, on_stage) if mode == "full" else 0.0
     if mode == "full" and checkpointed >= on_stage:
         # the recomputed layer's working set exists only in a layer's backward, after the logits and the loss
@@ -243,7 +268,9 @@ def activation_moments(profile: ModelProfile, strategy: Strategy, *, stage: int 
         fit, copies = measured_fit(profile, strategy)
         phases = fit.phases_at(strategy.mbs, param_copies=copies)
         if phases:
-            return dict(phases)
+            if not compiles_logit_loss(profile, strategy):
+                return dict(phases)
+            return compiled_loss_moments(phases, logits_gradient_bytes(profile, strategy, fit.precision))
     peak = activation_bytes(profile, strategy, stage=stage)
     if strategy.model_parallel and strategy.engine == "torch" and strategy.fsdp != "none":
         # the formula gives one peak, taken at every moment: each FSDP buffer then counts at its own moments only

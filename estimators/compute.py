@@ -78,6 +78,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from optplan.estimators.adapter_time import adapter_layer_time_s, adapter_width_per_layer, cast_params
 from optplan.estimators.attention_kernels import flash_fractions
 from optplan.estimators.cast_traffic import autocast_cast_bytes_per_microbatch
+from optplan.estimators.compiled_loss import compiled_loss_traffic_bytes_per_logit
 from optplan.estimators.counted_traffic import counted_step, seconds_per_flop
 from optplan.estimators.counted_traffic import memory_s as counted_memory_s
 from optplan.estimators.eager_traffic import layer_bytes_per_token, precision_class
@@ -442,6 +443,11 @@ def head_time(dims: TransformerDims, strategy: Strategy, gpu: GPUSpec, eff: GpuE
         precision_class(get_recipe(strategy.precision).weight_bytes, elem)) if family.eager else None
     if counted is not None:  # the final norm is in the count
         ce, norm = family.elementwise_multiplier * counted * tokens / t * eff.elementwise_factor / hbm, 0.0
+    if strategy.loss_compiled and not (strategy.engine == "torch" and t > 1):  # not under loss parallelism
+        # Inductor's fused cross entropy: its own byte count per logit (estimators/compiled_loss.py); the final
+        # norm as the formula's passes
+        ce = compiled_loss_traffic_bytes_per_logit("fp32" if elem == 4 else "bf16") * tokens * v_local / hbm
+        norm = eff.elementwise_factor * 5.0 * tokens * h * elem / hbm
     # embedding: gather forward, dense V/t × h gradient written in backward (none for a frozen LoRA base)
     embed = (2.0 * tokens * h * elem + (0.0 if dims.frozen_base else v_local * h * elem)) / hbm
     return HeadTime.model_construct(embedding_s=embed, logits_gemm_s=f_ + b_, logits_elementwise_s=ce + norm,

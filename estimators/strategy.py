@@ -109,6 +109,11 @@ class Strategy(BaseModel):
                                                      "engines): Inductor fuses the elementwise ops between GEMMs, "
                                                      "priced as fused kernels; eager (False) is priced by the "
                                                      "measured per-operator count (estimators/eager_traffic.py)")
+    compile_loss: bool | None = Field(
+        default=None, description="torch.compile of the loss function (outside the model; torch and deepspeed "
+                                  "engines): Inductor's fused cross entropy holds the logits and their gradient "
+                                  "only (estimators/compiled_loss.py); None follows compile (torchtitan compiles "
+                                  "its loss with its blocks, and so does optplan's training loop)")
     offload_optimizer: OffloadTarget = "none"
     offload_params: OffloadTarget = "none"
     engine: EngineName = "deepspeed"
@@ -220,6 +225,10 @@ class Strategy(BaseModel):
         if self.compile and self.engine == "megatron":
             raise ValueError("--compile compiles the model's blocks with torch.compile (torch and deepspeed engines); "
                              "Megatron-LM runs its own fused kernels: drop --compile, or use --engine torch")
+        if self.compile_loss and self.engine == "megatron":
+            raise ValueError("--compile-loss compiles the training loop's loss function with torch.compile (torch and "
+                             "deepspeed engines); Megatron-LM runs its own fused cross entropy: drop --compile-loss, "
+                             "or use --engine torch")
         if self.fsdp_grad_sync == "step" and (self.engine != "torch" or self.fsdp == "none"):
             raise ValueError("--fsdp-grad-sync step defers torch FSDP's gradient reduce-scatter to the last "
                              "micro-batch: use --engine torch with --fsdp full|grad_op|hybrid, or drop it")
@@ -284,6 +293,14 @@ class Strategy(BaseModel):
         return self.pp_schedule == "dualpipe"
 
     @property
+    def loss_compiled(self) -> bool:
+        """Whether the training loop runs its loss function compiled by torch.compile: ``compile_loss`` when set,
+        else ``compile`` (never on Megatron-LM, which runs its own fused cross entropy)."""
+        if self.engine == "megatron":
+            return False
+        return self.compile if self.compile_loss is None else self.compile_loss
+
+    @property
     def model_parallel(self) -> bool:
         """True when tensor, pipeline or context parallelism is used."""
         return self.tp > 1 or self.pp > 1 or self.cp > 1 or self.ep > 1
@@ -325,7 +342,9 @@ class Strategy(BaseModel):
         if self.fsdp_grad_sync == "step":
             parts.append("grad-sync-step")
         if self.compile:
-            parts.append("compile")
+            parts.append("compile" if self.loss_compiled else "compile(eager-loss)")
+        elif self.loss_compiled:
+            parts.append("compiled-loss")
         if self.engine != "deepspeed":
             parts.append(f"[{self.engine}]")
         return " ".join(parts)

@@ -48,6 +48,7 @@ class StrategyFlags(BaseModel):
     checkpoint_layers: int | None = None
     flash: bool = True
     compile: bool = False
+    compile_loss: bool | None = None
     engine: str | None = None
     quant: str = "none"
 
@@ -124,7 +125,7 @@ def derive_strategy(flags: StrategyFlags, cluster: Cluster, *, gpus_given: bool 
         "checkpointing": flags.checkpointing, "checkpoint_layers": flags.checkpoint_layers, "dp": dp, "tp": tp, "pp": pp, "vpp": flags.vpp or 1, "cp": cp, "ep": flags.ep or 1,
         "etp": flags.etp, "dispatcher": flags.dispatcher, "ep_overlap": flags.ep_overlap, "comm_overlap": flags.comm_overlap,
         "fsdp_grad_sync": flags.fsdp_grad_sync, "pp_schedule": flags.pp_schedule, "sp": flags.sp, "flash": flags.flash, "compile": flags.compile,
-        "offload_optimizer": offload_optimizer,
+        "compile_loss": flags.compile_loss, "offload_optimizer": offload_optimizer,
         "offload_params": offload_params, "engine": engine, "quant": flags.quant,
     }
     return Strategy.model_validate(data)

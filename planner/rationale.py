@@ -493,8 +493,12 @@ def _compile_line(pick: Estimate, price: Price) -> str | None:
     if other is None or not other.time.step_s:
         return None
     if s.compile:
-        return (f"torch.compile of each block: {_step(pick.time.step_s)} per step against {_step(other.time.step_s)} "
-                "eager (elementwise ops fused; priced, not measured on this GPU)")
+        what = "each block and the loss function" if s.loss_compiled else "each block (the loss eager: --eager-loss)"
+        held = other.memory.activations_bytes - pick.memory.activations_bytes
+        memory = (f"; the compiled loss holds the logits and their gradient only: {_gib(held)} less activation "
+                  "memory than the eager cross entropy's fp32 copies" if s.loss_compiled and held > 2**28 else "")
+        return (f"torch.compile of {what}: {_step(pick.time.step_s)} per step against {_step(other.time.step_s)} "
+                f"eager (elementwise ops fused; priced, not measured on this GPU){memory}")
     gain = 1.0 - other.time.step_s / pick.time.step_s
     if gain < 0.01:
         return None

@@ -86,6 +86,25 @@ class CalibrationFit(BaseModel):
         return "; ".join(parts)
 
 
+STRATEGY_MARKERS = frozenset({"engine", "mbs", "precision", "zero", "fsdp", "dp", "tp"})
+"""Keys every recorded Strategy has, in every optplan version that wrote results (a results file nests strategies
+in its cases)."""
+
+
+def _eager_loss_if_unrecorded(node: Any) -> Any:
+    """``node`` with every recorded strategy that has no ``compile_loss`` given ``compile_loss: false``: results
+    files written before the training loop compiled its loss (it compiles it with the plan's ``compile`` now,
+    estimators/compiled_loss.py) measured an eager loss, and must keep being priced as what ran."""
+    if isinstance(node, list):
+        return [_eager_loss_if_unrecorded(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _eager_loss_if_unrecorded(v) for k, v in node.items()}
+    if STRATEGY_MARKERS <= out.keys() and "compile_loss" not in out:
+        out["compile_loss"] = False
+    return out
+
+
 def read_results(path: Path) -> list[MeasuredCase]:
     """The measured cases of one results file; a one-line OptplanError naming the file and the fix."""
     try:
@@ -113,7 +132,7 @@ def read_results(path: Path) -> list[MeasuredCase]:
     out = []
     for i, entry in enumerate(doc["measured"]):
         try:
-            out.append(MeasuredCase.model_validate(entry))
+            out.append(MeasuredCase.model_validate(_eager_loss_if_unrecorded(entry)))
         except ValidationError as exc:
             first = exc.errors()[0]
             where = ".".join(str(p) for p in first["loc"])
@@ -136,7 +155,8 @@ def case_from_measurements(doc: dict[str, Any], path: Path) -> MeasuredCase:
         if not isinstance(pred, dict):
             raise OptplanError(f"{path}: the plan carries no prediction (exported from a --params plan or an older "
                                "optplan): re-export train.py with optplan recommend --out and run it again")
-        strategy = Strategy.model_validate(plan["strategy"])
+        # what ran: the loss compiled or not (files written before train.py recorded it ran it eagerly)
+        strategy = Strategy.model_validate({**plan["strategy"], "compile_loss": bool(measured.get("loss_compiled"))})
         device = str(cluster["device"])
         world = int(cluster["world_size"])
         spec = match_device_name(str(cluster.get("device_name", ""))) if device == "cuda" else None

@@ -20,7 +20,8 @@ What :class:`Trainer` applies (the strategy is ``optplan.estimators.strategy.Str
 * ``compile`` (the plan's, or the probe's option): on the torch engine each repeated block is compiled on its own
   (``Module.compile()``, after checkpointing and before FSDP, as torchtitan does), else the whole model
   (``runner.compile()``); DeepSpeed's ``engine.compile()``; under ``accelerate launch`` accelerate.yaml's
-  ``dynamo_config`` does it;
+  ``dynamo_config`` does it; the model file's ``loss_fn`` is compiled with it (``torch.compile(loss_fn)``, as
+  torchtitan compiles its loss), unless the plan's ``compile_loss`` says otherwise (estimators/compiled_loss.py);
 * data parallelism: DDP (torch's defaults, ``no_sync`` on all but the last micro-batch), FSDP2
   ``fully_shard`` on every block and then the root (``full``: reshard after forward; ``grad_op``: keep
   the unsharded parameters to backward; ``hybrid``: HSDP over a 2-D mesh, replicas x ``shard_size``;
@@ -552,6 +553,7 @@ class Trainer:
         self.input_dtype: torch.dtype | None = None
         self.loss_fn: Callable[[Any, Any], Any] | None = None
         self.loss_note: str | None = None
+        self.compiled_loss_fn: Callable[[Any, Any], Any] | None = None  # loss_fn under torch.compile (compiles_loss)
         self.accelerator: Any = None
         self.checkpointing_applied = "none"
         self.track_ddp_buckets = False  # optplan's CPU memory probe: keep DDP's flat buckets in sight
@@ -851,10 +853,30 @@ class Trainer:
         ddp.register_comm_hook(None, hook)
 
     # -- one step -----------------------------------------------------------------------------------
+    @property
+    def compiles_loss(self) -> bool:
+        """Whether the model file's ``loss_fn`` runs compiled by torch.compile: the plan's ``compile_loss`` when set,
+        else its ``compile`` (torchtitan compiles its loss with its blocks; optplan prices a compiled loss's
+        memory and bytes by estimators/compiled_loss.py, ``Strategy.loss_compiled``)."""
+        if self.engine == "megatron":
+            return False
+        chosen = self.strategy.get("compile_loss")
+        return self.compile if chosen is None else bool(chosen)
+
+    def _loss_callable(self) -> Callable[[Any, Any], Any]:
+        """``loss_fn``, compiled once when :attr:`compiles_loss` (a graph break runs that part eagerly)."""
+        assert self.loss_fn is not None
+        if not self.compiles_loss:
+            return self.loss_fn
+        if self.compiled_loss_fn is None:
+            self.compiled_loss_fn = torch.compile(self.loss_fn)
+            self.note("the loss function runs compiled (torch.compile of loss_fn: the plan's compile)")
+        return self.compiled_loss_fn
+
     def compute_loss(self, output: Any, batch: Any) -> torch.Tensor:
         if self.loss_fn is not None:
             self.phase = "loss_fn(output, batch)"
-            loss = self.loss_fn(output, batch)
+            loss = self._loss_callable()(output, batch)
         else:
             self.phase = "the default loss"
             try:
@@ -1297,7 +1319,8 @@ def run_training(plan: Mapping[str, Any], args: argparse.Namespace, hooks: Hooks
     step_s = statistics.median(timed)
     measured = {"status": "ok", "steps": args.steps, "warmup_steps": len(times) - len(timed), "step_times_s": times,
                 "step_s": step_s, **figures(plan, step_s, world), "losses": losses, **memory, **hooks.measured(),
-                "checkpointing_applied": trainer.checkpointing_applied, "data": data_source}
+                "checkpointing_applied": trainer.checkpointing_applied, "data": data_source,
+                "loss_compiled": trainer.compiled_loss_fn is not None}
     if device_type == "cuda":
         free, total = torch.cuda.mem_get_info()
         measured["non_torch_bytes"] = int(max(0, total - free - torch.cuda.memory_reserved()))

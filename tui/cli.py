@@ -32,6 +32,7 @@ from optplan.tui.cli_errors import (
 )
 from optplan.tui.cli_options import (
     COMPILE_HELP,
+    COMPILE_LOSS_HELP,
     ArchOpt,
     ClusterOpt,
     FinetuneOpt,
@@ -184,6 +185,7 @@ def estimate(
     checkpoint_layers: Annotated[int | None, typer.Option("--checkpoint-layers", help="with --checkpointing full: checkpoint only the first N repeated blocks of each pipeline stage, the rest keep their activations (Megatron's --recompute-method block); default every block")] = None,
     flash: Annotated[bool, typer.Option("--flash/--no-flash", help="memory-efficient attention (no s x s scores)")] = True,
     compile_: Annotated[bool, typer.Option("--compile", help=COMPILE_HELP)] = False,
+    compile_loss: Annotated[bool | None, typer.Option("--compile-loss/--eager-loss", help=COMPILE_LOSS_HELP)] = None,
     engine: Annotated[str | None, typer.Option("--engine", help="torch, deepspeed or megatron (default: torch with --fsdp, megatron with tp/pp/cp, else deepspeed)")] = None,
     offload_optimizer: Annotated[str | None, typer.Option("--offload-optimizer", help="none, cpu, nvme (DeepSpeed)")] = None,
     offload_params: Annotated[str | None, typer.Option("--offload-params", help="none, cpu, nvme (DeepSpeed ZeRO-3)")] = None,
@@ -240,6 +242,7 @@ def estimate(
                               precision=chosen, optimizer=optimizer, mbs=mbs, gas=grad_accum,
                               global_batch=global_batch, checkpointing=checkpointing,
                               checkpoint_layers=checkpoint_layers, flash=flash, compile=compile_,
+                              compile_loss=compile_loss,
                               engine=engine or ("torch" if choice.adapters and not zero else None),
                               quant=choice.quant_name())
         # validated before the (slow) profile so a bad flag fails at once

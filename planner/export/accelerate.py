@@ -536,7 +536,9 @@ def render_accelerate_yaml(plan: ExportPlan, *, fsdp_version: int = 2, ds_config
     if strategy.compile:
         config["dynamo_config"] = {"dynamo_backend": "INDUCTOR", "dynamo_use_regional_compilation": True}
         notes["dynamo_config"] = ["the plan compiles each repeated block (torch.compile, priced as fused kernels): "
-                                  "accelerate's regional compilation compiles the model's repeated blocks"]
+                                  "accelerate's regional compilation compiles the model's repeated blocks"
+                                  + ("; train.py compiles the loss function (torch.compile(loss_fn))"
+                                     if strategy.loss_compiled else "")]
     if strategy.precision == "fp8":
         config["fp8_config"] = {"backend": FP8_BACKEND, "fp8_format": "HYBRID"}
         notes["fp8_config"] = ["fp8 through Transformer Engine (accelerate swaps nn.Linear for te.Linear): "

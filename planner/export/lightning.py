@@ -279,6 +279,10 @@ def lightning_notes(plan: ExportPlan) -> tuple[str, ...]:
     if s.compile:
         notes.append("torch.compile: Lightning's Trainer has no switch for it: compile each repeated block "
                      "(block.compile()) in configure_model, as the plan priced (fused elementwise kernels)")
+    if s.loss_compiled:
+        notes.append("the plan compiles the loss function: call it compiled in training_step "
+                     "(torch.compile(loss_fn): its fused cross entropy holds the logits and their gradient only, as "
+                     "the plan priced the memory); an eager loss holds more: re-plan with --eager-loss to price it")
     return tuple(notes)
 
 

@@ -81,3 +81,19 @@ def test_the_grand_teton_h100_is_priced_as_its_source_describes_it() -> None:
     assert result.est.memory.capacity_bytes < 96 * 2**30 and result.est.memory.capacity_bytes > 80 * 2**30
     cp_flags = bench.plan(_row("t2-8b-cp2-64k"))[1]
     assert "cp" in cp_flags and "cp" not in bench.plan(_row("t2-8b-cp1-32k"))[1]
+
+
+def test_each_source_compiles_its_loss_as_its_torchtitan_commit_did() -> None:
+    # 2024-12: train.py left torch.compile(loss_fn) commented out; 2025-06: components/loss.py compiles it
+    assert {k: bench.source_compiles_loss({"source": k}) for k in SOURCES} == {
+        "torchtitan-h100-2024-12": False, "torchtitan-asynctp-h100-2025-06": True, "trainy-h200-2025-06": True}
+    assert all("compiles_loss_source" in s for s in SOURCES.values())
+    blocks_only = bench.plan(_row("t1-8b-fsdp8-compile"))[0]
+    assert blocks_only.compile and not blocks_only.loss_compiled
+    both = bench.plan(_row("h200-8b-32"))[0]
+    assert both.compile and both.loss_compiled
+    # the compiled loss holds 6 bytes less per logit (2 x 8,192 tokens x 128,256): 11.7 GiB of the H200 run's peak
+    eager = bench.estimate(bench.profile_for(_row("h200-8b-32")), bench.cluster_for(_row("h200-8b-32")),
+                           both.model_copy(update={"compile_loss": False}))
+    held = eager.memory.activations_bytes - bench.predict(_row("h200-8b-32")).est.memory.activations_bytes
+    assert held == 6 * 2 * 8192 * 128256

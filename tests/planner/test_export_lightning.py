@@ -468,3 +468,10 @@ def test_equivalent_spellings_are_accepted() -> None:
 def test_compile_plans_say_how_to_compile_under_lightning() -> None:
     assert any("block.compile()" in n for n in lightning_notes(make_plan(engine="torch", dp=8, compile=True)))
     assert not any("torch.compile" in n for n in lightning_notes(make_plan(engine="torch", dp=8)))
+
+
+def test_a_compiled_plan_says_to_compile_the_loss_function_too() -> None:
+    compiled = lightning_notes(make_plan(engine="torch", dp=8, compile=True))
+    assert any("torch.compile(loss_fn)" in n and "--eager-loss" in n for n in compiled)
+    blocks_only = lightning_notes(make_plan(engine="torch", dp=8, compile=True, compile_loss=False))
+    assert not any("torch.compile(loss_fn)" in n for n in blocks_only)

@@ -183,3 +183,29 @@ def test_a_gpu_runs_measurements_improve_the_next_plan_end_to_end(tmp_path: Path
     assert after["calibration"]["compute_scale"] == pytest.approx(fit["calibration"]["compute_scale"])
     if after["plan"] == before["plan"]:  # the same pick: its step is now the measured one
         assert after["estimate"]["time"]["step_s"] == pytest.approx(step_s, rel=0.02)
+
+
+def test_runs_recorded_before_the_loop_compiled_its_loss_are_priced_as_the_eager_loss_they_ran(tmp_path: Path) -> None:
+    """A recorded plan with compile and no ``compile_loss`` ran its loss eagerly (the loop compiled blocks only then):
+    it reads back as ``compile_loss: false``; a file that records the key keeps what it says."""
+    old = _case(4, 0.1, 0.1)
+    for key in ("candidate", "probed"):
+        old["comparison"][key].pop("compile_loss")
+        old["comparison"][key]["compile"] = True
+    old["comparison"]["result"]["spec"]["strategy"].pop("compile_loss")
+    new = _case(8, 0.1, 0.1)
+    new["comparison"]["probed"]["compile"] = True
+    old_case, new_case = read_results(_file(tmp_path / "r.json", [old, new]))
+    assert old_case.comparison.probed.compile and not old_case.comparison.probed.loss_compiled
+    assert old_case.comparison.result.spec.strategy.compile_loss is False
+    assert new_case.comparison.probed.compile_loss is None and new_case.comparison.probed.loss_compiled
+    # a train.py measurements file: what the run's loop did (loss_compiled), eager when it predates the record
+    run = json.loads((VISIT4 / "c1a" / "launch.json").read_text())["runs"][0]["measurements"]
+    run["plan"]["strategy"]["compile"] = True
+    path = tmp_path / "measurements.json"
+    path.write_text(json.dumps(run), encoding="utf-8")
+    (case,) = read_results(path)
+    assert case.comparison.probed.compile and not case.comparison.probed.loss_compiled
+    run["measured"]["loss_compiled"] = True
+    path.write_text(json.dumps(run), encoding="utf-8")
+    assert read_results(path)[0].comparison.probed.loss_compiled

@@ -49,3 +49,43 @@ def test_eager_plans_compile_nothing() -> None:
     model = _model()
     trainer.setup_training(model, trainer.setup_device())
     assert not any(_compiled(m) for m in model.modules())
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab: int = 64) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, 8)
+        self.block = Block()
+        self.head = nn.Linear(8, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(self.embed(ids)))
+
+
+def _lm_loss(logits: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), torch.roll(batch, -1, 1).flatten())
+
+
+def _first_loss(strategy: dict[str, object]) -> tuple[Trainer, float]:
+    trainer = Trainer(strategy, block_class="Block")
+    torch.manual_seed(0)
+    model = TinyLM()
+    trainer.setup_training(model, trainer.setup_device())
+    trainer.loss_fn = _lm_loss
+    torch.manual_seed(1)
+    batch = torch.randint(0, 64, (2, 16))
+    return trainer, float(trainer.one_step(lambda _i: batch))
+
+
+def test_a_compiled_plan_compiles_the_loss_function_too_unless_the_plan_says_eager() -> None:
+    base = {"engine": "torch", "precision": "amp-bf16", "checkpointing": "full"}  # CPU autocast stand-in included
+    eager, eager_loss = _first_loss({**base, "compile": False})
+    assert not eager.compiles_loss and eager.compiled_loss_fn is None
+    compiled, compiled_loss = _first_loss({**base, "compile": True})
+    assert compiled.compiles_loss and compiled.compiled_loss_fn is not None
+    assert any("loss function runs compiled" in n for n in compiled.notes)
+    assert abs(compiled_loss - eager_loss) < 1e-2 * abs(eager_loss)  # the same loss, computed by Inductor's kernels
+    blocks_only, _ = _first_loss({**base, "compile": True, "compile_loss": False})
+    assert blocks_only.compiled_blocks and blocks_only.compiled_loss_fn is None
+    loss_only, _ = _first_loss({**base, "compile": False, "compile_loss": True})
+    assert not loss_only.compiled_blocks and loss_only.compiled_loss_fn is not None

@@ -385,7 +385,8 @@ def check_estimate_nulls(doc: Any, argv: list[str]) -> None:
     """``estimate --json`` is written by pydantic, which writes NaN and infinity as null: a null is only
     where a figure is legitimately absent (no --tokens: no cost; no --price: no money; --params: no time) or a
     setting is left at its engine's default (``strategy.etp``: the expert tensor-parallel degree, tp unless set;
-    ``strategy.checkpoint_layers``: every block, unless a count is given)."""
+    ``strategy.checkpoint_layers``: every block, unless a count is given; ``strategy.compile_loss``: as ``compile``,
+    unless --compile-loss or --eager-loss says)."""
     if "--params" in argv:  # model states only: no time, and no cost (--tokens is refused)
         expected = {".time"}
     elif "--tokens" not in argv:
@@ -396,6 +397,8 @@ def check_estimate_nulls(doc: Any, argv: list[str]) -> None:
         expected |= {".strategy.etp"}
     if "--checkpoint-layers" not in argv:  # every block checkpointed (or none): no count
         expected |= {".strategy.checkpoint_layers"}
+    if "--compile-loss" not in argv and "--eager-loss" not in argv:  # the loss compiled as the blocks are
+        expected |= {".strategy.compile_loss"}
     assert set(nulls(doc)) == expected, argv
 
 

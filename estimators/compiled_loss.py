@@ -1,0 +1,115 @@
+"""A loss function compiled with torch.compile: the bytes Inductor's fused cross entropy holds and moves per logit.
+
+torchtitan compiles its loss with its blocks (``build_cross_entropy_loss``: ``torch.compile(loss_fn)`` under
+``--training.compile``, torchtitan 2025; its 2024-12 ``train.py`` left it commented out, "compiling loss function
+causes CUDA errors"), and optplan's training loop compiles the model file's ``loss_fn`` when a plan compiles
+(``Strategy.loss_compiled``; probes/trainloop.py). The loss is ``cross_entropy(logits.float(), targets)``.
+
+Eager, ``cross_entropy`` is ``log_softmax`` then ``nll_loss`` on the fp32 upcast: the fp32 copy and the fp32
+log-probabilities stay for backward (8 bytes per logit beyond the 16-bit logits the step holds), and the backward
+adds fp32 gradients. Compiled, TorchInductor fuses the forward into one reduction kernel and the backward into one
+pointwise kernel; the min-cut partitioner saves the 16-bit logits (the step holds them anyway) and two fp32 values
+per row (max, log-sum-exp), and the backward writes the gradient in the logits' dtype. Measured on this CPU
+(benchmarks/compiled_loss_cpu.py: the process's resident-memory high-water mark over one forward + backward above
+the held logits, and Inductor's own byte count of its generated kernels; Inductor's CPU code generation stands for
+its Triton one: the fusion and what is saved are the scheduler's and the partitioner's, device-independent):
+
+====================================  ==============  ===========
+per logit (the loss's peak)           16-bit logits   fp32 logits
+====================================  ==============  ===========
+eager, above the held logits          12 B            12 B
+compiled, above the held logits       2 B (grad)      4 B (grad)
+compiled, moved (forward + backward)  8 B             16 B
+====================================  ==============  ===========
+
+So the loss's peak holds the logits and their gradient: :data:`COMPILED_LOSS_PEAK_BYTES_PER_LOGIT`, against the 10 /
+16 bytes optplan's ``--arch`` profiles count for an eager loss (estimators/arch.py ``LOGIT_BYTES``: a fused kernel's
+count; torch's eager composite measures 14 / 16 here, and the 10 is kept: the torchtitan runs with an eager loss,
+benchmarks/fidelity_torchtitan.py, sit at -4 to +10 % with it); its kernels move :data:`COMPILED_LOSS_TRAFFIC_BYTES_PER_LOGIT` (two reads forward: the row's max,
+then its sum of exponentials; a read and a write backward), against the eager ``logits_bytes_per_element``.
+
+A measured profile records the loss as its own moment of the step (``loss``: the loss's forward and backward,
+profile.STEP_PHASES). Compiled, that moment holds what the model's forward left (its ``forward`` moment: the logits are
+its last and largest tensor) plus the logits' gradient (:func:`compiled_loss_moments`). On examples/llama.py (bf16,
+full recomputation) the eager loss holds 10 bytes per logit over the forward's moment, the model's backward 0.5. Under PyTorch's loss parallelism (torch engine, tensor parallelism, logits sharded
+over the vocabulary: estimators/loss_parallel.py) the loss runs DTensor's decomposed handlers: priced as those.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from optplan.estimators.arch import LOGIT_BYTES
+from optplan.estimators.loss_parallel import runs_loss_parallel
+from optplan.estimators.profile import ActivationPrecision, ModelProfile
+from optplan.estimators.strategy import Strategy
+
+COMPILED_LOSS_PEAK_BYTES_PER_LOGIT: dict[str, int] = {"bf16": 4, "fp32": 8}
+"""Bytes per logit at a compiled cross entropy's peak: the logits (2 or 4, held by the step) and their gradient in
+the same dtype (module docstring's table: 2 / 4 above the held logits)."""
+COMPILED_LOSS_TRAFFIC_BYTES_PER_LOGIT: dict[str, int] = {"bf16": 8, "fp32": 16}
+"""Bytes per logit Inductor's compiled cross entropy reads and writes, forward + backward (module docstring)."""
+
+
+def _key(precision: ActivationPrecision | str) -> str:
+    return "fp32" if precision == "fp32" else "bf16"
+
+
+def compiles_logit_loss(profile: ModelProfile, strategy: Strategy) -> bool:
+    """Whether ``strategy`` runs a compiled cross entropy over the model's logits: the loss compiled
+    (``Strategy.loss_compiled``), a language model (vocabulary and tokens known), not PyTorch's loss parallelism."""
+    shape = profile.transformer
+    return (strategy.loss_compiled and shape is not None and bool(shape.vocab) and bool(profile.tokens_per_sample)
+            and not runs_loss_parallel(profile, strategy))
+
+
+def compiled_loss_saving_bytes_per_sample(profile: ModelProfile, strategy: Strategy,
+                                          precision: ActivationPrecision) -> float:
+    """Bytes per sample (whole vocabulary, every token of the sample) a compiled loss holds less than the eager loss
+    an ``--arch`` profile counts (``LOGIT_BYTES`` − :data:`COMPILED_LOSS_PEAK_BYTES_PER_LOGIT`); 0 when the plan
+    does not compile its loss over the logits. The caller splits it as the logits are split (tensor, context
+    parallelism)."""
+    if not compiles_logit_loss(profile, strategy):
+        return 0.0
+    assert profile.transformer is not None and profile.tokens_per_sample
+    key = _key(precision)
+    saved = max(0, LOGIT_BYTES[key] - COMPILED_LOSS_PEAK_BYTES_PER_LOGIT[key])
+    return float(saved * profile.tokens_per_sample * profile.transformer.vocab)
+
+
+def logits_gradient_bytes(profile: ModelProfile, strategy: Strategy, precision: ActivationPrecision) -> float:
+    """Bytes of the logits' gradient of one micro-batch (whole vocabulary; 16-bit unless the activations are fp32):
+    what a compiled loss holds beyond the logits the step already holds (module docstring's table); 0 when the plan
+    does not compile its loss over the logits."""
+    if not compiles_logit_loss(profile, strategy):
+        return 0.0
+    assert profile.transformer is not None and profile.tokens_per_sample
+    key = _key(precision)
+    grad_per_logit = COMPILED_LOSS_PEAK_BYTES_PER_LOGIT[key] // 2  # the peak is the logits and their gradient
+    return float(grad_per_logit * profile.tokens_per_sample * profile.transformer.vocab * strategy.mbs)
+
+
+def compiled_loss_moments(moments: Mapping[str, int], gradient_bytes: float) -> dict[str, int]:
+    """A measured profile's activation bytes per moment of the step with the loss compiled: the ``loss`` moment is
+    what the forward left (its ``forward`` moment, the logits last) plus the logits' gradient
+    (:func:`logits_gradient_bytes`), never more than the eager loss measured; unchanged without both moments."""
+    out = dict(moments)
+    if "loss" in out and "forward" in out:
+        out["loss"] = min(out["loss"], round(out["forward"] + gradient_bytes))
+    return out
+
+
+def compiled_loss_traffic_bytes_per_logit(precision: ActivationPrecision | str) -> int:
+    """:data:`COMPILED_LOSS_TRAFFIC_BYTES_PER_LOGIT` of the logits' precision (bytes per logit, forward + backward)."""
+    return COMPILED_LOSS_TRAFFIC_BYTES_PER_LOGIT[_key(precision)]
+
+
+__all__ = [
+    "COMPILED_LOSS_PEAK_BYTES_PER_LOGIT",
+    "COMPILED_LOSS_TRAFFIC_BYTES_PER_LOGIT",
+    "compiled_loss_moments",
+    "compiled_loss_saving_bytes_per_sample",
+    "compiled_loss_traffic_bytes_per_logit",
+    "compiles_logit_loss",
+    "logits_gradient_bytes",
+]
