@@ -12,7 +12,8 @@ estimators/partial_checkpointing.py) keeps the inputs of those N and everything 
 measured fits it interpolates. A measured profile keeps its measured per-layer bytes
 and its measured non-layer part (embedding, logits, loss: split by t as Megatron's vocabulary-parallel cross
 entropy does); the split between the two takes the Table 2 per-layer figure (TransformerShape.layer_bytes_per_token).
-Under the fp8 recipe Transformer Engine keeps its GEMM inputs in fp8 (estimators/fp8_activations.py).
+Under the fp8 recipe Transformer Engine (Megatron) keeps its GEMM inputs in fp8 (estimators/fp8_activations.py);
+torchao's Float8Linear (the torch and DeepSpeed engines) keeps them in bf16 (estimators/fp8_backend.py).
 Context parallelism divides the sequence by cp. Pipeline: under 1F1B the first stage holds min(p, m) micro-batches
 in flight (Narayanan et al. 2021 §2.2.1); interleaving with v virtual stages multiplies the first stage's
 activations by 1 + (p−1)/(p·v) (Korthikanti et al. §4.2.3). memory.py adds them to the rest of the rank's memory.
@@ -27,6 +28,7 @@ from optplan.estimators.compiled_loss import (
     logits_gradient_bytes,
 )
 from optplan.estimators.fp8_activations import fp8_saved_bytes_per_token
+from optplan.estimators.fp8_backend import saves_fp8_gemm_inputs
 from optplan.estimators.loss_parallel import loss_parallel_extra_bytes_per_sample
 from optplan.estimators.moe_recompute import saved_bytes_per_token
 from optplan.estimators.parallel import layers_per_stage
@@ -233,7 +235,8 @@ def _per_sample_stage_bytes(profile: ModelProfile, strategy: Strategy, mode: str
         # the op-level policy's share of a layer's bytes, as the profile measured it, on the split layer
         selective = profile.activation(recipe.activation_precision, "selective").per_sample_bytes
         layer_tp *= max(0.0, selective - ends) / layers / layer
-    if recipe.compute_dtype == "fp8":  # Transformer Engine saves its GEMM inputs in fp8 (estimators/fp8_activations.py)
+    if saves_fp8_gemm_inputs(strategy):  # Transformer Engine saves its GEMM inputs in fp8 (fp8_activations.py);
+        # torchao's Float8Linear saves the bf16 ones (fp8_backend.py)
         rep_save, split_save = fp8_saved_bytes_per_token(shape, moe_recomputed=mode == "moe")
         layer_tp -= s * (rep_save / (t if strategy.sp else 1) + split_save / t)
     layer_input = 2 * s * h * scale / (t if strategy.sp else 1)

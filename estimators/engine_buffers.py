@@ -23,19 +23,21 @@ from optplan.estimators.finetune import (
     frozen_weight_bytes,
     int8_checkpoint_kept_bytes,
 )
+from optplan.estimators.fp8_backend import fp8_weight_cache_bytes_per_param
 from optplan.estimators.fsdp_grad_sync import accumulated_grad_bytes, fsdp_reduce_bytes, syncs_once_per_step
 from optplan.estimators.parallel import layers_per_stage, shard_ranks
 from optplan.estimators.params_placement import param_split, stage_params
 from optplan.estimators.pipeline_fsdp import keeps_stage_unsharded, unsharded_stage_params_bytes
-from optplan.estimators.precision import Recipe, get_recipe
+from optplan.estimators.precision import get_recipe
 from optplan.estimators.profile import STEP_PHASES, ModelProfile
 from optplan.estimators.strategy import Strategy
 from optplan.estimators.temporaries import DeviceKind
 
 
-def fp8_cache_bytes(recipe: Recipe) -> float:
-    """The fp8 recipe's cached fp8 weight copy, bytes per parameter (precision.py ``fp8_weight_cache_bytes``)."""
-    return float(recipe.fp8_weight_cache_bytes)
+def fp8_cache_bytes(strategy: Strategy) -> float:
+    """The fp8 weight copies ``strategy``'s fp8 implementation holds through the step, bytes per parameter
+    (estimators/fp8_backend.py: Transformer Engine's W and W^T; none for torchao's Float8Linear)."""
+    return fp8_weight_cache_bytes_per_param(strategy)
 
 
 DEEPSPEED_IPG_BUFFERS = 2
@@ -141,7 +143,7 @@ def buffers_with_moments(profile: ModelProfile, strategy: Strategy, stage: int,
         profile.trainable_params / profile.params if profile.params else 0.0)
     block = profile.repeated_block
     unit = (block.params_per_block if block else profile.params) / strategy.tp
-    weight = recipe.weight_bytes + fp8_cache_bytes(recipe)
+    weight = recipe.weight_bytes + fp8_cache_bytes(strategy)
     trainable_share = 1.0
     if profile.adapter is not None and profile.params:
         # a LoRA model gathers mostly frozen (16-bit or quantised) weights and reduces the adapters' gradients only

@@ -1,4 +1,5 @@
-"""Activations Transformer Engine keeps in fp8: the inputs of the fp8 GEMMs (bytes per token and layer).
+"""Activations Transformer Engine keeps in fp8: the inputs of the fp8 GEMMs (bytes per token and layer). Only plans
+that run Transformer Engine (Megatron) keep them so: torchao's Float8Linear saves bf16 inputs (fp8_backend.py).
 
 Under ``te.fp8_autocast`` (the ``fp8`` recipe, estimators/precision.py) a TE ``Linear`` / ``LayerNormLinear`` casts
 its input to fp8 for the GEMM and saves that fp8 copy (one byte per value, plus a per-tensor or per-32-block scale)

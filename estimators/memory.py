@@ -279,7 +279,7 @@ def model_states(profile: ModelProfile, strategy: Strategy, *, stage: int = 0,
     if shard >= 3 or (strategy.engine == "torch" and strategy.fsdp == "grad_op"):
         weights = weights * psi_sharded / psi / n_d if psi else 0.0  # FSDP SHARD_GRAD_OP keeps sharded weights
     if shard < 3:
-        weights += psi * fp8_cache_bytes(recipe)
+        weights += psi * fp8_cache_bytes(strategy)
     off: dict[str, float] = {"cpu": 0.0, "nvme": 0.0}
     if strategy.engine == "torch" and strategy.offload_params != "none":
         off["cpu"] += weights + grads + optim

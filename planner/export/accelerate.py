@@ -542,7 +542,9 @@ def render_accelerate_yaml(plan: ExportPlan, *, fsdp_version: int = 2, ds_config
     if strategy.precision == "fp8":
         config["fp8_config"] = {"backend": FP8_BACKEND, "fp8_format": "HYBRID"}
         notes["fp8_config"] = ["fp8 through Transformer Engine (accelerate swaps nn.Linear for te.Linear): "
-                               "install transformer_engine on every node"]
+                               "install transformer_engine on every node; TE keeps an fp8 copy of each Linear weight "
+                               "and its transpose through the step (+2 bytes per parameter) and saves fp8 inputs, "
+                               "where the plan priced torchao's Float8Linear, train.py's (no copies, bf16 inputs)"]
 
     pdsh = layout.distributed_type == "DEEPSPEED" and deepspeed_multinode_launcher == "pdsh"
     if plan.multi_node:
