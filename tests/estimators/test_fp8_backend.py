@@ -8,7 +8,11 @@ import pytest
 
 from optplan.estimators.activations import activation_bytes
 from optplan.estimators.arch import parse_arch, profile_from_arch
-from optplan.estimators.fp8_backend import fp8_backend, fp8_weight_cache_bytes_per_param, saves_fp8_gemm_inputs
+from optplan.estimators.fp8_backend import (
+    fp8_backend,
+    fp8_weight_cache_bytes_per_param,
+    saves_fp8_gemm_inputs,
+)
 from optplan.estimators.hardware import find_gpu
 from optplan.estimators.memory import memory_breakdown
 from optplan.estimators.strategy import Strategy
