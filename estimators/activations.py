@@ -13,7 +13,7 @@ measured fits it interpolates. A measured profile keeps its measured per-layer b
 and its measured non-layer part (embedding, logits, loss: split by t as Megatron's vocabulary-parallel cross
 entropy does); the split between the two takes the Table 2 per-layer figure (TransformerShape.layer_bytes_per_token).
 Under the fp8 recipe Transformer Engine (Megatron) keeps its GEMM inputs in fp8 (estimators/fp8_activations.py);
-torchao's Float8Linear (the torch and DeepSpeed engines) keeps them in bf16 (estimators/fp8_backend.py).
+torchao's Float8Linear (the torch engine's train.py) keeps them in bf16 (estimators/fp8_backend.py).
 Context parallelism divides the sequence by cp. Pipeline: under 1F1B the first stage holds min(p, m) micro-batches
 in flight (Narayanan et al. 2021 §2.2.1); interleaving with v virtual stages multiplies the first stage's
 activations by 1 + (p−1)/(p·v) (Korthikanti et al. §4.2.3). memory.py adds them to the rest of the rank's memory.
@@ -152,6 +152,19 @@ def _partial_moments(profile: ModelProfile, strategy: Strategy) -> dict[str, int
     return partial_phase_bytes(none_wo, full_wo, checkpointed, blocks, none_c, full_c)
 
 
+def _compiled_partial_moments(profile: ModelProfile, strategy: Strategy) -> dict[str, int] | None:
+    """:func:`_partial_moments` with a compiled loss priced: the ``loss`` moment as compiled_loss.py says where the
+    moments are known, else the one figure less the loss's saving (never below what it was less that saving)."""
+    partial = _partial_moments(profile, strategy)
+    if partial is None or not compiles_logit_loss(profile, strategy):
+        return partial
+    fit, _ = measured_fit(profile, strategy)
+    if "loss" in partial:
+        return compiled_loss_moments(partial, logits_gradient_bytes(profile, strategy, fit.precision))
+    saving = _loss_saving_per_sample(profile, strategy, fit.precision) * strategy.mbs
+    return {k: max(0, round(v - saving)) for k, v in partial.items()}
+
+
 def _fixed_stage_bytes(profile: ModelProfile, strategy: Strategy, fixed: int, copies: int, stage: int) -> float:
     """The fit's fixed bytes on one rank: autocast weight copies scale with the rank's parameters and
     vanish for 16-bit weights; the rest stays."""
@@ -174,7 +187,7 @@ def activation_bytes(profile: ModelProfile, strategy: Strategy, *, stage: int = 
     recipe = get_recipe(strategy.precision)
     mode = strategy.checkpointing if profile.supports_checkpointing else "none"
     if uses_measured_fit(profile, strategy):
-        partial = _partial_moments(profile, strategy)
+        partial = _compiled_partial_moments(profile, strategy)
         if partial is not None:  # some blocks checkpointed: the worst moment
             return max(partial.values())
         return _whole_model_bytes(profile, strategy)
@@ -187,18 +200,35 @@ def activation_bytes(profile: ModelProfile, strategy: Strategy, *, stage: int = 
 def _whole_model_bytes(profile: ModelProfile, strategy: Strategy) -> int:
     """The measured (or formula) fit at the micro-batch, with a compiled loss priced (estimators/compiled_loss.py):
     per moment where the fit has them, the ``--arch`` formula's logits term otherwise (a measured fit without
-    moments keeps its figure)."""
+    moments keeps its figure); never above the eager figure."""
     fit, copies = measured_fit(profile, strategy)
     whole = fit.bytes_at(strategy.mbs, param_copies=copies)
     if not compiles_logit_loss(profile, strategy):
         return whole
     phases = fit.phases_at(strategy.mbs, param_copies=copies)
     if phases:
-        return max(compiled_loss_moments(phases, logits_gradient_bytes(profile, strategy, fit.precision)).values())
+        return min(whole, max(compiled_loss_moments(phases, logits_gradient_bytes(profile, strategy,
+                                                                                   fit.precision)).values()))
     if profile.activation_source != "formula":
         return whole
     saving = compiled_loss_saving_bytes_per_sample(profile, strategy, fit.precision)
     return max(0, round(whole - saving * strategy.mbs))
+
+
+def _loss_saving_per_sample(profile: ModelProfile, strategy: Strategy, precision: ActivationPrecision) -> float:
+    """Bytes per sample a compiled loss saves at the loss (whole vocabulary, every token): the ``--arch`` formula's
+    (compiled_loss.py); for a measured profile what its eager ``loss`` moment holds above the forward's moment and
+    the logits' gradient (a loss inside the model's forward, Hugging Face's, shows none), 0 without moments."""
+    if not compiles_logit_loss(profile, strategy):
+        return 0.0
+    if profile.activation_source == "formula":
+        return compiled_loss_saving_bytes_per_sample(profile, strategy, precision)
+    fit = profile.activation(precision, "none") if profile.has_activation(precision, "none") else None
+    phases = fit.phases_at(1, param_copies=False) if fit is not None else {}
+    if "loss" not in phases or "forward" not in phases:
+        return 0.0
+    one = strategy.model_copy(update={"mbs": 1})
+    return max(0.0, phases["loss"] - phases["forward"] - logits_gradient_bytes(profile, one, precision))
 
 
 def _per_sample_stage_bytes(profile: ModelProfile, strategy: Strategy, mode: str, stage: int) -> float:
@@ -244,7 +274,7 @@ def _per_sample_stage_bytes(profile: ModelProfile, strategy: Strategy, mode: str
     if last:  # PyTorch's loss parallelism holds more fp32 logit-shaped tensors than a fused kernel (loss_parallel.py)
         ends_here += loss_parallel_extra_bytes_per_sample(profile, strategy, recipe.activation_precision)
         # a compiled loss holds the logits and their gradient only (compiled_loss.py), split as the logits are
-        saving = compiled_loss_saving_bytes_per_sample(profile, strategy, recipe.activation_precision)
+        saving = _loss_saving_per_sample(profile, strategy, recipe.activation_precision)
         ends_here = max(0.0, ends_here - saving / (1 if gathers_logits(profile, strategy) else t))
     checkpointed = checkpointed_blocks(strategy, on_stage) if mode == "full" else 0.0
     if mode == "full" and checkpointed >= on_stage:
@@ -265,7 +295,7 @@ def activation_moments(profile: ModelProfile, strategy: Strategy, *, stage: int 
     """Activation bytes at each moment of the step (profile.STEP_PHASES) when the profile's measured fit
     applies and has per-phase envelopes; else ``{"step": activation_bytes(...)}`` (one figure, the peak)."""
     if uses_measured_fit(profile, strategy):
-        partial = _partial_moments(profile, strategy)
+        partial = _compiled_partial_moments(profile, strategy)
         if partial is not None:
             return partial
         fit, copies = measured_fit(profile, strategy)

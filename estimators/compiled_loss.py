@@ -55,12 +55,35 @@ def _key(precision: ActivationPrecision | str) -> str:
     return "fp32" if precision == "fp32" else "bf16"
 
 
+LOSS_OUTSIDE_BYTES_PER_LOGIT = 1.0
+"""A measured ``loss`` moment this many bytes per logit above the ``forward`` one (at one sample) shows a loss
+function of its own over the logits (an eager cross entropy holds 8-12); a loss the model's forward computes
+(Hugging Face's ``output.loss``, which compiling ``loss_fn`` cannot reach) shows about none."""
+
+
+def loss_outside_model(profile: ModelProfile) -> bool:
+    """Whether the profile's loss is a function of its own over the logits, which compiling ``loss_fn`` compiles:
+    always for an ``--arch`` shape (its formula counts an eager cross entropy); for a measured profile when a fit's
+    ``loss`` moment holds logit-sized tensors above its ``forward`` one (:data:`LOSS_OUTSIDE_BYTES_PER_LOGIT`);
+    unknown (older profiles without moments) counts as not."""
+    shape = profile.transformer
+    if shape is None or not shape.vocab or not profile.tokens_per_sample:
+        return False
+    if profile.activation_source == "formula":
+        return True
+    logits = profile.tokens_per_sample * shape.vocab
+    for fit in profile.activations:
+        phases = fit.phases_at(1, param_copies=False)
+        if "loss" in phases and "forward" in phases:
+            return phases["loss"] - phases["forward"] >= LOSS_OUTSIDE_BYTES_PER_LOGIT * logits
+    return False
+
+
 def compiles_logit_loss(profile: ModelProfile, strategy: Strategy) -> bool:
     """Whether ``strategy`` runs a compiled cross entropy over the model's logits: the loss compiled
-    (``Strategy.loss_compiled``), a language model (vocabulary and tokens known), not PyTorch's loss parallelism."""
-    shape = profile.transformer
-    return (strategy.loss_compiled and shape is not None and bool(shape.vocab) and bool(profile.tokens_per_sample)
-            and not runs_loss_parallel(profile, strategy))
+    (``Strategy.loss_compiled``), a language model whose loss is a function of its own (:func:`loss_outside_model`),
+    not PyTorch's loss parallelism."""
+    return strategy.loss_compiled and loss_outside_model(profile) and not runs_loss_parallel(profile, strategy)
 
 
 def compiled_loss_saving_bytes_per_sample(profile: ModelProfile, strategy: Strategy,
@@ -112,4 +135,5 @@ __all__ = [
     "compiled_loss_traffic_bytes_per_logit",
     "compiles_logit_loss",
     "logits_gradient_bytes",
+    "loss_outside_model",
 ]

@@ -78,7 +78,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from optplan.estimators.adapter_time import adapter_layer_time_s, adapter_width_per_layer, cast_params
 from optplan.estimators.attention_kernels import flash_fractions
 from optplan.estimators.cast_traffic import autocast_cast_bytes_per_microbatch
-from optplan.estimators.compiled_loss import compiled_loss_traffic_bytes_per_logit
+from optplan.estimators.compiled_loss import compiled_loss_traffic_bytes_per_logit, loss_outside_model
 from optplan.estimators.counted_traffic import counted_step, seconds_per_flop
 from optplan.estimators.counted_traffic import memory_s as counted_memory_s
 from optplan.estimators.eager_traffic import layer_bytes_per_token, precision_class
@@ -192,6 +192,9 @@ class TransformerDims(BaseModel):
     adapter_rank: int = Field(default=0, description="LoRA rank r; 0 without adapters")
     attention_key_heads: int = Field(default=0, description="key heads the model's attention call receives (its "
                                                             "query heads when it repeats K/V first); 0: kv_heads")
+    loss_outside_model: bool = Field(default=True, description="the loss is a function of its own over the logits, "
+                                                               "which a compiled loss_fn compiles "
+                                                               "(compiled_loss.loss_outside_model)")
 
 
 def transformer_dims(profile: ModelProfile) -> TransformerDims | None:
@@ -234,7 +237,8 @@ def transformer_dims(profile: ModelProfile) -> TransformerDims | None:
                            frozen_base=adapter is not None,
                            adapter_width=adapter_width_per_layer(profile, shape.layers),
                            adapter_rank=adapter.rank if adapter is not None else 0,
-                           attention_key_heads=key_heads if key_heads and a % key_heads == 0 else 0)
+                           attention_key_heads=key_heads if key_heads and a % key_heads == 0 else 0,
+                           loss_outside_model=loss_outside_model(profile))
 
 
 def eager_head_bytes(profile: ModelProfile, layers: int, seq: int) -> dict[str, float] | None:
@@ -443,7 +447,7 @@ def head_time(dims: TransformerDims, strategy: Strategy, gpu: GPUSpec, eff: GpuE
         precision_class(get_recipe(strategy.precision).weight_bytes, elem)) if family.eager else None
     if counted is not None:  # the final norm is in the count
         ce, norm = family.elementwise_multiplier * counted * tokens / t * eff.elementwise_factor / hbm, 0.0
-    if strategy.loss_compiled and not (strategy.engine == "torch" and t > 1):  # not under loss parallelism
+    if strategy.loss_compiled and dims.loss_outside_model and not (strategy.engine == "torch" and t > 1):
         # Inductor's fused cross entropy: its own byte count per logit (estimators/compiled_loss.py); the final
         # norm as the formula's passes
         ce = compiled_loss_traffic_bytes_per_logit("fp32" if elem == 4 else "bf16") * tokens * v_local / hbm

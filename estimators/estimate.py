@@ -123,11 +123,12 @@ def estimate_notes(profile: ModelProfile, strategy: Strategy, cluster: Cluster) 
     uneven = uneven_split_note(block.count, strategy.pp, strategy.vpp, strategy.engine) if block is not None else None
     if uneven:
         notes.append(uneven)
-    if get_recipe(strategy.precision).compute_dtype == "fp8" and strategy.engine != "megatron":
-        notes.append("fp8 outside Megatron: the exported train.py runs torchao's Float8Linear (weights cast to fp8 "
+    if get_recipe(strategy.precision).compute_dtype == "fp8" and strategy.engine == "torch":
+        notes.append("fp8 on the torch engine: the exported train.py runs torchao's Float8Linear (weights cast to fp8 "
                      "in each matmul, bf16 inputs saved for backward), and its memory is priced so (no cached fp8 "
                      "weight copies: estimators/fp8_backend.py, checked on torchtitan's float8 runs); the fp8 GEMM "
-                     "speed is Transformer Engine's measured rate, torchao's per-matmul casts are not priced")
+                     "speed is Transformer Engine's measured rate, torchao's per-matmul casts are not priced; "
+                     "accelerate.yaml's fp8 runs Transformer Engine, which holds 2 more bytes per parameter")
     shape = profile.transformer
     if strategy.cp > 1 and strategy.engine == "torch" and shape is not None:
         notes.append(ring_attention_note(shape.heads, shape.kv_heads or shape.heads, profile.attention_key_heads,

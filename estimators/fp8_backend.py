@@ -3,11 +3,13 @@
 The ``fp8`` recipe (estimators/precision.py) runs its Linear layers' matmuls in fp8 with bf16 model states. Two
 implementations do it, and they hold different memory:
 
-* **Transformer Engine** (Megatron-LM, the ``megatron`` engine): every TE ``Linear`` casts its weight to fp8 once per
+* **Transformer Engine** (Megatron-LM, the ``megatron`` engine; the ``deepspeed`` engine, whose ds_config has no
+  fp8 recipe: the export refuses fp8 and names Transformer Engine, planner/export/deepspeed.py; and accelerate's
+  ``fp8_config``): every TE ``Linear`` casts its weight to fp8 once per
   step and keeps the fp8 weight and its fp8 transpose through the step (``Recipe.fp8_weight_cache_bytes`` = 2 bytes
   per parameter), and saves its GEMM inputs in fp8 for backward (estimators/fp8_activations.py). TE user guide,
   "Using FP8 with Transformer Engine"; ``transformer_engine/pytorch/module/linear.py``.
-* **torchao's** ``Float8Linear`` (optplan's training loop for the ``torch`` and ``deepspeed`` engines:
+* **torchao's** ``Float8Linear`` (optplan's training loop on the ``torch`` engine, train.py under torchrun:
   probes/trainloop.py ``apply_fp8``; torchtitan's float8): ``matmul_with_hp_or_float8_args`` saves the
   high-precision input and weight it was given (``ctx.save_for_backward(input_hp, weight_hp_t)``, references, no
   copies) and casts both to fp8 inside the forward and again inside the backward (torchao
@@ -34,7 +36,7 @@ def fp8_backend(strategy: Strategy) -> Fp8Backend | None:
     """The fp8 implementation ``strategy`` runs (module docstring); None without fp8 matmuls."""
     if get_recipe(strategy.precision).compute_dtype != "fp8":
         return None
-    return "transformer_engine" if strategy.engine == "megatron" else "torchao"
+    return "torchao" if strategy.engine == "torch" else "transformer_engine"
 
 
 def fp8_weight_cache_bytes_per_param(strategy: Strategy) -> float:

@@ -23,8 +23,8 @@ Sources (all figures are bytes per parameter):
   (2-4 % of a 7B-70B decoder's parameters, but ~30 % of GPT-2 small's). Blackwell MXFP8 adds one E8M0 scale per 32 values per
   copy (+0.0625 bytes), below this integer's resolution. Activations are bf16 except the GEMM inputs TE saves
   in fp8 for backward, which the formula path counts at one byte (estimators/fp8_activations.py).
-  That is Transformer Engine's, which the ``megatron`` engine runs; the ``torch`` and ``deepspeed`` engines run
-  torchao's Float8Linear, which caches no fp8 copy and saves bf16 inputs (estimators/fp8_backend.py decides).
+  That is Transformer Engine's, which the ``megatron`` and ``deepspeed`` engines run; the ``torch`` engine's
+  train.py runs torchao's Float8Linear, which caches no fp8 copy and saves bf16 inputs (estimators/fp8_backend.py).
 """
 
 from __future__ import annotations

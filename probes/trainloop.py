@@ -860,8 +860,8 @@ class Trainer:
         memory and bytes by estimators/compiled_loss.py, ``Strategy.loss_compiled``)."""
         if self.engine == "megatron":
             return False
-        chosen = self.strategy.get("compile_loss")
-        return self.compile if chosen is None else bool(chosen)
+        chosen = self.strategy.get("compile_loss")  # the plan's; the probe's own whole-model option does not count
+        return bool(self.strategy.get("compile")) if chosen is None else bool(chosen)
 
     def _loss_callable(self) -> Callable[[Any, Any], Any]:
         """``loss_fn``, compiled once when :attr:`compiles_loss` (a graph break runs that part eagerly)."""
@@ -870,7 +870,8 @@ class Trainer:
             return self.loss_fn
         if self.compiled_loss_fn is None:
             self.compiled_loss_fn = torch.compile(self.loss_fn)
-            self.note("the loss function runs compiled (torch.compile of loss_fn: the plan's compile)")
+            self.note("the loss function runs compiled (torch.compile of loss_fn, as the plan says: compile_loss, "
+                      "else compile)")
         return self.compiled_loss_fn
 
     def compute_loss(self, output: Any, batch: Any) -> torch.Tensor:

@@ -29,8 +29,9 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="print a stable JSON docum
 NameOpt = Annotated[str | None, typer.Option("--model-name", help="which model when the file defines several")]
 COMPILE_HELP = ("torch.compile each repeated block (torch and deepspeed engines): Inductor fuses the elementwise "
                 "ops between GEMMs, priced as fused kernels (eager plans are priced by the measured per-operator "
-                "bytes); the exports compile too, and the loss function with them (--eager-loss to keep it eager)")
+                "bytes); the exports compile too, and the model file's loss_fn with them (estimate --eager-loss "
+                "keeps it eager)")
 COMPILE_LOSS_HELP = ("torch.compile of the model file's loss_fn (default: with --compile, as torchtitan does): "
                      "Inductor's fused cross entropy holds the logits and their gradient only, where an eager one "
-                     "keeps fp32 copies (about 6 bytes less per logit); --eager-loss compiles the blocks only")
+                     "keeps fp32 copies (6 bytes less per 16-bit logit, 8 per fp32 one); --eager-loss compiles the blocks only")
 ClusterOpt = Annotated[Path | None, typer.Option("--cluster", help="cluster YAML: gpu, gpus_per_node, nodes[, bandwidths, price, power]")]

@@ -88,3 +88,41 @@ def test_the_compiled_loss_moves_inductors_count_not_the_eager_constant() -> Non
     norm = eff.elementwise_factor * 5.0 * 2 * 8192 * 4096 * 2 / hbm
     assert c == pytest.approx(8 * 2 * LOGITS / hbm + norm, rel=1e-9)
     assert e > 5 * c  # the eager constant (bytes per logit fitted on Megatron's fp32 cross entropy) is far above
+
+
+def _measured(loss_above_forward_per_logit: float) -> object:
+    """The 8B shape as a measured profile whose fits' loss moment holds ``loss_above_forward_per_logit`` bytes per
+    logit above the forward's (a loss_fn of its own: 10; Hugging Face's output.loss inside the forward: 0)."""
+    from optplan.estimators.profile import ActivationFit
+
+    prof = profile_from_arch(parse_arch(LLAMA_8B))
+    forward = 40 * LOGITS  # above the formula's 32 layers (36.5 GB a sample): the rest is the ends
+    loss = round(forward + loss_above_forward_per_logit * LOGITS)
+    phases = {"forward": ((0, forward),), "loss": ((0, loss),), "backward": ((0, forward + LOGITS),),
+              "grads": ((0, forward),)}
+    fits = tuple(ActivationFit(precision=p, checkpointing=c, fixed_bytes=0, per_sample_bytes=max(loss, forward),
+                               phase_lines=phases)
+                 for p in ("bf16", "fp32") for c in ("none", "selective", "full"))
+    return prof.model_copy(update={"activation_source": "measured", "activations": fits})
+
+
+def test_a_measured_profile_saves_only_what_its_eager_loss_held_outside_the_model() -> None:
+    from optplan.estimators.compiled_loss import loss_outside_model
+
+    own, inside = _measured(10.0), _measured(0.0)
+    assert loss_outside_model(own) and not loss_outside_model(inside)  # type: ignore[arg-type]
+    eager, compiled = _torch(compile=True, compile_loss=False), _torch(compile=True)
+    assert activation_bytes(own, eager) - activation_bytes(own, compiled) == 2 * (10 - 2) * LOGITS  # type: ignore[arg-type]
+    assert activation_bytes(inside, eager) == activation_bytes(inside, compiled)  # type: ignore[arg-type]
+    # the model-parallel path takes the same measured saving on the last stage (the logits gathered per rank)
+    pp_e, pp_c = (s.model_copy(update={"pp": 2, "dp": 4}) for s in (eager, compiled))
+    assert activation_bytes(own, pp_e, stage=1) - activation_bytes(own, pp_c, stage=1) == \
+        pytest.approx(2 * (10 - 2) * LOGITS, rel=1e-6)  # type: ignore[arg-type]
+    assert activation_bytes(inside, pp_e, stage=1) == activation_bytes(inside, pp_c, stage=1)  # type: ignore[arg-type]
+
+
+def test_partial_checkpointing_saves_the_compiled_loss_too() -> None:
+    prof = profile_from_arch(parse_arch(LLAMA_8B))
+    eager = _torch(checkpointing="full", checkpoint_layers=31, compile=True, compile_loss=False)
+    compiled = eager.model_copy(update={"compile_loss": None})
+    assert activation_bytes(prof, eager) - activation_bytes(prof, compiled) == pytest.approx(2 * 6 * LOGITS, abs=2)

@@ -1,5 +1,5 @@
-"""estimators/fp8_backend.py: Megatron's fp8 is Transformer Engine's (fp8 W and W^T cached through the step, fp8
-GEMM inputs saved); the torch and DeepSpeed engines run torchao's Float8Linear (optplan's training loop, torchtitan),
+"""estimators/fp8_backend.py: Megatron's and DeepSpeed's fp8 is Transformer Engine's (fp8 W and W^T cached through
+the step, fp8 GEMM inputs saved); the torch engine runs torchao's Float8Linear (optplan's training loop, torchtitan),
 which caches no fp8 copy and saves bf16 inputs: an fp8 torch plan holds what its bf16 twin holds."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ LLAMA_8B = "layers=32,hidden=4096,heads=32,kv_heads=8,ffn=14336,vocab=128256,gat
 def test_each_engine_runs_its_own_fp8() -> None:
     assert fp8_backend(Strategy(engine="megatron", precision="fp8")) == "transformer_engine"
     assert fp8_backend(Strategy(engine="torch", precision="fp8")) == "torchao"
-    assert fp8_backend(Strategy(engine="deepspeed", precision="fp8")) == "torchao"
+    assert fp8_backend(Strategy(engine="deepspeed", precision="fp8")) == "transformer_engine"  # the export names TE
     assert fp8_backend(Strategy(engine="torch", precision="bf16")) is None
     assert fp8_weight_cache_bytes_per_param(Strategy(engine="megatron", precision="fp8")) == 2
     assert fp8_weight_cache_bytes_per_param(Strategy(engine="torch", precision="fp8")) == 0

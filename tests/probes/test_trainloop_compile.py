@@ -81,11 +81,19 @@ def test_a_compiled_plan_compiles_the_loss_function_too_unless_the_plan_says_eag
     base = {"engine": "torch", "precision": "amp-bf16", "checkpointing": "full"}  # CPU autocast stand-in included
     eager, eager_loss = _first_loss({**base, "compile": False})
     assert not eager.compiles_loss and eager.compiled_loss_fn is None
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     compiled, compiled_loss = _first_loss({**base, "compile": True})
     assert compiled.compiles_loss and compiled.compiled_loss_fn is not None
+    # Inductor compiled graphs (the blocks' and the loss's), not an eager fallback
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= graphs + 2
     assert any("loss function runs compiled" in n for n in compiled.notes)
     assert abs(compiled_loss - eager_loss) < 1e-2 * abs(eager_loss)  # the same loss, computed by Inductor's kernels
     blocks_only, _ = _first_loss({**base, "compile": True, "compile_loss": False})
     assert blocks_only.compiled_blocks and blocks_only.compiled_loss_fn is None
+    torch._dynamo.reset()  # the loss's code was compiled above: compile it afresh
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     loss_only, _ = _first_loss({**base, "compile": False, "compile_loss": True})
     assert not loss_only.compiled_blocks and loss_only.compiled_loss_fn is not None
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= graphs + 1  # the loss's own graph
+    probe_option = Trainer({**base, "compile": False}, compile=True)  # the probe's whole-model option
+    assert not probe_option.compiles_loss
