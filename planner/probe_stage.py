@@ -168,7 +168,9 @@ def compare_spec(profile: ModelProfile, cluster: Cluster, candidate: Strategy, p
     the AdamW the probe ran when it is not the engine's own (e.g. a torch client optimizer under DeepSpeed)."""
     small = _probe_cluster(cluster, probed)
     cap = usable_capacity_bytes(cluster.gpu.memory_bytes)
-    memory = memory_breakdown(profile, probed, cap, gpus_per_node=small.gpus_per_node, device=local.device,
+    # on CPU ranks the tracked steps run eagerly (dynamo skips frames under the tracker): the loss too
+    held = probed if local.device == "cuda" else probed.model_copy(update={"compile_loss": False})
+    memory = memory_breakdown(profile, held, cap, gpus_per_node=small.gpus_per_node, device=local.device,
                               adam_impl=adam_impl, gpu=cluster.gpu.name)
     allocated = memory.total_bytes - memory.overhead_bytes
     step = on_device = comm = None

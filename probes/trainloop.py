@@ -1321,7 +1321,8 @@ def run_training(plan: Mapping[str, Any], args: argparse.Namespace, hooks: Hooks
     measured = {"status": "ok", "steps": args.steps, "warmup_steps": len(times) - len(timed), "step_times_s": times,
                 "step_s": step_s, **figures(plan, step_s, world), "losses": losses, **memory, **hooks.measured(),
                 "checkpointing_applied": trainer.checkpointing_applied, "data": data_source,
-                "loss_compiled": trainer.compiled_loss_fn is not None}
+                # the memory's loss: on the CPU the tracker's steps run eagerly (dynamo skips frames under it)
+                "loss_compiled": trainer.compiled_loss_fn is not None and device_type == "cuda"}
     if device_type == "cuda":
         free, total = torch.cuda.mem_get_info()
         measured["non_torch_bytes"] = int(max(0, total - free - torch.cuda.memory_reserved()))
