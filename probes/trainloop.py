@@ -855,24 +855,18 @@ class Trainer:
     # -- one step -----------------------------------------------------------------------------------
     @property
     def compiles_loss(self) -> bool:
-        """Whether the model file's ``loss_fn`` runs compiled by torch.compile: the plan's ``compile_loss`` when set,
-        else its ``compile`` (torchtitan compiles its loss with its blocks; optplan prices a compiled loss's
-        memory and bytes by estimators/compiled_loss.py, ``Strategy.loss_compiled``)."""
-        if self.engine == "megatron":
-            return False
-        chosen = self.strategy.get("compile_loss")  # the plan's; the probe's own whole-model option does not count
-        return bool(self.strategy.get("compile")) if chosen is None else bool(chosen)
+        """Whether ``loss_fn`` runs under torch.compile: the plan's ``compile_loss``, else its ``compile`` (not the
+        probe's whole-model option), as torchtitan does and ``Strategy.loss_compiled`` prices it."""
+        chosen = self.strategy.get("compile_loss")
+        return self.engine != "megatron" and bool(self.strategy.get("compile") if chosen is None else chosen)
 
     def _loss_callable(self) -> Callable[[Any, Any], Any]:
         """``loss_fn``, compiled once when :attr:`compiles_loss` (a graph break runs that part eagerly)."""
         assert self.loss_fn is not None
-        if not self.compiles_loss:
-            return self.loss_fn
-        if self.compiled_loss_fn is None:
+        if self.compiles_loss and self.compiled_loss_fn is None:
             self.compiled_loss_fn = torch.compile(self.loss_fn)
-            self.note("the loss function runs compiled (torch.compile of loss_fn, as the plan says: compile_loss, "
-                      "else compile)")
-        return self.compiled_loss_fn
+            self.note("the loss function runs compiled (torch.compile of loss_fn: the plan's compile_loss/compile)")
+        return self.compiled_loss_fn if self.compiles_loss and self.compiled_loss_fn else self.loss_fn
 
     def compute_loss(self, output: Any, batch: Any) -> torch.Tensor:
         if self.loss_fn is not None:
