@@ -25,6 +25,7 @@ from optplan.estimators.compiled_loss import (
     compiled_loss_moments,
     compiled_loss_saving_bytes_per_sample,
     compiles_logit_loss,
+    eager_loss_bytes_per_sample,
     logits_gradient_bytes,
 )
 from optplan.estimators.fp8_activations import fp8_saved_bytes_per_token
@@ -211,8 +212,20 @@ def _whole_model_bytes(profile: ModelProfile, strategy: Strategy) -> int:
                                                                                    fit.precision)).values()))
     if profile.activation_source != "formula":
         return whole
+    return max(0, round(whole - _formula_saving_per_sample(profile, strategy, fit) * strategy.mbs))
+
+
+def _formula_saving_per_sample(profile: ModelProfile, strategy: Strategy, fit: ActivationFit) -> float:
+    """Bytes per sample a compiled loss takes off an ``--arch`` fit: all it saves without recomputation (the loss
+    is the step's peak beside every layer's activations); with it, the peak is the larger of a layer's rerun and the
+    loss (arch.py), so only what the eager loss held above the rerun, at most the saving."""
     saving = compiled_loss_saving_bytes_per_sample(profile, strategy, fit.precision)
-    return max(0, round(whole - saving * strategy.mbs))
+    block = profile.repeated_block
+    if fit.checkpointing == "none" or saving <= 0 or block is None or not profile.has_activation(fit.precision, "none"):
+        return saving
+    loss = eager_loss_bytes_per_sample(profile, fit.precision)
+    rerun = (profile.activation(fit.precision, "none").per_sample_bytes - loss) / block.count  # arch.py's fits
+    return max(0.0, min(saving, loss - rerun))
 
 
 def _loss_saving_per_sample(profile: ModelProfile, strategy: Strategy, precision: ActivationPrecision) -> float:

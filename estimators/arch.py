@@ -11,8 +11,13 @@ untied output head (Llama 3 8B/70B).
   matmul parameters (positions excluded), i.e. forward 2·N + 4·L·h·s per token, backward twice that.
 - Activations (Korthikanti et al. 2022, arXiv 2205.05198, Table 2), bytes per layer per sample with
   16-bit activations: s·h·(34 + 5·a·s/h), the 5·a·s/h term dropped with flash attention (default);
-  full recomputation keeps 2·s·h per layer plus one layer's full activations. fp32 doubles them.
-  Logits: s·V values held as 16-bit logits, fp32 softmax and fp32 gradient (10 bytes each; 16 in fp32).
+  full recomputation keeps 2·s·h per layer plus one layer's full activations (its rerun in the backward), fp32
+  doubles them. The loss: :data:`LOGIT_BYTES` per logit (s·V of them) at an eager cross entropy's peak.
+  The moments: without recomputation every layer's activations are held at the loss (their sum); with full or
+  selective recomputation a layer's rerun happens in the backward, after the loss and its gradient are freed, so
+  the peak is the kept bytes plus the larger of the rerun and the loss, not their sum (as the model-parallel path
+  of activations.py counts; measured on CPU under tensor parallelism, benchmarks/fidelity_tp_cpu.py: the sum was
+  5-11 % over), one figure for one per-rank step however it is laid out (tp/cp/pp 1 or more).
 Units: parameters, FLOPs, bytes.
 """
 
@@ -35,7 +40,16 @@ from optplan.estimators.profile import (
 from optplan.estimators.selective import recompute_flops_per_token_layer, saved_bytes_per_token
 
 DEFAULT_VOCAB = 51200
-LOGIT_BYTES = {"bf16": 10, "fp32": 16}
+LOGIT_BYTES = {"bf16": 12, "fp32": 12}
+"""Bytes per logit at an eager cross entropy's peak, its backward: ``cross_entropy(logits.float(), targets)`` keeps
+the fp32 log-probabilities (4) for the backward, which makes their gradient (4) and the input's gradient (4) at once;
+the logits themselves are freed before the backward by the training loop (probes/trainloop.py ``del out``,
+torchtitan's ``del pred``) and the fp32 copy after the forward (log_softmax saves its output only). The forward's
+moment holds less (16-bit: logits 2 + fp32 copy 4 + log-probabilities 4 = 10; fp32: 8). Measured on CPU
+(benchmarks/compiled_loss_cpu.py): 12.00 bytes per logit above the held logits for 16-bit and fp32 logits alike.
+Until 2026-12-01 optplan counted 10 / 16 (the 16-bit forward's moment; fp32 with the logits held) and summed the
+loss with a recomputed layer's working set, which made up for the 16-bit shortfall where the model ran unsplit and
+was 9 % under torchtitan's context-parallel runs where it did not (benchmarks/fidelity_torchtitan.py)."""
 
 
 MAX_LAYERS = 10_000
@@ -338,13 +352,14 @@ def profile_from_arch(spec: ArchSpec, *, name: str | None = None) -> ModelProfil
     for precision, scale in (("bf16", 1), ("fp32", 2)):
         logits = s * v * LOGIT_BYTES[precision]
         full = scale * L * layer_bytes + logits
-        ckpt = scale * (L * 2 * s * h + layer_bytes) + logits
+        # a layer's rerun and the loss are never held at once (module docstring): the larger of the two
+        ckpt = scale * L * 2 * s * h + max(scale * layer_bytes, logits)
         fits += [ActivationFit(precision=precision, checkpointing="none", fixed_bytes=0, per_sample_bytes=round(full)),
                  ActivationFit(precision=precision, checkpointing="full", fixed_bytes=0, per_sample_bytes=round(ckpt))]
         if saved is not None:  # the op-level selective policy (selective.py): what it keeps, plus one layer's rerun
             kept = s * sum(saved) + (attn_term if not spec.flash else 0)  # a math attention's scores are bmm outputs
             fits.append(ActivationFit(precision=precision, checkpointing="selective", fixed_bytes=0,
-                                      per_sample_bytes=round(scale * (L * kept + layer_bytes) + logits)))
+                                      per_sample_bytes=round(scale * L * kept + max(scale * layer_bytes, logits))))
     return ModelProfile(
         name=name or f"decoder-L{L}-h{h}", path="--arch", model_class="Decoder", params=params,
         trainable_params=params, params_by_module={"embedding": params - L * per_layer, "layers": L * per_layer},

@@ -22,16 +22,18 @@ compiled, above the held logits       2 B (grad)      4 B (grad)
 compiled, moved (forward + backward)  8 B             16 B
 ====================================  ==============  ===========
 
-So the loss's peak holds the logits and their gradient: :data:`COMPILED_LOSS_PEAK_BYTES_PER_LOGIT`, against the 10 /
-16 bytes optplan's ``--arch`` profiles count for an eager loss (estimators/arch.py ``LOGIT_BYTES``: a fused kernel's
-count; torch's eager composite measures 14 / 16 here, and the 10 is kept: the torchtitan runs with an eager loss,
-benchmarks/fidelity_torchtitan.py, sit at -4 to +10 % with it); its kernels move :data:`COMPILED_LOSS_TRAFFIC_BYTES_PER_LOGIT` (two reads forward: the row's max,
+So the loss's peak holds the logits and their gradient: :data:`COMPILED_LOSS_PEAK_BYTES_PER_LOGIT`, against the 12
+bytes optplan's ``--arch`` profiles count for an eager loss (estimators/arch.py ``LOGIT_BYTES``: the eager backward's
+fp32 log-probabilities, their gradient and the input's, the logits freed by the training loop before the backward:
+the 12 measured here above logits the harness holds); with recomputation an ``--arch`` profile's peak is the larger
+of a layer's rerun and the loss, and a compiled loss saves only what the eager one held above the rerun
+(activations.py). Its kernels move :data:`COMPILED_LOSS_TRAFFIC_BYTES_PER_LOGIT` (two reads forward: the row's max,
 then its sum of exponentials; a read and a write backward), against the eager ``logits_bytes_per_element``.
 
 A measured profile records the loss as its own moment of the step (``loss``: the loss's forward and backward,
 profile.STEP_PHASES). Compiled, that moment holds what the model's forward left (its ``forward`` moment: the logits are
 its last and largest tensor) plus the logits' gradient (:func:`compiled_loss_moments`). On examples/llama.py (bf16,
-full recomputation) the eager loss holds 10 bytes per logit over the forward's moment, the model's backward 0.5. Under PyTorch's loss parallelism (torch engine, tensor parallelism, logits sharded
+full recomputation) the eager loss holds 10 bytes per logit over the forward's moment (which holds the 16-bit logits: 12 in all), the model's backward 0.5. Under PyTorch's loss parallelism (torch engine, tensor parallelism, logits sharded
 over the vocabulary: estimators/loss_parallel.py) the loss runs DTensor's decomposed handlers: priced as those.
 """
 
@@ -89,7 +91,7 @@ def compiles_logit_loss(profile: ModelProfile, strategy: Strategy) -> bool:
 def compiled_loss_saving_bytes_per_sample(profile: ModelProfile, strategy: Strategy,
                                           precision: ActivationPrecision) -> float:
     """Bytes per sample (whole vocabulary, every token of the sample) a compiled loss holds less than the eager loss
-    an ``--arch`` profile counts (``LOGIT_BYTES`` − :data:`COMPILED_LOSS_PEAK_BYTES_PER_LOGIT`); 0 when the plan
+    an ``--arch`` profile counts (``LOGIT_BYTES`` − :data:`COMPILED_LOSS_PEAK_BYTES_PER_LOGIT`: 8 / 4); 0 when the plan
     does not compile its loss over the logits. The caller splits it as the logits are split (tensor, context
     parallelism)."""
     if not compiles_logit_loss(profile, strategy):
@@ -98,6 +100,15 @@ def compiled_loss_saving_bytes_per_sample(profile: ModelProfile, strategy: Strat
     key = _key(precision)
     saved = max(0, LOGIT_BYTES[key] - COMPILED_LOSS_PEAK_BYTES_PER_LOGIT[key])
     return float(saved * profile.tokens_per_sample * profile.transformer.vocab)
+
+
+def eager_loss_bytes_per_sample(profile: ModelProfile, precision: ActivationPrecision) -> float:
+    """Bytes per sample at an eager cross entropy's peak as an ``--arch`` profile counts it (``LOGIT_BYTES`` per
+    logit, whole vocabulary, every token of the sample); 0 for a profile without a vocabulary."""
+    shape = profile.transformer
+    if shape is None or not shape.vocab or not profile.tokens_per_sample:
+        return 0.0
+    return float(LOGIT_BYTES[_key(precision)] * profile.tokens_per_sample * shape.vocab)
 
 
 def logits_gradient_bytes(profile: ModelProfile, strategy: Strategy, precision: ActivationPrecision) -> float:
@@ -134,6 +145,7 @@ __all__ = [
     "compiled_loss_saving_bytes_per_sample",
     "compiled_loss_traffic_bytes_per_logit",
     "compiles_logit_loss",
+    "eager_loss_bytes_per_sample",
     "logits_gradient_bytes",
     "loss_outside_model",
 ]

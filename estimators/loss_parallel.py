@@ -13,9 +13,9 @@ hold more fp32 tensors of the local logits' shape (T tokens × V/t) than a fused
 * backward: the saved log-probabilities (4), ``grad_input = zeros_like(x)`` (4), ``exp(x)`` (4) and their sum (4)
   at once: 16 bytes per local logit, the loss's peak.
 
-optplan's ``--arch`` profiles (estimators/arch.py ``LOGIT_BYTES``) count 10 bytes per logit for 16-bit activations
-(16-bit logits, fp32 softmax and fp32 gradient: a fused kernel's) and 16 for fp32: loss parallelism adds the
-difference, ``LOSS_PARALLEL_PEAK_BYTES_PER_LOGIT - LOGIT_BYTES``, on the last pipeline stage. Found on torchtitan's
+optplan's ``--arch`` profiles (estimators/arch.py ``LOGIT_BYTES``) count 12 bytes per logit (an eager cross
+entropy's backward: fp32 log-probabilities, their gradient and the input's, the logits freed): loss parallelism adds
+the difference, ``LOSS_PARALLEL_PEAK_BYTES_PER_LOGIT - LOGIT_BYTES``, on the last pipeline stage. Found on torchtitan's
 Llama 3 70B runs (tp 8, local batch 16, sequence 8,192: 2.1 G local logits), whose reserved memory was 20-25 %
 above the prediction (benchmarks/fidelity_torchtitan.py). A model's own tensor plan that gathers the logits
 (estimators/tensor_plan.py) runs its own, measured loss instead, and Megatron its fused vocabulary-parallel kernel.

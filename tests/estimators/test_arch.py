@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from optplan.estimators.arch import arch_params, parse_arch, profile_from_arch
+from optplan.estimators.arch import LOGIT_BYTES, arch_params, parse_arch, profile_from_arch
 from optplan.estimators.errors import OptplanError
 
 
@@ -28,9 +28,11 @@ def test_flops_follow_palm_appendix_b() -> None:
 def test_activations_follow_korthikanti_table2() -> None:
     s, h, a, L, V = 2048, 4096, 32, 4, 51200
     flash = profile_from_arch(parse_arch(f"layers={L},hidden={h},heads={a},seq={s}"))
-    logits = s * V * 10
+    logits = s * V * LOGIT_BYTES["bf16"]
     assert flash.activation("bf16", "none").per_sample_bytes == L * s * h * 34 + logits
-    assert flash.activation("bf16", "full").per_sample_bytes == L * 2 * s * h + s * h * 34 + logits
+    # the layer inputs, plus the larger of a layer's rerun and the loss: they are never held at once
+    assert flash.activation("bf16", "full").per_sample_bytes == L * 2 * s * h + max(s * h * 34, logits)
+    assert flash.activation("fp32", "full").per_sample_bytes == 2 * L * 2 * s * h + max(2 * s * h * 34, logits)
     spec = parse_arch(f"layers={L},hidden={h},heads={a},seq={s}").model_copy(update={"flash": False})
     math = profile_from_arch(spec)
     assert math.activation("bf16", "none").per_sample_bytes == round(L * s * h * (34 + 5 * a * s / h) + logits)
@@ -79,7 +81,7 @@ def test_gated_arch_counts_llama_parameters_exactly(text: str, params: int) -> N
     h, f = shape.hidden, shape.ffn
     per_token = 12 * h + 4 * shape.kv_dim + 8 * f
     none = prof.activation("bf16", "none")
-    assert none.per_sample_bytes == 4096 * (shape.layers * per_token + 128256 * 10)
+    assert none.per_sample_bytes == 4096 * (shape.layers * per_token + 128256 * LOGIT_BYTES["bf16"])
 
 
 def test_gpt_layer_bytes_reduce_to_korthikanti_34() -> None:

@@ -24,8 +24,8 @@ def test_torch_tp_plans_pay_the_decomposed_losss_extra_fp32_tensors() -> None:
     assert runs_loss_parallel(prof, tp8)
     extra = loss_parallel_extra_bytes_per_sample(prof, tp8, "bf16")
     assert extra == (LOSS_PARALLEL_PEAK_BYTES_PER_LOGIT - LOGIT_BYTES["bf16"]) * 8192 * 128256 / 8
-    assert extra == 6 * 8192 * 16032  # 6 bytes per local logit: 16 at the backward's peak, 10 counted
-    assert loss_parallel_extra_bytes_per_sample(prof, tp8, "fp32") == 0  # fp32 logits: already counted at 16
+    assert extra == 4 * 8192 * 16032  # 4 bytes per local logit: 16 at the backward's peak, 12 counted
+    assert loss_parallel_extra_bytes_per_sample(prof, tp8, "fp32") == extra  # its backward is fp32 either way
     # the activations of the last (here: only) stage grow by it, per sample of the micro-batch
     mega = tp8.model_copy(update={"engine": "megatron", "fsdp": "none", "zero": 1})
     assert not runs_loss_parallel(prof, mega) and loss_parallel_extra_bytes_per_sample(prof, mega, "bf16") == 0

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from conftest import make_gpu
 
-from optplan.estimators.arch import ArchSpec, profile_from_arch
+from optplan.estimators.arch import LOGIT_BYTES, ArchSpec, profile_from_arch
 from optplan.estimators.errors import OptplanError
 from optplan.estimators.estimate import estimate
 from optplan.estimators.hardware import Cluster
@@ -30,8 +30,9 @@ def gpt():  # noqa: ANN201 - a ModelProfile
     return profile_from_arch(ArchSpec(layers=L, hidden=H, heads=A, vocab=V, seq=S))
 
 
-def logits(scale: int = 10) -> int:
-    return S * V * scale
+def logits() -> int:
+    """An eager 16-bit cross entropy's peak over the sample's logits (arch.py LOGIT_BYTES)."""
+    return S * V * LOGIT_BYTES["bf16"]
 
 
 def test_table2_no_parallelism_with_and_without_flash(gpt) -> None:  # noqa: ANN001
@@ -291,3 +292,25 @@ def test_adafactor_under_zero_says_so_in_the_notes(gpt) -> None:  # noqa: ANN001
     factored = estimate(gpt, cluster, Strategy(optimizer="adafactor", dp=8))
     assert any("adafactor" in n.lower() for n in flat.notes)
     assert not any("adafactor" in n.lower() for n in factored.notes)
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "selective", "full"])
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_one_per_rank_step_is_one_figure_with_or_without_context_parallelism(
+        checkpointing: str, precision: str, compiled: bool) -> None:
+    """A rank of cp 2 at 2s tokens runs the step a rank of cp 1 runs at s: the whole-model fit (cp 1) and the
+    model-parallel path (cp 2) count the same bytes (until 2026-12-01 full recomputation was 10-18 % lower at cp 2:
+    the fit summed a layer's rerun with the loss, the split path took the larger; torchtitan's 8B runs reserved the
+    same at cp 1 and cp 2-8, benchmarks/fidelity_torchtitan.py)."""
+    shape = "layers=32,hidden=4096,heads=32,kv_heads=8,ffn=14336,vocab=128256,gated=1,tied=0"
+    one = profile_from_arch(ArchSpec.model_validate({**_kv(shape), "seq": 8192}))
+    two = profile_from_arch(ArchSpec.model_validate({**_kv(shape), "seq": 16384}))
+    s1 = Strategy(engine="torch", fsdp="full", precision=precision, dp=8, mbs=1,  # type: ignore[arg-type]
+                  checkpointing=checkpointing, compile=compiled)  # type: ignore[arg-type]
+    s2 = s1.model_copy(update={"dp": 4, "cp": 2})
+    assert activation_bytes(one, s1) == pytest.approx(activation_bytes(two, s2), rel=1e-9)
+
+
+def _kv(text: str) -> dict[str, int]:
+    return {k: int(v) for k, v in (part.split("=") for part in text.split(","))}
