@@ -65,8 +65,7 @@ Sources and units (seconds, FLOPs, bytes, FLOP/s, bytes/s throughout)
 - Non-transformer profiles (no shape): FLOPs from the profile / (peak × eff), with
   eff(m) = eff_max(dtype) · m / (m + m_half) for m rows per micro-batch, and memory-bound traffic of
   ``ACTIVATION_TRAFFIC_PASSES`` × the measured activation bytes (stated defaults).
-- Optimizer step: memory-bound, the bytes its implementation moves (optimizer_traffic.py) / the achieved HBM
-  bandwidth (or the host's under CPU offload); autocast's weight casts per micro-batch: cast_traffic.py.
+- Optimizer step: estimators/optimizer_time.py; autocast's weight casts per micro-batch: cast_traffic.py.
 
 The per-GPU constants are in ``EFFICIENCY`` (fitted; see ``A100_FIT``) and ``DEFAULT_EFFICIENCY``.
 """
@@ -92,15 +91,14 @@ from optplan.estimators.efficiency import (
 )
 from optplan.estimators.gemm import _align_bytes, gemm_time_s, gemm_train_time_s  # noqa: F401 - re-exported
 from optplan.estimators.hardware import GPUSpec, find_gpu
-from optplan.estimators.optimizer_traffic import optimizer_step_bytes_per_param
-from optplan.estimators.optimizers import optimizer_state_bytes_per_param
+from optplan.estimators.optimizer_time import optimizer_step_s
 from optplan.estimators.own_checkpointing import own_recompute_flops_per_sample
 from optplan.estimators.partial_checkpointing import recompute_fraction
 from optplan.estimators.precision import get_recipe
 from optplan.estimators.profile import ModelProfile
 from optplan.estimators.selective import recompute_flops_per_sample
 from optplan.estimators.strategy import Strategy
-from optplan.estimators.temporaries import AdamImpl, engine_adam_impl
+from optplan.estimators.temporaries import AdamImpl
 
 MAX_EFFICIENCY: dict[str, float] = {"fp32": 0.80, "tf32": 0.55, "bf16": 0.55, "fp16": 0.55, "fp8": 0.45}
 """FLOPs-only model (profiles without a transformer shape): achievable fraction of dense datasheet peak
@@ -109,16 +107,6 @@ Narayanan et al. 2021 Table 1; SIMT fp32 runs closer to its lower peak)."""
 HALF_SATURATION_TOKENS = 512
 HALF_SATURATION_SAMPLES = 4
 ACTIVATION_TRAFFIC_PASSES = 3
-HOST_OPTIMIZER_BYTES_PER_S = 50e9
-"""CPU Adam memory throughput of one node under ZeRO-Offload, shared by its ranks (stated default for
-a 2-socket server)."""
-PCIE_BYTES_PER_S = 25e9
-"""Host<->GPU transfer, PCIe Gen4 x16 achieved (stated default)."""
-NVME_BYTES_PER_S = 12e9
-"""A node's NVMe array, read or write, shared by its ranks (stated default, not measured here: four PCIe Gen4 drives
-at ~3 GB/s each). ZeRO-Infinity (Rajbhandari et al. 2021, arXiv 2104.07857) swaps offloaded optimizer states and
-parameters through it; what the host's Adam touches comes in and goes out once per step."""
-
 GEMM_DTYPE_FRACTION: dict[str, float] = {"fp32": 1.4, "tf32": 1.0, "bf16": 1.0, "fp16": 1.0, "fp8": 0.75}
 """Large-GEMM fraction of peak relative to 16-bit tensor-core GEMMs (stated defaults, capped at 0.9 of
 peak): fp32 runs on CUDA cores (SIMT SGEMM reaches ~80-90 % of its lower peak); fp8 tensor-core GEMMs
@@ -475,40 +463,6 @@ def blend_s(host_s: float, device_s: float, exponent: float) -> float:
         return host_s
     hi = max(host_s, device_s)
     return hi * ((host_s / hi) ** exponent + (device_s / hi) ** exponent) ** (1.0 / exponent)
-
-
-def on_host_optimizer(strategy: Strategy) -> bool:
-    """Whether the optimizer step runs on the host CPU: DeepSpeed's optimizer offload (ZeRO-Offload), and torch
-    FSDP's ``CPUOffload(offload_params=True)``, whose parameters and gradients live on the CPU, so that the
-    optimizer and its states do too (torch.distributed.fsdp docs, ``CPUOffload``)."""
-    return strategy.offload_optimizer != "none" or (strategy.engine == "torch" and strategy.offload_params != "none")
-
-
-def optimizer_step_s(params_local: float, strategy: Strategy, gpu: GPUSpec, profile: ModelProfile, *,
-                     shard_ranks: int, ranks_per_node: int = 1, hbm_fraction: float = 1.0,
-                     adam_impl: AdamImpl | None = None) -> float:
-    """Optimizer step on this rank's shard (seconds): the bytes the engine's optimizer implementation moves
-    per parameter (optimizer_traffic.py: 80 for torch's foreach AdamW, 28 for a fused kernel, plus the
-    master-weight copies) over the achieved HBM bandwidth (datasheet × ``hbm_fraction``); under optimizer
-    offload the host's Adam (shared by ``ranks_per_node`` ranks) plus the PCIe transfers of gradients (every
-    micro-step) and updated weights (ZeRO-Offload, Ren et al. 2021 §4), and on NVMe the states read and written
-    once a step at ``NVME_BYTES_PER_S``; torch FSDP's parameter offload runs its optimizer on the host the same
-    way (:func:`on_host_optimizer`). ``adam_impl`` overrides the engine's own AdamW (temporaries.engine_adam_impl)."""
-    recipe = get_recipe(strategy.precision)
-    state = optimizer_state_bytes_per_param(strategy.optimizer, recipe, profile)
-    trainable = profile.trainable_params / profile.params if profile.params else 1.0
-    shard = params_local * trainable / max(1, shard_ranks)
-    if on_host_optimizer(strategy):
-        k = recipe.master_bytes + state
-        touched = shard * (2 * k + recipe.grad_bytes + recipe.weight_bytes)
-        host_s = touched * ranks_per_node / HOST_OPTIMIZER_BYTES_PER_S
-        pcie_s = shard * (strategy.grad_accum * recipe.grad_bytes + recipe.weight_bytes) / PCIE_BYTES_PER_S
-        # on NVMe, the states the host's Adam updates are read in and written back once a step (ZeRO-Infinity)
-        nvme_s = 2 * shard * k * ranks_per_node / NVME_BYTES_PER_S if strategy.offload_optimizer == "nvme" else 0.0
-        return host_s + pcie_s + nvme_s
-    impl = adam_impl or engine_adam_impl(strategy.engine)
-    per_param = optimizer_step_bytes_per_param(strategy.optimizer, recipe, state, impl)
-    return shard * per_param / (gpu.memory_bandwidth_bytes_per_s * hbm_fraction)
 
 
 class ComputeTime(BaseModel):

@@ -33,9 +33,9 @@ from optplan.estimators.comm import (
     ring_all_gather_s,
     ring_reduce_scatter_s,
 )
-from optplan.estimators.compute import NVME_BYTES_PER_S, PCIE_BYTES_PER_S
 from optplan.estimators.efficiency import EngineEfficiency, engine_efficiency
 from optplan.estimators.fsdp_grad_sync import fsdp_reduce_bytes, syncs_once_per_step
+from optplan.estimators.optimizer_time import NVME_BYTES_PER_S, PCIE_BYTES_PER_S
 from optplan.estimators.parallel import Placement
 from optplan.estimators.pipeline_fsdp import keeps_stage_unsharded
 from optplan.estimators.precision import get_recipe

@@ -57,7 +57,6 @@ from optplan.estimators.comm import (
 )
 from optplan.estimators.compute import (
     FLASH_BACKWARD_FACTOR,
-    PCIE_BYTES_PER_S,
     UNMODELLED_FLOPS_FRACTION,
     GpuEfficiency,
     TransformerDims,
@@ -67,7 +66,6 @@ from optplan.estimators.compute import (
     head_time,
     host_layer_passes,
     layer_time,
-    optimizer_step_s,
     transformer_dims,
 )
 from optplan.estimators.dp_comm import DataParallelComm, comm_grad_bytes, data_parallel_comm
@@ -79,6 +77,7 @@ from optplan.estimators.hardware import Cluster, GPUSpec
 from optplan.estimators.memory import param_split, stage_params
 from optplan.estimators.moe_comm import moe_layer_comm
 from optplan.estimators.moe_recompute import moe_mlp_share
+from optplan.estimators.optimizer_time import PCIE_BYTES_PER_S, optimizer_step_s
 from optplan.estimators.own_checkpointing import own_recompute_flops_per_sample, own_recompute_layer_share
 from optplan.estimators.parallel import Placement, layers_per_stage, placement
 from optplan.estimators.params_placement import one_stage_params

@@ -9,9 +9,9 @@ from conftest import make_profile
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from optplan.estimators.compute import optimizer_step_s
 from optplan.estimators.estimate import estimate
 from optplan.estimators.hardware import Cluster, find_gpu
+from optplan.estimators.optimizer_time import optimizer_step_s
 from optplan.estimators.optimizer_traffic import (
     master_handling_bytes,
     optimizer_step_bytes_per_param,

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from optplan.estimators.compute import PCIE_BYTES_PER_S
 from optplan.estimators.estimate import estimate
 from optplan.estimators.hardware import Cluster
 from optplan.estimators.memory import memory_breakdown
+from optplan.estimators.optimizer_time import PCIE_BYTES_PER_S
 from optplan.estimators.strategy import Strategy
 from optplan.estimators.timing import PAGING_ROUND_TRIPS, with_paging
 from tests.factories import make_gpu, make_profile

@@ -171,7 +171,7 @@ def test_offloaded_optimizer_shares_the_host_between_ranks() -> None:
 def test_nvme_and_fsdp_offload_price_where_the_optimizer_runs() -> None:
     """NVMe offload reads and writes the host Adam's states once a step through the node's NVMe array (it was priced
     as CPU offload); torch FSDP's parameter offload runs the optimizer on the host (it was priced at HBM speed)."""
-    from optplan.estimators.compute import NVME_BYTES_PER_S
+    from optplan.estimators.optimizer_time import NVME_BYTES_PER_S
 
     prof = make_profile(params=1_000_000_000)
     cpu = Strategy(precision="bf16", zero=3, dp=8, offload_optimizer="cpu", grad_accum=4)
