@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compiled_traffic import _quiet_inductor, fused_bytes  # noqa: E402
+from example_files import example_source  # noqa: E402
 
 from optplan.estimators.arch import LOGIT_BYTES  # noqa: E402
 from optplan.estimators.compiled_loss import (  # noqa: E402
@@ -136,16 +137,7 @@ print(json.dumps({{"peak_bytes": b._status("VmHWM") - before, "compiled": traine
 
 def _model_file(folder: Path) -> Path:
     path = folder / "llama_wide_vocab.py"
-    path.write_text("import importlib.util, sys\n"
-                    f"spec = importlib.util.spec_from_file_location('optplan_example_llama', "
-                    f"{str(Path(__file__).resolve().parents[1] / 'examples' / 'llama.py')!r})\n"
-                    "llama = importlib.util.module_from_spec(spec)\nsys.modules[spec.name] = llama\n"
-                    "spec.loader.exec_module(llama)\nimport torch\n"
-                    f"CFG = {STEP_MODEL!r}\nOPTPLAN = {{'seq_len': {STEP_SEQ}}}\n"
-                    "def build_model():\n    return llama.build_model('1B', **CFG)\n"
-                    "def example_batch(batch_size, seq_len):\n"
-                    "    return torch.randint(0, CFG['vocab_size'], (batch_size, seq_len))\n"
-                    "loss_fn = llama.loss_fn\n", encoding="utf-8")
+    path.write_text(example_source("llama", "1B", STEP_MODEL, {"seq_len": STEP_SEQ}), encoding="utf-8")
     return path
 
 

@@ -40,7 +40,6 @@ import contextlib
 import gc
 import sys
 import tempfile
-import textwrap
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -60,6 +59,9 @@ from optplan.probes.loader import profile_model_file
 from optplan.probes.memtrack import MemTracker
 from optplan.probes.static import blocks_of, find_repeated_block, resolve_seq_len
 from optplan.probes.step_runner import StepRunner, batch_spec, checkpointed, step_autocast
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from example_files import example_source  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 MIB = 2**20
@@ -125,25 +127,7 @@ def example_wrapper(directory: Path, example: str, size: str, shape: dict[str, i
     """A model file building a reduced examples/<example>.py through its ``build_model(size, **overrides)``, with
     token ids below the reduced config's vocabulary."""
     path = directory / f"{example}_reduced.py"
-    path.write_text(textwrap.dedent(f"""
-        import importlib.util, sys
-        import torch
-        spec = importlib.util.spec_from_file_location("optplan_example_{example}", {str(EXAMPLES / f"{example}.py")!r})
-        example = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = example
-        spec.loader.exec_module(example)
-
-        SHAPE = {shape!r}
-        OPTPLAN = {{"seq_len": {seq_len}}}
-
-        def build_model():
-            return example.build_model({size!r}, **SHAPE)
-
-        def example_batch(batch_size, seq_len):
-            return torch.randint(0, example.make_config({size!r}, **SHAPE).vocab_size, (batch_size, seq_len))
-
-        loss_fn = example.loss_fn
-        """))
+    path.write_text(example_source(example, size, shape, {"seq_len": seq_len}), encoding="utf-8")
     return path
 
 

@@ -5,7 +5,7 @@ checkpointing, engine) cases, with where each runs (CPU, GPU, ``--quick``)."""
 from __future__ import annotations
 
 import json
-import textwrap
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -13,6 +13,9 @@ from typing import Any
 import torch
 
 from optplan.estimators.strategy import Strategy
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from example_files import example_source  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -171,25 +174,8 @@ SUITE: tuple[Case, ...] = (
 def llama_wrapper(directory: Path, shape: dict[str, int] | None, seq_len: int) -> Path:
     """A model file building examples/llama.py's 1B layout with ``shape`` overrides (None: as is)."""
     path = directory / "llama_fidelity.py"
-    path.write_text(textwrap.dedent(f"""
-        import importlib.util, sys
-        import torch
-        spec = importlib.util.spec_from_file_location("optplan_example_llama", {str(EXAMPLES / "llama.py")!r})
-        llama = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = llama
-        spec.loader.exec_module(llama)
-
-        SHAPE = {shape or {}!r}
-        OPTPLAN = {{"seq_len": {seq_len}, "optimizer": "adamw"}}
-
-        def build_model():
-            return llama.build_model("1B", **SHAPE)
-
-        def example_batch(batch_size, seq_len):
-            return torch.randint(0, SHAPE.get("vocab_size", llama.SIZES["1B"].vocab_size), (batch_size, seq_len))
-
-        loss_fn = llama.loss_fn
-        """))
+    path.write_text(example_source("llama", "1B", shape, {"seq_len": seq_len, "optimizer": "adamw"}),
+                    encoding="utf-8")
     return path
 
 

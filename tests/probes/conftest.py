@@ -10,11 +10,13 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from factories import load_benchmark
 
 from optplan.probes.device_lock import DEVICE_LOCK_ENV, held, lock_from_env
 from optplan.probes.host_quiet import QUIET_ENV
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+example_source = load_benchmark("example_files.py").example_source  # the benchmarks' writer of model files
 
 
 @pytest.fixture(autouse=True)
@@ -98,26 +100,7 @@ SMALL_LLAMA = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=160, voc
 def small_llama_source(seq_len: int = 32, **overrides: object) -> str:
     """A model file building a small Llama from examples/llama.py (grouped-query attention: it repeats its K/V heads
     before SDPA), token batches below its vocabulary."""
-    cfg = {**SMALL_LLAMA, **overrides}
-    return textwrap.dedent(f"""
-        import importlib.util, sys
-        spec = importlib.util.spec_from_file_location("optplan_example_llama", {str(EXAMPLES / "llama.py")!r})
-        llama = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = llama
-        spec.loader.exec_module(llama)
-        import torch
-
-        CFG = {cfg!r}
-        OPTPLAN = {{"seq_len": {seq_len}}}
-
-        def build_model():
-            return llama.build_model("1B", **CFG)
-
-        def example_batch(batch_size, seq_len):
-            return torch.randint(0, CFG["vocab_size"], (batch_size, seq_len))
-
-        loss_fn = llama.loss_fn
-        """)
+    return example_source("llama", "1B", {**SMALL_LLAMA, **overrides}, {"seq_len": seq_len})
 
 
 @pytest.fixture
