@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from optplan.estimators.allocator_overhead import MARGIN_NOTE_MARK, fits_at_high_margin, margin_note
 from optplan.estimators.batch_size import large_batch_note
 from optplan.estimators.calibration import CALIBRATION_DETAIL, Calibration, calibrate_memory, calibrate_time
+from optplan.estimators.compiled_activations import compiled_activations_note
 from optplan.estimators.cost import CostEstimate
 from optplan.estimators.efficiency import derivation_for, fitted_gpus
 from optplan.estimators.finetune import finetune_note
@@ -133,6 +134,9 @@ def estimate_notes(profile: ModelProfile, strategy: Strategy, cluster: Cluster) 
     if strategy.cp > 1 and strategy.engine == "torch" and shape is not None:
         notes.append(ring_attention_note(shape.heads, shape.kv_heads or shape.heads, profile.attention_key_heads,
                                          strategy.cp))
+    compiled = compiled_activations_note(profile, strategy)
+    if compiled:
+        notes.append(compiled)
     if not strategy.flash and profile.activation_source == "measured":
         notes.append("--no-flash changes the time only: a model file's activations are measured with its own "
                      "attention code")
