@@ -80,7 +80,7 @@ def uses_measured_fit(profile: ModelProfile, strategy: Strategy) -> bool:
         return False
     if profile.activation_source == "measured":
         return True
-    return strategy.flash or strategy.checkpointing != "none"
+    return strategy.flash  # an --arch fit counts flash attention: without it the split path adds the s x s scores
 
 
 WEIGHTS_16BIT_ENGINES = frozenset({"torch", "deepspeed"})
@@ -272,12 +272,19 @@ def _per_sample_stage_bytes(profile: ModelProfile, strategy: Strategy, mode: str
     layer = (measured - ends) / layers
     replicated = layer * shape.replicated_bytes_per_token() / shape.layer_bytes_per_token()
     layer_tp = (replicated / t if strategy.sp else replicated) + (layer - replicated) / t
-    if profile.activation_source == "formula" and not strategy.flash and mode == "none":
-        layer_tp += ATTENTION_SCORE_COEFF * a * s * s * scale / t
+    formula = profile.activation_source == "formula"
+    scores = ATTENTION_SCORE_COEFF * a * s * s * scale / t if formula and not strategy.flash else 0.0
+    if mode == "none":
+        layer_tp += scores
+    rerun_tp: float | None = None  # an --arch selective layer's rerun: beside the kept bytes, never with the loss
     if mode == "selective" and fit_mode(profile, strategy, recipe.activation_precision) == "selective" and layer > 0:
         # the op-level policy's share of a layer's bytes, as the profile measured it, on the split layer
         selective = profile.activation(recipe.activation_precision, "selective").per_sample_bytes
-        layer_tp *= max(0.0, selective - ends) / layers / layer
+        if formula:  # arch.py's fit: every layer's kept bytes plus the larger of one layer's rerun and the loss
+            rerun_tp = layer_tp
+            layer_tp *= max(0.0, selective - max(layer, ends)) / layers / layer
+        else:
+            layer_tp *= max(0.0, selective - ends) / layers / layer
     if saves_fp8_gemm_inputs(strategy):  # Transformer Engine saves its GEMM inputs in fp8 (fp8_activations.py);
         # torchao's Float8Linear saves the bf16 ones (fp8_backend.py)
         rep_save, split_save = fp8_saved_bytes_per_token(shape, moe_recomputed=mode == "moe")
@@ -294,13 +301,13 @@ def _per_sample_stage_bytes(profile: ModelProfile, strategy: Strategy, mode: str
         # the recomputed layer's working set exists only in a layer's backward, after the logits and the loss
         # (and their gradient) are freed: the larger of the two beside the kept layer inputs, not their sum
         # (measured on CPU under tensor parallelism, benchmarks/fidelity_tp_cpu.py: the sum was 5-11 % over)
-        per_sample = on_stage * layer_input * held + max(layer_tp, ends_here)
+        per_sample = on_stage * layer_input * held + max(layer_tp + scores, ends_here)
     elif mode == "full":  # the first blocks keep their input, the rest everything (estimators/partial_checkpointing.py)
-        per_sample = (checkpointed * layer_input + (on_stage - checkpointed) * layer_tp) * held + ends_here
+        per_sample = (checkpointed * layer_input + (on_stage - checkpointed) * (layer_tp + scores)) * held + ends_here
     else:
         if mode == "moe":  # the MoE layers keep their input only (estimators/moe_recompute.py): split by t
             layer_tp -= layer * saved_bytes_per_token(shape) / shape.layer_bytes_per_token() / t
-        per_sample = on_stage * layer_tp * held + ends_here
+        per_sample = on_stage * layer_tp * held + (ends_here if rerun_tp is None else max(rerun_tp, ends_here))
     return per_sample / cp
 
 

@@ -297,13 +297,14 @@ def test_adafactor_under_zero_says_so_in_the_notes(gpt) -> None:  # noqa: ANN001
 @pytest.mark.parametrize("checkpointing", ["none", "selective", "full"])
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
 @pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("vocab", [128256, 8000])
 def test_one_per_rank_step_is_one_figure_with_or_without_context_parallelism(
-        checkpointing: str, precision: str, compiled: bool) -> None:
+        checkpointing: str, precision: str, compiled: bool, vocab: int) -> None:
     """A rank of cp 2 at 2s tokens runs the step a rank of cp 1 runs at s: the whole-model fit (cp 1) and the
     model-parallel path (cp 2) count the same bytes (until 2026-12-01 full recomputation was 10-18 % lower at cp 2:
     the fit summed a layer's rerun with the loss, the split path took the larger; torchtitan's 8B runs reserved the
     same at cp 1 and cp 2-8, benchmarks/fidelity_torchtitan.py)."""
-    shape = "layers=32,hidden=4096,heads=32,kv_heads=8,ffn=14336,vocab=128256,gated=1,tied=0"
+    shape = f"layers=32,hidden=4096,heads=32,kv_heads=8,ffn=14336,vocab={vocab},gated=1,tied=0"
     one = profile_from_arch(ArchSpec.model_validate({**_kv(shape), "seq": 8192}))
     two = profile_from_arch(ArchSpec.model_validate({**_kv(shape), "seq": 16384}))
     s1 = Strategy(engine="torch", fsdp="full", precision=precision, dp=8, mbs=1,  # type: ignore[arg-type]
@@ -314,3 +315,32 @@ def test_one_per_rank_step_is_one_figure_with_or_without_context_parallelism(
 
 def _kv(text: str) -> dict[str, int]:
     return {k: int(v) for k, v in (part.split("=") for part in text.split(","))}
+
+
+def test_an_arch_selective_stage_keeps_its_layers_and_one_rerun() -> None:
+    """Under the op-level selective policy a pipeline stage holds its layers' kept bytes for each micro-batch in
+    flight plus one layer's rerun (arch.py's fit: the kept bytes and the larger of a rerun and the loss), whether or
+    not the stage computes the loss."""
+    from optplan.estimators.arch import LOGIT_BYTES
+
+    s, v, layers = 8192, 128256, 32
+    prof = profile_from_arch(ArchSpec.model_validate({**_kv(
+        f"layers={layers},hidden=4096,heads=32,kv_heads=8,ffn=14336,vocab={v},gated=1,tied=0"), "seq": s}))
+    rerun = s * prof.transformer.layer_bytes_per_token()  # type: ignore[union-attr]
+    loss = s * v * LOGIT_BYTES["bf16"]
+    kept = (prof.activation("bf16", "selective").per_sample_bytes - max(rerun, loss)) / layers
+    plan = Strategy(engine="torch", precision="bf16", mbs=1, dp=4, pp=2, grad_accum=8, checkpointing="selective")
+    assert activation_bytes(prof, plan, stage=0) == pytest.approx(16 * kept * 2 + rerun, rel=1e-9)  # 2 in flight
+    assert activation_bytes(prof, plan, stage=1) == pytest.approx(16 * kept + max(rerun, loss), rel=1e-9)
+
+
+def test_without_flash_the_recomputed_layer_holds_its_scores() -> None:
+    """--no-flash on an --arch shape: the layer rerun under full recomputation materialises its 5·a·s² scores
+    (Korthikanti Table 2), beside the kept inputs; a compiled loss below it shows them."""
+    s, a = 4096, 16
+    prof = profile_from_arch(ArchSpec(layers=L, hidden=H, heads=a, vocab=V, seq=s))
+    plan = Strategy(engine="torch", precision="bf16", mbs=1, checkpointing="full", compile=True)
+    flash, math = activation_bytes(prof, plan), activation_bytes(prof, plan.model_copy(update={"flash": False}))
+    rerun, scores, compiled_loss = s * H * 34, 5 * a * s * s, 4 * s * V  # the logits and their gradient: 4 B each
+    assert compiled_loss > rerun and rerun + scores > compiled_loss
+    assert math - flash == pytest.approx(rerun + scores - compiled_loss, rel=1e-9)
