@@ -51,6 +51,8 @@ module = importlib.util.module_from_spec(spec)
 sys.modules[spec.name] = module
 spec.loader.exec_module(module)
 from optplan.probes.trainloop import checkpointed_call, selective_context
+sys.path.insert(0, {root!r} + "/benchmarks")
+from compiled_loss_cpu import _status  # /proc/self/status in bytes
 shape = json.loads(sys.argv[4])
 tokens = int(sys.argv[5])
 torch.manual_seed(0)
@@ -78,19 +80,12 @@ def forward(x):
         x = step(x)
     return x
 
-def resident():
-    with open("/proc/self/status", encoding="ascii") as f:
-        for line in f:
-            name, _, value = line.partition(":")
-            if name == "VmRSS":
-                return int(value.split()[0]) * 1024
-
 x = torch.randn(1, tokens, dim, dtype=torch.bfloat16, requires_grad=True)
 forward(x).sum().backward()  # compiles at the measured shape, allocates the gradients
 x = torch.randn(1, tokens, dim, dtype=torch.bfloat16, requires_grad=True)
-before = resident()
+before = _status("VmRSS")
 y = forward(x)
-held = resident() - before - y.numel() * y.element_size()
+held = _status("VmRSS") - before - y.numel() * y.element_size()
 print(json.dumps({{"per_token_layer_over_h": held / tokens / len(blocks) / dim}}))
 """
 

@@ -88,6 +88,20 @@ def compiles_logit_loss(profile: ModelProfile, strategy: Strategy) -> bool:
     return strategy.loss_compiled and loss_outside_model(profile) and not runs_loss_parallel(profile, strategy)
 
 
+def compiled_loss_saving_bytes_per_logit(precision: ActivationPrecision | str) -> int:
+    """Bytes per logit a compiled loss holds less than the eager one an ``--arch`` profile counts (``LOGIT_BYTES`` −
+    :data:`COMPILED_LOSS_PEAK_BYTES_PER_LOGIT`: 8 for 16-bit logits, 4 for fp32)."""
+    key = _key(precision)
+    return max(0, LOGIT_BYTES[key] - COMPILED_LOSS_PEAK_BYTES_PER_LOGIT[key])
+
+
+def eager_loss_on(strategy: Strategy, device: str) -> Strategy:
+    """``strategy`` as a ``device`` run's tracked steps hold their loss: on the CPU the memory tracker's steps run
+    eagerly (dynamo skips frames under it), so the loss is priced eager there (probes/trainloop.py records
+    ``loss_compiled`` for a CUDA run only); unchanged on a GPU."""
+    return strategy if device == "cuda" else strategy.model_copy(update={"compile_loss": False})
+
+
 def compiled_loss_saving_bytes_per_sample(profile: ModelProfile, strategy: Strategy,
                                           precision: ActivationPrecision) -> float:
     """Bytes per sample (whole vocabulary, every token of the sample) a compiled loss holds less than the eager loss
@@ -97,8 +111,7 @@ def compiled_loss_saving_bytes_per_sample(profile: ModelProfile, strategy: Strat
     if not compiles_logit_loss(profile, strategy):
         return 0.0
     assert profile.transformer is not None and profile.tokens_per_sample
-    key = _key(precision)
-    saved = max(0, LOGIT_BYTES[key] - COMPILED_LOSS_PEAK_BYTES_PER_LOGIT[key])
+    saved = compiled_loss_saving_bytes_per_logit(precision)
     return float(saved * profile.tokens_per_sample * profile.transformer.vocab)
 
 
@@ -142,10 +155,12 @@ __all__ = [
     "COMPILED_LOSS_PEAK_BYTES_PER_LOGIT",
     "COMPILED_LOSS_TRAFFIC_BYTES_PER_LOGIT",
     "compiled_loss_moments",
+    "compiled_loss_saving_bytes_per_logit",
     "compiled_loss_saving_bytes_per_sample",
     "compiled_loss_traffic_bytes_per_logit",
     "compiles_logit_loss",
     "eager_loss_bytes_per_sample",
+    "eager_loss_on",
     "logits_gradient_bytes",
     "loss_outside_model",
 ]

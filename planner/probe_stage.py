@@ -41,6 +41,7 @@ import optuna
 from pydantic import BaseModel, ConfigDict, Field
 
 from optplan.estimators.calibration import Calibration
+from optplan.estimators.compiled_loss import eager_loss_on
 from optplan.estimators.errors import Cancelled, OptplanError
 from optplan.estimators.estimate import Estimate, calibrate_estimate, estimate
 from optplan.estimators.hardware import Cluster
@@ -168,9 +169,7 @@ def compare_spec(profile: ModelProfile, cluster: Cluster, candidate: Strategy, p
     the AdamW the probe ran when it is not the engine's own (e.g. a torch client optimizer under DeepSpeed)."""
     small = _probe_cluster(cluster, probed)
     cap = usable_capacity_bytes(cluster.gpu.memory_bytes)
-    # on CPU ranks the tracked steps run eagerly (dynamo skips frames under the tracker): the loss too
-    held = probed if local.device == "cuda" else probed.model_copy(update={"compile_loss": False})
-    memory = memory_breakdown(profile, held, cap, gpus_per_node=small.gpus_per_node, device=local.device,
+    memory = memory_breakdown(profile, eager_loss_on(probed, local.device), cap, gpus_per_node=small.gpus_per_node, device=local.device,
                               adam_impl=adam_impl, gpu=cluster.gpu.name)
     allocated = memory.total_bytes - memory.overhead_bytes
     step = on_device = comm = None

@@ -8,6 +8,8 @@ from typing import Annotated
 
 import typer
 
+from optplan.estimators.compiled_loss import compiled_loss_saving_bytes_per_logit
+
 OptModelFile = Annotated[Path | None, typer.Argument(help="the model file (or give --hf or --arch instead)",
                                                      show_default=False)]
 HfOpt = Annotated[str | None, typer.Option(
@@ -33,5 +35,7 @@ COMPILE_HELP = ("torch.compile each repeated block (torch and deepspeed engines)
                 "keeps it eager)")
 COMPILE_LOSS_HELP = ("torch.compile of the model file's loss_fn (default: with --compile, as torchtitan does): "
                      "Inductor's fused cross entropy holds the logits and their gradient only, where an eager one "
-                     "keeps fp32 copies (6 bytes less per 16-bit logit, 8 per fp32 one); --eager-loss compiles the blocks only")
+                     f"keeps fp32 copies ({compiled_loss_saving_bytes_per_logit('bf16')} bytes less per 16-bit logit, "
+                     f"{compiled_loss_saving_bytes_per_logit('fp32')} per fp32 one); --eager-loss compiles the blocks "
+                     "only")
 ClusterOpt = Annotated[Path | None, typer.Option("--cluster", help="cluster YAML: gpu, gpus_per_node, nodes[, bandwidths, price, power]")]

@@ -169,14 +169,14 @@ def train_prediction(strategy: Strategy, profile: ModelProfile, cluster: Cluster
     figures, a fresh uncalibrated estimate for the parts a calibration scales (as ``probe_stage.compare_spec``
     predicts probes), and the CPU accounting of the same run (``memory.memory_breakdown(device="cpu")``, its loss
     eager: the CPU's tracked steps run eagerly)."""
+    from optplan.estimators.compiled_loss import eager_loss_on
     from optplan.estimators.estimate import estimate
     from optplan.estimators.memory import memory_breakdown
     from optplan.estimators.timing import mfu_peak_flops
     from optplan.planner.calibrate import profile_hash, torch_version
 
     plain = estimate(profile, cluster, strategy)
-    # on CPU ranks the tracker's steps run eagerly (dynamo skips frames under it): the loss too
-    cpu = memory_breakdown(profile, strategy.model_copy(update={"compile_loss": False}), plain.memory.capacity_bytes,
+    cpu = memory_breakdown(profile, eager_loss_on(strategy, "cpu"), plain.memory.capacity_bytes,
                            gpus_per_node=cluster.gpus_per_node, device="cpu")
     t = shown.time
     return TrainPrediction(
