@@ -20,6 +20,16 @@ H200 = ROOT / "benchmarks" / "results" / "2026-11-26-H200"
 SCRIPT = ROOT / "benchmarks" / "fidelity_gpu_results.py"
 
 
+@pytest.fixture(scope="module")
+def campaign_rows() -> list:
+    """Every committed GPU run as fidelity_gpu_results.campaign_rows() prices it: computed once for this file's tests
+    (it profiles each model the campaigns ran, about 12 s apiece on this CPU)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import fidelity_gpu_results
+
+    return fidelity_gpu_results.campaign_rows()
+
+
 def test_the_committed_h200_results_are_results_files_with_measured_runs() -> None:
     files = sorted(H200.rglob("fidelity.json")) + sorted(H200.rglob("grid.json"))
     assert len(files) == 3
@@ -53,16 +63,15 @@ def test_todays_memory_model_meets_the_h200_gpt2_runs() -> None:
         assert abs(float(mem.rstrip("%"))) < 1.0, row
 
 
-def test_the_committed_domain_holds_the_campaigns_sets_as_the_benchmark_writes_them() -> None:
+def test_the_committed_domain_holds_the_campaigns_sets_as_the_benchmark_writes_them(campaign_rows: list) -> None:
     """estimators/data/time_domain.yaml's H200 sets are fidelity_published.py --write-domain's, from these runs, and
     the host time per eager kernel is fit_eager_host.py's."""
     import yaml
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    import fidelity_gpu_results
     import fidelity_published
 
-    rows = fidelity_gpu_results.campaign_rows()  # every committed visit
+    rows = campaign_rows  # every committed visit
     committed = [s for s in yaml.safe_load((ROOT / "estimators" / "data" / "time_domain.yaml").read_text())["sets"]
                  if "benchmarks/results" in s["source"]]
     groups: dict[tuple[str, str, str], list] = {}
@@ -93,7 +102,7 @@ def test_the_committed_domain_holds_the_campaigns_sets_as_the_benchmark_writes_t
 
 
 
-def test_hoppers_channels_first_passes_are_what_fit_conv_layout_fits_on_the_committed_runs() -> None:
+def test_hoppers_channels_first_passes_are_what_fit_conv_layout_fits_on_the_committed_runs(campaign_rows: list) -> None:
     """estimators/data/conv_layout.yaml's H200 passes are benchmarks/fit_conv_layout.py's on the committed runs, and
     they price the channels-first ResNet-50 runs better than the RTX 3090's fit."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -101,7 +110,7 @@ def test_hoppers_channels_first_passes_are_what_fit_conv_layout_fits_on_the_comm
 
     from optplan.estimators.conv_layout import measured_layout
 
-    first, _ = fit_conv_layout.layout_rows()
+    first, _ = fit_conv_layout.layout_rows(campaign_rows)
     assert {fit_conv_layout.math_of(r) for r in first} == {"16bit", "tf32"} and len(first) >= 8
     found = fit_conv_layout.fit(first)
     h200 = measured_layout()["H200"]
