@@ -18,28 +18,34 @@ from optplan.probes.profile_cache import PROFILE_CACHE_ENV
 __all__ = ["make_gpu", "make_profile"]
 
 HEAVY_FIRST = (
-    "tests/planner/test_train_script.py",  # 231 s
-    "tests/probes/test_distributed_probe.py",  # 229 s
-    "tests/benchmarks/test_gpu_campaign.py",  # 199 s
-    "tests/probes/test_adapters.py",  # 178 s
-    "tests/planner/test_hf_timm.py",  # 178 s
-    "tests/probes/test_runtime_probe.py",  # 155 s
-    "tests/probes/test_model_loader_errors.py",  # 136 s
-    "tests/probes/test_moe_model_files.py",  # 122 s
-    "tests/planner/test_finetune_cli.py",  # 121 s
-    "tests/reliability/test_ctrl_c.py",  # 120 s
-    "tests/tui/test_cli.py",  # 115 s
-    "tests/reliability/test_security.py",  # 114 s
-    "tests/planner/test_moe_model_file_plan.py",  # 105 s
-    "tests/probes/test_fidelity_tp_cpu.py",  # 104 s
-    "tests/benchmarks/test_gpu_results.py",  # 98 s
-    "tests/probes/test_static_profile.py",  # 86 s
-    "tests/reliability/test_probe_faults.py",  # 83 s
-    "tests/planner/test_search.py",  # 81 s
-    "tests/planner/test_hf_source.py",  # 74 s
+    "tests/probes/test_adapters.py",  # 275 s
+    "tests/planner/test_finetune_cli.py",  # 236 s
+    "tests/planner/test_hf_timm.py",  # 196 s
+    "tests/probes/test_moe_model_files.py",  # 184 s
+    "tests/tui/test_cli.py",  # 180 s
+    "tests/benchmarks/test_gpu_results.py",  # 167 s
+    "tests/planner/test_train_script.py",  # 166 s
+    "tests/probes/test_distributed_probe.py",  # 159 s
+    "tests/planner/test_moe_model_file_plan.py",  # 141 s
+    "tests/planner/test_hf_source.py",  # 134 s
+    "tests/benchmarks/test_gpu_campaign.py",  # 131 s
+    "tests/reliability/test_ctrl_c.py",  # 119 s
+    "tests/probes/test_fidelity_tp_cpu.py",  # 117 s
+    "tests/probes/test_runtime_probe.py",  # 116 s
+    "tests/probes/test_static_profile.py",  # 95 s
+    "tests/probes/test_device_lock.py",  # 92 s
+    "tests/reliability/test_probe_faults.py",  # 89 s
+    "tests/planner/test_search.py",  # 82 s
+    "tests/planner/test_finetune_full_export.py",  # 80 s
+    "tests/reliability/test_bad_input.py",  # 80 s
+    "tests/reliability/test_security.py",  # 77 s
+    "tests/probes/test_model_loader_errors.py",  # 76 s
+    "tests/probes/test_cpu_accounting.py",  # 72 s
+    "tests/tui/test_cli_probe.py",  # 70 s
 )
 """The slowest test files (seconds summed from `pytest --durations=0` with both workers, 2-core AVX2 VM whose CPU
-emulates bf16, a run of 2026-11-29 with the profile cache: 3283 s summed, less the runs that day's cuts removed), scheduled first: pyproject's ``--dist loadfile`` hands whole files to the 2 workers in collection order, so a heavy
+emulates bf16, the clean-clone CI run of 2026-12-01: 3997 s summed, test_gpu_results.py less the 90 s its shared fixture
+saved), scheduled first: pyproject's ``--dist loadfile`` hands whole files to the 2 workers in collection order, so a heavy
 file collected last would leave one worker running it alone at the end (20.9 min with the default order). An order
 hint only: a file missing here still runs, later."""
 
