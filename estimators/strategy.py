@@ -17,6 +17,8 @@ from optplan.estimators.ep_overlap import OVERLAP_EXCLUDED_RECOMPUTE, OVERLAP_PR
 from optplan.estimators.finetune import QuantName
 
 PrecisionName = Literal["fp32", "amp-bf16", "amp-fp16", "bf16", "fp16", "bf16-pure", "fp8"]
+UNTAGGED_ENGINE = "deepspeed"
+"""The engine :meth:`Strategy.label` leaves unnamed; every other engine's label ends in ``[engine]``."""
 OptimizerName = Literal["adamw", "adamw8bit", "adafactor", "sgd", "paged_adamw", "paged_adamw8bit"]
 OffloadTarget = Literal["none", "cpu", "nvme"]
 EngineName = Literal["torch", "deepspeed", "megatron"]
@@ -345,6 +347,6 @@ class Strategy(BaseModel):
             parts.append("compile" if self.loss_compiled else "compile(eager-loss)")
         elif self.loss_compiled:
             parts.append("compiled-loss")
-        if self.engine != "deepspeed":
+        if self.engine != UNTAGGED_ENGINE:
             parts.append(f"[{self.engine}]")
         return " ".join(parts)

@@ -12,7 +12,9 @@ from optplan.estimators.estimate import Estimate, StatesEstimate
 from optplan.estimators.optimizers import optimizer_state_text
 from optplan.estimators.precision import get_recipe
 from optplan.estimators.profile import ModelProfile
+from optplan.estimators.strategy import UNTAGGED_ENGINE
 from optplan.estimators.units import gib
+from optplan.planner.goal import TIE_TOLERANCE
 from optplan.planner.recommend import Recommendation
 from optplan.tui.fmt import amount, duration, gib_text, gpu_hours_text, long_duration, si, usd_text
 
@@ -67,6 +69,8 @@ def profile_table(p: ModelProfile) -> Group:
     return Group(head, mods, acts, *notes)
 
 
+ENGINE_LEGEND = f"a plan without an [engine] tag runs on {UNTAGGED_ENGINE}"
+"""The plans table's word on its labels' engine tags (estimators/strategy.py ``Strategy.label``)."""
 MOMENTS = {"forward": "the model's forward", "loss": "the loss (forward and backward)",
            "backward": "backward, before the first gradient", "grads": "backward, after the first gradient",
            "stem_grads": "backward of the embedding or stem, after the blocks'",
@@ -155,6 +159,19 @@ def _rate_band(e: Estimate, rate: float, fmt: str) -> str:
     return f"{fmt.format(rate * e.time.step_s / high)}-{fmt.format(rate * e.time.step_s / low)}"
 
 
+def _cost_band(e: Estimate) -> str:
+    """' (over the step's band: 101 days-187 days, $48,301-$89,871)': the time to train and its price at the ends of
+    the step time's band (both scale with the step); '' without a cost or a band."""
+    cost, step = e.cost, e.time.step_s
+    low, high = _band_ends(e)
+    if cost is None or step <= 0 or (low, high) == (step, step):
+        return ""
+    money = (f", {usd_text(cost.cost_usd * low / step)}-{usd_text(cost.cost_usd * high / step)}"
+             if cost.cost_usd is not None else "")
+    return (f" (over the step's band: {long_duration(cost.train_time_s * low / step)}-"
+            f"{long_duration(cost.train_time_s * high / step)}{money})")
+
+
 def _step_cell(e: Estimate) -> str:
     """'412 ms' over '[370-430]': the step time and its band, the band's ends in the step's unit with at most
     9 characters (whole ms; 0.1 s under 10 s; whole seconds above)."""
@@ -181,8 +198,10 @@ def plans_table(rec: Recommendation) -> Table:
     rows = ([rec.estimate] if rec.estimate else []) + [a.estimate for a in rec.alternatives]
     # the band's legend where a row has a step time (--params plans price memory only)
     legend = (Text("[band]: where the step time lies, from measured runs' errors (wider outside them); throughput "
-                   "varies inversely; ranked by the band's slow end", style="dim")
-              if any(isinstance(e, Estimate) for e in rows) else None)
+                   "varies inversely; ranked by the band's slow end, the simplest of the plans within "
+                   f"{TIE_TOLERANCE:.0%} of the best first (\"why this plan\" says which); {ENGINE_LEGEND}",
+                   style="dim")
+              if any(isinstance(e, Estimate) for e in rows) else Text(ENGINE_LEGEND, style="dim"))
     table = Table(title=f"best plans (GiB per GPU, {usable} usable)", title_justify="left", box=box.SIMPLE_HEAD,
                   pad_edge=False, caption=legend, caption_justify="left")
     counts = len({e.gpus for e in rows}) > 1  # a --gpus-range search: each row says on how many GPUs
@@ -264,7 +283,7 @@ def print_recommendation(console: Console, rec: Recommendation, profile: ModelPr
         if cost is not None:
             money = f", {usd_text(cost.cost_usd)}" if cost.cost_usd is not None else ""
             console.print(f"to train {cost.tokens:.3g} tokens: {long_duration(cost.train_time_s)} on "
-                          f"{rec.estimate.gpus} GPUs, {gpu_hours_text(cost.gpu_hours)}{money}")
+                          f"{rec.estimate.gpus} GPUs, {gpu_hours_text(cost.gpu_hours)}{money}{_cost_band(rec.estimate)}")
         if rec.pareto:
             axes = "throughput vs headroom" if rec.objective == "throughput" else "time vs cost"
             n = len(rec.pareto)

@@ -350,6 +350,12 @@ def test_a_cluster_files_price_waits_for_a_token_budget(tmp_path: Path) -> None:
     assert text.exit_code == 0 and " 0.0 h " not in text.stdout and " 0 GPU-hours" not in text.stdout
     line = next(x for x in text.stdout.splitlines() if x.startswith("to train"))
     assert f"{cost['gpu_hours']:.2g} GPU-hours" in line and f"${cost['cost_usd']:.2f}" in line, line
+    # and the price at the ends of the step time's band (it scales with the step)
+    t = priced["estimate"]["time"]
+    assert t["step_s_low"] < t["step_s"] < t["step_s_high"]
+    low, high = (cost["cost_usd"] * t[k] / t["step_s"] for k in ("step_s_low", "step_s_high"))
+    flat = " ".join(text.stdout.split())  # the console wraps the line at 80 columns
+    assert f"${cost['cost_usd']:.2f} (over the step's band: " in flat and f"${low:.2f}-${high:.2f})" in flat, flat
 
 
 @pytest.mark.parametrize(("args", "needle"), [

@@ -51,8 +51,21 @@ def test_a_params_only_table_has_no_band_legend() -> None:
     out = _text(plans_table(params_rec))
     assert "bf16" in out and " - " in out  # rows, without step times
     assert "[band]" not in out and "slow end" not in out
+    assert "without an [engine] tag runs on deepspeed" in " ".join(out.split())  # the tag's legend stays
     torch_lines = [line for line in params_rec.rationale if "[torch]" in line]
     assert torch_lines and not any("(torch)" in line for line in torch_lines)  # the engine said once
+
+
+def test_the_legend_says_how_rows_are_ordered_and_what_an_untagged_label_runs_on(rec: Recommendation) -> None:
+    """The rows are ranked by the band's slow end with the simplest tied plan first, so the first row's slow end
+    need not be the smallest: the legend says so, and that a label without an engine tag is a DeepSpeed plan."""
+    from optplan.planner.goal import TIE_TOLERANCE
+
+    out = " ".join(_text(plans_table(rec), width=200).split())
+    assert f"the simplest of the plans within {TIE_TOLERANCE:.0%} of the best first" in out
+    assert "a plan without an [engine] tag runs on deepspeed" in out
+    assert all(e.strategy.label().endswith(f"[{e.strategy.engine}]") == (e.strategy.engine != "deepspeed")
+               for e in _rows(rec))
 
 
 def test_plan_labels_keep_their_engine_tag(rec: Recommendation) -> None:
