@@ -180,7 +180,8 @@ def estimate_strategy(profile: ModelProfile, cluster: Cluster, strategy: Strateg
     if est.tokens_per_s is None:
         raise OptplanError(f"--tokens needs a token model; {profile.name} takes {profile.input_kind} inputs")
     cost = training_cost(tokens=tokens, tokens_per_s=est.tokens_per_s, gpus=strategy.world_size,
-                         gpu_power_w=cluster.power_w_per_gpu, price_per_gpu_hour=price)
+                         gpu_power_w=cluster.power_w_per_gpu, price_per_gpu_hour=price,
+                         step_band=est.time.band_ratios())
     return est.model_copy(update={"cost": cost})
 
 

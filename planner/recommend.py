@@ -133,7 +133,8 @@ def with_cost(e: Estimate, goal: Goal, cluster: Cluster) -> Estimate:
         return e
     price = goal.price_per_gpu_hour if goal.price_per_gpu_hour is not None else cluster.price_per_gpu_hour
     cost = training_cost(tokens=goal.tokens, tokens_per_s=e.tokens_per_s, gpus=e.gpus,
-                         gpu_power_w=cluster.power_w_per_gpu, price_per_gpu_hour=price)
+                         gpu_power_w=cluster.power_w_per_gpu, price_per_gpu_hour=price,
+                         step_band=e.time.band_ratios())
     return e.model_copy(update={"cost": cost})
 
 

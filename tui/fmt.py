@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from optplan.estimators.cost import CostEstimate
 from optplan.estimators.units import gib
 
 
@@ -61,3 +62,14 @@ def band_text(step_s: float, low_s: float, high_s: float) -> str:
     if step_s <= 0 or high_s <= 0 or (low_s == step_s == high_s):
         return ""
     return f"{100 * (low_s / step_s - 1):+.0f}/{100 * (high_s / step_s - 1):+.0f}"
+
+
+def cost_band_text(cost: CostEstimate) -> str:
+    """' (over the step's band: 101 days-187 days, $48,301-$89,871)': the time to train and its price at the ends of
+    the step time's band (``CostEstimate.train_time_s_low``...); '' without a band."""
+    if cost.train_time_s_low is None or cost.train_time_s_high is None:
+        return ""
+    money = (f", {usd_text(cost.cost_usd_low)}-{usd_text(cost.cost_usd_high)}"
+             if cost.cost_usd_low is not None and cost.cost_usd_high is not None else "")
+    return (f" (over the step's band: {long_duration(cost.train_time_s_low)}-"
+            f"{long_duration(cost.train_time_s_high)}{money})")

@@ -16,7 +16,16 @@ from optplan.estimators.strategy import UNTAGGED_ENGINE
 from optplan.estimators.units import gib
 from optplan.planner.goal import TIE_TOLERANCE
 from optplan.planner.recommend import Recommendation
-from optplan.tui.fmt import amount, duration, gib_text, gpu_hours_text, long_duration, si, usd_text
+from optplan.tui.fmt import (
+    amount,
+    cost_band_text,
+    duration,
+    gib_text,
+    gpu_hours_text,
+    long_duration,
+    si,
+    usd_text,
+)
 
 _g = gib_text
 _si = si
@@ -143,7 +152,7 @@ def estimate_table(e: Estimate | StatesEstimate) -> Group:
         c = e.cost
         money = f", {usd_text(c.cost_usd)}" if c.cost_usd is not None else ""
         parts.append(Text(f"{c.tokens:.3g} tokens: {long_duration(c.train_time_s)}, {gpu_hours_text(c.gpu_hours)}"
-                          f"{money}, {amount(c.energy_kwh)} kWh (GPU power)"))
+                          f"{money}, {amount(c.energy_kwh)} kWh (GPU power){cost_band_text(c)}"))
     return Group(*parts)
 
 
@@ -157,19 +166,6 @@ def _rate_band(e: Estimate, rate: float, fmt: str) -> str:
     """'slow-fast' of a rate (samples or tokens per second) over the step time's band."""
     low, high = _band_ends(e)
     return f"{fmt.format(rate * e.time.step_s / high)}-{fmt.format(rate * e.time.step_s / low)}"
-
-
-def _cost_band(e: Estimate) -> str:
-    """' (over the step's band: 101 days-187 days, $48,301-$89,871)': the time to train and its price at the ends of
-    the step time's band (both scale with the step); '' without a cost or a band."""
-    cost, step = e.cost, e.time.step_s
-    low, high = _band_ends(e)
-    if cost is None or step <= 0 or (low, high) == (step, step):
-        return ""
-    money = (f", {usd_text(cost.cost_usd * low / step)}-{usd_text(cost.cost_usd * high / step)}"
-             if cost.cost_usd is not None else "")
-    return (f" (over the step's band: {long_duration(cost.train_time_s * low / step)}-"
-            f"{long_duration(cost.train_time_s * high / step)}{money})")
 
 
 def _step_cell(e: Estimate) -> str:
@@ -283,7 +279,7 @@ def print_recommendation(console: Console, rec: Recommendation, profile: ModelPr
         if cost is not None:
             money = f", {usd_text(cost.cost_usd)}" if cost.cost_usd is not None else ""
             console.print(f"to train {cost.tokens:.3g} tokens: {long_duration(cost.train_time_s)} on "
-                          f"{rec.estimate.gpus} GPUs, {gpu_hours_text(cost.gpu_hours)}{money}{_cost_band(rec.estimate)}")
+                          f"{rec.estimate.gpus} GPUs, {gpu_hours_text(cost.gpu_hours)}{money}{cost_band_text(cost)}")
         if rec.pareto:
             axes = "throughput vs headroom" if rec.objective == "throughput" else "time vs cost"
             n = len(rec.pareto)

@@ -67,5 +67,12 @@ def test_training_cost_by_hand() -> None:
     assert c.cost_usd == pytest.approx(2 * 8e6 / 3600)
     assert c.energy_kwh == pytest.approx(8 * 700 * 1e6 / 3.6e6)
     assert training_cost(tokens=1e9, tokens_per_s=1e5, gpus=1, gpu_power_w=300).cost_usd is None
+    assert c.train_time_s_low is None and c.cost_usd_high is None  # no band given
+    banded = training_cost(tokens=1e12, tokens_per_s=1e6, gpus=8, gpu_power_w=700, price_per_gpu_hour=2.0,
+                           step_band=(0.8, 1.3))
+    assert (banded.train_time_s_low, banded.train_time_s_high) == pytest.approx((0.8e6, 1.3e6))
+    assert (banded.cost_usd_low, banded.cost_usd_high) == pytest.approx((0.8 * c.cost_usd, 1.3 * c.cost_usd))
+    unpriced = training_cost(tokens=1e9, tokens_per_s=1e5, gpus=1, gpu_power_w=300, step_band=(0.8, 1.3))
+    assert unpriced.train_time_s_high == pytest.approx(1.3e4) and unpriced.cost_usd_high is None
     with pytest.raises(OptplanError):
         training_cost(tokens=0, tokens_per_s=1, gpus=1, gpu_power_w=1)

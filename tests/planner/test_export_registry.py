@@ -126,6 +126,22 @@ def test_plan_md_gives_the_step_band_and_why_it_is_out_of_domain(ds_rec) -> None
         assert f"- out of the measured domain: {why}" in md
 
 
+def test_plan_md_prices_the_time_to_train_over_the_step_band() -> None:
+    """With a token budget and a price, PLAN.md gives the days and the dollars at the step band's ends too (both
+    scale with the step)."""
+    from optplan.planner.goal import Goal
+
+    rec = recommend(make_profile(), Cluster(gpu=make_gpu(), gpus=16, gpus_per_node=8), global_batch=256,
+                    engines=["deepspeed"], goal=Goal(tokens=1e11, price_per_gpu_hour=2.0))
+    c, t = rec.estimate.cost, rec.estimate.time
+    assert c is not None and c.train_time_s_low is not None and c.cost_usd_high is not None
+    assert c.train_time_s_low == pytest.approx(c.train_time_s * t.step_s_low / t.step_s)
+    assert c.cost_usd_high == pytest.approx(c.cost_usd * t.step_s_high / t.step_s)
+    md = render_plan_md(rec)
+    assert (f"; over the step's band {c.train_time_s_low / 86400:.2f}-{c.train_time_s_high / 86400:.2f} days, "
+            f"${c.cost_usd_low:,.0f}-${c.cost_usd_high:,.0f}") in md
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 @pytest.mark.parametrize("dp", [1, 8])
 @pytest.mark.parametrize("target", ["accelerate", "hf", "lightning"])

@@ -332,6 +332,12 @@ def test_estimate_reads_a_cluster_file(tmp_path: Path) -> None:
     assert est["gpu"] == "A100-80GB" and est["gpus"] == 16 and est["strategy"]["dp"] == 8
     assert est["cost"]["cost_usd"] == pytest.approx(2.0 * est["cost"]["gpu_hours"])
     assert est["cost"]["energy_kwh"] == pytest.approx(16 * 350 * est["cost"]["train_time_s"] / 3.6e6)
+    t = est["time"]  # the estimate's time to train and cost over its step band too
+    assert est["cost"]["train_time_s_low"] == pytest.approx(est["cost"]["train_time_s"] * t["step_s_low"] / t["step_s"])
+    assert est["cost"]["cost_usd_high"] == pytest.approx(est["cost"]["cost_usd"] * t["step_s_high"] / t["step_s"])
+    text = runner.invoke(app, ["estimate", "--arch", "layers=4,hidden=256,heads=4,seq=512", "--cluster", str(f),
+                               "--tp", "2", "--tokens", "1e9"])
+    assert text.exit_code == 0 and "(over the step's band: " in " ".join(text.stdout.split())
     clash = runner.invoke(app, ["estimate", "--params", "1e9", "--cluster", str(f), "--gpus", "8"])
     assert clash.exit_code == 2 and "--gpus" in clash.stderr
 
@@ -354,6 +360,8 @@ def test_a_cluster_files_price_waits_for_a_token_budget(tmp_path: Path) -> None:
     t = priced["estimate"]["time"]
     assert t["step_s_low"] < t["step_s"] < t["step_s_high"]
     low, high = (cost["cost_usd"] * t[k] / t["step_s"] for k in ("step_s_low", "step_s_high"))
+    assert (cost["cost_usd_low"], cost["cost_usd_high"]) == pytest.approx((low, high))
+    assert cost["train_time_s_high"] == pytest.approx(cost["train_time_s"] * t["step_s_high"] / t["step_s"])
     flat = " ".join(text.stdout.split())  # the console wraps the line at 80 columns
     assert f"${cost['cost_usd']:.2f} (over the step's band: " in flat and f"${low:.2f}-${high:.2f})" in flat, flat
 

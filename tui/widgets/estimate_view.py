@@ -16,7 +16,7 @@ from optplan.estimators.estimate import Estimate, StatesEstimate
 from optplan.estimators.memory import MemoryBreakdown
 from optplan.estimators.timing import TimeBreakdown
 from optplan.estimators.units import gib
-from optplan.tui.fmt import amount, gpu_hours_text, long_duration, usd_text
+from optplan.tui.fmt import amount, cost_band_text, gpu_hours_text, long_duration, usd_text
 from optplan.tui.widgets.stacked_bar import BarData, Segment, StackedBar
 
 MEMORY_COLORS = ("dodger_blue2", "medium_purple", "dark_orange", "green3", "gold3", "grey58")
@@ -75,7 +75,7 @@ def cost_text(e: Estimate | StatesEstimate) -> Text:
         return Text("time to train and cost: give --tokens (and --price) to see them", style="dim")
     money = f", {usd_text(c.cost_usd)}" if c.cost_usd is not None else " (give --price for the cost)"
     return Text(f"time to train {c.tokens:.3g} tokens: {long_duration(c.train_time_s)}, "
-                f"{gpu_hours_text(c.gpu_hours)}{money}, {amount(c.energy_kwh)} kWh")
+                f"{gpu_hours_text(c.gpu_hours)}{money}, {amount(c.energy_kwh)} kWh{cost_band_text(c)}")
 
 
 def bullets(heading: str, lines: Sequence[str]) -> Group:
