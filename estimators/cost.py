@@ -4,8 +4,8 @@ Definitions (units in the names): train_time_s = tokens / tokens_per_s; gpu_hour
 train_time_s / 3600; cost_usd = gpu_hours · price per GPU-hour; energy_kwh = gpus · GPU power (W) ·
 train_time_s / 3.6e6, GPU board power only (default: the datasheet TDP, an upper bound for the GPUs;
 host, network and cooling are not counted). The step time's band (``time.step_s_low``-``step_s_high``,
-estimators/uncertainty.py) carries over: time, GPU-hours and cost scale with the step, so their ends are the
-nominal figures times step_s_low / step_s and step_s_high / step_s.
+estimators/uncertainty.py) carries over to the time to train and its cost, which scale with the step: their ends
+are the nominal figures times step_s_low / step_s and step_s_high / step_s (planner/goal.py ``band_factor``).
 """
 
 from __future__ import annotations

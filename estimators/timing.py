@@ -135,13 +135,6 @@ class TimeBreakdown(BaseModel):
     mfu: float = Field(ge=0)
     hfu: float = Field(ge=0)
 
-    def band_ratios(self) -> tuple[float, float] | None:
-        """(step_s_low, step_s_high) over step_s: what every figure that scales with the step (time to train, its
-        cost) is multiplied by at the band's ends; None without a band."""
-        if self.step_s_high <= 0:
-            return None
-        return self.step_s_low / self.step_s, self.step_s_high / self.step_s
-
 
 def mfu_peak_flops(gpu: GPUSpec) -> float:
     """The MFU reference: the GPU's datasheet dense 16-bit tensor-core peak (bf16 or fp16), FLOP/s (PaLM,

@@ -22,6 +22,7 @@ from optplan.estimators.strategy import Strategy
 from optplan.planner.cluster_file import load_cluster_file
 from optplan.planner.export.context import FILE_NAMES
 from optplan.planner.export.registry import TARGETS, ExportOptions
+from optplan.planner.goal import band_factor
 from optplan.planner.recommend import Recommendation
 from optplan.planner.space import check_global_batch, check_precisions
 from optplan.probes.hardware import (
@@ -181,7 +182,7 @@ def estimate_strategy(profile: ModelProfile, cluster: Cluster, strategy: Strateg
         raise OptplanError(f"--tokens needs a token model; {profile.name} takes {profile.input_kind} inputs")
     cost = training_cost(tokens=tokens, tokens_per_s=est.tokens_per_s, gpus=strategy.world_size,
                          gpu_power_w=cluster.power_w_per_gpu, price_per_gpu_hour=price,
-                         step_band=est.time.band_ratios())
+                         step_band=(band_factor(est, "fast"), band_factor(est, "slow")))
     return est.model_copy(update={"cost": cost})
 
 

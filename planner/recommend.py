@@ -23,7 +23,7 @@ from optplan.planner.derive import file_precision
 from optplan.planner.events import ProgressEvent
 from optplan.planner.export.context import ExportPlan, export_plan_for
 from optplan.planner.finetune import FinetuneChoice
-from optplan.planner.goal import Goal, pareto_front
+from optplan.planner.goal import Goal, band_factor, pareto_front
 from optplan.planner.probe_stage import (
     LocalDevices,
     ProbeOptions,
@@ -134,7 +134,7 @@ def with_cost(e: Estimate, goal: Goal, cluster: Cluster) -> Estimate:
     price = goal.price_per_gpu_hour if goal.price_per_gpu_hour is not None else cluster.price_per_gpu_hour
     cost = training_cost(tokens=goal.tokens, tokens_per_s=e.tokens_per_s, gpus=e.gpus,
                          gpu_power_w=cluster.power_w_per_gpu, price_per_gpu_hour=price,
-                         step_band=e.time.band_ratios())
+                         step_band=(band_factor(e, "fast"), band_factor(e, "slow")))
     return e.model_copy(update={"cost": cost})
 
 

@@ -66,8 +66,9 @@ def band_text(step_s: float, low_s: float, high_s: float) -> str:
 
 def cost_band_text(cost: CostEstimate) -> str:
     """' (over the step's band: 101 days-187 days, $48,301-$89,871)': the time to train and its price at the ends of
-    the step time's band (``CostEstimate.train_time_s_low``...); '' without a band."""
-    if cost.train_time_s_low is None or cost.train_time_s_high is None:
+    the step time's band (``CostEstimate.train_time_s_low``...); '' without a band (or one of no width)."""
+    if cost.train_time_s_low is None or cost.train_time_s_high is None or (
+            cost.train_time_s_low == cost.train_time_s == cost.train_time_s_high):
         return ""
     money = (f", {usd_text(cost.cost_usd_low)}-{usd_text(cost.cost_usd_high)}"
              if cost.cost_usd_low is not None and cost.cost_usd_high is not None else "")

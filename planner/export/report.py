@@ -100,12 +100,13 @@ def render_plan_md(rec: Recommendation) -> str:
               *[f"- out of the measured domain: {why}" for why in e.time.outside_measured],
               f"- {e.model_tflops_per_gpu:.0f} model TFLOP/s per GPU, MFU {e.mfu * 100:.1f}%, HFU {e.hfu * 100:.1f}%"]
     if e.cost is not None:
-        money = f", ${e.cost.cost_usd:,.0f}" if e.cost.cost_usd is not None else ""
         c = e.cost
-        band = (f"; over the step's band {c.train_time_s_low / 86400:.2f}-{c.train_time_s_high / 86400:.2f} days"
-                + (f", ${c.cost_usd_low:,.0f}-${c.cost_usd_high:,.0f}"
-                   if c.cost_usd_low is not None and c.cost_usd_high is not None else "")
-                if c.train_time_s_low is not None and c.train_time_s_high is not None else "")
+        money = f", ${c.cost_usd:,.0f}" if c.cost_usd is not None else ""
+        band = ""
+        if c.train_time_s_low is not None and c.train_time_s_high is not None:
+            band = f"; over the step's band {c.train_time_s_low / 86400:.2f}-{c.train_time_s_high / 86400:.2f} days"
+            if c.cost_usd_low is not None and c.cost_usd_high is not None:
+                band += f", ${c.cost_usd_low:,.0f}-${c.cost_usd_high:,.0f}"
         lines.append(f"- {c.tokens:.3g} tokens in {c.train_time_s / 86400:.2f} days: "
                      f"{c.gpu_hours:,.0f} GPU-hours{money}, {c.energy_kwh:,.0f} kWh{band}")
     lines += ["", "## Why", "", *[f"- {r}" for r in rec.rationale], ""]
