@@ -392,7 +392,8 @@ def check_estimate_nulls(doc: Any, argv: list[str]) -> None:
     elif "--tokens" not in argv:
         expected = {".cost"}
     else:
-        expected = {".cost.cost_usd"} if "--price" not in argv else set()
+        # no --price: no money, neither the nominal figure nor its ends over the step's band
+        expected = {".cost.cost_usd", ".cost.cost_usd_low", ".cost.cost_usd_high"} if "--price" not in argv else set()
     if "--etp" not in argv:
         expected |= {".strategy.etp"}
     if "--checkpoint-layers" not in argv:  # every block checkpointed (or none): no count
