@@ -30,3 +30,12 @@ def margin_text(num_bytes: float) -> str:
     not "0.0 GiB")."""
     size = abs(num_bytes)
     return f"{gib(size):.1f} GiB" if gib(size) >= 0.1 else f"{size / MIB_BYTES:.0f} MiB"
+
+
+def long_duration(seconds: float) -> str:
+    """Training-sized durations: '5.2 h', '31.0 days'; under six minutes '4.5 min' or '38 s' (never '0.0 h')."""
+    if seconds >= 86400:
+        return f"{seconds / 86400:.1f} days"
+    if seconds >= 360:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.0f} s"

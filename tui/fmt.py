@@ -1,9 +1,10 @@
-"""Number formatting shared by the terminal faces (CLI tables, dashboard)."""
+"""Number formatting shared by the terminal faces (CLI tables, dashboard); ``long_duration`` is estimators/units.py's
+(PLAN.md writes durations with it too)."""
 
 from __future__ import annotations
 
 from optplan.estimators.cost import CostEstimate
-from optplan.estimators.units import gib
+from optplan.estimators.units import gib, long_duration
 
 
 def gib_text(n: float) -> str:
@@ -22,15 +23,6 @@ def si(n: float) -> str:
 def duration(seconds: float) -> str:
     """Step-sized durations: '12 ms', '3.40 s', '250 s'."""
     return f"{seconds * 1e3:.0f} ms" if seconds < 1 else f"{seconds:.2f} s" if seconds < 100 else f"{seconds:.0f} s"
-
-
-def long_duration(seconds: float) -> str:
-    """Training-sized durations: '5.2 h', '31.0 days'; under six minutes '4.5 min' or '38 s' (never '0.0 h')."""
-    if seconds >= 86400:
-        return f"{seconds / 86400:.1f} days"
-    if seconds >= 360:
-        return f"{seconds / 3600:.1f} h"
-    return f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.0f} s"
 
 
 def amount(x: float) -> str:

@@ -152,7 +152,7 @@ def estimate_table(e: Estimate | StatesEstimate) -> Group:
         c = e.cost
         money = f", {usd_text(c.cost_usd)}" if c.cost_usd is not None else ""
         parts.append(Text(f"{c.tokens:.3g} tokens: {long_duration(c.train_time_s)}, {gpu_hours_text(c.gpu_hours)}"
-                          f"{money}, {amount(c.energy_kwh)} kWh (GPU power){cost_band_text(c)}"))
+                          f"{money}{cost_band_text(c)}, {amount(c.energy_kwh)} kWh (GPU power)"))
     return Group(*parts)
 
 

@@ -7,7 +7,7 @@ import json
 from optplan.estimators.errors import OptplanError
 from optplan.estimators.estimate import Estimate
 from optplan.estimators.strategy import Strategy
-from optplan.estimators.units import gib_apart, margin_text
+from optplan.estimators.units import gib_apart, long_duration, margin_text
 from optplan.planner.export.context import ExportPlan
 from optplan.planner.recommend import Recommendation
 
@@ -104,10 +104,10 @@ def render_plan_md(rec: Recommendation) -> str:
         money = f", ${c.cost_usd:,.0f}" if c.cost_usd is not None else ""
         band = ""
         if c.train_time_s_low is not None and c.train_time_s_high is not None:
-            band = f"; over the step's band {c.train_time_s_low / 86400:.2f}-{c.train_time_s_high / 86400:.2f} days"
+            band = f"; over the step's band {long_duration(c.train_time_s_low)}-{long_duration(c.train_time_s_high)}"
             if c.cost_usd_low is not None and c.cost_usd_high is not None:
                 band += f", ${c.cost_usd_low:,.0f}-${c.cost_usd_high:,.0f}"
-        lines.append(f"- {c.tokens:.3g} tokens in {c.train_time_s / 86400:.2f} days: "
+        lines.append(f"- {c.tokens:.3g} tokens in {long_duration(c.train_time_s)}: "
                      f"{c.gpu_hours:,.0f} GPU-hours{money}, {c.energy_kwh:,.0f} kWh{band}")
     lines += ["", "## Why", "", *[f"- {r}" for r in rec.rationale], ""]
     if rec.alternatives:

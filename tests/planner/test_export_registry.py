@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 from optplan.estimators.arch import parse_arch, profile_from_arch
 from optplan.estimators.errors import OptplanError
 from optplan.estimators.hardware import Cluster
+from optplan.estimators.units import long_duration
 from optplan.planner.api import export_plan, export_plan_file, render_exports
 from optplan.planner.export.context import FILE_NAMES
 from optplan.planner.export.registry import TARGETS, ExportOptions, render_targets, targets_for
@@ -138,8 +139,14 @@ def test_plan_md_prices_the_time_to_train_over_the_step_band() -> None:
     assert c.train_time_s_low == pytest.approx(c.train_time_s * t.step_s_low / t.step_s)
     assert c.cost_usd_high == pytest.approx(c.cost_usd * t.step_s_high / t.step_s)
     md = render_plan_md(rec)
-    assert (f"; over the step's band {c.train_time_s_low / 86400:.2f}-{c.train_time_s_high / 86400:.2f} days, "
+    assert (f"; over the step's band {long_duration(c.train_time_s_low)}-{long_duration(c.train_time_s_high)}, "
             f"${c.cost_usd_low:,.0f}-${c.cost_usd_high:,.0f}") in md
+    # a short run reads in hours or minutes, never "0.00 days"
+    short = recommend(make_profile(), Cluster(gpu=make_gpu(), gpus=16, gpus_per_node=8), global_batch=256,
+                      engines=["deepspeed"], goal=Goal(tokens=1e7))
+    assert short.estimate.cost is not None and short.estimate.cost.train_time_s < 3600
+    md = render_plan_md(short)
+    assert f"tokens in {long_duration(short.estimate.cost.train_time_s)}: " in md and "0.00 days" not in md
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])

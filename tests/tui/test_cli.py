@@ -337,7 +337,9 @@ def test_estimate_reads_a_cluster_file(tmp_path: Path) -> None:
     assert est["cost"]["cost_usd_high"] == pytest.approx(est["cost"]["cost_usd"] * t["step_s_high"] / t["step_s"])
     text = runner.invoke(app, ["estimate", "--arch", "layers=4,hidden=256,heads=4,seq=512", "--cluster", str(f),
                                "--tp", "2", "--tokens", "1e9"])
-    assert text.exit_code == 0 and "(over the step's band: " in " ".join(text.stdout.split())
+    flat = " ".join(text.stdout.split())  # the band beside the time and cost it qualifies, then the energy
+    assert text.exit_code == 0 and "(over the step's band: " in flat and ") (" not in flat, flat
+    assert flat.index("(over the step's band: ") < flat.index("kWh (GPU power)")
     clash = runner.invoke(app, ["estimate", "--params", "1e9", "--cluster", str(f), "--gpus", "8"])
     assert clash.exit_code == 2 and "--gpus" in clash.stderr
 
