@@ -12,8 +12,9 @@ looks at (``OPTPLAN_*`` and its own). :class:`InputRecorder` records them in the
 * environment: ``os.environ`` is swapped for a subclass of its own class over the same data, which records the
   SHA-256 of the first value of each key read by name (``os.getenv``, ``os.environ.get``, ``in``; absent: None)
   before this process set it itself. Values are never stored, so a token a model reads does not reach the disk.
-  Scans (``items()``, ``values()``, ``copy()``: tqdm reads every ``TQDM_*`` so) are not reads of each key;
-  ``dict(os.environ)`` in user code does read each key, and then the whole environment is an input.
+  Scans (``items()``, ``values()``, ``copy()``: tqdm reads every ``TQDM_*`` so; ``dict(os.environ)`` called from the
+  standard library or an installed package: fsspec's config reads every ``FSSPEC_*`` so at import) are not reads of
+  each key; ``dict(os.environ)`` in user code does read each key, and then the whole environment is an input.
 
 Files under the standard library and the site-packages folders are not hashed (the parent keys on the Python
 version and on the installed distributions), nor optplan's own (the key holds a digest of its source). What is
@@ -37,8 +38,9 @@ from typing import Any
 INPUTS_KEY = "optplan_profile_inputs"
 """Key of the record in the child's JSON profile document (:meth:`InputRecorder.report`); the parent takes it out."""
 VOLATILE_ENV = frozenset({"TORCHINDUCTOR_CACHE_DIR", "OPTPLAN_CACHE_DIR", "OPTPLAN_PROFILE_CACHE", "PYTHONSAFEPATH",
-                          "OPTPLAN_GUARD_PID"})
-"""Variables that differ on every run or only say where caches go: never a profile's input."""
+                          "OPTPLAN_GUARD_PID", "COLUMNS", "LINES"})
+"""Variables that differ on every run, only say where caches go, or give the terminal's size (``COLUMNS``, ``LINES``:
+``shutil.get_terminal_size`` reads them, e.g. accelerate's menu helpers at import): never a profile's input."""
 SKIPPED_ROOTS = ("/proc/", "/sys/", "/dev/")
 
 
@@ -98,18 +100,46 @@ def stdlib_roots() -> tuple[str, ...]:
 class _RecordingEnviron(type(os.environ)):  # type: ignore[misc]
     """``os.environ`` over the same data, noting the first value of each key read before this process set it."""
 
-    def __init__(self, real: Any, seen: dict[str, str | None]) -> None:
+    def __init__(self, real: Any, seen: dict[str, str | None], library_roots: tuple[str, ...] = ()) -> None:
         super().__init__(real._data, real.encodekey, real.decodekey, real.encodevalue, real.decodevalue)
         self._seen = seen
         self._written: set[str] = set()
+        self._library_roots = library_roots
+        self._scan: tuple[Any, list[str]] | None = None
+        """(the library frame that called ``keys()``, the keys it has still to read in order): ``dict(os.environ)``."""
+
+    def keys(self) -> Any:
+        """``dict(os.environ)`` calls ``keys()`` then reads every key in that order from the caller's frame: from a
+        library's frame that is a scan (:meth:`_scanned`), like ``items()``."""
+        caller = sys._getframe(1)
+        if _under(os.path.abspath(caller.f_code.co_filename), self._library_roots):
+            self._scan = (caller, list(reversed([self.decodekey(k) for k in self._data])))
+        return super().keys()
+
+    def _scanned(self, key: str) -> bool:
+        """Whether this read of ``key`` is the next of a library's ``dict(os.environ)`` (:meth:`keys`); any other
+        read ends the scan."""
+        if self._scan is None:
+            return False
+        frame, pending = self._scan
+        if pending and pending[-1] == key and sys._getframe(2) is frame:
+            pending.pop()
+            if not pending:
+                self._scan = None
+            return True
+        self._scan = None
+        return False
 
     def __getitem__(self, key: str) -> str:
+        scanned = self._scanned(key)
         try:
             value: str = super().__getitem__(key)
         except KeyError:
-            self._note(key, None)
+            if not scanned:
+                self._note(key, None)
             raise
-        self._note(key, value)
+        if not scanned:
+            self._note(key, value)
         return value
 
     def _note(self, key: object, value: str | None) -> None:
@@ -164,7 +194,8 @@ class InputRecorder:
                     relative.add(full)
 
         sys.addaudithook(hook)
-        os.environ = _RecordingEnviron(os.environ, self._env)  # type: ignore[misc]  # noqa: B003 - same data, recorded
+        os.environ = _RecordingEnviron(os.environ, self._env,  # type: ignore[misc]  # noqa: B003 - same data, recorded
+                                       (*stdlib_roots(), *site_roots()))
 
     def report(self, *, own_roots: Iterable[str]) -> dict[str, Any]:
         """``{"files": {absolute path: sha256 or None}, "env": {name: sha256 of the value or None}, "cwd": the

@@ -6,18 +6,20 @@ it off."""
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import optplan.probes.loader as loader
 import optplan.probes.profile_cache as profile_cache
-from optplan.probes.input_record import file_sha256
+from optplan.probes.input_record import _RecordingEnviron, file_sha256
 from optplan.probes.loader import ModelFileError, profile_model_file
 from optplan.probes.profile_cache import (
     MAX_VARIANTS,
@@ -89,6 +91,41 @@ def test_the_child_records_what_it_read_and_only_that(tmp_path: Path) -> None:
         "OPTPLAN_TEST_READ": _sha("yes"), "OPTPLAN_TEST_ABSENT": None, "OPTPLAN_TEST_IN": None}  # hashes, not values
     assert rec["cwd"] is None  # every path was absolute
     assert RecordedInputs.model_validate(rec).files == files
+
+
+def _environ(values: dict[str, str]) -> os._Environ[str]:
+    """An ``os.environ`` of its own over ``values`` (the process's environment is not touched)."""
+    e = os.environ
+    data = {e.encodekey(k): e.encodevalue(v) for k, v in values.items()}
+    return os._Environ(data, e.encodekey, e.decodekey, e.encodevalue, e.decodevalue)  # type: ignore[attr-defined]
+
+
+def _module(path: Path, name: str) -> Any:
+    path.write_text("def scan(env):\n    return dict(env)\n\n\ndef peek(env):\n    env.keys()\n    return env['B']\n")
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_librarys_dict_of_the_environment_is_a_scan_and_user_codes_reads_every_key(tmp_path: Path) -> None:
+    """fsspec's config runs ``dict(os.environ)`` at import (to find its FSSPEC_* variables): from a library that is a
+    scan, like ``items()``, else every LoRA profile (peft imports fsspec) kept the whole environment (PWD, SHLVL, ...)
+    as its inputs and missed the cache in every new shell. The same call in the user's code still reads every key."""
+    (tmp_path / "lib").mkdir()
+    library = _module(tmp_path / "lib" / "scanlib.py", "optplan_test_scanlib")
+    user = _module(tmp_path / "usercode.py", "optplan_test_usercode")
+    values = {"A": "1", "B": "2"}
+    seen: dict[str, str | None] = {}
+    env = _RecordingEnviron(_environ(values), seen, (str(tmp_path / "lib"),))
+    assert library.scan(env) == values and seen == {}
+    assert env.get("B") == "2" and seen == {"B": "2"}  # a read by name after the scan is a read
+    seen.clear()
+    assert library.peek(env) == "2" and seen == {"B": "2"}  # keys() then one key by name: a read
+    seen.clear()
+    user_env = _RecordingEnviron(_environ(values), seen, (str(tmp_path / "lib"),))
+    assert user.scan(user_env) == values and seen == values
 
 
 # --- validation and storage -----------------------------------------------------------------------------------------
