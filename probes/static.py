@@ -250,33 +250,59 @@ def _measure_with_fallback(contract: ModelContract, make_model: Callable[[], nn.
     return _at_batch_one_or_two(lambda sizes: measure_fake(make_model(), spec, contract, block_cls, sizes), notes)
 
 
+def first_block_input_grad(meta_model: nn.Module, spec: BatchSpec, contract: ModelContract, block_cls: type | None,
+                           batch_size: int) -> bool | None:
+    """Whether the first repeated block's tensor inputs require grad, from one warm-up step of ``meta_model`` on fake
+    CPU tensors at ``batch_size`` (:meth:`StepRunner.warm_up`); None when that step fails (the full measurement then
+    meets the failure and reports it as it does)."""
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            model = materialize_fake(meta_model)
+            runner = StepRunner(model=model, spec=spec, loss_fn=contract.loss_fn, display=contract.display,
+                                blocks=blocks_of(model, block_cls))
+            with PositionTracker() as tracker:
+                grad = runner.warm_up(batch_size)
+    except Exception:  # noqa: BLE001 - a shortcut only: any failure is the measurement's to report
+        return None
+    return None if tracker.overruns else grad
+
+
 def _measure_reduced(contract: ModelContract, meta: nn.Module, block: BlockInfo, spec: BatchSpec,
                      notes: list[str]) -> tuple[Measurement, tuple[int, int], int | None]:
     """Measure with the block container cut to 1 and 2 blocks and extrapolate to its length.
 
     When the first block's input does not require grad (the blocks come first, no embedding or stem
-    before them), the first block skips its input gradient, so depth 1 is not on the line: then 2 and 3
-    blocks are measured instead. Returns (measurement, batch sizes, blocks profiled or None for full).
+    before them, or a frozen embedding as under LoRA), the first block skips its input gradient, so depth 1 is not on
+    the line: then 2 and 3 blocks are measured instead (just 3 when the model has 3). One warm-up step of the cut to 1
+    block (:func:`first_block_input_grad`) tells which, before any of the ~40 measured steps of a depth is run.
+    Returns (measurement, batch sizes, blocks profiled or None for full).
     """
     layers = len(block.blocks)
     path = block.path
     assert path is not None
     cls = block.cls
     head = block.head  # leading blocks of another size (dense layers before the MoE ones) are kept in both cuts
-    m1, sizes = _measure_with_fallback(contract, lambda: _fresh(contract, meta, path, head + 1), spec, cls, notes)
-    m2 = measure_fake(_fresh(contract, meta, path, head + 2), spec, contract, cls, sizes)
-    lo, hi, base = m1, m2, head + 1
-    if m1.first_block_input_grad is False and head == 0:
-        m3 = measure_fake(_fresh(contract, meta, path, 3), spec, contract, cls, sizes)
+    if head == 0 and first_block_input_grad(_fresh(contract, meta, path, 1), spec, contract, cls, 1) is False:
         if layers == 3:
+            m3, sizes = _measure_with_fallback(contract, lambda: _fresh(contract, meta, path, 3), spec, cls, notes)
             return m3, sizes, None
-        lo, hi, base = m2, m3, 2
+        m2, sizes = _measure_with_fallback(contract, lambda: _fresh(contract, meta, path, 2), spec, cls, notes)
+        lo, hi, base = m2, measure_fake(_fresh(contract, meta, path, 3), spec, contract, cls, sizes), 2
+    else:
+        m1, sizes = _measure_with_fallback(contract, lambda: _fresh(contract, meta, path, head + 1), spec, cls, notes)
+        m2 = measure_fake(_fresh(contract, meta, path, head + 2), spec, contract, cls, sizes)
+        lo, hi, base = m1, m2, head + 1
+        if m1.first_block_input_grad is False and head == 0:  # the warm-up step could not tell: the measurement did
+            m3 = measure_fake(_fresh(contract, meta, path, 3), spec, contract, cls, sizes)
+            if layers == 3:
+                return m3, sizes, None
+            lo, hi, base = m2, m3, 2
     extra = layers - (base + 1)
     envelopes = {k: hi.envelopes[k].deeper(lo.envelopes[k], extra) for k in hi.envelopes if k in lo.envelopes}
     measurement = Measurement(
         fwd_flops=round(extrapolate(lo.fwd_flops, hi.fwd_flops, layers, base)),
         bwd_flops=round(extrapolate(lo.bwd_flops, hi.bwd_flops, layers, base)),
-        envelopes=envelopes, batch_info=m1.batch_info, loss_note=m1.loss_note,
+        envelopes=envelopes, batch_info=lo.batch_info, loss_note=lo.loss_note,
         weights_16bit_note=lo.weights_16bit_note or hi.weights_16bit_note,
         selective_recompute_flops=(None if lo.selective_recompute_flops is None or hi.selective_recompute_flops is None
                                    else round(extrapolate(lo.selective_recompute_flops, hi.selective_recompute_flops,

@@ -176,7 +176,16 @@ def test_llama_70b_profiles_small(examples_dir, monkeypatch):
     assert bf16.param_copy_bytes == pytest.approx(2 * (profile.params - 128256 * 8192), rel=0.01)
 
 
-def test_root_sequential_and_uncopyable_blocks_are_cut_by_rebuilding(write_model):
+def test_root_sequential_and_uncopyable_blocks_are_cut_by_rebuilding(write_model, monkeypatch):
+    import optplan.probes.static as static
+
+    depths: list[int] = []  # the cut depths measured in full (~40 steps each)
+
+    def spy(model, *args, **kwargs):
+        depths.append(len(model))
+        return measure_fake(model, *args, **kwargs)
+
+    monkeypatch.setattr(static, "measure_fake", spy)
     path = write_model("""
         import threading
         import torch, torch.nn as nn
@@ -199,6 +208,7 @@ def test_root_sequential_and_uncopyable_blocks_are_cut_by_rebuilding(write_model
     profile = profile_contract(contract)
     assert profile.repeated_block.path == "" and profile.repeated_block.count == 5
     assert profile.profiled_blocks == 3  # the first block gets no input gradient: 2 and 3 measured
+    assert depths == [2, 3]  # one warm-up step told so: depth 1, off the line, was not measured
     assert "profiled 3 of 5 blocks and scaled by layers" in profile.notes
     full, m = fake_full_depth_fits(contract, 1024)
     assert_fits_close({(f.precision, f.checkpointing): f for f in profile.activations}, full, rel=1e-6)
