@@ -57,9 +57,10 @@ Definitions the estimators rely on:
   ``ActivationFit.phase_lines``: the estimators add each engine buffer only at the moments it is alive
   (FSDP's gathered units while the model runs, DeepSpeed's gradient partitions from the first parameter
   gradient on). When the first block's input does not require grad (blocks first, no embedding
-  or stem before them) the first block skips its input gradient and depth 1 is off the line, so 2 and
-  3 blocks are measured instead. If the cut model fails to run, the full depth is profiled instead
-  (with a note).
+  or stem before them, or a LoRA model's frozen embedding) the first block skips its input gradient and depth 1
+  is off the line, so 2 and 3 blocks are measured instead; one warm-up step of the 1-block cut tells which
+  before any depth is measured in full (depth 1 is then never measured: a third of such a profile). If the cut
+  model fails to run, the full depth is profiled instead (with a note).
 
 Sequence length used for ``example_batch(batch_size, seq_len)`` (or the inferred token batch):
 the ``seq_len`` argument, else ``OPTPLAN["seq_len"]``, else the model's maximum position length when
