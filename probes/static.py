@@ -188,14 +188,20 @@ def blocks_of(model: nn.Module, cls: type | None) -> list[nn.Module]:
     return list(out.values())
 
 
+def _fake_runner(meta_model: nn.Module, spec: BatchSpec, contract: ModelContract,
+                 block_cls: type | None) -> StepRunner:
+    """A step runner of ``meta_model`` materialised on fake CPU tensors (call it inside a ``FakeTensorMode``)."""
+    model = materialize_fake(meta_model)
+    return StepRunner(model=model, spec=spec, loss_fn=contract.loss_fn, display=contract.display,
+                      blocks=blocks_of(model, block_cls))
+
+
 def measure_fake(meta_model: nn.Module, spec: BatchSpec, contract: ModelContract, block_cls: type | None,
                  batch_sizes: tuple[int, int]) -> Measurement:
     """Materialise a meta model on fake CPU tensors and :func:`measure` it."""
     tracker = PositionTracker()  # fake tensors index past an embedding table silently; a real run would not
     with FakeTensorMode(allow_non_fake_inputs=True):
-        model = materialize_fake(meta_model)
-        runner = StepRunner(model=model, spec=spec, loss_fn=contract.loss_fn, display=contract.display,
-                            blocks=blocks_of(model, block_cls))
+        runner = _fake_runner(meta_model, spec, contract, block_cls)
         try:
             with tracker:
                 result = measure(runner, batch_sizes)
@@ -258,9 +264,7 @@ def first_block_input_grad(meta_model: nn.Module, spec: BatchSpec, contract: Mod
     meets the failure and reports it as it does)."""
     try:
         with FakeTensorMode(allow_non_fake_inputs=True):
-            model = materialize_fake(meta_model)
-            runner = StepRunner(model=model, spec=spec, loss_fn=contract.loss_fn, display=contract.display,
-                                blocks=blocks_of(model, block_cls))
+            runner = _fake_runner(meta_model, spec, contract, block_cls)
             with PositionTracker() as tracker:
                 grad = runner.warm_up(batch_size)
     except Exception:  # noqa: BLE001 - a shortcut only: any failure is the measurement's to report
