@@ -38,9 +38,12 @@ from typing import Any
 INPUTS_KEY = "optplan_profile_inputs"
 """Key of the record in the child's JSON profile document (:meth:`InputRecorder.report`); the parent takes it out."""
 VOLATILE_ENV = frozenset({"TORCHINDUCTOR_CACHE_DIR", "OPTPLAN_CACHE_DIR", "OPTPLAN_PROFILE_CACHE", "PYTHONSAFEPATH",
-                          "OPTPLAN_GUARD_PID", "COLUMNS", "LINES"})
-"""Variables that differ on every run, only say where caches go, or give the terminal's size (``COLUMNS``, ``LINES``:
-``shutil.get_terminal_size`` reads them, e.g. accelerate's menu helpers at import): never a profile's input."""
+                          "OPTPLAN_GUARD_PID", "OPTPLAN_DEVICE_LOCK", "OPTPLAN_QUIET_GROUP", "OPTPLAN_PROBE_TOKEN",
+                          "COLUMNS", "LINES"})
+"""Variables that differ on every run, only say where caches go or how processes take turns (the device lock's file,
+the quiet group's folder: probes/runtime.py, probes/host_quiet.py; a probe's token: probes/distributed.py), or give
+the terminal's size (``COLUMNS``, ``LINES``: ``shutil.get_terminal_size`` reads them, e.g. accelerate's menu helpers
+at import): never a profile's input."""
 SKIPPED_ROOTS = ("/proc/", "/sys/", "/dev/")
 
 

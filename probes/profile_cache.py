@@ -5,7 +5,8 @@ model on a 2-core machine, minutes for a large one. ``optplan estimate model.py`
 model.py`` would pay that twice for the same answer. The cache is a two-level, content-addressed store in the
 manner of ccache's "direct mode" manifests (https://ccache.dev/manual/latest.html#_the_direct_mode):
 
-1. the *request key*, computed here without running anything: SHA-256 over the model file's bytes and path, the
+1. the *request key*, computed here without running anything: SHA-256 over the model file's bytes and resolved path
+   (the child imports the file from there, so ``examples/m.py``, ``./examples/m.py`` and a symlink to it are one key), the
    profiler options, the Python interpreter, the installed distributions (every ``*.dist-info``/``*.egg-info``
    name in the site-packages folders: a package installed, removed or upgraded is a new key, whether or not the
    model imported it), a digest of optplan's own probes/estimators source, and every
@@ -132,7 +133,7 @@ def request_key(path: str | os.PathLike[str], options: Sequence[str],
     if content is None:
         return None
     doc = {"format": CACHE_FORMAT, "optplan": source_digest(), "python": sys.version, "executable": sys.executable,
-           "installed": installed_digest(), "path": os.fspath(path), "resolved": str(Path(path).resolve()),
+           "installed": installed_digest(), "resolved": str(Path(path).resolve()),
            "sha256": content, "options": list(options), "env": {k: value_sha256(v) for k, v in
                                                                  keyed_env(os.environ if environ is None else environ).items()}}
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()

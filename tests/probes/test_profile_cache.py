@@ -233,7 +233,18 @@ def test_the_request_key_follows_file_options_env_and_installed_packages(tmp_pat
         monkeypatch.delenv(name)
     monkeypatch.setenv("OPTPLAN_CACHE_DIR", str(tmp_path / "elsewhere"))  # where caches go is not an input
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "ind"))
+    monkeypatch.setenv("OPTPLAN_DEVICE_LOCK", str(tmp_path / "device.lock"))  # nor how processes take turns
+    monkeypatch.setenv("OPTPLAN_QUIET_GROUP", str(tmp_path / "quiet"))
     assert request_key(model, ["--seq-len", "8"]) == base
+    # the file the child imports, however it is spelt: relative, through "..", through a symlink
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "link.py").symlink_to(model)
+    monkeypatch.chdir(tmp_path)
+    for spelling in ("m.py", "./sub/../m.py", tmp_path / "link.py"):
+        assert request_key(spelling, ["--seq-len", "8"]) == base, spelling
+    other = tmp_path / "sub" / "m.py"
+    other.write_text("x = 1\n")  # the same bytes elsewhere: its own key (what it reads beside it may differ)
+    assert request_key(other, ["--seq-len", "8"]) != base
     (site / "flash_attn-2.7.0.dist-info").mkdir()  # a package installed, imported by the model or not
     assert request_key(model, ["--seq-len", "8"]) != base
     (site / "flash_attn-2.7.0.dist-info").rmdir()

@@ -34,12 +34,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 HANG = os.environ.get("TEST_HANG", "")        # "profile": build_model hangs; "probe": a probe's forward hangs
-PID_FILE = os.environ.get("TEST_PID_FILE", "")
 OPTPLAN = {"seq_len": 16, "global_batch": 8}
 
 
 def _hang():
-    with open(PID_FILE, "a") as fh:
+    with open(os.environ["TEST_PID_FILE"], "a") as fh:  # read here: each test's own file, not a profile input
         fh.write(f"{os.getpid()}\\n")
     time.sleep(3600)
 
@@ -73,8 +72,11 @@ def loss_fn(logits, batch):
 BASE = ["--gpu", "H100-SXM", "--gpus", "2", "--no-calibration"]
 
 
-def _model(tmp_path: Path) -> Path:
-    path = tmp_path / "net.py"
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """net.py, written once: the tests that profile it to the end (hangs in a probe) share one profile (the cache
+    keys by the file's path) instead of one per test's folder."""
+    path = tmp_path_factory.mktemp("ctrl_c") / "net.py"
     path.write_text(MODEL)
     return path
 
@@ -141,11 +143,11 @@ def _kill_leftovers(tmp_path: Path) -> Iterator[None]:
 
 
 @pytest.mark.parametrize("where", ["profile", "probe"])
-def test_ctrl_c_in_recommend(tmp_path: Path, where: str) -> None:
+def test_ctrl_c_in_recommend(tmp_path: Path, model: Path, where: str) -> None:
     """Interrupted while the model file is profiled or while a probe runs: exit 130 within 2 s with one
     line, the profiling child / the probe's processes gone, nothing exported, and the same command run
     again finishes from the study and picks what an uninterrupted run picks."""
-    model, pid_file, out = _model(tmp_path), tmp_path / "pids", tmp_path / "out"
+    pid_file, out = tmp_path / "pids", tmp_path / "out"
     args = ["recommend", str(model), *BASE, "--out", str(out)]
     proc = _optplan([*args, "--probe", "--probe-top-k", "1", "--probe-timeout", "300"], _env(where, pid_file),
                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -176,10 +178,10 @@ def test_ctrl_c_in_recommend(tmp_path: Path, where: str) -> None:
     assert (out / "plan.json").is_file()
 
 
-def test_sigterm_cleans_up_like_ctrl_c(tmp_path: Path) -> None:
+def test_sigterm_cleans_up_like_ctrl_c(tmp_path: Path, model: Path) -> None:
     """``kill PID`` (SIGTERM: scancel, a container stop) while a probe runs: the same clean-up as Ctrl-C,
     exit 143 within 2 s with one line, no child left."""
-    model, pid_file, out = _model(tmp_path), tmp_path / "pids", tmp_path / "out"
+    pid_file, out = tmp_path / "pids", tmp_path / "out"
     proc = _optplan(["recommend", str(model), *BASE, "--out", str(out), "--probe", "--probe-top-k", "1",
                      "--probe-timeout", "300"], _env("probe", pid_file),
                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -196,11 +198,11 @@ def test_sigterm_cleans_up_like_ctrl_c(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("where", ["profile", "probe"])
-def test_sigkill_of_optplan_takes_its_children_along(tmp_path: Path, where: str) -> None:
+def test_sigkill_of_optplan_takes_its_children_along(tmp_path: Path, model: Path, where: str) -> None:
     """``kill -9`` (or the OOM killer) of optplan itself, when no cleanup code can run, while the profiler
     child or a 2-rank torchrun probe hangs: the kernel kills them too (parent-death signal), so no orphan
     keeps running (on a GPU: keeps holding memory)."""
-    model, pid_file = _model(tmp_path), tmp_path / "pids"
+    pid_file = tmp_path / "pids"
     proc = _optplan(["recommend", str(model), *BASE, "--probe", "--probe-top-k", "1", "--probe-nproc", "2",
                      "--probe-timeout", "300"], _env(where, pid_file),
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -311,11 +313,11 @@ class _Terminal:
 @pytest.mark.parametrize(("where", "key"), [("profile", b"\x03"), ("probe", b"\x03"), ("probe", b"q"),
                                             ("probe", None)],
                          ids=["ctrl-c-profiling", "ctrl-c-probing", "q-probing", "sigterm-probing"])
-def test_quitting_the_dashboard(tmp_path: Path, where: str, key: bytes | None) -> None:
+def test_quitting_the_dashboard(tmp_path: Path, model: Path, where: str, key: bytes | None) -> None:
     """Ctrl-C (or q, or a SIGTERM) in the dashboard while the profiling child or a probe hangs: the
     dashboard is gone within 2 s with the hanging child stopped, says the study resumes, and wrote no
     export."""
-    model, pid_file, out = _model(tmp_path), tmp_path / "pids", tmp_path / "out"
+    pid_file, out = tmp_path / "pids", tmp_path / "out"
     term = _Terminal(["dashboard", str(model), *BASE, "--probe", "--probe-top-k", "1", "--probe-timeout", "300",
                       "--out", str(out)], _env(where, pid_file))
     try:
