@@ -57,12 +57,27 @@ def band_text(step_s: float, low_s: float, high_s: float) -> str:
 
 
 def cost_band_text(cost: CostEstimate) -> str:
-    """' (over the step's band: 101 days-187 days, $48,301-$89,871)': the time to train and its price at the ends of
-    the step time's band (``CostEstimate.train_time_s_low``...); '' without a band (or one of no width)."""
+    """' (over the step's band: 92.6-162.0 days, 142,222-248,889 GPU-hours, $284,444-$497,778, 99,556-174,222 kWh)': the time to
+    train, its GPU-hours, price and energy at the ends of the step time's band (``CostEstimate.train_time_s_low``...);
+    '' without a band (or one of no width)."""
     if cost.train_time_s_low is None or cost.train_time_s_high is None or (
             cost.train_time_s_low == cost.train_time_s == cost.train_time_s_high):
         return ""
-    money = (f", {usd_text(cost.cost_usd_low)}-{usd_text(cost.cost_usd_high)}"
-             if cost.cost_usd_low is not None and cost.cost_usd_high is not None else "")
-    return (f" (over the step's band: {long_duration(cost.train_time_s_low)}-"
-            f"{long_duration(cost.train_time_s_high)}{money})")
+    parts = [span(long_duration(cost.train_time_s_low), long_duration(cost.train_time_s_high))]
+    if cost.gpu_hours_low is not None and cost.gpu_hours_high is not None:
+        parts.append(span(gpu_hours_text(cost.gpu_hours_low), gpu_hours_text(cost.gpu_hours_high)))
+    if cost.cost_usd_low is not None and cost.cost_usd_high is not None:
+        parts.append(span(usd_text(cost.cost_usd_low), usd_text(cost.cost_usd_high)))
+    if cost.energy_kwh_low is not None and cost.energy_kwh_high is not None:
+        parts.append(span(amount(cost.energy_kwh_low), amount(cost.energy_kwh_high)) + " kWh")
+    return f" (over the step's band: {', '.join(parts)})"
+
+
+def span(low: str, high: str) -> str:
+    """'101-187 days' from '101 days' and '187 days' (one unit named once when both ends share it), else
+    '14 h-2.1 days'."""
+    low_value, _, low_unit = low.partition(" ")
+    high_value, _, high_unit = high.partition(" ")
+    if low_unit and low_unit == high_unit:
+        return f"{low_value}-{high_value} {high_unit}"
+    return f"{low}-{high}"

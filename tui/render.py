@@ -152,7 +152,7 @@ def estimate_table(e: Estimate | StatesEstimate) -> Group:
         c = e.cost
         money = f", {usd_text(c.cost_usd)}" if c.cost_usd is not None else ""
         parts.append(Text(f"{c.tokens:.3g} tokens: {long_duration(c.train_time_s)}, {gpu_hours_text(c.gpu_hours)}"
-                          f"{money}{cost_band_text(c)}, {amount(c.energy_kwh)} kWh (GPU power)"))
+                          f"{money}, {amount(c.energy_kwh)} kWh of GPU power{cost_band_text(c)}"))
     return Group(*parts)
 
 
@@ -279,7 +279,8 @@ def print_recommendation(console: Console, rec: Recommendation, profile: ModelPr
         if cost is not None:
             money = f", {usd_text(cost.cost_usd)}" if cost.cost_usd is not None else ""
             console.print(f"to train {cost.tokens:.3g} tokens: {long_duration(cost.train_time_s)} on "
-                          f"{rec.estimate.gpus} GPUs, {gpu_hours_text(cost.gpu_hours)}{money}{cost_band_text(cost)}")
+                          f"{rec.estimate.gpus} GPUs, {gpu_hours_text(cost.gpu_hours)}{money}, "
+                          f"{amount(cost.energy_kwh)} kWh of GPU power{cost_band_text(cost)}")
         if rec.pareto:
             axes = "throughput vs headroom" if rec.objective == "throughput" else "time vs cost"
             n = len(rec.pareto)

@@ -105,8 +105,12 @@ def render_plan_md(rec: Recommendation) -> str:
         band = ""
         if c.train_time_s_low is not None and c.train_time_s_high is not None:
             band = f"; over the step's band {long_duration(c.train_time_s_low)}-{long_duration(c.train_time_s_high)}"
+            if c.gpu_hours_low is not None and c.gpu_hours_high is not None:
+                band += f", {c.gpu_hours_low:,.0f}-{c.gpu_hours_high:,.0f} GPU-hours"
             if c.cost_usd_low is not None and c.cost_usd_high is not None:
                 band += f", ${c.cost_usd_low:,.0f}-${c.cost_usd_high:,.0f}"
+            if c.energy_kwh_low is not None and c.energy_kwh_high is not None:
+                band += f", {c.energy_kwh_low:,.0f}-{c.energy_kwh_high:,.0f} kWh"
         lines.append(f"- {c.tokens:.3g} tokens in {long_duration(c.train_time_s)}: "
                      f"{c.gpu_hours:,.0f} GPU-hours{money}, {c.energy_kwh:,.0f} kWh{band}")
     lines += ["", "## Why", "", *[f"- {r}" for r in rec.rationale], ""]

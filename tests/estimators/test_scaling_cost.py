@@ -72,7 +72,11 @@ def test_training_cost_by_hand() -> None:
                            step_band=(0.8, 1.3))
     assert (banded.train_time_s_low, banded.train_time_s_high) == pytest.approx((0.8e6, 1.3e6))
     assert (banded.cost_usd_low, banded.cost_usd_high) == pytest.approx((0.8 * c.cost_usd, 1.3 * c.cost_usd))
+    assert (banded.gpu_hours_low, banded.gpu_hours_high) == pytest.approx((0.8 * c.gpu_hours, 1.3 * c.gpu_hours))
+    assert (banded.energy_kwh_low, banded.energy_kwh_high) == pytest.approx((0.8 * c.energy_kwh, 1.3 * c.energy_kwh))
+    assert c.gpu_hours_low is None and c.energy_kwh_high is None
     unpriced = training_cost(tokens=1e9, tokens_per_s=1e5, gpus=1, gpu_power_w=300, step_band=(0.8, 1.3))
     assert unpriced.train_time_s_high == pytest.approx(1.3e4) and unpriced.cost_usd_high is None
+    assert unpriced.energy_kwh_high == pytest.approx(300 * 1.3e4 / 3.6e6)
     with pytest.raises(OptplanError):
         training_cost(tokens=0, tokens_per_s=1, gpus=1, gpu_power_w=1)

@@ -139,8 +139,11 @@ def test_plan_md_prices_the_time_to_train_over_the_step_band() -> None:
     assert c.train_time_s_low == pytest.approx(c.train_time_s * t.step_s_low / t.step_s)
     assert c.cost_usd_high == pytest.approx(c.cost_usd * t.step_s_high / t.step_s)
     md = render_plan_md(rec)
+    assert c.gpu_hours_high == pytest.approx(c.gpu_hours * t.step_s_high / t.step_s)
+    assert c.energy_kwh_low == pytest.approx(c.energy_kwh * t.step_s_low / t.step_s)
     assert (f"; over the step's band {long_duration(c.train_time_s_low)}-{long_duration(c.train_time_s_high)}, "
-            f"${c.cost_usd_low:,.0f}-${c.cost_usd_high:,.0f}") in md
+            f"{c.gpu_hours_low:,.0f}-{c.gpu_hours_high:,.0f} GPU-hours, ${c.cost_usd_low:,.0f}-${c.cost_usd_high:,.0f}, "
+            f"{c.energy_kwh_low:,.0f}-{c.energy_kwh_high:,.0f} kWh") in md
     # a short run reads in hours or minutes, never "0.00 days"
     short = recommend(make_profile(), Cluster(gpu=make_gpu(), gpus=16, gpus_per_node=8), global_batch=256,
                       engines=["deepspeed"], goal=Goal(tokens=1e7))

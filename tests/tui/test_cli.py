@@ -9,6 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from optplan.tui.cli import app, main
+from optplan.tui.fmt import amount
 
 ROOT = Path(__file__).resolve().parents[2]
 EX = ROOT / "examples"
@@ -335,11 +336,16 @@ def test_estimate_reads_a_cluster_file(tmp_path: Path) -> None:
     t = est["time"]  # the estimate's time to train and cost over its step band too
     assert est["cost"]["train_time_s_low"] == pytest.approx(est["cost"]["train_time_s"] * t["step_s_low"] / t["step_s"])
     assert est["cost"]["cost_usd_high"] == pytest.approx(est["cost"]["cost_usd"] * t["step_s_high"] / t["step_s"])
+    for name in ("gpu_hours", "energy_kwh"):  # GPU-hours and energy scale with the step as well
+        for end in ("low", "high"):
+            assert est["cost"][f"{name}_{end}"] == pytest.approx(est["cost"][name] * t[f"step_s_{end}"] / t["step_s"])
     text = runner.invoke(app, ["estimate", "--arch", "layers=4,hidden=256,heads=4,seq=512", "--cluster", str(f),
                                "--tp", "2", "--tokens", "1e9"])
-    flat = " ".join(text.stdout.split())  # the band beside the time and cost it qualifies, then the energy
+    flat = " ".join(text.stdout.split())  # the nominal figures, then the band that qualifies each of them
     assert text.exit_code == 0 and "(over the step's band: " in flat and ") (" not in flat, flat
-    assert flat.index("(over the step's band: ") < flat.index("kWh (GPU power)")
+    assert "kWh of GPU power (over the step's band: " in flat
+    band = flat[flat.index("(over the step's band: "):].split(")")[0]
+    assert band.count("GPU-hours") == 1 and band.count("$") == 2 and band.endswith("kWh"), band
     clash = runner.invoke(app, ["estimate", "--params", "1e9", "--cluster", str(f), "--gpus", "8"])
     assert clash.exit_code == 2 and "--gpus" in clash.stderr
 
@@ -365,7 +371,9 @@ def test_a_cluster_files_price_waits_for_a_token_budget(tmp_path: Path) -> None:
     assert (cost["cost_usd_low"], cost["cost_usd_high"]) == pytest.approx((low, high))
     assert cost["train_time_s_high"] == pytest.approx(cost["train_time_s"] * t["step_s_high"] / t["step_s"])
     flat = " ".join(text.stdout.split())  # the console wraps the line at 80 columns
-    assert f"${cost['cost_usd']:.2f} (over the step's band: " in flat and f"${low:.2f}-${high:.2f})" in flat, flat
+    assert f"${cost['cost_usd']:.2f}, " in flat and f"${low:.2f}-${high:.2f}, " in flat, flat
+    kwh = [amount(cost["energy_kwh"] * t[k] / t["step_s"]) for k in ("step_s_low", "step_s_high")]
+    assert "kWh of GPU power (over the step's band: " in flat and f"{kwh[0]}-{kwh[1]} kWh)" in flat, flat
 
 
 @pytest.mark.parametrize(("args", "needle"), [
