@@ -57,9 +57,9 @@ def band_text(step_s: float, low_s: float, high_s: float) -> str:
 
 
 def cost_band_text(cost: CostEstimate) -> str:
-    """' (over the step's band: 92.6-162.0 days, 142,222-248,889 GPU-hours, $284,444-$497,778, 99,556-174,222 kWh)': the time to
-    train, its GPU-hours, price and energy at the ends of the step time's band (``CostEstimate.train_time_s_low``...);
-    '' without a band (or one of no width)."""
+    """The time to train, its GPU-hours, price and energy at the ends of the step time's band
+    (``CostEstimate.train_time_s_low``...): ' (over the step's band: 92.6-162.0 days, 142,222-248,889 GPU-hours,
+    $284,444-$497,778, 99,556-174,222 kWh)'; '' without a band (or one of no width)."""
     if cost.train_time_s_low is None or cost.train_time_s_high is None or (
             cost.train_time_s_low == cost.train_time_s == cost.train_time_s_high):
         return ""

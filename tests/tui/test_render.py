@@ -125,3 +125,22 @@ def test_a_gpus_range_table_names_each_rows_gpu_count(rec: Recommendation) -> No
     for e in rows:
         assert f"{e.gpus} GPUs: {e.strategy.label()}" in out
     assert "GPUs:" not in _text(plans_table(rec), width=160)
+
+
+def test_the_cost_band_names_each_unit_once_and_prices_every_figure() -> None:
+    """The band's ends of the time to train, GPU-hours, price and energy; a unit shared by both ends is named once,
+    ends in different units keep theirs; no band (or one of no width) prints nothing."""
+    from optplan.estimators.cost import training_cost
+    from optplan.tui.fmt import cost_band_text, span
+
+    assert span("101 days", "187 days") == "101-187 days"
+    assert span("14 h", "2.1 days") == "14 h-2.1 days"
+    assert span("$16", "$46") == "$16-$46"
+    c = training_cost(tokens=2e9, tokens_per_s=2e5, gpus=8, gpu_power_w=700, price_per_gpu_hour=2.0,
+                      step_band=(0.8, 1.4))
+    assert cost_band_text(c) == " (over the step's band: 2.2-3.9 h, 18-31 GPU-hours, $36-$62, 12-22 kWh)"
+    unpriced = training_cost(tokens=2e9, tokens_per_s=2e5, gpus=8, gpu_power_w=700, step_band=(0.8, 1.4))
+    assert cost_band_text(unpriced) == " (over the step's band: 2.2-3.9 h, 18-31 GPU-hours, 12-22 kWh)"
+    assert cost_band_text(training_cost(tokens=2e9, tokens_per_s=2e5, gpus=8, gpu_power_w=700)) == ""
+    assert cost_band_text(training_cost(tokens=2e9, tokens_per_s=2e5, gpus=8, gpu_power_w=700,
+                                        step_band=(1.0, 1.0))) == ""
