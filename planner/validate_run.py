@@ -221,6 +221,11 @@ def _local_strategy(strategy: Strategy, local: LocalDevices) -> tuple[Strategy, 
     update: dict[str, Any] = {"dp": dp}
     if dp == 1 and strategy.fsdp == "hybrid":
         update["fsdp"] = "full"
+    if local.device == "cpu" and (strategy.mbs > 1 or strategy.grad_accum > 1):  # as probes run on the CPU
+        update.update(mbs=1, grad_accum=1)
+        notes.append(f"on the CPU one sample per micro-batch, no accumulation (the plan: {strategy.mbs} x "
+                     f"{strategy.grad_accum}, sized for its GPU's memory): this checks that the file launches and "
+                     "trains, and the memory at this batch against its own prediction")
     return Strategy.model_validate({**strategy.model_dump(), **update}), notes
 
 
@@ -228,6 +233,13 @@ def _cluster_for(plan: ExportPlan | None, strategy: Strategy) -> Cluster:
     gpu = find_gpu(plan.gpu) if plan is not None else find_gpu("H100-SXM")
     per_node = plan.gpus_per_node if plan is not None else min(8, strategy.world_size)
     return Cluster(gpu=gpu, gpus=strategy.world_size, gpus_per_node=max(1, min(per_node, strategy.world_size)))
+
+
+def planned_seq_len(target: Path) -> int | None:
+    """The sequence length of the plan.json beside ``target`` (a folder recommend --out wrote, or one of its files):
+    what its launch files and predictions are for; None without a plan.json or for a model of no sequence."""
+    plan = _plan_beside(target if target.is_dir() else target.parent)
+    return plan.seq_len if plan is not None else None
 
 
 def files_to_run(target: Path) -> list[Path]:

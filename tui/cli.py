@@ -48,8 +48,10 @@ from optplan.tui.cli_options import (
     LoraTargetsOpt,
     NameOpt,
     OptModelFile,
+    PlanSeqOpt,
     QuantOpt,
     SeqOpt,
+    out_folder,
 )
 from optplan.tui.microbench_view import print_microbench
 from optplan.tui.recommend_args import OPTIMIZERS, PRECISIONS, RecommendArgs
@@ -342,7 +344,7 @@ def recommend(
     trials: Annotated[int | None, typer.Option("--trials", help="trials for nsga2/tpe (default min(space, 3000))")] = None,
     seed: Annotated[int, typer.Option("--seed", help="sampler seed (the search is deterministic for a seed)")] = 0,
     storage: Annotated[str | None, typer.Option("--storage", help="Optuna storage: a journal file, a .db (SQLite) file or a database URL (default: optplan-study.log under --out)")] = None,
-    out: Annotated[Path | None, typer.Option("--out", help="write plan.json, PLAN.md and the launch files here")] = None,
+    out: Annotated[Path | None, typer.Option("--out", help="write plan.json, PLAN.md and the launch files here", parser=out_folder)] = None,
     launcher: Annotated[str, typer.Option("--launcher", help="launch.sh starts torchrun or the deepspeed launcher")] = "torchrun",
     force: Annotated[bool, typer.Option("--force", help="overwrite existing files in --out")] = False,
     probe: Annotated[bool | None, typer.Option("--probe/--no-probe", help="run the best candidates for a few real steps (default: on when a GPU is present)", show_default=False)] = None,
@@ -481,12 +483,12 @@ def validate_cmd(
     steps: Annotated[int, typer.Option("--steps", help="timed steps per run (after one warm-up step)")] = 3,
     nproc: Annotated[int | None, typer.Option("--nproc", help="local processes (default: local GPUs, 1 on CPU)")] = None,
     jobs: Annotated[int, typer.Option("--jobs", help="files run at once when each runs as one process: their start-ups overlap, they take the device in turn")] = 1,
-    seq_len: SeqOpt = None, model_name: NameOpt = None, as_json: JsonOpt = False,
+    seq_len: PlanSeqOpt = None, model_name: NameOpt = None, as_json: JsonOpt = False,
 ) -> None:
     """Run the exported launch configs for a few steps: started, fits, step time against the prediction (on the planned GPU)."""
     from optplan.planner.api import resolve_model
     from optplan.planner.probe_stage import local_devices
-    from optplan.planner.validate_run import files_to_run, validate_exports
+    from optplan.planner.validate_run import files_to_run, planned_seq_len, validate_exports
 
     def body() -> None:
         _check_finite("timeout", timeout)
@@ -494,8 +496,9 @@ def validate_cmd(
             if count is not None and count < 1:
                 raise OptplanError(f"--{flag} must be >= 1 (got {count})")
         files_to_run(target)  # a bad target fails before profiling
+        seq = seq_len if seq_len is not None else planned_seq_len(target)  # the plan's, not the model's default
         with _stderr().status("profiling the model in a child process..."):
-            prof = resolve_model(model, arch=None, seq_len=seq_len, model_name=model_name, params=None)
+            prof = resolve_model(model, arch=None, seq_len=seq, model_name=model_name, params=None)
         with _stderr().status("running the exported configs..."):
             report = validate_exports(target, prof, model_name=model_name, local=local_devices(nproc),
                                       timeout_s=timeout, timed_steps=steps, jobs=jobs)
@@ -548,7 +551,7 @@ def export_cmd(
     ctx: typer.Context,
     plan_file: Annotated[Path, typer.Argument(help="plan.json written by optplan recommend --out", show_default=False)],
     to: Annotated[list[str], typer.Option("--to", help="deepspeed, accelerate, torchrun, slurm, hf, lightning, train, finetune or all (repeatable)")],
-    out: Annotated[Path, typer.Option("--out", help="folder to write the files to")],
+    out: Annotated[Path, typer.Option("--out", help="folder to write the files to", parser=out_folder)],
     launcher: Annotated[str, typer.Option("--launcher", help="launch.sh starts torchrun or the deepspeed launcher")] = "torchrun",
     fsdp_version: Annotated[int, typer.Option("--fsdp-version", help="accelerate FSDP config version (1 or 2)")] = 2,
     train_script: Annotated[str, typer.Option("--train-script", help="the training script launch files start")] = "train.py",

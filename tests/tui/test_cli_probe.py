@@ -77,6 +77,45 @@ def test_validate_runs_the_exported_launch_files(tmp_path: Path) -> None:
         assert any("ran 1 of the plan's 2" in n for n in run["notes"])
 
 
+TOKENS = """
+import torch, torch.nn as nn, torch.nn.functional as F
+OPTPLAN = {"seq_len": 64}
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(64, 32)
+        self.fc = nn.Linear(32, 64)
+    def forward(self, idx):
+        return self.fc(self.emb(idx))
+def build_model():
+    return Net()
+def example_batch(batch_size, seq_len):
+    return torch.randint(0, 64, (batch_size, seq_len))
+def loss_fn(logits, batch):
+    return F.cross_entropy(logits.reshape(-1, 64), batch.reshape(-1))
+"""
+
+
+def test_validate_runs_the_plans_sequence_length_and_one_sample_on_the_cpu(tmp_path: Path) -> None:
+    """A plan made at --seq-len 16 (the file's own is 64) is validated at 16 without repeating the flag (it ran at
+    the model's default and compared with a prediction plan.json never made), and on the CPU at one sample per
+    micro-batch, as probes run (a GPU plan's micro-batch of an 80 GB device was run as is and the host's
+    out-of-memory killer ended it), which its note says."""
+    model = tmp_path / "tokens.py"
+    model.write_text(TOKENS)
+    out = tmp_path / "plan"
+    _run(["recommend", str(model), "--gpus", "1", "--seq-len", "16", "--global-batch", "8", "--engine", "torch",
+          "--precision", "fp32", "--no-offload", "--no-probe", "--out", str(out)])
+    plan = json.loads((out / "plan.json").read_text())["export"]
+    assert plan["seq_len"] == 16 and plan["strategy"]["mbs"] * plan["strategy"]["grad_accum"] == 8
+    doc = json.loads(_run(["validate", str(out / "launch.sh"), str(model), "--steps", "1", "--json"]))
+    (run,) = doc["runs"]
+    result = run["comparison"]["result"]
+    assert result["status"] == "ok" and result["spec"]["seq_len"] == 16
+    assert (result["spec"]["strategy"]["mbs"], result["spec"]["strategy"]["grad_accum"]) == (1, 1)
+    assert any(n.startswith("on the CPU one sample per micro-batch") for n in run["notes"]), run["notes"]
+
+
 def test_validate_with_two_cpu_processes_runs_accelerate_with_one(tmp_path: Path) -> None:
     """--nproc 2 on the CPU: launch.sh runs both ranks; `accelerate launch --cpu` starts one process whatever its
     --num_processes (multi-CPU is its mpirun launcher), so accelerate.yaml runs one and says so (it failed with
