@@ -204,7 +204,10 @@ def _open_study(storage: str | Path | None, name: str, goal: Goal,
     try:
         return optuna.create_study(directions=goal.directions, storage=resolve_storage(storage),  # type: ignore[arg-type]
                                    study_name=name, sampler=sampler, load_if_exists=True)
-    except (OSError, ValueError) as exc:  # unreadable file, wrong URL, a journal of garbage
+    except OSError as exc:  # the file cannot be created or opened (a read-only or pseudo file system, permissions)
+        raise OptplanError(f"cannot open the study storage {storage} ({exc.strerror or _first_line(exc)}): "
+                           "choose a writable folder for --out (or a writable --storage)") from exc
+    except ValueError as exc:  # wrong URL, a journal of garbage
         raise OptplanError(f"cannot open the study storage {storage} ({_first_line(exc)}): it is not an optplan "
                            "study (corrupted or another program's file?); choose another --storage or delete "
                            "the file") from exc

@@ -195,6 +195,11 @@ CASES: dict[str, Case] = {
                           setup=_write("out", "x")),
     "out-under-a-file": Case(lambda m, w: ["recommend", str(m / "good.py"), *H100, "--out", str(w / "f" / "out")],
                              ("f/out", "is a file"), ("choose another --out",), setup=_write("f", "x")),
+    "out-empty": Case(lambda m, w: ["recommend", str(m / "good.py"), *H100, "--out", ""],  # an unset "$DIR"
+                      ("--out", "is empty"), ("--out .",)),
+    "out-not-writable": Case(lambda m, w: ["recommend", "--arch", "layers=2,hidden=64,heads=2,seq=64", "--gpus", "2",
+                                           "--out", "/proc/self/fdinfo"],  # a pseudo file system: root cannot either
+                             ("/proc/self/fdinfo",), ("writable",)),
     "existing-files-without-force": Case(_rec("good.py"), ("already has plan.json",), ("--force",),
                                          setup=_existing),
     "storage-garbage-journal": Case(lambda m, w: [*_rec("good.py")(m, w), "--storage", str(w / "s.log")],
