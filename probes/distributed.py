@@ -198,7 +198,11 @@ def signal_name(signum: int) -> str:
 
 
 def describe_exit(code: int) -> str:
-    """``"code 3"``, or ``"code -11 (SIGSEGV)"`` for a process killed by a signal."""
+    """``"code 3"``, or ``"code -11 (SIGSEGV)"`` for a process killed by a signal; SIGKILL, which no process sends
+    itself and Linux's out-of-memory killer sends to the largest process when the host runs out of memory, says so."""
+    if code == -signal.SIGKILL:
+        return (f"code {code} ({signal_name(-code)}), killed from outside: on Linux most often by the out-of-memory "
+                "killer when host memory runs out (dmesg names it)")
     return f"code {code} ({signal_name(-code)})" if code < 0 else f"code {code}"
 
 

@@ -336,6 +336,7 @@ def test_parsing_torchrun_and_faulthandler_output() -> None:
     assert parse_torchrun_root_cause("E... failed (exitcode: 7) local_rank: 3 (pid: 1) of binary: x") == (3, 7)
     assert parse_torchrun_root_cause("all good") is None
     assert describe_exit(-11) == "code -11 (SIGSEGV)" and describe_exit(3) == "code 3"
+    assert describe_exit(-9).startswith("code -9 (SIGKILL), killed from outside") and "out-of-memory" in describe_exit(-9)
     dump = ('Fatal Python error: Segmentation fault\n\nCurrent thread 0x7f (most recent call first):\n'
             '  File "/m/model.py", line 9 in forward\n  File "/t/module.py", line 1 in _call_impl\n')
     assert crash_location(dump) == "/m/model.py line 9 in forward"
