@@ -22,13 +22,19 @@ METHODS = ("auto", "enumerate", "screen", "nsga2", "tpe")
 LAUNCHERS = ("torchrun", "deepspeed")
 
 
+FLAG_EXAMPLES: dict[str, str] = {"params": "7e9", "tokens": "1e11", "compute": "1e23", "global-batch-tokens": "4e6",
+                                 "price": "2.5", "probe-budget": "120", "probe-timeout": "300", "timeout": "600"}
+"""A value each numeric flag takes, for the fix its error names."""
+
+
 def check_finite(flag: str, value: float | None, *, allow_zero: bool = False) -> None:
-    """One line when a numeric flag is NaN, infinite, negative or (unless allowed) zero."""
+    """One line when a numeric flag is NaN, infinite, negative or (unless allowed) zero, with a value it takes."""
     if value is None:
         return
     if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
         need = "a finite number >= 0" if allow_zero else "a finite number > 0"
-        raise OptplanError(f"--{flag} must be {need} (got {value:g})")
+        example = f": e.g. --{flag} {FLAG_EXAMPLES[flag]}" if flag in FLAG_EXAMPLES else ""
+        raise OptplanError(f"--{flag} must be {need} (got {value:g}){example}")
 
 
 def check_choice(flag: str, value: str, choices: tuple[str, ...]) -> None:
