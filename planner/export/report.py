@@ -121,7 +121,10 @@ def render_plan_md(rec: Recommendation) -> str:
         lines += [f"## Pareto front ({axes})", "", _HEADER, *[_row(p.estimate, rec.tokens) for p in rec.pareto], ""]
     if rec.notes:
         lines += ["## Notes", "", *[f"- {n}" for n in rec.notes], ""]
-    lines += ["## Search", "", f"{rec.search.method}: {rec.search.evaluated} candidates priced of "
-              f"{rec.search.space_size} in the space ({rec.search.feasible} fit); study `{rec.search.study_name}`"
-              + (f" in {rec.search.storage}" if rec.search.storage else ""), ""]
+    s = rec.search
+    priced = (f"{s.evaluated} candidates priced" if not s.resumed else  # a rerun: the study's record, re-priced
+              f"resumed the study: {s.resumed} candidates it recorded re-priced (the earlier run priced more and "
+              f"recorded its best), {s.evaluated} new")
+    lines += ["## Search", "", f"{s.method}: {priced} of {s.space_size} in the space ({s.feasible} fit); study "
+              f"`{s.study_name}`" + (f" in {s.storage}" if s.storage else ""), ""]
     return "\n".join(lines)

@@ -559,16 +559,20 @@ def test_recommend_limits_the_checkpointing_searched() -> None:
 
 
 def test_a_resumed_study_says_so_in_the_header(tmp_path: Path) -> None:
-    """A rerun on a finished study re-prices only what it recorded: the header says so instead of 'searched 0
-    plans' beside a count of recorded plans."""
+    """A rerun on a finished study re-prices only what it recorded: the header and PLAN.md say so instead of
+    'searched 0 plans' (PLAN.md: '0 candidates priced') beside a count of recorded plans."""
     args = ["recommend", "--arch", "layers=4,hidden=256,heads=4,seq=128", "--gpus", "2", "--storage",
             str(tmp_path / "s.log")]
-    first = runner.invoke(app, args)
-    assert first.exit_code == 0 and "searched " in first.output and "resumed" not in first.output
-    again = runner.invoke(app, args)
+    first = runner.invoke(app, [*args, "--out", str(tmp_path / "a")])
+    assert first.exit_code == 0 and "searched " in first.output and "resumed the study" not in first.output
+    assert "resumed the study" not in (tmp_path / "a" / "PLAN.md").read_text()
+    again = runner.invoke(app, [*args, "--out", str(tmp_path / "b")])
     text = " ".join(again.output.split())
     assert again.exit_code == 0 and "resumed the study in" in text and "plans it recorded re-priced" in text
     assert "searched 0 plans" not in text
+    search = (tmp_path / "b" / "PLAN.md").read_text().split("## Search", 1)[1]
+    assert "resumed the study: " in search and "candidates it recorded re-priced" in search, search
+    assert " 0 candidates priced" not in search
 
 
 def test_nothing_fits_names_the_leanest_plan_whole_against_the_usable_memory() -> None:
