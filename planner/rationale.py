@@ -262,7 +262,8 @@ def _sharding_line(pick: Estimate, price: Price, ranked: Sequence[Estimate], goa
     if not lower.fits:
         return (f"DeepSpeed ZeRO-{s.zero}: under ZeRO-{s.zero - 1} at mbs {s.mbs} the model states of "
                 f"{_gib(lower.memory.params_bytes + lower.memory.grads_bytes + lower.memory.optimizer_bytes)}/GPU "
-                f"do not fit beside {_gib(lower.memory.activations_bytes)} of activations "
+                f"do not fit beside {_gib(lower.memory.activations_bytes)} of activations and "
+                f"{_gib(lower.memory.buffers_bytes + lower.memory.overhead_bytes)} of buffers and overhead "
                 f"({_gib(lower.memory.total_bytes)} > {_gib(m.capacity_bytes)})")
     return _lower_stage_line(pick, lower, ranked, goal, sharded)
 
