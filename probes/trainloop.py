@@ -1326,7 +1326,10 @@ def run_training(plan: Mapping[str, Any], args: argparse.Namespace, hooks: Hooks
            "software": software(), "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     if rank == 0:
         write_json_atomic(args.measurements, doc)
-        print(f"wrote {args.measurements}: fold it into later plans with optplan calibrate {args.measurements}", flush=True)
+        use = (f": fold it into later plans with optplan calibrate {args.measurements}" if "peak_allocated_bytes" in
+               measured else " (no memory measured: on the CPU only a run under optplan's live-tensor tracker, python "
+               "-m optplan.probes.runtime_child --train-script train.py -- ARGS, gives optplan calibrate one)")
+        print(f"wrote {args.measurements}{use}", flush=True)
     return doc
 
 

@@ -249,6 +249,10 @@ def test_single_process_run_and_its_measurements(single: Path) -> None:
     assert "SYNTHETIC" in r.stderr and "measured" in r.stdout and "vs predicted" in r.stdout
     doc = json.loads((single / "m.json").read_text())
     assert doc["measured"]["status"] == "ok" and len(doc["measured"]["step_times_s"]) == 2
+    # a plain CPU run measures no memory, so it does not point at optplan calibrate (which refuses it) but at the
+    # tracked run that calibrate takes
+    assert "peak_allocated_bytes" not in doc["measured"] and "optplan calibrate m.json" not in r.stdout
+    assert "no memory measured" in r.stdout and "--train-script train.py" in r.stdout
 
 
 def _one_error_line(r: subprocess.CompletedProcess[str]) -> str:
