@@ -151,8 +151,11 @@ def strategy_from_ds_config(cfg: dict[str, Any], source: str = "ds_config.json")
 
 
 def _scaled_ds_config(cfg: dict[str, Any], strategy: Strategy) -> dict[str, Any]:
+    """``cfg``'s batch triple as ``strategy`` runs it here (its process count; on a CPU one sample per micro-batch):
+    DeepSpeed checks train_batch_size = micro-batch x accumulation x world size."""
     out = dict(cfg)
-    out["train_batch_size"] = strategy.mbs * strategy.grad_accum * strategy.dp
+    out.update(train_batch_size=strategy.mbs * strategy.grad_accum * strategy.dp,
+               train_micro_batch_size_per_gpu=strategy.mbs, gradient_accumulation_steps=strategy.grad_accum)
     return out
 
 
