@@ -10,6 +10,15 @@ import typer
 
 from optplan.estimators.compiled_loss import compiled_loss_saving_bytes_per_logit
 
+
+def out_folder(value: str) -> Path:
+    """``--out``'s folder; an empty name (an unset shell variable, ``--out "$DIR"``) is refused rather than read as the
+    working folder, where it would scatter the exports and the study."""
+    if not value.strip():
+        raise typer.BadParameter("is empty: name the folder to write to (--out . for the working folder)")
+    return Path(value)
+
+
 OptModelFile = Annotated[Path | None, typer.Argument(help="the model file (or give --hf or --arch instead)",
                                                      show_default=False)]
 HfOpt = Annotated[str | None, typer.Option(
@@ -26,14 +35,6 @@ QuantOpt = Annotated[str | None, typer.Option("--quant", help="frozen base of a 
 GpuOpt = Annotated[str | None, typer.Option("--gpu", help="GPU to plan for (default: detected, else H100-SXM)")]
 GpusOpt = Annotated[int | None, typer.Option("--gpus", help="number of GPUs (default: detected, else 8)")]
 GpnOpt = Annotated[int | None, typer.Option("--gpus-per-node", help="GPUs per node (default: min(gpus, 8))")]
-def out_folder(value: str) -> Path:
-    """``--out``'s folder; an empty name (an unset shell variable, ``--out "$DIR"``) is refused rather than read as the
-    working folder, where it would scatter the exports and the study."""
-    if not value.strip():
-        raise typer.BadParameter("is empty: name the folder to write to (--out . for the working folder)")
-    return Path(value)
-
-
 SeqOpt = Annotated[int | None, typer.Option("--seq-len", help="sequence length (default: OPTPLAN or model max)")]
 PlanSeqOpt = Annotated[int | None, typer.Option("--seq-len", help="sequence length (default: the plan.json's)")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print a stable JSON document instead of tables")]
