@@ -137,6 +137,18 @@ def local_devices(nproc: int | None = None, *, detect: Callable[[], Any] | None 
     return LocalDevices(device="cpu", name=platform.processor() or platform.machine() or "cpu", count=nproc or 1)
 
 
+def local_update(strategy: Strategy, local: LocalDevices) -> dict[str, Any]:
+    """What running ``strategy`` here changes (probes and ``optplan validate``): its data-parallel degree to the local
+    processes (HSDP on one process is FSDP), and on a CPU one sample per micro-batch without accumulation (a plan's
+    micro-batch is sized for its GPU's memory, not the host's)."""
+    update: dict[str, Any] = {"dp": min(strategy.dp, local.count)}
+    if local.device == "cpu":
+        update.update(mbs=1, grad_accum=1)
+    if update["dp"] == 1 and strategy.fsdp == "hybrid":
+        update["fsdp"] = "full"
+    return update
+
+
 def probe_strategy(strategy: Strategy, local: LocalDevices) -> tuple[Strategy | None, str]:
     """The strategy a probe of ``strategy`` runs here, or None and why it cannot be probed."""
     if strategy.engine == "megatron" or strategy.model_parallel:
@@ -145,12 +157,7 @@ def probe_strategy(strategy: Strategy, local: LocalDevices) -> tuple[Strategy | 
         return None, "NVMe offload needs the plan's NVMe path on every node; not probed"
     if strategy.precision == "fp8":
         return None, "fp8 needs Transformer Engine; not probed"
-    update: dict[str, Any] = {"dp": min(strategy.dp, local.count),
-                              "grad_accum": min(strategy.grad_accum, MAX_PROBE_ACCUM)}
-    if local.device == "cpu":
-        update.update(mbs=1, grad_accum=1)
-    if update["dp"] == 1 and strategy.fsdp == "hybrid":
-        update["fsdp"] = "full"
+    update = {"grad_accum": min(strategy.grad_accum, MAX_PROBE_ACCUM), **local_update(strategy, local)}
     try:
         return Strategy.model_validate({**strategy.model_dump(), **update}), ""
     except ValueError as exc:

@@ -41,7 +41,13 @@ from optplan.estimators.profile import ModelProfile
 from optplan.estimators.strategy import Strategy
 from optplan.planner.calibrate import ProbeComparison
 from optplan.planner.export.context import FILE_NAMES, ExportPlan
-from optplan.planner.probe_stage import LocalDevices, compare_spec, describe_result, local_devices
+from optplan.planner.probe_stage import (
+    LocalDevices,
+    compare_spec,
+    describe_result,
+    local_devices,
+    local_update,
+)
 from optplan.probes.device_lock import DEVICE_LOCK_ENV, lock_from_env
 from optplan.probes.host_quiet import QUIET_ENV, group_from_env, owned_group
 from optplan.probes.runtime import ProbeResult, ProbeSpec, run_probe
@@ -214,18 +220,15 @@ def _accelerate_config_for_run(path: Path, folder: Path, local: LocalDevices, no
 
 def _local_strategy(strategy: Strategy, local: LocalDevices) -> tuple[Strategy, list[str]]:
     notes = []
-    dp = min(strategy.dp, local.count)
+    update = local_update(strategy, local)
+    dp = update["dp"]
     if dp != strategy.dp:
         notes.append(f"ran {dp} of the plan's {strategy.dp} data-parallel processes (the local devices); the batch "
                      "triple was scaled to match")
     if strategy.model_parallel or strategy.engine == "megatron":
         raise OptplanError("this plan runs on Megatron-LM (tensor/pipeline/context parallelism), which optplan "
                            "validate does not start: run the exported launch.sh on the cluster")
-    update: dict[str, Any] = {"dp": dp}
-    if dp == 1 and strategy.fsdp == "hybrid":
-        update["fsdp"] = "full"
-    if local.device == "cpu" and (strategy.mbs > 1 or strategy.grad_accum > 1):  # as probes run on the CPU
-        update.update(mbs=1, grad_accum=1)
+    if "mbs" in update and (strategy.mbs, strategy.grad_accum) != (update["mbs"], update["grad_accum"]):  # a CPU
         notes.append(f"on the CPU one sample per micro-batch, no accumulation (the plan: {strategy.mbs} x "
                      f"{strategy.grad_accum}, sized for its GPU's memory): this checks that the file launches and "
                      "trains, and the memory at this batch against its own prediction")
