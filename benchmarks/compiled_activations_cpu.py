@@ -90,12 +90,14 @@ print(json.dumps({{"per_token_layer_over_h": held / tokens / len(blocks) / dim}}
 """
 
 
-def saved_over_h(example: str, mode: str, compiled: bool, tokens: int = TOKENS) -> float:
+def saved_over_h(example: str, mode: str, compiled: bool, tokens: int = TOKENS, layers: int = LAYERS) -> float:
     """Bytes per token per layer a forward of ``example``'s blocks holds for the backward, over h (module
-    docstring), measured in a subprocess."""
+    docstring), measured in a subprocess; ``layers`` blocks (the count is per layer: fewer is cheaper, the same
+    figure)."""
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+    shape = {**SHAPES[example], ("n_layers" if example == "llama" else "n_layer"): layers}
     cmd = [sys.executable, "-c", _CHILD.format(root=str(ROOT)), example, mode, "1" if compiled else "0",
-           json.dumps(SHAPES[example]), str(tokens)]
+           json.dumps(shape), str(tokens)]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{example} {mode} compiled={compiled} failed: {done.stderr.strip()[-2000:]}")

@@ -111,7 +111,7 @@ def calibrate_memory(memory: MemoryBreakdown, cal: Calibration) -> MemoryBreakdo
 
 def calibrate_time(time: TimeBreakdown, cal: Calibration) -> TimeBreakdown:
     """``time`` with on-device parts × ``compute_scale`` and communication × ``comm_scale`` (seconds);
-    throughput, TFLOP/s, MFU, HFU and efficiency scale with the inverse of the new step time."""
+    throughput (and its band's ends), TFLOP/s, MFU, HFU and efficiency scale with the inverse of the new step time."""
     if not cal.calibrates_time:
         return time
     update: dict[str, float] = {k: getattr(time, k) * cal.compute_scale for k in _ON_DEVICE}
@@ -125,6 +125,7 @@ def calibrate_time(time: TimeBreakdown, cal: Calibration) -> TimeBreakdown:
         "hardware_tflops_per_gpu": time.hardware_tflops_per_gpu * ratio,
         "mfu": time.mfu * ratio, "hfu": time.hfu * ratio, "efficiency": time.efficiency * ratio,
     })
-    if time.tokens_per_s is not None:
-        update["tokens_per_s"] = time.tokens_per_s * ratio
+    for key in ("tokens_per_s", "samples_per_s_low", "samples_per_s_high", "tokens_per_s_low", "tokens_per_s_high"):
+        if (value := getattr(time, key)) is not None:
+            update[key] = value * ratio
     return time.model_copy(update=update)

@@ -24,6 +24,10 @@ class CostEstimate(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     tokens: float = Field(gt=0)
+    price_per_gpu_hour: float | None = Field(default=None, ge=0, description="the price the cost was computed at "
+                                             "(USD per GPU-hour: --price, else the cluster file's); None: no price")
+    gpu_power_w: float | None = Field(default=None, ge=0, description="the board power per GPU the energy was "
+                                      "computed at (W: the cluster file's gpu_power_w, else the datasheet TDP)")
     train_time_s: float = Field(ge=0)
     gpu_hours: float = Field(ge=0)
     cost_usd: float | None = Field(default=None, ge=0)
@@ -61,4 +65,5 @@ def training_cost(*, tokens: float, tokens_per_s: float, gpus: int, gpu_power_w:
     if step_band is not None:
         for end, factor in zip(("low", "high"), step_band, strict=True):
             ends.update({f"{name}_{end}": None if value is None else value * factor for name, value in nominal.items()})
-    return CostEstimate(tokens=tokens, **nominal, **ends)
+    return CostEstimate(tokens=tokens, price_per_gpu_hour=price_per_gpu_hour, gpu_power_w=gpu_power_w, **nominal,
+                        **ends)

@@ -169,9 +169,15 @@ def paging_notes(memory: MemoryBreakdown, strategy: Strategy) -> tuple[str, ...]
 
 
 def with_band(time: TimeBreakdown, band: TimeBand) -> TimeBreakdown:
-    """``time`` with its band (uncertainty.py): ``step_s_low``/``step_s_high`` in seconds, basis and reasons."""
-    return time.model_copy(update={"step_s_low": time.step_s * band.low, "step_s_high": time.step_s * band.high,
-                                   "band_basis": band.basis, "outside_measured": band.outside})
+    """``time`` with its band (uncertainty.py): ``step_s_low``/``step_s_high`` in seconds, basis and reasons, and the
+    throughput at the band's ends (samples/s and tokens/s: the step's global batch over the slow and fast step)."""
+    tokens = time.tokens_per_s
+    return time.model_copy(update={
+        "step_s_low": time.step_s * band.low, "step_s_high": time.step_s * band.high,
+        "samples_per_s_low": time.samples_per_s / band.high, "samples_per_s_high": time.samples_per_s / band.low,
+        "tokens_per_s_low": None if tokens is None else tokens / band.high,
+        "tokens_per_s_high": None if tokens is None else tokens / band.low,
+        "band_basis": band.basis, "outside_measured": band.outside})
 
 
 def band_notes(band: TimeBand) -> tuple[str, ...]:

@@ -308,7 +308,8 @@ class Strategy(BaseModel):
         return self.tp > 1 or self.pp > 1 or self.cp > 1 or self.ep > 1
 
     def label(self) -> str:
-        """Short human label, e.g. 'bf16 ZeRO-2 mbs8x4 ckpt' or 'bf16 tp4 pp2 ZeRO-1 mbs1x16'."""
+        """Short human label, e.g. 'bf16 ZeRO-2 mbs8x4 ckpt', 'bf16 tp4 pp2 ZeRO-1 mbs1x16' or 'bf16 DDP mbs8x1
+        [torch]' (the torch engine unsharded: DistributedDataParallel, never a ZeRO stage)."""
         parts = [self.precision]
         for name in ("tp", "pp", "cp", "ep"):
             if getattr(self, name) > 1:
@@ -321,7 +322,8 @@ class Strategy(BaseModel):
             parts.append(self.pp_schedule)
         if self.tp > 1 and not self.sp:
             parts.append("no-sp")
-        parts.append(f"FSDP-{self.fsdp}" if self.fsdp != "none" else f"ZeRO-{self.zero}")
+        parts.append(f"FSDP-{self.fsdp}" if self.fsdp != "none" else "DDP" if self.engine == "torch"
+                     else f"ZeRO-{self.zero}")
         parts.append(f"mbs{self.mbs}x{self.grad_accum}")
         if self.checkpointing == "full":
             parts.append("ckpt" if self.checkpoint_layers is None else f"ckpt{self.checkpoint_layers}")

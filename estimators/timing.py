@@ -130,6 +130,12 @@ class TimeBreakdown(BaseModel):
                                                 "model: the matmul efficiency assumed)")
     samples_per_s: float = Field(gt=0)
     tokens_per_s: float | None = None
+    samples_per_s_low: float | None = Field(default=None, ge=0, description="throughput at the step band's slow "
+                                                                           "end (samples/s): global batch / step_s_high")
+    samples_per_s_high: float | None = Field(default=None, ge=0, description="at the band's fast end (samples/s): "
+                                                                            "global batch / step_s_low")
+    tokens_per_s_low: float | None = Field(default=None, ge=0, description="tokens/s at the step band's slow end")
+    tokens_per_s_high: float | None = Field(default=None, ge=0, description="tokens/s at the step band's fast end")
     model_tflops_per_gpu: float = Field(ge=0)
     hardware_tflops_per_gpu: float = Field(ge=0, description="counting recomputation")
     mfu: float = Field(ge=0)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 KIB_BYTES = 1024
 MIB_BYTES = 1024**2
 GIB_BYTES = 1024**3
@@ -39,3 +41,14 @@ def long_duration(seconds: float) -> str:
     if seconds >= 360:
         return f"{seconds / 3600:.1f} h"
     return f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.0f} s"
+
+
+def sig3(value: float) -> str:
+    """Three significant digits with the trailing zeros kept and no exponent, so a table column reads evenly:
+    '0.270', '1.35', '12.3', '951', '1,915' (hundreds and up: whole numbers with thousands separators)."""
+    rounded = float(f"{value:.3g}")
+    if rounded == 0 or not math.isfinite(rounded):
+        return f"{rounded:g}"
+    if abs(rounded) >= 100:
+        return f"{value:,.0f}"
+    return f"{rounded:.{2 - math.floor(math.log10(abs(rounded)))}f}"

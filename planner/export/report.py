@@ -7,7 +7,7 @@ import json
 from optplan.estimators.errors import OptplanError
 from optplan.estimators.estimate import Estimate
 from optplan.estimators.strategy import Strategy
-from optplan.estimators.units import gib_apart, long_duration, margin_text
+from optplan.estimators.units import gib_apart, long_duration, margin_text, sig3
 from optplan.planner.export.context import ExportPlan
 from optplan.planner.recommend import Recommendation
 
@@ -44,11 +44,12 @@ def load_plan_json(text: str, source: str = "plan.json") -> tuple[Recommendation
 
 
 def _step_band(e: Estimate) -> str:
-    """'0.266 [0.207-0.326]': the step time (s) and its band (``time.step_s_low``-``step_s_high``)."""
+    """'0.266 [0.207-0.326]': the step time (s) and its band (``time.step_s_low``-``step_s_high``), three significant
+    digits each (units.sig3: '0.270', never '0.27' beside '0.326')."""
     t = e.time
     if not t.step_s_high:
-        return f"{t.step_s:.3g}"
-    return f"{t.step_s:.3g} [{t.step_s_low:.3g}-{t.step_s_high:.3g}]"
+        return sig3(t.step_s)
+    return f"{sig3(t.step_s)} [{sig3(t.step_s_low)}-{sig3(t.step_s_high)}]"
 
 
 def _row(e: Estimate, tokens: float | None) -> str:
@@ -59,11 +60,11 @@ def _row(e: Estimate, tokens: float | None) -> str:
     offload = "+".join(n for n, v in (("opt", s.offload_optimizer), ("params", s.offload_params)) if v != "none")
     train = ""
     if tokens is not None and e.cost is not None:
-        train = f"{e.cost.train_time_s / 86400:.1f} d"
+        train = long_duration(e.cost.train_time_s)
     return (f"| {s.engine} | {layout} | {sharding}{' +' + offload if offload else ''} | {s.precision} | "
             f"{s.mbs} x {s.grad_accum} | {_checkpointing(s)} | {m.total_bytes / 2**30:.1f} / "
-            f"{m.capacity_bytes / 2**30:.1f} | {_step_band(e)} | {e.samples_per_s:.4g} | "
-            f"{e.model_tflops_per_gpu:.0f} | {e.mfu * 100:.0f}% | {train} |")
+            f"{m.capacity_bytes / 2**30:.1f} | {_step_band(e)} | {sig3(e.samples_per_s)} | "
+            f"{sig3(e.model_tflops_per_gpu)} | {e.mfu * 100:.0f}% | {train} |")
 
 
 def _checkpointing(s: Strategy) -> str:

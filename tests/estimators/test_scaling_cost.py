@@ -77,6 +77,8 @@ def test_training_cost_by_hand() -> None:
     assert c.gpu_hours_low is None and c.energy_kwh_high is None
     unpriced = training_cost(tokens=1e9, tokens_per_s=1e5, gpus=1, gpu_power_w=300, step_band=(0.8, 1.3))
     assert unpriced.train_time_s_high == pytest.approx(1.3e4) and unpriced.cost_usd_high is None
+    assert (c.price_per_gpu_hour, c.gpu_power_w) == (2.0, 700)  # the inputs a reader needs to redo the sums
+    assert (unpriced.price_per_gpu_hour, unpriced.gpu_power_w) == (None, 300)
     assert unpriced.energy_kwh_high == pytest.approx(300 * 1.3e4 / 3.6e6)
     with pytest.raises(OptplanError):
         training_cost(tokens=0, tokens_per_s=1, gpus=1, gpu_power_w=1)

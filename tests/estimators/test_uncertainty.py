@@ -147,6 +147,23 @@ def test_calibration_moves_the_band_with_the_step() -> None:
     assert c.step_s > e.time.step_s
     assert c.step_s_low / c.step_s == pytest.approx(e.time.step_s_low / e.time.step_s)
     assert c.step_s_high / c.step_s == pytest.approx(e.time.step_s_high / e.time.step_s)
+    _assert_throughput_band_matches_step_band(c, FSDP8.global_batch, MPT_7B.seq)
+
+
+def _assert_throughput_band_matches_step_band(t, batch: int, seq: int) -> None:  # noqa: ANN001 - a TimeBreakdown
+    assert t.samples_per_s_low == pytest.approx(batch / t.step_s_high)
+    assert t.samples_per_s_high == pytest.approx(batch / t.step_s_low)
+    assert t.tokens_per_s_low == pytest.approx(batch * seq / t.step_s_high)
+    assert t.tokens_per_s_high == pytest.approx(batch * seq / t.step_s_low)
+    assert t.tokens_per_s_low < t.tokens_per_s < t.tokens_per_s_high
+
+
+def test_the_throughput_band_is_the_step_band_seen_as_samples_and_tokens_per_second() -> None:
+    e = estimate(profile_from_arch(MPT_7B), _cluster("L40S"), FSDP8)  # unmeasured GPU: a wide band
+    assert e.time.step_s_high > 1.2 * e.time.step_s
+    _assert_throughput_band_matches_step_band(e.time, FSDP8.global_batch, MPT_7B.seq)
+    dumped = e.model_dump(mode="json")["time"]
+    assert {"samples_per_s_low", "samples_per_s_high", "tokens_per_s_low", "tokens_per_s_high"} <= set(dumped)
 
 
 def test_precision_widens_by_class_not_by_name() -> None:

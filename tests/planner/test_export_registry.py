@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from optplan.estimators.arch import parse_arch, profile_from_arch
 from optplan.estimators.errors import OptplanError
 from optplan.estimators.hardware import Cluster
-from optplan.estimators.units import long_duration
+from optplan.estimators.units import long_duration, sig3
 from optplan.planner.api import export_plan, export_plan_file, render_exports
 from optplan.planner.export.context import FILE_NAMES
 from optplan.planner.export.registry import TARGETS, ExportOptions, render_targets, targets_for
@@ -121,7 +121,7 @@ def test_plan_md_gives_the_step_band_and_why_it_is_out_of_domain(ds_rec) -> None
     md = render_plan_md(ds_rec)
     t = ds_rec.estimate.time
     assert t.step_s_low < t.step_s < t.step_s_high
-    assert f"{t.step_s:.3g} [{t.step_s_low:.3g}-{t.step_s_high:.3g}]" in md
+    assert f"{sig3(t.step_s)} [{sig3(t.step_s_low)}-{sig3(t.step_s_high)}]" in md
     assert f"band {t.step_s_low:.3f}-{t.step_s_high:.3f} s ({t.band_basis})" in md
     for why in t.outside_measured:
         assert f"- out of the measured domain: {why}" in md
@@ -150,6 +150,12 @@ def test_plan_md_prices_the_time_to_train_over_the_step_band() -> None:
     assert short.estimate.cost is not None and short.estimate.cost.train_time_s < 3600
     md = render_plan_md(short)
     assert f"tokens in {long_duration(short.estimate.cost.train_time_s)}: " in md and "0.00 days" not in md
+    # the tables' train column too (not "0.0 d"), and their figures at three significant digits, zeros kept
+    row = next(line for line in md.splitlines() if line.startswith(f"| {short.plan.engine} |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[-1] == long_duration(short.estimate.cost.train_time_s) and cells[-1] != "0.0 d"
+    assert cells[8] == sig3(short.estimate.samples_per_s) and cells[7].startswith(sig3(short.estimate.time.step_s))
+
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])

@@ -383,7 +383,8 @@ def nulls(doc: Any, path: str = "") -> list[str]:
 
 def check_estimate_nulls(doc: Any, argv: list[str]) -> None:
     """``estimate --json`` is written by pydantic, which writes NaN and infinity as null: a null is only
-    where a figure is legitimately absent (no --tokens: no cost; no --price: no money; --params: no time) or a
+    where a figure is legitimately absent (no --tokens: no cost; no --price: no money and no price; --params: no
+    time) or a
     setting is left at its engine's default (``strategy.etp``: the expert tensor-parallel degree, tp unless set;
     ``strategy.checkpoint_layers``: every block, unless a count is given; ``strategy.compile_loss``: as ``compile``,
     unless --compile-loss or --eager-loss says)."""
@@ -393,7 +394,8 @@ def check_estimate_nulls(doc: Any, argv: list[str]) -> None:
         expected = {".cost"}
     else:
         # no --price: no money, neither the nominal figure nor its ends over the step's band
-        expected = {".cost.cost_usd", ".cost.cost_usd_low", ".cost.cost_usd_high"} if "--price" not in argv else set()
+        expected = ({".cost.cost_usd", ".cost.cost_usd_low", ".cost.cost_usd_high", ".cost.price_per_gpu_hour"}
+                    if "--price" not in argv else set())
     if "--etp" not in argv:
         expected |= {".strategy.etp"}
     if "--checkpoint-layers" not in argv:  # every block checkpointed (or none): no count

@@ -248,6 +248,10 @@ def test_estimate_cost_and_gas_alias() -> None:
     assert cost["gpu_hours"] == pytest.approx(8 * cost["train_time_s"] / 3600)
     assert cost["cost_usd"] == pytest.approx(2.5 * cost["gpu_hours"])
     assert cost["energy_kwh"] == pytest.approx(8 * 700 * cost["train_time_s"] / 3.6e6)
+    assert (cost["price_per_gpu_hour"], cost["gpu_power_w"]) == (2.5, 700)
+    t = est["time"]  # the throughput's band: the global batch over the step band's slow and fast ends
+    assert t["tokens_per_s_low"] == pytest.approx(est["tokens_per_s"] * t["step_s"] / t["step_s_high"])
+    assert t["tokens_per_s_high"] == pytest.approx(est["tokens_per_s"] * t["step_s"] / t["step_s_low"])
 
 
 def test_estimate_checkpoint_layers() -> None:
