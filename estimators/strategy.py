@@ -48,6 +48,14 @@ and optimizer states like ZeRO-2, FULL_SHARD also parameters like ZeRO-3; HYBRID
 inside a node and replication across nodes)."""
 
 
+def sharding_name(engine: str, zero: int, fsdp: str, sep: str = "-") -> str:
+    """The data-parallel sharding in words: 'FSDP-full' (``sep`` between), 'DDP' (the torch engine unsharded:
+    DistributedDataParallel, never a ZeRO stage) or 'ZeRO-k' (DeepSpeed's stage, Megatron's distributed optimizer)."""
+    if fsdp != "none":
+        return f"FSDP{sep}{fsdp}"
+    return "DDP" if engine == "torch" else f"ZeRO-{zero}"
+
+
 class Strategy(BaseModel):
     """How to train: precision, optimizer, batch split, checkpointing, sharding, offload, parallel degrees.
 
@@ -322,8 +330,7 @@ class Strategy(BaseModel):
             parts.append(self.pp_schedule)
         if self.tp > 1 and not self.sp:
             parts.append("no-sp")
-        parts.append(f"FSDP-{self.fsdp}" if self.fsdp != "none" else "DDP" if self.engine == "torch"
-                     else f"ZeRO-{self.zero}")
+        parts.append(sharding_name(self.engine, self.zero, self.fsdp))
         parts.append(f"mbs{self.mbs}x{self.grad_accum}")
         if self.checkpointing == "full":
             parts.append("ckpt" if self.checkpoint_layers is None else f"ckpt{self.checkpoint_layers}")

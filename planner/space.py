@@ -39,7 +39,7 @@ from optplan.estimators.parallel import group_nodes
 from optplan.estimators.precision import require_precision
 from optplan.estimators.profile import ModelProfile, TransformerShape
 from optplan.estimators.strategy import CheckpointName as CheckpointMode
-from optplan.estimators.strategy import EngineName, Strategy
+from optplan.estimators.strategy import EngineName, Strategy, sharding_name
 from optplan.planner.sparse_grads import check_sparse_optimizers
 
 MAX_MICRO_BATCH = 1024
@@ -89,8 +89,7 @@ class Sharding(NamedTuple):
     offload_params: str = "none"
 
     def label(self) -> str:
-        what = f"FSDP-{self.fsdp}" if self.fsdp != "none" else (
-            "DDP" if self.engine == "torch" else f"ZeRO-{self.zero}")
+        what = sharding_name(self.engine, self.zero, self.fsdp)
         off = [n for n, v in (("optimizer", self.offload_optimizer), ("params", self.offload_params)) if v != "none"]
         return f"{self.engine} {what}" + (f" + CPU offload of {' and '.join(off)}" if off else "")
 

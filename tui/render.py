@@ -14,7 +14,7 @@ from optplan.estimators.precision import get_recipe
 from optplan.estimators.profile import ModelProfile
 from optplan.estimators.strategy import UNTAGGED_ENGINE
 from optplan.estimators.units import gib
-from optplan.planner.goal import TIE_TOLERANCE
+from optplan.planner.goal import TIE_TOLERANCE, band_factor
 from optplan.planner.recommend import Recommendation
 from optplan.tui.fmt import (
     amount,
@@ -163,9 +163,9 @@ def _band_ends(e: Estimate) -> tuple[float, float]:
 
 
 def _rate_band(e: Estimate, rate: float, fmt: str) -> str:
-    """'slow-fast' of a rate (samples or tokens per second) over the step time's band."""
-    low, high = _band_ends(e)
-    return f"{fmt.format(rate * e.time.step_s / high)}-{fmt.format(rate * e.time.step_s / low)}"
+    """'slow-fast' of a rate (samples or tokens per second) over the step time's band (goal.band_factor, as the
+    search ranks them)."""
+    return f"{fmt.format(rate / band_factor(e, 'slow'))}-{fmt.format(rate / band_factor(e, 'fast'))}"
 
 
 def _step_cell(e: Estimate) -> str:

@@ -6,7 +6,7 @@ import json
 
 from optplan.estimators.errors import OptplanError
 from optplan.estimators.estimate import Estimate
-from optplan.estimators.strategy import Strategy
+from optplan.estimators.strategy import Strategy, sharding_name
 from optplan.estimators.units import gib_apart, long_duration, margin_text, sig3
 from optplan.planner.export.context import ExportPlan
 from optplan.planner.recommend import Recommendation
@@ -56,7 +56,7 @@ def _row(e: Estimate, tokens: float | None) -> str:
     s = e.strategy
     m = e.memory
     layout = f"{s.tp}/{s.pp}{f'x{s.vpp}' if s.vpp > 1 else ''}/{s.cp}/{s.dp}"
-    sharding = f"FSDP {s.fsdp}" if s.fsdp != "none" else ("DDP" if s.engine == "torch" else f"ZeRO-{s.zero}")
+    sharding = sharding_name(s.engine, s.zero, s.fsdp, sep=" ")
     offload = "+".join(n for n, v in (("opt", s.offload_optimizer), ("params", s.offload_params)) if v != "none")
     train = ""
     if tokens is not None and e.cost is not None:
