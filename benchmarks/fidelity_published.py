@@ -5,7 +5,9 @@ Sets (``benchmarks/published_sets.py`` says how each row is priced and where it 
 - ``llmfoundry-<GPU>``: 191 Composer/torch-FSDP MPT runs on A100 40/80 GB and H100 80 GB, 8-64 GPUs
   (the H100 fit, the A100 flash fit and the torch engine fit: benchmarks/fit_time.py);
 - ``narayanan-table1``, ``korthikanti-table5``: Megatron-LM on up to 3,072 A100s (never fitted on);
-- ``torchtitan``: FSDP2 Llama 3 runs on A100 and H100 (never fitted on).
+- ``torchtitan``: FSDP2 Llama 3 runs on A100 and H100 (never fitted on);
+- ``megatron-bridge``: NVIDIA's Megatron-Bridge fp8 runs on H100, B200 and GB200 (never fitted on);
+- ``dgxc-nemo``: NVIDIA's DGX Cloud NeMo recipes, 70 bf16 and fp8 runs on 8-2,304 H100s (never fitted on).
 For fitted sets the held-out half (alternate rows, published_sets.split) is reported beside all rows.
 The error of a row is predicted ÷ measured step time − 1 (a throughput error of the same size).
 

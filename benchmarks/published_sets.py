@@ -20,6 +20,9 @@ the measured step time (seconds). Sets:
   node) is assumed.
 - ``narayanan-table1``, ``korthikanti-table5``, ``torchtitan``, ``megatron-bridge``: published tables (sources in
   ``PAPER``).
+- ``dgxc-nemo``: 70 NeMo/Megatron-Core runs on DGX H100 from NVIDIA's DGX Cloud benchmarking recipes, bf16 and fp8,
+  Llama 3.1 8B/70B/405B, Nemotron-4 15B/340B and GPT-3 175B at 8-2,304 GPUs
+  (benchmarks/data/dgxc_nemo_published.json).
 
 Split for fitting: within each set, rows alternate in file order between the fit half and the held-out
 half (``split``).
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import json
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -335,7 +339,46 @@ One row per (model, system, precision, GPU count): the latest container listing 
 GB200 row runs in one 72-GPU NVLink domain per rack (gpus_per_node 72). GB300/B300 rows are left out (no catalogue
 entry), and so are NVFP4 rows (optplan has no fp4 recipe) and the SFT and LoRA tables."""
 
-PAPER: tuple[Paper, ...] = NARAYANAN_ROWS + KORTHIKANTI_ROWS + TORCHTITAN_ROWS + MEGATRON_BRIDGE_ROWS
+DGXC_NEMO = HERE / "data" / "dgxc_nemo_published.json"
+DGXC_NIC_BYTES_PER_S = 50e9
+"""DGX H100: 8 x 400 Gb/s InfiniBand per node, 50 GB/s per GPU."""
+
+
+def dgxc_nemo_rows(path: Path = DGXC_NEMO) -> tuple[Paper, ...]:
+    """NVIDIA's DGX Cloud benchmarking recipes (benchmarks/data/dgxc_nemo_published.json): NeMo/Megatron-Core
+    dense pre-training on DGX H100, bf16 and Transformer Engine fp8, 8-2,304 GPUs, the measured step time (s).
+    Every run as its yaml ran it: the distributed optimizer (zero 1) with overlapped gradient reduce-scatter and
+    parameter all-gather, sequence parallelism and the userbuffers tensor-parallel overlap when tp > 1 (optplan's
+    ``comm_overlap``), flash attention; a run's own layers/pp/vpp where its configure.sh shortens the model."""
+    doc = json.loads(path.read_text())
+    release = doc["release"]
+    out = []
+    for table in doc["tables"]:
+        lay = table["layout"]
+        for run in table["runs"]:
+            layers, pp, vpp = run.get("layers"), run.get("pp", lay["pp"]), run.get("vpp", lay["vpp"])
+            arch = table["arch"] if layers is None else ",".join(
+                f"layers={layers}" if part.startswith("layers=") else part for part in table["arch"].split(","))
+            gpus, tp, cp, mbs = run["gpus"], lay["tp"], lay["cp"], lay["mbs"]
+            dp = gpus // (tp * pp * cp)
+            accum = run["global_batch"] // (dp * mbs)
+            if dp * tp * pp * cp != gpus or dp * mbs * accum != run["global_batch"]:
+                raise ValueError(f"{table['model']} {gpus} GPUs: layout does not divide the GPUs or the batch")
+            strategy = Strategy(precision=table["precision"], engine="megatron", zero=1, dp=dp, tp=tp, pp=pp, cp=cp,
+                                vpp=vpp, mbs=mbs, grad_accum=accum, sp=tp > 1, comm_overlap=True,
+                                checkpointing=table["recompute"])
+            shape = f"{layers}L " if layers is not None else ""
+            layout = " ".join(f"{k}{v}" for k, v in (("tp", tp), ("pp", pp), ("cp", cp), ("vpp", vpp)) if v > 1)
+            label = f"{table['model']} {shape}{table['precision']} {gpus} H100 {layout}".rstrip()
+            out.append(Paper(set="dgxc-nemo", label=label, arch=arch, seq=table["seq"], gpu="H100-SXM", gpus=gpus,
+                             strategy=strategy, measured_s=lambda t=run["step_s"]: t,
+                             source=f"{table['source']['table']} ({release['repository']} {release['tag']})",
+                             nic_bytes_per_s=DGXC_NIC_BYTES_PER_S))
+    return tuple(out)
+
+
+PAPER: tuple[Paper, ...] = (NARAYANAN_ROWS + KORTHIKANTI_ROWS + TORCHTITAN_ROWS + MEGATRON_BRIDGE_ROWS
+                            + dgxc_nemo_rows())
 """Published tables."""
 
 

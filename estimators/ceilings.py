@@ -104,8 +104,10 @@ def measured_alignment(measured: MeasuredCeilings) -> tuple[str, float] | None:
 
 def gemm_fraction(eff: GpuEfficiency, dtype: str) -> float:
     """Achieved / peak of a large aligned GEMM in ``dtype`` as the time model uses it (dimensionless):
-    min(MAX_GEMM_FRACTION, gemm_peak_fraction · GEMM_DTYPE_FRACTION[dtype]) (compute.py)."""
-    return _gemm_fraction(eff, dtype)
+    min(MAX_GEMM_FRACTION, gemm_peak_fraction · GEMM_DTYPE_FRACTION[dtype]) (compute.py), or the fraction
+    measured on a GPU of its kind (gemm_measured.py: fp32, and fp8's kernel alone, the GEMM the microbenchmark
+    times)."""
+    return _gemm_fraction(eff, dtype, fp8_kernels_only=True)
 
 
 def gpu_with_measured_ceilings(gpu: GPUSpec, measured: MeasuredCeilings,

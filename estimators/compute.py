@@ -89,6 +89,7 @@ from optplan.estimators.efficiency import (
     engine_efficiency,
     fitted_gpus,
 )
+from optplan.estimators.fp8_backend import fp8_backend
 from optplan.estimators.gemm import _align_bytes, gemm_time_s, gemm_train_time_s  # noqa: F401 - re-exported
 from optplan.estimators.hardware import GPUSpec, find_gpu
 from optplan.estimators.optimizer_time import optimizer_step_s
@@ -288,11 +289,17 @@ def _peaks(gpu: GPUSpec, strategy: Strategy) -> tuple[float, float, int]:
     return linear, other, elem
 
 
-def _fraction(eff: GpuEfficiency, dtype: str) -> float:
+def _fraction(eff: GpuEfficiency, dtype: str, fp8_kernels_only: bool = False) -> float:
     """A large GEMM's achieved / peak in ``dtype``: the fp32 fraction measured on the GPU where there is one
-    (gemm_measured.py), else the fitted 16-bit fraction times the dtype's stated ratio, capped."""
+    (gemm_measured.py), else the fitted 16-bit fraction times the dtype's stated ratio, capped. fp8 takes the
+    measured fraction only where the fp8 backend adds nothing the GEMM does not (``fp8_kernels_only``: Transformer
+    Engine, which fuses its casts into the neighbouring kernels and keeps the fp8 weights across micro-batches,
+    fp8_backend.py); torchao's Float8Linear casts every input, weight and gradient to fp8 in kernels of their own,
+    per GEMM and micro-batch, which the stated ratio stands in for."""
     if dtype == "fp32" and eff.fp32_gemm_fraction is not None:
         return eff.fp32_gemm_fraction
+    if dtype == "fp8" and fp8_kernels_only and eff.fp8_gemm_fraction is not None:
+        return eff.fp8_gemm_fraction
     return min(MAX_GEMM_FRACTION, eff.gemm_peak_fraction * GEMM_DTYPE_FRACTION.get(dtype, 1.0))
 
 
@@ -309,7 +316,7 @@ def layer_time(dims: TransformerDims, strategy: Strategy, gpu: GPUSpec, eff: Gpu
     dtype = get_recipe(strategy.precision).compute_dtype
     bw = gpu.memory_bandwidth_bytes_per_s
     kw = {"peak_flops": linear_peak, "bandwidth_bytes_per_s": bw, "eff": eff, "elem_bytes": elem,
-          "fraction": _fraction(eff, dtype)}
+          "fraction": _fraction(eff, dtype, fp8_backend(strategy) == "transformer_engine")}
     ffn = dims.mlp_params / (2.0 * h)
     fwd = bwd = 0.0
     qkv_n, o_k, attn = (h + 2 * kvd), h, h * (h + 2 * kvd) + h * h
@@ -492,7 +499,7 @@ def matmul_efficiency(profile: ModelProfile, strategy: Strategy) -> float:
 def compute_time(profile: ModelProfile, strategy: Strategy, gpu: GPUSpec, *,
                  ranks_per_node: int = 1, hbm_fraction: float = 1.0,
                  adam_impl: AdamImpl | None = None, gemm_peak_fraction: float | None = None,
-                 fp32_gemm_fraction: float | None = None) -> ComputeTime:
+                 fp32_gemm_fraction: float | None = None, fp8_gemm_fraction: float | None = None) -> ComputeTime:
     """FLOPs-only model (profiles without a transformer shape): forward+backward, recompute (full: one more
     forward; the op-level selective policy: the matmul FLOPs the profile measured it re-running, selective.py),
     memory-bound and optimizer-step time of one step on one GPU without model parallelism (seconds).
@@ -516,6 +523,8 @@ def compute_time(profile: ModelProfile, strategy: Strategy, gpu: GPUSpec, *,
         def fraction(dtype: str) -> float:
             if dtype == "fp32" and fp32_gemm_fraction is not None:  # measured on the GPU (gemm_measured.py)
                 return fp32_gemm_fraction * saturation
+            if dtype == "fp8" and fp8_gemm_fraction is not None and fp8_backend(strategy) == "transformer_engine":
+                return fp8_gemm_fraction * saturation
             return min(MAX_GEMM_FRACTION, gemm_peak_fraction * GEMM_DTYPE_FRACTION.get(dtype, 1.0)) * saturation
 
         flop_s = seconds_per_flop(counted, profile, strategy, gpu, fraction)

@@ -40,7 +40,7 @@ from optplan.estimators.parallel import Placement
 from optplan.estimators.pipeline_fsdp import keeps_stage_unsharded
 from optplan.estimators.precision import get_recipe
 from optplan.estimators.strategy import Strategy
-from optplan.estimators.tp_overlap import overlapped_dp_s, overlaps_dp
+from optplan.estimators.tp_overlap import interleaved_dp_s, overlaps_dp
 
 
 def comm_grad_bytes(strategy: Strategy) -> int:
@@ -67,12 +67,15 @@ class DataParallelComm(BaseModel):
 
 def data_parallel_comm(strategy: Strategy, params_local: float, trainable_fraction: float, dp_link: Link,
                        shard_link: Link, pl: Placement, *, step_compute_s: float, mb_compute_s: float,
-                       last_bwd_s: float, units: int, engine: EngineEfficiency | None = None) -> DataParallelComm:
+                       last_bwd_s: float, units: int, engine: EngineEfficiency | None = None,
+                       chunks: int = 1, rounds: int = 1) -> DataParallelComm:
     """Data-parallel / ZeRO / FSDP collectives of one step and the part left exposed (module docstring).
 
     ``params_local`` are this rank's parameters after tensor and pipeline parallelism (count);
     ``step_compute_s``/``mb_compute_s`` the compute windows of the step and of one micro-step,
-    ``last_bwd_s`` the last micro-batch's backward, ``units`` the FSDP/ZeRO-3 units (layers) per rank.
+    ``last_bwd_s`` the last micro-batch's backward, ``units`` the FSDP/ZeRO-3 units (layers) per rank;
+    ``chunks``/``rounds`` Megatron's interleaved schedule (virtual stages per rank, micro-batches per chunk round),
+    which issues the overlapped collectives chunk by chunk (tp_overlap.interleaved_dp_s).
     """
     recipe = get_recipe(strategy.precision)
     m = strategy.grad_accum
@@ -92,12 +95,15 @@ def data_parallel_comm(strategy: Strategy, params_local: float, trainable_fracti
             once = rs + ag
             if overlaps_dp(strategy):  # --overlap-grad-reduce / --overlap-param-gather (tp_overlap.py)
                 per_unit = max(1, units)
-                overlapped_once = (overlapped_dp_s(rs, last_bwd_s, rs / per_unit)
-                                   + overlapped_dp_s(ag, mb_compute_s / 3, ag / per_unit))
+                overlapped_once = (interleaved_dp_s(rs, last_bwd_s / chunks, rs / per_unit, chunks=chunks,
+                                                    rounds=rounds)
+                                   + interleaved_dp_s(ag, mb_compute_s / 3 / chunks, ag / per_unit, chunks=chunks,
+                                                      rounds=rounds))
         else:
             once = all_reduce_s(grads, n, link)
             if overlaps_dp(strategy):
-                overlapped_once = overlapped_dp_s(once, last_bwd_s, once / max(1, units))
+                overlapped_once = interleaved_dp_s(once, last_bwd_s / chunks, once / max(1, units), chunks=chunks,
+                                                   rounds=rounds)
     elif stage == 2:
         per_mb = ring_reduce_scatter_s(grads, n, bw, a)
         once = ring_all_gather_s(weights, n, bw, a)

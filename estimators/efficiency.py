@@ -42,7 +42,11 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
 from optplan.estimators.eager_host import CHECKPOINT_BLOCK_HOST_S, HOST_KERNEL_S
-from optplan.estimators.gemm_measured import catalogue_alignment, catalogue_fp32_fraction
+from optplan.estimators.gemm_measured import (
+    catalogue_alignment,
+    catalogue_fp8_fraction,
+    catalogue_fp32_fraction,
+)
 from optplan.estimators.hardware import GPUSpec
 
 LINK_EFFICIENCY = 0.75
@@ -70,6 +74,9 @@ class GpuEfficiency(BaseModel):
     fp32_gemm_fraction: float | None = Field(default=None, gt=0, le=1,
                                              description="an fp32 (SIMT) GEMM's achieved / fp32 peak, measured "
                                                          "(gemm_measured.py); None: compute.py's stated ratio")
+    fp8_gemm_fraction: float | None = Field(default=None, gt=0, le=1,
+                                            description="an fp8 tensor-core GEMM's achieved / fp8 peak, measured "
+                                                        "(gemm_measured.py); None: compute.py's stated ratio")
     host_layer_pass_s: float = Field(ge=0, description="host time to issue one layer's forward (s)")
     host_microbatch_s: float = Field(ge=0, description="host time per micro-batch per stage (s)")
     host_step_s: float = Field(ge=0, description="host time per optimizer step (s)")
@@ -192,6 +199,10 @@ def _catalogue_efficiency(name: str) -> GpuEfficiency:
     if fp32 is not None:
         eff = eff.model_copy(update={"fp32_gemm_fraction": fp32,
                                      "source": f"{eff.source}; fp32 GEMM fraction {fp32:.2f} measured"})
+    fp8 = catalogue_fp8_fraction(name)
+    if fp8 is not None:
+        eff = eff.model_copy(update={"fp8_gemm_fraction": fp8,
+                                     "source": f"{eff.source}; fp8 GEMM fraction {fp8:.2f} measured"})
     return eff
 
 

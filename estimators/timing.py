@@ -196,7 +196,7 @@ def _flops_only_step(profile: ModelProfile, strategy: Strategy, cluster: Cluster
     """Profiles without a transformer shape: compute.py's FLOPs-only model, p equal stages."""
     ct = compute_time(profile, strategy, cluster.gpu, ranks_per_node=min(strategy.dp, cluster.gpus_per_node),
                       hbm_fraction=eff.hbm_fraction, adam_impl=adam_impl, gemm_peak_fraction=eff.gemm_peak_fraction,
-                      fp32_gemm_fraction=eff.fp32_gemm_fraction)
+                      fp32_gemm_fraction=eff.fp32_gemm_fraction, fp8_gemm_fraction=eff.fp8_gemm_fraction)
     pl = placement(strategy, cluster.gpus_per_node)
     links = _links(pl, cluster, eff)
     p, m = strategy.pp, strategy.grad_accum
@@ -408,7 +408,8 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
     for info in stage_info:
         dpc = data_parallel_comm(s_, info["params"], trainable, links["dp"], links["shard"], pl,
                                  step_compute_s=m * info["compute"], mb_compute_s=info["compute"],
-                                 last_bwd_s=info["bwd"], units=int(info["layers"]) or 1, engine=engine)
+                                 last_bwd_s=info["bwd"], units=int(info["layers"]) or 1, engine=engine,
+                                 chunks=v if overlaps_p2p(s_) else 1, rounds=p)
         tied = 0.0
         if p > 1 and split.tied and split.embed:
             tied = ring_all_reduce_s(split.embed / t * grad_bytes * trainable, 2,

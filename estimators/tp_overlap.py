@@ -25,6 +25,9 @@ by default (the third):
   micro-batch's backward produces them, the parameter all-gather bucket by bucket ahead of the next step's first
   forward: each exposes its excess over that window and at least its last bucket (one layer's share), plus
   :data:`DP_OVERLAP_INTERFERENCE` of what is hidden (NCCL's kernels run on SMs).
+  Under Megatron's interleaved schedule each model chunk's collective is issued on its own, as soon as that
+  chunk's last backward ends (and each chunk's all-gather a chunk round ahead of its first forward): all but the
+  last chunk's hide behind the cool-down's later chunk passes (``interleaved_dp_s``).
 - **Pipeline sends under interleaving**: Megatron's interleaved 1F1B posts each chunk's send/receive
   asynchronously and computes another chunk meanwhile (``--no-overlap-p2p-communication`` turns it off; on by
   default, ``arguments.py``; the non-interleaved schedule cannot overlap and Megatron sets it False there).
@@ -85,6 +88,28 @@ def overlapped_dp_s(comm_s: float, window_s: float, last_bucket_s: float) -> flo
     if comm_s <= 0:
         return 0.0
     left = min(comm_s, max(comm_s - window_s, last_bucket_s))
+    return left + DP_OVERLAP_INTERFERENCE * (comm_s - left)
+
+
+def interleaved_dp_s(comm_s: float, chunk_pass_s: float, last_bucket_s: float, *, chunks: int,
+                     rounds: int) -> float:
+    """Exposed seconds of a data-parallel collective under Megatron's interleaved schedule, issued one model chunk
+    at a time (``chunks`` virtual stages per rank, ``rounds`` micro-batches per chunk round = the pipeline degree):
+    the gradient reduce-scatter of a chunk starts when that chunk's last backward ends, and the chunks' last
+    backwards come ``rounds`` chunk passes apart in the cool-down, last chunk first; the parameter all-gather of
+    chunk j is launched ``rounds`` forward chunk passes before chunk j's first forward (Megatron-Core
+    ``schedules.forward_backward_pipelining_with_interleaving``: ``grad_sync_func`` on
+    ``is_last_microbatch_for_model_chunk``, ``param_sync_func`` for the next chunk). ``chunk_pass_s`` is one chunk's
+    pass of one micro-batch (backward for the reduce-scatter, forward for the all-gather). The last chunk's share
+    hides only behind its own pass, bucket by bucket; the whole collective behind every pass that follows the first
+    chunk's. One chunk (no interleaving) is ``overlapped_dp_s`` behind one pass. Seconds."""
+    if comm_s <= 0:
+        return 0.0
+    if chunks <= 1:
+        return overlapped_dp_s(comm_s, chunk_pass_s, last_bucket_s)
+    share = comm_s / chunks
+    window = ((chunks - 1) * rounds + 1) * chunk_pass_s
+    left = min(comm_s, max(share - chunk_pass_s, last_bucket_s, comm_s - window))
     return left + DP_OVERLAP_INTERFERENCE * (comm_s - left)
 
 

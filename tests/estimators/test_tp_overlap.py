@@ -14,6 +14,7 @@ from optplan.estimators.tp_overlap import (
     TP_OVERLAP_INTERFERENCE,
     TP_OVERLAP_SPLITS,
     exposed_p2p_s,
+    interleaved_dp_s,
     overlapped_dp_s,
     overlapped_tp_s,
     overlaps_p2p,
@@ -56,6 +57,33 @@ def test_overlap_hides_tensor_and_data_parallel_time_not_bytes() -> None:
     assert over.exposed_dp_comm_s < plain.exposed_dp_comm_s == pytest.approx(plain.dp_comm_s)
     saved = (plain.tp_comm_s - over.tp_comm_s) + (plain.exposed_dp_comm_s - over.exposed_dp_comm_s)
     assert plain.step_s - over.step_s == pytest.approx(saved, rel=0.05)
+
+
+def test_interleaved_chunks_issue_their_collectives_one_by_one() -> None:
+    # one chunk (no interleaving): the collective behind one pass, as before
+    assert interleaved_dp_s(1.0, 0.3, 0.05, chunks=1, rounds=8) == pytest.approx(overlapped_dp_s(1.0, 0.3, 0.05))
+    # five chunks, eight micro-batches a round: all but the last chunk's share hide behind the cool-down
+    share = 1.0 / 5
+    assert interleaved_dp_s(1.0, 0.1, 0.05, chunks=5, rounds=8) == pytest.approx(
+        (share - 0.1) + DP_OVERLAP_INTERFERENCE * (1.0 - (share - 0.1)))
+    # a collective longer than every pass after the first chunk's: the excess stays, as without interleaving
+    window = (4 * 8 + 1) * 0.01
+    assert interleaved_dp_s(2.0, 0.01, 0.05, chunks=5, rounds=8) == pytest.approx(
+        (2.0 - window) + DP_OVERLAP_INTERFERENCE * window)
+    assert interleaved_dp_s(0.0, 0.1, 0.05, chunks=5, rounds=8) == 0.0
+
+
+def test_interleaving_hides_the_distributed_optimizer_collectives() -> None:
+    # Megatron issues each chunk's reduce-scatter when its last backward ends (schedules.py): with 5 chunks on 8
+    # stages the 70B's data-parallel collectives hide behind the cool-down; without interleaving they cannot
+    prof = profile_from_arch(parse_arch(LLAMA70))
+    slow_dp = Cluster(gpu=find_gpu("H100-SXM"), gpus=256, gpus_per_node=8, inter_node_bandwidth_bytes_per_s=5e9)
+    inter = estimate(prof, slow_dp, _megatron(comm_overlap=True, dp=8)).time
+    plain = estimate(prof, slow_dp, _megatron(comm_overlap=True, dp=8, vpp=1)).time
+    assert inter.dp_comm_s == pytest.approx(plain.dp_comm_s, rel=1e-6)  # the same bytes
+    assert inter.exposed_dp_comm_s < 0.5 * plain.exposed_dp_comm_s
+    off = estimate(prof, slow_dp, _megatron(dp=8)).time  # no overlap: all of it exposed, chunks or not
+    assert off.exposed_dp_comm_s == pytest.approx(off.dp_comm_s, rel=1e-6)
 
 
 def test_interleaved_sends_run_behind_other_chunks() -> None:

@@ -116,9 +116,14 @@ def test_a_gpus_range_table_names_each_rows_gpu_count(rec: Recommendation) -> No
     from optplan.planner.space import parse_gpus_range
 
     cluster = Cluster(gpu=find_gpu("H100-SXM"), gpus=32, gpus_per_node=8)
-    ranged = recommend(make_profile(params=1_000_000_000, hidden=2048, layers=24), cluster, global_batch=256,
-                       gpu_counts=parse_gpus_range("8:32", 8),
-                       goal=Goal(objective="cost", tokens=1e10, price_per_gpu_hour=2.0))
+    prof = make_profile(params=1_000_000_000, hidden=2048, layers=24)
+    counts = parse_gpus_range("8:32", 8)
+    cheap = recommend(prof, cluster, global_batch=256, gpu_counts=counts,
+                      goal=Goal(objective="cost", tokens=1e10, price_per_gpu_hour=2.0))  # fewest GPUs
+    fast = recommend(prof, cluster, global_batch=256, gpu_counts=counts,
+                     goal=Goal(objective="time", tokens=1e10))  # most GPUs
+    # a table whose rows are on several GPU counts (which rows a search ranks first depends on the time model)
+    ranged = cheap.model_copy(update={"alternatives": (*cheap.alternatives[:2], *fast.alternatives[:2])})
     rows = [ranged.estimate, *(a.estimate for a in ranged.alternatives)]
     assert len({e.gpus for e in rows}) > 1
     out = _text(plans_table(ranged), width=160)
