@@ -171,6 +171,10 @@ def microbench(c: Campaign) -> dict[str, Any]:
         doc["matmul_share_of_catalogue_peak"] = {d: v / c.gpu.peak_flops[d]  # type: ignore[index]
                                                  for d, v in bench.matmul_flops_per_s.items()
                                                  if c.gpu.peak_flops.get(d)}  # type: ignore[call-overload]
+        # fp8 with fast accumulation (Transformer Engine's forward GEMMs): beside gemm_measured.yaml's fp8 fraction
+        doc["fast_accum_share_of_catalogue_peak"] = {d: v / c.gpu.peak_flops[d]  # type: ignore[index]
+                                                     for d, v in bench.matmul_fast_accum_flops_per_s.items()
+                                                     if c.gpu.peak_flops.get(d)}  # type: ignore[call-overload]
         doc["copy_share_of_catalogue_hbm"] = bench.copy_bytes_per_s / c.gpu.memory_bandwidth_bytes_per_s
         # causal SDPA by backend and sequence: the fractions estimators/data/attention_kernels.yaml tabulates
         doc["attention_fractions_of_bf16_peak"] = {

@@ -78,6 +78,9 @@ class MicrobenchResult(BaseModel):
     quick: bool = False
     matmul_size: dict[str, int] = Field(default_factory=dict, description="n of the n × n GEMMs per dtype")
     matmul_skipped: dict[str, str] = Field(default_factory=dict, description="dtype -> why it was left out")
+    matmul_fast_accum_flops_per_s: dict[str, Positive] = Field(
+        default_factory=dict, description="fp8's GEMM again with fast accumulation, as Transformer Engine runs its "
+                                          "forward GEMMs (microbench_child.py); empty where fp8 did not run")
     copy_size_bytes: int = Field(default=0, ge=0, description="copied buffer, bytes (2× moved per copy)")
     allreduce_size_bytes: int = Field(default=0, ge=0, description="the size whose busbw is reported")
     allreduce_bus_bytes_per_s_by_size: dict[int, Positive] = Field(default_factory=dict,
@@ -256,7 +259,7 @@ def _allreduce_ranks(requested: int | None, device: str, cuda_devices: int) -> i
 
 
 RESULT_KEYS = ("device", "device_name", "torch_version", "matmul_flops_per_s", "copy_bytes_per_s", "quick",
-               "matmul_size", "matmul_skipped", "copy_size_bytes", "unaligned_gemm_slowdown", "unaligned_gemm_shape",
+               "matmul_size", "matmul_skipped", "matmul_fast_accum_flops_per_s", "copy_size_bytes", "unaligned_gemm_slowdown", "unaligned_gemm_shape",
                "unaligned_gemm_skipped", "attention_flops_per_s", "attention_shape", "attention_skipped")
 ALLREDUCE_KEYS = ("allreduce_bus_bytes_per_s", "allreduce_ranks", "allreduce_size_bytes",
                   "allreduce_bus_bytes_per_s_by_size")

@@ -20,7 +20,10 @@ What is measured (units: FLOP/s, bytes/s, bytes, seconds)
   the catalogue's fp32 peak describes), tf32 with it enabled (CUDA only), bf16/fp16 as half-precision
   GEMMs, fp8 (e4m3 × e4m3 → bf16, per-tensor scales, full-precision accumulation) through
   ``torch._scaled_mm`` only on GPUs of compute capability >= 8.9. A dtype the device cannot run is
-  left out of the result (listed under ``matmul_skipped`` with the reason), never an error.
+  left out of the result (listed under ``matmul_skipped`` with the reason), never an error. Where fp8 ran, the
+  same GEMM again with fast accumulation (``use_fast_accum=True``: the accumulator is not promoted to fp32 in
+  between, as Transformer Engine runs its forward GEMMs; its gradient GEMMs run split accumulation, as the first
+  figure), under ``matmul_fast_accum_flops_per_s``.
 - Unaligned GEMMs (``unaligned_gemm_slowdown`` per dtype, bf16/fp16/fp32 on CUDA, fp32 on CPU): the three GEMMs
   of a linear layer's training step (forward Y = X·Wᵀ, data gradient dY·W, weight gradient dYᵀ·X) of a
   language-model head, m tokens × k hidden × n vocabulary (CUDA: 8192 × 2048 × 50,304, quick 4096; CPU:
@@ -193,8 +196,9 @@ def _set_tf32(enabled: bool) -> None:
     torch.backends.cuda.matmul.allow_tf32 = enabled
 
 
-def _matmul_op(dtype: str, n: int, device: str) -> Callable[[], object]:
-    """The GEMM for ``dtype`` (raises Unsupported when the device has no such math)."""
+def _matmul_op(dtype: str, n: int, device: str, *, fast_accum: bool = False) -> Callable[[], object]:
+    """The GEMM for ``dtype`` (raises Unsupported when the device has no such math); ``fast_accum``: fp8's
+    accumulation without fp32 promotion."""
     if dtype in ("tf32", "fp8") and device != "cuda":
         raise Unsupported(f"{dtype} is a CUDA tensor-core format")
     gen = torch.Generator(device=device).manual_seed(0)
@@ -209,7 +213,8 @@ def _matmul_op(dtype: str, n: int, device: str) -> Callable[[], object]:
         one = torch.ones((), device=device, dtype=torch.float32)
 
         def fp8() -> object:
-            return torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+            return torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16,
+                                    use_fast_accum=fast_accum)
 
         return fp8
     tdtype = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
@@ -251,8 +256,18 @@ def measure_matmul(device: str, dtypes: list[str], quick: bool) -> dict[str, Any
         flops = 2.0 * n**3
         best[dtype] = flops / min(times)
         median[dtype] = flops / statistics.median(times)
+    fast: dict[str, float] = {}
+    if "fp8" in best:  # Transformer Engine's forward GEMMs: fast accumulation (module docstring)
+        try:
+            op = _matmul_op("fp8", n, device, fast_accum=True)
+            op()
+            fast["fp8"] = 2.0 * n**3 / min(_time_op(op, device, quick))
+        except (Unsupported, RuntimeError, NotImplementedError, TypeError) as exc:
+            skipped["fp8_fast_accum"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
+        finally:
+            torch.cuda.empty_cache()
     return {"matmul_flops_per_s": best, "matmul_flops_per_s_median": median,
-            "matmul_size": {d: n for d in best}, "matmul_skipped": skipped}
+            "matmul_size": {d: n for d in best}, "matmul_skipped": skipped, "matmul_fast_accum_flops_per_s": fast}
 
 
 def _linear_train_op(m: int, k: int, n: int, tdtype: torch.dtype, device: str) -> Callable[[], object]:

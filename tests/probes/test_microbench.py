@@ -58,6 +58,7 @@ def test_cpu_matmul_copy_and_allreduce_are_positive_and_sane(cpu_result: Microbe
         assert 1e8 < r.matmul_flops_per_s[dtype] < 1e13, dtype
         assert r.matmul_size[dtype] > 0
     assert "tf32" not in r.matmul_flops_per_s and "fp8" not in r.matmul_flops_per_s  # CUDA-only formats
+    assert r.matmul_fast_accum_flops_per_s == {}  # fp8's fast-accumulation GEMM only where fp8 ran
     assert 1e8 < r.copy_bytes_per_s < 1e13 and r.copy_size_bytes >= 2**20
     assert r.allreduce_ranks == 2
     assert r.allreduce_bus_bytes_per_s is not None and 1e5 < r.allreduce_bus_bytes_per_s < 1e12
@@ -194,6 +195,8 @@ def test_cuda_microbench() -> None:
     assert r.matmul_flops_per_s["tf32"] > r.matmul_flops_per_s["fp32"]  # TF32 really was off for fp32
     if torch.cuda.get_device_capability() >= (8, 9):
         assert r.matmul_flops_per_s["fp8"] > r.matmul_flops_per_s["bf16"]
+        # fast accumulation (Transformer Engine's forward GEMMs) is never slower than full-precision accumulation
+        assert r.matmul_fast_accum_flops_per_s["fp8"] > 0.95 * r.matmul_flops_per_s["fp8"], r.matmul_skipped
     assert 1e11 < r.copy_bytes_per_s < 2e13
     assert set(r.unaligned_gemm_slowdown) == {"bf16", "fp16", "fp32"}
     assert all(0.5 < s < 50 for s in r.unaligned_gemm_slowdown.values()), r.unaligned_gemm_slowdown
