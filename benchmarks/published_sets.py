@@ -23,6 +23,9 @@ the measured step time (seconds). Sets:
 - ``dgxc-nemo``: 70 NeMo/Megatron-Core runs on DGX H100 from NVIDIA's DGX Cloud benchmarking recipes, bf16 and fp8,
   Llama 3.1 8B/70B/405B, Nemotron-4 15B/340B and GPT-3 175B at 8-2,304 GPUs
   (benchmarks/data/dgxc_nemo_published.json).
+- ``dgxc-nemo-25.05``: the same recipes' release v25.05.05 (NeMo 2, containers 25.04): 24 runs of Llama 3.1 405B and
+  Nemotron-4 340B on GB200 NVL72 racks (128-512 GPUs, weak and strong scaling) and Llama 3.1 405B, Nemotron-4
+  15B/340B on DGX H100, bf16 and fp8 (benchmarks/data/dgxc_nemo_v25_05_published.json).
 
 Split for fitting: within each set, rows alternate in file order between the fit half and the held-out
 half (``split``).
@@ -340,14 +343,16 @@ GB200 row runs in one 72-GPU NVLink domain per rack (gpus_per_node 72). GB300/B3
 entry), and so are NVFP4 rows (optplan has no fp4 recipe) and the SFT and LoRA tables."""
 
 DGXC_NEMO = HERE / "data" / "dgxc_nemo_published.json"
+DGXC_NEMO_2505 = HERE / "data" / "dgxc_nemo_v25_05_published.json"
 DGXC_NIC_BYTES_PER_S = 50e9
-"""DGX H100: 8 x 400 Gb/s InfiniBand per node, 50 GB/s per GPU."""
+"""DGX H100: 8 x 400 Gb/s InfiniBand per node; a GB200 NVL72 tray 4 x 400 Gb/s per 4 GPUs: 50 GB/s per GPU either way."""
 
 
-def dgxc_nemo_rows(path: Path = DGXC_NEMO) -> tuple[Paper, ...]:
-    """NVIDIA's DGX Cloud benchmarking recipes (benchmarks/data/dgxc_nemo_published.json): NeMo/Megatron-Core
-    dense pre-training on DGX H100, bf16 and Transformer Engine fp8, 8-2,304 GPUs, the measured step time (s).
-    Every run as its yaml ran it: the distributed optimizer (zero 1) with overlapped gradient reduce-scatter and
+def dgxc_nemo_rows(path: Path = DGXC_NEMO, set_: str = "dgxc-nemo") -> tuple[Paper, ...]:
+    """NVIDIA's DGX Cloud benchmarking recipes (benchmarks/data/dgxc_nemo_*published.json): NeMo/Megatron-Core
+    dense pre-training, bf16 and Transformer Engine fp8, the measured step time (s); a table's ``gpu`` (DGX H100 when
+    absent; a GB200 runs in its rack's 72-GPU NVLink domain, ``GPUS_PER_NVLINK_DOMAIN``).
+    Every run as its recipe ran it: the distributed optimizer (zero 1) with overlapped gradient reduce-scatter and
     parameter all-gather, sequence parallelism and the userbuffers tensor-parallel overlap when tp > 1 (optplan's
     ``comm_overlap``), flash attention; a run's own layers/pp/vpp where its configure.sh shortens the model."""
     doc = json.loads(path.read_text())
@@ -355,6 +360,7 @@ def dgxc_nemo_rows(path: Path = DGXC_NEMO) -> tuple[Paper, ...]:
     out = []
     for table in doc["tables"]:
         lay = table["layout"]
+        gpu = table.get("gpu", "H100-SXM")
         for run in table["runs"]:
             layers, pp, vpp = run.get("layers"), run.get("pp", lay["pp"]), run.get("vpp", lay["vpp"])
             arch = table["arch"] if layers is None else ",".join(
@@ -369,16 +375,19 @@ def dgxc_nemo_rows(path: Path = DGXC_NEMO) -> tuple[Paper, ...]:
                                 checkpointing=table["recompute"])
             shape = f"{layers}L " if layers is not None else ""
             layout = " ".join(f"{k}{v}" for k, v in (("tp", tp), ("pp", pp), ("cp", cp), ("vpp", vpp)) if v > 1)
-            label = f"{table['model']} {shape}{table['precision']} {gpus} H100 {layout}".rstrip()
-            out.append(Paper(set="dgxc-nemo", label=label, arch=arch, seq=table["seq"], gpu="H100-SXM", gpus=gpus,
+            batch = f" gbs{run['global_batch']}" if gpu != "H100-SXM" else ""
+            label = (f"{table['model']} {shape}{table['precision']} {gpus} {gpu.removesuffix('-SXM')} "
+                     f"{layout}{batch}").rstrip()
+            out.append(Paper(set=set_, label=label, arch=arch, seq=table["seq"], gpu=gpu, gpus=gpus,
                              strategy=strategy, measured_s=lambda t=run["step_s"]: t,
                              source=f"{table['source']['table']} ({release['repository']} {release['tag']})",
-                             nic_bytes_per_s=DGXC_NIC_BYTES_PER_S))
+                             nic_bytes_per_s=DGXC_NIC_BYTES_PER_S,
+                             gpus_per_node=GPUS_PER_NVLINK_DOMAIN.get(gpu, 8)))
     return tuple(out)
 
 
 PAPER: tuple[Paper, ...] = (NARAYANAN_ROWS + KORTHIKANTI_ROWS + TORCHTITAN_ROWS + MEGATRON_BRIDGE_ROWS
-                            + dgxc_nemo_rows())
+                            + dgxc_nemo_rows() + dgxc_nemo_rows(DGXC_NEMO_2505, "dgxc-nemo-25.05"))
 """Published tables."""
 
 

@@ -47,6 +47,7 @@ from optplan.estimators.gemm_measured import (
     catalogue_fp8_fraction,
     catalogue_fp32_fraction,
 )
+from optplan.estimators.gemm_published import ceiling_ratio
 from optplan.estimators.hardware import GPUSpec
 
 LINK_EFFICIENCY = 0.75
@@ -126,6 +127,8 @@ class Derivation(BaseModel):
 
     from_gpu: str
     update: dict[str, float] = Field(default_factory=dict)
+    gemm_ceiling: bool = Field(default=False, description="scale the GEMM fraction by the two GPUs' published matmul "
+                               "shares of peak (gemm_published.py)")
     reason: str
 
 
@@ -151,11 +154,26 @@ def efficiency_table() -> EfficiencyTable:
 
 @cache
 def _resolved() -> dict[str, GpuEfficiency]:
-    table = efficiency_table()
+    return resolve(efficiency_table())
+
+
+def resolve(table: EfficiencyTable) -> dict[str, GpuEfficiency]:
+    """Every GPU of ``table`` with constants: its fit, or its derivation applied (``update``, then the published
+    matmul-ceiling ratio where ``gemm_ceiling``, gemm_published.py); a source saying which."""
     out = dict(table.gpus)
     for name, d in table.derived.items():
         base = table.gpus[d.from_gpu]
-        out[name] = base.model_copy(update={**d.update, "source": f"derived from {d.from_gpu}: {d.reason}"})
+        update: dict[str, object] = {**d.update, "source": f"derived from {d.from_gpu}: {d.reason}"}
+        ratio = ceiling_ratio(name, d.from_gpu) if d.gemm_ceiling else None
+        if d.gemm_ceiling and ratio is None:
+            raise ValueError(f"efficiency.yaml: {name} derives its GEMM fraction from published matmul ceilings, but "
+                             f"data/gemm_published.yaml has no row for {name} or {d.from_gpu}")
+        if ratio is not None:
+            fraction = update.get("gemm_peak_fraction", base.gemm_peak_fraction)
+            update["gemm_peak_fraction"] = float(fraction) * ratio  # type: ignore[arg-type]
+            update["source"] = (f"{update['source']}; GEMM fraction x{ratio:.3f}, its published matmul share of peak "
+                                f"over the {d.from_gpu}'s (data/gemm_published.yaml)")
+        out[name] = base.model_copy(update=update)
     return out
 
 
@@ -226,4 +244,4 @@ def stack_efficiency(stack: str) -> EngineEfficiency:
 
 __all__ = ["Derivation", "EfficiencyTable", "EngineEfficiency", "GpuEfficiency", "INTRA_NODE_ALPHA_S",
            "LINK_EFFICIENCY", "default_efficiency", "derivation_for", "efficiency_for", "efficiency_table",
-           "engine_efficiency", "fitted_gpus", "stack_efficiency"]
+           "engine_efficiency", "fitted_gpus", "resolve", "stack_efficiency"]

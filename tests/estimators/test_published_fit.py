@@ -5,6 +5,7 @@ and the committed measured domain (estimators/data/time_domain.yaml) what the be
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import statistics
 import sys
 from pathlib import Path
@@ -139,3 +140,33 @@ def test_nemo_on_h100_bf16_and_fp8_never_fitted_on_stay_close(sets) -> None:  # 
         measured = bf16.measured_s / fp8.measured_s  # type: ignore[attr-defined]
         predicted = bf16.time().step_s / fp8.time().step_s  # type: ignore[attr-defined]
         assert measured > 1.3 and predicted == pytest.approx(measured, rel=0.15), key
+
+
+def test_nemo_release_25_05_on_gb200_racks_and_h100_never_fitted_on(sets) -> None:  # noqa: ANN001
+    # the DGX Cloud recipes' release v25.05.05 (benchmarks/data/dgxc_nemo_v25_05_published.json): 24 runs, NeMo 2 on
+    # GB200 NVL72 racks (Llama 3.1 405B, Nemotron-4 340B weak and strong scaling) and on DGX H100, bf16 and fp8
+    from optplan.estimators.efficiency import efficiency_for
+    from optplan.estimators.hardware import find_gpu
+
+    rows = [r for r in sets.paper_rows() if r.set == "dgxc-nemo-25.05"]
+    assert len(rows) == 24
+    h100 = [r for r in rows if r.gpu == "H100-SXM"]
+    gb200 = [r for r in rows if r.gpu == "GB200"]
+    assert len(h100) == 6 and len(gb200) == 18
+    assert all(r.cluster.gpus_per_node == 72 for r in gb200)  # one NVLink domain per rack
+    assert _mape(h100) <= 0.06 and all(0.9 < r.ratio() < 1.1 for r in h100)
+    # GB200: priced with the published matmul ceiling (gemm_published.py) the runs sit closer than at the H100's
+    # share of the GB200 datasheet peak, which prices every one of them fast
+    plain = efficiency_for(find_gpu("GB200")).model_copy(
+        update={"gemm_peak_fraction": efficiency_for(find_gpu("H100-SXM")).gemm_peak_fraction})
+    before = [r.ratio(eff=plain) for r in gb200]
+    after = [r.ratio() for r in gb200]
+    assert all(x < 0.95 for x in before)
+    assert statistics.fmean(abs(x - 1) for x in after) < statistics.fmean(abs(x - 1) for x in before) - 0.03
+    assert all(0.75 < x < 1.1 for x in after)
+    # strong scaling (global batch 512 on 128-512 GPUs): the step shrinks as the GPUs grow, as measured
+    strong = sorted((r for r in gb200 if r.strategy.global_batch == 512 and r.strategy.precision == "bf16"),
+                    key=lambda r: r.strategy.world_size)
+    assert [r.strategy.world_size for r in strong] == [128, 256, 512]
+    for small, big in itertools.pairwise(strong):
+        assert small.time().step_s / big.time().step_s == pytest.approx(small.measured_s / big.measured_s, rel=0.05)

@@ -97,7 +97,7 @@ def test_unmeasured_parallelism_and_engine_widen_the_band() -> None:
     # communication overlap): a 6.7B plan without the overlap and at tp 16 is outside them on three counts
     tp = time_band(prof, Strategy(precision="bf16", engine="megatron", tp=16, dp=1, mbs=4, checkpointing="none"),
                    _cluster(gpus=16), mfu=0.0)
-    assert tp.basis.startswith("H100-SXM megatron: dgxc-nemo, megatron-bridge")
+    assert tp.basis.startswith("H100-SXM megatron: dgxc-nemo, dgxc-nemo-25.05, megatron-bridge")
     assert not any(r.startswith("precision") for r in tp.outside)  # bf16 and fp8 both measured
     assert any(r.startswith("parameters 6.66e+09 outside the measured 8.03e+09") for r in tp.outside)
     assert any(r.startswith("tensor parallel 16 outside") for r in tp.outside)
