@@ -8,7 +8,8 @@ Sets (``benchmarks/published_sets.py`` says how each row is priced and where it 
 - ``torchtitan``: FSDP2 Llama 3 runs on A100 and H100 (never fitted on);
 - ``megatron-bridge``: NVIDIA's Megatron-Bridge fp8 runs on H100, B200 and GB200 (never fitted on);
 - ``dgxc-nemo``: NVIDIA's DGX Cloud NeMo recipes, 70 bf16 and fp8 runs on 8-2,304 H100s (never fitted on).
-- ``dgxc-nemo-25.05``: their release v25.05.05, 24 runs on GB200 NVL72 racks and H100s, bf16 and fp8 (never fitted on).
+- ``dgxc-nemo-25.05``: their release v25.05.05, 24 runs on GB200 NVL72 racks and H100s, bf16 and fp8 (never fitted on);
+- ``bigscience-bloom``: BLOOM-176B's Megatron-DeepSpeed runs on 384 A100s, bf16 (never fitted on).
 For fitted sets the held-out half (alternate rows, published_sets.split) is reported beside all rows.
 The error of a row is predicted ÷ measured step time − 1 (a throughput error of the same size).
 

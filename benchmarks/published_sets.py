@@ -26,6 +26,8 @@ the measured step time (seconds). Sets:
 - ``dgxc-nemo-25.05``: the same recipes' release v25.05.05 (NeMo 2, containers 25.04): 24 runs of Llama 3.1 405B and
   Nemotron-4 340B on GB200 NVL72 racks (128-512 GPUs, weak and strong scaling) and Llama 3.1 405B, Nemotron-4
   15B/340B on DGX H100, bf16 and fp8 (benchmarks/data/dgxc_nemo_v25_05_published.json).
+- ``bigscience-bloom``: 18 Megatron-DeepSpeed runs of 176-203B GPT shapes on 384 A100 80GB behind 6.25 GB/s of
+  Omni-Path per GPU (BLOOM-176B's layout search and production run; benchmarks/data/bigscience_bloom_published.json).
 
 Split for fitting: within each set, rows alternate in file order between the fit half and the held-out
 half (``split``).
@@ -386,8 +388,37 @@ def dgxc_nemo_rows(path: Path = DGXC_NEMO, set_: str = "dgxc-nemo") -> tuple[Pap
     return tuple(out)
 
 
+BLOOM = HERE / "data" / "bigscience_bloom_published.json"
+BLOOM_NIC_BYTES_PER_S = 6.25e9
+"""Jean Zay: 4 Omni-Path links of 100 Gb/s per 8-GPU node, 50 GB/s per node, 6.25 GB/s per GPU."""
+
+
+def bloom_rows(path: Path = BLOOM) -> tuple[Paper, ...]:
+    """BigScience's BLOOM-176B benchmarks (benchmarks/data/bigscience_bloom_published.json): Megatron-DeepSpeed on
+    384 A100 80GB, bf16, the measured iteration time (s). Priced as optplan's Megatron engine with the run's layout:
+    ZeRO-1 (DeepSpeed's BF16_Optimizer shards the optimizer state over data parallelism), full activation
+    checkpointing, no flash attention, no sequence parallelism, the plain 1F1B schedule (DeepSpeed's pipeline
+    engine), no communication overlap (neither Megatron's userbuffers nor an overlapped gradient reduction)."""
+    doc = json.loads(path.read_text())
+    out = []
+    for run in doc["runs"]:
+        layers, hidden, heads = run["layers"], run["hidden"], run["heads"]
+        tp, pp, dp, mbs = run["tp"], run["pp"], run["dp"], run["mbs"]
+        accum = run["global_batch"] // (dp * mbs)
+        if dp * mbs * accum != run["global_batch"]:
+            raise ValueError(f"BLOOM {layers}L h{hidden}: dp x mbs does not divide the global batch")
+        strategy = Strategy(precision="bf16", engine="megatron", zero=1, dp=dp, tp=tp, pp=pp, mbs=mbs,
+                            grad_accum=accum, sp=False, flash=False, checkpointing="full", vpp=1)
+        arch = f"layers={layers},hidden={hidden},heads={heads},vocab=250880,ffn={4 * hidden},gated=0,tied=1"
+        out.append(Paper(set="bigscience-bloom", label=f"BLOOM shape {layers}L h{hidden} a{heads} tp{tp} pp{pp} "
+                         f"mbs{mbs} 384 A100", arch=arch, seq=2048, gpu="A100-80GB", gpus=dp * tp * pp,
+                         strategy=strategy, measured_s=lambda t=run["step_s"]: t, source=run["source"],
+                         nic_bytes_per_s=BLOOM_NIC_BYTES_PER_S))
+    return tuple(out)
+
+
 PAPER: tuple[Paper, ...] = (NARAYANAN_ROWS + KORTHIKANTI_ROWS + TORCHTITAN_ROWS + MEGATRON_BRIDGE_ROWS
-                            + dgxc_nemo_rows() + dgxc_nemo_rows(DGXC_NEMO_2505, "dgxc-nemo-25.05"))
+                            + dgxc_nemo_rows() + dgxc_nemo_rows(DGXC_NEMO_2505, "dgxc-nemo-25.05") + bloom_rows())
 """Published tables."""
 
 

@@ -98,6 +98,7 @@ from optplan.estimators.tp_overlap import (
     overlaps_p2p,
     overlaps_tp,
 )
+from optplan.estimators.zero3_hooks import zero3_hooks_host_s
 
 
 class TimeBreakdown(BaseModel):
@@ -219,6 +220,7 @@ def _flops_only_step(profile: ModelProfile, strategy: Strategy, cluster: Cluster
     mb_host = hm * microbatch_host_s(profile, strategy, host_kernel_s=eff.host_kernel_s,
                                      checkpoint_block_s=eff.host_checkpoint_block_s, microbatch_s=eff.host_microbatch_s)
     mb_host += blocks * selective_host_layer_s(profile, strategy, eff.host_layer_pass_s)
+    mb_host += zero3_hooks_host_s(profile, strategy)  # ZeRO-3's fetch/release hooks (zero3_hooks.py)
     host_s = m * (blend_s(mb_host, mb_device, eff.overlap_exponent) - mb_device) + hm * eff.host_step_s
     hw = profile.train_flops_per_sample + ct.recompute_flops_per_sample
     parts = {"compute_s": ct.compute_s / p, "recompute_s": ct.recompute_s / p,
@@ -319,6 +321,7 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
         microbatch_s=eff.host_microbatch_s, constant_layer_s=hm * eff.host_layer_pass_s * host_layer_passes(s_, dims.layers),
         host_multiplier=hm, layers_per_stage=dims.layers / p, eager_engine=engine.eager)
     host_layer += selective_host_layer_s(profile, s_, eff.host_layer_pass_s)  # eager op-level policy's host cost
+    host_layer += zero3_hooks_host_s(profile, s_) / dims.layers  # ZeRO-3's fetch/release hooks, each layer its share
     host_sync = 2 * (t - 1) * eff.host_collective_step_s  # per tensor-parallel collective
     host_layer += tp_collectives * (2 + rf_all) * host_sync
 

@@ -40,10 +40,12 @@ from optplan.planner.suggest import what_would_fit
 
 DEFAULT_ALTERNATIVES = 4
 MODEL_SCOPE_NOTE = ("time model fitted on measured runs: A100 Megatron (vTrain; Narayanan et al. 2021 and Korthikanti "
-                    "et al. 2022 tables), A100 and H100 torch FSDP (llm-foundry, torchtitan), H100, B200 and GB200 Megatron fp8 "
-                    "with its communication overlap (NVIDIA's Megatron-Bridge runs, 13, never fitted), H100 Megatron bf16 and fp8 "
-                    "(NVIDIA's DGX Cloud recipes, dgxc-nemo: 70 NeMo runs on 8-2,304 GPUs, never fitted); H200, B200 and "
-                    "GB200 derived from H100 (attention at cuDNN's measured speed on Hopper Megatron and Blackwell), "
+                    "et al. 2022 tables; BigScience's BLOOM-176B runs on 384 GPUs, never fitted), A100 and H100 torch FSDP "
+                    "(llm-foundry, torchtitan), H100, B200 and GB200 Megatron fp8 "
+                    "with its communication overlap (NVIDIA's Megatron-Bridge runs, 13, never fitted), H100 and GB200 "
+                    "Megatron bf16 and fp8 (NVIDIA's DGX Cloud recipes, dgxc-nemo: 94 NeMo runs on 8-2,304 GPUs, never "
+                    "fitted); H200, B200 and GB200 derived from H100 (Blackwell's GEMMs at their published matmul "
+                    "ceilings, attention at cuDNN's measured speed on Hopper Megatron and Blackwell), "
                     "the H200 also measured on one GPU by optplan's GPU campaign (torch and DeepSpeed at "
                     "world size 1, models up to 1.2B: benchmarks/results); MoE models judged by 23 published Megatron-"
                     "Core, NeMo and DeepSeek runs on H100 and B200 (benchmarks/fidelity_moe.py); models without a "

@@ -170,3 +170,19 @@ def test_nemo_release_25_05_on_gb200_racks_and_h100_never_fitted_on(sets) -> Non
     assert [r.strategy.world_size for r in strong] == [128, 256, 512]
     for small, big in itertools.pairwise(strong):
         assert small.time().step_s / big.time().step_s == pytest.approx(small.measured_s / big.measured_s, rel=0.05)
+
+
+def test_bloom_on_384_a100_behind_slow_links_never_fitted_on(sets) -> None:  # noqa: ANN001
+    # BigScience's BLOOM-176B layout search (benchmarks/data/bigscience_bloom_published.json): Megatron-DeepSpeed,
+    # 176-203B GPT shapes, tp 4-8 x pp 6-12 on 384 A100s with 6.25 GB/s of Omni-Path per GPU, bf16, full recomputation
+    rows = [r for r in sets.paper_rows() if r.set == "bigscience-bloom"]
+    assert len(rows) == 18
+    assert all(r.cluster.inter_node_bandwidth_bytes_per_s == 6.25e9 for r in rows)
+    assert _mape(rows) <= 0.07
+    assert all(0.75 < r.ratio() < 1.1 for r in rows)
+    # the data-parallel gradient reduction crosses the slow links: at 8x their bandwidth the step would be shorter
+    row = next(r for r in rows if r.label.startswith("BLOOM shape 70L h14336 a112 tp4 pp12 mbs2"))
+    fast = sets.Row(set=row.set, label=row.label, profile=row.profile, strategy=row.strategy,
+                    measured_s=row.measured_s,
+                    cluster=row.cluster.model_copy(update={"inter_node_bandwidth_bytes_per_s": 50e9}))
+    assert fast.time().step_s < row.time().step_s
