@@ -164,11 +164,11 @@ def resolve(table: EfficiencyTable) -> dict[str, GpuEfficiency]:
     for name, d in table.derived.items():
         base = table.gpus[d.from_gpu]
         update: dict[str, object] = {**d.update, "source": f"derived from {d.from_gpu}: {d.reason}"}
-        ratio = ceiling_ratio(name, d.from_gpu) if d.gemm_ceiling else None
-        if d.gemm_ceiling and ratio is None:
-            raise ValueError(f"efficiency.yaml: {name} derives its GEMM fraction from published matmul ceilings, but "
-                             f"data/gemm_published.yaml has no row for {name} or {d.from_gpu}")
-        if ratio is not None:
+        if d.gemm_ceiling:
+            ratio = ceiling_ratio(name, d.from_gpu)
+            if ratio is None:
+                raise ValueError(f"efficiency.yaml: {name} derives its GEMM fraction from published matmul ceilings, "
+                                 f"but data/gemm_published.yaml has no row for {name} or {d.from_gpu}")
             fraction = update.get("gemm_peak_fraction", base.gemm_peak_fraction)
             update["gemm_peak_fraction"] = float(fraction) * ratio  # type: ignore[arg-type]
             update["source"] = (f"{update['source']}; GEMM fraction x{ratio:.3f}, its published matmul share of peak "

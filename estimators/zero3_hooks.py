@@ -15,8 +15,8 @@ the device's where the device is slower):
 
     hooks_s = fetched tensors × passes × :data:`ZERO3_FETCH_HOST_S`
 
-passes = forward + backward, plus one per recomputed forward (a checkpointed block's recompute calls the module's
-forward, and its hooks fetch again).
+passes = forward + backward, plus the recomputed forwards (a checkpointed block's recompute calls its modules'
+forwards, and their hooks fetch again; under partial checkpointing only the checkpointed blocks' share).
 
 The constant is what the only measured ZeRO-3 run fixes: the Llama-3 1B layout (146 tensors, 113 of them above the
 threshold) at micro-batch 2 with full checkpointing on one H200 (``benchmarks/results/2026-11-26-H200-visit2``,
@@ -32,6 +32,7 @@ figure is the one used; a multi-GPU step adds each fetch's all-gather latency, w
 from __future__ import annotations
 
 from optplan.estimators.buckets import deepspeed_buckets
+from optplan.estimators.partial_checkpointing import recompute_fraction
 from optplan.estimators.profile import ModelProfile
 from optplan.estimators.strategy import Strategy
 
@@ -47,10 +48,13 @@ def fetched_tensors(profile: ModelProfile) -> int:
     return sum(1 for n in profile.param_numels if n > threshold)
 
 
-def recompute_passes(strategy: Strategy) -> float:
-    """Forward passes a checkpointed block runs again in backward (1 under full or op-level selective checkpointing,
-    both torch.utils.checkpoint re-running the block's forward; 0 without)."""
-    return 0.0 if strategy.checkpointing == "none" else 1.0
+def recompute_passes(strategy: Strategy, blocks: int | None) -> float:
+    """Forward passes per block run again in backward: the checkpointed share of the ``blocks`` under full (or
+    partial) checkpointing (partial_checkpointing.py ``recompute_fraction``), 1 under op-level selective
+    checkpointing (torch.utils.checkpoint re-runs the whole block's forward, every module's hooks with it), else 0."""
+    if strategy.checkpointing == "selective":
+        return 1.0
+    return recompute_fraction(strategy, blocks)
 
 
 def zero3_hooks_host_s(profile: ModelProfile, strategy: Strategy) -> float:
@@ -58,7 +62,7 @@ def zero3_hooks_host_s(profile: ModelProfile, strategy: Strategy) -> float:
     engine or stage."""
     if strategy.engine != "deepspeed" or strategy.zero != 3:
         return 0.0
-    passes = 2.0 + recompute_passes(strategy)
+    passes = 2.0 + recompute_passes(strategy, profile.repeated_block.count if profile.repeated_block else None)
     return fetched_tensors(profile) * passes * ZERO3_FETCH_HOST_S
 
 

@@ -38,6 +38,9 @@ def test_only_deepspeed_stage_3_pays_and_recomputation_fetches_again() -> None:
     assert plain == pytest.approx(fetched_tensors(prof) * 2 * ZERO3_FETCH_HOST_S)
     for ck in ("full", "selective"):
         assert zero3_hooks_host_s(prof, _z(3, checkpointing=ck)) == pytest.approx(plain * 1.5)
+    # partial checkpointing: only the checkpointed quarter of the 16 blocks runs its forward (and hooks) again
+    partial = zero3_hooks_host_s(prof, _z(3, checkpointing="full", checkpoint_layers=4))
+    assert partial == pytest.approx(plain * (2 + 4 / 16) / 2)
 
 
 def test_the_hooks_pace_a_small_step_and_hide_behind_a_large_one() -> None:
