@@ -18,35 +18,36 @@ from optplan.probes.profile_cache import PROFILE_CACHE_ENV
 __all__ = ["make_gpu", "make_profile"]
 
 HEAVY_FIRST = (
-    "tests/planner/test_finetune_cli.py",  # 429 s
-    "tests/planner/test_train_script.py",  # 348 s
-    "tests/probes/test_distributed_probe.py",  # 336 s
-    "tests/probes/test_adapters.py",  # 331 s
-    "tests/planner/test_hf_timm.py",  # 298 s
-    "tests/probes/test_moe_model_files.py",  # 265 s
-    "tests/probes/test_runtime_probe.py",  # 231 s
-    "tests/benchmarks/test_gpu_campaign.py",  # 222 s
-    "tests/planner/test_moe_model_file_plan.py",  # 221 s
-    "tests/benchmarks/test_gpu_results.py",  # 214 s
-    "tests/planner/test_hf_source.py",  # 212 s
-    "tests/tui/test_cli.py",  # 207 s
-    "tests/probes/test_static_profile.py",  # 206 s
-    "tests/probes/test_fidelity_tp_cpu.py",  # 192 s
-    "tests/probes/test_model_loader_errors.py",  # 160 s
-    "tests/reliability/test_security.py",  # 154 s
-    "tests/reliability/test_ctrl_c.py",  # 148 s
-    "tests/planner/test_finetune_full_export.py",  # 132 s
-    "tests/tui/test_cli_probe.py",  # 122 s
-    "tests/probes/test_device_lock.py",  # 122 s
-    "tests/reliability/test_probe_faults.py",  # 118 s
-    "tests/probes/test_cpu_accounting.py",  # 116 s
-    "tests/probes/test_profile_cache.py",  # 114 s
-    "tests/planner/test_search.py",  # 109 s
-    "tests/reliability/test_bad_input.py",  # 105 s
-    "tests/benchmarks/test_probe_pool.py",  # 83 s
+    "tests/probes/test_adapters.py",  # 227 s
+    "tests/planner/test_train_script.py",  # 202 s
+    "tests/probes/test_distributed_probe.py",  # 197 s
+    "tests/planner/test_hf_timm.py",  # 176 s
+    "tests/planner/test_finetune_cli.py",  # 169 s
+    "tests/probes/test_runtime_probe.py",  # 162 s
+    "tests/planner/test_hf_source.py",  # 150 s
+    "tests/benchmarks/test_gpu_campaign.py",  # 145 s
+    "tests/probes/test_moe_model_files.py",  # 135 s
+    "tests/tui/test_cli.py",  # 129 s
+    "tests/probes/test_fidelity_tp_cpu.py",  # 114 s
+    "tests/benchmarks/test_gpu_results.py",  # 99 s
+    "tests/probes/test_model_loader_errors.py",  # 95 s
+    "tests/probes/test_device_lock.py",  # 94 s
+    "tests/probes/test_static_profile.py",  # 93 s
+    "tests/reliability/test_ctrl_c.py",  # 90 s
+    "tests/reliability/test_probe_faults.py",  # 86 s
+    "tests/planner/test_moe_model_file_plan.py",  # 86 s
+    "tests/reliability/test_security.py",  # 79 s
+    "tests/planner/test_finetune_full_export.py",  # 78 s
+    "tests/planner/test_search.py",  # 77 s
+    "tests/reliability/test_bad_input.py",  # 73 s
+    "tests/tui/test_cli_probe.py",  # 71 s
+    "tests/reliability/test_interruptions.py",  # 70 s
+    "tests/probes/test_profile_cache.py",  # 58 s
+    "tests/probes/test_cpu_accounting.py",  # 49 s
 )
 """The slowest test files (seconds summed from `pytest --durations=0` with both workers on a 2-core AVX2 VM whose CPU
-emulates bf16 matmuls at ~1 GFLOP/s, 2026-12-02: 6545 s summed, the compiled-activations test at its cut shapes),
+emulates bf16 matmuls at ~1 GFLOP/s, 2026-12-03: 3573 s summed over 2 workers, 31 min wall for the tests alone at
+87aedd6; these 26 files are 3004 s of it),
 scheduled first: pyproject's ``--dist loadfile`` hands whole files to the 2 workers in collection order, so a heavy
 file collected last would leave one worker running it alone at the end. An order hint only: a file missing here still
 runs, later."""
