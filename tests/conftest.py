@@ -8,14 +8,6 @@ import os
 import shutil
 import tempfile
 
-# One intra-op thread per process for the whole run, set before anything imports torch (which reads it at import) and
-# inherited by the xdist workers and every probe, torchrun rank and command a test starts. The run keeps both cores
-# busy with two workers, so torch's default of one thread per core oversubscribes them and OpenMP's waiting threads
-# spin on the cores the other worker needs: tests/planner/test_hf_timm.py + tests/probes/test_adapters.py on two
-# workers took 184-190 s with the default and 134 s with this (2026-12-03). A value the developer set is kept; no test
-# measures thread scaling.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-
 import pytest
 from factories import make_gpu, make_profile
 
