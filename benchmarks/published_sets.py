@@ -275,14 +275,18 @@ MEGATRON_BRIDGE = ("NVIDIA-NeMo/Megatron-Bridge docs/performance-summary-archive
 """NVIDIA's DGX systems: 8 GPUs per node with NVLink, 8 x 400 Gb/s InfiniBand (50 GB/s per GPU)."""
 
 
-GPUS_PER_NVLINK_DOMAIN = {"GB200": 72}
-"""DGX GB200 racks join 72 GPUs in one NVLink domain; DGX H100/B200 nodes 8."""
+GPUS_PER_NVLINK_DOMAIN = {"GB200": 72, "GB300": 72}
+"""DGX GB200 and GB300 racks join 72 GPUs in one NVLink domain; DGX H100/B200 nodes 8."""
+BRIDGE_NIC_BYTES_PER_S = {"GB300": 100e9}
+"""Scale-out bandwidth per GPU where it is not DGX's 400 Gb/s InfiniBand (50 GB/s): the GB300 NVL72 has a ConnectX-8
+SuperNIC at 800 Gb/s per GPU (NVIDIA GB300 NVL72 specifications: 72 ConnectX-8 NICs per rack)."""
 
 
 def _bridge(label: str, arch: str, gpu: str, gpus: int, strategy: Strategy, tokens_per_gpu_s: float,
             where: str) -> Paper:
     return _tokens_per_gpu("megatron-bridge", label, arch, 8192, gpu, gpus, strategy, tokens_per_gpu_s,
-                           MEGATRON_BRIDGE + where, 50e9, GPUS_PER_NVLINK_DOMAIN.get(gpu, 8))
+                           MEGATRON_BRIDGE + where, BRIDGE_NIC_BYTES_PER_S.get(gpu, 50e9),
+                           GPUS_PER_NVLINK_DOMAIN.get(gpu, 8))
 
 
 MEGATRON_BRIDGE_ROWS: tuple[Paper, ...] = (
@@ -335,14 +339,37 @@ MEGATRON_BRIDGE_ROWS: tuple[Paper, ...] = (
             Strategy(precision="fp8", engine="megatron", zero=1, dp=4, tp=4, pp=16, vpp=8, mbs=1, grad_accum=384,
                      comm_overlap=True),
             783.0, "26.06, Model LLAMA3.1_405B, DGX-GB200 MXFP8 (GBS 1536)"),
+    # DGX-GB300 (Blackwell Ultra, added 2026-12-03 with the catalogue's GB300; transcribed before any prediction)
+    _bridge("Llama 3 8B fp8-cs 8 GB300 mbs2 ga8", LLAMA3_8B, "GB300", 8,
+            Strategy(precision="fp8", engine="megatron", zero=1, dp=8, mbs=2, grad_accum=8, comm_overlap=True),
+            37556.0, "25.11, System DGX-GB300, LLAMA3_8B FP8-CS (GBS 128)"),
+    _bridge("Llama 3 8B mxfp8 8 GB300 mbs2 ga8", LLAMA3_8B, "GB300", 8,
+            Strategy(precision="fp8", engine="megatron", zero=1, dp=8, mbs=2, grad_accum=8, comm_overlap=True),
+            36108.0, "25.11, System DGX-GB300, LLAMA3_8B FP8-MX (GBS 128)"),
+    _bridge("Llama 3 70B fp8 64 GB300 Megatron-FSDP mbs2 ga2", LLAMA3_70B, "GB300", 64,
+            Strategy(precision="fp8", engine="megatron", zero=1, dp=64, mbs=2, grad_accum=2, comm_overlap=True),
+            5248.0, "26.04.01, Model LLAMA3_70B, DGX-GB300 FP8 (GBS 256, FSDP 64)"),
+    _bridge("Llama 3 70B mxfp8 64 GB300 pp4 vpp5", LLAMA3_70B, "GB300", 64,
+            Strategy(precision="fp8", engine="megatron", zero=1, dp=16, pp=4, vpp=5, mbs=1, grad_accum=16,
+                     comm_overlap=True),
+            4864.0, "26.04.01, Model LLAMA3_70B, DGX-GB300 MXFP8 (GBS 256)"),
+    _bridge("Llama 3.1 405B fp8 256 GB300 tp4 pp8 vpp4", LLAMA31_405B, "GB300", 256,
+            Strategy(precision="fp8", engine="megatron", zero=1, dp=8, tp=4, pp=8, vpp=4, mbs=1, grad_accum=192,
+                     comm_overlap=True),
+            1048.0, "26.06, Model LLAMA3.1_405B, DGX-GB300 FP8 (GBS 1536)"),
+    _bridge("Llama 3.1 405B mxfp8 256 GB300 tp2 pp8 cp2 vpp4", LLAMA31_405B, "GB300", 256,
+            Strategy(precision="fp8", engine="megatron", zero=1, dp=8, tp=2, pp=8, cp=2, vpp=4, mbs=1, grad_accum=192,
+                     comm_overlap=True),
+            952.0, "26.06, Model LLAMA3.1_405B, DGX-GB300 MXFP8 (GBS 1536)"),
 )
 """NVIDIA's Megatron-Bridge (NeMo) dense pre-training runs on H100, B200 and GB200 (tokens/s per GPU; sequence 8,192;
 Transformer Engine fp8 with current scaling, or MXFP8 block scaling priced as it), as its performance recipes run them (``perf_recipes/llama/h100/llama3.py``,
 ``llama31.py``): the tensor-parallel overlap with userbuffers, the distributed optimizer's overlapped gradient
 reduce-scatter and parameter all-gather (optplan's ``comm_overlap``), no recomputation where the recipe sets none.
 One row per (model, system, precision, GPU count): the latest container listing it, chosen before any prediction. A
-GB200 row runs in one 72-GPU NVLink domain per rack (gpus_per_node 72). GB300/B300 rows are left out (no catalogue
-entry), and so are NVFP4 rows (optplan has no fp4 recipe) and the SFT and LoRA tables."""
+GB200 or GB300 row runs in one 72-GPU NVLink domain per rack (gpus_per_node 72), a GB300 with its 800 Gb/s NIC per GPU.
+The DGX-B300 rows are MoE only (benchmarks/fidelity_moe.py's concern); NVFP4 rows are left out (optplan has no fp4
+recipe), and so are the SFT and LoRA tables."""
 
 DGXC_NEMO = HERE / "data" / "dgxc_nemo_published.json"
 DGXC_NEMO_2505 = HERE / "data" / "dgxc_nemo_v25_05_published.json"

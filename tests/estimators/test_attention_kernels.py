@@ -72,6 +72,7 @@ def test_longer_sequences_run_the_measured_kernels_faster_up_to_their_plateau() 
     ("megatron", "H100-SXM", "cudnn"), ("megatron", "H200", "cudnn"), ("torch", "H100-SXM", "flash2"),
     ("deepspeed", "H200", "flash2"), ("megatron", "A100-80GB", None), ("torch", "A100-80GB", None),
     ("megatron", "B200", "cudnn"), ("torch", "B200", "cudnn"), ("deepspeed", "GB200", "cudnn"),
+    ("megatron", "GB300", "cudnn"), ("torch", "B300", "cudnn"),
 ])
 def test_who_runs_which_kernel(engine: str, gpu: str, kernel: str | None) -> None:
     fitted = (0.25, 0.15)
@@ -127,3 +128,18 @@ def test_megatron_on_hopper_prices_the_core_at_the_kernels_fraction_for_its_sequ
     same = [layer_time(DIMS, Strategy(engine=e, precision="bf16", mbs=1), a100, efficiency_for(a100))
             for e in ("megatron", "torch")]
     assert same[0].attention_core_fwd_s == pytest.approx(same[1].attention_core_fwd_s)
+
+
+def test_blackwell_ultra_attention_is_the_gb300_measurement_faster_than_the_gb200s() -> None:
+    """cudnn-frontend's llama3.1 runs at one commit, cuDNN 9.22, the same shapes: the GB300 at 1,856 / 1,435 TFLOP/s
+    forward / backward at 8k where the GB200 ran 1,574 / 1,332 (Blackwell Ultra doubles the exponential units);
+    the B300, the same die unmeasured, takes the GB300's fractions of its own peak."""
+    from optplan.estimators.hardware import find_gpu
+
+    gb300, gb200 = attention_kernel("megatron", "GB300"), attention_kernel("megatron", "GB200")
+    assert gb300 is not None and gb200 is not None and gb300 is attention_kernel("torch", "B300")
+    fwd300, bwd300 = (f * find_gpu("GB300").peak_flops_for("bf16") for f in gb300.fractions_at(8192))
+    fwd200, bwd200 = (f * find_gpu("GB200").peak_flops_for("bf16") for f in gb200.fractions_at(8192))
+    assert fwd300 == pytest.approx(1856e12, rel=1e-3) and bwd300 == pytest.approx(1435e12, rel=1e-3)
+    assert fwd300 / fwd200 == pytest.approx(1856 / 1574, rel=2e-3) and bwd300 > bwd200
+

@@ -19,9 +19,10 @@ from optplan.estimators.hardware import (
     unknown_gpu_message,
 )
 
-EXPECTED = {"A100-40GB", "A100-80GB", "H100-SXM", "H100-PCIe", "H200", "B200", "GB200", "L40S", "L4", "A10G",
+EXPECTED = {"A100-40GB", "A100-80GB", "H100-SXM", "H100-PCIe", "H200", "B200", "GB200", "B300", "GB300", "L40S", "L4",
+            "A10G",
             "RTX-3090", "RTX-4090", "RTX-5090", "RTX-A6000", "T4", "V100"}
-FP8_GPUS = {"H100-SXM", "H100-PCIe", "H200", "B200", "GB200", "L40S", "L4", "RTX-4090", "RTX-5090"}
+FP8_GPUS = {"H100-SXM", "H100-PCIe", "H200", "B200", "GB200", "B300", "GB300", "L40S", "L4", "RTX-4090", "RTX-5090"}
 GiB = 2**30
 
 
@@ -89,6 +90,10 @@ def test_large_hbm_parts_use_the_binary_convention() -> None:
     assert find_gpu("H200").memory_bytes == 141 * GiB
     assert find_gpu("B200").memory_bytes == 180 * GiB
     assert find_gpu("GB200").memory_bytes == 186 * GiB
+    # Blackwell Ultra: 288 GB of 12-high HBM3e, of which the platforms list 2.1 TB per 8-GPU HGX B300 board and 20 TB
+    # per 72-GPU GB300 rack (the same 15/16 and 31/32 usable shares as the B200's 180 and GB200's 186 of 192)
+    assert find_gpu("B300").memory_bytes == 270 * GiB
+    assert find_gpu("GB300").memory_bytes == 279 * GiB
     assert find_gpu("A100-40GB").memory_bytes == 40 * GiB
 
 
@@ -96,7 +101,8 @@ def test_large_hbm_parts_use_the_binary_convention() -> None:
     ("H100", "H100-SXM"), ("h100-80gb", "H100-SXM"), ("H100 SXM5", "H100-SXM"), ("H100-80GB", "H100-SXM"),
     ("h100 pcie", "H100-PCIe"), ("A100", "A100-80GB"), ("a100-40gb", "A100-40GB"), ("A100_80GB", "A100-80GB"),
     ("V100-32GB", "V100"), ("v100", "V100"), ("4090", "RTX-4090"), ("RTX 4090", "RTX-4090"),
-    ("h200", "H200"), ("B200", "B200"), ("gb200", "GB200"), ("GB200 NVL72", "GB200"), ("l40s", "L40S"), ("L4", "L4"), ("a10g", "A10G"),
+    ("h200", "H200"), ("B200", "B200"), ("gb200", "GB200"), ("GB200 NVL72", "GB200"), ("b300", "B300"),
+    ("HGX B300", "B300"), ("gb300", "GB300"), ("GB300 NVL72", "GB300"), ("l40s", "L40S"), ("L4", "L4"), ("a10g", "A10G"),
     ("3090", "RTX-3090"), ("rtx 5090", "RTX-5090"), ("A6000", "RTX-A6000"), ("t4", "T4"),
 ])
 def test_user_aliases(typed: str, expected: str) -> None:
@@ -118,6 +124,8 @@ def test_user_aliases(typed: str, expected: str) -> None:
     ("NVIDIA H200", "H200"),
     ("NVIDIA B200", "B200"),
     ("NVIDIA GB200", "GB200"),  # contains "B200": the longer alias wins
+    ("NVIDIA B300 SXM6 AC", "B300"),
+    ("NVIDIA GB300", "GB300"),  # contains "B300": the longer alias wins
     ("NVIDIA GeForce RTX 3090", "RTX-3090"),
     ("NVIDIA GeForce RTX 5090", "RTX-5090"),
     ("NVIDIA RTX A6000", "RTX-A6000"),

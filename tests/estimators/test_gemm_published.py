@@ -35,7 +35,7 @@ def test_the_table_reads_as_published_shares_of_peak() -> None:
 
 def test_blackwell_gemm_fractions_are_the_h100_fit_scaled_by_the_published_ratio() -> None:
     h100 = efficiency_for(find_gpu("H100-SXM"))
-    for name in ("B200", "GB200"):
+    for name in ("B200", "GB200", "B300"):
         eff = efficiency_for(find_gpu(name))
         ratio = ceiling_ratio(name, "H100-SXM")
         assert ratio is not None and ratio < 1.0
@@ -70,3 +70,22 @@ def test_a_derivation_asking_for_a_ceiling_the_table_lacks_is_an_error() -> None
     # without the flag the same derivation is the H100's fraction unchanged
     ok = table.model_copy(update={"derived": {**table.derived, "L40S": Derivation(from_gpu="H100-SXM", reason="t")}})
     assert resolve(ok)["L40S"].gemm_peak_fraction == table.gpus["H100-SXM"].gemm_peak_fraction
+
+
+def test_blackwell_ultra_takes_its_measured_b300_row_and_the_gb300_the_h100_share() -> None:
+    """The table measured the B300 (1,769 of 2,250 TFLOP/s in BF16, 78.6 %) but has no GB300 row: the GB300, the same
+    die at 1,400 W, keeps the H100's fraction of its own datasheet peak (stated in its derivation), which the
+    Megatron-Bridge GB300 runs check (benchmarks/published_sets.py)."""
+    assert ceiling_share("B300") == pytest.approx(1769.0 / 2250.0)
+    assert ceiling_share("B300", "fp8") == pytest.approx(3353.3 / 4500.0)
+    assert ceiling_share("B200") < ceiling_share("B300") < ceiling_share("H100-SXM")
+    assert ceiling_share("GB300") is None
+    h100 = efficiency_for(find_gpu("H100-SXM"))
+    gb300 = efficiency_for(find_gpu("GB300"))
+    assert gb300.gemm_peak_fraction == h100.gemm_peak_fraction
+    assert "GB300" in gb300.source and "no published matmul ceiling" in gb300.source
+    # at equal 16-bit datasheet peaks the GB300's GEMMs are priced faster than the GB200's measured ceiling allows
+    gb200 = efficiency_for(find_gpu("GB200"))
+    assert find_gpu("GB300").peak_flops_for("bf16") == find_gpu("GB200").peak_flops_for("bf16")
+    assert gb300.gemm_peak_fraction > gb200.gemm_peak_fraction
+
