@@ -362,8 +362,8 @@ MEGATRON_BRIDGE_ROWS: tuple[Paper, ...] = (
                      comm_overlap=True),
             952.0, "26.06, Model LLAMA3.1_405B, DGX-GB300 MXFP8 (GBS 1536)"),
 )
-"""NVIDIA's Megatron-Bridge (NeMo) dense pre-training runs on H100, B200 and GB200 (tokens/s per GPU; sequence 8,192;
-Transformer Engine fp8 with current scaling, or MXFP8 block scaling priced as it), as its performance recipes run them (``perf_recipes/llama/h100/llama3.py``,
+"""NVIDIA's Megatron-Bridge (NeMo) dense pre-training runs on H100, B200, GB200 and GB300 (tokens/s per GPU; sequence
+8,192; Transformer Engine fp8 with current scaling, or MXFP8 block scaling priced as it), as its performance recipes run them (``perf_recipes/llama/h100/llama3.py``,
 ``llama31.py``): the tensor-parallel overlap with userbuffers, the distributed optimizer's overlapped gradient
 reduce-scatter and parameter all-gather (optplan's ``comm_overlap``), no recomputation where the recipe sets none.
 One row per (model, system, precision, GPU count): the latest container listing it, chosen before any prediction. A
