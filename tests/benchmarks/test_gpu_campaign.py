@@ -72,9 +72,11 @@ def test_probe_paths_oom_is_data_and_microbench_runs(results: Path) -> None:
 
 
 def test_trace_says_where_the_step_time_went(results: Path) -> None:
-    """A traced run's per-category operator time (probes/step_trace.py) adds up to most of its traced step. The run
-    is the fidelity section's own probe of that case, traced after its timed steps: nothing was run twice, and its
-    memory figure is the untraced one."""
+    """A traced run's per-category operator time (probes/step_trace.py) adds up to no more than its traced step. The
+    run is the fidelity section's own probe of that case, traced after its timed steps: nothing was run twice, and
+    its memory figure is the untraced one. (On a GPU the kernels fill most of the step; on CI's 2 shared cores the
+    step's wall clock also counts the time the process waited for a core, so the busy share is no bound here: a
+    loaded run measured 23 ms busy in a 253 ms step.)"""
     doc = _load(results, "trace")
     run = doc["runs"][0]
     assert run["status"] == "ok" and run["measured_step_s"] > 0
@@ -88,7 +90,7 @@ def test_trace_says_where_the_step_time_went(results: Path) -> None:
     assert set(cats) == {"gemm", "attention", "optimizer", "communication", "other"}
     assert cats["gemm"] > 0 and cats["optimizer"] > 0 and trace["kernels"] > 10
     assert trace["busy_s"] == pytest.approx(sum(cats.values()))
-    assert 0.3 * trace["step_wall_s"] < trace["busy_s"] <= 1.05 * trace["step_wall_s"]
+    assert 0 < trace["busy_s"] <= 1.05 * trace["step_wall_s"]
 
 
 def test_fidelity_memory_and_the_calibration_round_trip(results: Path) -> None:
