@@ -18,39 +18,34 @@ from optplan.probes.profile_cache import PROFILE_CACHE_ENV
 __all__ = ["make_gpu", "make_profile"]
 
 HEAVY_FIRST = (
-    "tests/probes/test_adapters.py",  # 227 s
-    "tests/planner/test_train_script.py",  # 202 s
-    "tests/probes/test_distributed_probe.py",  # 197 s
-    "tests/planner/test_hf_timm.py",  # 176 s
-    "tests/planner/test_finetune_cli.py",  # 169 s
-    "tests/probes/test_runtime_probe.py",  # 162 s
-    "tests/planner/test_hf_source.py",  # 150 s
-    "tests/benchmarks/test_gpu_campaign.py",  # 145 s
-    "tests/probes/test_moe_model_files.py",  # 135 s
-    "tests/tui/test_cli.py",  # 129 s
-    "tests/probes/test_fidelity_tp_cpu.py",  # 114 s
-    "tests/benchmarks/test_gpu_results.py",  # 99 s
-    "tests/probes/test_model_loader_errors.py",  # 95 s
-    "tests/probes/test_device_lock.py",  # 94 s
-    "tests/probes/test_static_profile.py",  # 93 s
-    "tests/reliability/test_ctrl_c.py",  # 90 s
+    "tests/planner/test_finetune_cli.py",  # 181 s
+    "tests/probes/test_distributed_probe.py",  # 184 s
+    "tests/planner/test_train_script.py",  # 160 s
+    "tests/probes/test_runtime_probe.py",  # 140 s
+    "tests/probes/test_moe_model_files.py",  # 136 s
+    "tests/tui/test_cli.py",  # 130 s
+    "tests/planner/test_hf_source.py",  # 130 s
+    "tests/benchmarks/test_gpu_campaign.py",  # 125 s
+    "tests/probes/test_adapters.py",  # 120 s
+    "tests/probes/test_model_loader_errors.py",  # 93 s
+    "tests/probes/test_static_profile.py",  # 91 s
     "tests/reliability/test_probe_faults.py",  # 86 s
-    "tests/planner/test_moe_model_file_plan.py",  # 86 s
-    "tests/reliability/test_security.py",  # 79 s
-    "tests/planner/test_finetune_full_export.py",  # 78 s
-    "tests/planner/test_search.py",  # 77 s
-    "tests/reliability/test_bad_input.py",  # 73 s
-    "tests/tui/test_cli_probe.py",  # 71 s
-    "tests/reliability/test_interruptions.py",  # 70 s
+    "tests/probes/test_device_lock.py",  # 85 s
+    "tests/reliability/test_ctrl_c.py",  # 84 s
+    "tests/planner/test_finetune_full_export.py",  # 79 s
+    "tests/reliability/test_security.py",  # 74 s
+    "tests/planner/test_search.py",  # 70 s
+    "tests/tui/test_cli_probe.py",  # 70 s
+    "tests/reliability/test_bad_input.py",  # 69 s
+    "tests/reliability/test_interruptions.py",  # 67 s
     "tests/probes/test_profile_cache.py",  # 58 s
-    "tests/probes/test_cpu_accounting.py",  # 49 s
+    "tests/probes/test_cpu_accounting.py",  # 50 s
 )
-"""The slowest test files (seconds summed from `pytest --durations=0` with both workers on a 2-core AVX2 VM whose CPU
-emulates bf16 matmuls at ~1 GFLOP/s, 2026-12-03: 3573 s summed over 2 workers, 31 min wall for the tests alone at
-87aedd6; these 26 files are 3004 s of it),
-scheduled first: pyproject's ``--dist loadfile`` hands whole files to the 2 workers in collection order, so a heavy
-file collected last would leave one worker running it alone at the end. An order hint only: a file missing here still
-runs, later."""
+"""The slowest test files of the default run (seconds summed from `pytest --durations=0` with both workers on a
+2-core AVX2 VM whose CPU emulates bf16 matmuls at ~1 GFLOP/s, 2026-12-03, the ``full`` tests left out: see
+pyproject's markers), scheduled first: pyproject's ``--dist loadfile`` hands whole files to the 2 workers in
+collection order, so a heavy file collected last would leave one worker running it alone at the end. An order hint
+only: a file missing here still runs, later."""
 
 
 def _session_profile_cache() -> None:

@@ -45,6 +45,7 @@ def test_unit_conversion() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_prediction_path_on_a_small_llama(tmp_path: Path) -> None:
     """A synthetic row (a 4-block Llama with LoRA on q/v) through the benchmark's own profile and estimate."""
     row = {

@@ -63,6 +63,7 @@ def test_todays_memory_model_meets_the_h200_gpt2_runs() -> None:
         assert abs(float(mem.rstrip("%"))) < 1.0, row
 
 
+@pytest.mark.full
 def test_the_committed_domain_holds_the_campaigns_sets_as_the_benchmark_writes_them(campaign_rows: list) -> None:
     """estimators/data/time_domain.yaml's H200 sets are fidelity_published.py --write-domain's, from these runs, and
     the host time per eager kernel is fit_eager_host.py's."""
@@ -102,6 +103,7 @@ def test_the_committed_domain_holds_the_campaigns_sets_as_the_benchmark_writes_t
 
 
 
+@pytest.mark.full
 def test_hoppers_channels_first_passes_are_what_fit_conv_layout_fits_on_the_committed_runs(campaign_rows: list) -> None:
     """estimators/data/conv_layout.yaml's H200 passes are benchmarks/fit_conv_layout.py's on the committed runs, and
     they price the channels-first ResNet-50 runs better than the RTX 3090's fit."""

@@ -124,6 +124,7 @@ autocast). ``python benchmarks/fidelity.py --device cpu --models timm-vit,timm-r
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_timm_models_train_on_the_cpu_as_predicted(monkeypatch: pytest.MonkeyPatch) -> None:
     """benchmarks/fidelity.py's timm cases of :data:`CI_CASES` (the ViT at :data:`VIT_SIDE` x :data:`VIT_SIDE`):
     real steps' peak live bytes within 2 % of the prediction."""

@@ -124,6 +124,7 @@ def test_peft_missing_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     assert err.value.fix == "pip install peft"
 
 
+@pytest.mark.full
 def test_real_lora_steps_match_the_prediction(tiny_hf_llama_file: Path, lora4: ModelProfile,
                                               dropped: ModelProfile) -> None:
     """benchmarks/fidelity_finetune_cpu.py as --quick runs it, on the module's Llama and its profiles (3 layers,

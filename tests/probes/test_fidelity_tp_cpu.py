@@ -26,7 +26,7 @@ import pytest
 
 pytest.importorskip("transformers.distributed", reason="transformers >= 5 (DistributedConfig) is needed")
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.full]
 
 PROTOTYPE_BOUND_PCT = 1.0
 PROTOTYPE_FSDP_BOUND_PCT = 7.0
