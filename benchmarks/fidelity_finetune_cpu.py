@@ -32,6 +32,7 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -202,10 +203,13 @@ def quantize(model: torch.nn.Module, quant: str) -> list[torch.Tensor]:
     return states
 
 
-def run(quick: bool, log: Any = print, *, llama: Profiled | None = None, vit_side: int = 224) -> list[Row]:
+def run(quick: bool, log: Any = print, *, llama: Profiled | None = None, vit_side: int = 224,
+        only: Collection[tuple[str, str, bool]] | None = None, vit: bool = True) -> list[Row]:
     """The rows of every run (module docstring); ``llama``: that model and its profiles instead of
     :data:`LLAMA` (:data:`LLAMA_QUICK` when ``quick``) at 128 (64) tokens, rank-8 adapters and :data:`DROPOUT`;
-    ``vit_side``: the ViT's image side in pixels (``model_args.img_size``; 224 as the config names it)."""
+    ``vit_side``: the ViT's image side in pixels (``model_args.img_size``; 224 as the config names it); ``only``:
+    the Llama's runs of those (recipe, base, with dropout) alone (each with the checkpointing it has in the full
+    list); ``vit``: whether the ViT's rows run."""
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="optplan_finetune_") as tmp:
         if llama is None:
@@ -224,6 +228,8 @@ def run(quick: bool, log: Any = print, *, llama: Profiled | None = None, vit_sid
         plan = [(r, q, request, profile) for r, q in RUNS]
         plan += [(r, q, request.model_copy(update={"dropout": dropout}), dropped) for r, q in DROPOUT_RUNS]
         for i, (recipe, quant, req, prof) in enumerate(plan):
+            if only is not None and (recipe, quant, req.dropout > 0) not in only:
+                continue
             trainer = LoraTrainer(path, seq, req, recipe, quant)
             # --quick (the CI test): one micro-batch size, and checkpointing off and on in turn (each recipe, base
             # and dropout once; every quantised base among the checkpointed runs or the dropped ones)
@@ -235,7 +241,8 @@ def run(quick: bool, log: Any = print, *, llama: Profiled | None = None, vit_sid
                     log(row_line(row))
             del trainer
             gc.collect()
-        rows += run_vit(Path(tmp), quick, request, log, vit_side)
+        if vit:
+            rows += run_vit(Path(tmp), quick, request, log, vit_side)
     return rows
 
 
