@@ -20,8 +20,9 @@ targets) on a 16-bit and an fp32 base (no quantised base: 4-bit vision fine-tuni
 (and, on a CPU-only torch, benchmarks/torchvision_ops/install.py).
 
 Run: ``python benchmarks/fidelity_finetune_cpu.py`` (~2 min) or ``--quick``. Last line:
-``finetune cpu: max error X% over N runs``. The CI test (tests/probes/test_adapters.py) calls :func:`run` with a
-Llama it has already profiled (:class:`Profiled`, so the profiles serve its own checks too) and a smaller ViT image.
+``finetune cpu: max error X% over N runs``. The tests (tests/probes/test_adapters.py) call :func:`run` with a
+Llama they have already profiled (:class:`Profiled`, so the profiles serve their own checks too): the ``full`` tier's
+--quick matrix with a smaller ViT image, the default run two quantised bases without the ViT (``only``, ``vit``).
 """
 
 from __future__ import annotations
@@ -208,8 +209,7 @@ def run(quick: bool, log: Any = print, *, llama: Profiled | None = None, vit_sid
     """The rows of every run (module docstring); ``llama``: that model and its profiles instead of
     :data:`LLAMA` (:data:`LLAMA_QUICK` when ``quick``) at 128 (64) tokens, rank-8 adapters and :data:`DROPOUT`;
     ``vit_side``: the ViT's image side in pixels (``model_args.img_size``; 224 as the config names it); ``only``:
-    the Llama's runs of those (recipe, base, with dropout) alone (each with the checkpointing it has in the full
-    list); ``vit``: whether the ViT's rows run."""
+    the Llama's runs of those (recipe, base, with dropout) alone; ``vit``: whether the ViT's rows run."""
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="optplan_finetune_") as tmp:
         if llama is None:
@@ -227,14 +227,12 @@ def run(quick: bool, log: Any = print, *, llama: Profiled | None = None, vit_sid
             "   (MiB)")
         plan = [(r, q, request, profile) for r, q in RUNS]
         plan += [(r, q, request.model_copy(update={"dropout": dropout}), dropped) for r, q in DROPOUT_RUNS]
-        for i, (recipe, quant, req, prof) in enumerate(plan):
+        for recipe, quant, req, prof in plan:
             if only is not None and (recipe, quant, req.dropout > 0) not in only:
                 continue
             trainer = LoraTrainer(path, seq, req, recipe, quant)
-            # --quick (the CI test): one micro-batch size, and checkpointing off and on in turn (each recipe, base
-            # and dropout once; every quantised base among the checkpointed runs or the dropped ones)
-            for ckpt in (("none", "full")[i % 2],) if quick else ("none", "full"):
-                for mbs in ((2,) if quick else (1, 4)):
+            for ckpt in ("none", "full"):
+                for mbs in ((2,) if quick else (1, 4)):  # --quick (the tests): one micro-batch size
                     row = Row("llama", recipe, quant, ckpt, mbs, predict(prof, recipe, quant, ckpt, mbs),
                               trainer.measure(mbs, ckpt), req.dropout)
                     rows.append(row)

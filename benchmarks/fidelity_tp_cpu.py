@@ -72,7 +72,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -109,15 +108,14 @@ class Launch:
         return self.precision == "bf16"
 
 
-def launches(quick: bool, only: Collection[tuple[int, str]] | None = None) -> list[Launch]:
+def launches(quick: bool) -> list[Launch]:
     """The matrix: tp2 (fp32, amp-bf16) and tp2 x dp2 FSDP2 (fp32, amp-bf16, bf16), checkpointing none and full,
-    micro-batches 1 and 2 (--quick: micro-batch 1, and no amp-bf16 under FSDP); ``only``: those (dp, precision)
-    launches of it."""
+    micro-batches 1 and 2 (--quick: micro-batch 1, and no amp-bf16 under FSDP)."""
     sub = tuple((c, m) for c in ("none", "full") for m in ((1,) if quick else (1, 2)))
     meshes = [(1, "fp32"), (1, "amp-bf16"), (2, "fp32"), (2, "bf16")]
     if not quick:
         meshes.insert(3, (2, "amp-bf16"))
-    return [Launch(dp, p, sub) for dp, p in meshes if only is None or (dp, p) in only]
+    return [Launch(dp, p, sub) for dp, p in meshes]
 
 
 def strategy_for(launch: Launch, checkpointing: str, mbs: int) -> Any:
@@ -302,10 +300,8 @@ def run_launch(launch: Launch, folder: Path, seq: int, out: Path) -> dict[str, A
     return json.loads(out.read_text(encoding="utf-8"))
 
 
-def run(quick: bool, log: Any = print, detail: bool = False,
-        only: Collection[tuple[int, str]] | None = None) -> list[Row]:
-    """Profile once, run every launch (``only``: those (dp, precision) launches); one Row per case (logged as it
-    comes)."""
+def run(quick: bool, log: Any = print, detail: bool = False) -> list[Row]:
+    """Profile once, run every launch; one Row per case (logged as it comes)."""
     from optplan.probes.loader import profile_model_file
 
     config, seq = (LLAMA_QUICK, SEQ_QUICK) if quick else (LLAMA, SEQ)
@@ -321,7 +317,7 @@ def run(quick: bool, log: Any = print, detail: bool = False,
             f"tp_plan, gathers logits: {plan.gathers_logits}), seq {seq}")
         local = rank_local_profile(Path(tmp), config, seq) if detail else None
         log(f"{'case':<42} | {'predicted':>10}{'measured':>10}{'err':>9}   (MiB)")
-        for i, launch in enumerate(launches(quick, only)):
+        for i, launch in enumerate(launches(quick)):
             t0 = time.perf_counter()
             result = run_launch(launch, folder, seq, Path(tmp) / f"result{i}.json")
             wall = time.perf_counter() - t0

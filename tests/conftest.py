@@ -18,8 +18,8 @@ from optplan.probes.profile_cache import PROFILE_CACHE_ENV
 __all__ = ["make_gpu", "make_profile"]
 
 HEAVY_FIRST = (
-    "tests/planner/test_finetune_cli.py",  # 181 s
     "tests/probes/test_distributed_probe.py",  # 184 s
+    "tests/planner/test_finetune_cli.py",  # 181 s
     "tests/planner/test_train_script.py",  # 160 s
     "tests/probes/test_runtime_probe.py",  # 140 s
     "tests/probes/test_moe_model_files.py",  # 136 s

@@ -142,8 +142,9 @@ MATRIX: dict[str, tuple[str, ...]] = {
     "zero3": ("bf16 ckpt-full",),
 }
 """The runs CI makes (7 of benchmarks/fidelity_train.py's quick 14, each a torchrun launch of ~15 s, mostly
-imports, on 2 shared cores): every engine once; each family (DDP, FSDP2, DeepSpeed) in both recipes, the bf16 one
-with checkpointing. ``python benchmarks/fidelity_train.py --quick`` runs all 14, every one within 0.21 %
+imports, on 2 shared cores): every engine once; FSDP2 and DeepSpeed in both recipes (fp32, and bf16 with
+checkpointing), DDP in bf16 with checkpointing (DDP's fp32 step against its prediction:
+tests/probes/test_distributed_probe.py). ``python benchmarks/fidelity_train.py --quick`` runs all 14, every one within 0.21 %
 (benchmarks/results/fidelity_train_cpu.txt)."""
 
 

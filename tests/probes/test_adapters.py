@@ -126,19 +126,19 @@ def test_peft_missing_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_quantised_lora_steps_match_the_prediction(tiny_hf_llama_file: Path, lora4: ModelProfile,
                                                    dropped: ModelProfile) -> None:
-    """The default run's share of the test below: two real CPU steps of the module's Llama, each checkpointed, with
-    adapters on an NF4-DQ base and on an int8 base with LoRA dropout (the int8 base's kept layer inputs, measured
-    per block by the profiler): within 1 %, the int8 one never under."""
+    """The default run's share of the test below: real CPU steps of the module's Llama, checkpointing off and on,
+    with adapters on an NF4-DQ base and on an int8 base with LoRA dropout (the int8 base's kept layer inputs,
+    measured per block by the profiler): within 1 %, the int8 ones never under."""
     from benchmarks.fidelity_finetune_cpu import Profiled, run
 
     llama = Profiled(tiny_hf_llama_file, SEQ, LoraRequest(rank=4), lora4, dropped)
     rows = run(quick=True, log=lambda _line: None, llama=llama, vit=False,
                only={("bf16-pure", "nf4-dq", False), ("bf16-pure", "int8", True)})
-    assert [(row.quant, row.checkpointing, row.dropout > 0) for row in rows] == [("nf4-dq", "full", False),
-                                                                                 ("int8", "full", True)]
+    assert [(row.quant, row.checkpointing, row.dropout > 0) for row in rows] == [
+        ("nf4-dq", "none", False), ("nf4-dq", "full", False), ("int8", "none", True), ("int8", "full", True)]
     for row in rows:
         assert abs(row.error_pct) <= 1.0, row
-    assert rows[1].error_pct >= 0
+        assert row.quant != "int8" or row.error_pct >= 0
 
 
 @pytest.mark.full
@@ -147,21 +147,17 @@ def test_real_lora_steps_match_the_prediction(tiny_hf_llama_file: Path, lora4: M
     """benchmarks/fidelity_finetune_cpu.py as --quick runs it, on the module's Llama and its profiles (3 layers,
     rank-4 adapters, 32 tokens: the bf16 steps emulated on an AVX2 CPU stay cheap) and a ViT-Tiny at 112 x 112 (49
     patches): real CPU steps of the Llama with adapters on a 16-bit, fp32, NF4(-DQ) and int8 base, without and with
-    LoRA dropout (run as a GPU runs it), checkpointing off and on in turn, and of the timm ViT with adapters on its
-    blocks' projections, against the prediction. Within 1 %; the int8 base's kept layer inputs (measured per block by the
-    profiler) never under."""
+    LoRA dropout (run as a GPU runs it), and of the timm ViT with adapters on its blocks' projections, against the
+    prediction. Within 1 %; the int8 base's kept layer inputs (measured per block by the profiler) never under."""
     pytest.importorskip("timm")
     from benchmarks.fidelity_finetune_cpu import Profiled, run
 
     llama = Profiled(tiny_hf_llama_file, SEQ, LoraRequest(rank=4), lora4, dropped)
     rows = run(quick=True, log=lambda _line: None, llama=llama, vit_side=112)
     llama_rows = [row for row in rows if row.model == "llama"]
-    assert len(llama_rows) == 10  # each recipe/base/dropout once, checkpointing off and on in turn
+    assert len(llama_rows) == 20  # 10 recipe/base/dropout x ckpt on/off
     assert {row.dropout for row in llama_rows} == {0.0, DROPOUT}
-    assert {row.checkpointing for row in llama_rows if row.dropout} == {"none", "full"}
-    assert {(row.quant, row.checkpointing) for row in llama_rows} >= {("int8", "full"), ("nf4-dq", "full"),
-                                                                      ("nf4-dq", "none")}
-    assert [(row.model, row.checkpointing) for row in rows[10:]] == [("vit", "none"), ("vit", "full")]
+    assert [(row.model, row.checkpointing) for row in rows[20:]] == [("vit", "none"), ("vit", "full")]
     for row in rows:
         assert abs(row.error_pct) <= 1.0, row
         if row.quant == "int8" and (row.checkpointing == "full" or row.dropout):
