@@ -144,8 +144,8 @@ MATRIX: dict[str, tuple[str, ...]] = {
 """The runs CI makes (7 of benchmarks/fidelity_train.py's quick 14, each a torchrun launch of ~15 s, mostly
 imports, on 2 shared cores): every engine once; FSDP2 and DeepSpeed in both recipes (fp32, and bf16 with
 checkpointing), DDP in bf16 with checkpointing (DDP's fp32 step against its prediction:
-tests/probes/test_distributed_probe.py). ``python benchmarks/fidelity_train.py --quick`` runs all 14, every one within 0.21 %
-(benchmarks/results/fidelity_train_cpu.txt)."""
+tests/probes/test_distributed_probe.py). ``python benchmarks/fidelity_train.py --quick`` runs all 14, every one
+within 0.21 % (benchmarks/results/fidelity_train_cpu.txt)."""
 
 
 @pytest.fixture(scope="module")
