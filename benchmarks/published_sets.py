@@ -26,6 +26,8 @@ the measured step time (seconds). Sets:
 - ``dgxc-nemo-25.05``: the same recipes' release v25.05.05 (NeMo 2, containers 25.04): 24 runs of Llama 3.1 405B and
   Nemotron-4 340B on GB200 NVL72 racks (128-512 GPUs, weak and strong scaling) and Llama 3.1 405B, Nemotron-4
   15B/340B on DGX H100, bf16 and fp8 (benchmarks/data/dgxc_nemo_v25_05_published.json).
+- ``nemo-long-context``: 17 NeMo/Megatron-Core fp8 runs of Llama 2 7B (DGX H100) and Llama 3 8B (DGX B200) at 4K-1M
+  tokens per sequence, context parallelism 1-32 (benchmarks/data/nemo_long_context_published.json).
 - ``bigscience-bloom``: 18 Megatron-DeepSpeed runs of 176-203B GPT shapes on 384 A100 80GB behind 6.25 GB/s of
   Omni-Path per GPU (BLOOM-176B's layout search and production run; benchmarks/data/bigscience_bloom_published.json).
 
@@ -181,6 +183,7 @@ class Paper:
     nic_bytes_per_s: float = 25e9
     gpus_per_node: int = 8  # the NVLink domain: 72 for a GB200 NVL72 rack
     gpu_spec: Callable[[], GPUSpec] | None = None  # the part as the source describes it when not the catalogue's
+    attention_kernel: str | None = None  # the attention kernel it ran when not its engine's own (attention_kernels.py)
 
 
 def _narayanan(params: str, heads: int, hidden: int, layers: int, tp: int, pp: int, gpus: int, batch: int,
@@ -199,10 +202,11 @@ def _narayanan(params: str, heads: int, hidden: int, layers: int, tp: int, pp: i
 
 def _tokens_per_gpu(set_: str, label: str, arch: str, seq: int, gpu: str, gpus: int, strategy: Strategy,
                     tokens_per_gpu_s: float, source: str, nic_bytes_per_s: float, gpus_per_node: int = 8,
-                    gpu_spec: Callable[[], GPUSpec] | None = None) -> Paper:
+                    gpu_spec: Callable[[], GPUSpec] | None = None, attention_kernel: str | None = None) -> Paper:
     return Paper(set=set_, label=label, arch=arch, seq=seq, gpu=gpu, gpus=gpus, strategy=strategy,
                  measured_s=lambda: strategy.global_batch * seq / (tokens_per_gpu_s * gpus), source=source,
-                 nic_bytes_per_s=nic_bytes_per_s, gpus_per_node=gpus_per_node, gpu_spec=gpu_spec)
+                 nic_bytes_per_s=nic_bytes_per_s, gpus_per_node=gpus_per_node, gpu_spec=gpu_spec,
+                 attention_kernel=attention_kernel)
 
 
 LLAMA3_8B = "layers=32,hidden=4096,heads=32,kv_heads=8,ffn=14336,vocab=128256,gated=1,tied=0"
@@ -444,8 +448,52 @@ def bloom_rows(path: Path = BLOOM) -> tuple[Paper, ...]:
     return tuple(out)
 
 
+NEMO_LONG_CONTEXT = HERE / "data" / "nemo_long_context_published.json"
+
+
+def nemo_flops_per_token(flops: dict[str, int], seq: int) -> float:
+    """Model FLOPs per token (forward + backward) as NeMo counted them in 2024-25 (``nemo/utils/flops_formulas.py``
+    ``llama2``/``llama3``: L h^2 (12 + 12 g/a + 18 F/h + 12 s/h + 6 V/(L h)) per token, the attention term over the whole
+    s x s matrix; later versions halve it for causal attention): what turns a row's reported TFLOP/s into tokens/s."""
+    L, h, a, g = flops["layers"], flops["hidden"], flops["heads"], flops["query_groups"]
+    return L * h * h * (12 + 12 * g / a + 18 * flops["ffn"] / h + 12 * seq / h + 6 * flops["vocab"] / (L * h))
+
+
+def nemo_long_context_rows(path: Path = NEMO_LONG_CONTEXT) -> tuple[Paper, ...]:
+    """NeMo's long-sequence sweeps (benchmarks/data/nemo_long_context_published.json): Megatron-Core with Transformer
+    Engine fp8 at 4K-1M tokens per sequence and context parallelism 1-32 on DGX H100 and DGX B200, each row its own
+    layout (tp, pp, dp, cp; micro-batch 1), priced as the recipes ran them: the distributed optimizer (zero 1) with its
+    overlapped collectives, sequence parallelism and the userbuffers overlap with tp > 1 (``comm_overlap``), the
+    table's recomputation and attention kernel (the H100 container's Transformer Engine ran context parallelism on
+    FlashAttention-2 only; each table's ``assumptions`` says what the source leaves unstated). Step time (s) = global
+    batch x sequence / (tokens/s per GPU x GPUs), tokens/s from the reported model TFLOP/s by NeMo's count of the time
+    (:func:`nemo_flops_per_token`)."""
+    doc = json.loads(path.read_text())
+    url = doc["release"]["table"]
+    out = []
+    for table in doc["tables"]:
+        for run in table["runs"]:
+            seq = run["seq_k"] * 1024
+            tp, pp, dp, cp, gpus = run["tp"], run["pp"], run["dp"], run["cp"], run["gpus"]
+            accum = run["global_batch"] // dp
+            if tp * pp * dp * cp != gpus or dp * accum != run["global_batch"]:
+                raise ValueError(f"{table['model']} {run['seq_k']}K: layout does not divide the GPUs or the batch")
+            strategy = Strategy(precision=table["precision"], engine="megatron", zero=1, dp=dp, tp=tp, pp=pp, cp=cp,
+                                mbs=1, grad_accum=accum, sp=tp > 1, comm_overlap=True,
+                                checkpointing=table["recompute"])
+            tokens_per_gpu_s = run["tflops_per_gpu"] * 1e12 / nemo_flops_per_token(table["flops"], seq)
+            layout = " ".join(f"{k}{v}" for k, v in (("tp", tp), ("pp", pp), ("cp", cp)) if v > 1)
+            label = (f"{table['model']} {run['seq_k']}K {table['precision']} {gpus} {table['gpu'].removesuffix('-SXM')} "
+                     f"{layout}").rstrip()
+            out.append(_tokens_per_gpu("nemo-long-context", label, table["arch"], seq, table["gpu"], gpus, strategy,
+                                       tokens_per_gpu_s, f"{url} ({table['system']}, {table['container']})",
+                                       DGXC_NIC_BYTES_PER_S, attention_kernel=table["attention_kernel"]))
+    return tuple(out)
+
+
 PAPER: tuple[Paper, ...] = (NARAYANAN_ROWS + KORTHIKANTI_ROWS + TORCHTITAN_ROWS + MEGATRON_BRIDGE_ROWS
-                            + dgxc_nemo_rows() + dgxc_nemo_rows(DGXC_NEMO_2505, "dgxc-nemo-25.05") + bloom_rows())
+                            + dgxc_nemo_rows() + dgxc_nemo_rows(DGXC_NEMO_2505, "dgxc-nemo-25.05") + bloom_rows()
+                            + nemo_long_context_rows())
 """Published tables."""
 
 
@@ -457,7 +505,7 @@ def paper_rows() -> list[Row]:
         cluster = Cluster(gpu=p.gpu_spec() if p.gpu_spec else find_gpu(p.gpu), gpus=p.gpus, gpus_per_node=p.gpus_per_node,
                           inter_node_bandwidth_bytes_per_s=p.nic_bytes_per_s)
         out.append(Row(set=p.set, label=p.label, profile=prof, cluster=cluster, strategy=p.strategy,
-                       measured_s=p.measured_s(), extra={"source": p.source}))
+                       measured_s=p.measured_s(), extra={"source": p.source}, attention_kernel=p.attention_kernel))
     return out
 
 
