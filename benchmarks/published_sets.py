@@ -184,6 +184,7 @@ class Paper:
     gpus_per_node: int = 8  # the NVLink domain: 72 for a GB200 NVL72 rack
     gpu_spec: Callable[[], GPUSpec] | None = None  # the part as the source describes it when not the catalogue's
     attention_kernel: str | None = None  # the attention kernel it ran when not its engine's own (attention_kernels.py)
+    domain: str = ""  # its Row's domain (OUTSIDE_DOMAIN: judged, not in the time domain)
 
 
 def _narayanan(params: str, heads: int, hidden: int, layers: int, tp: int, pp: int, gpus: int, batch: int,
@@ -202,11 +203,12 @@ def _narayanan(params: str, heads: int, hidden: int, layers: int, tp: int, pp: i
 
 def _tokens_per_gpu(set_: str, label: str, arch: str, seq: int, gpu: str, gpus: int, strategy: Strategy,
                     tokens_per_gpu_s: float, source: str, nic_bytes_per_s: float, gpus_per_node: int = 8,
-                    gpu_spec: Callable[[], GPUSpec] | None = None, attention_kernel: str | None = None) -> Paper:
+                    gpu_spec: Callable[[], GPUSpec] | None = None, attention_kernel: str | None = None,
+                    domain: str = "") -> Paper:
     return Paper(set=set_, label=label, arch=arch, seq=seq, gpu=gpu, gpus=gpus, strategy=strategy,
                  measured_s=lambda: strategy.global_batch * seq / (tokens_per_gpu_s * gpus), source=source,
                  nic_bytes_per_s=nic_bytes_per_s, gpus_per_node=gpus_per_node, gpu_spec=gpu_spec,
-                 attention_kernel=attention_kernel)
+                 attention_kernel=attention_kernel, domain=domain)
 
 
 LLAMA3_8B = "layers=32,hidden=4096,heads=32,kv_heads=8,ffn=14336,vocab=128256,gated=1,tied=0"
@@ -451,12 +453,20 @@ def bloom_rows(path: Path = BLOOM) -> tuple[Paper, ...]:
 NEMO_LONG_CONTEXT = HERE / "data" / "nemo_long_context_published.json"
 
 
-def nemo_flops_per_token(flops: dict[str, int], seq: int) -> float:
-    """Model FLOPs per token (forward + backward) as NeMo counted them in 2024-25 (``nemo/utils/flops_formulas.py``
-    ``llama2``/``llama3``: L h^2 (12 + 12 g/a + 18 F/h + 12 s/h + 6 V/(L h)) per token, the attention term over the whole
-    s x s matrix; later versions halve it for causal attention): what turns a row's reported TFLOP/s into tokens/s."""
-    L, h, a, g = flops["layers"], flops["hidden"], flops["heads"], flops["query_groups"]
-    return L * h * h * (12 + 12 * g / a + 18 * flops["ffn"] / h + 12 * seq / h + 6 * flops["vocab"] / (L * h))
+def nemo_flops_per_token(shape: dict[str, int], seq: int) -> float:
+    """Model FLOPs per token, forward + backward (FLOP/token), as NeMo counted them until August 2025: L h^2 (12 + 12 g/a
+    + 18 F/h + 12 s/h + 6 V/(L h)) for ``shape`` (layers L, hidden h, heads a, query groups g, MLP width F, vocabulary
+    V) at ``seq`` tokens per sequence, the attention term over the whole s x s matrix (``nemo/utils/flops_formulas.py``
+    ``llama2``/``llama3``; NeMo PR #14424, 6251117f, 2025-08-09, halved it for causal attention, after both sweeps were
+    published). What turns a row's reported TFLOP/s into tokens/s."""
+    L, h, a, g = shape["layers"], shape["hidden"], shape["heads"], shape["query_groups"]
+    return L * h * h * (12 + 12 * g / a + 18 * shape["ffn"] / h + 12 * seq / h + 6 * shape["vocab"] / (L * h))
+
+
+OUTSIDE_DOMAIN = "outside"
+"""A row's ``domain`` when it is judged in its set's figures but left out of the time domain
+(fidelity_published.py ``--write-domain``): it was priced with an attention kernel the engine no longer runs, so its
+sequence lengths and layouts say nothing about how sure a plan priced with today's kernel is."""
 
 
 def nemo_long_context_rows(path: Path = NEMO_LONG_CONTEXT) -> tuple[Paper, ...]:
@@ -467,7 +477,8 @@ def nemo_long_context_rows(path: Path = NEMO_LONG_CONTEXT) -> tuple[Paper, ...]:
     table's recomputation and attention kernel (the H100 container's Transformer Engine ran context parallelism on
     FlashAttention-2 only; each table's ``assumptions`` says what the source leaves unstated). Step time (s) = global
     batch x sequence / (tokens/s per GPU x GPUs), tokens/s from the reported model TFLOP/s by NeMo's count of the time
-    (:func:`nemo_flops_per_token`)."""
+    (:func:`nemo_flops_per_token`). Rows priced with a kernel other than their engine's own stay out of the time
+    domain (:data:`OUTSIDE_DOMAIN`)."""
     doc = json.loads(path.read_text())
     url = doc["release"]["table"]
     out = []
@@ -481,13 +492,14 @@ def nemo_long_context_rows(path: Path = NEMO_LONG_CONTEXT) -> tuple[Paper, ...]:
             strategy = Strategy(precision=table["precision"], engine="megatron", zero=1, dp=dp, tp=tp, pp=pp, cp=cp,
                                 mbs=1, grad_accum=accum, sp=tp > 1, comm_overlap=True,
                                 checkpointing=table["recompute"])
-            tokens_per_gpu_s = run["tflops_per_gpu"] * 1e12 / nemo_flops_per_token(table["flops"], seq)
+            tokens_per_gpu_s = run["tflops_per_gpu"] * 1e12 / nemo_flops_per_token(table["shape"], seq)
             layout = " ".join(f"{k}{v}" for k, v in (("tp", tp), ("pp", pp), ("cp", cp)) if v > 1)
             label = (f"{table['model']} {run['seq_k']}K {table['precision']} {gpus} {table['gpu'].removesuffix('-SXM')} "
                      f"{layout}").rstrip()
             out.append(_tokens_per_gpu("nemo-long-context", label, table["arch"], seq, table["gpu"], gpus, strategy,
                                        tokens_per_gpu_s, f"{url} ({table['system']}, {table['container']})",
-                                       DGXC_NIC_BYTES_PER_S, attention_kernel=table["attention_kernel"]))
+                                       DGXC_NIC_BYTES_PER_S, attention_kernel=table["attention_kernel"],
+                                       domain=OUTSIDE_DOMAIN if table["attention_kernel"] else ""))
     return tuple(out)
 
 
@@ -505,7 +517,8 @@ def paper_rows() -> list[Row]:
         cluster = Cluster(gpu=p.gpu_spec() if p.gpu_spec else find_gpu(p.gpu), gpus=p.gpus, gpus_per_node=p.gpus_per_node,
                           inter_node_bandwidth_bytes_per_s=p.nic_bytes_per_s)
         out.append(Row(set=p.set, label=p.label, profile=prof, cluster=cluster, strategy=p.strategy,
-                       measured_s=p.measured_s(), extra={"source": p.source}, attention_kernel=p.attention_kernel))
+                       measured_s=p.measured_s(), extra={"source": p.source}, attention_kernel=p.attention_kernel,
+                       domain=p.domain))
     return out
 
 

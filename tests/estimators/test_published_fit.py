@@ -102,6 +102,8 @@ def test_the_committed_domain_is_what_the_benchmark_writes(sets) -> None:  # noq
     held_ids = {id(r) for r in held}
     groups: dict[tuple[str, str, str], list] = {}
     for r in rows:
+        if r.domain == sets.OUTSIDE_DOMAIN:  # judged, but priced with a kernel the engine no longer runs
+            continue
         if (r.gpu, r.strategy.engine) not in campaign or r.domain:
             groups.setdefault((r.gpu, r.strategy.engine, r.domain), []).append(r)
     assert set(groups) == set(by_key)

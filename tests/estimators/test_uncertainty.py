@@ -93,13 +93,13 @@ def test_unmeasured_parallelism_and_engine_widen_the_band() -> None:
                       _cluster(), mfu=0.0)
     assert any("engine deepspeed was never measured on H100-SXM" in r for r in zero3.outside)
     assert math.log(zero3.high) > math.log(base.high) + WIDEN_UNMEASURED - 1e-9
-    # Megatron on the H100 rests on NVIDIA's published bf16 and fp8 runs of 6.7-410B models (all with the
-    # communication overlap): a 6.66B plan without the overlap and at tp 16 is outside them on three counts
+    # Megatron on the H100 rests on NVIDIA's published bf16 and fp8 runs of 8-410B models (all with the
+    # communication overlap): a 6.7B plan without the overlap and at tp 16 is outside them on three counts
     tp = time_band(prof, Strategy(precision="bf16", engine="megatron", tp=16, dp=1, mbs=4, checkpointing="none"),
                    _cluster(gpus=16), mfu=0.0)
     assert tp.basis.startswith("H100-SXM megatron: dgxc-nemo, dgxc-nemo-25.05, megatron-bridge")
     assert not any(r.startswith("precision") for r in tp.outside)  # bf16 and fp8 both measured
-    assert any(r.startswith("parameters 6.66e+09 outside the measured 6.74e+09") for r in tp.outside)
+    assert any(r.startswith("parameters 6.66e+09 outside the measured 8.03e+09") for r in tp.outside)
     assert any(r.startswith("tensor parallel 16 outside") for r in tp.outside)
     assert any("without its tensor/data-parallel overlap is not in the measured set this estimate rests on "
                "(H100-SXM megatron); other sets measured it on A100" in r for r in tp.outside), tp.outside
@@ -107,8 +107,8 @@ def test_unmeasured_parallelism_and_engine_widen_the_band() -> None:
                                           checkpointing="none", comm_overlap=True), _cluster(gpus=16), mfu=0.0)
     assert not any("overlap" in r for r in overlapped.outside)
     megatron = _basis(tp)
-    # tp 16 is one doubling beyond the measured 8, the 6.66B model 1.2 % below the measured 6.74B (Llama 2 7B)
-    assert math.log(tp.high) > math.log(max(1.0, megatron.ratio_high)) + WIDEN_PER_OCTAVE * 1.01 - 1e-9
+    # tp 16 is one doubling beyond the measured 8, the 6.7B model a quarter below the measured 8B
+    assert math.log(tp.high) > math.log(max(1.0, megatron.ratio_high)) + WIDEN_PER_OCTAVE * 1.25 - 1e-9
     offload = time_band(prof, FSDP8.model_copy(update={"offload_params": "cpu", "offload_optimizer": "cpu"}),
                         _cluster(), mfu=0.0)
     assert "offload was never measured" in offload.outside
