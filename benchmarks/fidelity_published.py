@@ -36,7 +36,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from published_sets import OUTSIDE_DOMAIN, Row, all_rows, split  # noqa: E402
+from published_sets import Row, all_rows, in_time_domain, split  # noqa: E402
 
 from optplan.estimators.uncertainty import model_kind, precision_class  # noqa: E402
 
@@ -148,7 +148,7 @@ def write_domain(rows: list[Row]) -> None:
     # the GPU campaign's runs (benchmarks/results), the published MoE runs, torchtitan's benchmark runs and the
     # published convolution-net runs (fidelity_convnets.py: two constants fitted on 38 of them): all judged
     rows = [*rows, *campaign_rows(), *domain_rows(), *torchtitan_rows(), *convnet_rows()]
-    rows = [r for r in rows if r.domain != OUTSIDE_DOMAIN]  # judged, but priced with a kernel the engine no longer runs
+    rows = [r for r in rows if in_time_domain(r)]
     groups: dict[tuple[str, str, str, str], list[Row]] = defaultdict(list)
     for r in rows:
         groups[(r.gpu, r.strategy.engine, model_kind(r.profile), r.domain)].append(r)

@@ -469,6 +469,12 @@ OUTSIDE_DOMAIN = "outside"
 sequence lengths and layouts say nothing about how sure a plan priced with today's kernel is."""
 
 
+def in_time_domain(row: Row) -> bool:
+    """Whether ``row`` counts in the time domain's ranges and bands (every judged row but the :data:`OUTSIDE_DOMAIN`
+    ones)."""
+    return row.domain != OUTSIDE_DOMAIN
+
+
 def nemo_long_context_rows(path: Path = NEMO_LONG_CONTEXT) -> tuple[Paper, ...]:
     """NeMo's long-sequence sweeps (benchmarks/data/nemo_long_context_published.json): Megatron-Core with Transformer
     Engine fp8 at 4K-1M tokens per sequence and context parallelism 1-32 on DGX H100 and DGX B200, each row its own
@@ -509,10 +515,10 @@ PAPER: tuple[Paper, ...] = (NARAYANAN_ROWS + KORTHIKANTI_ROWS + TORCHTITAN_ROWS 
 """Published tables."""
 
 
-def paper_rows() -> list[Row]:
-    """Rows of the published tables in ``PAPER``."""
+def paper_rows(papers: tuple[Paper, ...] = PAPER) -> list[Row]:
+    """Rows of the published tables in ``papers`` (all of ``PAPER`` by default)."""
     out = []
-    for p in PAPER:
+    for p in papers:
         prof = profile_from_arch(parse_arch(p.arch, seq_len=p.seq))
         cluster = Cluster(gpu=p.gpu_spec() if p.gpu_spec else find_gpu(p.gpu), gpus=p.gpus, gpus_per_node=p.gpus_per_node,
                           inter_node_bandwidth_bytes_per_s=p.nic_bytes_per_s)

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from benchmarks import published_sets as sets
-from optplan.estimators.arch import parse_arch, profile_from_arch
+from optplan.estimators.arch import parse_arch
 from optplan.estimators.estimate import estimate
-from optplan.estimators.hardware import Cluster, find_gpu
+from optplan.estimators.hardware import find_gpu
 
 DOC = json.loads(sets.NEMO_LONG_CONTEXT.read_text())
 
@@ -96,7 +96,7 @@ def test_the_sweep_is_priced_by_its_kernel_from_4k_to_1m() -> None:
     cuDNN (the Megatron engine's kernel on Hopper) the rows at 128K and beyond, where attention is most of the step,
     would be priced at under 0.7: the kernel, not the context-parallel ring, is what they measure. The B200 rows
     (cuDNN, which Transformer Engine runs there) from 64K on stay within 0.95-1.08."""
-    rows = {r.label: r for r in sets.paper_rows() if r.set == "nemo-long-context"}
+    rows = {r.label: r for r in sets.paper_rows(sets.nemo_long_context_rows())}
     assert len(rows) == 17
     for label, row in rows.items():
         ratio = row.ratio()
@@ -106,7 +106,5 @@ def test_the_sweep_is_priced_by_its_kernel_from_4k_to_1m() -> None:
             assert 0.95 <= ratio <= 1.08, (label, ratio)
     for seq_k in (128, 256, 512, 1024):
         row = next(r for r in rows.values() if r.gpu == "H100-SXM" and r.profile.tokens_per_sample == seq_k * 1024)
-        cudnn = estimate(profile_from_arch(parse_arch(sets.nemo_long_context_rows()[0].arch, seq_len=seq_k * 1024)),
-                         Cluster(gpu=find_gpu("H100-SXM"), gpus=row.cluster.gpus, gpus_per_node=8,
-                                 inter_node_bandwidth_bytes_per_s=sets.DGXC_NIC_BYTES_PER_S), row.strategy).time.step_s
+        cudnn = estimate(row.profile, row.cluster, row.strategy).time.step_s  # the engine's own kernel
         assert cudnn / row.measured_s < 0.7, seq_k
