@@ -15,7 +15,9 @@ What is fitted, on what (``benchmarks/published_sets.py`` rows; the held-out hal
 - the stack the llm-foundry rows ran (``llm-foundry-2023`` in the file's ``stacks``: Composer and MPT's eager blocks on
   torch 1.13/2.1): its eager elementwise multiplier (the measured per-operator bytes of estimators/eager_traffic.py ÷
   what those kernels achieved against the streaming HBM fraction) and overlap interference, which the torch engine
-  takes (FSDP's NCCL kernels contend the same way). The llm-foundry rows ran MPT's own Triton flash attention, the
+  takes (FSDP's NCCL kernels contend the same way): the share of an overlapped collective's GPU-side time that
+  lands on the step (nearly all these rows' collectives run inside one NVLink node; across nodes estimators/dp_comm.py
+  ``gpu_side_share`` scales it by the link's bandwidth over NVLink's). The llm-foundry rows ran MPT's own Triton flash attention, the
   kernel the flash fractions stand for (their rows name it ``fitted``).
 - the torch engine's eager multiplier, second stage, on a different kind of evidence: torchtitan's measured runs that
   differ only in torch.compile (benchmarks/fidelity_torchtitan.py ``compile_pairs``: Llama 3 8B on 8 and 128 H100s,
@@ -185,30 +187,37 @@ def by_set(model: Model, rows: list[Row]) -> dict[str, float]:
     return {k: mape(model, v) for k, v in sorted(groups.items())}
 
 
+def _dump(entry: GpuEfficiency | EngineEfficiency, written: dict) -> dict:
+    """``entry``'s fields as the data file writes them: the keys it already holds and every value off its default
+    (a default the file never spelt out stays implicit, so a refit does not rewrite the file's shape)."""
+    fields = type(entry).model_fields
+    return {k: v for k, v in entry.model_dump().items() if k in written or v != fields[k].default}
+
+
 def write(model: Model, fit_err: dict[str, float], held_err: dict[str, float],
           pair_multipliers: list[tuple[str, float]]) -> None:
     """Update estimators/data/efficiency.yaml with the fitted constants and what produced them."""
     raw = yaml.safe_load(DATA_FILE.read_text(encoding="utf-8"))
     stamp = "; ".join(f"{k}: fit {100 * fit_err[k]:.1f}%, held-out {100 * held_err.get(k, float('nan')):.1f}%"
                       for k in fit_err)
-    h100 = model.gpus["H100-SXM"].model_dump()
+    h100 = _dump(model.gpus["H100-SXM"], raw["gpus"]["H100-SXM"])
     h100["source"] = ("fitted by benchmarks/fit_time.py on the fit half of llm-foundry's 52 H100 80GB runs (Composer, "
                       "torch FSDP, bf16, 8-64 GPUs; ../shared/data/llmfoundry_mpt_benchmarks.csv): GEMM fraction, "
                       "flash forward/backward (the HBM fraction of its first fit kept: fit_time.py's docstring); "
                       "host, link and alignment constants from the "
                       f"A100 fit (same software stack) [{stamp}]")
-    a100 = model.gpus["A100-80GB"].model_dump()
+    a100 = _dump(model.gpus["A100-80GB"], raw["gpus"]["A100-80GB"])
     a100["source"] = (raw["gpus"]["A100-80GB"]["source"].split(" + flash")[0]
                       + " + flash attention fractions fitted by benchmarks/fit_time.py on the fit half of "
                         f"llm-foundry's 139 A100 runs (torch FSDP) [{stamp}]")
     raw["gpus"] = {"A100-80GB": a100, "A100-40GB": dict(a100), "H100-SXM": h100}
-    stack = model.stacks[STACK].model_dump()
+    stack = _dump(model.stacks[STACK], raw["stacks"][STACK])
     stack["source"] = ("fitted by benchmarks/fit_time.py on the fit half of llm-foundry's 191 runs (Composer and MPT's "
                        "eager blocks on torch 1.13 for the A100 tables, 2.1 for the H100 one; FSDP 1): the eager "
                        "multiplier over the measured per-operator bytes (estimators/data/eager_traffic.yaml) and the "
                        f"overlap interference; only those rows use it [{stamp}]")
     raw["stacks"] = {STACK: stack}
-    torch_ = model.engines["torch"].model_dump()
+    torch_ = _dump(model.engines["torch"], raw["engines"]["torch"])
     torch_["overlap_interference"] = stack["overlap_interference"]
     pairs = "; ".join(f"{run} {m:.3f}" for run, m in pair_multipliers)
     torch_["source"] = ("eager multiplier identified by benchmarks/fit_time.py on torchtitan's measured runs that "

@@ -28,6 +28,8 @@ the measured step time (seconds). Sets:
   15B/340B on DGX H100, bf16 and fp8 (benchmarks/data/dgxc_nemo_v25_05_published.json).
 - ``nemo-long-context``: 17 NeMo/Megatron-Core fp8 runs of Llama 2 7B (DGX H100) and Llama 3 8B (DGX B200) at 4K-1M
   tokens per sequence, context parallelism 1-32 (benchmarks/data/nemo_long_context_published.json).
+- ``fms-fsdp``: 8 PyTorch FSDP runs of Llama 2 7B-70B shapes (IBM's fms-fsdp; eager, bf16, batch 2 x 4,096 tokens) on 128
+  A100 80GB and 96 H100 80GB GPUs behind 400 and 800 Gb/s per node (benchmarks/data/fms_fsdp_published.json).
 - ``bigscience-bloom``: 18 Megatron-DeepSpeed runs of 176-203B GPT shapes on 384 A100 80GB behind 6.25 GB/s of
   Omni-Path per GPU (BLOOM-176B's layout search and production run; benchmarks/data/bigscience_bloom_published.json).
 
@@ -213,7 +215,14 @@ def _tokens_per_gpu(set_: str, label: str, arch: str, seq: int, gpu: str, gpus: 
 
 LLAMA3_8B = "layers=32,hidden=4096,heads=32,kv_heads=8,ffn=14336,vocab=128256,gated=1,tied=0"
 LLAMA3_70B = "layers=80,hidden=8192,heads=64,kv_heads=8,ffn=28672,vocab=128256,gated=1,tied=0"
+LLAMA2_13B = "layers=40,hidden=5120,heads=40,kv_heads=40,ffn=13824,vocab=32000,gated=1,tied=0"
+LLAMA2_70B = "layers=80,hidden=8192,heads=64,kv_heads=8,ffn=28672,vocab=32000,gated=1,tied=0"
+"""torchtitan's Llama 2 flavors (``torchtitan/models/llama/__init__.py`` at 1ea476e9f: 13B dim 5,120, 40 layers and heads,
+ffn 13,824 from multiple_of 256; 70B dim 8,192, 80 layers, 64 heads, 8 KV heads, ffn_dim_multiplier 1.3 with
+multiple_of 4,096 -> 28,672), the Llama 2 tokenizer's 32,000 tokens, untied output."""
 TORCHTITAN = "torchtitan docs/performance.md (pytorch/torchtitan), Llama 3 performance numbers"
+TORCHTITAN_A100 = ("torchtitan docs/performance.md at 1ea476e9f (2024-04-24; pytorch/torchtitan), FSDP2 on 64 A100 80GB, "
+                   "eager (train_configs compile = false)")
 
 TORCHTITAN_ROWS: tuple[Paper, ...] = (
     _tokens_per_gpu("torchtitan", "Llama 3 8B FSDP2 64 A100 s8192 sel. AC", LLAMA3_8B, 8192, "A100-80GB", 64,
@@ -227,9 +236,34 @@ TORCHTITAN_ROWS: tuple[Paper, ...] = (
                     Strategy(precision="bf16", engine="torch", fsdp="full", dp=8, mbs=2, checkpointing="selective"),
                     5762.0, TORCHTITAN + " (Table 1: H100 96 GB HBM2e at 2.4 TB/s, 500 W: a slower part than the "
                     "catalogue's H100 SXM, priced as grand_teton_h100)", 50e9, gpu_spec=grand_teton_h100),
+    _tokens_per_gpu("torchtitan", "Llama 3 8B FSDP2 64 A100 s8192 AC every 2 layers", LLAMA3_8B, 8192, "A100-80GB", 64,
+                    Strategy(precision="bf16", engine="torch", fsdp="full", dp=64, mbs=1, checkpointing="full",
+                             checkpoint_layers=16),
+                    2904.0, TORCHTITAN_A100 + ", Llama 3 row 'selective layer'", 25e9),
+    _tokens_per_gpu("torchtitan", "Llama 2 13B FSDP2 64 A100 s4096 no AC", LLAMA2_13B, 4096, "A100-80GB", 64,
+                    Strategy(precision="bf16", engine="torch", fsdp="full", dp=64, mbs=2),
+                    2162.0, TORCHTITAN_A100 + ", Llama 2 row 'no'", 25e9),
+    _tokens_per_gpu("torchtitan", "Llama 2 13B FSDP2 64 A100 s4096 AC every 2 layers", LLAMA2_13B, 4096, "A100-80GB",
+                    64, Strategy(precision="bf16", engine="torch", fsdp="full", dp=64, mbs=2, checkpointing="full",
+                                 checkpoint_layers=20),
+                    1914.0, TORCHTITAN_A100 + ", Llama 2 row 'selective layer'", 25e9),
+    _tokens_per_gpu("torchtitan", "Llama 2 13B FSDP2 64 A100 s4096 sel. AC", LLAMA2_13B, 4096, "A100-80GB", 64,
+                    Strategy(precision="bf16", engine="torch", fsdp="full", dp=64, mbs=2, checkpointing="selective"),
+                    1904.0, TORCHTITAN_A100 + ", Llama 2 row 'selective op'", 25e9),
+    _tokens_per_gpu("torchtitan", "Llama 2 70B FSDP2 64 A100 s4096 mbs1 sel. AC", LLAMA2_70B, 4096, "A100-80GB", 64,
+                    Strategy(precision="bf16", engine="torch", fsdp="full", dp=64, mbs=1, checkpointing="selective"),
+                    355.0, TORCHTITAN_A100 + ", Llama 2 row 'selective op', local batch 1", 25e9),
+    _tokens_per_gpu("torchtitan", "Llama 2 70B FSDP2 64 A100 s4096 full AC", LLAMA2_70B, 4096, "A100-80GB", 64,
+                    Strategy(precision="bf16", engine="torch", fsdp="full", dp=64, mbs=2, checkpointing="full"),
+                    353.0, TORCHTITAN_A100 + ", Llama 2 row 'full'", 25e9),
 )
-"""torchtitan's published FSDP runs (tokens/s per GPU). Its "selective op" checkpointing recomputes more than
-Korthikanti's selective recomputation (optplan's ``selective``)."""
+"""torchtitan's published FSDP runs (tokens/s per GPU). Its "selective op" checkpointing is optplan's torch-engine
+``selective`` (the same per-op policy, estimators/selective.py); its "selective layer" checkpoints every n-th
+TransformerBlock (``selective_ac_option = 'n'``; the table does not give n: 2, the smallest, is priced:
+``checkpoint_layers`` = half the layers under ``full``). The A100 cluster's network is not stated: 200 Gb/s per GPU
+is assumed (25 GB/s, a DGX A100's eight HDR links), as for its Llama 3 rows. The same page at 395a52627 (2024-04-18)
+lists Llama 2 70B at local batch 2 with selective layer and selective op AC as out of memory on these 80 GB GPUs
+(tests/benchmarks/test_fsdp_published_data.py checks optplan refuses them and fits the batch-1 run)."""
 
 NARAYANAN_ROWS: tuple[Paper, ...] = (
     _narayanan("1.7B", 24, 2304, 24, 1, 1, 32, 512, 137.0),
@@ -509,9 +543,46 @@ def nemo_long_context_rows(path: Path = NEMO_LONG_CONTEXT) -> tuple[Paper, ...]:
     return tuple(out)
 
 
+FMS_FSDP = HERE / "data" / "fms_fsdp_published.json"
+FMS_FSDP_SEQ = 4096
+"""fms-fsdp's sequence length (``train_config.seq_length``; the blog: "4k sequence length")."""
+
+
+def fms_fsdp_rows(path: Path = FMS_FSDP) -> tuple[Paper, ...]:
+    """IBM's fms-fsdp runs (benchmarks/data/fms_fsdp_published.json): PyTorch FSDP pre-training of Llama 2 7B-70B
+    shapes on 128 A100 80GB and 96 H100 80GB GPUs, batch 2 per GPU at 4,096 tokens, priced as optplan's torch engine
+    runs them: FSDP FULL_SHARD (``fsdp="full"``) or HYBRID_SHARD inside each node (``"hybrid"``) over every GPU,
+    bf16, eager, SDPA flash attention, no accumulation; checkpointing every n-th block as ``full`` over
+    ``layers // n`` blocks (``checkpoint_layers``), or none. The cluster's stated inter-node bandwidth is per node (the
+    file's ``assumptions``): per GPU it is an eighth. Step time (s) = GPUs x batch x 4,096 / (tokens/s per GPU x
+    GPUs)."""
+    doc = json.loads(path.read_text())
+    src = doc["source"]
+    out = []
+    for run in doc["runs"]:
+        arch = doc["models"][run["model"]]
+        layers = parse_arch(arch).layers
+        every = run["checkpoint_every"]
+        if (run["ac"] == "every") != (every is not None) or (every is not None and layers % every):
+            raise ValueError(f"fms-fsdp {run['model']}: checkpoint_every must divide the layers when ac is 'every'")
+        for gpu, tokens_per_gpu_s in run["tokens_per_s_per_gpu"].items():
+            cl = doc["clusters"][gpu]
+            gpus, per_node = cl["gpus"], cl["gpus_per_node"]
+            strategy = Strategy(precision="bf16", engine="torch", fsdp=run["sharding"], dp=gpus,
+                                mbs=run["local_batch"], checkpointing="none" if every is None else "full",
+                                checkpoint_layers=None if every in (None, 1) else layers // every)
+            ac = "no AC" if every is None else ("full AC" if every == 1 else f"AC every {every}")
+            label = (f"Llama 2 {run['model'].upper()} {'HSDP' if run['sharding'] == 'hybrid' else 'FSDP'} {gpus} "
+                     f"{gpu.removesuffix('-SXM')} s{FMS_FSDP_SEQ} {ac}")
+            out.append(_tokens_per_gpu("fms-fsdp", label, arch, FMS_FSDP_SEQ, gpu, gpus, strategy,
+                                       float(tokens_per_gpu_s), f"{src['title']} ({src['url']})",
+                                       cl["inter_node_gbps_per_node"] * 1e9 / 8 / per_node, gpus_per_node=per_node))
+    return tuple(out)
+
+
 PAPER: tuple[Paper, ...] = (NARAYANAN_ROWS + KORTHIKANTI_ROWS + TORCHTITAN_ROWS + MEGATRON_BRIDGE_ROWS
                             + dgxc_nemo_rows() + dgxc_nemo_rows(DGXC_NEMO_2505, "dgxc-nemo-25.05") + bloom_rows()
-                            + nemo_long_context_rows())
+                            + nemo_long_context_rows() + fms_fsdp_rows())
 """Published tables."""
 
 

@@ -17,7 +17,9 @@
     with each micro-step's compute, the first unit's gather exposed.
   Overlap is not free: NCCL's kernels run on SMs and stream through HBM while the GEMMs they hide behind
   run, so a share of the overlapped time (the engine's ``overlap_interference``, efficiency.py; fitted
-  on llm-foundry's FSDP runs) still lands on the critical path.
+  on llm-foundry's FSDP runs) still lands on the critical path: the whole share inside a node, and across nodes
+  the share of the collective's time its kernels spend on the GPU's side, the link's bandwidth over NVLink's
+  (``gpu_side_share``).
 - Offloaded parameters cross PCIe (and the node's NVMe array) twice per micro-step: forward and backward.
 """
 
@@ -56,6 +58,25 @@ def comm_grad_bytes(strategy: Strategy) -> int:
     return recipe.grad_bytes
 
 
+def gpu_side_share(link: Link, intra_bytes_per_s: float | None) -> float:
+    """The share of a collective's time over ``link`` that its kernels spend moving and reducing data on the GPU
+    (dimensionless, 0-1): 1 inside a node; across nodes the link's bandwidth over the intra-node link's
+    (``intra_bytes_per_s``, bytes/s achieved), as the GPU-side work (HBM reads and writes, reductions, the SM cycles
+    that do them) is the bytes moved and the rest of the collective's time waits on the NICs. 1 when
+    ``intra_bytes_per_s`` is None.
+
+    Source: what the overlapped collectives contend for, HBM bandwidth and SMs (NCCL's kernels copy and reduce through
+    one CTA per channel; NCCL user guide, "Environment variables", NCCL_MIN/MAX_NCHANNELS), is per byte moved; the
+    ``overlap_interference`` that prices it is fitted on llm-foundry's FSDP runs, nearly all inside one NVLink node.
+    Measured, never fitted: the PyTorch/IBM FSDP runs of Llama 2 13B-70B at 400 Gb/s (A100) and 800 Gb/s (H100) per
+    node hide nearly all of their 7-15 s of all-gathers and reduce-scatters ("almost full overlap in computation and
+    communication": PyTorch blog, "Maximizing training throughput using PyTorch FSDP", 2024-03-13, Table 1;
+    benchmarks/data/fms_fsdp_published.json), where the time-proportional interference priced them 1.3-1.5x slow."""
+    if intra_bytes_per_s is None or not link.inter_node:
+        return 1.0
+    return min(1.0, link.bandwidth_bytes_per_s / intra_bytes_per_s)
+
+
 class DataParallelComm(BaseModel):
     """Data-parallel communication of one step on one rank (seconds)."""
 
@@ -68,14 +89,16 @@ class DataParallelComm(BaseModel):
 def data_parallel_comm(strategy: Strategy, params_local: float, trainable_fraction: float, dp_link: Link,
                        shard_link: Link, pl: Placement, *, step_compute_s: float, mb_compute_s: float,
                        last_bwd_s: float, units: int, engine: EngineEfficiency | None = None,
-                       chunks: int = 1, rounds: int = 1) -> DataParallelComm:
+                       chunks: int = 1, rounds: int = 1, intra_bytes_per_s: float | None = None) -> DataParallelComm:
     """Data-parallel / ZeRO / FSDP collectives of one step and the part left exposed (module docstring).
 
     ``params_local`` are this rank's parameters after tensor and pipeline parallelism (count);
     ``step_compute_s``/``mb_compute_s`` the compute windows of the step and of one micro-step,
     ``last_bwd_s`` the last micro-batch's backward, ``units`` the FSDP/ZeRO-3 units (layers) per rank;
     ``chunks``/``rounds`` Megatron's interleaved schedule (virtual stages per rank, micro-batches per chunk round),
-    which issues the overlapped collectives chunk by chunk (tp_overlap.interleaved_dp_s).
+    which issues the overlapped collectives chunk by chunk (tp_overlap.interleaved_dp_s); ``intra_bytes_per_s`` the
+    intra-node link's achieved bandwidth, which scales the interference of collectives across nodes
+    (:func:`gpu_side_share`; None: every collective interferes for its whole time).
     """
     recipe = get_recipe(strategy.precision)
     m = strategy.grad_accum
@@ -121,10 +144,17 @@ def data_parallel_comm(strategy: Strategy, params_local: float, trainable_fracti
     elif syncs_once_per_step(strategy):  # the reduce-scatter after the last micro-batch only (fsdp_grad_sync.py)
         synced_once_s = ring_reduce_scatter_s(grads, n, bw, a)
         per_mb -= synced_once_s
+    hsdp = 0.0
     if strategy.fsdp == "hybrid" and pl.grad_reduce.nodes > 1:  # HSDP: replicas all-reduce across nodes
         replicas = max(1, pl.grad_reduce.ranks // max(1, pl.shard.ranks))
-        once += all_reduce_s(grads / max(1, pl.shard.ranks), replicas, dp_link)
+        hsdp = all_reduce_s(grads / max(1, pl.shard.ranks), replicas, dp_link)
+        once += hsdp
     total = once + m * per_mb + synced_once_s
+    # the collectives' GPU-side work: their time at the intra-node link's speed (the interference below scales with it)
+    once_link = dp_link if stage <= 1 else shard_link
+    gpu_side_s = ((once - hsdp) * gpu_side_share(once_link, intra_bytes_per_s)
+                  + hsdp * gpu_side_share(dp_link, intra_bytes_per_s)
+                  + (m * per_mb + synced_once_s) * gpu_side_share(shard_link, intra_bytes_per_s))
     if strategy.engine == "torch":
         if strategy.fsdp == "none":  # DDP: overlap with the last backward, the last bucket exposed
             bucket = all_reduce_s(min(grads, DDP_BUCKET_BYTES), n, link)
@@ -139,9 +169,10 @@ def data_parallel_comm(strategy: Strategy, params_local: float, trainable_fracti
         exposed = overlapped_once + m * per_mb
     else:
         exposed = total
-    # overlapped collectives still take SMs and HBM bandwidth from the compute they hide behind
+    # overlapped collectives still take SMs and HBM bandwidth from the compute they hide behind, in proportion to the
+    # bytes they move (gpu_side_share): a NIC-bound collective waits on the network for most of its time
     kappa = (engine or engine_efficiency(strategy.engine)).overlap_interference
-    exposed += kappa * max(0.0, total - exposed)
+    exposed += kappa * max(0.0, total - exposed) * (gpu_side_s / total if total > 0 else 1.0)
     if strategy.offload_params != "none":
         pcie = m * 2 * (weights / max(1, pl.shard.ranks)) / PCIE_BYTES_PER_S
         if strategy.offload_params == "nvme":  # read from the node's NVMe array for forward and backward (shared)
@@ -151,4 +182,4 @@ def data_parallel_comm(strategy: Strategy, params_local: float, trainable_fracti
     return DataParallelComm.model_construct(total_s=total, exposed_s=min(total, exposed))
 
 
-__all__ = ["DataParallelComm", "comm_grad_bytes", "data_parallel_comm"]
+__all__ = ["DataParallelComm", "comm_grad_bytes", "data_parallel_comm", "gpu_side_share"]

@@ -158,6 +158,11 @@ def _links(pl: Placement, cluster: Cluster, eff: GpuEfficiency) -> dict[str, Lin
             "shard": link_for(pl.shard, cluster, **kw), "etp": link_for(pl.etp, cluster, **kw)}
 
 
+def _intra_bytes_per_s(cluster: Cluster, eff: GpuEfficiency) -> float:
+    """The intra-node link's achieved bandwidth (bytes/s), as ``link_for`` prices a ring inside one node."""
+    return cluster.gpu.intra_node_bandwidth_bytes_per_s * eff.intra_node_link_fraction
+
+
 def comm_time_s(profile: ModelProfile, strategy: Strategy, cluster: Cluster) -> float:
     """Data-parallel communication per optimizer step on the rank with most parameters (seconds), by
     ZeRO stage (ZeRO paper §7): stages 0-1 all-reduce the gradients (2Ψ); DeepSpeed's stage 2
@@ -207,7 +212,8 @@ def _flops_only_step(profile: ModelProfile, strategy: Strategy, cluster: Cluster
     trainable = profile.trainable_params / profile.params if profile.params else 1.0
     dpc = data_parallel_comm(strategy, params, trainable, links["dp"], links["shard"], pl,
                              step_compute_s=work, mb_compute_s=work / m, last_bwd_s=ct.compute_s / p / m * 2 / 3,
-                             units=profile.repeated_block.count if profile.repeated_block else 1)
+                             units=profile.repeated_block.count if profile.repeated_block else 1,
+                             intra_bytes_per_s=_intra_bytes_per_s(cluster, eff))
     optimizer_s = ct.optimizer_s / p
     # the host's floor: one micro-batch's launches and the step's, as the transformer path charges its head
     # (``host_microbatch_s``, ``host_step_s``), plus what eager op-level selective checkpointing costs the host per
@@ -412,7 +418,8 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
         dpc = data_parallel_comm(s_, info["params"], trainable, links["dp"], links["shard"], pl,
                                  step_compute_s=m * info["compute"], mb_compute_s=info["compute"],
                                  last_bwd_s=info["bwd"], units=int(info["layers"]) or 1, engine=engine,
-                                 chunks=v if overlaps_p2p(s_) else 1, rounds=p)
+                                 chunks=v if overlaps_p2p(s_) else 1, rounds=p,
+                                 intra_bytes_per_s=_intra_bytes_per_s(cluster, eff))
         tied = 0.0
         if p > 1 and split.tied and split.embed:
             tied = ring_all_reduce_s(split.embed / t * grad_bytes * trainable, 2,

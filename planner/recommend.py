@@ -41,7 +41,7 @@ from optplan.planner.suggest import what_would_fit
 DEFAULT_ALTERNATIVES = 4
 MODEL_SCOPE_NOTE = ("time model fitted on measured runs: A100 Megatron (vTrain; Narayanan et al. 2021 and Korthikanti "
                     "et al. 2022 tables; BigScience's BLOOM-176B runs on 384 GPUs, never fitted), A100 and H100 torch FSDP "
-                    "(llm-foundry, torchtitan), H100, B200, GB200 and GB300 Megatron fp8 "
+                    "(llm-foundry, torchtitan; IBM's fms-fsdp runs on 96-128 GPUs, never fitted), H100, B200, GB200 and GB300 Megatron fp8 "
                     "with its communication overlap (NVIDIA's Megatron-Bridge runs, 19, never fitted), H100 and GB200 "
                     "Megatron bf16 and fp8 (NVIDIA's DGX Cloud recipes, dgxc-nemo: 94 NeMo runs on 8-2,304 GPUs, never "
                     "fitted), B200 Megatron fp8 at 8K-1M tokens per sequence with context parallelism up to 16 (NeMo's "
