@@ -36,7 +36,13 @@ percentage error of the step time over the fit rows, from the committed constant
 result into estimators/data/efficiency.yaml (with the fit's MAPE in each source); then run
 ``python benchmarks/fidelity_published.py --write-domain``.
 
-Run: python benchmarks/fit_time.py [--write] [--quick]
+``--keep`` skips the search and restamps the committed constants' errors: for a change to the rows that moves the
+fit's optimum less than the noise between it and the unfitted sets (2026-12-04: each llm-foundry ``PURE`` row's bf16
+gradient reduction, ``published_sets.LLMFOUNDRY_REDUCE``; a refit reached fit MAPE 5.21 % against the committed
+constants' 5.27 % by moving the interference 0.880 -> 0.838 and the H100 GEMM fraction 0.740 -> 0.754, and took the
+183 published rows no fit sees from 6.06 % to 6.24 % MAPE: the committed constants were kept).
+
+Run: python benchmarks/fit_time.py [--write] [--quick | --keep]
 """
 
 from __future__ import annotations
@@ -248,6 +254,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", action="store_true", help="write the fitted constants to the data file")
     parser.add_argument("--quick", action="store_true", help="a short search")
+    parser.add_argument("--keep", action="store_true",
+                        help="no search: the committed constants, their errors on today's rows (with --write, "
+                             "restamped into the data file's sources)")
     args = parser.parse_args()
     t0 = time.perf_counter()
     rows = llmfoundry_rows()
@@ -256,12 +265,12 @@ def main() -> None:
     print(f"{len(rows)} llm-foundry rows: fit {len(fit_rows)}, held out {len(held)}")
     print("committed: fit", {k: f"{100 * v:.1f}%" for k, v in by_set(start, fit_rows).items()},
           "held-out", {k: f"{100 * v:.1f}%" for k, v in by_set(start, held).items()})
-    model = fit(start, fit_rows, step=0.1 if args.quick else 0.4, min_step=0.05 if args.quick else 0.005,
-                max_rounds=3 if args.quick else 300)
+    model = start if args.keep else fit(start, fit_rows, step=0.1 if args.quick else 0.4,
+                                        min_step=0.05 if args.quick else 0.005, max_rounds=3 if args.quick else 300)
     for kind, key, name in PARAMS:
         print(f"  {kind} {key} {name} = {model.get(kind, key, name):.4g}")
     fit_err, held_err = by_set(model, fit_rows), by_set(model, held)
-    print("fitted: fit", {k: f"{100 * v:.1f}%" for k, v in fit_err.items()},
+    print("kept:" if args.keep else "fitted:", "fit", {k: f"{100 * v:.1f}%" for k, v in fit_err.items()},
           "held-out", {k: f"{100 * v:.1f}%" for k, v in held_err.items()})
     model = model.with_("engine", "torch", "overlap_interference", model.get("stack", STACK, "overlap_interference"))
     multiplier, pairs = eager_multiplier(model)

@@ -9,8 +9,8 @@ the measured step time (seconds). Sets:
   learned positions, tied embeddings, flash attention, ffn 4h, vocabulary 50,368: the ``--arch`` GPT shape
   with the table's vocabulary. Composer's ``amp_bf16`` with FSDP ``DEFAULT`` mixed precision keeps fp32
   sharded parameters, gathers them in bf16 and reduces gradients in fp32 — optplan's torch ``bf16`` recipe
-  as its exports configure it; ``bf16``/``PURE`` rows reduce in bf16 (modelled as the same recipe: their
-  fp32 reduction volume is overstated, which the overlap hides). Their attention is MPT's own Triton flash kernel
+  as its exports configure it; ``bf16``/``PURE`` rows reduce in bf16 (the same recipe with ``fsdp_reduce_dtype``
+  bf16: ``LLMFOUNDRY_REDUCE``). Their attention is MPT's own Triton flash kernel
   (the benchmark script's default ``attn_impl: triton``), the kernel the per-GPU flash fractions are fitted on: the
   rows price it as ``fitted`` (estimators/attention_kernels.py), not torch SDPA's, and their eager elementwise
   kernels as that stack's (``llm-foundry-2023`` in efficiency.yaml's stacks: torch 1.13/2.1 and MPT's code, slower
@@ -63,6 +63,13 @@ LLMFOUNDRY_GPU = {"h100_80gb": "H100-SXM", "a100_80gb": "A100-80GB", "a100_40gb"
 LLMFOUNDRY_STACK = "llm-foundry-2023"
 """The software the tables ran (efficiency.py ``stacks``): Composer and MPT's eager blocks on torch 1.13 (A100 tables)
 and 2.1 (H100 table: scripts/train/benchmarking/sweep.sh's image at llm-foundry 5e85bd62)."""
+LLMFOUNDRY_REDUCE = {"PURE": "bf16", "DEFAULT": "fp32"}
+"""The table's ``MP Mode`` -> the dtype FSDP reduced gradients in (``Strategy.fsdp_reduce_dtype``), from Composer's
+``get_mixed_precision`` (mosaicml/composer ``composer/trainer/mosaic_fsdp_utils.py``): ``PURE`` is ``param_dtype =
+reduce_dtype = buffer_dtype`` = the precision's (bf16) in every release; ``DEFAULT`` reduced in fp32 from 0.16.4
+(d745fcb1b, Oct. 2023, "patch default"; before it bf16), which the tables' ``amp_bf16``/``DEFAULT`` rows ran: they were
+added with the H100 table in llm-foundry b2a43a147 (Oct. 19 2023), whose setup.py pins ``mosaicml>=0.16.4,<0.17``.
+The ``bf16``/``PURE`` rows are the A100 tables of May-July 2023 (llm-foundry 5f43bf160-c6cfb4284)."""
 LLMFOUNDRY_NIC_BYTES_PER_S = {"h100_80gb": 50e9, "a100_80gb": 25e9, "a100_40gb": 25e9}
 
 
@@ -119,7 +126,7 @@ def llmfoundry_rows(path: Path = LLMFOUNDRY) -> list[Row]:
             gpus, mbs, accum = int(raw["# GPUs"]), int(raw["MicroBatchSize"]), int(raw["GradAccum"])
             ck = "full" if raw["Activation Checkpointing"] == "True" else "none"
             strategy = Strategy(precision="bf16", engine="torch", fsdp="full", dp=gpus, mbs=mbs, grad_accum=accum,
-                                checkpointing=ck)
+                                checkpointing=ck, fsdp_reduce_dtype=LLMFOUNDRY_REDUCE[raw["MP Mode"]])
             gpu = LLMFOUNDRY_GPU[raw["GPU"]]
             cluster = Cluster(gpu=find_gpu(gpu), gpus=gpus, gpus_per_node=8,
                               inter_node_bandwidth_bytes_per_s=LLMFOUNDRY_NIC_BYTES_PER_S[raw["GPU"]])
@@ -569,6 +576,7 @@ def fms_fsdp_rows(path: Path = FMS_FSDP) -> tuple[Paper, ...]:
             cl = doc["clusters"][gpu]
             gpus, per_node = cl["gpus"], cl["gpus_per_node"]
             strategy = Strategy(precision="bf16", engine="torch", fsdp=run["sharding"], dp=gpus,
+                                fsdp_reduce_dtype="bf16",  # bfSixteen: MixedPrecision(reduce_dtype=torch.bfloat16)
                                 mbs=run["local_batch"], checkpointing="none" if every is None else "full",
                                 checkpoint_layers=None if every in (None, 1) else layers // every)
             ac = "no AC" if every is None else ("full AC" if every == 1 else f"AC every {every}")

@@ -36,7 +36,7 @@ from optplan.estimators.comm import (
     ring_reduce_scatter_s,
 )
 from optplan.estimators.efficiency import EngineEfficiency, engine_efficiency
-from optplan.estimators.fsdp_grad_sync import fsdp_reduce_bytes, syncs_once_per_step
+from optplan.estimators.fsdp_grad_sync import strategy_reduce_bytes, syncs_once_per_step
 from optplan.estimators.optimizer_time import NVME_BYTES_PER_S, PCIE_BYTES_PER_S
 from optplan.estimators.parallel import Placement
 from optplan.estimators.pipeline_fsdp import keeps_stage_unsharded
@@ -48,13 +48,14 @@ from optplan.estimators.tp_overlap import interleaved_dp_s, overlaps_dp
 def comm_grad_bytes(strategy: Strategy) -> int:
     """Bytes per gradient element in the data-parallel reduction: Megatron all-reduces fp32 main
     gradients under bf16 (``accumulate_allreduce_grads_in_fp32`` is forced for bf16); torch FSDP reduces in
-    fp32 under the 16-bit recipes (``reduce_dtype=torch.float32``, torchtitan's and Composer's default and
-    optplan's export); else the recipe's."""
+    its ``reduce_dtype`` (fsdp_grad_sync.strategy_reduce_bytes: fp32 under the 16-bit recipes by default,
+    torchtitan's and Composer's DEFAULT and optplan's train.py; 16-bit with ``fsdp_reduce_dtype``); else the
+    recipe's."""
     recipe = get_recipe(strategy.precision)
     if strategy.engine == "megatron" and strategy.precision in ("bf16", "fp8") and recipe.master_bytes > 0:
         return 4
     if strategy.engine == "torch" and strategy.fsdp != "none":  # reduce_dtype (fsdp_grad_sync.py)
-        return fsdp_reduce_bytes(strategy.precision)
+        return strategy_reduce_bytes(strategy)
     return recipe.grad_bytes
 
 

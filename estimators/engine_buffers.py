@@ -24,7 +24,11 @@ from optplan.estimators.finetune import (
     int8_checkpoint_kept_bytes,
 )
 from optplan.estimators.fp8_backend import fp8_weight_cache_bytes_per_param
-from optplan.estimators.fsdp_grad_sync import accumulated_grad_bytes, fsdp_reduce_bytes, syncs_once_per_step
+from optplan.estimators.fsdp_grad_sync import (
+    accumulated_grad_bytes,
+    strategy_reduce_bytes,
+    syncs_once_per_step,
+)
 from optplan.estimators.parallel import layers_per_stage, shard_ranks
 from optplan.estimators.params_placement import param_split, stage_params
 from optplan.estimators.pipeline_fsdp import keeps_stage_unsharded, unsharded_stage_params_bytes
@@ -175,7 +179,7 @@ def buffers_with_moments(profile: ModelProfile, strategy: Strategy, stage: int,
             # kept whole on every rank; the sharded states already count 1/shard of them
             items["zero3_persistent_params"] = (round(persistent * recipe.weight_bytes * (1 - 1 / shard)), None)
     elif strategy.engine == "torch" and (dpcp > 1 or strategy.fsdp != "none"):
-        reduce_bytes = fsdp_reduce_bytes(strategy.precision)
+        reduce_bytes, low = strategy_reduce_bytes(strategy), strategy.fsdp_reduce_dtype
         # FSDP gathers into its own unsharded buffers at world size 1 too (measured by the CPU probe:
         # examples/mlp.py fp32 SHARD_GRAD_OP on one process holds an unsharded copy of every parameter;
         # -19 % before, +2.4 % now, FULL_SHARD +2.6 %: half a unit's gradient over, kept on the safe side)
@@ -186,7 +190,7 @@ def buffers_with_moments(profile: ModelProfile, strategy: Strategy, stage: int,
             items["fsdp_pipeline_unsharded_params"] = (unsharded_stage_params_bytes(psi_stage, weight),
                                                        THROUGH_BACKWARD)
             items["fsdp_pipeline_accumulated_grads"] = (
-                accumulated_grad_bytes(psi_stage, trainable_share, strategy.precision), WHILE_BACKWARD)
+                accumulated_grad_bytes(psi_stage, trainable_share, strategy.precision, low), WHILE_BACKWARD)
             reduced = unit * trainable_share if block else psi_train
             items["fsdp_reduce_scatter_unit"] = (round(reduced * reduce_bytes), WHILE_GRADS)
         else:
@@ -208,11 +212,11 @@ def buffers_with_moments(profile: ModelProfile, strategy: Strategy, stage: int,
                 # and frees it: one unit fewer while the blocks' gradients are reduced, none by the stem's backward
                 moved = min(blocks, unit if block else 0.0)
                 items["fsdp_accumulated_grads"] = (
-                    accumulated_grad_bytes(blocks - moved, trainable_share, strategy.precision), UNTIL_STEM_GRADS)
+                    accumulated_grad_bytes(blocks - moved, trainable_share, strategy.precision, low), UNTIL_STEM_GRADS)
                 items["fsdp_accumulated_unit_grads"] = (
-                    accumulated_grad_bytes(moved, trainable_share, strategy.precision), BEFORE_GRADS)
+                    accumulated_grad_bytes(moved, trainable_share, strategy.precision, low), BEFORE_GRADS)
                 items["fsdp_accumulated_root_grads"] = (
-                    accumulated_grad_bytes(root, trainable_share, strategy.precision), THROUGH_BACKWARD)
+                    accumulated_grad_bytes(root, trainable_share, strategy.precision, low), THROUGH_BACKWARD)
             shard = shard_ranks(strategy, gpus_per_node)
             if strategy.fsdp == "hybrid" and block and dpcp > shard:
                 items["hsdp_all_reduce_outputs"] = (round(blocks / shard * reduce_bytes), WHILE_GRADS)
@@ -322,7 +326,7 @@ def fsdp_root_reduce_items(profile: ModelProfile, strategy: Strategy, stage: int
     recipe = get_recipe(strategy.precision)
     root = _root_unit_params(profile, strategy, stage)
     trainable = root * (profile.trainable_params / profile.params if profile.params else 0.0)
-    reduced = round(trainable * fsdp_reduce_bytes(strategy.precision))
+    reduced = round(trainable * strategy_reduce_bytes(strategy))
     items = {"fsdp_root_unsharded_grads": round(trainable * recipe.weight_bytes),
              "fsdp_root_reduce_scatter_input": reduced}
     if device == "cpu":

@@ -23,7 +23,12 @@ upcasts the unsharded gradient to ``reduce_dtype`` before accumulating when the 
 optplan's mixed recipes (``MixedPrecisionPolicy(param_dtype=16-bit, reduce_dtype=fp32)``, probes/trainloop.py);
 without a policy (fp32, and ``bf16-pure``: 16-bit parameters, no fp32 master) it stays in the parameter dtype,
 which is also the dtype FSDP reduce-scatters in (``_fsdp_collectives.foreach_reduce`` allocates the reduce-scatter
-input in ``reduce_dtype``, else the gradients' dtype).
+input in ``reduce_dtype``, else the gradients' dtype). ``Strategy.fsdp_reduce_dtype`` sets it: ``auto`` is the
+above; ``bf16``/``fp16`` reduce in the dtype the weights are gathered in, as accelerate's and the Hugging Face
+Trainer's FSDP plugin does by default (``FullyShardedDataParallelPlugin.set_mixed_precision``: ``param_dtype =
+reduce_dtype`` = the mixed-precision dtype, accelerate 1.16), Lightning's ``bf16-mixed``/``bf16-true`` FSDP precision,
+IBM's fms-fsdp (``MixedPrecisionPolicy(param_dtype=reduce_dtype=torch.bfloat16)``) and Composer's ``PURE``: half the
+bytes of fp32 on the wire and in the unsharded accumulators.
 
 Units: bytes per element and bytes per GPU; counts of collectives per optimizer step.
 """
@@ -34,12 +39,22 @@ from optplan.estimators.precision import get_recipe
 from optplan.estimators.strategy import Strategy
 
 
-def fsdp_reduce_bytes(precision: str) -> int:
+def fsdp_reduce_bytes(precision: str, reduce_dtype: str = "auto") -> int:
     """Bytes per element FSDP2 reduce-scatters and accumulates unsharded gradients in, for optplan's recipe
-    ``precision``: 4 (fp32 reduce dtype) where the recipe keeps fp32 master weights or computes in fp32, else the
-    recipe's gradient bytes (``bf16-pure``: 2) (module docstring)."""
+    ``precision`` and the plan's ``reduce_dtype`` (``Strategy.fsdp_reduce_dtype``): ``auto`` is 4 (fp32 reduce
+    dtype) where the recipe keeps fp32 master weights or computes in fp32, else the recipe's gradient bytes
+    (``bf16-pure``: 2); ``fp32`` is 4; ``bf16``/``fp16`` are 2 (module docstring)."""
+    if reduce_dtype == "fp32":
+        return 4
+    if reduce_dtype in ("bf16", "fp16"):
+        return 2
     recipe = get_recipe(precision)
     return 4 if recipe.master_bytes > 0 else recipe.grad_bytes
+
+
+def strategy_reduce_bytes(strategy: Strategy) -> int:
+    """:func:`fsdp_reduce_bytes` of ``strategy``'s recipe and reduce dtype (bytes per element)."""
+    return fsdp_reduce_bytes(strategy.precision, strategy.fsdp_reduce_dtype)
 
 
 def syncs_once_per_step(strategy: Strategy) -> bool:
@@ -51,8 +66,9 @@ def syncs_once_per_step(strategy: Strategy) -> bool:
     return strategy.pp > 1 or (strategy.fsdp_grad_sync == "step" and strategy.grad_accum > 1)
 
 
-def accumulated_grad_bytes(stage_params_per_rank: float, trainable_share: float, precision: str) -> int:
+def accumulated_grad_bytes(stage_params_per_rank: float, trainable_share: float, precision: str,
+                           reduce_dtype: str = "auto") -> int:
     """A stage's unsharded gradients held across the micro-batches of a step (bytes per GPU): its trainable
     parameters (``stage_params_per_rank`` x ``trainable_share``, after tensor parallelism) at
     :func:`fsdp_reduce_bytes` each."""
-    return round(stage_params_per_rank * trainable_share * fsdp_reduce_bytes(precision))
+    return round(stage_params_per_rank * trainable_share * fsdp_reduce_bytes(precision, reduce_dtype))

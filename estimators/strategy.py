@@ -29,6 +29,12 @@ from its input); moe (the MoE layers from their input: router, dispatch, experts
 ``--recompute-modules moe``, estimators/moe_recompute.py)."""
 DispatcherName = Literal["alltoall", "deepep"]
 FsdpGradSync = Literal["micro_batch", "step"]
+ReduceDtype = Literal["auto", "fp32", "bf16", "fp16"]
+"""The dtype torch FSDP reduce-scatters (and accumulates unsharded) gradients in (``MixedPrecisionPolicy.reduce_dtype``):
+auto (the recipe's default: fp32 under fp32 masters or fp32 compute, bf16 under bf16-pure), fp32, or the recipe's
+16-bit dtype (estimators/fsdp_grad_sync.py)."""
+SIXTEEN_BIT_WEIGHTS: dict[str, str] = {"bf16": "bf16", "fp16": "fp16", "bf16-pure": "bf16", "fp8": "bf16"}
+"""Recipes whose weights FSDP gathers in 16 bits -> that dtype: the ones whose gradients can be reduced in it."""
 PipelineSchedule = Literal["1f1b", "dualpipe"]
 
 OPTIMIZER_ALIASES: dict[str, str] = {
@@ -113,6 +119,12 @@ class Strategy(BaseModel):
                                            "gradients held until then (FSDP1 no_sync, FSDP2 "
                                            "set_requires_gradient_sync(False), accelerate without sync_each_batch; "
                                            "estimators/fsdp_grad_sync.py)")
+    fsdp_reduce_dtype: ReduceDtype = Field(
+        default="auto", description="the dtype torch FSDP reduce-scatters gradients in (MixedPrecisionPolicy."
+                                    "reduce_dtype): auto (fp32, bf16 under bf16-pure: torchtitan's and optplan's "
+                                    "train.py's), fp32, or the recipe's 16-bit dtype (accelerate's, the Hugging Face "
+                                    "Trainer's and Lightning's FSDP default; IBM's fms-fsdp; Composer's PURE): half "
+                                    "the bytes; estimators/fsdp_grad_sync.py")
     sp: bool = Field(default=False, description="sequence parallelism inside the tensor-parallel group")
     flash: bool = Field(default=True, description="memory-efficient (flash) attention: no s x s scores stored")
     compile: bool = Field(default=False, description="torch.compile of each repeated block (torch and deepspeed "
@@ -242,6 +254,17 @@ class Strategy(BaseModel):
         if self.fsdp_grad_sync == "step" and (self.engine != "torch" or self.fsdp == "none"):
             raise ValueError("--fsdp-grad-sync step defers torch FSDP's gradient reduce-scatter to the last "
                              "micro-batch: use --engine torch with --fsdp full|grad_op|hybrid, or drop it")
+        if self.fsdp_reduce_dtype != "auto":
+            if self.engine != "torch" or self.fsdp == "none":
+                raise ValueError(f"--fsdp-reduce-dtype {self.fsdp_reduce_dtype} sets torch FSDP's gradient "
+                                 "reduce-scatter dtype: use --engine torch with --fsdp full|grad_op|hybrid, or drop it")
+            low = SIXTEEN_BIT_WEIGHTS.get(self.precision)
+            if self.fsdp_reduce_dtype != "fp32" and self.fsdp_reduce_dtype != low:
+                fix = (f"use --fsdp-reduce-dtype {low} or fp32" if low else
+                       "use --fsdp-reduce-dtype fp32, or a recipe with 16-bit weights (bf16, fp16, bf16-pure, fp8)")
+                raise ValueError(f"--fsdp-reduce-dtype {self.fsdp_reduce_dtype} does not match precision "
+                                 f"{self.precision} (FSDP reduces in fp32 or the dtype it gathers the weights in): "
+                                 f"{fix}")
         if self.pp_schedule == "dualpipe":
             if self.engine != "megatron":
                 raise ValueError("--pp-schedule dualpipe prices DeepSeek's DualPipe on Megatron-Core's model of the "
@@ -352,6 +375,8 @@ class Strategy(BaseModel):
             parts.append("comm-overlap")
         if self.fsdp_grad_sync == "step":
             parts.append("grad-sync-step")
+        if self.fsdp_reduce_dtype != "auto":
+            parts.append(f"reduce-{self.fsdp_reduce_dtype}")
         if self.compile:
             parts.append("compile" if self.loss_compiled else "compile(eager-loss)")
         elif self.loss_compiled:

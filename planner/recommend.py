@@ -162,7 +162,8 @@ def recommend(profile: ModelProfile, cluster: Cluster, *, global_batch: int | No
               probe_bench: Callable[..., Any] | None = None,
               on_trial: Callable[[Estimate], None] | None = None,
               cancelled: Callable[[], bool] | None = None, quant: str = "none",
-              compile_blocks: bool = False, checkpointing: Sequence[str] | None = None) -> Recommendation:
+              compile_blocks: bool = False, checkpointing: Sequence[str] | None = None,
+              fsdp_reduce_dtype: str = "auto") -> Recommendation:
     """Search the space of ``profile`` on ``cluster`` (or on each of ``gpu_counts``) and explain the pick.
 
     ``global_batch`` (samples) defaults to the model file's OPTPLAN value; None leaves it free. For a model
@@ -181,6 +182,10 @@ def recommend(profile: ModelProfile, cluster: Cluster, *, global_batch: int | No
 
     ``compile_blocks`` makes the torch and DeepSpeed plans compile each repeated block with torch.compile (priced as
     fused elementwise kernels; the exports apply it); Megatron plans run their own fused kernels either way.
+
+    ``fsdp_reduce_dtype`` is the dtype the user's trainer reduces FSDP gradients in (Strategy.fsdp_reduce_dtype; e.g.
+    bf16 under accelerate, the Hugging Face Trainer or Lightning): the torch FSDP plans whose recipe takes it are
+    priced with it (space.reduce_dtype_for); it is not searched.
 
     ``checkpointing`` limits the activation checkpointing modes searched (none, selective, full, moe; default: every
     mode the profile supports).
@@ -222,7 +227,8 @@ def recommend(profile: ModelProfile, cluster: Cluster, *, global_batch: int | No
         cluster, ceiling_notes = measured_cluster(cluster, probe_local, bench=probe_bench, cancelled=cancelled)
     space = build_space(profile, cluster, global_batch=gb, precisions=precisions, optimizers=optimizers,
                         engines=engines, gpu_counts=gpu_counts, offload=offload, quant=quant,
-                        compile_blocks=compile_blocks, checkpointing=checkpointing)
+                        compile_blocks=compile_blocks, checkpointing=checkpointing,
+                        fsdp_reduce_dtype=fsdp_reduce_dtype)
     if not space.layouts:
         raise OptplanError(f"no parallel layout uses {cluster.gpus} GPUs for {profile.name}: change --gpus")
     if gb is not None and not any(gb % lay.dp == 0 for lay in space.layouts):

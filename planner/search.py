@@ -412,7 +412,7 @@ def _probe_groups(space: SearchSpace, layout: Layout) -> list[list[Group]]:
             precisions = space.precisions_for(sh) if sh is not None else []
             if sh is not None and precisions:
                 tries.extend(Group(layout, sh, precisions[0], space.optimizer, m, space.quant,  # type: ignore[arg-type]
-                                   space.compile_blocks) for m in modes)
+                                   space.compile_blocks, space.fsdp_reduce_dtype) for m in modes)
         if tries:
             out.append(tries)
     return out

@@ -38,8 +38,8 @@ from optplan.estimators.hardware import Cluster
 from optplan.estimators.parallel import group_nodes
 from optplan.estimators.precision import require_precision
 from optplan.estimators.profile import ModelProfile, TransformerShape
+from optplan.estimators.strategy import SIXTEEN_BIT_WEIGHTS, EngineName, ReduceDtype, Strategy, sharding_name
 from optplan.estimators.strategy import CheckpointName as CheckpointMode
-from optplan.estimators.strategy import EngineName, Strategy, sharding_name
 from optplan.planner.sparse_grads import check_sparse_optimizers
 
 MAX_MICRO_BATCH = 1024
@@ -104,6 +104,7 @@ class Group(NamedTuple):
     checkpointing: CheckpointMode
     quant: str = "none"
     compile_blocks: bool = False
+    fsdp_reduce_dtype: str = "auto"
 
 
 class SearchSpace(BaseModel):
@@ -128,6 +129,10 @@ class SearchSpace(BaseModel):
                                    "partial, or no --checkpointing)")
     compile_blocks: bool = Field(default=False, description="torch and DeepSpeed plans torch.compile each repeated "
                                                             "block (Strategy.compile)")
+    fsdp_reduce_dtype: ReduceDtype = Field(
+        default="auto", description="the dtype torch FSDP plans reduce gradients in where their recipe takes it "
+                                    "(Strategy.fsdp_reduce_dtype; the others keep auto): the user's trainer's, not "
+                                    "searched")
 
     @property
     def gpu_counts(self) -> tuple[int, ...]:
@@ -180,7 +185,7 @@ class SearchSpace(BaseModel):
                             continue  # DeepSpeed's CPU optimizer is Adam/AdamW only
                         for ckpt in self.checkpointing:
                             yield Group(layout, sharding, precision, optimizer, ckpt, self.quant,
-                                        self.compile_blocks)
+                                        self.compile_blocks, self.fsdp_reduce_dtype)
 
     def micro_batches(self, layout: Layout) -> tuple[int, ...]:
         """Micro-batches per GPU, ascending: divisors of the per-replica batch when it is fixed, else powers
@@ -226,11 +231,22 @@ def strategy_of(group: Group, mbs: int, grad_accum: int) -> Strategy | None:
                         cp=lay.cp, ep=lay.ep, etp=lay.etp, dispatcher=lay.dispatcher,  # type: ignore[arg-type]
                         ep_overlap=lay.ep_overlap, comm_overlap=sh.engine == "megatron",
                         compile=group.compile_blocks and sh.engine != "megatron",
+                        fsdp_reduce_dtype=reduce_dtype_for(group),  # type: ignore[arg-type]
                         offload_optimizer=sh.offload_optimizer,  # type: ignore[arg-type]
                         offload_params=sh.offload_params, engine=sh.engine,  # type: ignore[arg-type]
                         quant=group.quant)  # type: ignore[arg-type]
     except ValueError:
         return None
+
+
+def reduce_dtype_for(group: Group) -> str:
+    """The group's ``fsdp_reduce_dtype`` where its plan takes it (torch FSDP; ``bf16``/``fp16`` over the recipe whose
+    weights are gathered in that dtype), else ``auto``: the user's dtype is their trainer's, which runs the other
+    engines and recipes its own way (estimators/fsdp_grad_sync.py)."""
+    want, sh = group.fsdp_reduce_dtype, group.sharding
+    if want == "auto" or sh.engine != "torch" or sh.fsdp == "none":
+        return "auto"
+    return want if want == "fp32" or SIXTEEN_BIT_WEIGHTS.get(group.precision) == want else "auto"
 
 
 def _powers_of_two_upto(limit: int) -> tuple[int, ...]:
@@ -365,7 +381,7 @@ def build_space(profile: ModelProfile, cluster: Cluster, *, global_batch: int | 
                 engines: Sequence[str] | None = None, gpu_counts: Sequence[int] | None = None,
                 offload: bool = True, checkpointing: Sequence[str] | None = None,
                 max_micro_batch: int = MAX_MICRO_BATCH, quant: str = "none",
-                compile_blocks: bool = False) -> SearchSpace:
+                compile_blocks: bool = False, fsdp_reduce_dtype: str = "auto") -> SearchSpace:
     """The space for ``profile`` on ``cluster`` (at ``gpu_counts``, default the cluster's GPUs).
 
     Megatron (tensor/pipeline/context parallelism) is searched for transformers (the profile has a shape);
@@ -430,4 +446,5 @@ def build_space(profile: ModelProfile, cluster: Cluster, *, global_batch: int | 
         shardings=_shardings(chosen_engines, multi_node, offload), precisions=usable, optimizers=opts,
         checkpointing=ckpt, global_batch=global_batch, max_micro_batch=max_micro_batch,  # type: ignore[arg-type]
         quant=quant, torch_tp=torch_tp, compile_blocks=compile_blocks, partial_checkpointing=partial,
+        fsdp_reduce_dtype=fsdp_reduce_dtype,  # type: ignore[arg-type]
     )

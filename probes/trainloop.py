@@ -12,8 +12,9 @@ What :class:`Trainer` applies (the strategy is ``optplan.estimators.strategy.Str
 * precision on the torch engine: ``fp32``; ``amp-bf16`` / ``amp-fp16`` (fp32 weights, ``torch.autocast``
   around forward and loss, fp16 with ``torch.amp.GradScaler``); ``bf16`` / ``fp16`` (16-bit weights and
   gradients, fp32 master copies stepped by the optimizer, :class:`MasterWeights`; under FSDP2
-  ``MixedPrecisionPolicy(param_dtype=16-bit, reduce_dtype=fp32)`` over fp32 shards); ``bf16-pure`` (bf16
-  weights and optimizer states). DeepSpeed takes precision from the ds_config as given;
+  ``MixedPrecisionPolicy(param_dtype=16-bit, reduce_dtype=fp32)`` over fp32 shards, ``reduce_dtype`` 16-bit when the
+  plan's ``fsdp_reduce_dtype`` says so); ``bf16-pure`` (bf16 weights and optimizer states; FSDP2 reduces in bf16
+  unless ``fsdp_reduce_dtype`` is fp32). DeepSpeed takes precision from the ds_config as given;
 * activation checkpointing of each repeated block (``block_class``): ``full`` (``torch.utils.checkpoint``,
   non-reentrant; of the first ``checkpoint_layers`` blocks only when the plan names a count) or ``selective`` (op-level, torchtitan's policy: attention outputs and every other matmul's output
   saved, the rest recomputed, :data:`SAC_SAVE_OPS`);
@@ -742,9 +743,14 @@ class Trainer:
             if self.fsdp == "hybrid":
                 self.note("fsdp hybrid with one replica group is full sharding")
         kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": self.fsdp != "grad_op"}
+        reduce = self.strategy.get("fsdp_reduce_dtype", "auto")
         if self.weight_precision in ("bf16", "fp16"):
             dtype = torch.bfloat16 if self.weight_precision == "bf16" else torch.float16
-            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+            # fp32 unless the plan reduces in the 16-bit dtype (estimators/fsdp_grad_sync.py)
+            kwargs["mp_policy"] = MixedPrecisionPolicy(
+                param_dtype=dtype, reduce_dtype=torch.float32 if reduce in ("auto", "fp32") else dtype)
+        elif reduce == "fp32":  # 16-bit (bf16-pure) or fp32 weights, gradients reduced in fp32
+            kwargs["mp_policy"] = MixedPrecisionPolicy(reduce_dtype=torch.float32)
         if self.strategy.get("offload_params", "none") == "cpu":
             if device.type == "cuda":
                 kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=True)

@@ -33,6 +33,7 @@ from optplan.tui.cli_errors import (
 from optplan.tui.cli_options import (
     COMPILE_HELP,
     COMPILE_LOSS_HELP,
+    FSDP_REDUCE_DTYPE_HELP,
     ArchOpt,
     ClusterOpt,
     FinetuneOpt,
@@ -54,7 +55,7 @@ from optplan.tui.cli_options import (
     out_folder,
 )
 from optplan.tui.microbench_view import print_microbench
-from optplan.tui.recommend_args import OPTIMIZERS, PRECISIONS, RecommendArgs
+from optplan.tui.recommend_args import OPTIMIZERS, PRECISIONS, REDUCE_DTYPES, RecommendArgs
 from optplan.tui.recommend_args import check_choice as _check_choice
 from optplan.tui.recommend_args import check_finite as _check_finite
 
@@ -177,6 +178,7 @@ def estimate(
     fsdp: Annotated[str | None, typer.Option("--fsdp", help="torch FSDP: full, grad_op or hybrid (HSDP)")] = None,
     pp_schedule: Annotated[str, typer.Option("--pp-schedule", help="pipeline schedule with --pp: 1f1b (Megatron-LM's; interleaved with --vpp) or dualpipe (DeepSeek-V3's DualPipe: two stages per rank, forward and backward chunks paired to hide the all-to-alls; priced, not exported; --engine megatron)")] = "1f1b",
     fsdp_grad_sync: Annotated[str, typer.Option("--fsdp-grad-sync", help="when FSDP reduce-scatters gradients under --gas: micro_batch (after each, FSDP2's default) or step (once, holding them unsharded: FSDP1 no_sync, accelerate without sync_each_batch)")] = "micro_batch",
+    fsdp_reduce_dtype: Annotated[str, typer.Option("--fsdp-reduce-dtype", help=FSDP_REDUCE_DTYPE_HELP)] = "auto",
     offload: Annotated[str | None, typer.Option("--offload", help="none, optimizer or params (CPU)")] = None,
     mbs: Annotated[int, typer.Option("--mbs", help="micro-batch per GPU")] = 1,
     grad_accum: Annotated[int | None, typer.Option("--gas", "--grad-accum", help="gradient-accumulation steps")] = None,
@@ -236,9 +238,11 @@ def estimate(
             notes.append(f"{target.gpu.name} has no bf16 math: precision fp16 (pass --precision to choose)")
         _check_choice("--dispatcher", dispatcher, ("alltoall", "deepep"))
         _check_choice("--fsdp-grad-sync", fsdp_grad_sync, ("micro_batch", "step"))
+        _check_choice("--fsdp-reduce-dtype", fsdp_reduce_dtype, REDUCE_DTYPES)
         _check_choice("--pp-schedule", pp_schedule, ("1f1b", "dualpipe"))
         flags = StrategyFlags(dp=dp, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, etp=etp, dispatcher=dispatcher, ep_overlap=ep_overlap, comm_overlap=comm_overlap,
-                              fsdp_grad_sync=fsdp_grad_sync, pp_schedule=pp_schedule, sp=sp, zero=zero,
+                              fsdp_grad_sync=fsdp_grad_sync, fsdp_reduce_dtype=fsdp_reduce_dtype,
+                              pp_schedule=pp_schedule, sp=sp, zero=zero,
                               fsdp=fsdp, offload=offload,
                               offload_optimizer=offload_optimizer, offload_params=offload_params,
                               precision=chosen, optimizer=optimizer, mbs=mbs, gas=grad_accum,
@@ -336,6 +340,7 @@ def recommend(
     engine: Annotated[list[str] | None, typer.Option("--engine", help="engines to search: deepspeed, torch, megatron (repeatable; megatron is searched for --arch by default)")] = None,
     offload: Annotated[bool, typer.Option("--offload/--no-offload", help="search CPU offload plans")] = True,
     compile_: Annotated[bool, typer.Option("--compile", help=COMPILE_HELP)] = False,
+    fsdp_reduce_dtype: Annotated[str, typer.Option("--fsdp-reduce-dtype", help=FSDP_REDUCE_DTYPE_HELP + "; the torch FSDP plans whose recipe takes it, not searched")] = "auto",
     objective: Annotated[str, typer.Option("--objective", help="throughput, time or cost (time and cost need --tokens)")] = "throughput",
     tokens: Annotated[float | None, typer.Option("--tokens", help="token budget to train: time, GPU-hours, cost")] = None,
     price: Annotated[float | None, typer.Option("--price", help="price per GPU-hour (USD)")] = None,

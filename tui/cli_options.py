@@ -43,6 +43,9 @@ COMPILE_HELP = ("torch.compile each repeated block (torch and deepspeed engines)
                 "ops between GEMMs, priced as fused kernels (eager plans are priced by the measured per-operator "
                 "bytes); the exports compile too, and the model file's loss_fn with them (estimate --eager-loss "
                 "keeps it eager)")
+FSDP_REDUCE_DTYPE_HELP = ("the dtype torch FSDP reduce-scatters gradients in: auto (fp32, bf16 under bf16-pure: "
+                          "torchtitan's and optplan's train.py), fp32, or the recipe's 16-bit dtype (bf16, fp16: "
+                          "what accelerate, the Hugging Face Trainer and Lightning run by default; half the bytes)")
 COMPILE_LOSS_HELP = ("torch.compile of the model file's loss_fn (default: with --compile, as torchtitan does): "
                      "Inductor's fused cross entropy holds the logits and their gradient only, where an eager one "
                      f"keeps fp32 copies ({compiled_loss_saving_bytes_per_logit('bf16')} bytes less per 16-bit logit, "

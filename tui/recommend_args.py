@@ -20,6 +20,8 @@ OPTIMIZERS = ("adamw", "adamw8bit", "adamw-8bit", "adafactor", "sgd", "paged_ada
 ENGINES = ("deepspeed", "torch", "megatron")
 METHODS = ("auto", "enumerate", "screen", "nsga2", "tpe")
 LAUNCHERS = ("torchrun", "deepspeed")
+REDUCE_DTYPES = ("auto", "fp32", "bf16", "fp16")
+"""``--fsdp-reduce-dtype``'s values (``Strategy.fsdp_reduce_dtype``)."""
 
 
 FLAG_EXAMPLES: dict[str, str] = {"params": "7e9", "tokens": "1e11", "compute": "1e23", "global-batch-tokens": "4e6",
@@ -83,6 +85,7 @@ class RecommendArgs(FinetuneChoice):
     engine: tuple[str, ...] | None = None
     offload: bool = True
     compile_: bool = False
+    fsdp_reduce_dtype: str = "auto"
     objective: str = "throughput"
     tokens: float | None = None
     price: float | None = None

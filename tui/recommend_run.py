@@ -29,6 +29,7 @@ from optplan.tui.recommend_args import (
     METHODS,
     OPTIMIZERS,
     PRECISIONS,
+    REDUCE_DTYPES,
     RecommendArgs,
     check_choice,
     check_finite,
@@ -84,6 +85,7 @@ def prepare_recommend(args: RecommendArgs, *, check_out: bool = True) -> Prepare
     check_choice("--objective", a.objective, OBJECTIVES)
     check_choice("--method", a.method, METHODS)
     check_choice("--launcher", a.launcher, LAUNCHERS)
+    check_choice("--fsdp-reduce-dtype", a.fsdp_reduce_dtype, REDUCE_DTYPES)
     for value in a.precision or ():
         check_choice("--precision", value, PRECISIONS)
     for value in a.optimizer or ():
@@ -242,6 +244,7 @@ def run_recommend(prepared: PreparedRecommend, prof: ModelProfile, *,
     return recommend(prof, prepared.cluster, global_batch=gb, precisions=precisions, optimizers=a.optimizer,
                      engines=a.engine, gpu_counts=prepared.gpu_counts, goal=goal, offload=a.offload,
                      compile_blocks=a.compile_, checkpointing=a.checkpointing,
+                     fsdp_reduce_dtype=a.fsdp_reduce_dtype,
                      method=a.method, seed=a.seed, n_trials=a.trials,  # type: ignore[arg-type]
                      storage=prepared.storage, notes=notes, calibration=cal, probe=probe_options,
                      on_progress=on_progress, on_trial=on_trial, cancelled=cancelled, quant=choice.quant_name())

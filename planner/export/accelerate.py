@@ -61,6 +61,7 @@ from typing import Any
 import yaml
 
 from optplan.estimators.errors import OptplanError
+from optplan.estimators.fsdp_grad_sync import fsdp_reduce_bytes
 from optplan.estimators.strategy import Strategy
 from optplan.planner.export.context import (
     FILE_NAMES,
@@ -292,6 +293,28 @@ def _min_wrap_params(plan: ExportPlan) -> int:
         block = 2 * h * h + 2 * h * kv + (3 if shape.gated else 2) * h * ffn
         return max(MIN_WRAP_PARAMS, int(0.9 * block))
     return max(MIN_WRAP_PARAMS, plan.params // 100)
+
+
+def _reduce_dtype_notes(strategy: Strategy, fsdp_version: int | None) -> list[str]:
+    """What the script must do for FSDP to reduce gradients in the plan's dtype (estimators/fsdp_grad_sync.py).
+
+    accelerate's FSDP plugin without a ``mixed_precision_policy`` reduces in the ``mixed_precision`` dtype
+    (``FullyShardedDataParallelPlugin.set_mixed_precision``: ``param_dtype = reduce_dtype``, accelerate 1.16), and
+    accelerate.yaml has no key for the policy: a plan that reduces in fp32 (``auto`` under bf16, fp16 and fp8, or
+    ``fp32``) needs it passed in code; a plan that reduces in the 16-bit dtype runs as accelerate does by default."""
+    mixed = _MIXED_PRECISION[strategy.precision]
+    low = {"bf16": "bfloat16", "fp8": "bfloat16", "fp16": "float16"}.get(mixed)
+    if low is None or fsdp_reduce_bytes(strategy.precision, strategy.fsdp_reduce_dtype) != 4:
+        return []
+    if strategy.precision in ("amp-bf16", "amp-fp16") and strategy.fsdp_reduce_dtype == "auto":
+        param = "float32"  # autocast over fp32 parameters: the plan gathers and reduces in fp32
+    else:
+        param = low
+    buffer = f", 'buffer_dtype': torch.{low}" if fsdp_version == 1 else ""  # FSDP2's policy has none
+    return [f"FSDP gradient reduction in fp32, as the plan counts it: Accelerator(fsdp_plugin="
+            f"FullyShardedDataParallelPlugin(mixed_precision_policy={{'param_dtype': torch.{param}, "
+            f"'reduce_dtype': torch.float32{buffer}}})); accelerate.yaml's mixed_precision alone reduces in {mixed} (set_mixed_precision), half the bytes "
+            f"(or plan with --fsdp-reduce-dtype {'fp16' if mixed == 'fp16' else 'bf16'} to price that)"]
 
 
 def _fsdp_section(plan: ExportPlan, layout: _Layout, notes: dict[str, list[str]]) -> dict[str, Any]:
@@ -563,6 +586,8 @@ def render_accelerate_yaml(plan: ExportPlan, *, fsdp_version: int = 2, ds_config
             ]
 
     script: list[str] = []
+    if layout.distributed_type == "FSDP":
+        script.extend(_reduce_dtype_notes(strategy, layout.fsdp_version))
     if layout.distributed_type not in ("DEEPSPEED", "MEGATRON_LM") and strategy.grad_accum > 1:
         if strategy.fsdp != "none" and strategy.fsdp_grad_sync == "step":
             script.append(f"gradient accumulation: Accelerator(gradient_accumulation_steps={strategy.grad_accum}) "

@@ -13,9 +13,10 @@ from optplan.estimators.buckets import DeepSpeedBuckets, deepspeed_buckets
 from optplan.estimators.errors import OptplanError
 from optplan.estimators.estimate import Estimate
 from optplan.estimators.finetune import AdapterProfile
+from optplan.estimators.fsdp_grad_sync import fsdp_reduce_bytes
 from optplan.estimators.hardware import Cluster
 from optplan.estimators.profile import ModelProfile, TransformerShape
-from optplan.estimators.strategy import Strategy
+from optplan.estimators.strategy import SIXTEEN_BIT_WEIGHTS, Strategy
 
 SELECTIVE_CHECKPOINTING_HOWTO = (
     "selective activation checkpointing is done in the model, as optplan priced it: wrap each repeated block in "
@@ -140,6 +141,34 @@ def refuse_autocast_for_16bit_weights(plan: ExportPlan, switch: str) -> None:
             f"weights with fp32 master copies, and autocast holds other activations than the plan priced: launch "
             f"the plan's train.py (launch.sh), or plan with --precision {amp}"
         )
+
+
+def sixteen_bit_reduce_note(strategy: Strategy, trainer: str, *, amp_gathers_16bit: bool) -> str | None:
+    """The note for a trainer whose FSDP reduces gradients in its 16-bit dtype when the plan reduces in fp32
+    (estimators/fsdp_grad_sync.py); None when the plan already reduces as the trainer does.
+
+    ``trainer`` names it: accelerate's ``FullyShardedDataParallelPlugin.set_mixed_precision`` (which the Hugging
+    Face Trainer uses) sets ``param_dtype = reduce_dtype`` = the 16-bit dtype under ``bf16``/``fp16``, also for
+    the AMP recipes (``amp_gathers_16bit=True``: the run is the 16-bit recipe); Lightning's
+    ``FSDPPrecision.mixed_precision_config`` reduces in bf16/fp16 under ``bf16-mixed``/``16-mixed`` but gathers
+    fp32 parameters (``amp_gathers_16bit=False``: autocast over fp32 weights with a 16-bit reduction, a mix no
+    optplan recipe prices)."""
+    if strategy.engine != "torch" or strategy.fsdp == "none":
+        return None
+    amp_low = {"amp-bf16": "bf16", "amp-fp16": "fp16"}.get(strategy.precision)
+    low = SIXTEEN_BIT_WEIGHTS.get(strategy.precision, amp_low)
+    if low is None or fsdp_reduce_bytes(strategy.precision, strategy.fsdp_reduce_dtype) != 4:
+        return None
+    head = (f"FSDP under {trainer} reduces gradients in {low}, where the plan counts fp32 (its reduce-scatters "
+            "move half the bytes the plan counts)")
+    if amp_low is None:
+        fix = f"plan with --fsdp-reduce-dtype {low} to price the run as it goes"
+    elif amp_gathers_16bit:
+        fix = (f"it also gathers {low} weights, which is the {low} recipe: plan with --precision {low} "
+               f"--fsdp-reduce-dtype {low} to price the run as it goes")
+    else:
+        fix = "no optplan recipe prices autocast over fp32 weights with a 16-bit reduction"
+    return f"{head}: {fix}, or launch the plan's train.py (launch.sh), which reduces in fp32"
 
 
 def export_plan_for(strategy: Strategy, profile: ModelProfile, cluster: Cluster, *,

@@ -74,6 +74,7 @@ from optplan.planner.export.context import (
     ExportPlan,
     NotExportable,
     refuse_autocast_for_16bit_weights,
+    sixteen_bit_reduce_note,
 )
 from optplan.planner.export.deepspeed import ADAMW_PARAMS, SGD_PARAMS
 
@@ -320,6 +321,9 @@ def hf_notes(plan: ExportPlan) -> tuple[str, ...]:
     if s.fsdp != "none":
         notes.append(f"FSDP2 wraps each {plan.block_class} (fsdp_config.transformer_layer_cls_to_wrap): the name "
                      "must be the class name of the model's repeated block")
+        reduce_note = sixteen_bit_reduce_note(s, "the Trainer (accelerate)", amp_gathers_16bit=True)
+        if reduce_note:
+            notes.append(reduce_note)
     if s.compile:
         notes.append("torch_compile: the Trainer compiles the whole model (torch.compile); the plan priced each "
                      "block's elementwise ops as fused, which whole-model compilation also gives")

@@ -178,6 +178,11 @@ def _torch_notes(plan: ExportPlan) -> list[str]:
         "fp8": "precision fp8: bf16 mixed precision as above plus fp8 linear layers (Transformer Engine "
                "te.fp8_autocast, or torchao.float8.convert_to_float8_training) before wrapping.",
     }[s.precision]
+    if s.fsdp != "none" and s.fsdp_reduce_dtype != "auto":
+        dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[s.fsdp_reduce_dtype]
+        precision = precision.replace("reduce_dtype=torch.float32", f"reduce_dtype=torch.{dtype}")
+        precision += (f" FSDP gradient reduction in {s.fsdp_reduce_dtype}: reduce_dtype=torch.{dtype} in FSDP's "
+                      "MixedPrecision(Policy), as the plan's communication and memory count it.")
     notes.append(precision)
     if s.checkpointing == "full":
         notes.append(f"activation checkpointing: apply_activation_checkpointing(model, checkpoint_wrapper_fn="

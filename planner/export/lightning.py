@@ -80,6 +80,7 @@ from optplan.planner.export.context import (
     ExportPlan,
     NotExportable,
     refuse_autocast_for_16bit_weights,
+    sixteen_bit_reduce_note,
 )
 from optplan.planner.export.deepspeed import ADAMW_PARAMS, DEFAULT_NVME_PATH, SGD_PARAMS
 
@@ -250,6 +251,10 @@ def lightning_notes(plan: ExportPlan) -> tuple[str, ...]:
                      "activation_checkpointing_policy name the model's repeated block class")
     elif s.fsdp != "none":
         notes.append(f"FSDP wraps each {plan.block_class}: auto_wrap_policy names the model's repeated block class")
+    reduce_note = sixteen_bit_reduce_note(s, f"Lightning's precision '{_precision(s)}'",
+                                         amp_gathers_16bit=False)
+    if reduce_note:
+        notes.append(reduce_note)
     if s.engine == "deepspeed":
         if s.optimizer in ("adamw", "sgd"):
             notes.append("DeepSpeed builds the optimizer from the config's optimizer section; Lightning then does "

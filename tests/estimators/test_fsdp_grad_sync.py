@@ -87,3 +87,52 @@ def test_it_saves_grad_accum_minus_one_reduce_scatters() -> None:
     rs = ring_reduce_scatter_s(prof.params * 4, pl.shard.ranks, link.bandwidth_bytes_per_s, link.alpha_s)
     assert each.dp_comm_s - once.dp_comm_s == pytest.approx(7 * rs, rel=1e-6)
     assert once.step_s < each.step_s
+
+
+def test_the_plans_reduce_dtype_sets_the_bytes() -> None:
+    # Strategy.fsdp_reduce_dtype: auto is the recipe's default above; fp32 and the 16-bit dtypes name the bytes
+    assert fsdp_reduce_bytes("bf16", "auto") == 4 and fsdp_reduce_bytes("bf16-pure", "auto") == 2
+    assert fsdp_reduce_bytes("bf16", "bf16") == fsdp_reduce_bytes("fp16", "fp16") == fsdp_reduce_bytes("fp8", "bf16") == 2
+    assert fsdp_reduce_bytes("bf16-pure", "fp32") == fsdp_reduce_bytes("amp-bf16", "fp32") == 4
+
+
+@pytest.mark.parametrize(("kw", "message"), [
+    ({"engine": "deepspeed", "zero": 3, "fsdp": "none", "fsdp_grad_sync": "micro_batch"}, "sets torch FSDP's"),
+    ({"fsdp": "none", "fsdp_grad_sync": "micro_batch"}, "sets torch FSDP's"),
+    ({"precision": "bf16", "fsdp_reduce_dtype": "fp16"}, "use --fsdp-reduce-dtype bf16 or fp32"),
+    ({"precision": "fp16", "fsdp_reduce_dtype": "bf16"}, "use --fsdp-reduce-dtype fp16 or fp32"),
+    ({"precision": "amp-bf16", "fsdp_reduce_dtype": "bf16"}, "a recipe with 16-bit weights"),
+    ({"precision": "fp32", "fsdp_reduce_dtype": "bf16"}, "a recipe with 16-bit weights"),
+])
+def test_a_16_bit_reduction_needs_torch_fsdp_over_16_bit_weights(kw: dict[str, object], message: str) -> None:
+    kw = {"fsdp_reduce_dtype": "bf16", **kw}
+    with pytest.raises(ValueError, match=message):
+        _fsdp(**kw)
+
+
+def test_the_reduce_dtype_is_in_the_label() -> None:
+    assert "reduce-bf16" in _fsdp(fsdp_reduce_dtype="bf16").label()
+    assert "reduce-fp32" in _fsdp(precision="bf16-pure", fsdp_reduce_dtype="fp32").label()
+    assert "reduce" not in _fsdp().label()
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_a_bf16_reduction_halves_the_held_gradients_and_the_reduce_scatter(precision: str) -> None:
+    prof = profile_from_arch(parse_arch(LLAMA))
+    cluster = Cluster(gpu=find_gpu("H100-SXM"), gpus=16, gpus_per_node=8, inter_node_bandwidth_bytes_per_s=50e9)
+    fp32, low = _fsdp(dp=16, precision=precision), _fsdp(dp=16, precision=precision, fsdp_reduce_dtype="bf16")
+    held = ("fsdp_accumulated_grads", "fsdp_accumulated_unit_grads", "fsdp_accumulated_root_grads")
+    items32, items16 = buffer_items(prof, fp32), buffer_items(prof, low)
+    assert sum(items16[k] for k in held) == pytest.approx(sum(items32[k] for k in held) / 2, rel=1e-6)
+    assert items16["fsdp_reduce_scatter_unit"] * 2 == pytest.approx(items32["fsdp_reduce_scatter_unit"], abs=2)
+    # one reduce-scatter per step (sync step): its fp32 bytes halve, the all-gathers stay
+    pl = placement(fp32, cluster.gpus_per_node)
+    eff = efficiency_for(cluster.gpu)
+    link = link_for(pl.shard, cluster, intra_fraction=eff.intra_node_link_fraction,
+                    intra_alpha_s=eff.intra_node_alpha_s)
+    rs = [ring_reduce_scatter_s(prof.params * b, pl.shard.ranks, link.bandwidth_bytes_per_s, link.alpha_s)
+          for b in (4, 2)]
+    t32, t16 = estimate(prof, cluster, fp32).time, estimate(prof, cluster, low).time
+    assert t32.dp_comm_s - t16.dp_comm_s == pytest.approx(rs[0] - rs[1], rel=1e-6)
+    assert t16.step_s < t32.step_s
+    assert "auto" == Strategy(engine="torch", fsdp="full", dp=8).fsdp_reduce_dtype  # the default prices as before

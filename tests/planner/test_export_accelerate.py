@@ -468,3 +468,28 @@ def test_compile_plans_carry_accelerates_regional_compilation(tmp_path: Path) ->
                                                   "dynamo_use_regional_compilation": True}
     eager = render_accelerate_yaml(make_plan(engine="torch", fsdp="full", dp=8, mbs=2))
     assert "dynamo_config" not in eager
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_fp32_reduction_names_the_policy_accelerate_needs(version: int) -> None:
+    """accelerate's FSDP plugin reduces in the mixed-precision dtype unless given a policy (set_mixed_precision):
+    an fp32-reducing plan's header names one, and accelerate's own plugin takes it as written."""
+    import re
+
+    import torch
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    text = render_accelerate_yaml(make_plan(engine="torch", fsdp="full", dp=8, mbs=2), fsdp_version=version)
+    header = " ".join(line.lstrip("# ").strip() for line in text.splitlines() if line.startswith("#"))
+    found = re.search(r"mixed_precision_policy=(\{[^}]*\})", header)
+    assert found and "FSDP gradient reduction in fp32" in header
+    dtypes = {k: getattr(torch, v) for k, v in re.findall(r"'(\w+)': torch\.(\w+)", found.group(1))}
+    assert set(dtypes) == ({"param_dtype", "reduce_dtype", "buffer_dtype"} if version == 1
+                           else {"param_dtype", "reduce_dtype"})
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=version, mixed_precision_policy=dtypes)
+    assert plugin.mixed_precision_policy.reduce_dtype == torch.float32
+    assert plugin.mixed_precision_policy.param_dtype == torch.bfloat16
+    # a plan that reduces in bf16 runs as accelerate does by default: no such line
+    low = render_accelerate_yaml(make_plan(engine="torch", fsdp="full", dp=8, mbs=2, fsdp_reduce_dtype="bf16"),
+                                 fsdp_version=version)
+    assert "mixed_precision_policy" not in low

@@ -585,3 +585,14 @@ def test_compile_plans_set_torch_compile() -> None:
     assert any("torch_compile" in n for n in hf_notes(make_plan(engine="torch", dp=8, compile=True)))
     ds = check(make_plan(engine="deepspeed", zero=2, dp=8, mbs=2, compile=True))
     assert ds["torch_compile"] is True
+
+
+def test_the_trainers_bf16_reduction_is_named_when_the_plan_reduces_in_fp32() -> None:
+    # accelerate's FSDP plugin (the Trainer's) reduces in bf16 under bf16: a plan priced at fp32 says so
+    fp32 = hf_notes(make_plan(engine="torch", fsdp="full", dp=8))
+    assert any("reduces gradients in bf16" in n and "--fsdp-reduce-dtype bf16" in n for n in fp32)
+    low = hf_notes(make_plan(engine="torch", fsdp="full", dp=8, fsdp_reduce_dtype="bf16"))
+    assert not any("reduces gradients in" in n for n in low)
+    # under amp-bf16 the plugin gathers bf16 weights as well: the run is the bf16 recipe, and the note says so
+    amp = hf_notes(make_plan(engine="torch", fsdp="full", dp=8, precision="amp-bf16"))
+    assert any("reduces gradients in bf16" in n and "--precision bf16 --fsdp-reduce-dtype bf16" in n for n in amp)

@@ -475,3 +475,15 @@ def test_a_compiled_plan_says_to_compile_the_loss_function_too() -> None:
     assert any("torch.compile(loss_fn)" in n and "--eager-loss" in n for n in compiled)
     blocks_only = lightning_notes(make_plan(engine="torch", dp=8, compile=True, compile_loss=False))
     assert not any("torch.compile(loss_fn)" in n for n in blocks_only)
+
+
+def test_lightnings_16_bit_reduction_is_named_when_the_plan_reduces_in_fp32() -> None:
+    # FSDPPrecision.mixed_precision_config: reduce_dtype = param_dtype (bf16 under bf16-mixed, fp16 under 16-mixed)
+    fp32 = lightning_notes(make_plan(engine="torch", fsdp="full", dp=8, precision="fp16"))
+    assert any("reduces gradients in fp16" in n and "--fsdp-reduce-dtype fp16" in n for n in fp32)
+    for kw in ({"fsdp_reduce_dtype": "bf16"}, {"precision": "bf16-pure"}, {"fsdp": "none"}):
+        plan = make_plan(**{"engine": "torch", "fsdp": "full", "dp": 8, **kw})
+        assert not any("reduces gradients in" in n for n in lightning_notes(plan))
+    # bf16-mixed over fp32 weights (amp-bf16) reduces in bf16 too: a mix no recipe prices, said so
+    amp = lightning_notes(make_plan(engine="torch", fsdp="full", dp=8, precision="amp-bf16"))
+    assert any("reduces gradients in bf16" in n and "no optplan recipe" in n for n in amp)

@@ -517,3 +517,12 @@ def test_launch_argv_reads_comments_and_refuses_other_expansions():
             launch_argv(text.replace("  --standalone\n", f"  --standalone {bad}\n"))
     with pytest.raises(ExportValidationError, match="not closed"):
         launch_argv(text.replace("\n)\n", "\n"))
+
+
+def test_the_fsdp_notes_name_the_plans_reduce_dtype() -> None:
+    auto = render_launch_sh(make_plan(Strategy(engine="torch", fsdp="full", dp=8, precision="bf16")))
+    assert "reduce_dtype=torch.float32" in auto and "reduce_dtype=torch.bfloat16" not in auto
+    low = render_launch_sh(make_plan(Strategy(engine="torch", fsdp="full", dp=8, precision="bf16",
+                                              fsdp_reduce_dtype="bf16")))
+    assert "reduce_dtype=torch.bfloat16" in low and "reduce_dtype=torch.float32" not in low
+    assert "FSDP gradient reduction in bf16" in low

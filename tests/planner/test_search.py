@@ -515,3 +515,22 @@ def test_nsga2_repairs_illegal_draws_instead_of_wasting_trials() -> None:
     assert result.evaluated >= 40
     for e in result.ranked:
         check_strategy(prof, cluster, e.strategy)  # every priced plan is legal
+
+
+def test_the_users_fsdp_reduce_dtype_prices_the_torch_fsdp_plans_that_take_it() -> None:
+    """--fsdp-reduce-dtype bf16 (a trainer that reduces in bf16: accelerate, the HF Trainer, Lightning): every torch
+    FSDP plan over bf16 weights reduces in bf16, the other plans as before; and the pick is priced with it."""
+    prof = profile_from_arch(parse_arch(GPT2_ARCH))
+    cluster = _cluster(gpus=16)
+    space = build_space(prof, cluster, engines=("torch", "deepspeed"), precisions=("bf16", "amp-bf16"),
+                        fsdp_reduce_dtype="bf16")
+    plans = list(_all_strategies(space))
+    takes = [s.engine == "torch" and s.fsdp != "none" and s.precision == "bf16" for s in plans]
+    assert any(takes) and not all(takes)
+    assert [s.fsdp_reduce_dtype for s in plans] == ["bf16" if t else "auto" for t in takes]
+    default = list(_all_strategies(build_space(prof, cluster, engines=("torch", "deepspeed"),
+                                               precisions=("bf16", "amp-bf16"))))
+    assert [s.model_copy(update={"fsdp_reduce_dtype": "auto"}) for s in plans] == default
+    rec = recommend(prof, cluster, engines=("torch",), precisions=("bf16",), fsdp_reduce_dtype="bf16")
+    assert rec.plan is not None
+    assert rec.plan.fsdp_reduce_dtype == ("bf16" if rec.plan.fsdp != "none" else "auto")

@@ -490,6 +490,24 @@ def test_estimate_takes_when_fsdp_reduces_its_gradients() -> None:
         assert len(result.output.strip().splitlines()) <= 2
 
 
+def test_fsdp_reduce_dtype_flag() -> None:
+    arch = "layers=16,hidden=4096,heads=32,kv_heads=8,ffn=14336,vocab=128256,gated=1,tied=0,seq=4096"
+    base = ["estimate", "--arch", arch, "--gpu", "H100", "--gpus", "16", "--gpus-per-node", "8", "--engine", "torch",
+            "--fsdp", "full", "--gas", "4", "--fsdp-grad-sync", "step", "--json"]
+    plain, low = _json(base), _json([*base, "--fsdp-reduce-dtype", "bf16"])
+    assert plain["strategy"]["fsdp_reduce_dtype"] == "auto" and low["strategy"]["fsdp_reduce_dtype"] == "bf16"
+    assert low["memory"]["total_bytes"] < plain["memory"]["total_bytes"]  # the held gradients in bf16
+    assert low["time"]["dp_comm_s"] < plain["time"]["dp_comm_s"]
+    assert _json([*base, "--fsdp-reduce-dtype", "fp32"])["time"] == plain["time"]  # fp32 is bf16's default
+    for bad, words in ((["--fsdp-reduce-dtype", "int8"], "--fsdp-reduce-dtype"),
+                       (["--fsdp-reduce-dtype", "fp16", "--engine", "torch", "--fsdp", "full"],
+                        "does not match precision bf16"),
+                       (["--fsdp-reduce-dtype", "bf16", "--engine", "deepspeed", "--zero", "3"], "sets torch FSDP's")):
+        result = runner.invoke(app, ["estimate", "--arch", arch, *H100, *bad])
+        assert result.exit_code != 0 and words in result.output and "Traceback" not in result.output
+        assert len(result.output.strip().splitlines()) <= 2
+
+
 LLAMA_ARCH = "layers=32,hidden=4096,heads=32,kv_heads=8,ffn=14336,vocab=128256,gated=1"
 
 
