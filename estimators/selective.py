@@ -79,3 +79,24 @@ def recompute_flops_per_token_layer(shape: TransformerShape) -> float | None:
         return None
     h, q, kv, ffn = _widths(shape)
     return 2.0 * (h * kv + q * h + h * ffn) if shape.gated else 2.0 * q * h
+
+
+def recomputed_tp_collectives(strategy: Strategy, tp_collectives: float) -> float:
+    """Tensor-parallel collectives per layer that the op-level policy re-issues in backward, in units of
+    ``comm.tp_collective_s`` (one all-reduce, or with sequence parallelism one reduce-scatter + all-gather);
+    ``tp_collectives`` is the layer's count per pass (2, less an MoE layer's skipped MLP share).
+
+    torchtitan's policy (``torchtitan/distributed/activation_checkpoint.py`` ``_get_default_save_ops``: matmuls,
+    the SDPA kernels, ``_c10d_functional.reduce_scatter_tensor`` and ``all_to_all_single`` saved; the same list at
+    the commits of its published H100 runs) does not save ``all_gather_into_tensor``: under sequence parallelism
+    each sublayer's all-gather, whose output is the input its column-parallel matmuls' weight gradients read, is
+    issued again when backward recomputes the block, half a ``tp_collective_s`` each. Without sequence parallelism
+    the collectives are all-reduces, none saved: the attention's is re-run (the residual sum the MLP's norm reads
+    comes after it), the MLP's is not (the block's output: non-reentrant checkpointing stops early,
+    ``torch.utils.checkpoint``). Assumed: the torch engine's tensor-parallel plans run torchtitan's list (optplan's
+    train.py runs no tensor parallelism); a policy that does not save the reduce-scatters (the aten-only
+    ``probes/trainloop.py`` ``SAC_SAVE_OPS``) re-issues the attention's too, half a collective more.
+    0 for plans that do not run the op-level policy, or without tensor parallelism."""
+    if not runs_op_policy(strategy) or strategy.tp <= 1:
+        return 0.0
+    return tp_collectives / 2 if strategy.sp else min(1.0, tp_collectives)

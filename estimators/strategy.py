@@ -125,6 +125,11 @@ class Strategy(BaseModel):
                                     "train.py's), fp32, or the recipe's 16-bit dtype (accelerate's, the Hugging Face "
                                     "Trainer's and Lightning's FSDP default; IBM's fms-fsdp; Composer's PURE): half "
                                     "the bytes; estimators/fsdp_grad_sync.py")
+    async_tp: bool = Field(default=False, description="torch's async tensor parallelism (torchtitan "
+                                                      "--parallelism.enable_async_tensor_parallel: Inductor's "
+                                                      "micro-pipelined all-gather-matmul and matmul-reduce-scatter "
+                                                      "over symmetric memory, inside one NVLink node; torch engine, "
+                                                      "sequence parallel, compiled; estimators/async_tp.py)")
     sp: bool = Field(default=False, description="sequence parallelism inside the tensor-parallel group")
     flash: bool = Field(default=True, description="memory-efficient (flash) attention: no s x s scores stored")
     compile: bool = Field(default=False, description="torch.compile of each repeated block (torch and deepspeed "
@@ -244,6 +249,13 @@ class Strategy(BaseModel):
             if self.tp > 1 and not self.sp:
                 raise ValueError("Megatron-LM overlaps tensor-parallel communication only with sequence parallelism: "
                                  "drop --no-sp, or drop --comm-overlap")
+        if self.async_tp:
+            if self.engine != "torch" or self.tp <= 1:
+                raise ValueError("--async-tp is torch's micro-pipelined tensor parallelism: use --engine torch with "
+                                 "--tp > 1 (Megatron-LM: --comm-overlap), or drop --async-tp")
+            if not self.sp or not self.compile:
+                raise ValueError("--async-tp fuses the sequence-parallel all-gathers and reduce-scatters with their "
+                                 "matmuls in torch.compile's graphs: add --sp and --compile, or drop --async-tp")
         if self.compile and self.engine == "megatron":
             raise ValueError("--compile compiles the model's blocks with torch.compile (torch and deepspeed engines); "
                              "Megatron-LM runs its own fused kernels: drop --compile, or use --engine torch")
@@ -373,6 +385,8 @@ class Strategy(BaseModel):
             parts.append("a2a-overlap")
         if self.comm_overlap:
             parts.append("comm-overlap")
+        if self.async_tp:
+            parts.append("async-tp")
         if self.fsdp_grad_sync == "step":
             parts.append("grad-sync-step")
         if self.fsdp_reduce_dtype != "auto":

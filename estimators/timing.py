@@ -3,7 +3,9 @@
 Composition (one optimizer step; the slowest pipeline stage and the slowest rank set the pace)
 - Per micro-batch and pipeline stage (compute.py, comm.py): the stage's layers (forward, backward,
   recomputed forward; GEMMs by size, elementwise ops by bytes) with their tensor-parallel collectives
-  on the TP group's link (exposed: Megatron runs them on the compute stream) and the context-parallel
+  on the TP group's link (exposed: Megatron runs them on the compute stream; hidden behind GEMMs with Megatron's
+  --tp-comm-overlap, tp_overlap.py, and in part with torch's async TP, async_tp.py; the all-gathers per-op selective
+  checkpointing issues again, selective.py) and the context-parallel
   K/V ring (overlapped with the attention core, the excess exposed), blended with the host's time to
   issue them (p-norm, compute.py); the embedding on the first stage and logits + loss on the last;
   the pipeline's point-to-point sends (2 per micro-batch and model chunk: activation forward, gradient
@@ -42,6 +44,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from optplan.estimators.adapter_time import cast_params
+from optplan.estimators.async_tp import async_tp_hidden_s
 from optplan.estimators.attention_kernels import flash_fractions
 from optplan.estimators.cast_traffic import autocast_cast_bytes_per_microbatch
 from optplan.estimators.comm import (
@@ -86,7 +89,7 @@ from optplan.estimators.pipeline import dualpipe_solo_fraction, dualpipe_time_s,
 from optplan.estimators.precision import get_recipe
 from optplan.estimators.profile import ModelProfile
 from optplan.estimators.ring_attention import torch_ring_attention
-from optplan.estimators.selective import recompute_flops_per_sample
+from optplan.estimators.selective import recompute_flops_per_sample, recomputed_tp_collectives
 from optplan.estimators.selective_host import selective_host_layer_s
 from optplan.estimators.strategy import Strategy
 from optplan.estimators.temporaries import AdamImpl
@@ -292,6 +295,12 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
         bwd_linear = max(0.0, lt.bwd_gemm_s - core_bwd)
         layer_tp = ((1 + rf_all) * overlapped_tp_s(pass_tp, fwd_linear)
                     + overlapped_tp_s(pass_tp, bwd_linear))
+    if s_.async_tp:  # torch's async TP hides part of each forward pass's collectives (estimators/async_tp.py)
+        layer_tp -= (1 + rf_all) * async_tp_hidden_s(tp_collectives * tp_one, max(0.0, lt.fwd_gemm_s - core_fwd))
+    # the op-level selective policy issues the all-gathers (all-reduces) it does not save again (selective.py)
+    sac_tp = recomputed_tp_collectives(s_, tp_collectives) * tp_one
+    layer_tp_total += sac_tp
+    layer_tp += sac_tp
     if c > 1 and s_.engine == "torch":  # torch's ring attention around the kernels (estimators/ring_attention.py)
         ring = torch_ring_attention(dims, s_, elem, links["cp"], core_fwd, core_bwd)
         layer_cp = ring.fwd_comm_s * (1 + rf_all) + ring.bwd_comm_s
@@ -329,7 +338,7 @@ def _transformer_step(profile: ModelProfile, dims: TransformerDims, strategy: St
     host_layer += selective_host_layer_s(profile, s_, eff.host_layer_pass_s)  # eager op-level policy's host cost
     host_layer += zero3_hooks_host_s(profile, s_) / dims.layers  # ZeRO-3's fetch/release hooks, each layer its share
     host_sync = 2 * (t - 1) * eff.host_collective_step_s  # per tensor-parallel collective
-    host_layer += tp_collectives * (2 + rf_all) * host_sync
+    host_layer += (tp_collectives * (2 + rf_all) + recomputed_tp_collectives(s_, tp_collectives)) * host_sync
 
     # profile FLOPs the shape does not account for (extra modules): FLOPs-only rate on the last stage
     shape_fwd_per_sample = dims.layers * lt.fwd_flops * t / s_.mbs * c + ht.logits_fwd_flops * t / s_.mbs * c

@@ -353,6 +353,11 @@ def _set_widening(profile: ModelProfile, strategy: Strategy, ms: MeasuredSet, do
         widen += WIDEN_UNMEASURED
         outside.append("DualPipe's schedule rests on one published run (DeepSeek-V3's report: 180K H800 GPU hours "
                        "per trillion tokens; benchmarks/fidelity_moe.py)")
+    if s.async_tp:  # its hidden share measured on one source's forward passes (estimators/async_tp.py)
+        widen += WIDEN_UNMEASURED
+        outside.append("async TP's hidden share rests on one published source (PyTorch's async-TP post: Llama 3 "
+                       "8B/70B forward passes, bf16, H100; estimators/async_tp.py), checked on torchtitan's async-TP "
+                       "pairs (benchmarks/fidelity_torchtitan.py)")
     if s.ep_overlap:  # one published pair measured its gain (estimators/ep_overlap.py)
         widen += WIDEN_UNMEASURED
         outside.append("the all-to-all overlap's gain rests on one published pair, where it was over-predicted "

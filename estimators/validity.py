@@ -5,7 +5,7 @@ from __future__ import annotations
 from optplan.estimators.errors import OptplanError
 from optplan.estimators.expert_parallel import DEEPEP_GPUS
 from optplan.estimators.hardware import Cluster
-from optplan.estimators.parallel import layers_per_stage
+from optplan.estimators.parallel import layers_per_stage, placement
 from optplan.estimators.pipeline_layout import MAX_EXTRA_STAGES
 from optplan.estimators.precision import require_precision
 from optplan.estimators.profile import ModelProfile
@@ -41,6 +41,11 @@ def check_strategy(profile: ModelProfile, cluster: Cluster, strategy: Strategy) 
         if shape.kv_heads and shape.kv_heads % s.tp:
             raise OptplanError(f"--tp {s.tp} does not divide the {shape.kv_heads} key-value heads: use a "
                                f"divisor of {shape.kv_heads}")
+    tp_nodes = placement(s, cluster.gpus_per_node).tp.nodes if s.async_tp else 1
+    if tp_nodes > 1:
+        raise OptplanError(f"--async-tp exchanges shards through symmetric memory over NVLink, inside one node, and "
+                           f"--tp {s.tp} spans {tp_nodes} nodes of {cluster.gpus_per_node} GPUs: use a --tp that "
+                           f"divides {cluster.gpus_per_node}, or drop --async-tp")
     moe = shape.moe if shape is not None else None
     for flag, value, fix, used in (("--ep", s.ep, "use --ep 1", s.ep > 1),
                                    ("--etp", s.etp, "drop --etp", s.etp is not None and s.etp != s.tp)):

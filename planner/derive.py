@@ -31,6 +31,7 @@ class StrategyFlags(BaseModel):
     dispatcher: str = "alltoall"
     ep_overlap: bool = False
     comm_overlap: bool = False
+    async_tp: bool = False
     fsdp_grad_sync: str = "micro_batch"
     fsdp_reduce_dtype: str = "auto"
     pp_schedule: str = "1f1b"
@@ -125,6 +126,7 @@ def derive_strategy(flags: StrategyFlags, cluster: Cluster, *, gpus_given: bool 
         "fsdp": flags.fsdp or "none", "mbs": flags.mbs, "grad_accum": gas or 1,
         "checkpointing": flags.checkpointing, "checkpoint_layers": flags.checkpoint_layers, "dp": dp, "tp": tp, "pp": pp, "vpp": flags.vpp or 1, "cp": cp, "ep": flags.ep or 1,
         "etp": flags.etp, "dispatcher": flags.dispatcher, "ep_overlap": flags.ep_overlap, "comm_overlap": flags.comm_overlap,
+        "async_tp": flags.async_tp,
         "fsdp_grad_sync": flags.fsdp_grad_sync, "fsdp_reduce_dtype": flags.fsdp_reduce_dtype, "pp_schedule": flags.pp_schedule, "sp": flags.sp, "flash": flags.flash, "compile": flags.compile,
         "compile_loss": flags.compile_loss, "offload_optimizer": offload_optimizer,
         "offload_params": offload_params, "engine": engine, "quant": flags.quant,

@@ -173,6 +173,7 @@ def estimate(
     dispatcher: Annotated[str, typer.Option("--dispatcher", help="MoE token dispatcher with --ep: alltoall (NCCL) or deepep (DeepEP, Megatron's flex dispatcher)")] = "alltoall",
     ep_overlap: Annotated[bool, typer.Option("--ep-overlap", help="Megatron's all-to-all overlap with --ep (--overlap-moe-expert-parallel-comm): one micro-batch's dispatch/combine behind another's compute")] = False,
     comm_overlap: Annotated[bool, typer.Option("--comm-overlap", help="Megatron's tensor/data-parallel overlap: --tp-comm-overlap (needs --sp), --overlap-grad-reduce, --overlap-param-gather")] = False,
+    async_tp: Annotated[bool, typer.Option("--async-tp", help="torch's async tensor parallelism (torchtitan's enable_async_tensor_parallel; --engine torch with --tp inside one node, --sp and --compile): part of each forward pass's collectives hidden behind its matmuls")] = False,
     sp: Annotated[bool | None, typer.Option("--sp/--no-sp", help="sequence parallelism (default: on when tp > 1, except on the torch engine)", show_default=False)] = None,
     zero: Annotated[int | None, typer.Option("--zero", help="DeepSpeed ZeRO stage 0-3")] = None,
     fsdp: Annotated[str | None, typer.Option("--fsdp", help="torch FSDP: full, grad_op or hybrid (HSDP)")] = None,
@@ -241,7 +242,7 @@ def estimate(
         _check_choice("--fsdp-reduce-dtype", fsdp_reduce_dtype, REDUCE_DTYPES)
         _check_choice("--pp-schedule", pp_schedule, ("1f1b", "dualpipe"))
         flags = StrategyFlags(dp=dp, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, etp=etp, dispatcher=dispatcher, ep_overlap=ep_overlap, comm_overlap=comm_overlap,
-                              fsdp_grad_sync=fsdp_grad_sync, fsdp_reduce_dtype=fsdp_reduce_dtype,
+                              async_tp=async_tp, fsdp_grad_sync=fsdp_grad_sync, fsdp_reduce_dtype=fsdp_reduce_dtype,
                               pp_schedule=pp_schedule, sp=sp, zero=zero,
                               fsdp=fsdp, offload=offload,
                               offload_optimizer=offload_optimizer, offload_params=offload_params,

@@ -64,6 +64,7 @@ from optplan.estimators.errors import OptplanError
 from optplan.estimators.fsdp_grad_sync import fsdp_reduce_bytes
 from optplan.estimators.strategy import Strategy
 from optplan.planner.export.context import (
+    ASYNC_TP_HOWTO,
     FILE_NAMES,
     SELECTIVE_CHECKPOINTING_HOWTO,
     ExportPlan,
@@ -393,6 +394,8 @@ def _parallelism_section(plan: ExportPlan, layout: _Layout, notes: dict[str, lis
         if strategy.sp:
             lines.append("sequence parallelism inside the TP group follows the model's tp_plan; this file "
                          "cannot switch it")
+        if strategy.async_tp:
+            lines.append(f"accelerate has no switch for it: {ASYNC_TP_HOWTO}")
     if strategy.cp > 1:
         lines.append("context parallelism: run forward/backward inside accelerator.maybe_context_parallel(...)")
     notes["parallelism_config"] = lines

@@ -122,6 +122,16 @@ class ExportPlan(BaseModel):
         return self.nodes > 1
 
 
+ASYNC_TP_HOWTO = (
+    "async TP (as the plan prices it, estimators/async_tp.py): with a sequence-parallel tensor-parallel plan (the "
+    "all-gather -> matmul and matmul -> reduce-scatter patterns Inductor fuses; all-reduces are not) and compiled "
+    "blocks, set torch._inductor.config._micro_pipeline_tp = True and call torch.distributed._symmetric_memory."
+    "enable_symm_mem_for_group(tp_mesh.get_group().group_name) before compiling, as torchtitan's parallelize_llama "
+    "does"
+)
+"""How a script turns on the async TP a plan priced (torchtitan 820504e ``parallelize_llama.py``)."""
+
+
 def refuse_autocast_for_16bit_weights(plan: ExportPlan, switch: str) -> None:
     """Raise NotExportable when ``switch`` (a trainer's 16-bit setting, e.g. accelerate's ``mixed_precision: bf16``)
     would run this plan as autocast over fp32 weights although the plan priced 16-bit weights with fp32 masters.

@@ -42,7 +42,12 @@ from types import MappingProxyType
 from typing import Literal
 
 from optplan.estimators.errors import OptplanError
-from optplan.planner.export.context import SELECTIVE_CHECKPOINTING_HOWTO, ExportPlan, NotExportable
+from optplan.planner.export.context import (
+    ASYNC_TP_HOWTO,
+    SELECTIVE_CHECKPOINTING_HOWTO,
+    ExportPlan,
+    NotExportable,
+)
 from optplan.planner.export.megatron import (
     PRETRAIN_SCRIPT,
     megatron_args,
@@ -203,6 +208,8 @@ def _torch_notes(plan: ExportPlan) -> list[str]:
     if s.model_parallel:
         notes.append(f"tp {s.tp} / pp {s.pp} / cp {s.cp}: build a DeviceMesh with these dimensions and apply "
                      "torch.distributed.tensor.parallel, torch.distributed.pipelining and context_parallel to it.")
+    if s.async_tp:
+        notes.append(ASYNC_TP_HOWTO)
     return notes
 
 

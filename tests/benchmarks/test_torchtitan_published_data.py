@@ -33,7 +33,8 @@ def test_closest_plan_keeps_the_layout_and_flags_the_rest() -> None:
     assert strategy.world_size == row["gpus"] and strategy.engine == "torch" and strategy.fsdp == "full"
     assert (strategy.tp, strategy.pp, strategy.vpp, strategy.dp) == (8, 8, 2, 8)
     assert strategy.mbs * strategy.grad_accum == row["local_batch"] and strategy.sp
-    assert {"gpu", "fp8", "f8ag", "atp"} <= set(flags) and "compile" not in flags
+    assert {"gpu", "fp8", "f8ag"} <= set(flags) and "compile" not in flags
+    assert strategy.async_tp == row["async_tp"] and bench.plan(_row("atp-70b-bf16-async"))[0].async_tp  # priced
     assert strategy.compile and row["compile"]  # torch.compile is a plan choice now, priced as fused kernels
     assert not bench.plan(_row("t1-8b-fsdp8"))[0].compile  # the eager run stays eager
     eager = bench.plan(_row("t1-8b-fsdp8"))

@@ -253,6 +253,14 @@ def test_hsdp_with_tensor_parallel_is_3d(tmp_path: Path) -> None:
             pc["parallelism_config_tp_size"]) == (2, 4, 2)
 
 
+def test_async_tp_says_how_the_script_turns_it_on(tmp_path: Path) -> None:
+    plan = make_plan(engine="torch", fsdp="full", tp=2, dp=4, sp=True, compile=True, async_tp=True)
+    text = render_accelerate_yaml(plan)
+    validate_accelerate_yaml(text, plan)
+    assert "_micro_pipeline_tp = True" in text and "enable_symm_mem_for_group" in text
+    assert "_micro_pipeline_tp" not in render_accelerate_yaml(make_plan(engine="torch", fsdp="full", tp=2, dp=4))
+
+
 def test_context_parallel_with_fsdp2(tmp_path: Path) -> None:
     plan = make_plan(engine="torch", fsdp="full", cp=2, dp=4)
     text = render_accelerate_yaml(plan)

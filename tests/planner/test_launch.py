@@ -526,3 +526,11 @@ def test_the_fsdp_notes_name_the_plans_reduce_dtype() -> None:
                                               fsdp_reduce_dtype="bf16")))
     assert "reduce_dtype=torch.bfloat16" in low and "reduce_dtype=torch.float32" not in low
     assert "FSDP gradient reduction in bf16" in low
+
+
+def test_an_async_tp_plan_says_how_the_script_turns_it_on() -> None:
+    plain = Strategy(engine="torch", fsdp="full", precision="bf16", tp=4, dp=2, sp=True, compile=True)
+    fused = plain.model_copy(update={"async_tp": True})
+    text = render_launch_sh(make_plan(fused))
+    assert "_micro_pipeline_tp = True" in text and "enable_symm_mem_for_group" in text
+    assert "_micro_pipeline_tp" not in render_launch_sh(make_plan(plain))

@@ -508,6 +508,23 @@ def test_fsdp_reduce_dtype_flag() -> None:
         assert len(result.output.strip().splitlines()) <= 2
 
 
+def test_async_tp_flag() -> None:
+    arch = "layers=16,hidden=4096,heads=32,kv_heads=8,ffn=14336,vocab=128256,gated=1,tied=0,seq=8192"
+    base = ["estimate", "--arch", arch, "--gpu", "H100", "--gpus", "16", "--gpus-per-node", "8", "--engine", "torch",
+            "--fsdp", "full", "--tp", "8", "--dp", "2", "--sp", "--compile", "--mbs", "4", "--json"]
+    plain, fused = _json(base), _json([*base, "--async-tp"])
+    assert not plain["strategy"]["async_tp"] and fused["strategy"]["async_tp"]
+    assert fused["time"]["tp_comm_s"] < plain["time"]["tp_comm_s"] and fused["time"]["step_s"] < plain["time"]["step_s"]
+    assert fused["memory"] == plain["memory"]  # a schedule of the same collectives, no buffer priced
+    for bad, words in ((["--async-tp", "--engine", "megatron"], "--async-tp is torch's"),
+                       (["--async-tp", "--engine", "torch", "--fsdp", "full", "--tp", "8", "--dp", "2"], "add --sp and --compile"),
+                       (["--async-tp", "--engine", "torch", "--fsdp", "full", "--tp", "8", "--dp", "2", "--sp", "--compile",
+                         "--gpus-per-node", "4"], "inside one node")):
+        result = runner.invoke(app, ["estimate", "--arch", arch, "--gpu", "H100", "--gpus", "16", *bad])
+        assert result.exit_code != 0 and words in result.output and "Traceback" not in result.output
+        assert len(result.output.strip().splitlines()) <= 2
+
+
 LLAMA_ARCH = "layers=32,hidden=4096,heads=32,kv_heads=8,ffn=14336,vocab=128256,gated=1"
 
 
