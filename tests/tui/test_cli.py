@@ -475,6 +475,13 @@ def test_estimate_takes_megatrons_communication_overlap() -> None:
     assert result.exit_code != 0 and "--comm-overlap" in result.output and "Traceback" not in result.output
 
 
+def _one_line_error(args: list[str], words: str) -> None:
+    """``optplan ARGS`` fails with a one-line error (two lines at most: typer's usage line) naming ``words``."""
+    result = runner.invoke(app, args)
+    assert result.exit_code != 0 and words in result.output and "Traceback" not in result.output
+    assert len(result.output.strip().splitlines()) <= 2
+
+
 def test_estimate_takes_when_fsdp_reduces_its_gradients() -> None:
     arch = "layers=16,hidden=4096,heads=32,kv_heads=8,ffn=14336,vocab=128256,gated=1,tied=0,seq=4096"
     base = ["estimate", "--arch", arch, *H100, "--engine", "torch", "--fsdp", "full", "--gas", "4", "--json"]
@@ -485,9 +492,7 @@ def test_estimate_takes_when_fsdp_reduces_its_gradients() -> None:
     assert once["time"]["dp_comm_s"] < plain["time"]["dp_comm_s"]
     for bad, words in ((["--fsdp-grad-sync", "sometimes"], "--fsdp-grad-sync"),
                        (["--fsdp-grad-sync", "step", "--engine", "deepspeed", "--zero", "3"], "--fsdp-grad-sync")):
-        result = runner.invoke(app, ["estimate", "--arch", arch, *H100, *bad])
-        assert result.exit_code != 0 and words in result.output and "Traceback" not in result.output
-        assert len(result.output.strip().splitlines()) <= 2
+        _one_line_error(["estimate", "--arch", arch, *H100, *bad], words)
 
 
 def test_fsdp_reduce_dtype_flag() -> None:
@@ -503,9 +508,7 @@ def test_fsdp_reduce_dtype_flag() -> None:
                        (["--fsdp-reduce-dtype", "fp16", "--engine", "torch", "--fsdp", "full"],
                         "does not match precision bf16"),
                        (["--fsdp-reduce-dtype", "bf16", "--engine", "deepspeed", "--zero", "3"], "sets torch FSDP's")):
-        result = runner.invoke(app, ["estimate", "--arch", arch, *H100, *bad])
-        assert result.exit_code != 0 and words in result.output and "Traceback" not in result.output
-        assert len(result.output.strip().splitlines()) <= 2
+        _one_line_error(["estimate", "--arch", arch, *H100, *bad], words)
 
 
 def test_async_tp_flag() -> None:
@@ -520,9 +523,7 @@ def test_async_tp_flag() -> None:
                        (["--async-tp", "--engine", "torch", "--fsdp", "full", "--tp", "8", "--dp", "2"], "add --sp and --compile"),
                        (["--async-tp", "--engine", "torch", "--fsdp", "full", "--tp", "8", "--dp", "2", "--sp", "--compile",
                          "--gpus-per-node", "4"], "inside one node")):
-        result = runner.invoke(app, ["estimate", "--arch", arch, "--gpu", "H100", "--gpus", "16", *bad])
-        assert result.exit_code != 0 and words in result.output and "Traceback" not in result.output
-        assert len(result.output.strip().splitlines()) <= 2
+        _one_line_error(["estimate", "--arch", arch, "--gpu", "H100", "--gpus", "16", *bad], words)
 
 
 LLAMA_ARCH = "layers=32,hidden=4096,heads=32,kv_heads=8,ffn=14336,vocab=128256,gated=1"
