@@ -187,6 +187,7 @@ def test_a_locked_probe_marks_its_wait_for_the_parent(tmp_path: Path, monkeypatc
             seen = [p.name for p in tmp_path.glob("optplan-probe-*/result.json.*")]
             time.sleep(0.05)
         assert seen == ["result.json.waiting"]  # not acquired: this test holds the lock
+        time.sleep(0.5)  # held well past the marker: a release right at it let the child wait only ~0.05 s (a CI flake)
         held.release()
         result = future.result()
     assert result.ok and result.device_wait_s is not None and result.device_wait_s > 0.05
