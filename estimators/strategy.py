@@ -35,6 +35,12 @@ auto (the recipe's default: fp32 under fp32 masters or fp32 compute, bf16 under 
 16-bit dtype (estimators/fsdp_grad_sync.py)."""
 SIXTEEN_BIT_WEIGHTS: dict[str, str] = {"bf16": "bf16", "fp16": "fp16", "bf16-pure": "bf16", "fp8": "bf16"}
 """Recipes whose weights FSDP gathers in 16 bits -> that dtype: the ones whose gradients can be reduced in it."""
+
+
+def reduce_dtype_fits(precision: str, reduce_dtype: str) -> bool:
+    """Whether torch FSDP can reduce ``precision``'s gradients in ``reduce_dtype``: ``auto`` and fp32 always, a
+    16-bit dtype only the one the recipe gathers its weights in (:data:`SIXTEEN_BIT_WEIGHTS`)."""
+    return reduce_dtype in ("auto", "fp32") or SIXTEEN_BIT_WEIGHTS.get(precision) == reduce_dtype
 PipelineSchedule = Literal["1f1b", "dualpipe"]
 
 OPTIMIZER_ALIASES: dict[str, str] = {
@@ -270,8 +276,8 @@ class Strategy(BaseModel):
             if self.engine != "torch" or self.fsdp == "none":
                 raise ValueError(f"--fsdp-reduce-dtype {self.fsdp_reduce_dtype} sets torch FSDP's gradient "
                                  "reduce-scatter dtype: use --engine torch with --fsdp full|grad_op|hybrid, or drop it")
-            low = SIXTEEN_BIT_WEIGHTS.get(self.precision)
-            if self.fsdp_reduce_dtype != "fp32" and self.fsdp_reduce_dtype != low:
+            if not reduce_dtype_fits(self.precision, self.fsdp_reduce_dtype):
+                low = SIXTEEN_BIT_WEIGHTS.get(self.precision)
                 fix = (f"use --fsdp-reduce-dtype {low} or fp32" if low else
                        "use --fsdp-reduce-dtype fp32, or a recipe with 16-bit weights (bf16, fp16, bf16-pure, fp8)")
                 raise ValueError(f"--fsdp-reduce-dtype {self.fsdp_reduce_dtype} does not match precision "

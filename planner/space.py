@@ -38,8 +38,8 @@ from optplan.estimators.hardware import Cluster
 from optplan.estimators.parallel import group_nodes
 from optplan.estimators.precision import require_precision
 from optplan.estimators.profile import ModelProfile, TransformerShape
-from optplan.estimators.strategy import SIXTEEN_BIT_WEIGHTS, EngineName, ReduceDtype, Strategy, sharding_name
 from optplan.estimators.strategy import CheckpointName as CheckpointMode
+from optplan.estimators.strategy import EngineName, ReduceDtype, Strategy, reduce_dtype_fits, sharding_name
 from optplan.planner.sparse_grads import check_sparse_optimizers
 
 MAX_MICRO_BATCH = 1024
@@ -246,7 +246,7 @@ def reduce_dtype_for(group: Group) -> str:
     want, sh = group.fsdp_reduce_dtype, group.sharding
     if want == "auto" or sh.engine != "torch" or sh.fsdp == "none":
         return "auto"
-    return want if want == "fp32" or SIXTEEN_BIT_WEIGHTS.get(group.precision) == want else "auto"
+    return want if reduce_dtype_fits(group.precision, want) else "auto"
 
 
 def _powers_of_two_upto(limit: int) -> tuple[int, ...]:

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import get_args
 
 from pydantic import ConfigDict
 
 from optplan.estimators.errors import OptplanError
+from optplan.estimators.strategy import ReduceDtype
 from optplan.planner.finetune import FinetuneChoice
 
 PRECISIONS = ("fp32", "amp-bf16", "amp-fp16", "bf16", "fp16", "bf16-pure", "fp8")
@@ -20,7 +22,7 @@ OPTIMIZERS = ("adamw", "adamw8bit", "adamw-8bit", "adafactor", "sgd", "paged_ada
 ENGINES = ("deepspeed", "torch", "megatron")
 METHODS = ("auto", "enumerate", "screen", "nsga2", "tpe")
 LAUNCHERS = ("torchrun", "deepspeed")
-REDUCE_DTYPES = ("auto", "fp32", "bf16", "fp16")
+REDUCE_DTYPES: tuple[str, ...] = get_args(ReduceDtype)
 """``--fsdp-reduce-dtype``'s values (``Strategy.fsdp_reduce_dtype``)."""
 
 
